@@ -1,0 +1,35 @@
+/* BLAS thread control for the calling thread. MKL has a thread-local setting; OpenBLAS's
+ * OpenMP build follows the caller's OpenMP team size (omp_set_num_threads); its pthread build
+ * only has a process-global count, which is right as long as every task of a run uses the
+ * same number of cores (true for an n x k partition). */
+#ifndef SL_BLAS_THREADS_H
+#define SL_BLAS_THREADS_H
+#include "../kernels/blas.h"
+
+static inline void sl_blas_set_threads(int k)
+{
+#if defined(SL_USE_MKL)
+	mkl_set_num_threads_local(k);
+#elif defined(SL_USE_OPENBLAS)
+	if (openblas_get_parallel() == 1) /* 1 = pthread build, 2 = OpenMP build, 0 = serial */
+		openblas_set_num_threads(k);
+#else
+	(void)k;
+#endif
+}
+
+static inline const char *sl_blas_library(void)
+{
+#if defined(SL_USE_MKL)
+	return "mkl";
+#elif defined(SL_USE_OPENBLAS)
+	switch (openblas_get_parallel()) {
+	case 0: return "openblas-serial";
+	case 1: return "openblas-pthread";
+	default: return "openblas-openmp";
+	}
+#else
+	return "cblas";
+#endif
+}
+#endif

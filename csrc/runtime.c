@@ -1,0 +1,125 @@
+/* StarPU start/stop and data registration helpers called from Python (starpu_llm/runtime.py). */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include "codelets/codelet.h"
+
+extern struct starpu_codelet sl_zero_cl, sl_add_cl;
+
+static int initialized;
+
+int sl_init(int ncpus, int cores_per_task, const char *sched)
+{
+	if (initialized)
+		return -EALREADY;
+	if (ncpus < 1 || cores_per_task < 1 || ncpus % cores_per_task)
+		return -EINVAL;
+	struct starpu_conf conf;
+	int ret = starpu_conf_init(&conf);
+	if (ret)
+		return ret;
+	conf.ncpus = ncpus;
+	conf.ncuda = 0;
+	conf.nopencl = 0;
+	if (sched && *sched)
+		conf.sched_policy_name = sched;
+	/* Combined workers of exactly k cores give the "n workers x k cores" partition; the
+	 * variables are read by starpu_init. */
+	if (cores_per_task > 1) {
+		char k[16];
+		snprintf(k, sizeof k, "%d", cores_per_task);
+		setenv("STARPU_MIN_WORKERSIZE", k, 1);
+		setenv("STARPU_MAX_WORKERSIZE", k, 1);
+	}
+	sl_codelets_set_cores(cores_per_task);
+	ret = starpu_init(&conf);
+	if (ret)
+		return ret;
+	initialized = 1;
+	return 0;
+}
+
+int sl_shutdown(void)
+{
+	if (!initialized)
+		return 0;
+	starpu_task_wait_for_all();
+	sl_args_free_completed();
+	starpu_shutdown();
+	initialized = 0;
+	return 0;
+}
+
+int sl_is_initialized(void) { return initialized; }
+
+int sl_wait_all(void)
+{
+	int ret = starpu_task_wait_for_all();
+	if (ret == 0)
+		sl_args_free_completed();
+	return ret;
+}
+
+void sl_pause(void) { starpu_pause(); }
+
+void sl_resume(void) { starpu_resume(); }
+
+int sl_worker_count(void) { return (int)starpu_worker_get_count(); }
+
+int sl_combined_worker_count(void) { return (int)starpu_combined_worker_get_count(); }
+
+int sl_max_cpus(void) { return STARPU_MAXCPUS; }
+
+int sl_max_buffers(void) { return STARPU_NMAXBUFS; }
+
+int sl_have_parallel_workers(void) { return SL_HAVE_PARALLEL_WORKERS; }
+
+void sl_starpu_version(int *major, int *minor, int *release)
+{
+	starpu_get_version(major, minor, release);
+}
+
+sl_handle sl_register_vector(void *ptr, size_t n, size_t elemsize)
+{
+	starpu_data_handle_t h = NULL;
+	if (ptr)
+		starpu_vector_data_register(&h, STARPU_MAIN_RAM, (uintptr_t)ptr, n, elemsize);
+	else
+		starpu_vector_data_register(&h, -1, 0, n, elemsize);
+	return h;
+}
+
+int sl_partition(sl_handle h, int nparts, sl_handle *children)
+{
+	if (nparts < 1 || starpu_vector_get_nx(h) % (unsigned)nparts)
+		return -EINVAL;
+	struct starpu_data_filter f = { .filter_func = starpu_vector_filter_block,
+					.nchildren = (unsigned)nparts };
+	starpu_data_partition(h, &f);
+	for (int i = 0; i < nparts; i++)
+		children[i] = starpu_data_get_sub_data(h, 1, i);
+	return 0;
+}
+
+int sl_unpartition(sl_handle h)
+{
+	starpu_data_unpartition(h, STARPU_MAIN_RAM);
+	return 0;
+}
+
+void sl_unregister(sl_handle h) { starpu_data_unregister(h); }
+
+int sl_set_grad_reduction(sl_handle h)
+{
+	starpu_data_set_reduction_methods(h, &sl_add_cl, &sl_zero_cl);
+	return 0;
+}
+
+void *sl_acquire(sl_handle h, int mode)
+{
+	if (starpu_data_acquire(h, mode == 3 ? STARPU_RW : STARPU_R) != 0)
+		return NULL;
+	return starpu_data_get_local_ptr(h);
+}
+
+void sl_release(sl_handle h) { starpu_data_release(h); }

@@ -1,0 +1,106 @@
+/* The C API of starpu_llm seen by Python (the cffi module is generated from this file and
+ * kernels.h). Non-variadic on purpose: one small helper per StarPU call or task type.
+ * Every int-returning function returns 0 on success and a negative errno-style code on
+ * failure (the Python side turns it into an exception naming the call). */
+#ifndef SL_API_H
+#define SL_API_H
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct _starpu_data_state *sl_handle;   /* == starpu_data_handle_t */
+
+/* ---- runtime (runtime.c) ---- */
+/* Starts StarPU with ncpus CPU workers; tasks run on combined workers of `cores_per_task`
+ * cores (1: sequential tasks). sched NULL or "" keeps StarPU's choice. */
+int sl_init(int ncpus, int cores_per_task, const char *sched);
+int sl_shutdown(void);
+int sl_is_initialized(void);
+int sl_wait_all(void);
+void sl_pause(void);
+void sl_resume(void);
+int sl_worker_count(void);
+int sl_combined_worker_count(void);
+int sl_max_cpus(void);                 /* STARPU_MAXCPUS of the StarPU build */
+int sl_max_buffers(void);              /* STARPU_NMAXBUFS */
+int sl_have_parallel_workers(void);    /* 1.4 parallel workers / 1.3 clusters compiled in */
+void sl_starpu_version(int *major, int *minor, int *release);
+/* Threads of the calling thread's OpenMP team and BLAS (the reference engine's knob). */
+void sl_set_threads(int k);
+int sl_get_threads(void);
+const char *sl_blas_name(void);
+
+/* ---- data (runtime.c) ---- */
+/* A vector of n elements of elemsize bytes on memory at ptr (ptr NULL lets StarPU allocate
+ * it lazily; not used with FORKJOIN tasks: StarPU 1.3.10's peager crashes on such buffers). */
+sl_handle sl_register_vector(void *ptr, size_t n, size_t elemsize);
+/* Split a vector into nparts equal blocks (StarPU data partitioning); children out. */
+int sl_partition(sl_handle h, int nparts, sl_handle *children);
+int sl_unpartition(sl_handle h);
+void sl_unregister(sl_handle h);
+/* Make gradient handle h accept STARPU_REDUX contributions (zero init, add reduction). */
+int sl_set_grad_reduction(sl_handle h);
+/* Acquire for reading (mode 1) or read-write (3); returns the local pointer or NULL. */
+void *sl_acquire(sl_handle h, int mode);
+void sl_release(sl_handle h);
+
+/* ---- task submission (one helper per codelet, csrc/codelets/<layer>.c) ----
+ * `redux` = 1 when a parameter gradient is a reduction target shared by sub-batches. */
+int sl_submit_encoder_forward(sl_handle out, sl_handle inp, sl_handle wte, sl_handle wpe,
+                              int B, int T, int C);
+int sl_submit_encoder_backward(sl_handle dwte, sl_handle dwpe, sl_handle dout, sl_handle inp,
+                               int B, int T, int C, int redux);
+int sl_submit_layernorm_forward(sl_handle out, sl_handle mean, sl_handle rstd, sl_handle inp,
+                                sl_handle weight, sl_handle bias, int N, int C);
+int sl_submit_layernorm_backward(sl_handle dinp, sl_handle dweight, sl_handle dbias,
+                                 sl_handle dout, sl_handle inp, sl_handle weight,
+                                 sl_handle mean, sl_handle rstd, int N, int C,
+                                 int accumulate, int redux);
+/* bias / dbias may be NULL (the tied lm head has none) */
+int sl_submit_matmul_forward(sl_handle out, sl_handle inp, sl_handle weight, sl_handle bias,
+                             int N, int C, int OC);
+int sl_submit_matmul_backward(sl_handle dinp, sl_handle dweight, sl_handle dbias,
+                              sl_handle dout, sl_handle inp, sl_handle weight,
+                              int N, int C, int OC, int redux);
+int sl_submit_attention_forward(sl_handle out, sl_handle preatt, sl_handle att, sl_handle qkv,
+                                int B, int T, int C, int NH);
+/* scratch: 2*B*NH*T*T floats (dpreatt, datt), overwritten by each task */
+int sl_submit_attention_backward(sl_handle dqkv, sl_handle scratch, sl_handle dout,
+                                 sl_handle qkv, sl_handle att, int B, int T, int C, int NH);
+int sl_submit_gelu_forward(sl_handle out, sl_handle inp, size_t N);
+int sl_submit_gelu_backward(sl_handle dinp, sl_handle inp, sl_handle dout, size_t N);
+int sl_submit_residual_forward(sl_handle out, sl_handle inp1, sl_handle inp2, size_t N);
+int sl_submit_residual_backward(sl_handle dinp1, sl_handle dinp2, sl_handle dout, size_t N);
+int sl_submit_crossentropy_forward(sl_handle probs, sl_handle losses, sl_handle logits,
+                                   sl_handle targets, int N, int V, int Vp);
+int sl_submit_crossentropy_backward(sl_handle dlogits, sl_handle probs, sl_handle targets,
+                                    int N, int V, int Vp, float dloss);
+int sl_submit_adamw(sl_handle params, sl_handle grads, sl_handle m, sl_handle v, float lr,
+                    float beta1, float beta2, float eps, float weight_decay, int t);
+/* inputs/targets (n int32) from tokens[pos .. pos+n] (the caller keeps tokens alive) */
+int sl_submit_load_batch(sl_handle inputs, sl_handle targets, const uint16_t *tokens,
+                         size_t pos, size_t n);
+int sl_submit_zero(sl_handle x);
+
+/* ---- diagnostics ---- */
+/* A task that records, for each thread of its team: the thread count, and the CPU mask
+ * (bit i = core i, first 64 cores) each thread runs on. out has room for 1 + max_threads. */
+int sl_submit_probe(uint64_t *out, int max_threads);
+
+/* Task trace: when enabled, each task records its codelet, worker and start/end time
+ * (CLOCK_MONOTONIC ns, the clock of Python's time.monotonic_ns()). */
+struct sl_trace_event {
+	int32_t codelet;      /* index into sl_codelet_name() */
+	int32_t worker;       /* StarPU worker id of the task's master thread */
+	int32_t ncores;       /* cores of the (combined) worker */
+	int32_t pad;
+	int64_t start_ns;
+	int64_t end_ns;
+};
+int sl_trace_enable(size_t capacity);  /* capacity 0 disables and frees */
+size_t sl_trace_count(void);           /* events recorded (capped at capacity) */
+const struct sl_trace_event *sl_trace_events(void);
+void sl_trace_reset(void);
+const char *sl_codelet_name(int codelet);
+int sl_codelet_count(void);
+
+#endif

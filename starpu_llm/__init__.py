@@ -1,0 +1,28 @@
+"""starpu_llm: GPT-2 (llm.c's 124M CPU trainer) trained as a StarPU task graph from Python.
+
+    from starpu_llm import TrainConfig, train
+    result = train(TrainConfig(model="d12", batch=4, seq_len=64, steps=10))
+
+The compiled part (kernels, codelets, cffi binding) is loaded on first use, so the file
+formats and data tools work without it.
+"""
+from .config import MODELS, GPTConfig, ParamLayout
+from .errors import StarpuLLMError
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "TrainConfig": "trainer", "TrainResult": "trainer", "train": "trainer",
+    "TrainState": "state", "Runtime": "runtime",
+    "StarPUEngine": "engine", "ReferenceEngine": "engine",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'starpu_llm' has no attribute {name!r}")
+
+
+__all__ = ["GPTConfig", "MODELS", "ParamLayout", "StarpuLLMError", *_LAZY]

@@ -1,0 +1,92 @@
+"""Model configuration and the layout of GPT-2's 16 parameter tensors (llm.c's order)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    max_seq_len: int = 1024      # maxT
+    vocab_size: int = 50257      # V, the real vocabulary
+    padded_vocab_size: int = 50304  # Vp, rows of wte (multiple of 128 for aligned GEMMs)
+    num_layers: int = 12         # L
+    num_heads: int = 12          # NH
+    channels: int = 768          # C
+
+    def __post_init__(self):
+        if self.channels % self.num_heads:
+            raise ValueError(f"channels ({self.channels}) must be a multiple of num_heads ({self.num_heads})")
+        if self.padded_vocab_size < self.vocab_size:
+            raise ValueError("padded_vocab_size must be >= vocab_size")
+
+    # short names used throughout the code, as in the kernels' shape comments
+    @property
+    def L(self): return self.num_layers
+    @property
+    def C(self): return self.channels
+    @property
+    def NH(self): return self.num_heads
+    @property
+    def V(self): return self.vocab_size
+    @property
+    def Vp(self): return self.padded_vocab_size
+    @property
+    def maxT(self): return self.max_seq_len
+
+    @property
+    def num_parameters(self) -> int:
+        return int(sum(int(np.prod(s)) for _, s in self.param_shapes()))
+
+    def param_shapes(self):
+        """The 16 parameter tensors in llm.c's checkpoint order, with their shapes."""
+        L, C, Vp, maxT = self.L, self.C, self.Vp, self.maxT
+        return [
+            ("wte", (Vp, C)), ("wpe", (maxT, C)),
+            ("ln1w", (L, C)), ("ln1b", (L, C)),
+            ("qkvw", (L, 3 * C, C)), ("qkvb", (L, 3 * C)),
+            ("attprojw", (L, C, C)), ("attprojb", (L, C)),
+            ("ln2w", (L, C)), ("ln2b", (L, C)),
+            ("fcw", (L, 4 * C, C)), ("fcb", (L, 4 * C)),
+            ("fcprojw", (L, C, 4 * C)), ("fcprojb", (L, C)),
+            ("lnfw", (C,)), ("lnfb", (C,)),
+        ]
+
+
+# Named configurations. "d12" is GPT-2 124M; the tiny ones keep tests fast.
+MODELS = {
+    "gpt2": GPTConfig(),
+    "d12": GPTConfig(),
+    "d6": GPTConfig(num_layers=6, num_heads=6, channels=384),
+    "tiny": GPTConfig(max_seq_len=64, vocab_size=50257, padded_vocab_size=50304,
+                      num_layers=2, num_heads=4, channels=64),
+    "micro": GPTConfig(max_seq_len=32, vocab_size=250, padded_vocab_size=256,
+                       num_layers=2, num_heads=2, channels=32),
+}
+
+
+class ParamLayout:
+    """Offsets of the 16 tensors inside one contiguous float32 buffer (llm.c's layout)."""
+
+    def __init__(self, config: GPTConfig):
+        self.config = config
+        self.names = []
+        self.shapes = {}
+        self.offsets = {}
+        off = 0
+        for name, shape in config.param_shapes():
+            self.names.append(name)
+            self.shapes[name] = shape
+            self.offsets[name] = off
+            off += int(np.prod(shape))
+        self.total = off
+
+    def views(self, flat: np.ndarray) -> dict:
+        """Per-tensor numpy views (no copies) into a flat buffer of this layout."""
+        assert flat.size == self.total and flat.dtype == np.float32
+        return {n: flat[self.offsets[n]:self.offsets[n] + int(np.prod(s))].reshape(s)
+                for n, s in self.shapes.items()}
+
+    def is_layered(self, name: str) -> bool:
+        return name not in ("wte", "wpe", "lnfw", "lnfb")

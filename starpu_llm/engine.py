@@ -1,0 +1,229 @@
+"""Engines: where the tensors of a training run live and how the task flow is executed.
+
+StarPUEngine registers every tensor as a StarPU data handle and submits the flow as tasks;
+ReferenceEngine keeps numpy arrays and calls the same kernels in a plain loop (the paper's
+baseline). Both run taskflow.py, so they execute the same layers in the same order.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import taskflow
+from ._clib import ffi, lib
+from .config import GPTConfig, ParamLayout
+from .errors import StarpuLLMError
+from .ops import DirectOps, StarPUOps, Tensor
+from .state import TrainState
+
+
+class _Engine:
+    """The per-step orchestration shared by both engines."""
+
+    name = "?"
+
+    def __init__(self, config: GPTConfig, state: TrainState, B: int, T: int, tokens: np.ndarray,
+                 sub_batches: int = 1):
+        if T > config.maxT:
+            raise StarpuLLMError(f"--seq-len {T} is larger than the model's maximum sequence "
+                                 f"length {config.maxT}; use --seq-len <= {config.maxT}")
+        if sub_batches < 1 or B % sub_batches:
+            raise StarpuLLMError(f"--batch {B} cannot be split into {sub_batches} equal sub-batches; "
+                                 f"choose --sub-batches dividing {B}")
+        self.config, self.state, self.B, self.T = config, state, B, T
+        self.sub_batches, self.Bs = sub_batches, B // sub_batches
+        self.redux = 1 if sub_batches > 1 else 0
+        self.layout = ParamLayout(config)
+        self.tokens = tokens   # keep the shard alive: load tasks read it
+        self.tokens_ptr = ffi.cast("const uint16_t *", ffi.from_buffer(tokens))
+
+    # --- what subclasses provide ---
+    def wait(self):
+        raise NotImplementedError
+
+    def read(self, t: Tensor) -> np.ndarray:
+        raise NotImplementedError
+
+    # --- the step ---
+    def submit_forward_backward(self, pos: int):
+        n = self.Bs * self.T
+        dloss = 1.0 / (self.B * self.T)   # gradients of all sub-batches sum to the mean's
+        for i, (a, s) in enumerate(self.subs):
+            self.ops.load_batch(a.inputs, a.targets, self.tokens_ptr, pos + i * n, n)
+            taskflow.forward(self.ops, self.config, self.p, a, self.Bs, self.T)
+            taskflow.backward(self.ops, self.config, self.p, self.g, a, s, self.Bs, self.T,
+                              dloss, self.redux)
+
+    def submit_update(self, lr: float, weight_decay: float):
+        self.state.step += 1
+        taskflow.update(self.ops, self.config, self.p, self.g, self.m, self.v, lr, weight_decay,
+                        self.state.step)
+
+    def forward_backward(self, pos: int) -> float:
+        """Loss of the batch at token position pos; leaves its gradients in the grads buffer."""
+        self.submit_forward_backward(pos)
+        self.wait()
+        return self.loss()
+
+    def step(self, pos: int, lr: float, weight_decay: float) -> float:
+        self.submit_forward_backward(pos)
+        self.submit_update(lr, weight_decay)
+        self.wait()
+        return self.loss()
+
+    def loss(self) -> float:
+        return float(np.mean([self.read(a.losses).mean(dtype=np.float64) for a, _ in self.subs]))
+
+    def logits(self) -> np.ndarray:
+        """(B, T, Vp) logits of the last forward pass."""
+        return np.concatenate([self.read(a.logits) for a, _ in self.subs])
+
+    def _param_namespaces(self, make):
+        from types import SimpleNamespace
+        return [SimpleNamespace(**make(kind, flat))
+                for kind, flat in (("param", self.state.params), ("grad", self.state.grads),
+                                   ("m", self.state.m), ("v", self.state.v))]
+
+    def close(self):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class ReferenceEngine(_Engine):
+    """The kernels in a plain loop with OpenMP, no StarPU (paper's baseline)."""
+
+    name = "reference"
+
+    def __init__(self, config, state, B, T, tokens, threads: int | None = None, sub_batches: int = 1):
+        super().__init__(config, state, B, T, tokens, sub_batches)
+        if threads:
+            lib.sl_set_threads(threads)
+        self.threads = lib.sl_get_threads()
+        self.ops = DirectOps()
+
+        def make(kind, flat):
+            out = {}
+            for name, arr in self.layout.views(flat).items():
+                if self.layout.is_layered(name):
+                    out[name] = [Tensor(f"{kind}.{name}[{l}]", arr[l].shape, array=arr[l])
+                                 for l in range(config.L)]
+                else:
+                    out[name] = Tensor(f"{kind}.{name}", arr.shape, array=arr)
+            return out
+
+        self.p, self.g, self.m, self.v = self._param_namespaces(make)
+
+        def new_tensor(name, shape, dtype):
+            return Tensor(name, shape, dtype, array=np.zeros(shape, dtype))
+
+        self.subs = [taskflow.make_activations(config, self.Bs, T, new_tensor)
+                     for _ in range(sub_batches)]
+
+    def wait(self):
+        pass
+
+    def read(self, t):
+        return t.array.copy()
+
+    def describe(self):
+        return f"reference engine, {self.threads} OpenMP thread(s), BLAS {ffi.string(lib.sl_blas_name()).decode()}"
+
+
+class StarPUEngine(_Engine):
+    """Every tensor a StarPU data handle; every layer a task (needs a running Runtime)."""
+
+    name = "starpu"
+
+    def __init__(self, config, state, B, T, tokens, runtime, sub_batches: int | None = None,
+                 record: bool = False):
+        if sub_batches is None:   # data parallelism: one sub-batch per worker by default
+            sub_batches = runtime.workers if B % runtime.workers == 0 else 1
+        super().__init__(config, state, B, T, tokens, sub_batches)
+        if not runtime.running:
+            raise RuntimeError("the StarPU runtime is not running")
+        self.runtime = runtime
+        self.ops = StarPUOps(record=record)
+        self._registered = []     # (handle, partitioned) to unregister in reverse order
+
+        def make(kind, flat):
+            out = {}
+            for name, arr in self.layout.views(flat).items():
+                h = lib.sl_register_vector(ffi.from_buffer(arr), arr.size, 4)
+                parent = Tensor(f"{kind}.{name}", arr.shape, h=h)
+                if self.layout.is_layered(name):
+                    # StarPU data partitioning: one child handle per layer, so each layer's
+                    # slice has its own dependencies and its own update task.
+                    kids = ffi.new("sl_handle[]", config.L)
+                    if lib.sl_partition(h, config.L, kids) != 0:
+                        raise RuntimeError(f"partitioning {name} failed")
+                    out[name] = [Tensor(f"{kind}.{name}[{l}]", arr.shape[1:], h=kids[l], parent=parent)
+                                 for l in range(config.L)]
+                    self._registered.append((h, True))
+                    tensors = out[name]
+                else:
+                    out[name] = parent
+                    self._registered.append((h, False))
+                    tensors = [parent]
+                if kind == "grad" and self.redux:
+                    for t in tensors:
+                        lib.sl_set_grad_reduction(t.h)
+            return out
+
+        self.p, self.g, self.m, self.v = self._param_namespaces(make)
+
+        self._buffers = []
+
+        def new_tensor(name, shape, dtype):
+            # Our memory, not StarPU's (-1): StarPU 1.3.10's peager crashes when a parallel
+            # task gets a buffer StarPU allocated itself. np.empty touches no page, so the
+            # first task that writes a tensor still places its pages (first touch).
+            arr = np.empty(shape, dtype)
+            self._buffers.append(arr)
+            h = lib.sl_register_vector(ffi.from_buffer(arr), arr.size, arr.itemsize)
+            self._registered.append((h, False))
+            return Tensor(name, shape, dtype, h=h)
+
+        self.subs = [taskflow.make_activations(config, self.Bs, T, new_tensor)
+                     for _ in range(self.sub_batches)]
+
+    def wait(self):
+        self.runtime.wait()
+
+    def read(self, t):
+        ptr = lib.sl_acquire(t.h, 1)
+        if ptr == ffi.NULL:
+            raise RuntimeError(f"acquiring {t.name} failed")
+        try:
+            return np.frombuffer(ffi.buffer(ptr, t.size * 4), dtype=t.dtype).reshape(t.shape).copy()
+        finally:
+            lib.sl_release(t.h)
+
+    def sync(self):
+        """Make the numpy buffers of parameters, gradients and moments coherent (runs any
+        pending gradient reduction)."""
+        self.wait()
+        for ns in (self.p, self.g, self.m, self.v):
+            for t in vars(ns).values():
+                for x in (t if isinstance(t, list) else [t]):
+                    if lib.sl_acquire(x.h, 1) == ffi.NULL:
+                        raise RuntimeError(f"acquiring {x.name} failed")
+                    lib.sl_release(x.h)
+
+    def close(self):
+        if not self._registered or not self.runtime.running:
+            self._registered = []
+            return
+        self.wait()
+        for h, partitioned in reversed(self._registered):
+            if partitioned:
+                lib.sl_unpartition(h)
+            lib.sl_unregister(h)
+        self._registered = []
+        self._buffers = []
+
+    def describe(self):
+        return f"starpu engine, {self.runtime.describe()}, {self.sub_batches} sub-batch(es)"

@@ -1,0 +1,331 @@
+"""llm.c's little-endian binary file formats: fp32 checkpoints, uint16 token shards, tokenizer files.
+
+Every reader validates the header and the file size and raises StarpuLLMError with a message that
+names the file, what was expected, what was found and what to do. Every writer writes a temporary
+file in the target's directory and os.replace()s it onto the target, so a crash never leaves a
+half-written file under the final name.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+from .config import GPTConfig
+from .errors import StarpuLLMError
+
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+
+CHECKPOINT_MAGIC = 20240326
+CHECKPOINT_VERSION = 3
+SHARD_MAGIC = 20240520
+SHARD_VERSION = 1
+TOKENIZER_MAGIC = 20240328
+TOKENIZER_VERSION = 2
+
+_I32 = np.dtype("<i4")
+_U32 = np.dtype("<u4")
+_F32 = np.dtype("<f4")
+_U16 = np.dtype("<u2")
+
+
+# --------------------------------------------------------------------------- helpers
+
+def _atomic_write(path, write: Callable) -> str:
+    """Call write(fileobj) on a temp file next to `path`, then os.replace it onto `path`."""
+    path = os.fspath(path)
+    parent = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as e:
+        raise StarpuLLMError(f"cannot create directory {parent} for {path}: {e.strerror}; "
+                             f"choose a writable output location") from e
+    try:
+        fd, tmp = tempfile.mkstemp(dir=parent, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
+    except OSError as e:
+        raise StarpuLLMError(f"cannot write {path}: {e.strerror}; choose a writable output location") from e
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(e, OSError):
+            raise StarpuLLMError(f"writing {path} failed: {e.strerror or e}; "
+                                 f"check free disk space and permissions") from e
+        raise
+    return path
+
+
+def _umask() -> int:
+    m = os.umask(0)
+    os.umask(m)
+    return m
+
+
+def _file_size(path: str, what: str) -> int:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise StarpuLLMError(f"{what} file {path} does not exist; check the path") from None
+    except OSError as e:
+        raise StarpuLLMError(f"cannot read {what} file {path}: {e.strerror}") from None
+    if not os.path.isfile(path):
+        raise StarpuLLMError(f"{what} path {path} is not a regular file; give the path of a {what} file")
+    return st.st_size
+
+
+def _read_header(path: str, dtype, what: str, hint: str) -> np.ndarray:
+    size = _file_size(path, what)
+    if size < HEADER_BYTES:
+        raise StarpuLLMError(f"{path} is too small to be a {what} file: {size} bytes, but the header "
+                             f"alone is {HEADER_BYTES} bytes; {hint}")
+    return np.fromfile(path, dtype=dtype, count=HEADER_INTS)
+
+
+def _check_magic(path, header, magic, version, what, hint):
+    if int(header[0]) != magic:
+        raise StarpuLLMError(f"{path} is not a {what} file: header magic is {int(header[0])}, "
+                             f"expected {magic}; {hint}")
+    if int(header[1]) != version:
+        raise StarpuLLMError(f"{path} is a {what} file of version {int(header[1])}, but only version "
+                             f"{version} is supported; {hint}")
+
+
+def _check_size(path, size, expected, what, detail, hint):
+    if size < expected:
+        raise StarpuLLMError(f"{path} is truncated: the header describes {detail} = {expected} bytes, "
+                             f"but the file has only {size} bytes; {hint}")
+    if size > expected:
+        raise StarpuLLMError(f"{path} has {size - expected} bytes of trailing data: the header describes "
+                             f"{detail} = {expected} bytes, but the file has {size} bytes; {hint}")
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+_CKPT_HINT = ("is it an llm.c fp32 checkpoint (like gpt2_124M.bin, written by train_gpt2.py "
+              "or by this package)? Re-create or re-download it")
+
+
+def read_checkpoint(path) -> tuple[GPTConfig, np.ndarray]:
+    """Read an llm.c fp32 checkpoint; return (config, flat float32 parameters in ParamLayout order)."""
+    path = os.fspath(path)
+    header = _read_header(path, _I32, "checkpoint", _CKPT_HINT)
+    _check_magic(path, header, CHECKPOINT_MAGIC, CHECKPOINT_VERSION, "llm.c fp32 checkpoint", _CKPT_HINT)
+    maxT, V, L, NH, C, Vp = (int(header[i]) for i in (2, 3, 4, 5, 6, 7))
+    dims = dict(maxT=maxT, V=V, L=L, NH=NH, C=C, Vp=Vp)
+    if min(dims.values()) <= 0:
+        raise StarpuLLMError(f"{path} has an invalid model shape in its header ({_fmt(dims)}); "
+                             f"{_CKPT_HINT}")
+    try:
+        config = GPTConfig(max_seq_len=maxT, vocab_size=V, padded_vocab_size=Vp,
+                           num_layers=L, num_heads=NH, channels=C)
+    except ValueError as e:
+        raise StarpuLLMError(f"{path} has an invalid model shape in its header ({_fmt(dims)}): {e}; "
+                             f"{_CKPT_HINT}") from None
+    n = config.num_parameters
+    size = os.path.getsize(path)
+    _check_size(path, size, HEADER_BYTES + 4 * n, "checkpoint",
+                f"a {HEADER_BYTES}-byte header + {n} float32 parameters ({_fmt(dims)})", _CKPT_HINT)
+    flat = np.fromfile(path, dtype=_F32, count=n, offset=HEADER_BYTES)
+    if flat.dtype != np.float32:          # big-endian host: convert to native order
+        flat = flat.astype(np.float32)
+    return config, flat
+
+
+def write_checkpoint(path, config: GPTConfig, flat: np.ndarray) -> str:
+    """Write `flat` (config.num_parameters float32 values, ParamLayout order) as an llm.c checkpoint."""
+    path = os.fspath(path)
+    flat = np.asarray(flat)
+    n = config.num_parameters
+    if flat.size != n:
+        raise StarpuLLMError(f"cannot write checkpoint {path}: got {flat.size} parameters, but the model "
+                             f"configuration needs {n}")
+    header = np.zeros(HEADER_INTS, dtype=_I32)
+    header[:8] = [CHECKPOINT_MAGIC, CHECKPOINT_VERSION, config.maxT, config.V, config.L,
+                  config.NH, config.C, config.Vp]
+    data = np.ascontiguousarray(flat.reshape(-1), dtype=_F32)
+
+    def write(f):
+        f.write(header.tobytes())
+        _write_array(f, data)
+
+    return _atomic_write(path, write)
+
+
+def _write_array(f, arr: np.ndarray, chunk_bytes: int = 64 << 20):
+    mv = memoryview(arr).cast("B")
+    for i in range(0, len(mv), chunk_bytes):
+        f.write(mv[i:i + chunk_bytes])
+
+
+def _fmt(d: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in d.items())
+
+
+# --------------------------------------------------------------------------- token shards
+
+_SHARD_HINT = ("is it an llm.c token shard (.bin written by `prepare` or llm.c's dev/data scripts)? "
+               "Re-create it with the data preparation step")
+
+
+def read_shard(path, vocab_size: int | None = None) -> np.ndarray:
+    """Memory-map an llm.c uint16 token shard (read-only) after validating header and size.
+
+    If vocab_size is given, every token must be < vocab_size.
+    """
+    path = os.fspath(path)
+    header = _read_header(path, _I32, "token shard", _SHARD_HINT)
+    _check_magic(path, header, SHARD_MAGIC, SHARD_VERSION, "token shard", _SHARD_HINT)
+    ntok = int(header[2])
+    if ntok < 0:
+        raise StarpuLLMError(f"{path} has a negative token count ({ntok}) in its header; {_SHARD_HINT}")
+    size = os.path.getsize(path)
+    _check_size(path, size, HEADER_BYTES + 2 * ntok, "token shard",
+                f"a {HEADER_BYTES}-byte header + {ntok} uint16 tokens", _SHARD_HINT)
+    if ntok == 0:
+        tokens = np.zeros(0, dtype=np.uint16)
+    else:
+        tokens = np.memmap(path, dtype=_U16, mode="r", offset=HEADER_BYTES, shape=(ntok,))
+    if vocab_size is not None and ntok:
+        mx = int(tokens.max())
+        if mx >= vocab_size:
+            raise StarpuLLMError(f"{path} contains token id {mx}, but the vocabulary has only {vocab_size} "
+                                 f"tokens (ids 0..{vocab_size - 1}); the shard was made with a different "
+                                 f"tokenizer: re-create it with this model's tokenizer")
+    return tokens
+
+
+def write_shard(path, tokens) -> str:
+    """Write token ids (each 0..65535) as an llm.c uint16 token shard."""
+    path = os.fspath(path)
+    arr = np.asarray(tokens)
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise StarpuLLMError(f"cannot write token shard {path}: tokens must be integers, got {arr.dtype}")
+    arr = arr.reshape(-1)
+    if arr.size:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi > 0xFFFF:
+            raise StarpuLLMError(f"cannot write token shard {path}: token ids must fit uint16 (0..65535), "
+                                 f"found {lo if lo < 0 else hi}; use a vocabulary of at most 65536 tokens")
+    if arr.size > np.iinfo(np.int32).max:
+        raise StarpuLLMError(f"cannot write token shard {path}: {arr.size} tokens exceed the format's limit "
+                             f"of 2**31-1; split the data into several shards")
+    header = np.zeros(HEADER_INTS, dtype=_I32)
+    header[:3] = [SHARD_MAGIC, SHARD_VERSION, arr.size]
+    data = np.ascontiguousarray(arr, dtype=_U16)
+
+    def write(f):
+        f.write(header.tobytes())
+        _write_array(f, data)
+
+    return _atomic_write(path, write)
+
+
+# --------------------------------------------------------------------------- tokenizer files
+
+_TOK_HINT = ("is it an llm.c tokenizer file (gpt2_tokenizer.bin)? Re-create it with the data "
+             "preparation step")
+
+
+class Tokenizer:
+    """Token id -> bytes table read from an llm.c tokenizer file (decode only)."""
+
+    def __init__(self, token_bytes: Sequence[bytes], eot: int, path: str | None = None):
+        self.token_bytes = list(token_bytes)
+        self.vocab_size = len(self.token_bytes)
+        self.eot = int(eot)
+        self.path = path
+
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        table = self.token_bytes
+        return b"".join(table[i] for i in _as_ids(ids, self.vocab_size, self.path))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Concatenate the tokens' bytes and decode as UTF-8 (invalid sequences become U+FFFD)."""
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def __len__(self):
+        return self.vocab_size
+
+    def __repr__(self):
+        return f"Tokenizer(vocab_size={self.vocab_size}, eot={self.eot}, path={self.path!r})"
+
+
+def _as_ids(ids, n, path):
+    if isinstance(ids, (int, np.integer)):
+        ids = [ids]
+    out = []
+    for i in ids:
+        i = int(i)
+        if not 0 <= i < n:
+            src = f" of {path}" if path else ""
+            raise StarpuLLMError(f"token id {i} is outside the vocabulary{src} (ids 0..{n - 1}); the model "
+                                 f"and the tokenizer do not match")
+        out.append(i)
+    return out
+
+
+def read_tokenizer(path) -> Tokenizer:
+    """Read an llm.c tokenizer file (version 2) into a Tokenizer."""
+    path = os.fspath(path)
+    header = _read_header(path, _U32, "tokenizer", _TOK_HINT)
+    _check_magic(path, header, TOKENIZER_MAGIC, TOKENIZER_VERSION, "tokenizer", _TOK_HINT)
+    n, eot = int(header[2]), int(header[3])
+    if n == 0 or eot >= n:
+        raise StarpuLLMError(f"{path} has an invalid header: vocab size {n}, end-of-text id {eot} "
+                             f"(must be < vocab size); {_TOK_HINT}")
+    with open(path, "rb") as f:
+        f.seek(HEADER_BYTES)
+        body = f.read()
+    table = []
+    pos, end = 0, len(body)
+    for i in range(n):
+        if pos >= end:
+            raise StarpuLLMError(f"{path} is truncated: the header says {n} tokens, but the file ends after "
+                                 f"{i} of them; {_TOK_HINT}")
+        length = body[pos]
+        if length == 0:
+            raise StarpuLLMError(f"{path} is corrupt: token {i} has length 0; {_TOK_HINT}")
+        if pos + 1 + length > end:
+            raise StarpuLLMError(f"{path} is truncated: the header says {n} tokens, but the file ends inside "
+                                 f"token {i}; {_TOK_HINT}")
+        table.append(body[pos + 1:pos + 1 + length])
+        pos += 1 + length
+    if pos != end:
+        raise StarpuLLMError(f"{path} has {end - pos} bytes of trailing data after its {n} tokens; "
+                             f"{_TOK_HINT}")
+    return Tokenizer(table, eot, path)
+
+
+def write_tokenizer(path, enc) -> str:
+    """Write a tiktoken Encoding's id -> bytes table as an llm.c tokenizer file (version 2)."""
+    path = os.fspath(path)
+    n = int(enc.n_vocab)
+    eot = int(enc.eot_token)
+    parts = []
+    for i in range(n):
+        b = enc.decode_single_token_bytes(i)
+        if not 0 < len(b) < 256:
+            raise StarpuLLMError(f"cannot write tokenizer {path}: token {i} is {len(b)} bytes long, the "
+                                 f"format allows 1..255")
+        parts.append(bytes([len(b)]))
+        parts.append(b)
+    header = np.zeros(HEADER_INTS, dtype=_U32)
+    header[:4] = [TOKENIZER_MAGIC, TOKENIZER_VERSION, n, eot]
+    body = b"".join(parts)
+
+    def write(f):
+        f.write(header.tobytes())
+        f.write(body)
+
+    return _atomic_write(path, write)

@@ -1,0 +1,136 @@
+"""The StarPU runtime as a Python object: start, partition the cores, stop cleanly.
+
+StarPU must be shut down before the interpreter exits (otherwise Python crashes at exit), also
+after Ctrl-C: the Runtime registers its shutdown with atexit. StarPU chains SIGINT, so Ctrl-C
+still raises KeyboardInterrupt in Python.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+
+from ._clib import ffi, lib
+from .errors import StarpuLLMError
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask, e.g. under mpirun or taskset)."""
+    return len(os.sched_getaffinity(0))
+
+
+def max_starpu_cpus() -> int:
+    """CPU workers the StarPU build supports (STARPU_MAXCPUS; 4 in Debian's 1.3)."""
+    return lib.sl_max_cpus()
+
+
+def default_partition(cores: int | None = None) -> tuple[int, int]:
+    """One worker on every core StarPU can use (pure tensor parallelism)."""
+    cores = min(cores or usable_cores(), max_starpu_cpus())
+    return 1, cores
+
+
+def check_partition(workers: int, cores_per_worker: int, oversubscribe: bool = False) -> None:
+    """Raise a clear error when N x K does not fit the cores StarPU can use here."""
+    if workers < 1 or cores_per_worker < 1:
+        raise StarpuLLMError(f"--workers ({workers}) and --cores-per-worker ({cores_per_worker}) "
+                             "must be at least 1")
+    total = workers * cores_per_worker
+    cap = max_starpu_cpus()
+    if total > cap:
+        raise StarpuLLMError(
+            f"--workers {workers} x --cores-per-worker {cores_per_worker} = {total} CPU workers, "
+            f"but this StarPU build supports at most {cap} (STARPU_MAXCPUS); "
+            f"choose N x K <= {cap}")
+    cores = usable_cores()
+    if total > cores and not oversubscribe:
+        fits = ", ".join(f"{n}x{cores // n}" for n in range(1, cores + 1) if cores % n == 0)
+        raise StarpuLLMError(
+            f"--workers {workers} x --cores-per-worker {cores_per_worker} = {total} cores, "
+            f"but this process can use {cores}; partitions that fit: {fits} "
+            "(or pass --oversubscribe to share cores, for correctness tests only)")
+
+
+class Runtime:
+    """Owns starpu_init / starpu_shutdown for this process (there is one StarPU per process).
+
+    workers x cores_per_worker is the n x k partition: with k > 1 every task is a FORKJOIN
+    parallel task on a combined worker of k cores (scheduler peager), with k = 1 tasks are
+    sequential and the n workers run independent sub-batches.
+    """
+
+    _active: "Runtime | None" = None
+
+    def __init__(self, workers: int | None = None, cores_per_worker: int | None = None,
+                 sched: str | None = None, oversubscribe: bool = False):
+        if Runtime._active is not None:
+            raise StarpuLLMError("StarPU is already running in this process; "
+                                 "shut the other Runtime down first")
+        if workers is None and cores_per_worker is None:
+            workers, cores_per_worker = default_partition()
+        elif cores_per_worker is None:
+            cores_per_worker = max(1, min(usable_cores(), max_starpu_cpus()) // workers)
+        elif workers is None:
+            workers = max(1, min(usable_cores(), max_starpu_cpus()) // cores_per_worker)
+        check_partition(workers, cores_per_worker, oversubscribe)
+        self.workers, self.cores_per_worker = workers, cores_per_worker
+        if sched is None:
+            sched = os.environ.get("STARPU_SCHED") or ("peager" if cores_per_worker > 1 else "lws")
+        self.sched = sched
+        os.environ.setdefault("STARPU_SILENT", "1")
+        # Only CPU workers: never probe for accelerators.
+        os.environ.setdefault("STARPU_NCUDA", "0")
+        os.environ.setdefault("STARPU_NOPENCL", "0")
+        ret = lib.sl_init(workers * cores_per_worker, cores_per_worker, sched.encode())
+        if ret != 0:
+            raise StarpuLLMError(f"starpu_init failed ({ret}) for {workers} worker(s) x "
+                                 f"{cores_per_worker} core(s) with scheduler {sched!r}")
+        Runtime._active = self
+        atexit.register(self.shutdown)
+
+    @property
+    def running(self) -> bool:
+        return Runtime._active is self
+
+    def wait(self) -> None:
+        ret = lib.sl_wait_all()
+        if ret != 0:
+            raise RuntimeError(f"starpu_task_wait_for_all failed ({ret})")
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Stop StarPU's idle workers from spinning during a Python-only phase."""
+        self.wait()
+        lib.sl_pause()
+        try:
+            yield
+        finally:
+            lib.sl_resume()
+
+    def shutdown(self) -> None:
+        if Runtime._active is self:
+            lib.sl_shutdown()
+            Runtime._active = None
+            atexit.unregister(self.shutdown)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    def describe(self) -> str:
+        major, minor, release = ffi.new("int *"), ffi.new("int *"), ffi.new("int *")
+        lib.sl_starpu_version(major, minor, release)
+        return (f"StarPU {major[0]}.{minor[0]}.{release[0]}, {self.workers} worker(s) x "
+                f"{self.cores_per_worker} core(s), scheduler {self.sched}, "
+                f"BLAS {ffi.string(lib.sl_blas_name()).decode()}")
+
+    def probe(self, max_threads: int = 64):
+        """Run one task and return (team size, [cpu mask of each team thread])."""
+        out = ffi.new("uint64_t[]", 1 + max_threads)
+        if lib.sl_submit_probe(out, max_threads) != 0:
+            raise RuntimeError("probe task submission failed")
+        self.wait()
+        n = int(out[0])
+        return n, [int(out[1 + t]) for t in range(min(n, max_threads))]

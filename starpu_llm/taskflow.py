@@ -1,0 +1,135 @@
+"""GPT-2's training step as a sequential task flow: load, forward, loss, backward, update.
+
+Each call on `ops` is one task (StarPUOps submits it, DirectOps runs it at once). StarPU infers
+the task graph from the handles each task reads and writes, so this file is the whole
+description of the graph (paper section 2, Figure 1):
+  - activations carry forward -> backward dependencies, parameters update -> next forward,
+    gradients backward -> update, targets load -> loss;
+  - one update task per parameter tensor per layer, each ready as soon as its gradient is final.
+Activation, input and target handles are created once and reused by every iteration (paper
+section 2.3), so memory does not grow with the number of steps; the backward pass reuses one
+set of scratch gradient buffers for all layers.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from .config import GPTConfig
+
+ADAM_BETA1, ADAM_BETA2, ADAM_EPS = 0.9, 0.999, 1e-8
+
+
+def activation_shapes(cfg: GPTConfig, B: int, T: int):
+    """(per-layer, single, backward scratch) shapes of one (sub-)batch's tensors."""
+    C, NH, Vp = cfg.C, cfg.NH, cfg.Vp
+    per_layer = {
+        "ln1": (B, T, C), "ln1_mean": (B, T), "ln1_rstd": (B, T),
+        "qkv": (B, T, 3 * C), "atty": (B, T, C),
+        "preatt": (B, NH, T, T), "att": (B, NH, T, T),
+        "attproj": (B, T, C), "res2": (B, T, C),
+        "ln2": (B, T, C), "ln2_mean": (B, T), "ln2_rstd": (B, T),
+        "fch": (B, T, 4 * C), "fch_gelu": (B, T, 4 * C),
+        "fcproj": (B, T, C), "res3": (B, T, C),
+    }
+    single = {
+        "inputs": (B, T), "targets": (B, T), "encoded": (B, T, C),
+        "lnf": (B, T, C), "lnf_mean": (B, T), "lnf_rstd": (B, T),
+        "logits": (B, T, Vp), "probs": (B, T, Vp), "losses": (B, T),
+    }
+    scratch = {
+        "dlogits": (B, T, Vp), "dres": (B, T, C), "dln": (B, T, C), "datty": (B, T, C),
+        "dfch_gelu": (B, T, 4 * C), "dfch": (B, T, 4 * C), "dqkv": (B, T, 3 * C),
+        "att_scratch": (2, B, NH, T, T),   # dpreatt and datt of attention_backward
+    }
+    return per_layer, single, scratch
+
+
+INT_TENSORS = ("inputs", "targets")
+
+
+def make_activations(cfg: GPTConfig, B: int, T: int, new_tensor):
+    """Build the namespace of one (sub-)batch's tensors with new_tensor(name, shape, dtype)."""
+    per_layer, single, scratch = activation_shapes(cfg, B, T)
+    a = SimpleNamespace()
+    for name, shape in single.items():
+        dtype = np.int32 if name in INT_TENSORS else np.float32
+        setattr(a, name, new_tensor(name, shape, dtype))
+    for name, shape in per_layer.items():
+        setattr(a, name, [new_tensor(f"{name}[{l}]", shape, np.float32) for l in range(cfg.L)])
+    s = SimpleNamespace(**{name: new_tensor(name, shape, np.float32)
+                           for name, shape in scratch.items()})
+    return a, s
+
+
+def forward(ops, cfg: GPTConfig, p, a, B: int, T: int):
+    """Forward pass and loss: p are the parameters, a this batch's activations."""
+    C, NH, L, V, Vp = cfg.C, cfg.NH, cfg.L, cfg.V, cfg.Vp
+    BT = B * T
+    ops.encoder_forward(a.encoded, a.inputs, p.wte, p.wpe, B, T, C)
+    x = a.encoded
+    for l in range(L):
+        ops.layernorm_forward(a.ln1[l], a.ln1_mean[l], a.ln1_rstd[l], x, p.ln1w[l], p.ln1b[l], BT, C)
+        ops.matmul_forward(a.qkv[l], a.ln1[l], p.qkvw[l], p.qkvb[l], BT, C, 3 * C)
+        ops.attention_forward(a.atty[l], a.preatt[l], a.att[l], a.qkv[l], B, T, C, NH)
+        ops.matmul_forward(a.attproj[l], a.atty[l], p.attprojw[l], p.attprojb[l], BT, C, C)
+        ops.residual_forward(a.res2[l], x, a.attproj[l], BT * C)
+        ops.layernorm_forward(a.ln2[l], a.ln2_mean[l], a.ln2_rstd[l], a.res2[l], p.ln2w[l], p.ln2b[l], BT, C)
+        ops.matmul_forward(a.fch[l], a.ln2[l], p.fcw[l], p.fcb[l], BT, C, 4 * C)
+        ops.gelu_forward(a.fch_gelu[l], a.fch[l], BT * 4 * C)
+        ops.matmul_forward(a.fcproj[l], a.fch_gelu[l], p.fcprojw[l], p.fcprojb[l], BT, 4 * C, C)
+        ops.residual_forward(a.res3[l], a.res2[l], a.fcproj[l], BT * C)
+        x = a.res3[l]
+    ops.layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, x, p.lnfw, p.lnfb, BT, C)
+    ops.matmul_forward(a.logits, a.lnf, p.wte, None, BT, C, Vp)   # lm head, tied to wte
+    ops.crossentropy_forward(a.probs, a.losses, a.logits, a.targets, BT, V, Vp)
+
+
+def backward(ops, cfg: GPTConfig, p, g, a, s, B: int, T: int, dloss: float, redux: int):
+    """Backward pass: accumulates into the parameter gradients g (RW, or REDUX when several
+    sub-batches add into them). dloss scales the per-token loss gradient (1/(global B*T))."""
+    C, NH, L, V, Vp = cfg.C, cfg.NH, cfg.L, cfg.V, cfg.Vp
+    BT = B * T
+    ops.crossentropy_backward(s.dlogits, a.probs, a.targets, BT, V, Vp, dloss)
+    ops.matmul_backward(s.dln, g.wte, None, s.dlogits, a.lnf, p.wte, BT, C, Vp, redux)
+    ops.layernorm_backward(s.dres, g.lnfw, g.lnfb, s.dln, a.res3[L - 1], p.lnfw,
+                           a.lnf_mean, a.lnf_rstd, BT, C, 0, redux)
+    # s.dres holds the gradient of the residual stream. A residual add passes its gradient
+    # unchanged to both inputs, so the branch (fcproj, attproj) reads s.dres directly and the
+    # layernorm of the other branch adds into it: no residual_backward copies.
+    for l in reversed(range(L)):
+        x = a.res3[l - 1] if l > 0 else a.encoded
+        ops.matmul_backward(s.dfch_gelu, g.fcprojw[l], g.fcprojb[l], s.dres, a.fch_gelu[l],
+                            p.fcprojw[l], BT, 4 * C, C, redux)
+        ops.gelu_backward(s.dfch, a.fch[l], s.dfch_gelu, BT * 4 * C)
+        ops.matmul_backward(s.dln, g.fcw[l], g.fcb[l], s.dfch, a.ln2[l], p.fcw[l], BT, C, 4 * C, redux)
+        ops.layernorm_backward(s.dres, g.ln2w[l], g.ln2b[l], s.dln, a.res2[l], p.ln2w[l],
+                               a.ln2_mean[l], a.ln2_rstd[l], BT, C, 1, redux)
+        ops.matmul_backward(s.datty, g.attprojw[l], g.attprojb[l], s.dres, a.atty[l],
+                            p.attprojw[l], BT, C, C, redux)
+        ops.attention_backward(s.dqkv, s.att_scratch, s.datty, a.qkv[l], a.att[l], B, T, C, NH)
+        ops.matmul_backward(s.dln, g.qkvw[l], g.qkvb[l], s.dqkv, a.ln1[l], p.qkvw[l], BT, C, 3 * C, redux)
+        ops.layernorm_backward(s.dres, g.ln1w[l], g.ln1b[l], s.dln, x, p.ln1w[l],
+                               a.ln1_mean[l], a.ln1_rstd[l], BT, C, 1, redux)
+    ops.encoder_backward(g.wte, g.wpe, s.dres, a.inputs, B, T, C, redux)
+
+
+LAYERED = ("ln1w", "ln1b", "qkvw", "qkvb", "attprojw", "attprojb",
+           "ln2w", "ln2b", "fcw", "fcb", "fcprojw", "fcprojb")
+
+
+def update_order(cfg: GPTConfig):
+    """(tensor name, layer or None) in the order their gradients become final in backward."""
+    order = [("lnfw", None), ("lnfb", None)]
+    for l in reversed(range(cfg.L)):
+        order += [(name, l) for name in reversed(LAYERED)]
+    return order + [("wpe", None), ("wte", None)]
+
+
+def update(ops, cfg: GPTConfig, p, g, m, v, lr: float, weight_decay: float, t: int):
+    """One AdamW task per parameter tensor per layer; each also zeroes its gradient."""
+    for name, l in update_order(cfg):
+        pick = (lambda ns: getattr(ns, name)) if l is None else (lambda ns: getattr(ns, name)[l])
+        ops.adamw(pick(p), pick(g), pick(m), pick(v), lr, ADAM_BETA1, ADAM_BETA2, ADAM_EPS,
+                  weight_decay, t)

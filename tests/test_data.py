@@ -1,0 +1,164 @@
+"""The Shakespeare corpus, prepare(), default_dataset() caching and the DataLoader."""
+import os
+
+import numpy as np
+import pytest
+
+from starpu_llm import data, formats
+from starpu_llm.data import DataLoader, default_dataset, prepare, shakespeare_text
+from starpu_llm.errors import StarpuLLMError
+from starpu_llm.tokenizer import decode, encode
+
+
+@pytest.fixture(autouse=True)
+def _cache_env(tmp_path, monkeypatch):
+    # never write to $HOME's cache from the tests
+    monkeypatch.setenv("STARPU_LLM_CACHE", str(tmp_path / "cache"))
+
+
+SMALL = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\n"
+         "All:\nSpeak, speak.\n\n"
+         "First Citizen:\nYou are all resolved rather to die than to famish?\n")
+
+
+# --------------------------------------------------------------------------- corpus
+
+def test_shakespeare_text():
+    s = shakespeare_text()
+    assert len(s) >= 1_100_000
+    first = s.split("\n\n", 1)[0].split("\n")
+    assert first[0] == "THESEUS:" and first[1].startswith("Now, fair Hippolyta")
+    blocks = s.rstrip("\n").split("\n\n")
+    assert len(blocks) > 8000
+    assert all(b.split("\n", 1)[0].endswith(":") and "\n" in b for b in blocks)
+    for junk in ("**", "_Exit", "_Enter", "\\-", "\\[", "# ACT", "\n\n\n"):
+        assert junk not in s, junk
+    assert shakespeare_text() is s          # cached
+
+
+def test_play_blocks_markdown():
+    md = ("# A Play\n\n## ACT I\n\n### SCENE I. A place.\n\n_Enter A and\nB_\n\n"
+          "**A**  \nHello there,  \nfriend\\--no.\n\n_Exit B_\n\nStill A. __\\[Aside]_  \n\n"
+          "**B**  \n[Within]_  \nWho's there?\n\n*Sound a horn.*\n\nA PLAY\n\n**C**  \n_Dies_\n")
+    assert data._play_blocks(md) == ["A:\nHello there,\nfriend--no.\nStill A.", "B:\nWho's there?"]
+
+
+# --------------------------------------------------------------------------- prepare
+
+def test_prepare_small_text(tmp_path):
+    src = tmp_path / "small.txt"
+    src.write_text(SMALL, encoding="utf-8")
+    train, val = prepare(src, tmp_path / "out", val_tokens=5)
+    assert train == str(tmp_path / "out" / "small_train.bin")
+    assert val == str(tmp_path / "out" / "small_val.bin")
+    assert (tmp_path / "out" / "gpt2_tokenizer.bin").is_file()
+    expected = encode("<|endoftext|>" + SMALL.replace("\n\n", "\n\n<|endoftext|>"))
+    assert expected[0] == 50256 and expected.count(50256) == 3
+    v, t = formats.read_shard(val, 50257), formats.read_shard(train, 50257)
+    assert v.tolist() == expected[:5] and t.tolist() == expected[5:]
+    tok = formats.read_tokenizer(tmp_path / "out" / "gpt2_tokenizer.bin")
+    assert tok.decode(np.concatenate([v, t])) == decode(expected)
+    # the text itself (a str with newlines) and an explicit name
+    train2, _ = prepare(SMALL, tmp_path / "out", val_tokens=5, name="inline")
+    assert os.path.basename(train2) == "inline_train.bin"
+    assert formats.read_shard(train2).tolist() == expected[5:]
+
+
+def test_prepare_bad_inputs(tmp_path):
+    out = tmp_path / "out"
+    missing = tmp_path / "missing.txt"
+    with pytest.raises(StarpuLLMError, match="missing.txt.*does not exist"):
+        prepare(missing, out)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    with pytest.raises(StarpuLLMError, match="empty.txt is empty"):
+        prepare(empty, out)
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(b"hello\n\xff\xfe world")
+    with pytest.raises(StarpuLLMError, match="binary.txt is not valid UTF-8"):
+        prepare(binary, out)
+    with pytest.raises(StarpuLLMError, match=r"is not a regular file"):
+        prepare(tmp_path, out)
+    short = tmp_path / "short.txt"
+    short.write_text(SMALL)
+    with pytest.raises(StarpuLLMError, match=r"short.txt is too short for a validation split: it has \d+ tokens"):
+        prepare(short, out)                  # default val_tokens=32768
+    assert not out.exists() or not any(out.glob("*_train.bin"))
+
+
+# --------------------------------------------------------------------------- default dataset
+
+def test_default_dataset_cached(tmp_path):
+    cache = tmp_path / "cache"
+    train, val = default_dataset()           # uses $STARPU_LLM_CACHE (set by the fixture)
+    assert os.path.dirname(train) == str(cache) and os.path.basename(train) == "shakespeare_train.bin"
+    assert os.path.basename(val) == "shakespeare_val.bin"
+    v, t = formats.read_shard(val, 50257), formats.read_shard(train, 50257)
+    assert v.size == 32768 and t.size > 300_000
+    assert v[0] == 50256
+    assert decode(v[:10]).startswith("<|endoftext|>THESEUS:\nNow, fair")
+    mtimes = {p: os.stat(p).st_mtime_ns for p in (train, val)}
+    assert default_dataset(cache) == (train, val)
+    assert {p: os.stat(p).st_mtime_ns for p in (train, val)} == mtimes     # not re-tokenized
+    assert sorted(os.listdir(cache)) == ["gpt2_tokenizer.bin", "shakespeare.json",
+                                         "shakespeare_train.bin", "shakespeare_val.bin"]
+    # a damaged cache is rebuilt
+    with open(train, "r+b") as f:
+        f.truncate(2000)
+    default_dataset(cache)
+    assert formats.read_shard(train).size == t.size
+
+
+# --------------------------------------------------------------------------- DataLoader
+
+def test_dataloader_batches_and_wrap(tmp_path):
+    p = tmp_path / "d.bin"
+    formats.write_shard(p, np.arange(20))
+    dl = DataLoader(p, B=2, T=3)
+    assert dl.num_batches == 3 and dl.position == 0
+    assert isinstance(dl.tokens, np.memmap) and dl.tokens.dtype == np.uint16
+    x, y = dl.next_batch()
+    assert x.dtype == np.int32 and y.dtype == np.int32 and x.shape == (2, 3)
+    assert x.tolist() == [[0, 1, 2], [3, 4, 5]] and y.tolist() == [[1, 2, 3], [4, 5, 6]]
+    assert dl.position == 6
+    x, y = dl.next_batch()
+    assert x.tolist() == [[6, 7, 8], [9, 10, 11]] and y.tolist() == [[7, 8, 9], [10, 11, 12]]
+    x, y = dl.next_batch()                   # 12..18: the last batch that fits (12 + 7 <= 20)
+    assert x.tolist() == [[12, 13, 14], [15, 16, 17]] and y.tolist() == [[13, 14, 15], [16, 17, 18]]
+    assert dl.position == 0                  # 18 + 7 > 20: wraps
+    x, _ = dl.next_batch()
+    assert x.tolist() == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_dataloader_state_and_exact_sizes(tmp_path):
+    dl = DataLoader(np.arange(7), B=2, T=3)  # exactly B*T+1 tokens: always batch 0
+    for _ in range(3):
+        x, y = dl.next_batch()
+        assert x.ravel().tolist() == list(range(6)) and y.ravel().tolist() == list(range(1, 7))
+    dl = DataLoader(np.arange(100), B=1, T=4)
+    dl.next_batch(); dl.next_batch()
+    st = dl.state()
+    assert st == {"position": 8}
+    expect = [dl.next_batch()[0].tolist() for _ in range(5)]
+    dl2 = DataLoader(np.arange(100), B=1, T=4)
+    dl2.load_state(st)
+    assert [dl2.next_batch()[0].tolist() for _ in range(5)] == expect
+    dl2.reset()
+    assert dl2.position == 0 and dl2.next_batch()[0].tolist() == [[0, 1, 2, 3]]
+    with pytest.raises(StarpuLLMError, match="position 97"):
+        dl2.position = 97                    # 97 + 5 > 100
+    dl2.position = 95
+    assert dl2.next_batch()[1].tolist() == [[96, 97, 98, 99]]
+
+
+def test_dataloader_bad_inputs(tmp_path):
+    p = tmp_path / "small.bin"
+    formats.write_shard(p, np.arange(10))
+    with pytest.raises(StarpuLLMError) as ei:
+        DataLoader(p, B=2, T=8)
+    msg = str(ei.value)
+    assert "small.bin" in msg and "B*T+1 = 17" in msg and "has 10" in msg and "--batch/--seq-len" in msg
+    with pytest.raises(StarpuLLMError, match="small.bin.*token id 9"):
+        DataLoader(p, B=1, T=2, vocab_size=5)
+    with pytest.raises(StarpuLLMError, match="nothere.bin"):
+        DataLoader(tmp_path / "nothere.bin", B=1, T=2)
