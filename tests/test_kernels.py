@@ -135,12 +135,12 @@ def _layernorm_case(rng, N, C, RTOL, ATOL):
 
 
 def test_layernorm_small(rng):
-    _layernorm_case(rng, N=2 * 7, C=40, RTOL=1e-5, ATOL=1e-5)
+    _layernorm_case(rng, N=2 * 7, C=40, RTOL=2e-6, ATOL=2e-6)
 
 
 def test_layernorm_gpt2_width(rng):
     # C=768 float reductions, and dweight sums 64 rows of products
-    _layernorm_case(rng, N=64, C=768, RTOL=1e-5, ATOL=2e-5)
+    _layernorm_case(rng, N=64, C=768, RTOL=5e-6, ATOL=1e-5)
 
 
 # ---------------------------------------------------------------- matmul
@@ -176,13 +176,13 @@ def _matmul_case(rng, N, C, OC, use_bias, RTOL, ATOL):
 
 @pytest.mark.parametrize("use_bias", [True, False])
 def test_matmul_small(rng, use_bias):
-    _matmul_case(rng, N=2 * 5, C=24, OC=72, use_bias=use_bias, RTOL=1e-5, ATOL=1e-5)
+    _matmul_case(rng, N=2 * 5, C=24, OC=72, use_bias=use_bias, RTOL=3e-6, ATOL=3e-6)
 
 
 @pytest.mark.parametrize("C,OC", [(768, 2304), (3072, 768)])
 def test_matmul_gpt2_width(rng, C, OC):
     # sgemm sums of 768..3072 products of O(1) terms in fp32
-    _matmul_case(rng, N=64, C=C, OC=OC, use_bias=True, RTOL=1e-4, ATOL=1e-4)
+    _matmul_case(rng, N=64, C=C, OC=OC, use_bias=True, RTOL=2e-5, ATOL=2e-5)
 
 
 # ---------------------------------------------------------------- attention
@@ -233,16 +233,16 @@ def _attention_case(rng, B, T, C, NH, RTOL, ATOL):
 
 @pytest.mark.parametrize("B,T,C,NH", [(2, 5, 16, 2), (2, 8, 48, 4), (1, 7, 36, 3)])
 def test_attention_small(rng, B, T, C, NH):
-    _attention_case(rng, B, T, C, NH, RTOL=1e-5, ATOL=1e-5)
+    _attention_case(rng, B, T, C, NH, RTOL=2e-6, ATOL=2e-6)
 
 
 def test_attention_gpt2_width(rng):
-    _attention_case(rng, B=1, T=64, C=768, NH=12, RTOL=1e-4, ATOL=1e-5)
+    _attention_case(rng, B=1, T=64, C=768, NH=12, RTOL=3e-5, ATOL=3e-6)
 
 
 def test_attention_is_causal(rng):
     B, T, C, NH = 2, 8, 32, 4
-    qkv, out = _attention_case(rng, B, T, C, NH, RTOL=1e-5, ATOL=1e-5)
+    qkv, out = _attention_case(rng, B, T, C, NH, RTOL=2e-6, ATOL=2e-6)
     t0 = 5
     qkv2 = qkv.copy()
     qkv2[:, t0:] = randn(rng, B, T - t0, 3 * C, scale=10)  # change q, k, v of tokens >= t0
@@ -258,7 +258,7 @@ def test_attention_is_causal(rng):
 
 @pytest.mark.parametrize("n", [37, 100003])  # a SIMD tail; above the parallel threshold
 def test_gelu(rng, n):
-    RTOL, ATOL = 1e-5, 1e-6  # float32 evaluation of a tanh/exp formula
+    RTOL, ATOL = 3e-6, 3e-7  # float32 evaluation of a tanh/exp formula
     x = randn(rng, n, scale=3)
     x[:8] = [0.0, -0.0, 1e-6, -1e-6, 12.0, -12.0, 60.0, -60.0]  # the tails saturate
     out = np.full(n, np.nan, np.float32)
@@ -294,7 +294,7 @@ def test_residual(rng, n):
 
 @pytest.mark.parametrize("N,V,Vp,scale", [(2 * 6, 37, 40, 3.0), (2 * 6, 37, 40, 40.0), (3, 5000, 5008, 5.0)])
 def test_crossentropy(rng, N, V, Vp, scale):
-    RTOL, ATOL = 1e-5, 1e-7  # probabilities and losses from exp/log in float32
+    RTOL, ATOL = 1e-6, 1e-8  # probabilities and losses from exp/log in float32
     logits = randn(rng, N, Vp, scale=scale)
     logits[:, V:] = 1e4  # padding must be ignored (it would dominate the softmax)
     targets = rng.integers(0, V, size=N).astype(np.int32)
@@ -308,7 +308,7 @@ def test_crossentropy(rng, N, V, Vp, scale):
     close(probs[:, :V], torch.softmax(lg_t, -1), RTOL, ATOL)
     assert np.all(probs[:, V:] == 0)
     ref_losses = F.cross_entropy(lg_t, tg_t, reduction="none")
-    close(losses, ref_losses, RTOL, 1e-5)
+    close(losses, ref_losses, RTOL, 1e-6)
 
     ref_losses.mean().backward()
     dloss = 1.0 / N
@@ -332,8 +332,8 @@ def test_crossentropy_gpt2_vocab_row(rng):
     probs, losses = np.empty((N, Vp), np.float32), np.empty(N, np.float32)
     lib.crossentropy_softmax_forward(fp(probs), fp(losses), fp(logits), ip(targets), N, V, Vp)
     lg_t = t64(logits[:, :V])
-    close(probs[:, :V], torch.softmax(lg_t, -1), 1e-5, 1e-10)
-    close(losses, F.cross_entropy(lg_t, torch.from_numpy(targets).long(), reduction="none"), 1e-6, 0)
+    close(probs[:, :V], torch.softmax(lg_t, -1), 2e-6, 1e-11)
+    close(losses, F.cross_entropy(lg_t, torch.from_numpy(targets).long(), reduction="none"), 2e-7, 0)
     assert np.all(probs[:, V:] == 0)
 
 
