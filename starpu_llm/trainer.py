@@ -98,8 +98,11 @@ def make_engine(cfg: TrainConfig, state: TrainState, tokens, runtime=None):
                         sub_batches=cfg.sub_batches, record=cfg.record)
 
 
-def train(cfg: TrainConfig, state: TrainState | None = None) -> TrainResult:
-    """Train for cfg.steps steps; returns losses, timings and the final state."""
+def train(cfg: TrainConfig, state: TrainState | None = None, runtime=None) -> TrainResult:
+    """Train for cfg.steps steps; returns losses, timings and the final state.
+
+    A running `runtime` is used (and left running); otherwise the StarPU engine starts one
+    for cfg's partition and shuts it down at the end."""
     log = cfg.log or (lambda *a, **k: None)
     state = state or load_model(cfg)
     config = state.config
@@ -112,8 +115,8 @@ def train(cfg: TrainConfig, state: TrainState | None = None) -> TrainResult:
         raise StarpuLLMError(f"--steps must be at least 1, got {cfg.steps}")
 
     from ._clib import lib
-    engine = make_engine(cfg, state, loader.tokens)
-    runtime = getattr(engine, "runtime", None)
+    engine = make_engine(cfg, state, loader.tokens, runtime)
+    own_runtime = runtime is None and getattr(engine, "runtime", None)
     result = TrainResult(engine=engine.describe())
     if cfg.trace:
         lib.sl_trace_enable(200_000)
@@ -149,8 +152,10 @@ def train(cfg: TrainConfig, state: TrainState | None = None) -> TrainResult:
         result.records = engine.ops.records
     finally:
         engine.close()
-        if runtime is not None:
-            runtime.shutdown()
+        if cfg.trace:
+            lib.sl_trace_enable(0)
+        if own_runtime:
+            own_runtime.shutdown()
         if metrics:
             metrics.close()
             os.replace(cfg.metrics_jsonl + ".tmp", cfg.metrics_jsonl)
