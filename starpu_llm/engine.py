@@ -141,7 +141,11 @@ class StarPUEngine(_Engine):
     def __init__(self, config, state, B, T, tokens, runtime, sub_batches: int | None = None,
                  record: bool = False):
         if sub_batches is None:   # data parallelism: one sub-batch per worker by default
-            sub_batches = runtime.workers if B % runtime.workers == 0 else 1
+            sub_batches = runtime.workers
+            if B % sub_batches:
+                raise StarpuLLMError(
+                    f"--batch {B} cannot be split over {sub_batches} workers (one sub-batch "
+                    f"each); use a --batch divisible by {sub_batches}, or --sub-batches")
         super().__init__(config, state, B, T, tokens, sub_batches)
         if not runtime.running:
             raise RuntimeError("the StarPU runtime is not running")

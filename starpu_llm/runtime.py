@@ -87,6 +87,12 @@ class Runtime:
                                  f"{cores_per_worker} core(s) with scheduler {sched!r}")
         Runtime._active = self
         atexit.register(self.shutdown)
+        got = lib.sl_worker_count()
+        if got != workers * cores_per_worker:
+            self.shutdown()
+            raise StarpuLLMError(f"StarPU started {got} CPU worker(s) instead of "
+                                 f"{workers * cores_per_worker} (STARPU_NCPU or "
+                                 "STARPU_WORKERS_CPUID in the environment?)")
 
     @property
     def running(self) -> bool:
