@@ -7,6 +7,9 @@
 extern struct starpu_codelet sl_zero_cl, sl_add_cl;
 
 static int initialized;
+#if SL_HAVE_PARALLEL_WORKERS
+static sl_parallel_workers *parallel_workers;
+#endif
 
 int sl_init(int ncpus, int cores_per_task, const char *sched)
 {
@@ -23,8 +26,26 @@ int sl_init(int ncpus, int cores_per_task, const char *sched)
 	conf.nopencl = 0;
 	if (sched && *sched)
 		conf.sched_policy_name = sched;
-	/* Combined workers of exactly k cores give the "n workers x k cores" partition; the
-	 * variables are read by starpu_init. */
+#if SL_HAVE_PARALLEL_WORKERS
+	/* This StarPU has parallel workers (1.4) or clusters (1.3 built with them): n of them,
+	 * each running ordinary sequential tasks with an OpenMP team over its k cores. */
+	if (cores_per_task > 1 && !getenv("SL_NO_PARALLEL_WORKERS")) {
+		sl_codelets_set_cores(1);
+		ret = starpu_init(&conf);
+		if (ret)
+			return ret;
+		parallel_workers = sl_parallel_workers_init(ncpus / cores_per_task);
+		if (!parallel_workers) {
+			starpu_shutdown();
+			return -ENODEV;
+		}
+		sl_codelets_set_team_from_runtime(1);
+		initialized = 1;
+		return 0;
+	}
+#endif
+	/* Otherwise combined workers of exactly k cores give the "n workers x k cores"
+	 * partition, running FORKJOIN tasks; the variables are read by starpu_init. */
 	if (cores_per_task > 1) {
 		char k[16];
 		snprintf(k, sizeof k, "%d", cores_per_task);
@@ -45,6 +66,13 @@ int sl_shutdown(void)
 		return 0;
 	starpu_task_wait_for_all();
 	sl_args_free_completed();
+#if SL_HAVE_PARALLEL_WORKERS
+	if (parallel_workers) {
+		sl_parallel_workers_shutdown(parallel_workers);
+		parallel_workers = NULL;
+		sl_codelets_set_team_from_runtime(0);
+	}
+#endif
 	starpu_shutdown();
 	initialized = 0;
 	return 0;

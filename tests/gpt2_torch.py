@@ -54,14 +54,18 @@ class TorchGPT2:
         inputs = torch.as_tensor(np.asarray(inputs, dtype=np.int64))
         B, T = inputs.shape
         x = p["wte"][inputs] + p["wpe"][:T]
+        # one unbind per stacked (L, ...) tensor: its backward stacks the L gradients once
+        # (indexing p[name][l] would zero-fill a whole (L, ...) gradient per layer)
+        layer = {n: p[n].unbind(0) for n in self.layout.names if self.layout.is_layered(n)}
         for l in range(cfg.L):
-            h = self._layernorm(x, p["ln1w"][l], p["ln1b"][l])
-            qkv = F.linear(h, p["qkvw"][l], p["qkvb"][l])
+            w = {n: t[l] for n, t in layer.items()}
+            h = self._layernorm(x, w["ln1w"], w["ln1b"])
+            qkv = F.linear(h, w["qkvw"], w["qkvb"])
             y = self._attention(qkv, B, T)
-            x = x + F.linear(y, p["attprojw"][l], p["attprojb"][l])
-            h = self._layernorm(x, p["ln2w"][l], p["ln2b"][l])
-            h = F.gelu(F.linear(h, p["fcw"][l], p["fcb"][l]), approximate="tanh")
-            x = x + F.linear(h, p["fcprojw"][l], p["fcprojb"][l])
+            x = x + F.linear(y, w["attprojw"], w["attprojb"])
+            h = self._layernorm(x, w["ln2w"], w["ln2b"])
+            h = F.gelu(F.linear(h, w["fcw"], w["fcb"]), approximate="tanh")
+            x = x + F.linear(h, w["fcprojw"], w["fcprojb"])
         x = self._layernorm(x, p["lnfw"], p["lnfb"])
         logits = x @ p["wte"].T                                       # (B, T, Vp)
         loss = None

@@ -99,12 +99,22 @@ int sl_codelet_count(void) { return SL_CL_COUNT; }
 
 /* ---- per task ---- */
 
+static int team_from_runtime;
+
+void sl_codelets_set_team_from_runtime(int on) { team_from_runtime = on; }
+
 long sl_task_begin(int codelet_id)
 {
-	int k = starpu_combined_worker_get_size();   /* 1 on a basic worker */
-	sl_set_threads(k);
-	if (k > 1)
-		bind_team(k);
+	int k;
+	if (team_from_runtime) {
+		k = omp_get_max_threads();     /* the parallel worker's team, bound by StarPU */
+		sl_blas_set_threads(k);
+	} else {
+		k = starpu_combined_worker_get_size();   /* 1 on a basic worker */
+		sl_set_threads(k);
+		if (k > 1)
+			bind_team(k);
+	}
 	if (!trace_buf)
 		return -1;
 	size_t slot = __atomic_fetch_add(&trace_next, 1, __ATOMIC_ACQ_REL);

@@ -30,6 +30,9 @@ void sl_task_end(long slot);
  * with max_parallelism k. Each codelet file registers its codelets with this. */
 void sl_codelet_register(struct starpu_codelet *cl);
 void sl_codelets_set_cores(int k);
+/* With parallel workers the task's team size is set by StarPU's OpenMP prologue (the
+ * parallel worker's cores): tasks then take k from omp_get_max_threads(). */
+void sl_codelets_set_team_from_runtime(int on);
 
 /* Each codelet file lists its codelets once; they are registered when the library loads. */
 #define SL_REGISTER_CODELETS(...)                                                   \
