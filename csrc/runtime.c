@@ -6,12 +6,24 @@
 
 extern struct starpu_codelet sl_zero_cl, sl_add_cl;
 
+/* mpi.c */
+int sl_mpi_start(struct starpu_conf *conf, const void *comm);
+int sl_mpi_stop(void);
+
 static int initialized;
 #if SL_HAVE_PARALLEL_WORKERS
 static sl_parallel_workers *parallel_workers;
 #endif
 
+/* Starts StarPU (plain, or StarPU-MPI when comm is given; see mpi.c). */
+int sl_start(int ncpus, int cores_per_task, const char *sched, const void *comm);
+
 int sl_init(int ncpus, int cores_per_task, const char *sched)
+{
+	return sl_start(ncpus, cores_per_task, sched, NULL);
+}
+
+int sl_start(int ncpus, int cores_per_task, const char *sched, const void *comm)
 {
 	if (initialized)
 		return -EALREADY;
@@ -31,7 +43,7 @@ int sl_init(int ncpus, int cores_per_task, const char *sched)
 	 * each running ordinary sequential tasks with an OpenMP team over its k cores. */
 	if (cores_per_task > 1 && !getenv("SL_NO_PARALLEL_WORKERS")) {
 		sl_codelets_set_cores(1);
-		ret = starpu_init(&conf);
+		ret = comm ? sl_mpi_start(&conf, comm) : starpu_init(&conf);
 		if (ret)
 			return ret;
 		parallel_workers = sl_parallel_workers_init(ncpus / cores_per_task);
@@ -53,7 +65,7 @@ int sl_init(int ncpus, int cores_per_task, const char *sched)
 		setenv("STARPU_MAX_WORKERSIZE", k, 1);
 	}
 	sl_codelets_set_cores(cores_per_task);
-	ret = starpu_init(&conf);
+	ret = comm ? sl_mpi_start(&conf, comm) : starpu_init(&conf);
 	if (ret)
 		return ret;
 	initialized = 1;
@@ -73,7 +85,8 @@ int sl_shutdown(void)
 		sl_codelets_set_team_from_runtime(0);
 	}
 #endif
-	starpu_shutdown();
+	if (sl_mpi_stop() != 0)
+		starpu_shutdown();
 	initialized = 0;
 	return 0;
 }
@@ -82,7 +95,7 @@ int sl_is_initialized(void) { return initialized; }
 
 int sl_wait_all(void)
 {
-	int ret = starpu_task_wait_for_all();
+	int ret = sl_mpi_size() > 1 ? sl_mpi_wait_all() : starpu_task_wait_for_all();
 	if (ret == 0)
 		sl_args_free_completed();
 	return ret;

@@ -29,6 +29,23 @@ void sl_set_threads(int k);
 int sl_get_threads(void);
 const char *sl_blas_name(void);
 
+/* ---- StarPU-MPI (mpi.c; stubs returning -ENOSYS when built without MPI) ---- */
+int sl_mpi_available(void);
+/* Like sl_init, on the MPI communicator stored at comm_addr (mpi4py: MPI._addressof(comm));
+ * MPI must already be initialised (by mpi4py) with at least MPI_THREAD_SERIALIZED. */
+int sl_mpi_init(const void *comm_addr, int ncpus, int cores_per_task, const char *sched);
+int sl_mpi_rank(void);
+int sl_mpi_size(void);
+/* Every process registers every handle with the same dense tag and the owning rank. */
+int sl_mpi_register(sl_handle h, int64_t tag, int owner);
+/* The rank that runs the tasks submitted next. */
+void sl_mpi_set_exec_node(int rank);
+/* Sum the STARPU_REDUX contributions of all ranks into the owner's copy (a binary tree where
+ * StarPU has one, 1.4; flat to the owner on 1.3). */
+int sl_mpi_redux(sl_handle h);
+int sl_mpi_wait_all(void);
+int sl_mpi_tag_ub(void);
+
 /* ---- data (runtime.c) ---- */
 /* A vector of n elements of elemsize bytes on memory at ptr (ptr NULL lets StarPU allocate
  * it lazily; not used with FORKJOIN tasks: StarPU 1.3.10's peager crashes on such buffers). */

@@ -28,8 +28,8 @@ class TorchGPT2:
         self.layout = ParamLayout(config)
         flat = np.asarray(flat_params, dtype=np.float32)
         assert flat.size == self.layout.total
-        self.params = {name: torch.tensor(np.array(view), dtype=torch.float32, requires_grad=True)
-                       for name, view in self.layout.views(flat.copy()).items()}
+        self.params = {name: torch.from_numpy(view.copy()).requires_grad_(True)
+                       for name, view in self.layout.views(flat).items()}
         self.optimizer = None
 
     # ------------------------------------------------------------------ model
@@ -93,16 +93,20 @@ class TorchGPT2:
                                for n in self.layout.names]).astype(np.float32, copy=False)
 
     # ------------------------------------------------------------------ training
-    def adamw_step(self, inputs, targets, lr: float, weight_decay: float) -> float:
-        """forward + backward + torch.optim.AdamW over all 16 tensors; returns the loss."""
+    def adamw_update(self, lr: float, weight_decay: float):
+        """One torch.optim.AdamW step over all 16 tensors with the current gradients."""
         if self.optimizer is None:
             self.optimizer = torch.optim.AdamW([self.params[n] for n in self.layout.names],
                                                lr=lr, betas=(0.9, 0.999), eps=1e-8,
-                                               weight_decay=weight_decay, foreach=False)
+                                               weight_decay=weight_decay)
         for group in self.optimizer.param_groups:
             group["lr"], group["weight_decay"] = lr, weight_decay
-        _, loss = self.forward_backward(inputs, targets)
         self.optimizer.step()
+
+    def adamw_step(self, inputs, targets, lr: float, weight_decay: float) -> float:
+        """forward + backward + AdamW update; returns the loss (as the engines' step())."""
+        _, loss = self.forward_backward(inputs, targets)
+        self.adamw_update(lr, weight_decay)
         return loss
 
 

@@ -48,9 +48,22 @@ void sl_codelets_set_team_from_runtime(int on);
 void *sl_args_alloc(size_t size);
 void sl_args_free_completed(void);
 
-/* Every submit helper inserts its task through this one macro: the single place where the
- * StarPU-MPI variant (starpu_mpi_task_insert on a communicator) plugs in. */
+/* Every submit helper inserts its task through this one macro. Under StarPU-MPI every
+ * process submits every task: starpu_mpi_task_insert runs it where sl_exec_node says (the
+ * rank owning the sub-batch, or the owner of the parameters for updates) and posts the
+ * transfers its data needs. */
+#ifdef SL_HAVE_MPI
+#include <starpu_mpi.h>
+extern int sl_mpi_active;
+extern MPI_Comm sl_mpi_comm;
+extern int sl_exec_node;
+#define SL_INSERT(cl, ...)                                                                \
+	(sl_mpi_active ? starpu_mpi_task_insert(sl_mpi_comm, cl, STARPU_EXECUTE_ON_NODE,   \
+						sl_exec_node, __VA_ARGS__)                  \
+		       : starpu_task_insert(cl, __VA_ARGS__))
+#else
 #define SL_INSERT(...) starpu_task_insert(__VA_ARGS__)
+#endif
 
 /* Return code check for submissions: turns -ENODEV etc. into a printed, returned error. */
 int sl_check_submit(int ret, const char *what);

@@ -1,0 +1,108 @@
+/* StarPU-MPI glue: start on mpi4py's communicator, register handles with owner and tag, the
+ * cross-process gradient reduction. Built without MPI, every entry point says -ENOSYS. */
+#include <errno.h>
+#include "codelets/codelet.h"
+
+int sl_mpi_start(struct starpu_conf *conf, const void *comm);
+int sl_mpi_stop(void);
+
+#ifdef SL_HAVE_MPI
+
+int sl_mpi_active;
+MPI_Comm sl_mpi_comm;
+int sl_exec_node;
+
+int sl_mpi_available(void) { return 1; }
+
+int sl_mpi_start(struct starpu_conf *conf, const void *comm)
+{
+	int provided = 0;
+	MPI_Query_thread(&provided);
+	if (provided < MPI_THREAD_SERIALIZED)
+		return -EPROTO;   /* StarPU-MPI's thread calls MPI beside the application */
+	sl_mpi_comm = *(const MPI_Comm *)comm;
+	/* 0: MPI is already initialised (by mpi4py); StarPU is started with our conf */
+	int ret = starpu_mpi_init_conf(NULL, NULL, 0, sl_mpi_comm, conf);
+	if (ret == 0)
+		sl_mpi_active = 1;
+	return ret;
+}
+
+/* Returns 0 when it shut StarPU down (starpu_mpi_shutdown does), 1 when MPI was not used. */
+int sl_mpi_stop(void)
+{
+	if (!sl_mpi_active)
+		return 1;
+	starpu_mpi_shutdown();
+	sl_mpi_active = 0;
+	return 0;
+}
+
+int sl_mpi_init(const void *comm_addr, int ncpus, int cores_per_task, const char *sched)
+{
+	int sl_start(int, int, const char *, const void *);
+	return sl_start(ncpus, cores_per_task, sched, comm_addr);
+}
+
+int sl_mpi_rank(void)
+{
+	int r = 0;
+	if (sl_mpi_active)
+		starpu_mpi_comm_rank(sl_mpi_comm, &r);
+	return r;
+}
+
+int sl_mpi_size(void)
+{
+	int n = 1;
+	if (sl_mpi_active)
+		starpu_mpi_comm_size(sl_mpi_comm, &n);
+	return n;
+}
+
+int sl_mpi_register(sl_handle h, int64_t tag, int owner)
+{
+	if (!sl_mpi_active)
+		return -EINVAL;
+	starpu_mpi_data_register_comm(h, (starpu_mpi_tag_t)tag, owner, sl_mpi_comm);
+	return 0;
+}
+
+void sl_mpi_set_exec_node(int rank) { sl_exec_node = rank; }
+
+int sl_mpi_redux(sl_handle h)
+{
+	if (!sl_mpi_active)
+		return -EINVAL;
+#ifdef SL_HAVE_MPI_REDUX_TREE
+	return starpu_mpi_redux_data_prio_tree(sl_mpi_comm, h, 0, 2);
+#else
+	starpu_mpi_redux_data(sl_mpi_comm, h);
+	return 0;
+#endif
+}
+
+int sl_mpi_wait_all(void) { return starpu_mpi_wait_for_all(sl_mpi_comm); }
+
+int sl_mpi_tag_ub(void)
+{
+	int *ub = NULL, flag = 0;
+	MPI_Comm_get_attr(sl_mpi_comm, MPI_TAG_UB, &ub, &flag);
+	return flag && ub ? *ub : 32767;   /* 32767: the least the MPI standard guarantees */
+}
+
+#else /* no MPI in this build */
+
+int sl_mpi_available(void) { return 0; }
+int sl_mpi_start(struct starpu_conf *conf, const void *comm) { (void)conf; (void)comm; return -ENOSYS; }
+int sl_mpi_stop(void) { return 1; }
+int sl_mpi_init(const void *c, int n, int k, const char *s) { (void)c; (void)n; (void)k; (void)s; return -ENOSYS; }
+int sl_mpi_rank(void) { return 0; }
+int sl_mpi_size(void) { return 1; }
+int sl_mpi_register(sl_handle h, int64_t t, int o) { (void)h; (void)t; (void)o; return -ENOSYS; }
+void sl_mpi_set_exec_node(int rank) { (void)rank; }
+int sl_mpi_redux(sl_handle h) { (void)h; return -ENOSYS; }
+int sl_mpi_wait_all(void) { return -ENOSYS; }
+int sl_mpi_tag_ub(void) { return 0; }
+
+#endif
