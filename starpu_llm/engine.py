@@ -48,12 +48,25 @@ class _Engine:
         n = self.Bs * self.T
         dloss = 1.0 / (self.B * self.T)   # gradients of all sub-batches sum to the mean's
         for i, (a, s) in enumerate(self.subs):
+            self._run_sub_batch_on(i)
             self.ops.load_batch(a.inputs, a.targets, self.tokens_ptr, pos + i * n, n)
             taskflow.forward(self.ops, self.config, self.p, a, self.Bs, self.T)
             taskflow.backward(self.ops, self.config, self.p, self.g, a, s, self.Bs, self.T,
                               dloss, self.redux)
+        self._gradients_submitted()
+
+    # where tasks run: overridden by the multi-process engine
+    def _run_sub_batch_on(self, i):
+        pass
+
+    def _gradients_submitted(self):
+        pass
+
+    def _run_update_on_owner(self):
+        pass
 
     def submit_update(self, lr: float, weight_decay: float):
+        self._run_update_on_owner()
         self.state.step += 1
         taskflow.update(self.ops, self.config, self.p, self.g, self.m, self.v, lr, weight_decay,
                         self.state.step)
@@ -134,65 +147,137 @@ class ReferenceEngine(_Engine):
 
 
 class StarPUEngine(_Engine):
-    """Every tensor a StarPU data handle; every layer a task (needs a running Runtime)."""
+    """Every tensor a StarPU data handle; every layer a task (needs a running Runtime).
+
+    Under StarPU-MPI (a Runtime started on a communicator of R processes) every process
+    registers every handle with an owner and a small dense tag and submits the whole graph:
+    rank r owns the activations of its sub-batches (B/R sequences), rank 0 the parameters,
+    gradients and moments; gradient contributions of all ranks are reduced to rank 0, which
+    runs the updates."""
 
     name = "starpu"
 
     def __init__(self, config, state, B, T, tokens, runtime, sub_batches: int | None = None,
                  record: bool = False):
-        if sub_batches is None:   # data parallelism: one sub-batch per worker by default
-            sub_batches = runtime.workers
-            if B % sub_batches:
-                raise StarpuLLMError(
-                    f"--batch {B} cannot be split over {sub_batches} workers (one sub-batch "
-                    f"each); use a --batch divisible by {sub_batches}, or --sub-batches")
-        super().__init__(config, state, B, T, tokens, sub_batches)
         if not runtime.running:
             raise RuntimeError("the StarPU runtime is not running")
+        self.rank, self.nranks = runtime.rank, runtime.size
+        if B % self.nranks:
+            raise StarpuLLMError(f"--batch {B} cannot be split over {self.nranks} MPI processes; "
+                                 f"use a --batch divisible by {self.nranks}")
+        per_rank = B // self.nranks
+        if sub_batches is None:   # data parallelism: one sub-batch per worker by default
+            sub_batches = runtime.workers
+            if per_rank % sub_batches:
+                raise StarpuLLMError(
+                    f"--batch {B} cannot be split over {sub_batches} workers (one sub-batch "
+                    f"each) x {self.nranks} process(es); use a --batch divisible by "
+                    f"{sub_batches * self.nranks}, or --sub-batches")
+        elif per_rank % sub_batches:
+            raise StarpuLLMError(f"--batch {B} ({per_rank} per process) cannot be split into "
+                                 f"{sub_batches} equal sub-batches; choose --sub-batches dividing {per_rank}")
+        self.subs_per_rank = sub_batches
+        super().__init__(config, state, B, T, tokens, sub_batches * self.nranks)
+        self.mpi = self.nranks > 1
         self.runtime = runtime
         self.ops = StarPUOps(record=record)
         self._registered = []     # (handle, partitioned) to unregister in reverse order
+        self._buffers = []
+        self._next_tag = 0
 
         def make(kind, flat):
+            # Rank 0 owns parameters, gradients and moments. Other ranks hold parameter
+            # memory (received copies land there) and nothing else.
+            owner_here = self.rank == 0
+            memory = owner_here or kind == "param"
             out = {}
             for name, arr in self.layout.views(flat).items():
-                h = lib.sl_register_vector(ffi.from_buffer(arr), arr.size, 4)
-                parent = Tensor(f"{kind}.{name}", arr.shape, h=h)
-                if self.layout.is_layered(name):
-                    # StarPU data partitioning: one child handle per layer, so each layer's
-                    # slice has its own dependencies and its own update task.
-                    kids = ffi.new("sl_handle[]", config.L)
-                    if lib.sl_partition(h, config.L, kids) != 0:
-                        raise RuntimeError(f"partitioning {name} failed")
-                    out[name] = [Tensor(f"{kind}.{name}[{l}]", arr.shape[1:], h=kids[l], parent=parent)
-                                 for l in range(config.L)]
-                    self._registered.append((h, True))
-                    tensors = out[name]
+                layered = self.layout.is_layered(name)
+                if owner_here:
+                    h = self._register(arr, arr.size, 4, None)
+                    parent = Tensor(f"{kind}.{name}", arr.shape, h=h)
+                    if layered:
+                        # StarPU data partitioning: one child handle per layer, so each
+                        # layer's slice has its own dependencies and its own update task.
+                        kids = ffi.new("sl_handle[]", config.L)
+                        if lib.sl_partition(h, config.L, kids) != 0:
+                            raise RuntimeError(f"partitioning {name} failed")
+                        tensors = [Tensor(f"{kind}.{name}[{l}]", arr.shape[1:], h=kids[l],
+                                          parent=parent) for l in range(config.L)]
+                    else:
+                        tensors = [parent]
+                    self._registered.append((h, layered))
                 else:
-                    out[name] = parent
-                    self._registered.append((h, False))
-                    tensors = [parent]
-                if kind == "grad" and self.redux:
-                    for t in tensors:
+                    # a non-owner: one handle per slice (the same tags as the owner's
+                    # children), so there is no partition to gather back at the end
+                    slices = [arr[l] for l in range(config.L)] if layered else [arr]
+                    tensors = []
+                    for l, sl in enumerate(slices):
+                        h = self._register(sl if memory else None, sl.size, 4, None)
+                        self._registered.append((h, False))
+                        tensors.append(Tensor(f"{kind}.{name}" + (f"[{l}]" if layered else ""),
+                                              sl.shape, h=h))
+                out[name] = tensors if layered else tensors[0]
+                for t in tensors:
+                    self._mpi_register(t.h, owner=0)
+                    if kind == "grad" and self.redux:
                         lib.sl_set_grad_reduction(t.h)
             return out
 
         self.p, self.g, self.m, self.v = self._param_namespaces(make)
 
-        self._buffers = []
+        def activations_of(owner):
+            def new_tensor(name, shape, dtype):
+                # Our memory, not StarPU's (-1): StarPU 1.3.10's peager crashes when a
+                # parallel task gets a buffer StarPU allocated itself. np.empty touches no
+                # page, so the first task that writes a tensor places its pages (first touch).
+                n = int(np.prod(shape))
+                arr = np.empty(shape, dtype) if owner == self.rank else None
+                h = self._register(arr, n, np.dtype(dtype).itemsize, owner)
+                self._registered.append((h, False))
+                return Tensor(name, shape, dtype, h=h)
+            return new_tensor
 
-        def new_tensor(name, shape, dtype):
-            # Our memory, not StarPU's (-1): StarPU 1.3.10's peager crashes when a parallel
-            # task gets a buffer StarPU allocated itself. np.empty touches no page, so the
-            # first task that writes a tensor still places its pages (first touch).
-            arr = np.empty(shape, dtype)
+        self.subs = [taskflow.make_activations(config, self.Bs, T,
+                                               activations_of(i // self.subs_per_rank))
+                     for i in range(self.sub_batches)]
+
+    def _register(self, arr, n, itemsize, owner):
+        """A vector handle on arr (kept alive), or StarPU-allocated when arr is None (a
+        tensor this process never computes on); MPI-registered when owner is given."""
+        if arr is not None:
             self._buffers.append(arr)
-            h = lib.sl_register_vector(ffi.from_buffer(arr), arr.size, arr.itemsize)
-            self._registered.append((h, False))
-            return Tensor(name, shape, dtype, h=h)
+            h = lib.sl_register_vector(ffi.from_buffer(arr), n, itemsize)
+        else:
+            h = lib.sl_register_vector(ffi.NULL, n, itemsize)
+        if owner is not None:
+            self._mpi_register(h, owner)
+        return h
 
-        self.subs = [taskflow.make_activations(config, self.Bs, T, new_tensor)
-                     for _ in range(self.sub_batches)]
+    def _mpi_register(self, h, owner):
+        if self.mpi:
+            if lib.sl_mpi_register(h, self._next_tag, owner) != 0:
+                raise RuntimeError("starpu_mpi_data_register failed")
+            self._next_tag += 1
+
+    # --- where tasks run under MPI ---
+    def _owner(self, i):
+        return i // self.subs_per_rank
+
+    def _run_sub_batch_on(self, i):
+        if self.mpi:
+            lib.sl_mpi_set_exec_node(self._owner(i))
+
+    def _gradients_submitted(self):
+        if self.mpi:   # every rank's contributions -> rank 0
+            for ns_tensor in vars(self.g).values():
+                for t in (ns_tensor if isinstance(ns_tensor, list) else [ns_tensor]):
+                    if lib.sl_mpi_redux(t.h) != 0:
+                        raise RuntimeError(f"starpu_mpi_redux_data failed for {t.name}")
+
+    def _run_update_on_owner(self):
+        if self.mpi:
+            lib.sl_mpi_set_exec_node(0)
 
     def wait(self):
         self.runtime.wait()
@@ -202,14 +287,24 @@ class StarPUEngine(_Engine):
         if ptr == ffi.NULL:
             raise RuntimeError(f"acquiring {t.name} failed")
         try:
-            return np.frombuffer(ffi.buffer(ptr, t.size * 4), dtype=t.dtype).reshape(t.shape).copy()
+            return np.frombuffer(ffi.buffer(ptr, t.size * t.dtype.itemsize),
+                                 dtype=t.dtype).reshape(t.shape).copy()
         finally:
             lib.sl_release(t.h)
 
+    def loss(self) -> float:
+        if not self.mpi:
+            return super().loss()
+        mine = [self.read(a.losses).mean(dtype=np.float64)
+                for i, (a, _) in enumerate(self.subs) if self._owner(i) == self.rank]
+        return float(sum(self.runtime.comm.allreduce(mine)) / self.sub_batches)
+
     def sync(self):
         """Make the numpy buffers of parameters, gradients and moments coherent (runs any
-        pending gradient reduction)."""
+        pending gradient reduction). Under MPI only rank 0 holds them."""
         self.wait()
+        if self.mpi and self.rank != 0:
+            return
         for ns in (self.p, self.g, self.m, self.v):
             for t in vars(ns).values():
                 for x in (t if isinstance(t, list) else [t]):
@@ -230,4 +325,5 @@ class StarPUEngine(_Engine):
         self._buffers = []
 
     def describe(self):
-        return f"starpu engine, {self.runtime.describe()}, {self.sub_batches} sub-batch(es)"
+        per = f" ({self.subs_per_rank} per process)" if self.mpi else ""
+        return f"starpu engine, {self.runtime.describe()}, {self.sub_batches} sub-batch(es){per}"

@@ -62,7 +62,7 @@ class Runtime:
     _active: "Runtime | None" = None
 
     def __init__(self, workers: int | None = None, cores_per_worker: int | None = None,
-                 sched: str | None = None, oversubscribe: bool = False):
+                 sched: str | None = None, oversubscribe: bool = False, comm=None):
         if Runtime._active is not None:
             raise StarpuLLMError("StarPU is already running in this process; "
                                  "shut the other Runtime down first")
@@ -81,7 +81,16 @@ class Runtime:
         # Only CPU workers: never probe for accelerators.
         os.environ.setdefault("STARPU_NCUDA", "0")
         os.environ.setdefault("STARPU_NOPENCL", "0")
-        ret = lib.sl_init(workers * cores_per_worker, cores_per_worker, sched.encode())
+        self.comm = comm
+        if comm is not None:
+            if not lib.sl_mpi_available():
+                raise StarpuLLMError("this build has no StarPU-MPI support (rebuild with "
+                                     "libstarpumpi and an MPI installed)")
+            from mpi4py import MPI
+            addr = ffi.cast("void *", MPI._addressof(comm))
+            ret = lib.sl_mpi_init(addr, workers * cores_per_worker, cores_per_worker, sched.encode())
+        else:
+            ret = lib.sl_init(workers * cores_per_worker, cores_per_worker, sched.encode())
         if ret != 0:
             raise StarpuLLMError(f"starpu_init failed ({ret}) for {workers} worker(s) x "
                                  f"{cores_per_worker} core(s) with scheduler {sched!r}")
@@ -93,6 +102,14 @@ class Runtime:
             raise StarpuLLMError(f"StarPU started {got} CPU worker(s) instead of "
                                  f"{workers * cores_per_worker} (STARPU_NCPU or "
                                  "STARPU_WORKERS_CPUID in the environment?)")
+
+    @property
+    def rank(self) -> int:
+        return lib.sl_mpi_rank()
+
+    @property
+    def size(self) -> int:
+        return lib.sl_mpi_size()
 
     @property
     def running(self) -> bool:
@@ -128,7 +145,8 @@ class Runtime:
     def describe(self) -> str:
         major, minor, release = ffi.new("int *"), ffi.new("int *"), ffi.new("int *")
         lib.sl_starpu_version(major, minor, release)
-        return (f"StarPU {major[0]}.{minor[0]}.{release[0]}, {self.workers} worker(s) x "
+        mpi = f", {self.size} MPI processes" if self.comm is not None else ""
+        return (f"StarPU {major[0]}.{minor[0]}.{release[0]}{mpi}, {self.workers} worker(s) x "
                 f"{self.cores_per_worker} core(s), scheduler {self.sched}, "
                 f"BLAS {ffi.string(lib.sl_blas_name()).decode()}")
 

@@ -83,8 +83,20 @@ def check_shapes(config: GPTConfig, B: int, T: int):
                              f"sequence length; use --seq-len <= {config.maxT}")
 
 
-def make_engine(cfg: TrainConfig, state: TrainState, tokens, runtime=None):
-    """The engine of cfg.engine over state; starts a StarPU Runtime if none is given."""
+def run_settings(cfg: TrainConfig, config: GPTConfig, loader) -> dict:
+    """What every MPI rank must agree on (compared before training)."""
+    toks = loader.tokens
+    return {"model": str(config), "batch": cfg.batch, "seq_len": cfg.seq_len,
+            "steps": cfg.steps, "lr": cfg.lr, "weight_decay": cfg.weight_decay,
+            "seed": cfg.seed, "init_from": cfg.init_from, "sub_batches": cfg.sub_batches,
+            "train_data": (loader.num_tokens, int(toks[:4096].astype(np.int64).sum()),
+                           int(toks[-4096:].astype(np.int64).sum())),
+            "data_position": loader.position}
+
+
+def make_engine(cfg: TrainConfig, state: TrainState, tokens, runtime=None, comm=None):
+    """The engine of cfg.engine over state; starts a StarPU Runtime (on comm, under
+    StarPU-MPI) if none is given."""
     from .engine import ReferenceEngine, StarPUEngine
     if cfg.engine == "reference":
         return ReferenceEngine(state.config, state, cfg.batch, cfg.seq_len, tokens,
@@ -93,7 +105,8 @@ def make_engine(cfg: TrainConfig, state: TrainState, tokens, runtime=None):
         raise StarpuLLMError(f"--engine {cfg.engine!r}: choose starpu or reference")
     from .runtime import Runtime
     if runtime is None:
-        runtime = Runtime(cfg.workers, cfg.cores_per_worker, cfg.sched, cfg.oversubscribe)
+        runtime = Runtime(cfg.workers, cfg.cores_per_worker, cfg.sched, cfg.oversubscribe,
+                          comm=comm)
     return StarPUEngine(state.config, state, cfg.batch, cfg.seq_len, tokens, runtime,
                         sub_batches=cfg.sub_batches, record=cfg.record)
 
@@ -103,24 +116,38 @@ def train(cfg: TrainConfig, state: TrainState | None = None, runtime=None) -> Tr
 
     A running `runtime` is used (and left running); otherwise the StarPU engine starts one
     for cfg's partition and shuts it down at the end."""
-    log = cfg.log or (lambda *a, **k: None)
+    from . import distributed
+    comm = distributed.world() if runtime is None else runtime.comm
+    rank = comm.Get_rank() if comm is not None else 0
+    log = (cfg.log if rank == 0 else None) or (lambda *a, **k: None)
+    if comm is not None:
+        if cfg.engine != "starpu":
+            raise StarpuLLMError("under mpirun only --engine starpu runs (the reference engine "
+                                 "is a single process)")
+        if runtime is None:
+            distributed.pin_rank(comm)
+        if rank == 0 and not cfg.train_data:
+            data.default_dataset()          # tokenize once, then every rank reads the cache
+        comm.Barrier()
     state = state or load_model(cfg)
     config = state.config
     check_shapes(config, cfg.batch, cfg.seq_len)
     path = cfg.train_data or data.default_dataset()[0]
     loader = data.DataLoader(path, cfg.batch, cfg.seq_len, vocab_size=config.V)
+    if comm is not None:
+        distributed.check_same_settings(comm, run_settings(cfg, config, loader))
     if state.data:
         loader.load_state(state.data)
     if cfg.steps < 1:
         raise StarpuLLMError(f"--steps must be at least 1, got {cfg.steps}")
 
     from ._clib import lib
-    engine = make_engine(cfg, state, loader.tokens, runtime)
+    engine = make_engine(cfg, state, loader.tokens, runtime, comm)
     own_runtime = runtime is None and getattr(engine, "runtime", None)
     result = TrainResult(engine=engine.describe())
     if cfg.trace:
         lib.sl_trace_enable(200_000)
-    metrics = open(cfg.metrics_jsonl + ".tmp", "w") if cfg.metrics_jsonl else None
+    metrics = open(cfg.metrics_jsonl + ".tmp", "w") if cfg.metrics_jsonl and rank == 0 else None
     log(f"model: L={config.L} NH={config.NH} C={config.C} V={config.V} Vp={config.Vp} "
         f"maxT={config.maxT}, {config.num_parameters:,} parameters")
     log(f"data: {path} ({loader.num_tokens:,} tokens), B={cfg.batch} T={cfg.seq_len}")
@@ -163,7 +190,7 @@ def train(cfg: TrainConfig, state: TrainState | None = None, runtime=None) -> Tr
     result.state = state
     log(f"tokens/ms over {result.timed_steps} timed step(s): {result.tokens_per_ms:.4f}"
         f"   peak RSS: {result.peak_rss_mb:.0f} MB")
-    if cfg.save:
+    if cfg.save and rank == 0:    # rank 0 owns the parameters
         formats.write_checkpoint(cfg.save, config, state.params)
         log(f"saved {cfg.save}")
     return result

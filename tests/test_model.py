@@ -52,21 +52,29 @@ class Case:
         return [loader.next_position() for _ in range(STEPS)]
 
 
-# Tolerances (absolute unless named *_rel), with the largest error observed over both engines.
+# Tolerances, with the largest error observed (over both engines, which agree bitwise).
+# Gradients: per tensor, max |engine - torch| <= grad_rel * max |torch gradient|.
+# Parameters after the steps: max |engine - torch| <= params and, per tensor,
+# ||engine - torch|| / ||torch - initial|| <= params_rel (the error relative to the update).
+# The parameter errors are fp32 noise amplified by Adam where a gradient is ~0 (e.g. the key
+# biases, whose gradient is analytically zero): torch fp32 itself differs from torch fp64 as
+# much (124M, fcprojw: 8.6e-5 max abs, the engines 8.7e-5 from fp64).
 TOLERANCES = {
     "small": dict(
-        logits=1e-6,        # observed 1.8e-7 (|logits| <= 0.75)
-        loss=1e-6,          # observed 1.8e-7
-        grad_rel=5e-6,      # per tensor, max|diff| / max|torch grad|: observed 6e-7
-        step_loss=1e-6,     # observed ...
-        params=1e-5,        # observed ...
+        logits=1e-6,        # observed 2.1e-7 (|logits| <= 0.75)
+        loss=1e-6,          # observed 1.8e-7 (loss 4.57)
+        grad_rel=5e-6,      # observed 4.4e-7 (max abs 4.5e-8)
+        step_loss=2e-6,     # observed 5.2e-7
+        params=5e-5,        # observed 1.0e-5 (qkvb; others <= 1.1e-6), updates ~1e-2
+        params_rel=3e-3,    # observed 6.9e-4 (qkvb; others <= 8e-5)
     ),
     "d12": dict(
         logits=1e-5,        # observed 2.8e-6 (|logits| <= 2.9)
-        loss=2e-6,          # observed 4.2e-7 (loss 11.08)
-        grad_rel=5e-6,      # observed 1.35e-6 (ln1b)
-        step_loss=1e-5,     # observed ...
-        params=1e-3,        # observed ...
+        loss=2e-6,          # observed 4.6e-7 (loss 11.08)
+        grad_rel=5e-6,      # observed 1.4e-6 (max abs 4e-7)
+        step_loss=1e-5,     # observed 2.1e-6 (losses 11.08 -> 8.9)
+        params=5e-4,        # observed 1.3e-4 (fcprojw; qkvw 4.6e-5), updates ~1e-3
+        params_rel=1e-2,    # observed 2.4e-3 (qkvb; ln*w 1.2e-3, others <= 1.2e-4)
     ),
 }
 
@@ -91,6 +99,18 @@ def tensor_errors(layout: ParamLayout, got: np.ndarray, want: np.ndarray) -> dic
     return {n: (float(np.abs(g[n] - w[n]).max()), float(np.abs(w[n]).max())) for n in layout.names}
 
 
+def update_errors(layout: ParamLayout, got: np.ndarray, want: np.ndarray, init: np.ndarray) -> dict:
+    """{tensor name: (max |got - want|, ||got - want|| / ||want - init||)}: the second is the
+    error relative to how far training moved the tensor."""
+    g, w, i = layout.views(got), layout.views(want), layout.views(init)
+    out = {}
+    for n in layout.names:
+        d = (g[n] - w[n]).astype(np.float64)
+        out[n] = (float(np.abs(d).max()),
+                  float(np.linalg.norm(d) / np.linalg.norm((w[n] - i[n]).astype(np.float64))))
+    return out
+
+
 # --------------------------------------------------------------------------- the runs
 
 @pytest.fixture(scope="module")
@@ -102,7 +122,10 @@ def runtime():
 
 def make_engine(kind, case, state, runtime):
     if kind == "reference":
-        return ReferenceEngine(case.config, state, case.B, case.T, case.tokens)
+        # the same OpenMP team size as the StarPU engine's tasks, so that both run the
+        # kernels' reductions in the same order
+        return ReferenceEngine(case.config, state, case.B, case.T, case.tokens,
+                               threads=runtime.cores_per_worker)
     return StarPUEngine(case.config, state, case.B, case.T, case.tokens, runtime=runtime)
 
 
@@ -180,7 +203,7 @@ def results(request, runtime):
         e.loss = abs(loss - ref["loss"])
         e.grads = tensor_errors(layout, grads, ref["grads"])
         e.step_losses = np.abs(losses - ref["losses"])
-        e.params = tensor_errors(layout, params, ref["params"])
+        e.params = update_errors(layout, params, ref["params"], case.params)
         e.losses = losses
         if kind == "reference":
             ref_train = (losses, params)
@@ -235,12 +258,13 @@ def test_training_losses(results, engine):
 @pytest.mark.parametrize("engine", ENGINES)
 def test_training_params(results, engine):
     case, errors, moved = results
-    tol = case.tol["params"]
-    bad = {n: f"max|diff| {d:.3e}" for n, (d, _) in errors[engine].params.items() if not d <= tol}
+    tol, tol_rel = case.tol["params"], case.tol["params_rel"]
+    bad = {n: f"max|diff| {d:.3e}, ||diff|| / ||update|| {r:.3e}"
+           for n, (d, r) in errors[engine].params.items() if not (d <= tol and r <= tol_rel)}
     assert not bad, f"{case.name}/{engine}: parameters after {STEPS} steps differ from torch: {bad}"
-    # the parameters did move, by much more than the tolerance
-    assert min(d for d, _ in moved.values()) > 0
-    assert max(d for d, _ in moved.values()) > 10 * tol
+    # every tensor moved, by more than the tolerance
+    small = {n: d for n, (d, _) in moved.items() if not d > tol}
+    assert not small, f"{case.name}: tensors that training did not move: {small}"
 
 
 # --------------------------------------------------------------------------- 3. StarPU vs reference

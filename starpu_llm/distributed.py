@@ -1,0 +1,100 @@
+"""Multi-process data parallelism with StarPU-MPI (paper section 4).
+
+One process per node, launched by mpirun. MPI is initialised by mpi4py; StarPU-MPI runs on
+its communicator. Every process registers every handle and submits the whole task graph;
+data ownership decides where each task runs: rank r owns its sub-batches' activations, rank 0
+owns the parameters, gradients and AdamW moments. Gradients of all ranks are reduced to rank
+0 by StarPU-MPI, rank 0 updates, and the next forward tasks on every rank receive the new
+parameters through the graph's dependencies.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+from .errors import StarpuLLMError
+
+_RANK_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS")
+
+
+def launched_by_mpirun() -> bool:
+    """True when this process is one of several started by an MPI launcher."""
+    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        if int(os.environ.get(var, "1") or 1) > 1:
+            return True
+    return False
+
+
+def world():
+    """mpi4py's COMM_WORLD when several processes run, else None. Initialises MPI with
+    MPI_THREAD_MULTIPLE (StarPU-MPI needs at least SERIALIZED)."""
+    if not launched_by_mpirun():
+        return None
+    try:
+        import mpi4py
+        mpi4py.rc.thread_level = "multiple"
+        from mpi4py import MPI
+    except ImportError:
+        raise StarpuLLMError("this run was started by mpirun but mpi4py is missing: "
+                             "pip install mpi4py") from None
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() < 2:
+        return None
+    if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
+        raise StarpuLLMError("MPI provides less than MPI_THREAD_SERIALIZED, which StarPU-MPI "
+                             "needs; use an MPI library built with thread support")
+    return comm
+
+
+def local_rank_and_size(comm) -> tuple[int, int]:
+    """This process's index among the processes on its node, and their count."""
+    from mpi4py import MPI
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return node.Get_rank(), node.Get_size()
+    finally:
+        node.Free()
+
+
+def pin_rank(comm) -> list[int]:
+    """Give each rank on a shared node its own cores, for its StarPU workers and StarPU-MPI's
+    communication thread, so ranks do not pile their threads on the same cores (StarPU would
+    otherwise pin every rank's first worker to core 0). Returns this rank's cores.
+
+    When mpirun already bound ranks to distinct cores, that binding is kept. With more ranks
+    than cores (mpirun --oversubscribe on a small machine), ranks share cores round-robin."""
+    lrank, lsize = local_rank_and_size(comm)
+    mine = sorted(os.sched_getaffinity(0))
+    masks = comm.allgather((os.uname().nodename, mine))
+    same_node = [m for host, m in masks if host == os.uname().nodename]
+    overlapping = any(set(m) & set(mine) for m in same_node[:lrank] + same_node[lrank + 1:])
+    if overlapping and lsize > 1:
+        per = len(mine) // lsize
+        if per >= 1:
+            mine = mine[lrank * per:(lrank + 1) * per]
+        else:
+            mine = [mine[lrank % len(mine)]]
+        os.sched_setaffinity(0, mine)
+    # Workers on this rank's cores; the communication thread on the first of them unless the
+    # user chose (a reserved core on a cluster node: see the README).
+    os.environ.setdefault("STARPU_WORKERS_CPUID", " ".join(map(str, mine)))
+    os.environ.setdefault("STARPU_MPI_THREAD_CPUID", str(mine[0]))
+    # starpu_mpi_init_conf would otherwise keep one core out of the workers for that thread
+    os.environ.setdefault("STARPU_RESERVE_NCPU", "0")
+    return mine
+
+
+def check_same_settings(comm, settings: dict) -> None:
+    """Fail on every rank, before training, when ranks were started with different settings."""
+    blob = json.dumps(settings, sort_keys=True, default=str)
+    digest = hashlib.sha256(blob.encode()).hexdigest()
+    all_settings = comm.allgather((digest, settings))
+    ref_digest, ref = all_settings[0]
+    for r, (d, s) in enumerate(all_settings):
+        if d != ref_digest:
+            diffs = [f"{k}: rank 0 has {ref.get(k)!r}, rank {r} has {s.get(k)!r}"
+                     for k in sorted(set(ref) | set(s)) if ref.get(k) != s.get(k)]
+            raise StarpuLLMError("the MPI ranks were started with different settings ("
+                                 + "; ".join(diffs) + "); start every rank with the same "
+                                 "arguments and files")
