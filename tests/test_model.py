@@ -13,6 +13,7 @@ tighter, as fp32 allows.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 from dataclasses import dataclass, field
@@ -120,13 +121,14 @@ def runtime():
     rt.shutdown()
 
 
-def make_engine(kind, case, state, runtime):
+def make_engine(kind, case, state, runtime, sub_batches=None):
     if kind == "reference":
         # the same OpenMP team size as the StarPU engine's tasks, so that both run the
         # kernels' reductions in the same order
         return ReferenceEngine(case.config, state, case.B, case.T, case.tokens,
                                threads=runtime.cores_per_worker)
-    return StarPUEngine(case.config, state, case.B, case.T, case.tokens, runtime=runtime)
+    return StarPUEngine(case.config, state, case.B, case.T, case.tokens, runtime=runtime,
+                        sub_batches=sub_batches)
 
 
 def run_torch(case: Case, out: dict):
@@ -141,11 +143,11 @@ def run_torch(case: Case, out: dict):
     out["losses"], out["params"] = np.array(losses), model.params_flat()
 
 
-def run_engine(kind: str, case: Case, runtime):
+def run_engine(kind: str, case: Case, runtime, sub_batches=None):
     """(logits, loss, grads) of one forward/backward at the first batch, then (losses, final
     params) of STEPS steps from the same initial parameters (a fresh engine)."""
     state = TrainState(config=case.config, params=case.params.copy())
-    engine = make_engine(kind, case, state, runtime)
+    engine = make_engine(kind, case, state, runtime, sub_batches)
     try:
         loss = engine.forward_backward(case.positions()[0])
         if kind == "starpu":
@@ -157,7 +159,7 @@ def run_engine(kind: str, case: Case, runtime):
     gc.collect()
 
     state = TrainState(config=case.config, params=case.params.copy())
-    engine = make_engine(kind, case, state, runtime)
+    engine = make_engine(kind, case, state, runtime, sub_batches)
     try:
         losses = np.array([engine.step(pos, case.lr, WEIGHT_DECAY) for pos in case.positions()])
         if kind == "starpu":
@@ -177,51 +179,52 @@ class Errors:
     params: dict = field(default_factory=dict)
 
 
+def compare(layout, case, fb, train, ref_fb, ref_train) -> Errors:
+    """The errors of (fb, train) = ((logits, loss, grads), (step losses, final params))
+    against the same of a reference run."""
+    e = Errors()
+    e.logits = float(np.abs(fb[0] - ref_fb[0]).max())
+    e.loss = abs(fb[1] - ref_fb[1])
+    e.grads = tensor_errors(layout, fb[2], ref_fb[2])
+    e.step_losses = np.abs(train[0] - ref_train[0])
+    e.params = update_errors(layout, train[1], ref_train[1], case.params)
+    return e
+
+
 @pytest.fixture(scope="module", params=["small", "d12"])
 def results(request, runtime):
-    """Runs torch, then each engine, on one model; returns the case and the errors:
-    errors[engine] vs torch, and errors["starpu_vs_reference"]."""
+    """Runs torch, then each engine, on one model; returns (case, errors, moved): errors[engine]
+    against torch, errors["starpu_vs_reference"], and how far torch's training moved each
+    tensor. Only errors are kept: the runs' arrays are freed here."""
     case = make_case(request.param)
     layout = ParamLayout(case.config)
-    timings = {}
-    ref = {}
+    timings, out = {}, {}
     t0 = time.perf_counter()
     with runtime.paused():   # StarPU's idle workers would spin on the cores torch uses
-        run_torch(case, ref)
+        run_torch(case, out)
     timings["torch"] = time.perf_counter() - t0
-    errors, ref_train = {}, None
+    torch_fb = out["logits"], out["loss"], out["grads"]
+    torch_train = out["losses"], out["params"]
+    del out
+    errors, runs = {}, {}
     for kind in ENGINES:
         t0 = time.perf_counter()
-        if kind == "reference":
-            with runtime.paused():
-                (logits, loss, grads), (losses, params) = run_engine(kind, case, runtime)
-        else:
-            (logits, loss, grads), (losses, params) = run_engine(kind, case, runtime)
+        with runtime.paused() if kind == "reference" else contextlib.nullcontext():
+            runs[kind] = run_engine(kind, case, runtime)
         timings[kind] = time.perf_counter() - t0
-        e = errors[kind] = Errors()
-        e.logits = float(np.abs(logits - ref["logits"]).max())
-        e.loss = abs(loss - ref["loss"])
-        e.grads = tensor_errors(layout, grads, ref["grads"])
-        e.step_losses = np.abs(losses - ref["losses"])
-        e.params = update_errors(layout, params, ref["params"], case.params)
-        e.losses = losses
-        if kind == "reference":
-            ref_train = (losses, params)
-        else:
-            se = errors["starpu_vs_reference"] = Errors()
-            se.step_losses = np.abs(losses - ref_train[0])
-            se.params = tensor_errors(layout, params, ref_train[1])
-        del logits, grads, params
-        gc.collect()
-    moved = tensor_errors(layout, ref["params"], case.params)
-    print(f"\n[{case.name}] seconds: {timings}; torch losses {np.round(ref['losses'], 5)}")
+        errors[kind] = compare(layout, case, *runs[kind], torch_fb, torch_train)
+    errors["starpu_vs_reference"] = compare(layout, case, *runs["starpu"], *runs["reference"])
+    moved = tensor_errors(layout, torch_train[1], case.params)
+    del runs, torch_fb, torch_train
+    gc.collect()
+    print(f"\n[{case.name}] seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in timings.items()))
     for kind, e in errors.items():
         print(f"[{case.name}] {kind}: logits {e.logits:.2e} loss {e.loss:.2e} "
-              f"grad_rel {max((d / s for d, s in e.grads.values()), default=0):.2e} "
-              f"step_loss {e.step_losses.max():.2e} params {max(d for d, _ in e.params.values()):.2e}")
-    yield case, errors, moved
-    del ref, ref_train
-    gc.collect()
+              f"grad_rel {max(d / s if s else d for d, s in e.grads.values()):.2e} "
+              f"step_loss {e.step_losses.max():.2e} "
+              f"params {max(d for d, _ in e.params.values()):.2e} "
+              f"params_rel {max(r for _, r in e.params.values()):.2e}")
+    return case, errors, moved
 
 
 # --------------------------------------------------------------------------- 1. forward/backward
@@ -270,8 +273,39 @@ def test_training_params(results, engine):
 # --------------------------------------------------------------------------- 3. StarPU vs reference
 
 def test_starpu_matches_reference(results):
+    """Same kernels in the same order with the same thread count: bitwise equal."""
     case, errors, _ = results
     e = errors["starpu_vs_reference"]
+    assert e.logits == 0.0 and e.loss == 0.0, f"{case.name}: logits {e.logits}, loss {e.loss}"
+    bad = {n: d for n, (d, _) in e.grads.items() if d != 0.0}
+    assert not bad, f"{case.name}: gradients differ: {bad}"
     assert e.step_losses.max() == 0.0, f"{case.name}: step losses differ: {e.step_losses}"
     bad = {n: d for n, (d, _) in e.params.items() if d != 0.0}
     assert not bad, f"{case.name}: parameters after {STEPS} steps differ: {bad}"
+
+
+# --------------------------------------------------------------------------- data parallelism
+
+def test_starpu_sub_batches_small(runtime):
+    """The small model with the batch split into 2 sub-batches whose gradients StarPU reduces
+    (REDUX): matches torch within the same tolerances (the sums run in another order)."""
+    case = make_case("small")
+    layout = ParamLayout(case.config)
+    out = {}
+    with runtime.paused():
+        run_torch(case, out)
+    fb, train = run_engine("starpu", case, runtime, sub_batches=2)
+    e = compare(layout, case, fb, train, (out["logits"], out["loss"], out["grads"]),
+                (out["losses"], out["params"]))
+    print(f"\n[small, 2 sub-batches] logits {e.logits:.2e} loss {e.loss:.2e} grad_rel "
+          f"{max(d / s for d, s in e.grads.values()):.2e} step_loss {e.step_losses.max():.2e} "
+          f"params {max(d for d, _ in e.params.values()):.2e} "
+          f"params_rel {max(r for _, r in e.params.values()):.2e}")
+    tol = case.tol
+    assert e.logits <= tol["logits"] and e.loss <= tol["loss"], (e.logits, e.loss)
+    bad = {n: (d, s) for n, (d, s) in e.grads.items() if not d <= tol["grad_rel"] * s}
+    assert not bad, f"gradients differing from torch: {bad}"
+    assert e.step_losses.max() <= tol["step_loss"], e.step_losses
+    bad = {n: (d, r) for n, (d, r) in e.params.items()
+           if not (d <= tol["params"] and r <= tol["params_rel"])}
+    assert not bad, f"parameters after {STEPS} steps differ from torch: {bad}"
