@@ -1,4 +1,5 @@
-"""A PyTorch GPT-2 over llm.c's 16 parameter tensors: the oracle of the model tests.
+"""A PyTorch GPT-2 over llm.c's 16 parameter tensors: the oracle of the model tests and the
+PyTorch-eager reference of `starpu-llm bench`. Needs torch (a test/bench-only dependency).
 
 Written with explicit tensor ops (float32, CPU) so every layer is visible:
   x = wte[inputs] + wpe[:T]
@@ -13,9 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from starpu_llm.config import GPTConfig, ParamLayout
-
-torch.set_num_threads(2)
+from .config import GPTConfig, ParamLayout
 
 LN_EPS = 1e-5
 
@@ -114,3 +113,19 @@ def batch(tokens: np.ndarray, pos: int, B: int, T: int):
     """The (inputs, targets) the engines read at token position pos (llm.c's loader)."""
     buf = np.asarray(tokens[pos:pos + B * T + 1], dtype=np.int64)
     return buf[:-1].reshape(B, T), buf[1:].reshape(B, T)
+
+
+def torch_train_step_times(config: GPTConfig, flat_params: np.ndarray, tokens: np.ndarray,
+                           B: int, T: int, steps: int, threads: int, lr: float = 1e-4):
+    """Milliseconds of each of `steps` eager training steps (forward, backward, AdamW) on
+    consecutive batches, with `threads` intra-op threads."""
+    import time
+    torch.set_num_threads(threads)
+    model = TorchGPT2(config, flat_params)
+    ms = []
+    for i in range(steps):
+        x, y = batch(tokens, i * B * T, B, T)
+        t0 = time.perf_counter()
+        model.adamw_step(x, y, lr, 0.0)
+        ms.append((time.perf_counter() - t0) * 1e3)
+    return ms
