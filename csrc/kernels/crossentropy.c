@@ -26,7 +26,7 @@ void crossentropy_softmax_forward(float *probs, float *losses, const float *logi
         #pragma omp simd
         for (int j = 0; j < V; j++) p[j] *= inv;
         for (int j = V; j < Vp; j++) p[j] = 0.0f;
-        /* -log(softmax[target]) as log(sum) - (x_t - max): exact even where the float
+        /* -log(softmax[target]) as log(sum) - (x_t - max): accurate even where the float
          * probability underflows to 0 */
         int tgt = targets[i];
         losses[i] = (float)(log(sum) - ((double)x[tgt] - (double)mx));

@@ -8,7 +8,10 @@
  *   because gradients of one step are summed over layers that share a tensor (tied wte) and
  *   over sub-batches. Gradients of activations are WRITTEN (=) unless stated otherwise.
  *   Parallel loops use the OpenMP team size of the calling thread (omp_get_max_threads());
- *   the StarPU codelets set it to the cores of the worker that runs the task.
+ *   the StarPU codelets set it to the cores of the worker that runs the task. Gradient sums
+ *   split channels (not rows) over threads: no races, and results do not depend on the team
+ *   size.
+ *   Unless stated otherwise, outputs do not alias inputs. C % NH == 0; token ids in [0, V).
  */
 #ifndef STARPU_LLM_KERNELS_H
 #define STARPU_LLM_KERNELS_H
@@ -71,7 +74,9 @@ void crossentropy_softmax_backward(float *dlogits, const float *probs,
 /* AdamW on n parameters, as llm.c and torch.optim.AdamW (decoupled weight decay):
  *   m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2
  *   p -= lr * ( (m/(1-b1^t)) / (sqrt(v/(1-b2^t)) + eps) + wd p )
- * t is the 1-based step. If zero_grad, g is set to 0 after use (ready for the next step). */
+ * t is the 1-based step. If zero_grad, g is set to 0 after use (ready for the next step).
+ * The betas are floats, as in llm.c: v differs from torch's (double 1-beta2) by ~1e-5
+ * relative, which the bias correction cancels in the update itself. */
 void adamw_update(float *params, float *grads, float *m, float *v, size_t n, float lr,
                   float beta1, float beta2, float eps, float weight_decay, int t,
                   int zero_grad);
@@ -80,7 +85,8 @@ void adamw_update(float *params, float *grads, float *m, float *v, size_t n, flo
 void fill_zero(float *x, size_t n);
 /* dst += src (n floats): the StarPU reduction of gradient copies. */
 void add_inplace(float *dst, const float *src, size_t n);
-/* Load one batch: inputs[i] = tokens[pos+i], targets[i] = tokens[pos+i+1] for i < n. */
+/* Load one batch: inputs[i] = tokens[pos+i], targets[i] = tokens[pos+i+1] for i < n
+ * (reads the n+1 tokens from pos). */
 void load_batch(int32_t *inputs, int32_t *targets, const uint16_t *tokens, size_t pos,
                 size_t n);
 

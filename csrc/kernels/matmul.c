@@ -1,6 +1,6 @@
 /* Fully connected layer: out = inp @ weight^T + bias, via BLAS sgemm. */
 #include "kernels.h"
-#include <cblas.h>
+#include "blas.h"  /* <cblas.h> (OpenBLAS) or MKL's, chosen by the build */
 #include <omp.h>
 
 // out (N,OC), inp (N,C), weight (OC,C), bias (OC) or NULL
