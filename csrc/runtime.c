@@ -23,6 +23,30 @@ int sl_init(int ncpus, int cores_per_task, const char *sched)
 	return sl_start(ncpus, cores_per_task, sched, NULL);
 }
 
+static int kcore_mode = SL_KCORE_FORKJOIN;
+static int core_list[STARPU_NMAXWORKERS * 8];
+static int ncore_list;
+
+int sl_set_kcore_mode(int mode)
+{
+	if (mode != SL_KCORE_FORKJOIN && mode != SL_KCORE_TEAM)
+		return -EINVAL;
+	kcore_mode = mode;
+	return 0;
+}
+
+int sl_set_cores(const int *cores, int n)
+{
+	if (n < 0 || n > (int)(sizeof core_list / sizeof core_list[0]))
+		return -EINVAL;
+	for (int i = 0; i < n; i++)
+		core_list[i] = cores[i];
+	ncore_list = n;
+	return 0;
+}
+
+static int core_of(int i) { return i < ncore_list ? core_list[i] : i; }
+
 int sl_start(int ncpus, int cores_per_task, const char *sched, const void *comm)
 {
 	if (initialized)
@@ -56,6 +80,28 @@ int sl_start(int ncpus, int cores_per_task, const char *sched, const void *comm)
 		return 0;
 	}
 #endif
+	if (cores_per_task > 1 && kcore_mode == SL_KCORE_TEAM) {
+		/* One StarPU worker on the first core of each group; its tasks' OpenMP team takes
+		 * the group's other cores, which StarPU does not run workers on. */
+		int nworkers = ncpus / cores_per_task;
+		int groups[STARPU_NMAXWORKERS][8];
+		if (cores_per_task > 8 || nworkers > STARPU_NMAXWORKERS)
+			return -EINVAL;
+		conf.ncpus = nworkers;
+		conf.use_explicit_workers_bindid = 1;
+		for (int w = 0; w < nworkers; w++) {
+			conf.workers_bindid[w] = (unsigned)core_of(w * cores_per_task);
+			for (int t = 0; t < cores_per_task; t++)
+				groups[w][t] = core_of(w * cores_per_task + t);
+		}
+		sl_codelets_set_cores(1);
+		ret = comm ? sl_mpi_start(&conf, comm) : starpu_init(&conf);
+		if (ret)
+			return ret;
+		sl_codelets_set_team_groups(nworkers, cores_per_task, &groups[0][0], 8);
+		initialized = 1;
+		return 0;
+	}
 	/* Otherwise combined workers of exactly k cores give the "n workers x k cores"
 	 * partition, running FORKJOIN tasks; the variables are read by starpu_init. */
 	if (cores_per_task > 1) {
@@ -85,6 +131,7 @@ int sl_shutdown(void)
 		sl_codelets_set_team_from_runtime(0);
 	}
 #endif
+	sl_codelets_set_team_groups(0, 1, NULL, 0);
 	if (sl_mpi_stop() != 0)
 		starpu_shutdown();
 	initialized = 0;

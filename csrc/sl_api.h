@@ -10,8 +10,17 @@
 typedef struct _starpu_data_state *sl_handle;   /* == starpu_data_handle_t */
 
 /* ---- runtime (runtime.c) ---- */
-/* Starts StarPU with ncpus CPU workers; tasks run on combined workers of `cores_per_task`
- * cores (1: sequential tasks). sched NULL or "" keeps StarPU's choice. */
+/* Starts StarPU with ncpus CPU cores for workers; tasks run on `cores_per_task` cores each
+ * (1: sequential tasks). sched NULL or "" keeps StarPU's choice. How a task gets k > 1 cores:
+ *   SL_KCORE_FORKJOIN: FORKJOIN parallel tasks on combined workers of k cores (peager);
+ *   SL_KCORE_TEAM: one StarPU worker per group of k cores, running sequential tasks with an
+ *     OpenMP team bound to its group (what StarPU 1.4's parallel workers do);
+ * parallel workers / clusters are used instead where the StarPU build has them. */
+#define SL_KCORE_FORKJOIN 0
+#define SL_KCORE_TEAM 1
+int sl_set_kcore_mode(int mode);
+/* cores: the ncpus cores to use (logical ids), in groups of cores_per_task; NULL = 0..n-1 */
+int sl_set_cores(const int *cores, int n);
 int sl_init(int ncpus, int cores_per_task, const char *sched);
 int sl_shutdown(void);
 int sl_is_initialized(void);

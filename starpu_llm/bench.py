@@ -39,17 +39,27 @@ def cpu_description() -> str:
 
 
 def parse_partitions(spec: str, cores: int, cap: int):
+    """[(N, K, kcore)]: 'default', 'all' (every N x K = cores, K > 1 both as team and
+    forkjoin), or a list like 1x2,2x1,1x2:forkjoin."""
     if spec == "default":
-        return [(1, min(cores, cap))]
+        return [(1, min(cores, cap), "team")]
     if spec == "all":
-        return [(n, cores // n) for n in range(1, cores + 1) if cores % n == 0 and cores <= cap]
+        out = []
+        for n in range(1, cores + 1):
+            if cores % n == 0 and cores <= cap:
+                k = cores // n
+                out += [(n, k, "team"), (n, k, "forkjoin")] if k > 1 else [(n, k, "team")]
+        return out
     out = []
     for item in spec.split(","):
+        part, _, mode = item.partition(":")
         try:
-            n, k = (int(x) for x in item.lower().split("x"))
+            n, k = (int(x) for x in part.lower().split("x"))
         except ValueError:
-            raise StarpuLLMError(f"--partitions: {item!r} is not NxK (e.g. 2x1)")
-        out.append((n, k))
+            raise StarpuLLMError(f"--partitions: {item!r} is not NxK[:team|forkjoin] (e.g. 2x1)")
+        if mode not in ("", "team", "forkjoin"):
+            raise StarpuLLMError(f"--partitions: {item!r}: the mode is team or forkjoin")
+        out.append((n, k, mode or "team"))
     return out
 
 
@@ -74,7 +84,7 @@ def run_one(spec: dict) -> dict:
         state = TrainState(config=config, params=random_init(config))
         cfg = TrainConfig(model=spec["model"], batch=B, seq_len=T, engine=spec["engine"],
                           workers=spec.get("workers"), cores_per_worker=spec.get("cores"),
-                          sub_batches=spec.get("sub_batches"), log=None)
+                          kcore=spec.get("kcore"), sub_batches=spec.get("sub_batches"), log=None)
         engine = make_engine(cfg, state, tokens)
         ms = []
         loader = data.DataLoader(tokens, B, T)
@@ -117,13 +127,16 @@ def run_bench(args):
     print(header)
     for B in batches:
         specs = [dict(engine="reference")]
-        specs += [dict(engine="starpu", workers=n, cores=k) for n, k in partitions]
+        specs += [dict(engine="starpu", workers=n, cores=k, kcore=m) for n, k, m in partitions
+                  if B % n == 0]
         if not args.no_torch:
             specs.append(dict(engine="torch"))
         for s in specs:
             s.update(model=args.model, batch=B, seq_len=args.seq_len, steps=args.steps)
             r = _subprocess(s)
-            label = r["engine"] + (f" {r['workers']}x{r['cores']}" if r["engine"] == "starpu" else "")
+            label = r["engine"]
+            if r["engine"] == "starpu":
+                label += f" {r['workers']}x{r['cores']}" + (f" {r['kcore']}" if r["cores"] > 1 else "")
             if "error" in r:
                 print(f"{B:>3} {label:<22} failed: {r['error']}")
                 continue

@@ -38,7 +38,11 @@ def add_partition_args(p):
                    help="K: cores of each worker (default: all cores / N)")
     g.add_argument("--sub-batches", type=_positive("--sub-batches"),
                    help="split --batch into this many sub-batches (default: one per worker)")
-    g.add_argument("--sched", help="StarPU scheduler (default: peager when K > 1, else lws)")
+    g.add_argument("--kcore", choices=["team", "forkjoin"],
+                   help="how a task gets K > 1 cores without StarPU parallel workers: team (one "
+                        "worker per K-core group with a bound OpenMP team; default) or forkjoin "
+                        "(FORKJOIN tasks on combined workers, scheduler peager)")
+    g.add_argument("--sched", help="StarPU scheduler (default: peager for forkjoin, else lws)")
     g.add_argument("--oversubscribe", action="store_true",
                    help="allow N x K above the usable cores (correctness tests only)")
     g.add_argument("--threads", type=_positive("--threads"),
@@ -92,6 +96,7 @@ def cmd_train(args):
                       weight_decay=args.weight_decay, engine=args.engine, workers=args.workers,
                       cores_per_worker=args.cores_per_worker, sub_batches=args.sub_batches,
                       threads=args.threads, sched=args.sched, oversubscribe=args.oversubscribe,
+                      kcore=args.kcore,
                       seed=args.seed, save=args.save, metrics_jsonl=args.metrics_jsonl)
     train(cfg)
     return 0

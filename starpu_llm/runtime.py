@@ -14,6 +14,14 @@ from ._clib import ffi, lib
 from .errors import StarpuLLMError
 
 
+# How a task gets k > 1 cores on a StarPU without parallel workers (see sl_api.h): "team" =
+# one worker per k-core group running an OpenMP team bound to the group (StarPU 1.4's
+# parallel-worker design; ~6 us per task), "forkjoin" = FORKJOIN tasks on combined workers
+# under peager (~180-250 us per task on StarPU 1.3.10, measured).
+KCORE_MODES = {"team": 1, "forkjoin": 0}
+DEFAULT_KCORE = "team"
+
+
 def usable_cores() -> int:
     """Cores this process may run on (its affinity mask, e.g. under mpirun or taskset)."""
     return len(os.sched_getaffinity(0))
@@ -62,7 +70,8 @@ class Runtime:
     _active: "Runtime | None" = None
 
     def __init__(self, workers: int | None = None, cores_per_worker: int | None = None,
-                 sched: str | None = None, oversubscribe: bool = False, comm=None):
+                 sched: str | None = None, oversubscribe: bool = False, comm=None,
+                 kcore: str | None = None):
         if Runtime._active is not None:
             raise StarpuLLMError("StarPU is already running in this process; "
                                  "shut the other Runtime down first")
@@ -74,13 +83,25 @@ class Runtime:
             workers = max(1, min(usable_cores(), max_starpu_cpus()) // cores_per_worker)
         check_partition(workers, cores_per_worker, oversubscribe)
         self.workers, self.cores_per_worker = workers, cores_per_worker
+        kcore = kcore or DEFAULT_KCORE
+        if kcore not in KCORE_MODES:
+            raise StarpuLLMError(f"--kcore {kcore!r}: choose one of {', '.join(KCORE_MODES)}")
+        self.kcore = kcore if cores_per_worker > 1 else "single"
+        if lib.sl_have_parallel_workers() and cores_per_worker > 1:
+            self.kcore = "parallel-workers"
+        forkjoin = self.kcore == "forkjoin"
         if sched is None:
-            sched = os.environ.get("STARPU_SCHED") or ("peager" if cores_per_worker > 1 else "lws")
+            sched = os.environ.get("STARPU_SCHED") or ("peager" if forkjoin else "lws")
         self.sched = sched
         os.environ.setdefault("STARPU_SILENT", "1")
         # Only CPU workers: never probe for accelerators.
         os.environ.setdefault("STARPU_NCUDA", "0")
         os.environ.setdefault("STARPU_NOPENCL", "0")
+        lib.sl_set_kcore_mode(KCORE_MODES[kcore])
+        cores = sorted(os.sched_getaffinity(0))
+        n = workers * cores_per_worker
+        cores = (cores * (n // len(cores) + 1))[:n]    # oversubscribed: cores are reused
+        lib.sl_set_cores(ffi.new("int[]", cores), n)
         self.comm = comm
         if comm is not None:
             if not lib.sl_mpi_available():
@@ -97,10 +118,11 @@ class Runtime:
         Runtime._active = self
         atexit.register(self.shutdown)
         got = lib.sl_worker_count()
-        if got != workers * cores_per_worker:
+        expected = workers if self.kcore in ("team", "parallel-workers") else workers * cores_per_worker
+        if got != expected:
             self.shutdown()
             raise StarpuLLMError(f"StarPU started {got} CPU worker(s) instead of "
-                                 f"{workers * cores_per_worker} (STARPU_NCPU or "
+                                 f"{expected} (STARPU_NCPU or "
                                  "STARPU_WORKERS_CPUID in the environment?)")
 
     @property
@@ -147,7 +169,7 @@ class Runtime:
         lib.sl_starpu_version(major, minor, release)
         mpi = f", {self.size} MPI processes" if self.comm is not None else ""
         return (f"StarPU {major[0]}.{minor[0]}.{release[0]}{mpi}, {self.workers} worker(s) x "
-                f"{self.cores_per_worker} core(s), scheduler {self.sched}, "
+                f"{self.cores_per_worker} core(s) ({self.kcore}), scheduler {self.sched}, "
                 f"BLAS {ffi.string(lib.sl_blas_name()).decode()}")
 
     def probe(self, max_threads: int = 64):

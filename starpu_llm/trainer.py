@@ -36,6 +36,7 @@ class TrainConfig:
     sub_batches: int | None = None     # data parallelism; default one per worker
     threads: int | None = None         # reference engine's OpenMP/BLAS threads (default: all)
     sched: str | None = None           # StarPU scheduler override
+    kcore: str | None = None           # k-core tasks: "team" (default) or "forkjoin"
     oversubscribe: bool = False
     seed: int = 1337
     save: str | None = None            # write the trained model (llm.c format) here
@@ -106,7 +107,7 @@ def make_engine(cfg: TrainConfig, state: TrainState, tokens, runtime=None, comm=
     from .runtime import Runtime
     if runtime is None:
         runtime = Runtime(cfg.workers, cfg.cores_per_worker, cfg.sched, cfg.oversubscribe,
-                          comm=comm)
+                          comm=comm, kcore=cfg.kcore)
     return StarPUEngine(state.config, state, cfg.batch, cfg.seq_len, tokens, runtime,
                         sub_batches=cfg.sub_batches, record=cfg.record)
 

@@ -13,10 +13,10 @@ B, T, STEPS = 4, 32, 10
 TOKENS = np.random.default_rng(3).integers(0, CFG.V, 8000).astype(np.uint16)
 
 
-def run(workers, cores, sub_batches=None, oversubscribe=False):
+def run(workers, cores, sub_batches=None, oversubscribe=False, kcore=None):
     """Gradients after one forward/backward, then the losses of 10 AdamW steps."""
     state = TrainState(config=CFG, params=random_init(CFG, seed=5))
-    with Runtime(workers, cores, oversubscribe=oversubscribe) as rt:
+    with Runtime(workers, cores, oversubscribe=oversubscribe, kcore=kcore) as rt:
         eng = StarPUEngine(CFG, state, B, T, TOKENS, rt, sub_batches=sub_batches)
         try:
             eng.forward_backward(0)
@@ -36,16 +36,18 @@ def single():
     return run(1, 1)
 
 
-@pytest.mark.parametrize("workers,cores,sub_batches,oversubscribe", [
-    (1, 2, None, False),    # pure tensor parallelism: one 2-core worker, FORKJOIN tasks
-    (2, 1, None, False),    # pure data parallelism: 2 sub-batches, STARPU_REDUX gradients
-    (1, 2, 2, False),       # mixed: 2 sub-batches on one 2-core worker
-    (2, 1, 4, False),       # more sub-batches than workers
-    (4, 1, None, True),     # 4 workers on 2 cores (correctness only)
+@pytest.mark.parametrize("workers,cores,sub_batches,oversubscribe,kcore", [
+    (1, 2, None, False, "team"),      # pure tensor parallelism: one 2-core worker
+    (1, 2, None, False, "forkjoin"),  # the same with FORKJOIN tasks on a combined worker
+    (2, 1, None, False, None),        # pure data parallelism: 2 sub-batches, STARPU_REDUX
+    (1, 2, 2, False, "team"),         # mixed: 2 sub-batches on one 2-core worker
+    (1, 2, 2, False, "forkjoin"),
+    (2, 1, 4, False, None),           # more sub-batches than workers
+    (4, 1, None, True, None),         # 4 workers on 2 cores (correctness only)
 ])
-def test_partition_equals_single_worker(single, workers, cores, sub_batches, oversubscribe):
+def test_partition_equals_single_worker(single, workers, cores, sub_batches, oversubscribe, kcore):
     g1, l1, p1, _ = single
-    g, l, p, nsub = run(workers, cores, sub_batches, oversubscribe)
+    g, l, p, nsub = run(workers, cores, sub_batches, oversubscribe, kcore)
     assert nsub == (sub_batches or workers)
     # losses: same within 1e-5 relative for all 10 steps
     np.testing.assert_allclose(l, l1, rtol=1e-5, atol=0)

@@ -13,10 +13,11 @@ def bits(mask):
     return [c for c in range(64) if mask >> c & 1]
 
 
-@pytest.mark.parametrize("workers,cores", [(1, CORES), (CORES, 1), (1, 1)])
-def test_task_threads_and_affinity(workers, cores):
+@pytest.mark.parametrize("workers,cores,kcore", [
+    (1, CORES, "team"), (1, CORES, "forkjoin"), (CORES, 1, "team"), (1, 1, "team")])
+def test_task_threads_and_affinity(workers, cores, kcore):
     """A task of a k-core worker runs a k-thread team, one thread per core, all distinct."""
-    with Runtime(workers, cores) as rt:
+    with Runtime(workers, cores, kcore=kcore) as rt:
         for _ in range(4):   # several tasks: whichever worker is master, the layout holds
             nthreads, masks = rt.probe()
             assert nthreads == cores
@@ -62,3 +63,8 @@ def test_partition_larger_than_machine_says_what_fits():
 def test_zero_workers_rejected():
     with pytest.raises(StarpuLLMError, match="at least 1"):
         check_partition(0, 1)
+
+
+def test_unknown_kcore_mode():
+    with pytest.raises(StarpuLLMError, match="--kcore"):
+        Runtime(1, 1, kcore="threads")

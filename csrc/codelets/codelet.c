@@ -103,12 +103,52 @@ static int team_from_runtime;
 
 void sl_codelets_set_team_from_runtime(int on) { team_from_runtime = on; }
 
+/* ---- team mode: a worker owns a group of k cores ---- */
+#define SL_MAX_GROUP 8
+static int team_k;
+static int team_groups[STARPU_NMAXWORKERS][SL_MAX_GROUP];
+static __thread int team_bound;   /* this worker's team threads are bound (once) */
+
+void sl_codelets_set_team_groups(int nworkers, int k, const int *groups, int stride)
+{
+	team_k = nworkers > 0 ? k : 0;
+	for (int w = 0; w < nworkers && w < STARPU_NMAXWORKERS; w++)
+		for (int t = 0; t < k && t < SL_MAX_GROUP; t++)
+			team_groups[w][t] = groups[w * stride + t];
+}
+
+static void bind_to_core(int core)
+{
+	cpu_set_t set;
+	CPU_ZERO(&set);
+	CPU_SET(core, &set);
+	pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+}
+
+/* libgomp keeps a pool of team threads per master thread: binding them once per worker
+ * thread is enough, and the StarPU worker thread itself stays on its group's first core. */
+static void bind_team_group(int k)
+{
+	if (team_bound)
+		return;
+	int w = starpu_worker_get_id();
+	if (w < 0 || w >= STARPU_NMAXWORKERS)
+		return;
+#pragma omp parallel num_threads(k)
+	bind_to_core(team_groups[w][omp_get_thread_num()]);
+	team_bound = 1;
+}
+
 long sl_task_begin(int codelet_id)
 {
 	int k;
 	if (team_from_runtime) {
 		k = omp_get_max_threads();     /* the parallel worker's team, bound by StarPU */
 		sl_blas_set_threads(k);
+	} else if (team_k > 1) {
+		k = team_k;
+		sl_set_threads(k);
+		bind_team_group(k);
 	} else {
 		k = starpu_combined_worker_get_size();   /* 1 on a basic worker */
 		sl_set_threads(k);

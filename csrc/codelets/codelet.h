@@ -33,6 +33,8 @@ void sl_codelets_set_cores(int k);
 /* With parallel workers the task's team size is set by StarPU's OpenMP prologue (the
  * parallel worker's cores): tasks then take k from omp_get_max_threads(). */
 void sl_codelets_set_team_from_runtime(int on);
+/* Team mode: worker w's tasks run a k-thread team bound to cores groups[w*stride + t]. */
+void sl_codelets_set_team_groups(int nworkers, int k, const int *groups, int stride);
 
 /* Each codelet file lists its codelets once; they are registered when the library loads. */
 #define SL_REGISTER_CODELETS(...)                                                   \
