@@ -241,6 +241,9 @@ class StarPUEngine(_Engine):
         self.subs = [taskflow.make_activations(config, self.Bs, T,
                                                activations_of(i // self.subs_per_rank))
                      for i in range(self.sub_batches)]
+        if self.mpi and self._next_tag > lib.sl_mpi_tag_ub():
+            raise StarpuLLMError(f"{self._next_tag} data handles need more MPI tags than this MPI "
+                                 f"allows ({lib.sl_mpi_tag_ub()}); use fewer sub-batches per process")
 
     def _register(self, arr, n, itemsize, owner):
         """A vector handle on arr (kept alive), or StarPU-allocated when arr is None (a
