@@ -24,7 +24,7 @@ int sl_init(int ncpus, int cores_per_task, const char *sched)
 }
 
 static int kcore_mode = SL_KCORE_FORKJOIN;
-static int core_list[STARPU_NMAXWORKERS * 8];
+static int core_list[STARPU_NMAXWORKERS * 64];
 static int ncore_list;
 
 int sl_set_kcore_mode(int mode)
@@ -84,8 +84,8 @@ int sl_start(int ncpus, int cores_per_task, const char *sched, const void *comm)
 		/* One StarPU worker on the first core of each group; its tasks' OpenMP team takes
 		 * the group's other cores, which StarPU does not run workers on. */
 		int nworkers = ncpus / cores_per_task;
-		int groups[STARPU_NMAXWORKERS][8];
-		if (cores_per_task > 8 || nworkers > STARPU_NMAXWORKERS)
+		static int groups[STARPU_NMAXWORKERS][64];
+		if (cores_per_task > 64 || nworkers > STARPU_NMAXWORKERS)
 			return -EINVAL;
 		conf.ncpus = nworkers;
 		conf.use_explicit_workers_bindid = 1;
@@ -98,7 +98,7 @@ int sl_start(int ncpus, int cores_per_task, const char *sched, const void *comm)
 		ret = comm ? sl_mpi_start(&conf, comm) : starpu_init(&conf);
 		if (ret)
 			return ret;
-		sl_codelets_set_team_groups(nworkers, cores_per_task, &groups[0][0], 8);
+		sl_codelets_set_team_groups(nworkers, cores_per_task, &groups[0][0], 64);
 		initialized = 1;
 		return 0;
 	}

@@ -85,6 +85,9 @@ def build_parser():
     b.add_argument("--partitions", default="default",
                    help="StarPU partitions NxK, comma-separated, or 'all' (default: 1 x all cores)")
     b.add_argument("--no-torch", action="store_true", help="skip the PyTorch eager reference")
+    b.add_argument("--repeat", type=_positive("--repeat"), default=1,
+                   help="runs of each configuration, interleaved round-robin; the median is "
+                        "reported (default 1)")
     b.add_argument("--csv", metavar="PATH", help="also write the table as CSV")
     return ap
 

@@ -34,22 +34,30 @@ def max_starpu_cpus() -> int:
 
 def default_partition(cores: int | None = None) -> tuple[int, int]:
     """One worker on every core StarPU can use (pure tensor parallelism)."""
-    cores = min(cores or usable_cores(), max_starpu_cpus())
-    return 1, cores
+    return 1, cores or usable_cores()
 
 
-def check_partition(workers: int, cores_per_worker: int, oversubscribe: bool = False) -> None:
+MAX_GROUP = 64   # cores of one team worker (csrc: SL_MAX_GROUP)
+
+
+def check_partition(workers: int, cores_per_worker: int, oversubscribe: bool = False,
+                    kcore: str = "team") -> None:
     """Raise a clear error when N x K does not fit the cores StarPU can use here."""
     if workers < 1 or cores_per_worker < 1:
         raise StarpuLLMError(f"--workers ({workers}) and --cores-per-worker ({cores_per_worker}) "
                              "must be at least 1")
     total = workers * cores_per_worker
     cap = max_starpu_cpus()
-    if total > cap:
+    # team workers: StarPU runs N workers, their teams take the other cores; forkjoin and
+    # K = 1: StarPU runs a worker on every core
+    starpu_workers = workers if (kcore == "team" and cores_per_worker > 1) else total
+    if starpu_workers > cap:
         raise StarpuLLMError(
-            f"--workers {workers} x --cores-per-worker {cores_per_worker} = {total} CPU workers, "
-            f"but this StarPU build supports at most {cap} (STARPU_MAXCPUS); "
-            f"choose N x K <= {cap}")
+            f"--workers {workers} x --cores-per-worker {cores_per_worker} needs {starpu_workers} "
+            f"StarPU CPU workers, but this StarPU build supports at most {cap} (STARPU_MAXCPUS); "
+            f"choose N x K <= {cap}" + (", or --kcore team with N <= {cap}" if kcore != "team" else ""))
+    if cores_per_worker > MAX_GROUP:
+        raise StarpuLLMError(f"--cores-per-worker {cores_per_worker} is above {MAX_GROUP}")
     cores = usable_cores()
     if total > cores and not oversubscribe:
         fits = ", ".join(f"{n}x{cores // n}" for n in range(1, cores + 1) if cores % n == 0)
@@ -75,17 +83,20 @@ class Runtime:
         if Runtime._active is not None:
             raise StarpuLLMError("StarPU is already running in this process; "
                                  "shut the other Runtime down first")
-        if workers is None and cores_per_worker is None:
-            workers, cores_per_worker = default_partition()
-        elif cores_per_worker is None:
-            cores_per_worker = max(1, min(usable_cores(), max_starpu_cpus()) // workers)
-        elif workers is None:
-            workers = max(1, min(usable_cores(), max_starpu_cpus()) // cores_per_worker)
-        check_partition(workers, cores_per_worker, oversubscribe)
-        self.workers, self.cores_per_worker = workers, cores_per_worker
         kcore = kcore or DEFAULT_KCORE
         if kcore not in KCORE_MODES:
             raise StarpuLLMError(f"--kcore {kcore!r}: choose one of {', '.join(KCORE_MODES)}")
+        cores = usable_cores()
+        if kcore == "forkjoin":
+            cores = min(cores, max_starpu_cpus())
+        if workers is None and cores_per_worker is None:
+            workers, cores_per_worker = default_partition(cores)
+        elif cores_per_worker is None:
+            cores_per_worker = max(1, cores // workers)
+        elif workers is None:
+            workers = max(1, cores // cores_per_worker)
+        check_partition(workers, cores_per_worker, oversubscribe, kcore)
+        self.workers, self.cores_per_worker = workers, cores_per_worker
         self.kcore = kcore if cores_per_worker > 1 else "single"
         if lib.sl_have_parallel_workers() and cores_per_worker > 1:
             self.kcore = "parallel-workers"

@@ -49,7 +49,11 @@ def test_only_one_runtime_per_process():
 def test_partition_larger_than_starpu_build():
     cap = max_starpu_cpus()
     with pytest.raises(StarpuLLMError, match="STARPU_MAXCPUS"):
-        check_partition(cap + 1, 1)
+        check_partition(cap + 1, 1, oversubscribe=True)
+    with pytest.raises(StarpuLLMError, match="STARPU_MAXCPUS"):
+        check_partition(cap, 2, oversubscribe=True, kcore="forkjoin")
+    # team workers: StarPU runs only N workers, the teams take the other cores
+    check_partition(cap, 2, oversubscribe=True, kcore="team")
 
 
 def test_partition_larger_than_machine_says_what_fits():

@@ -104,7 +104,7 @@ static int team_from_runtime;
 void sl_codelets_set_team_from_runtime(int on) { team_from_runtime = on; }
 
 /* ---- team mode: a worker owns a group of k cores ---- */
-#define SL_MAX_GROUP 8
+#define SL_MAX_GROUP 64   /* starpu_llm/runtime.py: MAX_GROUP */
 static int team_k;
 static int team_groups[STARPU_NMAXWORKERS][SL_MAX_GROUP];
 static __thread int team_bound;   /* this worker's team threads are bound (once) */
