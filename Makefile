@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 BATCH  ?= 4
-STEPS  ?= 10
+STEPS  ?= 11
 ARGS   ?=
 
 .PHONY: train test bench install system clean
