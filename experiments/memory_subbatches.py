@@ -7,10 +7,9 @@ contributes. Writes experiments/out/memory_subbatches.csv.
     .venv/bin/python experiments/memory_subbatches.py [--batch 8] [--steps 3]
 """
 import argparse
-import csv
 import os
 
-from starpu_llm.bench import _subprocess
+from starpu_llm.bench import _subprocess, write_csv
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--batch", type=int, default=8)
@@ -32,10 +31,5 @@ for n, k in [(1, 2), (2, 1)]:
         rows.append(dict(partition=f"{n}x{k}", sub_batches=sb, peak_rss_mb=round(r["peak_rss_mb"]),
                          tokens_per_ms=round(r["tokens_per_ms"], 4)))
         print(f"{n}x{k:<8} {sb:>11} {r['peak_rss_mb']:>12.0f} {r['tokens_per_ms']:>8.4f}", flush=True)
-os.makedirs(os.path.dirname(args.out), exist_ok=True)
-with open(args.out + ".tmp", "w", newline="") as f:
-    w = csv.DictWriter(f, fieldnames=list(rows[0]))
-    w.writeheader()
-    w.writerows(rows)
-os.replace(args.out + ".tmp", args.out)
+write_csv(args.out, rows)
 print("wrote", args.out)

@@ -10,13 +10,13 @@ the numbers say what the StarPU-MPI path costs, not how a cluster scales.
     .venv/bin/python experiments/mpi_weak_scaling.py --ranks 1,2 --batch-per-rank 4
 """
 import argparse
-import csv
 import json
 import os
 import subprocess
 import sys
 import tempfile
 
+from starpu_llm.bench import write_csv
 from starpu_llm.config import MODELS
 
 ap = argparse.ArgumentParser()
@@ -61,10 +61,5 @@ for R in (int(r) for r in args.ranks.split(",")):
                      overhead_ms=round(ms - base_ms, 1), grad_bytes_to_rank0=moved_in,
                      param_bytes_from_rank0=moved_out))
     print(f"{R:>2} {B:>4} {tpm:>8.4f} {ms:>9.1f} {ms - base_ms:>12.1f} {moved_in:>22,} {moved_out:>24,}", flush=True)
-os.makedirs(os.path.dirname(args.out), exist_ok=True)
-with open(args.out + ".tmp", "w", newline="") as f:
-    w = csv.DictWriter(f, fieldnames=list(rows[0]))
-    w.writeheader()
-    w.writerows(rows)
-os.replace(args.out + ".tmp", args.out)
+write_csv(args.out, rows)
 print("wrote", args.out)

@@ -18,6 +18,17 @@ import time
 from .errors import StarpuLLMError
 
 
+def write_csv(path: str, rows: list[dict]) -> None:
+    """rows as CSV at path, written to a temporary name and renamed (nothing half-written)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["B"])
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(tmp, path)
+
+
 def cpu_description() -> str:
     model = platform.processor() or "?"
     try:
@@ -158,12 +169,7 @@ def run_bench(args):
                              ms_per_step=ms, peak_rss_mb=max(x["peak_rss_mb"] for x in ok),
                              runs=len(ok)))
     if args.csv:
-        tmp = args.csv + ".tmp"
-        with open(tmp, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["B"])
-            w.writeheader()
-            w.writerows(rows)
-        os.replace(tmp, args.csv)
+        write_csv(args.csv, rows)
     return rows
 
 
