@@ -38,12 +38,6 @@ int sl_mpi_stop(void)
 	return 0;
 }
 
-int sl_mpi_init(const void *comm_addr, int ncpus, int cores_per_task, const char *sched)
-{
-	int sl_start(int, int, const char *, const void *);
-	return sl_start(ncpus, cores_per_task, sched, comm_addr);
-}
-
 int sl_mpi_rank(void)
 {
 	int r = 0;
@@ -96,7 +90,6 @@ int sl_mpi_tag_ub(void)
 int sl_mpi_available(void) { return 0; }
 int sl_mpi_start(struct starpu_conf *conf, const void *comm) { (void)conf; (void)comm; return -ENOSYS; }
 int sl_mpi_stop(void) { return 1; }
-int sl_mpi_init(const void *c, int n, int k, const char *s) { (void)c; (void)n; (void)k; (void)s; return -ENOSYS; }
 int sl_mpi_rank(void) { return 0; }
 int sl_mpi_size(void) { return 1; }
 int sl_mpi_register(sl_handle h, int64_t t, int o) { (void)h; (void)t; (void)o; return -ENOSYS; }

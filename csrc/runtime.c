@@ -15,44 +15,16 @@ static int initialized;
 static sl_parallel_workers *parallel_workers;
 #endif
 
-/* Starts StarPU (plain, or StarPU-MPI when comm is given; see mpi.c). */
-int sl_start(int ncpus, int cores_per_task, const char *sched, const void *comm);
-
-int sl_init(int ncpus, int cores_per_task, const char *sched)
-{
-	return sl_start(ncpus, cores_per_task, sched, NULL);
-}
-
-static int kcore_mode = SL_KCORE_FORKJOIN;
-static int core_list[STARPU_NMAXWORKERS * 64];
-static int ncore_list;
-
-int sl_set_kcore_mode(int mode)
-{
-	if (mode != SL_KCORE_FORKJOIN && mode != SL_KCORE_TEAM)
-		return -EINVAL;
-	kcore_mode = mode;
-	return 0;
-}
-
-int sl_set_cores(const int *cores, int n)
-{
-	if (n < 0 || n > (int)(sizeof core_list / sizeof core_list[0]))
-		return -EINVAL;
-	for (int i = 0; i < n; i++)
-		core_list[i] = cores[i];
-	ncore_list = n;
-	return 0;
-}
-
-static int core_of(int i) { return i < ncore_list ? core_list[i] : i; }
-
-int sl_start(int ncpus, int cores_per_task, const char *sched, const void *comm)
+/* Starts StarPU (StarPU-MPI when comm is given) with ncpus cores for the partition
+ * ncpus/k workers x k cores; cores lists them (NULL: 0..ncpus-1). See sl_api.h. */
+int sl_start(int ncpus, int cores_per_task, int kcore, const int *cores, const char *sched,
+	     const void *comm)
 {
 	if (initialized)
 		return -EALREADY;
 	if (ncpus < 1 || cores_per_task < 1 || ncpus % cores_per_task)
 		return -EINVAL;
+	int nworkers = ncpus / cores_per_task;
 	struct starpu_conf conf;
 	int ret = starpu_conf_init(&conf);
 	if (ret)
@@ -62,59 +34,53 @@ int sl_start(int ncpus, int cores_per_task, const char *sched, const void *comm)
 	conf.nopencl = 0;
 	if (sched && *sched)
 		conf.sched_policy_name = sched;
+
+	/* How a task gets its k cores, decided before starpu_init. */
+	int use_parallel_workers = 0, use_team = 0;
+	if (cores_per_task > 1) {
 #if SL_HAVE_PARALLEL_WORKERS
-	/* This StarPU has parallel workers (1.4) or clusters (1.3 built with them): n of them,
-	 * each running ordinary sequential tasks with an OpenMP team over its k cores. */
-	if (cores_per_task > 1 && !getenv("SL_NO_PARALLEL_WORKERS")) {
-		sl_codelets_set_cores(1);
-		ret = comm ? sl_mpi_start(&conf, comm) : starpu_init(&conf);
-		if (ret)
-			return ret;
-		parallel_workers = sl_parallel_workers_init(ncpus / cores_per_task);
-		if (!parallel_workers) {
-			starpu_shutdown();
-			return -ENODEV;
-		}
-		sl_codelets_set_team_from_runtime(1);
-		initialized = 1;
-		return 0;
-	}
+		/* parallel workers (1.4) or clusters (1.3 built with them), made after init */
+		use_parallel_workers = !getenv("SL_NO_PARALLEL_WORKERS");
 #endif
-	if (cores_per_task > 1 && kcore_mode == SL_KCORE_TEAM) {
+		use_team = !use_parallel_workers && kcore == SL_KCORE_TEAM;
+	}
+	if (use_team) {
 		/* One StarPU worker on the first core of each group; its tasks' OpenMP team takes
 		 * the group's other cores, which StarPU does not run workers on. */
-		int nworkers = ncpus / cores_per_task;
-		static int groups[STARPU_NMAXWORKERS][64];
-		if (cores_per_task > 64 || nworkers > STARPU_NMAXWORKERS)
+		if (cores_per_task > SL_MAX_GROUP || nworkers > STARPU_NMAXWORKERS)
 			return -EINVAL;
 		conf.ncpus = nworkers;
 		conf.use_explicit_workers_bindid = 1;
-		for (int w = 0; w < nworkers; w++) {
-			conf.workers_bindid[w] = (unsigned)core_of(w * cores_per_task);
-			for (int t = 0; t < cores_per_task; t++)
-				groups[w][t] = core_of(w * cores_per_task + t);
-		}
-		sl_codelets_set_cores(1);
-		ret = comm ? sl_mpi_start(&conf, comm) : starpu_init(&conf);
-		if (ret)
-			return ret;
-		sl_codelets_set_team_groups(nworkers, cores_per_task, &groups[0][0], 64);
-		initialized = 1;
-		return 0;
-	}
-	/* Otherwise combined workers of exactly k cores give the "n workers x k cores"
-	 * partition, running FORKJOIN tasks; the variables are read by starpu_init. */
-	if (cores_per_task > 1) {
+		for (int w = 0; w < nworkers; w++)
+			conf.workers_bindid[w] = (unsigned)(cores ? cores[w * cores_per_task]
+							      : w * cores_per_task);
+	} else if (cores_per_task > 1 && !use_parallel_workers) {
+		/* Combined workers of exactly k cores running FORKJOIN tasks; starpu_init reads
+		 * these variables. */
 		char k[16];
 		snprintf(k, sizeof k, "%d", cores_per_task);
 		setenv("STARPU_MIN_WORKERSIZE", k, 1);
 		setenv("STARPU_MAX_WORKERSIZE", k, 1);
 	}
-	sl_codelets_set_cores(cores_per_task);
+	sl_codelets_set_cores(use_team || use_parallel_workers ? 1 : cores_per_task);
+
 	ret = comm ? sl_mpi_start(&conf, comm) : starpu_init(&conf);
 	if (ret)
 		return ret;
 	initialized = 1;
+
+#if SL_HAVE_PARALLEL_WORKERS
+	if (use_parallel_workers) {
+		parallel_workers = sl_parallel_workers_init(nworkers);
+		if (!parallel_workers) {
+			sl_shutdown();
+			return -ENODEV;
+		}
+		sl_codelets_set_team_from_runtime(1);
+	}
+#endif
+	if (use_team)
+		sl_codelets_set_team_groups(nworkers, cores_per_task, cores);
 	return 0;
 }
 
@@ -131,14 +97,12 @@ int sl_shutdown(void)
 		sl_codelets_set_team_from_runtime(0);
 	}
 #endif
-	sl_codelets_set_team_groups(0, 1, NULL, 0);
+	sl_codelets_set_team_groups(0, 1, NULL);
 	if (sl_mpi_stop() != 0)
 		starpu_shutdown();
 	initialized = 0;
 	return 0;
 }
-
-int sl_is_initialized(void) { return initialized; }
 
 int sl_wait_all(void)
 {
@@ -154,11 +118,7 @@ void sl_resume(void) { starpu_resume(); }
 
 int sl_worker_count(void) { return (int)starpu_worker_get_count(); }
 
-int sl_combined_worker_count(void) { return (int)starpu_combined_worker_get_count(); }
-
 int sl_max_cpus(void) { return STARPU_MAXCPUS; }
-
-int sl_max_buffers(void) { return STARPU_NMAXBUFS; }
 
 int sl_have_parallel_workers(void) { return SL_HAVE_PARALLEL_WORKERS; }
 

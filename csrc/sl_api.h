@@ -10,27 +10,25 @@
 typedef struct _starpu_data_state *sl_handle;   /* == starpu_data_handle_t */
 
 /* ---- runtime (runtime.c) ---- */
-/* Starts StarPU with ncpus CPU cores for workers; tasks run on `cores_per_task` cores each
- * (1: sequential tasks). sched NULL or "" keeps StarPU's choice. How a task gets k > 1 cores:
- *   SL_KCORE_FORKJOIN: FORKJOIN parallel tasks on combined workers of k cores (peager);
- *   SL_KCORE_TEAM: one StarPU worker per group of k cores, running sequential tasks with an
- *     OpenMP team bound to its group (what StarPU 1.4's parallel workers do);
- * parallel workers / clusters are used instead where the StarPU build has them. */
+/* Starts StarPU (StarPU-MPI when comm is not NULL: the address of an MPI_Comm, e.g.
+ * mpi4py's MPI._addressof(comm); MPI must already run with at least MPI_THREAD_SERIALIZED)
+ * on ncpus cores, the partition ncpus/k workers x k cores. cores lists the ncpus logical core
+ * ids, group by group (NULL: 0..ncpus-1). sched NULL or "" keeps StarPU's choice.
+ * How a task gets k > 1 cores:
+ *   - parallel workers / clusters, where the StarPU build has them;
+ *   - else kcore SL_KCORE_TEAM: one StarPU worker per group of k cores, running sequential
+ *     tasks with an OpenMP team bound to its group (what StarPU 1.4's parallel workers do);
+ *   - else (SL_KCORE_FORKJOIN) FORKJOIN parallel tasks on combined workers of k cores. */
 #define SL_KCORE_FORKJOIN 0
 #define SL_KCORE_TEAM 1
-int sl_set_kcore_mode(int mode);
-/* cores: the ncpus cores to use (logical ids), in groups of cores_per_task; NULL = 0..n-1 */
-int sl_set_cores(const int *cores, int n);
-int sl_init(int ncpus, int cores_per_task, const char *sched);
+int sl_start(int ncpus, int cores_per_task, int kcore, const int *cores, const char *sched,
+             const void *comm);
 int sl_shutdown(void);
-int sl_is_initialized(void);
 int sl_wait_all(void);
 void sl_pause(void);
 void sl_resume(void);
 int sl_worker_count(void);
-int sl_combined_worker_count(void);
 int sl_max_cpus(void);                 /* STARPU_MAXCPUS of the StarPU build */
-int sl_max_buffers(void);              /* STARPU_NMAXBUFS */
 int sl_have_parallel_workers(void);    /* 1.4 parallel workers / 1.3 clusters compiled in */
 void sl_starpu_version(int *major, int *minor, int *release);
 /* Threads of the calling thread's OpenMP team and BLAS (the reference engine's knob). */
@@ -40,9 +38,6 @@ const char *sl_blas_name(void);
 
 /* ---- StarPU-MPI (mpi.c; stubs returning -ENOSYS when built without MPI) ---- */
 int sl_mpi_available(void);
-/* Like sl_init, on the MPI communicator stored at comm_addr (mpi4py: MPI._addressof(comm));
- * MPI must already be initialised (by mpi4py) with at least MPI_THREAD_SERIALIZED. */
-int sl_mpi_init(const void *comm_addr, int ncpus, int cores_per_task, const char *sched);
 int sl_mpi_rank(void);
 int sl_mpi_size(void);
 /* Every process registers every handle with the same dense tag and the owning rank. */
@@ -105,7 +100,6 @@ int sl_submit_adamw(sl_handle params, sl_handle grads, sl_handle m, sl_handle v,
 /* inputs/targets (n int32) from tokens[pos .. pos+n] (the caller keeps tokens alive) */
 int sl_submit_load_batch(sl_handle inputs, sl_handle targets, const uint16_t *tokens,
                          size_t pos, size_t n);
-int sl_submit_zero(sl_handle x);
 
 /* ---- diagnostics ---- */
 /* A task that records, for each thread of its team: the thread count, and the CPU mask

@@ -13,7 +13,6 @@ import os
 import platform
 import subprocess
 import sys
-import time
 
 from .errors import StarpuLLMError
 
@@ -76,42 +75,26 @@ def parse_partitions(spec: str, cores: int, cap: int):
 
 def run_one(spec: dict) -> dict:
     """Run one configuration in this process and return its result (used by the subprocess)."""
-    import numpy as np
-    from . import data, formats
     from .config import MODELS
     from .trainer import peak_rss_mb
 
     config = MODELS[spec["model"]]
     B, T, steps = spec["batch"], spec["seq_len"], spec["steps"]
-    tokens = formats.read_shard(data.default_dataset()[0], config.V)
     if spec["engine"] == "torch":
-        from .torch_gpt2 import torch_train_step_times
+        from . import data, formats
         from .state import random_init
+        from .torch_gpt2 import torch_train_step_times
+        tokens = formats.read_shard(data.default_dataset()[0], config.V)
         ms = torch_train_step_times(config, random_init(config), tokens, B, T, steps + 1,
                                     threads=len(os.sched_getaffinity(0)))
-    else:
-        from .trainer import TrainConfig, make_engine
-        from .state import TrainState, random_init
-        state = TrainState(config=config, params=random_init(config))
-        cfg = TrainConfig(model=spec["model"], batch=B, seq_len=T, engine=spec["engine"],
-                          workers=spec.get("workers"), cores_per_worker=spec.get("cores"),
-                          kcore=spec.get("kcore"), sub_batches=spec.get("sub_batches"), log=None)
-        engine = make_engine(cfg, state, tokens)
-        ms = []
-        loader = data.DataLoader(tokens, B, T)
-        try:
-            for _ in range(steps + 1):
-                pos = loader.next_position()
-                t0 = time.perf_counter()
-                engine.step(pos, 1e-4, 0.0)
-                ms.append((time.perf_counter() - t0) * 1e3)
-            desc = engine.describe()
-        finally:
-            engine.close()
-            rt = getattr(engine, "runtime", None)
-            if rt is not None:
-                rt.shutdown()
-        spec["describe"] = desc
+    else:   # exactly what `starpu-llm train` runs: one warm-up step, then the timed ones
+        from .trainer import TrainConfig, train
+        r = train(TrainConfig(model=spec["model"], batch=B, seq_len=T, steps=steps + 1,
+                              engine=spec["engine"], workers=spec.get("workers"),
+                              cores_per_worker=spec.get("cores"), kcore=spec.get("kcore"),
+                              sub_batches=spec.get("sub_batches"), log=None))
+        ms = r.step_ms
+        spec["describe"] = r.engine
     timed = ms[1:]
     spec.update(step_ms=timed, tokens_per_ms=B * T * len(timed) / sum(timed),
                 peak_rss_mb=peak_rss_mb())

@@ -54,6 +54,16 @@ class GPTConfig:
         ]
 
 
+def check_batch_shape(config: GPTConfig, B: int, T: int) -> None:
+    """A clear error for a batch shape this model cannot train on."""
+    from .errors import StarpuLLMError
+    if B < 1:
+        raise StarpuLLMError(f"--batch must be at least 1, got {B}")
+    if T < 1 or T > config.maxT:
+        raise StarpuLLMError(f"--seq-len {T} is outside 1..{config.maxT}, the model's maximum "
+                             f"sequence length; use --seq-len <= {config.maxT}")
+
+
 # Named configurations. "d12" is GPT-2 124M; the tiny ones keep tests fast.
 MODELS = {
     "gpt2": GPTConfig(),

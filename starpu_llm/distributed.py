@@ -15,9 +15,6 @@ import os
 
 from .errors import StarpuLLMError
 
-_RANK_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS")
-
-
 def launched_by_mpirun() -> bool:
     """True when this process is one of several started by an MPI launcher."""
     for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):

@@ -10,10 +10,16 @@ import numpy as np
 
 from . import taskflow
 from ._clib import ffi, lib
-from .config import GPTConfig, ParamLayout
+from .config import GPTConfig, ParamLayout, check_batch_shape
 from .errors import StarpuLLMError
 from .ops import DirectOps, StarPUOps, Tensor
 from .state import TrainState
+
+
+def tensor_list(ns):
+    """Every tensor of a parameter-like namespace: per-layer lists flattened."""
+    for t in vars(ns).values():
+        yield from (t if isinstance(t, list) else [t])
 
 
 class _Engine:
@@ -23,9 +29,7 @@ class _Engine:
 
     def __init__(self, config: GPTConfig, state: TrainState, B: int, T: int, tokens: np.ndarray,
                  sub_batches: int = 1):
-        if T > config.maxT:
-            raise StarpuLLMError(f"--seq-len {T} is larger than the model's maximum sequence "
-                                 f"length {config.maxT}; use --seq-len <= {config.maxT}")
+        check_batch_shape(config, B, T)
         if sub_batches < 1 or B % sub_batches:
             raise StarpuLLMError(f"--batch {B} cannot be split into {sub_batches} equal sub-batches; "
                                  f"choose --sub-batches dividing {B}")
@@ -194,29 +198,24 @@ class StarPUEngine(_Engine):
             for name, arr in self.layout.views(flat).items():
                 layered = self.layout.is_layered(name)
                 if owner_here:
-                    h = self._register(arr, arr.size, 4, None)
-                    parent = Tensor(f"{kind}.{name}", arr.shape, h=h)
+                    h = self._register(arr, partitioned=layered)
                     if layered:
                         # StarPU data partitioning: one child handle per layer, so each
                         # layer's slice has its own dependencies and its own update task.
                         kids = ffi.new("sl_handle[]", config.L)
                         if lib.sl_partition(h, config.L, kids) != 0:
                             raise RuntimeError(f"partitioning {name} failed")
-                        tensors = [Tensor(f"{kind}.{name}[{l}]", arr.shape[1:], h=kids[l],
-                                          parent=parent) for l in range(config.L)]
+                        tensors = [Tensor(f"{kind}.{name}[{l}]", arr.shape[1:], h=kids[l])
+                                   for l in range(config.L)]
                     else:
-                        tensors = [parent]
-                    self._registered.append((h, layered))
+                        tensors = [Tensor(f"{kind}.{name}", arr.shape, h=h)]
                 else:
                     # a non-owner: one handle per slice (the same tags as the owner's
                     # children), so there is no partition to gather back at the end
                     slices = [arr[l] for l in range(config.L)] if layered else [arr]
-                    tensors = []
-                    for l, sl in enumerate(slices):
-                        h = self._register(sl if memory else None, sl.size, 4, None)
-                        self._registered.append((h, False))
-                        tensors.append(Tensor(f"{kind}.{name}" + (f"[{l}]" if layered else ""),
-                                              sl.shape, h=h))
+                    tensors = [Tensor(f"{kind}.{name}" + (f"[{l}]" if layered else ""), sl.shape,
+                                      h=self._register(sl if memory else None, sl.size))
+                               for l, sl in enumerate(slices)]
                 out[name] = tensors if layered else tensors[0]
                 for t in tensors:
                     self._mpi_register(t.h, owner=0)
@@ -231,10 +230,8 @@ class StarPUEngine(_Engine):
                 # Our memory, not StarPU's (-1): StarPU 1.3.10's peager crashes when a
                 # parallel task gets a buffer StarPU allocated itself. np.empty touches no
                 # page, so the first task that writes a tensor places its pages (first touch).
-                n = int(np.prod(shape))
                 arr = np.empty(shape, dtype) if owner == self.rank else None
-                h = self._register(arr, n, np.dtype(dtype).itemsize, owner)
-                self._registered.append((h, False))
+                h = self._register(arr, int(np.prod(shape)), np.dtype(dtype).itemsize, owner)
                 return Tensor(name, shape, dtype, h=h)
             return new_tensor
 
@@ -245,14 +242,16 @@ class StarPUEngine(_Engine):
             raise StarpuLLMError(f"{self._next_tag} data handles need more MPI tags than this MPI "
                                  f"allows ({lib.sl_mpi_tag_ub()}); use fewer sub-batches per process")
 
-    def _register(self, arr, n, itemsize, owner):
-        """A vector handle on arr (kept alive), or StarPU-allocated when arr is None (a
-        tensor this process never computes on); MPI-registered when owner is given."""
+    def _register(self, arr, n=None, itemsize=4, owner=None, partitioned=False):
+        """A vector handle on arr (kept alive), or of n elements allocated by StarPU when arr
+        is None (a tensor this process never computes on); MPI-registered when owner is
+        given; unregistered by close(), in reverse order."""
         if arr is not None:
             self._buffers.append(arr)
-            h = lib.sl_register_vector(ffi.from_buffer(arr), n, itemsize)
+            h = lib.sl_register_vector(ffi.from_buffer(arr), arr.size, arr.itemsize)
         else:
             h = lib.sl_register_vector(ffi.NULL, n, itemsize)
+        self._registered.append((h, partitioned))
         if owner is not None:
             self._mpi_register(h, owner)
         return h
@@ -273,10 +272,9 @@ class StarPUEngine(_Engine):
 
     def _gradients_submitted(self):
         if self.mpi:   # every rank's contributions -> rank 0
-            for ns_tensor in vars(self.g).values():
-                for t in (ns_tensor if isinstance(ns_tensor, list) else [ns_tensor]):
-                    if lib.sl_mpi_redux(t.h) != 0:
-                        raise RuntimeError(f"starpu_mpi_redux_data failed for {t.name}")
+            for t in tensor_list(self.g):
+                if lib.sl_mpi_redux(t.h) != 0:
+                    raise RuntimeError(f"starpu_mpi_redux_data failed for {t.name}")
 
     def _run_update_on_owner(self):
         if self.mpi:
@@ -309,11 +307,10 @@ class StarPUEngine(_Engine):
         if self.mpi and self.rank != 0:
             return
         for ns in (self.p, self.g, self.m, self.v):
-            for t in vars(ns).values():
-                for x in (t if isinstance(t, list) else [t]):
-                    if lib.sl_acquire(x.h, 1) == ffi.NULL:
-                        raise RuntimeError(f"acquiring {x.name} failed")
-                    lib.sl_release(x.h)
+            for t in tensor_list(ns):
+                if lib.sl_acquire(t.h, 1) == ffi.NULL:
+                    raise RuntimeError(f"acquiring {t.name} failed")
+                lib.sl_release(t.h)
 
     def close(self):
         if not self._registered or not self.runtime.running:

@@ -17,11 +17,11 @@ from ._clib import ffi, lib
 class Tensor:
     """A named tensor: a StarPU data handle (h), or a numpy array and its pointer (direct)."""
 
-    __slots__ = ("name", "shape", "dtype", "array", "ptr", "h", "parent")
+    __slots__ = ("name", "shape", "dtype", "array", "ptr", "h")
 
-    def __init__(self, name, shape, dtype=np.float32, array=None, h=None, parent=None):
+    def __init__(self, name, shape, dtype=np.float32, array=None, h=None):
         self.name, self.shape, self.dtype = name, tuple(shape), np.dtype(dtype)
-        self.array, self.h, self.parent = array, h, parent
+        self.array, self.h = array, h
         self.ptr = None
         if array is not None:
             ctype = "int32_t *" if self.dtype == np.int32 else "float *"

@@ -16,7 +16,7 @@ from .errors import StarpuLLMError
 
 # How a task gets k > 1 cores on a StarPU without parallel workers (see sl_api.h): "team" =
 # one worker per k-core group running an OpenMP team bound to the group (StarPU 1.4's
-# parallel-worker design; ~6 us per task), "forkjoin" = FORKJOIN tasks on combined workers
+# parallel-worker design; ~15 us per task), "forkjoin" = FORKJOIN tasks on combined workers
 # under peager (~180-250 us per task on StarPU 1.3.10, measured).
 KCORE_MODES = {"team": 1, "forkjoin": 0}
 DEFAULT_KCORE = "team"
@@ -40,6 +40,20 @@ def default_partition(cores: int | None = None) -> tuple[int, int]:
 MAX_GROUP = 64   # cores of one team worker (csrc: SL_MAX_GROUP)
 
 
+def effective_kcore(kcore: str, cores_per_worker: int) -> str:
+    """What actually gives a task its cores: 'single' (K = 1), 'parallel-workers' (where the
+    StarPU build has them), else the requested 'team' or 'forkjoin'."""
+    if cores_per_worker == 1:
+        return "single"
+    return "parallel-workers" if lib.sl_have_parallel_workers() else kcore
+
+
+def starpu_worker_count(workers: int, cores_per_worker: int, kcore: str) -> int:
+    """StarPU CPU workers of an N x K partition: N team workers (their OpenMP teams take the
+    other cores), else a worker on every core."""
+    return workers if effective_kcore(kcore, cores_per_worker) == "team" else workers * cores_per_worker
+
+
 def check_partition(workers: int, cores_per_worker: int, oversubscribe: bool = False,
                     kcore: str = "team") -> None:
     """Raise a clear error when N x K does not fit the cores StarPU can use here."""
@@ -48,14 +62,12 @@ def check_partition(workers: int, cores_per_worker: int, oversubscribe: bool = F
                              "must be at least 1")
     total = workers * cores_per_worker
     cap = max_starpu_cpus()
-    # team workers: StarPU runs N workers, their teams take the other cores; forkjoin and
-    # K = 1: StarPU runs a worker on every core
-    starpu_workers = workers if (kcore == "team" and cores_per_worker > 1) else total
-    if starpu_workers > cap:
+    needed = starpu_worker_count(workers, cores_per_worker, kcore)
+    if needed > cap:
         raise StarpuLLMError(
-            f"--workers {workers} x --cores-per-worker {cores_per_worker} needs {starpu_workers} "
+            f"--workers {workers} x --cores-per-worker {cores_per_worker} needs {needed} "
             f"StarPU CPU workers, but this StarPU build supports at most {cap} (STARPU_MAXCPUS); "
-            f"choose N x K <= {cap}" + (", or --kcore team with N <= {cap}" if kcore != "team" else ""))
+            f"choose N x K <= {cap}" + (f", or --kcore team with N <= {cap}" if kcore != "team" else ""))
     if cores_per_worker > MAX_GROUP:
         raise StarpuLLMError(f"--cores-per-worker {cores_per_worker} is above {MAX_GROUP}")
     cores = usable_cores()
@@ -70,9 +82,10 @@ def check_partition(workers: int, cores_per_worker: int, oversubscribe: bool = F
 class Runtime:
     """Owns starpu_init / starpu_shutdown for this process (there is one StarPU per process).
 
-    workers x cores_per_worker is the n x k partition: with k > 1 every task is a FORKJOIN
-    parallel task on a combined worker of k cores (scheduler peager), with k = 1 tasks are
-    sequential and the n workers run independent sub-batches.
+    workers x cores_per_worker is the n x k partition: with k = 1 tasks are sequential and
+    the n workers run independent sub-batches; with k > 1 each task runs on its worker's k
+    cores, through parallel workers, team workers or FORKJOIN tasks (see effective_kcore).
+    comm: an mpi4py communicator to start StarPU-MPI on.
     """
 
     _active: "Runtime | None" = None
@@ -97,39 +110,34 @@ class Runtime:
             workers = max(1, cores // cores_per_worker)
         check_partition(workers, cores_per_worker, oversubscribe, kcore)
         self.workers, self.cores_per_worker = workers, cores_per_worker
-        self.kcore = kcore if cores_per_worker > 1 else "single"
-        if lib.sl_have_parallel_workers() and cores_per_worker > 1:
-            self.kcore = "parallel-workers"
-        forkjoin = self.kcore == "forkjoin"
+        self.kcore = effective_kcore(kcore, cores_per_worker)
         if sched is None:
-            sched = os.environ.get("STARPU_SCHED") or ("peager" if forkjoin else "lws")
+            sched = os.environ.get("STARPU_SCHED") or ("peager" if self.kcore == "forkjoin" else "lws")
         self.sched = sched
         os.environ.setdefault("STARPU_SILENT", "1")
         # Only CPU workers: never probe for accelerators.
         os.environ.setdefault("STARPU_NCUDA", "0")
         os.environ.setdefault("STARPU_NOPENCL", "0")
-        lib.sl_set_kcore_mode(KCORE_MODES[kcore])
-        cores = sorted(os.sched_getaffinity(0))
         n = workers * cores_per_worker
+        cores = sorted(os.sched_getaffinity(0))
         cores = (cores * (n // len(cores) + 1))[:n]    # oversubscribed: cores are reused
-        lib.sl_set_cores(ffi.new("int[]", cores), n)
         self.comm = comm
+        comm_addr = ffi.NULL
         if comm is not None:
             if not lib.sl_mpi_available():
                 raise StarpuLLMError("this build has no StarPU-MPI support (rebuild with "
                                      "libstarpumpi and an MPI installed)")
             from mpi4py import MPI
-            addr = ffi.cast("void *", MPI._addressof(comm))
-            ret = lib.sl_mpi_init(addr, workers * cores_per_worker, cores_per_worker, sched.encode())
-        else:
-            ret = lib.sl_init(workers * cores_per_worker, cores_per_worker, sched.encode())
+            comm_addr = ffi.cast("void *", MPI._addressof(comm))
+        ret = lib.sl_start(n, cores_per_worker, KCORE_MODES[kcore], ffi.new("int[]", cores),
+                           sched.encode(), comm_addr)
         if ret != 0:
             raise StarpuLLMError(f"starpu_init failed ({ret}) for {workers} worker(s) x "
                                  f"{cores_per_worker} core(s) with scheduler {sched!r}")
         Runtime._active = self
         atexit.register(self.shutdown)
         got = lib.sl_worker_count()
-        expected = workers if self.kcore in ("team", "parallel-workers") else workers * cores_per_worker
+        expected = starpu_worker_count(workers, cores_per_worker, kcore)
         if got != expected:
             self.shutdown()
             raise StarpuLLMError(f"StarPU started {got} CPU worker(s) instead of "

@@ -130,6 +130,6 @@ def update_order(cfg: GPTConfig):
 def update(ops, cfg: GPTConfig, p, g, m, v, lr: float, weight_decay: float, t: int):
     """One AdamW task per parameter tensor per layer; each also zeroes its gradient."""
     for name, l in update_order(cfg):
-        pick = (lambda ns: getattr(ns, name)) if l is None else (lambda ns: getattr(ns, name)[l])
-        ops.adamw(pick(p), pick(g), pick(m), pick(v), lr, ADAM_BETA1, ADAM_BETA2, ADAM_EPS,
-                  weight_decay, t)
+        pt, gt, mt, vt = (getattr(ns, name) if l is None else getattr(ns, name)[l]
+                          for ns in (p, g, m, v))
+        ops.adamw(pt, gt, mt, vt, lr, ADAM_BETA1, ADAM_BETA2, ADAM_EPS, weight_decay, t)

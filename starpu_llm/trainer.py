@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import data, formats
-from .config import MODELS, GPTConfig
+from .config import MODELS, GPTConfig, check_batch_shape
 from .errors import StarpuLLMError
 from .state import TrainState, random_init
 
@@ -76,14 +76,6 @@ def load_model(cfg: TrainConfig) -> TrainState:
     return TrainState(config=config, params=params)
 
 
-def check_shapes(config: GPTConfig, B: int, T: int):
-    if B < 1:
-        raise StarpuLLMError(f"--batch must be at least 1, got {B}")
-    if T < 1 or T > config.maxT:
-        raise StarpuLLMError(f"--seq-len {T} is outside 1..{config.maxT}, the model's maximum "
-                             f"sequence length; use --seq-len <= {config.maxT}")
-
-
 def run_settings(cfg: TrainConfig, config: GPTConfig, loader) -> dict:
     """What every MPI rank must agree on (compared before training)."""
     toks = loader.tokens
@@ -117,6 +109,8 @@ def train(cfg: TrainConfig, state: TrainState | None = None, runtime=None) -> Tr
 
     A running `runtime` is used (and left running); otherwise the StarPU engine starts one
     for cfg's partition and shuts it down at the end."""
+    if cfg.steps < 1:
+        raise StarpuLLMError(f"--steps must be at least 1, got {cfg.steps}")
     from . import distributed
     comm = distributed.world() if runtime is None else runtime.comm
     rank = comm.Get_rank() if comm is not None else 0
@@ -132,15 +126,13 @@ def train(cfg: TrainConfig, state: TrainState | None = None, runtime=None) -> Tr
         comm.Barrier()
     state = state or load_model(cfg)
     config = state.config
-    check_shapes(config, cfg.batch, cfg.seq_len)
+    check_batch_shape(config, cfg.batch, cfg.seq_len)
     path = cfg.train_data or data.default_dataset()[0]
     loader = data.DataLoader(path, cfg.batch, cfg.seq_len, vocab_size=config.V)
     if comm is not None:
         distributed.check_same_settings(comm, run_settings(cfg, config, loader))
     if state.data:
         loader.load_state(state.data)
-    if cfg.steps < 1:
-        raise StarpuLLMError(f"--steps must be at least 1, got {cfg.steps}")
 
     from ._clib import lib
     engine = make_engine(cfg, state, loader.tokens, runtime, comm)

@@ -104,17 +104,16 @@ static int team_from_runtime;
 void sl_codelets_set_team_from_runtime(int on) { team_from_runtime = on; }
 
 /* ---- team mode: a worker owns a group of k cores ---- */
-#define SL_MAX_GROUP 64   /* starpu_llm/runtime.py: MAX_GROUP */
 static int team_k;
 static int team_groups[STARPU_NMAXWORKERS][SL_MAX_GROUP];
 static __thread int team_bound;   /* this worker's team threads are bound (once) */
 
-void sl_codelets_set_team_groups(int nworkers, int k, const int *groups, int stride)
+void sl_codelets_set_team_groups(int nworkers, int k, const int *cores)
 {
 	team_k = nworkers > 0 ? k : 0;
 	for (int w = 0; w < nworkers && w < STARPU_NMAXWORKERS; w++)
 		for (int t = 0; t < k && t < SL_MAX_GROUP; t++)
-			team_groups[w][t] = groups[w * stride + t];
+			team_groups[w][t] = cores ? cores[w * k + t] : w * k + t;
 }
 
 static void bind_to_core(int core)

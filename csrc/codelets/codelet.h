@@ -26,15 +26,17 @@ static inline enum starpu_data_access_mode sl_grad_mode(int redux)
 long sl_task_begin(int codelet_id);
 void sl_task_end(long slot);
 
-/* Per-codelet tuning hook: sl_init sets every registered codelet to SEQ (k=1) or FORKJOIN
+/* Per-codelet tuning hook: sl_start sets every registered codelet to SEQ (k=1) or FORKJOIN
  * with max_parallelism k. Each codelet file registers its codelets with this. */
 void sl_codelet_register(struct starpu_codelet *cl);
 void sl_codelets_set_cores(int k);
 /* With parallel workers the task's team size is set by StarPU's OpenMP prologue (the
  * parallel worker's cores): tasks then take k from omp_get_max_threads(). */
 void sl_codelets_set_team_from_runtime(int on);
-/* Team mode: worker w's tasks run a k-thread team bound to cores groups[w*stride + t]. */
-void sl_codelets_set_team_groups(int nworkers, int k, const int *groups, int stride);
+/* Team mode: worker w's tasks run a k-thread team bound to cores[w*k + t] (cores NULL:
+ * core w*k + t); nworkers 0 turns team mode off. */
+#define SL_MAX_GROUP 64   /* starpu_llm/runtime.py: MAX_GROUP */
+void sl_codelets_set_team_groups(int nworkers, int k, const int *cores);
 
 /* Each codelet file lists its codelets once; they are registered when the library loads. */
 #define SL_REGISTER_CODELETS(...)                                                   \

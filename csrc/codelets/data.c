@@ -63,11 +63,6 @@ struct starpu_codelet sl_add_cl = {
 	.cpu_funcs = { add_cpu }, .cpu_funcs_name = { "add_cpu" },
 	.nbuffers = 2, .modes = { STARPU_RW, STARPU_R }, .model = &add_model, .name = "add" };
 
-int sl_submit_zero(sl_handle x)
-{
-	return sl_check_submit(SL_INSERT(&sl_zero_cl, STARPU_W, x, 0), "zero");
-}
-
 /* ---- probe: what a task sees of its cores ---- */
 struct sl_probe_args { uint64_t *out; int max_threads; };
 
