@@ -21,6 +21,7 @@ typedef struct _starpu_data_state *sl_handle;   /* == starpu_data_handle_t */
  *   - else (SL_KCORE_FORKJOIN) FORKJOIN parallel tasks on combined workers of k cores. */
 #define SL_KCORE_FORKJOIN 0
 #define SL_KCORE_TEAM 1
+#define SL_MAX_GROUP 64      /* most cores of one team worker */
 int sl_start(int ncpus, int cores_per_task, int kcore, const int *cores, const char *sched,
              const void *comm);
 int sl_shutdown(void);

@@ -145,12 +145,12 @@ def run_bench(args):
             ok.sort(key=lambda r: r["tokens_per_ms"])
             r = ok[len(ok) // 2]
             ms = sum(r["step_ms"]) / len(r["step_ms"])
+            rss = max(x["peak_rss_mb"] for x in ok)
             extra = ("  " + " ".join(f"{x['tokens_per_ms']:.4f}" for x in ok)) if repeat > 1 else ""
-            print(f"{B:>3} {label:<22} {r['tokens_per_ms']:>8.4f} {ms:>9.1f} "
-                  f"{max(x['peak_rss_mb'] for x in ok):>12.0f}{extra}", flush=True)
+            print(f"{B:>3} {label:<22} {r['tokens_per_ms']:>8.4f} {ms:>9.1f} {rss:>12.0f}{extra}",
+                  flush=True)
             rows.append(dict(B=B, engine=label, tokens_per_ms=r["tokens_per_ms"],
-                             ms_per_step=ms, peak_rss_mb=max(x["peak_rss_mb"] for x in ok),
-                             runs=len(ok)))
+                             ms_per_step=ms, peak_rss_mb=rss, runs=len(ok)))
     if args.csv:
         write_csv(args.csv, rows)
     return rows

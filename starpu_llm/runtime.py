@@ -18,7 +18,7 @@ from .errors import StarpuLLMError
 # one worker per k-core group running an OpenMP team bound to the group (StarPU 1.4's
 # parallel-worker design; ~15 us per task), "forkjoin" = FORKJOIN tasks on combined workers
 # under peager (~180-250 us per task on StarPU 1.3.10, measured).
-KCORE_MODES = {"team": 1, "forkjoin": 0}
+KCORE_MODES = {"team": lib.SL_KCORE_TEAM, "forkjoin": lib.SL_KCORE_FORKJOIN}
 DEFAULT_KCORE = "team"
 
 
@@ -37,7 +37,7 @@ def default_partition(cores: int | None = None) -> tuple[int, int]:
     return 1, cores or usable_cores()
 
 
-MAX_GROUP = 64   # cores of one team worker (csrc: SL_MAX_GROUP)
+MAX_GROUP = lib.SL_MAX_GROUP   # cores of one team worker
 
 
 def effective_kcore(kcore: str, cores_per_worker: int) -> str:
@@ -99,15 +99,15 @@ class Runtime:
         kcore = kcore or DEFAULT_KCORE
         if kcore not in KCORE_MODES:
             raise StarpuLLMError(f"--kcore {kcore!r}: choose one of {', '.join(KCORE_MODES)}")
-        cores = usable_cores()
+        ncores = usable_cores()
         if kcore == "forkjoin":
-            cores = min(cores, max_starpu_cpus())
+            ncores = min(ncores, max_starpu_cpus())
         if workers is None and cores_per_worker is None:
-            workers, cores_per_worker = default_partition(cores)
+            workers, cores_per_worker = default_partition(ncores)
         elif cores_per_worker is None:
-            cores_per_worker = max(1, cores // workers)
+            cores_per_worker = max(1, ncores // workers)
         elif workers is None:
-            workers = max(1, cores // cores_per_worker)
+            workers = max(1, ncores // cores_per_worker)
         check_partition(workers, cores_per_worker, oversubscribe, kcore)
         self.workers, self.cores_per_worker = workers, cores_per_worker
         self.kcore = effective_kcore(kcore, cores_per_worker)

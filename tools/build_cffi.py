@@ -1,8 +1,9 @@
 """Generate the cffi (API mode) C source of starpu_llm._clib from the public C headers.
 
 Run by meson at build time: build_cffi.py kernels.h sl_api.h out.c
-The declarations are the headers themselves minus preprocessor lines, so the Python binding
-cannot drift from the C API.
+The declarations are the headers themselves minus preprocessor lines (integer constants,
+`#define NAME 123`, are kept: Python reads them as lib.NAME), so the Python binding cannot
+drift from the C API.
 """
 import os
 import re
@@ -14,7 +15,9 @@ import cffi
 def cdef_of(path):
     text = open(path).read()
     text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
-    return "\n".join(l for l in text.splitlines() if not l.lstrip().startswith("#"))
+    const = re.compile(r"\s*#define\s+\w+\s+-?\d+\s*$")
+    return "\n".join(l for l in text.splitlines()
+                     if not l.lstrip().startswith("#") or const.match(l))
 
 
 def main(kernels_h, api_h, out_c):

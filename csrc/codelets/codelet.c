@@ -1,7 +1,6 @@
 /* Shared codelet machinery: cores per task, thread binding, task trace. */
 #define _GNU_SOURCE
 #include <omp.h>
-#include <sched.h>
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
@@ -30,6 +29,17 @@ const char *sl_blas_name(void) { return sl_blas_library(); }
  * StarPU restores its own single-core binding after each parallel task. */
 static __thread int bound_combined = -1;
 
+/* Binds thread t (t > 0) of the calling thread's k-thread libgomp pool to core cpus[t]. */
+static void bind_pool(const int *cpus, int k)
+{
+#pragma omp parallel num_threads(k)
+	{
+		int t = omp_get_thread_num();
+		if (t > 0)
+			starpu_sched_ctx_bind_current_thread_to_cpuid(cpus[t]);
+	}
+}
+
 static void bind_team(int k)
 {
 	int cid = starpu_combined_worker_get_id();
@@ -37,12 +47,10 @@ static void bind_team(int k)
 	if (cid < 0 || starpu_combined_worker_get_description(cid, &size, &ids) != 0 || size < k)
 		return;
 	if (cid != bound_combined) {
-#pragma omp parallel num_threads(k)
-		{
-			int t = omp_get_thread_num();
-			if (t > 0)
-				starpu_sched_ctx_bind_current_thread_to_cpuid(starpu_worker_get_bindid(ids[t]));
-		}
+		int cpus[SL_MAX_GROUP];
+		for (int t = 0; t < k && t < SL_MAX_GROUP; t++)
+			cpus[t] = starpu_worker_get_bindid(ids[t]);
+		bind_pool(cpus, k);
 		bound_combined = cid;
 	}
 	starpu_sched_ctx_bind_current_thread_to_cpuid(starpu_worker_get_bindid(ids[0]));
@@ -116,14 +124,6 @@ void sl_codelets_set_team_groups(int nworkers, int k, const int *cores)
 			team_groups[w][t] = cores ? cores[w * k + t] : w * k + t;
 }
 
-static void bind_to_core(int core)
-{
-	cpu_set_t set;
-	CPU_ZERO(&set);
-	CPU_SET(core, &set);
-	pthread_setaffinity_np(pthread_self(), sizeof set, &set);
-}
-
 /* libgomp keeps a pool of team threads per master thread: binding them once per worker
  * thread is enough, and the StarPU worker thread itself stays on its group's first core. */
 static void bind_team_group(int k)
@@ -133,8 +133,7 @@ static void bind_team_group(int k)
 	int w = starpu_worker_get_id();
 	if (w < 0 || w >= STARPU_NMAXWORKERS)
 		return;
-#pragma omp parallel num_threads(k)
-	bind_to_core(team_groups[w][omp_get_thread_num()]);
+	bind_pool(team_groups[w], k);
 	team_bound = 1;
 }
 

@@ -35,7 +35,6 @@ void sl_codelets_set_cores(int k);
 void sl_codelets_set_team_from_runtime(int on);
 /* Team mode: worker w's tasks run a k-thread team bound to cores[w*k + t] (cores NULL:
  * core w*k + t); nworkers 0 turns team mode off. */
-#define SL_MAX_GROUP 64   /* starpu_llm/runtime.py: MAX_GROUP */
 void sl_codelets_set_team_groups(int nworkers, int k, const int *cores);
 
 /* Each codelet file lists its codelets once; they are registered when the library loads. */
