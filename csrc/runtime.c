@@ -63,6 +63,7 @@ int sl_start(int ncpus, int cores_per_task, int kcore, const int *cores, const c
 		setenv("STARPU_MAX_WORKERSIZE", k, 1);
 	}
 	sl_codelets_set_cores(use_team || use_parallel_workers ? 1 : cores_per_task);
+	sl_set_exec_worker(-1);
 
 	ret = comm ? sl_mpi_start(&conf, comm) : starpu_init(&conf);
 	if (ret)

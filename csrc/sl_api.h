@@ -29,6 +29,9 @@ int sl_wait_all(void);
 void sl_pause(void);
 void sl_resume(void);
 int sl_worker_count(void);
+/* Tasks submitted from now on run on StarPU worker `worker` (-1: wherever the scheduler
+ * puts them). Used to keep each data-parallel sub-batch on one worker. */
+void sl_set_exec_worker(int worker);
 int sl_max_cpus(void);                 /* STARPU_MAXCPUS of the StarPU build */
 int sl_have_parallel_workers(void);    /* 1.4 parallel workers / 1.3 clusters compiled in */
 void sl_starpu_version(int *major, int *minor, int *release);

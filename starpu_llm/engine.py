@@ -184,6 +184,12 @@ class StarPUEngine(_Engine):
         super().__init__(config, state, B, T, tokens, sub_batches * self.nranks)
         self.mpi = self.nranks > 1
         self.runtime = runtime
+        # Data parallelism: sub-batch i stays on worker i mod N, so every worker always adds
+        # into its own reduction copies (StarPU allocates them all in the first step) and two
+        # sub-batches never queue behind each other. Only where worker ids are the N workers
+        # of the partition (team or one-core workers), not combined workers.
+        self._pin_sub_batches = runtime.workers > 1 and (runtime.cores_per_worker == 1
+                                                         or runtime.kcore == "team")
         self.ops = StarPUOps(record=record)
         self._registered = []     # (handle, partitioned) to unregister in reverse order
         self._buffers = []
@@ -269,8 +275,11 @@ class StarPUEngine(_Engine):
     def _run_sub_batch_on(self, i):
         if self.mpi:
             lib.sl_mpi_set_exec_node(self._owner(i))
+        if self._pin_sub_batches:
+            lib.sl_set_exec_worker(i % self.subs_per_rank % self.runtime.workers)
 
     def _gradients_submitted(self):
+        lib.sl_set_exec_worker(-1)   # reductions and updates go wherever a worker is free
         if self.mpi:   # every rank's contributions -> rank 0
             for t in tensor_list(self.g):
                 if lib.sl_mpi_redux(t.h) != 0:

@@ -62,3 +62,34 @@ def test_indivisible_batch_is_a_clear_error():
     with Runtime(1, 1) as rt:
         with pytest.raises(StarpuLLMError, match="--sub-batches"):
             StarPUEngine(CFG, state, 4, T, TOKENS, rt, sub_batches=3)
+
+
+@pytest.mark.parametrize("sub_batches", [2, 4])
+def test_sub_batches_stay_on_their_worker(sub_batches):
+    """Data parallelism pins sub-batch i to worker i mod N (its forward and backward tasks),
+    while reductions and updates run wherever a worker is free."""
+    from collections import Counter
+    from starpu_llm._clib import lib
+    from starpu_llm.taskflow import update_order
+    from starpu_llm.trainer import read_trace
+    state = TrainState(config=CFG, params=random_init(CFG, seed=5))
+    lib.sl_trace_enable(100_000)
+    try:
+        with Runtime(2, 1) as rt:
+            eng = StarPUEngine(CFG, state, B, T, TOKENS, rt, sub_batches=sub_batches)
+            try:
+                for i in range(2):
+                    eng.step(i * B * T, 1e-3, 0.01)
+            finally:
+                eng.close()
+        events = read_trace(lib)
+    finally:
+        lib.sl_trace_enable(0)
+    per_sub = 2 * (sub_batches // 2)   # 2 steps, sub_batches / 2 sub-batches per worker
+    workers = Counter(e[1] for e in events if e[0] == "load_batch")
+    assert workers == {0: per_sub, 1: per_sub}
+    for name in ("matmul_forward", "attention_backward", "crossentropy_forward"):
+        counts = Counter(e[1] for e in events if e[0] == name)
+        assert set(counts) == {0, 1} and counts[0] == counts[1], (name, counts)
+    # one task per parameter tensor per step, not pinned: they run on either worker
+    assert sum(1 for e in events if e[0] == "adamw") == 2 * len(update_order(CFG))

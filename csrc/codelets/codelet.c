@@ -105,6 +105,12 @@ const char *sl_codelet_name(int codelet)
 
 int sl_codelet_count(void) { return SL_CL_COUNT; }
 
+/* ---- where tasks run ---- */
+
+int sl_exec_worker = -1;
+
+void sl_set_exec_worker(int worker) { sl_exec_worker = worker < 0 ? -1 : worker; }
+
 /* ---- per task ---- */
 
 static int team_from_runtime;

@@ -51,10 +51,13 @@ void sl_codelets_set_team_groups(int nworkers, int k, const int *cores);
 void *sl_args_alloc(size_t size);
 void sl_args_free_completed(void);
 
-/* Every submit helper inserts its task through this one macro. Under StarPU-MPI every
- * process submits every task: starpu_mpi_task_insert runs it where sl_exec_node says (the
- * rank owning the sub-batch, or the owner of the parameters for updates) and posts the
- * transfers its data needs. */
+/* Every submit helper inserts its task through this one macro. sl_exec_worker pins the task
+ * to one StarPU worker (-1: any worker, the scheduler decides); the runtime sets it while a
+ * sub-batch is submitted, so each data-parallel worker keeps its own sub-batch. Under
+ * StarPU-MPI every process submits every task: starpu_mpi_task_insert runs it where
+ * sl_exec_node says (the rank owning the sub-batch, or the owner of the parameters for
+ * updates) and posts the transfers its data needs. */
+extern int sl_exec_worker;
 #ifdef SL_HAVE_MPI
 #include <starpu_mpi.h>
 extern int sl_mpi_active;
@@ -62,10 +65,13 @@ extern MPI_Comm sl_mpi_comm;
 extern int sl_exec_node;
 #define SL_INSERT(cl, ...)                                                                \
 	(sl_mpi_active ? starpu_mpi_task_insert(sl_mpi_comm, cl, STARPU_EXECUTE_ON_NODE,   \
-						sl_exec_node, __VA_ARGS__)                  \
-		       : starpu_task_insert(cl, __VA_ARGS__))
+						sl_exec_node, STARPU_EXECUTE_ON_WORKER,     \
+						sl_exec_worker, __VA_ARGS__)                \
+		       : starpu_task_insert(cl, STARPU_EXECUTE_ON_WORKER, sl_exec_worker,  \
+					    __VA_ARGS__))
 #else
-#define SL_INSERT(...) starpu_task_insert(__VA_ARGS__)
+#define SL_INSERT(cl, ...) \
+	starpu_task_insert(cl, STARPU_EXECUTE_ON_WORKER, sl_exec_worker, __VA_ARGS__)
 #endif
 
 /* Return code check for submissions: turns -ENODEV etc. into a printed, returned error. */
