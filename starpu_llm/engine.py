@@ -186,10 +186,9 @@ class StarPUEngine(_Engine):
         self.runtime = runtime
         # Data parallelism: sub-batch i stays on worker i mod N, so every worker always adds
         # into its own reduction copies (StarPU allocates them all in the first step) and two
-        # sub-batches never queue behind each other. Only where worker ids are the N workers
-        # of the partition (team or one-core workers), not combined workers.
-        self._pin_sub_batches = runtime.workers > 1 and (runtime.cores_per_worker == 1
-                                                         or runtime.kcore == "team")
+        # sub-batches never queue behind each other. Only where StarPU's worker ids are the N
+        # workers of the partition.
+        self._pin_sub_batches = runtime.workers > 1 and runtime.workers_are_starpu_workers
         self.ops = StarPUOps(record=record)
         self._registered = []     # (handle, partitioned) to unregister in reverse order
         self._buffers = []

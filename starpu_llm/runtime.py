@@ -136,13 +136,19 @@ class Runtime:
                                  f"{cores_per_worker} core(s) with scheduler {sched!r}")
         Runtime._active = self
         atexit.register(self.shutdown)
-        got = lib.sl_worker_count()
+        got = self.starpu_workers = lib.sl_worker_count()
         expected = starpu_worker_count(workers, cores_per_worker, kcore)
         if got != expected:
             self.shutdown()
             raise StarpuLLMError(f"StarPU started {got} CPU worker(s) instead of "
                                  f"{expected} (STARPU_NCPU or "
                                  "STARPU_WORKERS_CPUID in the environment?)")
+
+    @property
+    def workers_are_starpu_workers(self) -> bool:
+        """Partition worker i is StarPU worker i (team or one-core workers), so a task can be
+        pinned to it; not so for combined or parallel workers, built over a worker per core."""
+        return self.starpu_workers == self.workers
 
     @property
     def rank(self) -> int:

@@ -1,11 +1,16 @@
 """Tensor, data and mixed parallelism: every n x k partition trains exactly like one worker."""
+from collections import Counter
+
 import numpy as np
 import pytest
 
 from starpu_llm import Runtime, StarpuLLMError
+from starpu_llm._clib import lib
 from starpu_llm.config import GPTConfig
 from starpu_llm.engine import StarPUEngine
 from starpu_llm.state import TrainState, random_init
+from starpu_llm.taskflow import update_order
+from starpu_llm.trainer import read_trace
 
 CFG = GPTConfig(max_seq_len=32, vocab_size=250, padded_vocab_size=256, num_layers=2,
                 num_heads=4, channels=64)
@@ -68,10 +73,6 @@ def test_indivisible_batch_is_a_clear_error():
 def test_sub_batches_stay_on_their_worker(sub_batches):
     """Data parallelism pins sub-batch i to worker i mod N (its forward and backward tasks),
     while reductions and updates run wherever a worker is free."""
-    from collections import Counter
-    from starpu_llm._clib import lib
-    from starpu_llm.taskflow import update_order
-    from starpu_llm.trainer import read_trace
     state = TrainState(config=CFG, params=random_init(CFG, seed=5))
     lib.sl_trace_enable(100_000)
     try:
