@@ -111,14 +111,22 @@ int sl_submit_load_batch(sl_handle inputs, sl_handle targets, const uint16_t *to
 int sl_submit_probe(uint64_t *out, int max_threads);
 
 /* Task trace: when enabled, each task records its codelet, worker and start/end time
- * (CLOCK_MONOTONIC ns, the clock of Python's time.monotonic_ns()). */
+ * (CLOCK_MONOTONIC ns, the clock of Python's time.monotonic_ns()), and the data handles and
+ * access modes StarPU gave it (read back from the running task, not from our own tables).
+ * A reduction method StarPU runs inline inside another task records nbuffers = -1. */
+#define SL_TRACE_MAXBUF 8      /* buffers recorded per task (STARPU_NMAXBUFS of Debian's 1.3) */
+#define SL_ACCESS_R 1          /* normalised access modes: reads, */
+#define SL_ACCESS_W 2          /* writes (W, RW, SCRATCH), */
+#define SL_ACCESS_REDUX 4      /* or contributes to a reduction (STARPU_REDUX) */
 struct sl_trace_event {
 	int32_t codelet;      /* index into sl_codelet_name() */
 	int32_t worker;       /* StarPU worker id of the task's master thread */
 	int32_t ncores;       /* cores of the (combined) worker */
-	int32_t pad;
+	int32_t nbuffers;     /* buffers of the task (only the first SL_TRACE_MAXBUF kept) */
 	int64_t start_ns;
 	int64_t end_ns;
+	int32_t modes[SL_TRACE_MAXBUF];          /* SL_ACCESS_* bits */
+	sl_handle handles[SL_TRACE_MAXBUF];
 };
 int sl_trace_enable(size_t capacity);  /* capacity 0 disables and frees */
 size_t sl_trace_count(void);           /* events recorded (capped at capacity) */

@@ -48,18 +48,14 @@ def cpu_description() -> str:
     return f"{model} ({len(os.sched_getaffinity(0))} cores usable; {flags})"
 
 
-def parse_partitions(spec: str, cores: int, cap: int):
-    """[(N, K, kcore)]: 'default', 'all' (every N x K = cores, K > 1 both as team and
-    forkjoin), or a list like 1x2,2x1,1x2:forkjoin."""
+def parse_partitions(spec: str, cores: int):
+    """[(N, K, kcore)]: 'default', 'all' (every N x K = cores that this StarPU build can run,
+    K > 1 both as team and forkjoin), or a list like 1x2,2x1,1x2:forkjoin."""
+    from .runtime import DEFAULT_KCORE, default_partition, partitions_that_fit
     if spec == "default":
-        return [(1, min(cores, cap), "team")]
+        return [(*default_partition(cores), DEFAULT_KCORE)]
     if spec == "all":
-        out = []
-        for n in range(1, cores + 1):
-            if cores % n == 0 and cores <= cap:
-                k = cores // n
-                out += [(n, k, "team"), (n, k, "forkjoin")] if k > 1 else [(n, k, "team")]
-        return out
+        return partitions_that_fit(cores)
     out = []
     for item in spec.split(","):
         part, _, mode = item.partition(":")
@@ -110,9 +106,8 @@ def _subprocess(spec: dict, env=None) -> dict:
 
 
 def run_bench(args):
-    from ._clib import lib
     cores = len(os.sched_getaffinity(0))
-    partitions = parse_partitions(args.partitions, cores, lib.sl_max_cpus())
+    partitions = parse_partitions(args.partitions, cores)
     batches = [int(b) for b in args.batches.split(",")]
     print(f"machine: {cpu_description()}")
     print(f"model {args.model}, T={args.seq_len}, 1 warm-up + {args.steps} timed steps per row")

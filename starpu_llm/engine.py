@@ -247,6 +247,17 @@ class StarPUEngine(_Engine):
             raise StarpuLLMError(f"{self._next_tag} data handles need more MPI tags than this MPI "
                                  f"allows ({lib.sl_mpi_tag_ub()}); use fewer sub-batches per process")
 
+    def tensor_names(self) -> dict:
+        """{handle address: tensor name} of every tensor of this engine (sub-batch i's
+        activations prefixed "s{i}."), to read the handles of a task trace."""
+        names = {}
+        for t in (t for ns in (self.p, self.g, self.m, self.v) for t in tensor_list(ns)):
+            names[int(ffi.cast("uintptr_t", t.h))] = t.name
+        for i, (a, s) in enumerate(self.subs):
+            for t in (t for ns in (a, s) for t in tensor_list(ns)):
+                names[int(ffi.cast("uintptr_t", t.h))] = f"s{i}.{t.name}"
+        return names
+
     def _register(self, arr, n=None, itemsize=4, owner=None, partitioned=False):
         """A vector handle on arr (kept alive), or of n elements allocated by StarPU when arr
         is None (a tensor this process never computes on); MPI-registered when owner is

@@ -54,6 +54,23 @@ def starpu_worker_count(workers: int, cores_per_worker: int, kcore: str) -> int:
     return workers if effective_kcore(kcore, cores_per_worker) == "team" else workers * cores_per_worker
 
 
+def partitions_that_fit(cores: int | None = None) -> list[tuple[int, int, str]]:
+    """Every N x K = cores partition (N, K, kcore) that check_partition accepts: both k-core
+    mechanisms for K > 1, 'team' alone for K = 1; none that the StarPU build's
+    STARPU_MAXCPUS or SL_MAX_GROUP rules out."""
+    cores = cores or usable_cores()
+    cap = max_starpu_cpus()
+    out = []
+    for n in range(1, cores + 1):
+        k = cores // n
+        if cores % n or k > MAX_GROUP:
+            continue
+        for mode in (("team", "forkjoin") if k > 1 else ("team",)):
+            if starpu_worker_count(n, k, mode) <= cap:
+                out.append((n, k, mode))
+    return out
+
+
 def check_partition(workers: int, cores_per_worker: int, oversubscribe: bool = False,
                     kcore: str = "team") -> None:
     """Raise a clear error when N x K does not fit the cores StarPU can use here."""
@@ -72,7 +89,8 @@ def check_partition(workers: int, cores_per_worker: int, oversubscribe: bool = F
         raise StarpuLLMError(f"--cores-per-worker {cores_per_worker} is above {MAX_GROUP}")
     cores = usable_cores()
     if total > cores and not oversubscribe:
-        fits = ", ".join(f"{n}x{cores // n}" for n in range(1, cores + 1) if cores % n == 0)
+        fits = ", ".join(dict.fromkeys(f"{n}x{k}" for n, k, m in partitions_that_fit(cores)
+                                       if m == kcore or k == 1))
         raise StarpuLLMError(
             f"--workers {workers} x --cores-per-worker {cores_per_worker} = {total} cores, "
             f"but this process can use {cores}; partitions that fit: {fits} "

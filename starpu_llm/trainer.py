@@ -190,9 +190,17 @@ def train(cfg: TrainConfig, state: TrainState | None = None, runtime=None) -> Tr
 
 
 def read_trace(lib):
+    """The recorded tasks: (codelet, worker, cores, start ns, end ns, buffers), where buffers
+    is ((handle address, SL_ACCESS_* mode), ...) as StarPU gave them to the task, or None for
+    a reduction method StarPU ran inline inside another task."""
     from ._clib import ffi
     n = lib.sl_trace_count()
     ev = lib.sl_trace_events()
     names = [ffi.string(lib.sl_codelet_name(i)).decode() for i in range(lib.sl_codelet_count())]
-    return [(names[ev[i].codelet], ev[i].worker, ev[i].ncores, ev[i].start_ns, ev[i].end_ns)
-            for i in range(n)]
+    out = []
+    for e in (ev[i] for i in range(n)):
+        nb = min(e.nbuffers, lib.SL_TRACE_MAXBUF)
+        bufs = None if e.nbuffers < 0 else tuple(
+            (int(ffi.cast("uintptr_t", e.handles[b])), int(e.modes[b])) for b in range(nb))
+        out.append((names[e.codelet], e.worker, e.ncores, e.start_ns, e.end_ns, bufs))
+    return out

@@ -11,6 +11,7 @@ import pytest
 
 from starpu_llm import formats
 from starpu_llm.config import MODELS, ParamLayout
+from starpu_llm.runtime import usable_cores
 from starpu_llm.state import random_init
 
 MICRO = MODELS["micro"]   # V=250: tiny random shards stand in for real data
@@ -126,8 +127,9 @@ def test_bad_flag_values(args, flag):
 
 
 def test_impossible_partition(shard):
+    # one more one-core worker than this process has cores (or than StarPU can run)
     rc, _, err = run("train", "--model", "micro", "--train-data", shard, "--seq-len", "16",
-                     "--workers", "9")
+                     "--workers", str(usable_cores() + 1), "--cores-per-worker", "1")
     assert_clean_error(rc, err, "--workers")
 
 

@@ -3,6 +3,8 @@ import numpy as np
 import pytest
 
 from starpu_llm import Runtime
+from starpu_llm._clib import lib
+from tracing import named_buffers, traced_step
 from starpu_llm.config import MODELS
 from starpu_llm.engine import StarPUEngine
 from starpu_llm.state import TrainState, random_init
@@ -33,7 +35,7 @@ def test_tasks_per_step(runtime):
     eng = StarPUEngine(MICRO, state, 2, 16, tokens(), runtime, record=True)
     try:
         eng.step(0, 1e-3, 0.0)
-        names = [r[0] for r in eng.ops.records]
+        names = list(eng.ops.records)
     finally:
         eng.close()
     forward = 1 + 10 * L + 2      # encoder, 10 per block, lnf + lm head
@@ -49,17 +51,30 @@ def test_tasks_per_step(runtime):
 
 
 def test_update_reads_final_gradient(runtime):
-    """Each AdamW task writes params, grads, m, v of exactly one tensor slice."""
-    state = TrainState(config=MICRO, params=random_init(MICRO))
-    eng = StarPUEngine(MICRO, state, 2, 16, tokens(), runtime, record=True)
-    try:
-        eng.step(0, 1e-3, 0.0)
-        updates = [r for r in eng.ops.records if r[0] == "adamw"]
-    finally:
-        eng.close()
-    written = [tuple(r[1]) for r in updates]
-    assert len(set(written)) == len(written)
-    assert ("param.qkvw[1]", "grad.qkvw[1]", "m.qkvw[1]", "v.qkvw[1]") in written
+    """Each AdamW task, as StarPU ran it, reads and writes params, grads, m, v of exactly one
+    tensor slice (the access modes StarPU was given, read back from the running task)."""
+    events, names = traced_step(runtime, MICRO, tokens())
+    updates = [named_buffers(e, names) for e in events if e[0] == "adamw"]
+    assert len(updates) == 12 * MICRO.L + 4
+    rw = lib.SL_ACCESS_R | lib.SL_ACCESS_W
+    for bufs in updates:
+        assert [m for _, m in bufs] == [rw] * 4, bufs
+        kinds = [n.split(".", 1) for n, _ in bufs]
+        assert [k for k, _ in kinds] == ["param", "grad", "m", "v"], bufs
+        assert len({t for _, t in kinds}) == 1, bufs     # one tensor slice
+    assert len({tuple(u) for u in updates}) == len(updates)
+    assert [("param.qkvw[1]", rw), ("grad.qkvw[1]", rw), ("m.qkvw[1]", rw),
+            ("v.qkvw[1]", rw)] in updates
+
+
+def test_attention_backward_declares_its_scratch(runtime):
+    """The attention backward's scratch buffer is written inside the task: StarPU must have
+    been told so (W), or two layers' backward tasks could overlap on it."""
+    events, names = traced_step(runtime, MICRO, tokens())
+    bufs = [named_buffers(e, names) for e in events if e[0] == "attention_backward"]
+    assert len(bufs) == MICRO.L
+    for b in bufs:
+        assert ("s0.att_scratch", lib.SL_ACCESS_W) in b and ("s0.dqkv", lib.SL_ACCESS_W) in b, b
 
 
 def test_memory_does_not_grow_with_steps(runtime):

@@ -172,10 +172,37 @@ long sl_task_begin(int codelet_id)
 	return (long)slot;
 }
 
+static int32_t access_bits(enum starpu_data_access_mode m)
+{
+	if (m & STARPU_REDUX)
+		return SL_ACCESS_REDUX;
+	return ((m & STARPU_R) ? SL_ACCESS_R : 0) | ((m & (STARPU_W | STARPU_SCRATCH)) ? SL_ACCESS_W : 0);
+}
+
+/* The handles and modes of the running task, as StarPU holds them. StarPU calls a reduction's
+ * init method inline inside the task that first touches the per-worker copy: the current task
+ * is then that other task, recognised by its codelet name, and nothing is recorded. */
+static void trace_buffers(struct sl_trace_event *e)
+{
+	struct starpu_task *task = starpu_task_get_current();
+	e->nbuffers = -1;
+	if (!task || !task->cl || !task->cl->name ||
+	    strcmp(task->cl->name, sl_codelet_name(e->codelet)) != 0)
+		return;
+	int n = STARPU_TASK_GET_NBUFFERS(task);
+	e->nbuffers = n;
+	for (int i = 0; i < n && i < SL_TRACE_MAXBUF; i++) {
+		e->handles[i] = STARPU_TASK_GET_HANDLE(task, i);
+		e->modes[i] = access_bits(STARPU_TASK_GET_MODE(task, i));
+	}
+}
+
 void sl_task_end(long slot)
 {
-	if (slot >= 0 && trace_buf)
-		trace_buf[slot].end_ns = now_ns();
+	if (slot < 0 || !trace_buf)
+		return;
+	trace_buf[slot].end_ns = now_ns();
+	trace_buffers(&trace_buf[slot]);
 }
 
 /* ---- codelet table ---- */

@@ -1,0 +1,26 @@
+"""Test helpers: run one training step under the task trace and name its handles."""
+from starpu_llm._clib import lib
+from starpu_llm.engine import StarPUEngine
+from starpu_llm.state import TrainState, random_init
+from starpu_llm.trainer import read_trace
+
+
+def traced_step(runtime, config, tokens, B=4, T=16, sub_batches=None):
+    """One training step under a task trace: (events, {handle address: tensor name})."""
+    state = TrainState(config=config, params=random_init(config))
+    lib.sl_trace_enable(100_000)
+    try:
+        eng = StarPUEngine(config, state, B, T, tokens, runtime, sub_batches=sub_batches)
+        try:
+            eng.step(0, 1e-3, 0.0)
+            names = eng.tensor_names()
+        finally:
+            eng.close()
+        return read_trace(lib), names
+    finally:
+        lib.sl_trace_enable(0)
+
+
+def named_buffers(event, names):
+    """[(tensor name, SL_ACCESS_* mode)] of a traced task, as StarPU gave them to it."""
+    return [(names.get(h, hex(h)), mode) for h, mode in event[5]]
