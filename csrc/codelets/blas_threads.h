@@ -4,6 +4,7 @@
  * same number of cores (true for an n x k partition). */
 #ifndef SL_BLAS_THREADS_H
 #define SL_BLAS_THREADS_H
+#include <stdio.h>
 #include "../kernels/blas.h"
 
 static inline void sl_blas_set_threads(int k)
@@ -23,11 +24,13 @@ static inline const char *sl_blas_library(void)
 #if defined(SL_USE_MKL)
 	return "mkl";
 #elif defined(SL_USE_OPENBLAS)
-	switch (openblas_get_parallel()) {
-	case 0: return "openblas-serial";
-	case 1: return "openblas-pthread";
-	default: return "openblas-openmp";
-	}
+	/* with the kernel family OpenBLAS chose for this CPU (or OPENBLAS_CORETYPE) */
+	static char name[64];
+	const char *build = openblas_get_parallel() == 0   ? "serial"
+			    : openblas_get_parallel() == 1 ? "pthread"
+							   : "openmp";
+	snprintf(name, sizeof name, "openblas-%s (%s)", build, openblas_get_corename());
+	return name;
 #else
 	return "cblas";
 #endif
