@@ -9,7 +9,7 @@ contributes. Writes experiments/out/memory_subbatches.csv.
 import argparse
 import os
 
-from starpu_llm.bench import _subprocess, write_csv
+from starpu_llm.bench import run_in_subprocess, write_csv
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--batch", type=int, default=8)
@@ -23,8 +23,8 @@ for n, k in [(1, 2), (2, 1)]:
     for sb in (1, 2, 4, 8):
         if args.batch % sb or sb < n:
             continue
-        r = _subprocess(dict(engine="starpu", model="d12", batch=args.batch, seq_len=64,
-                             steps=args.steps, workers=n, cores=k, sub_batches=sb))
+        r = run_in_subprocess(dict(engine="starpu", model="d12", batch=args.batch, seq_len=64,
+                                   steps=args.steps, workers=n, cores=k, sub_batches=sb))
         if "error" in r:
             print(f"{n}x{k} {sb}: {r['error']}")
             continue

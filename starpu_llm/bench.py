@@ -14,18 +14,18 @@ import platform
 import subprocess
 import sys
 
+from .atomic import atomic_write
 from .errors import StarpuLLMError
 
 
 def write_csv(path: str, rows: list[dict]) -> None:
-    """rows as CSV at path, written to a temporary name and renamed (nothing half-written)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w", newline="") as f:
+    """rows as CSV at path, written atomically (nothing half-written)."""
+    def write(f):
         w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["B"])
         w.writeheader()
         w.writerows(rows)
-    os.replace(tmp, path)
+
+    atomic_write(path, write, text=True)
 
 
 def cpu_description() -> str:
@@ -97,7 +97,9 @@ def run_one(spec: dict) -> dict:
     return spec
 
 
-def _subprocess(spec: dict, env=None) -> dict:
+def run_in_subprocess(spec: dict, env=None) -> dict:
+    """run_one(spec) in a fresh Python process (StarPU starts once per process, and the peak
+    RSS is then this configuration's own); on failure, spec with "error": the last stderr line."""
     cmd = [sys.executable, "-m", "starpu_llm.bench", json.dumps(spec)]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if p.returncode != 0:
@@ -128,7 +130,7 @@ def run_bench(args):
         runs = [[] for _ in specs]
         for _ in range(repeat):
             for i, s in enumerate(specs):
-                runs[i].append(_subprocess(dict(s)))
+                runs[i].append(run_in_subprocess(dict(s)))
         for s, rs in zip(specs, runs):
             label = s["engine"]
             if s["engine"] == "starpu":

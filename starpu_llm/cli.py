@@ -31,22 +31,38 @@ def _nonneg_float(flag):
     return conv
 
 
-def add_partition_args(p):
-    g = p.add_argument_group("parallelism (StarPU engine)")
-    g.add_argument("--workers", type=_positive("--workers"), help="N: parallel workers (default: 1)")
-    g.add_argument("--cores-per-worker", type=_positive("--cores-per-worker"),
-                   help="K: cores of each worker (default: all cores / N)")
-    g.add_argument("--sub-batches", type=_positive("--sub-batches"),
-                   help="split --batch into this many sub-batches (default: one per worker)")
-    g.add_argument("--kcore", choices=["team", "forkjoin"],
-                   help="how a task gets K > 1 cores without StarPU parallel workers: team (one "
-                        "worker per K-core group with a bound OpenMP team; default) or forkjoin "
-                        "(FORKJOIN tasks on combined workers, scheduler peager)")
-    g.add_argument("--sched", help="StarPU scheduler (default: peager for forkjoin, else lws)")
-    g.add_argument("--oversubscribe", action="store_true",
-                   help="allow N x K above the usable cores (correctness tests only)")
-    g.add_argument("--threads", type=_positive("--threads"),
-                   help="reference engine: OpenMP/BLAS threads (default: all cores)")
+_CHECKS = {"positive": _positive, "nonneg": _nonneg_float}
+
+
+def train_settings():
+    """The TrainConfig fields that are `starpu-llm train` flags (those with help)."""
+    from dataclasses import fields
+    from .trainer import TrainConfig
+    return [f for f in fields(TrainConfig) if "help" in f.metadata]
+
+
+def add_train_args(p):
+    """One flag per train setting, generated from TrainConfig's fields and their metadata."""
+    groups = {}
+    for f in train_settings():
+        m = f.metadata
+        group = m.get("group")
+        if group and group not in groups:
+            groups[group] = p.add_argument_group(group)
+        target = groups[group] if group else p
+        flag = "--" + f.name.replace("_", "-")
+        names = [flag] + ([m["short"]] if "short" in m else [])
+        kw = dict(dest=f.name, default=f.default, help=m["help"])
+        if isinstance(f.default, bool):
+            kw["action"] = "store_true"
+        elif "check" in m:
+            kw["type"] = _CHECKS[m["check"]](flag)
+        elif f.default is not None:
+            kw["type"] = type(f.default)
+        for k in ("choices", "metavar"):
+            if k in m:
+                kw[k] = m[k]
+        target.add_argument(*names, **kw)
 
 
 def build_parser():
@@ -55,22 +71,7 @@ def build_parser():
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     t = sub.add_parser("train", help="train GPT-2 (default: 124M on the bundled Shakespeare)")
-    t.add_argument("--model", default="d12", choices=sorted(MODELS),
-                   help="model size when not initialised from a checkpoint (d12 = GPT-2 124M)")
-    t.add_argument("--init-from", metavar="CKPT", help="llm.c fp32 checkpoint to start from")
-    t.add_argument("--train-data", metavar="SHARD", help="llm.c token shard (default: bundled Shakespeare)")
-    t.add_argument("--batch", "-b", type=_positive("--batch"), default=4, help="B, global batch (default 4)")
-    t.add_argument("--seq-len", "-t", type=_positive("--seq-len"), default=64, help="T (default 64)")
-    t.add_argument("--steps", "-n", type=_positive("--steps"), default=10, help="training steps (default 10)")
-    t.add_argument("--lr", type=_nonneg_float("--lr"), default=1e-4, help="AdamW learning rate (default 1e-4)")
-    t.add_argument("--weight-decay", type=_nonneg_float("--weight-decay"), default=0.0,
-                   help="AdamW decoupled weight decay (default 0)")
-    t.add_argument("--engine", choices=["starpu", "reference"], default="starpu",
-                   help="starpu: the task graph; reference: the same kernels in a plain loop")
-    t.add_argument("--seed", type=int, default=1337, help="seed of the random init")
-    t.add_argument("--save", metavar="PATH", help="write the trained model (llm.c format)")
-    t.add_argument("--metrics-jsonl", metavar="PATH", help="one JSON object per step")
-    add_partition_args(t)
+    add_train_args(t)
 
     pr = sub.add_parser("prepare", help="tokenize a text file into llm.c train/val shards")
     pr.add_argument("text", nargs="?", help="UTF-8 text file (default: the bundled Shakespeare)")
@@ -94,20 +95,14 @@ def build_parser():
 
 def cmd_train(args):
     from .trainer import TrainConfig, train
-    cfg = TrainConfig(model=args.model, init_from=args.init_from, train_data=args.train_data,
-                      batch=args.batch, seq_len=args.seq_len, steps=args.steps, lr=args.lr,
-                      weight_decay=args.weight_decay, engine=args.engine, workers=args.workers,
-                      cores_per_worker=args.cores_per_worker, sub_batches=args.sub_batches,
-                      threads=args.threads, sched=args.sched, oversubscribe=args.oversubscribe,
-                      kcore=args.kcore,
-                      seed=args.seed, save=args.save, metrics_jsonl=args.metrics_jsonl)
+    cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in train_settings()})
     train(cfg)
     return 0
 
 
 def cmd_prepare(args):
-    from . import data
-    source = args.text if args.text else data.shakespeare_text()
+    from . import corpus, data
+    source = args.text if args.text else corpus.shakespeare_text()
     train_path, val_path = data.prepare(source, args.out_dir, val_tokens=args.val_tokens,
                                         name=None if args.text else "shakespeare")
     print(f"wrote {train_path} and {val_path}")

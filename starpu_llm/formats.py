@@ -1,20 +1,19 @@
 """llm.c's little-endian binary file formats: fp32 checkpoints, uint16 token shards, tokenizer files.
 
 Every reader validates the header and the file size and raises StarpuLLMError with a message that
-names the file, what was expected, what was found and what to do. Every writer writes a temporary
-file in the target's directory and os.replace()s it onto the target, so a crash never leaves a
-half-written file under the final name.
+names the file, what was expected, what was found and what to do. Every writer goes through
+atomic.atomic_write, so a crash never leaves a half-written file under the final name.
 """
 from __future__ import annotations
 
 import os
-import tempfile
-from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from .atomic import atomic_write
 from .config import GPTConfig
 from .errors import StarpuLLMError
+from .tokenizer import Tokenizer
 
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
@@ -33,44 +32,6 @@ _U16 = np.dtype("<u2")
 
 
 # --------------------------------------------------------------------------- helpers
-
-def _atomic_write(path, write: Callable) -> str:
-    """Call write(fileobj) on a temp file next to `path`, then os.replace it onto `path`."""
-    path = os.fspath(path)
-    parent = os.path.dirname(os.path.abspath(path))
-    try:
-        os.makedirs(parent, exist_ok=True)
-    except OSError as e:
-        raise StarpuLLMError(f"cannot create directory {parent} for {path}: {e.strerror}; "
-                             f"choose a writable output location") from e
-    try:
-        fd, tmp = tempfile.mkstemp(dir=parent, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
-    except OSError as e:
-        raise StarpuLLMError(f"cannot write {path}: {e.strerror}; choose a writable output location") from e
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644 & ~_umask())
-        os.replace(tmp, path)
-    except BaseException as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        if isinstance(e, OSError):
-            raise StarpuLLMError(f"writing {path} failed: {e.strerror or e}; "
-                                 f"check free disk space and permissions") from e
-        raise
-    return path
-
-
-def _umask() -> int:
-    m = os.umask(0)
-    os.umask(m)
-    return m
-
 
 def _file_size(path: str, what: str) -> int:
     try:
@@ -159,7 +120,7 @@ def write_checkpoint(path, config: GPTConfig, flat: np.ndarray) -> str:
         f.write(header.tobytes())
         _write_array(f, data)
 
-    return _atomic_write(path, write)
+    return atomic_write(path, write)
 
 
 def _write_array(f, arr: np.ndarray, chunk_bytes: int = 64 << 20):
@@ -228,51 +189,13 @@ def write_shard(path, tokens) -> str:
         f.write(header.tobytes())
         _write_array(f, data)
 
-    return _atomic_write(path, write)
+    return atomic_write(path, write)
 
 
 # --------------------------------------------------------------------------- tokenizer files
 
 _TOK_HINT = ("is it an llm.c tokenizer file (gpt2_tokenizer.bin)? Re-create it with the data "
              "preparation step")
-
-
-class Tokenizer:
-    """Token id -> bytes table read from an llm.c tokenizer file (decode only)."""
-
-    def __init__(self, token_bytes: Sequence[bytes], eot: int, path: str | None = None):
-        self.token_bytes = list(token_bytes)
-        self.vocab_size = len(self.token_bytes)
-        self.eot = int(eot)
-        self.path = path
-
-    def decode_bytes(self, ids: Iterable[int]) -> bytes:
-        table = self.token_bytes
-        return b"".join(table[i] for i in _as_ids(ids, self.vocab_size, self.path))
-
-    def decode(self, ids: Iterable[int]) -> str:
-        """Concatenate the tokens' bytes and decode as UTF-8 (invalid sequences become U+FFFD)."""
-        return self.decode_bytes(ids).decode("utf-8", errors="replace")
-
-    def __len__(self):
-        return self.vocab_size
-
-    def __repr__(self):
-        return f"Tokenizer(vocab_size={self.vocab_size}, eot={self.eot}, path={self.path!r})"
-
-
-def _as_ids(ids, n, path):
-    if isinstance(ids, (int, np.integer)):
-        ids = [ids]
-    out = []
-    for i in ids:
-        i = int(i)
-        if not 0 <= i < n:
-            src = f" of {path}" if path else ""
-            raise StarpuLLMError(f"token id {i} is outside the vocabulary{src} (ids 0..{n - 1}); the model "
-                                 f"and the tokenizer do not match")
-        out.append(i)
-    return out
 
 
 def read_tokenizer(path) -> Tokenizer:
@@ -307,14 +230,15 @@ def read_tokenizer(path) -> Tokenizer:
     return Tokenizer(table, eot, path)
 
 
-def write_tokenizer(path, enc) -> str:
-    """Write a tiktoken Encoding's id -> bytes table as an llm.c tokenizer file (version 2)."""
+def write_tokenizer(path, tok) -> str:
+    """Write a Tokenizer's (or a tiktoken Encoding's) id -> bytes table as an llm.c tokenizer
+    file (version 2)."""
     path = os.fspath(path)
-    n = int(enc.n_vocab)
-    eot = int(enc.eot_token)
+    if not isinstance(tok, Tokenizer):
+        tok = Tokenizer.from_encoding(tok)
+    n, eot = tok.vocab_size, tok.eot
     parts = []
-    for i in range(n):
-        b = enc.decode_single_token_bytes(i)
+    for i, b in enumerate(tok.token_bytes):
         if not 0 < len(b) < 256:
             raise StarpuLLMError(f"cannot write tokenizer {path}: token {i} is {len(b)} bytes long, the "
                                  f"format allows 1..255")
@@ -328,4 +252,4 @@ def write_tokenizer(path, enc) -> str:
         f.write(header.tobytes())
         f.write(body)
 
-    return _atomic_write(path, write)
+    return atomic_write(path, write)

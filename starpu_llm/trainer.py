@@ -7,40 +7,78 @@
 from __future__ import annotations
 
 import json
-import os
 import resource
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
 from . import data, formats
+from .atomic import AtomicFile
 from .config import MODELS, GPTConfig, check_batch_shape
 from .errors import StarpuLLMError
 from .state import TrainState, random_init
 
 
+PARALLELISM = "parallelism (StarPU engine)"     # the help group of the partition flags
+
+
+def setting(default, help: str | None = None, *, short: str | None = None,
+            check: str | None = None, choices=None, metavar: str | None = None,
+            group: str | None = None, ranks_agree: bool = False):
+    """A TrainConfig field. With `help` it is also the `starpu-llm train` flag --<name with
+    dashes> (cli.py builds the flags from these fields): `short` option, `check` ("positive":
+    a whole number >= 1, "nonneg": a number >= 0), `choices`, `metavar`, help `group`.
+    `ranks_agree`: every MPI rank must have the same value (see run_settings)."""
+    meta = dict(help=help, short=short, check=check, choices=choices, metavar=metavar,
+                group=group)
+    meta = {k: v for k, v in meta.items() if v is not None}
+    if ranks_agree:
+        meta["ranks_agree"] = True
+    return field(default=default, metadata=meta)
+
+
 @dataclass
 class TrainConfig:
-    model: str = "d12"                 # a name in config.MODELS (d12 = GPT-2 124M)
-    init_from: str | None = None       # an llm.c checkpoint; its header gives the model
-    train_data: str | None = None      # a token shard; default: bundled Shakespeare
-    batch: int = 4                     # B, the global batch (sequences per step)
-    seq_len: int = 64                  # T
-    steps: int = 10
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    engine: str = "starpu"             # "starpu" or "reference"
-    workers: int | None = None         # n x k partition of the cores (StarPU engine)
-    cores_per_worker: int | None = None
-    sub_batches: int | None = None     # data parallelism; default one per worker
-    threads: int | None = None         # reference engine's OpenMP/BLAS threads (default: all)
-    sched: str | None = None           # StarPU scheduler override
-    kcore: str | None = None           # k-core tasks: "team" (default) or "forkjoin"
-    oversubscribe: bool = False
-    seed: int = 1337
-    save: str | None = None            # write the trained model (llm.c format) here
-    metrics_jsonl: str | None = None   # one JSON object per step
+    model: str = setting("d12", "model size when not initialised from a checkpoint (d12 = GPT-2 124M)",
+                         choices=sorted(MODELS))
+    init_from: str | None = setting(None, "llm.c fp32 checkpoint to start from", metavar="CKPT",
+                                    ranks_agree=True)   # its header gives the model
+    train_data: str | None = setting(None, "llm.c token shard (default: bundled Shakespeare)",
+                                     metavar="SHARD")
+    batch: int = setting(4, "B, global batch (default 4)", short="-b", check="positive",
+                         ranks_agree=True)
+    seq_len: int = setting(64, "T (default 64)", short="-t", check="positive", ranks_agree=True)
+    steps: int = setting(10, "training steps (default 10)", short="-n", check="positive",
+                         ranks_agree=True)
+    lr: float = setting(1e-4, "AdamW learning rate (default 1e-4)", check="nonneg",
+                        ranks_agree=True)
+    weight_decay: float = setting(0.0, "AdamW decoupled weight decay (default 0)", check="nonneg",
+                                  ranks_agree=True)
+    engine: str = setting("starpu", "starpu: the task graph; reference: the same kernels in a "
+                          "plain loop", choices=["starpu", "reference"])
+    seed: int = setting(1337, "seed of the random init", ranks_agree=True)
+    save: str | None = setting(None, "write the trained model (llm.c format)", metavar="PATH")
+    metrics_jsonl: str | None = setting(None, "one JSON object per step", metavar="PATH")
+    # the n x k partition of the cores (StarPU engine)
+    workers: int | None = setting(None, "N: parallel workers (default: 1)", check="positive",
+                                  group=PARALLELISM)
+    cores_per_worker: int | None = setting(None, "K: cores of each worker (default: all cores / N)",
+                                           check="positive", group=PARALLELISM)
+    sub_batches: int | None = setting(
+        None, "split --batch into this many sub-batches (default: one per worker)",
+        check="positive", group=PARALLELISM, ranks_agree=True)
+    kcore: str | None = setting(
+        None, "how a task gets K > 1 cores without StarPU parallel workers: team (one worker per "
+        "K-core group with a bound OpenMP team; default) or forkjoin (FORKJOIN tasks on combined "
+        "workers, scheduler peager)", choices=["team", "forkjoin"], group=PARALLELISM)
+    sched: str | None = setting(None, "StarPU scheduler (default: peager for forkjoin, else lws)",
+                                group=PARALLELISM)
+    oversubscribe: bool = setting(False, "allow N x K above the usable cores (correctness tests only)",
+                                  group=PARALLELISM)
+    threads: int | None = setting(None, "reference engine: OpenMP/BLAS threads (default: all cores)",
+                                  check="positive", group=PARALLELISM)
+    # Python-only settings (no flag)
     warmup_steps: int = 1              # steps excluded from the tokens/ms metric
     trace: bool = False                # record each task's worker and start/end times
     record: bool = False               # record each submitted task (name, writes, reads)
@@ -77,11 +115,11 @@ def load_model(cfg: TrainConfig) -> TrainState:
 
 
 def run_settings(cfg: TrainConfig, config: GPTConfig, loader) -> dict:
-    """What every MPI rank must agree on (compared before training)."""
+    """What every MPI rank must agree on (compared before training): the TrainConfig fields
+    marked ranks_agree, the model's shape, and the training data (its content, not its path)."""
     toks = loader.tokens
-    return {"model": str(config), "batch": cfg.batch, "seq_len": cfg.seq_len,
-            "steps": cfg.steps, "lr": cfg.lr, "weight_decay": cfg.weight_decay,
-            "seed": cfg.seed, "init_from": cfg.init_from, "sub_batches": cfg.sub_batches,
+    settings = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.metadata.get("ranks_agree")}
+    return {**settings, "model": str(config),
             "train_data": (loader.num_tokens, int(toks[:4096].astype(np.int64).sum()),
                            int(toks[-4096:].astype(np.int64).sum())),
             "data_position": loader.position}
@@ -140,7 +178,8 @@ def train(cfg: TrainConfig, state: TrainState | None = None, runtime=None) -> Tr
     result = TrainResult(engine=engine.describe())
     if cfg.trace:
         lib.sl_trace_enable(200_000)
-    metrics = open(cfg.metrics_jsonl + ".tmp", "w") if cfg.metrics_jsonl and rank == 0 else None
+    # written as the run goes, under its final name at the end (also of a failed run)
+    metrics = AtomicFile(cfg.metrics_jsonl, text=True) if cfg.metrics_jsonl and rank == 0 else None
     log(f"model: L={config.L} NH={config.NH} C={config.C} V={config.V} Vp={config.Vp} "
         f"maxT={config.maxT}, {config.num_parameters:,} parameters")
     log(f"data: {path} ({loader.num_tokens:,} tokens), B={cfg.batch} T={cfg.seq_len}")
@@ -157,9 +196,9 @@ def train(cfg: TrainConfig, state: TrainState | None = None, runtime=None) -> Tr
             tpm = tokens_per_step / ms
             log(f"step {state.step:4d}/{cfg.steps}: train loss {loss:.6f} ({ms:.1f} ms, {tpm:.3f} tok/ms)")
             if metrics:
-                metrics.write(json.dumps({"step": state.step, "loss": loss, "ms": ms,
-                                          "tokens_per_ms": tpm}) + "\n")
-                metrics.flush()
+                metrics.file.write(json.dumps({"step": state.step, "loss": loss, "ms": ms,
+                                               "tokens_per_ms": tpm}) + "\n")
+                metrics.file.flush()
             if not np.isfinite(loss):
                 raise StarpuLLMError(f"the loss diverged at step {state.step} ({loss}); "
                                      "lower --lr")
@@ -177,8 +216,7 @@ def train(cfg: TrainConfig, state: TrainState | None = None, runtime=None) -> Tr
         if own_runtime:
             own_runtime.shutdown()
         if metrics:
-            metrics.close()
-            os.replace(cfg.metrics_jsonl + ".tmp", cfg.metrics_jsonl)
+            metrics.commit()
     result.peak_rss_mb = peak_rss_mb()
     result.state = state
     log(f"tokens/ms over {result.timed_steps} timed step(s): {result.tokens_per_ms:.4f}"

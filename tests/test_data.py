@@ -4,8 +4,9 @@ import os
 import numpy as np
 import pytest
 
-from starpu_llm import data, formats
-from starpu_llm.data import DataLoader, default_dataset, prepare, shakespeare_text
+from starpu_llm import corpus, formats
+from starpu_llm.corpus import shakespeare_text
+from starpu_llm.data import DataLoader, default_dataset, prepare
 from starpu_llm.errors import StarpuLLMError
 from starpu_llm.tokenizer import decode, encode
 
@@ -40,7 +41,7 @@ def test_play_blocks_markdown():
     md = ("# A Play\n\n## ACT I\n\n### SCENE I. A place.\n\n_Enter A and\nB_\n\n"
           "**A**  \nHello there,  \nfriend\\--no.\n\n_Exit B_\n\nStill A. __\\[Aside]_  \n\n"
           "**B**  \n[Within]_  \nWho's there?\n\n*Sound a horn.*\n\nA PLAY\n\n**C**  \n_Dies_\n")
-    assert data._play_blocks(md) == ["A:\nHello there,\nfriend--no.\nStill A.", "B:\nWho's there?"]
+    assert corpus.play_blocks(md) == ["A:\nHello there,\nfriend--no.\nStill A.", "B:\nWho's there?"]
 
 
 # --------------------------------------------------------------------------- prepare
