@@ -40,18 +40,29 @@ def default_partition(cores: int | None = None) -> tuple[int, int]:
 MAX_GROUP = lib.SL_MAX_GROUP   # cores of one team worker
 
 
-def effective_kcore(kcore: str, cores_per_worker: int) -> str:
-    """What actually gives a task its cores: 'single' (K = 1), 'parallel-workers' (where the
-    StarPU build has them), else the requested 'team' or 'forkjoin'."""
+def effective_kcore(kcore: str, cores_per_worker: int, workers: int = 1,
+                    oversubscribed: bool = False) -> str:
+    """What actually gives a task its cores: 'single' (K = 1), 'parallel-workers' where the
+    StarPU build has them and they can run the N x K partition, else the requested 'team' or
+    'forkjoin'. Parallel workers need a StarPU worker on each of the N x K cores, so not
+    beyond STARPU_MAXCPUS, nor with more cores than the process has (a parallel worker whose
+    StarPU workers share a core runs no task); SL_NO_PARALLEL_WORKERS turns them off.
+    sl_start (csrc/runtime.c) decides the same way."""
     if cores_per_worker == 1:
         return "single"
-    return "parallel-workers" if lib.sl_have_parallel_workers() else kcore
+    if (lib.sl_have_parallel_workers() and not oversubscribed
+            and workers * cores_per_worker <= max_starpu_cpus()
+            and not os.environ.get("SL_NO_PARALLEL_WORKERS")):
+        return "parallel-workers"
+    return kcore
 
 
-def starpu_worker_count(workers: int, cores_per_worker: int, kcore: str) -> int:
+def starpu_worker_count(workers: int, cores_per_worker: int, kcore: str,
+                        oversubscribed: bool = False) -> int:
     """StarPU CPU workers of an N x K partition: N team workers (their OpenMP teams take the
     other cores), else a worker on every core."""
-    return workers if effective_kcore(kcore, cores_per_worker) == "team" else workers * cores_per_worker
+    mode = effective_kcore(kcore, cores_per_worker, workers, oversubscribed)
+    return workers if mode == "team" else workers * cores_per_worker
 
 
 def partitions_that_fit(cores: int | None = None) -> list[tuple[int, int, str]]:
@@ -79,7 +90,7 @@ def check_partition(workers: int, cores_per_worker: int, oversubscribe: bool = F
                              "must be at least 1")
     total = workers * cores_per_worker
     cap = max_starpu_cpus()
-    needed = starpu_worker_count(workers, cores_per_worker, kcore)
+    needed = starpu_worker_count(workers, cores_per_worker, kcore, total > usable_cores())
     if needed > cap:
         raise StarpuLLMError(
             f"--workers {workers} x --cores-per-worker {cores_per_worker} needs {needed} "
@@ -128,7 +139,8 @@ class Runtime:
             workers = max(1, ncores // cores_per_worker)
         check_partition(workers, cores_per_worker, oversubscribe, kcore)
         self.workers, self.cores_per_worker = workers, cores_per_worker
-        self.kcore = effective_kcore(kcore, cores_per_worker)
+        oversubscribed = workers * cores_per_worker > usable_cores()
+        self.kcore = effective_kcore(kcore, cores_per_worker, workers, oversubscribed)
         if sched is None:
             sched = os.environ.get("STARPU_SCHED") or ("peager" if self.kcore == "forkjoin" else "lws")
         self.sched = sched
@@ -155,7 +167,7 @@ class Runtime:
         Runtime._active = self
         atexit.register(self.shutdown)
         got = self.starpu_workers = lib.sl_worker_count()
-        expected = starpu_worker_count(workers, cores_per_worker, kcore)
+        expected = starpu_worker_count(workers, cores_per_worker, kcore, oversubscribed)
         if got != expected:
             self.shutdown()
             raise StarpuLLMError(f"StarPU started {got} CPU worker(s) instead of "
@@ -215,6 +227,20 @@ class Runtime:
                 f"{self.cores_per_worker} core(s) ({self.kcore}), scheduler {self.sched}, "
                 f"BLAS {ffi.string(lib.sl_blas_name()).decode()}")
 
+    # --- the task trace (one per process; its events stay readable after shutdown) ---
+    def start_trace(self, capacity: int = 200_000) -> None:
+        """Record each task StarPU runs from now on (up to capacity tasks; see read_trace)."""
+        if lib.sl_trace_enable(capacity) != 0:
+            raise MemoryError(f"no memory for a trace of {capacity} tasks")
+
+    def trace(self) -> list:
+        """The tasks recorded since start_trace (read_trace's events)."""
+        return read_trace()
+
+    def stop_trace(self) -> None:
+        """Stop recording and free the recorded events."""
+        lib.sl_trace_enable(0)
+
     def probe(self, max_threads: int = 64):
         """Run one task and return (team size, [cpu mask of each team thread])."""
         out = ffi.new("uint64_t[]", 1 + max_threads)
@@ -223,3 +249,19 @@ class Runtime:
         self.wait()
         n = int(out[0])
         return n, [int(out[1 + t]) for t in range(min(n, max_threads))]
+
+
+def read_trace() -> list:
+    """The recorded tasks: (codelet, worker, cores, start ns, end ns, buffers), where buffers
+    is ((handle address, SL_ACCESS_* mode), ...) as StarPU gave them to the task, or None for
+    a reduction method StarPU ran inline inside another task."""
+    n = lib.sl_trace_count()
+    ev = lib.sl_trace_events()
+    names = [ffi.string(lib.sl_codelet_name(i)).decode() for i in range(lib.sl_codelet_count())]
+    out = []
+    for e in (ev[i] for i in range(n)):
+        nb = min(e.nbuffers, lib.SL_TRACE_MAXBUF)
+        bufs = None if e.nbuffers < 0 else tuple(
+            (int(ffi.cast("uintptr_t", e.handles[b])), int(e.modes[b])) for b in range(nb))
+        out.append((names[e.codelet], e.worker, e.ncores, e.start_ns, e.end_ns, bufs))
+    return out

@@ -8,59 +8,14 @@ description of the graph (paper section 2, Figure 1):
   - one update task per parameter tensor per layer, each ready as soon as its gradient is final.
 Activation, input and target handles are created once and reused by every iteration (paper
 section 2.3), so memory does not grow with the number of steps; the backward pass reuses one
-set of scratch gradient buffers for all layers.
+set of scratch gradient buffers for all layers. The tensors are the named groups of
+tensors.py: p, g, m, v ParameterTensors, a ActivationTensors, s BackwardScratch.
 """
 from __future__ import annotations
-
-from types import SimpleNamespace
-
-import numpy as np
 
 from .config import GPTConfig
 
 ADAM_BETA1, ADAM_BETA2, ADAM_EPS = 0.9, 0.999, 1e-8
-
-
-def activation_shapes(cfg: GPTConfig, B: int, T: int):
-    """(per-layer, single, backward scratch) shapes of one (sub-)batch's tensors."""
-    C, NH, Vp = cfg.C, cfg.NH, cfg.Vp
-    per_layer = {
-        "ln1": (B, T, C), "ln1_mean": (B, T), "ln1_rstd": (B, T),
-        "qkv": (B, T, 3 * C), "atty": (B, T, C),
-        "preatt": (B, NH, T, T), "att": (B, NH, T, T),
-        "attproj": (B, T, C), "res2": (B, T, C),
-        "ln2": (B, T, C), "ln2_mean": (B, T), "ln2_rstd": (B, T),
-        "fch": (B, T, 4 * C), "fch_gelu": (B, T, 4 * C),
-        "fcproj": (B, T, C), "res3": (B, T, C),
-    }
-    single = {
-        "inputs": (B, T), "targets": (B, T), "encoded": (B, T, C),
-        "lnf": (B, T, C), "lnf_mean": (B, T), "lnf_rstd": (B, T),
-        "logits": (B, T, Vp), "probs": (B, T, Vp), "losses": (B, T),
-    }
-    scratch = {
-        "dlogits": (B, T, Vp), "dres": (B, T, C), "dln": (B, T, C), "datty": (B, T, C),
-        "dfch_gelu": (B, T, 4 * C), "dfch": (B, T, 4 * C), "dqkv": (B, T, 3 * C),
-        "att_scratch": (2, B, NH, T, T),   # dpreatt and datt of attention_backward
-    }
-    return per_layer, single, scratch
-
-
-INT_TENSORS = ("inputs", "targets")
-
-
-def make_activations(cfg: GPTConfig, B: int, T: int, new_tensor):
-    """Build the namespace of one (sub-)batch's tensors with new_tensor(name, shape, dtype)."""
-    per_layer, single, scratch = activation_shapes(cfg, B, T)
-    a = SimpleNamespace()
-    for name, shape in single.items():
-        dtype = np.int32 if name in INT_TENSORS else np.float32
-        setattr(a, name, new_tensor(name, shape, dtype))
-    for name, shape in per_layer.items():
-        setattr(a, name, [new_tensor(f"{name}[{l}]", shape, np.float32) for l in range(cfg.L)])
-    s = SimpleNamespace(**{name: new_tensor(name, shape, np.float32)
-                           for name, shape in scratch.items()})
-    return a, s
 
 
 def forward(ops, cfg: GPTConfig, p, a, B: int, T: int):

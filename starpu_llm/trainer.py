@@ -125,19 +125,22 @@ def run_settings(cfg: TrainConfig, config: GPTConfig, loader) -> dict:
             "data_position": loader.position}
 
 
-def make_engine(cfg: TrainConfig, state: TrainState, tokens, runtime=None, comm=None):
-    """The engine of cfg.engine over state; starts a StarPU Runtime (on comm, under
-    StarPU-MPI) if none is given."""
-    from .engine import ReferenceEngine, StarPUEngine
+def start_runtime(cfg: TrainConfig, comm=None):
+    """A StarPU Runtime for cfg's partition (on comm, under StarPU-MPI)."""
+    from .runtime import Runtime
+    return Runtime(cfg.workers, cfg.cores_per_worker, cfg.sched, cfg.oversubscribe,
+                   comm=comm, kcore=cfg.kcore)
+
+
+def make_engine(cfg: TrainConfig, state: TrainState, tokens, runtime=None):
+    """The engine of cfg.engine over state; the StarPU engine runs on `runtime`."""
     if cfg.engine == "reference":
+        from .reference import ReferenceEngine
         return ReferenceEngine(state.config, state, cfg.batch, cfg.seq_len, tokens,
                                threads=cfg.threads, sub_batches=cfg.sub_batches or 1)
     if cfg.engine != "starpu":
         raise StarpuLLMError(f"--engine {cfg.engine!r}: choose starpu or reference")
-    from .runtime import Runtime
-    if runtime is None:
-        runtime = Runtime(cfg.workers, cfg.cores_per_worker, cfg.sched, cfg.oversubscribe,
-                          comm=comm, kcore=cfg.kcore)
+    from .engine import StarPUEngine
     return StarPUEngine(state.config, state, cfg.batch, cfg.seq_len, tokens, runtime,
                         sub_batches=cfg.sub_batches, record=cfg.record)
 
@@ -172,12 +175,14 @@ def train(cfg: TrainConfig, state: TrainState | None = None, runtime=None) -> Tr
     if state.data:
         loader.load_state(state.data)
 
-    from ._clib import lib
-    engine = make_engine(cfg, state, loader.tokens, runtime, comm)
-    own_runtime = runtime is None and getattr(engine, "runtime", None)
+    own_runtime = None
+    if runtime is None and cfg.engine == "starpu":
+        runtime = own_runtime = start_runtime(cfg, comm)
+    engine = make_engine(cfg, state, loader.tokens, runtime)
     result = TrainResult(engine=engine.describe())
-    if cfg.trace:
-        lib.sl_trace_enable(200_000)
+    tracing = cfg.trace and runtime is not None   # the reference engine runs no tasks
+    if tracing:
+        runtime.start_trace(200_000)
     # written as the run goes, under its final name at the end (also of a failed run)
     metrics = AtomicFile(cfg.metrics_jsonl, text=True) if cfg.metrics_jsonl and rank == 0 else None
     log(f"model: L={config.L} NH={config.NH} C={config.C} V={config.V} Vp={config.Vp} "
@@ -207,12 +212,12 @@ def train(cfg: TrainConfig, state: TrainState | None = None, runtime=None) -> Tr
         result.timed_steps = len(timed)
         result.tokens_per_ms = tokens_per_step * len(timed) / sum(timed)
         if cfg.trace:
-            result.trace = read_trace(lib)
-        result.records = engine.ops.records
+            result.trace = runtime.trace() if tracing else []
+        result.records = engine.submitted()
     finally:
         engine.close()
-        if cfg.trace:
-            lib.sl_trace_enable(0)
+        if tracing:
+            runtime.stop_trace()
         if own_runtime:
             own_runtime.shutdown()
         if metrics:
@@ -227,18 +232,8 @@ def train(cfg: TrainConfig, state: TrainState | None = None, runtime=None) -> Tr
     return result
 
 
-def read_trace(lib):
-    """The recorded tasks: (codelet, worker, cores, start ns, end ns, buffers), where buffers
-    is ((handle address, SL_ACCESS_* mode), ...) as StarPU gave them to the task, or None for
-    a reduction method StarPU ran inline inside another task."""
-    from ._clib import ffi
-    n = lib.sl_trace_count()
-    ev = lib.sl_trace_events()
-    names = [ffi.string(lib.sl_codelet_name(i)).decode() for i in range(lib.sl_codelet_count())]
-    out = []
-    for e in (ev[i] for i in range(n)):
-        nb = min(e.nbuffers, lib.SL_TRACE_MAXBUF)
-        bufs = None if e.nbuffers < 0 else tuple(
-            (int(ffi.cast("uintptr_t", e.handles[b])), int(e.modes[b])) for b in range(nb))
-        out.append((names[e.codelet], e.worker, e.ncores, e.start_ns, e.end_ns, bufs))
-    return out
+def read_trace(lib=None):
+    """runtime.read_trace, under its old name here (tests/test_parallel.py imports it from
+    this module until its imports move)."""
+    from .runtime import read_trace
+    return read_trace()

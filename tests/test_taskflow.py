@@ -35,7 +35,7 @@ def test_tasks_per_step(runtime):
     eng = StarPUEngine(MICRO, state, 2, 16, tokens(), runtime, record=True)
     try:
         eng.step(0, 1e-3, 0.0)
-        names = list(eng.ops.records)
+        names = eng.submitted()
     finally:
         eng.close()
     forward = 1 + 10 * L + 2      # encoder, 10 per block, lnf + lm head

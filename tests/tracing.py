@@ -1,14 +1,12 @@
 """Test helpers: run one training step under the task trace and name its handles."""
-from starpu_llm._clib import lib
 from starpu_llm.engine import StarPUEngine
 from starpu_llm.state import TrainState, random_init
-from starpu_llm.trainer import read_trace
 
 
 def traced_step(runtime, config, tokens, B=4, T=16, sub_batches=None):
     """One training step under a task trace: (events, {handle address: tensor name})."""
     state = TrainState(config=config, params=random_init(config))
-    lib.sl_trace_enable(100_000)
+    runtime.start_trace(100_000)
     try:
         eng = StarPUEngine(config, state, B, T, tokens, runtime, sub_batches=sub_batches)
         try:
@@ -16,9 +14,9 @@ def traced_step(runtime, config, tokens, B=4, T=16, sub_batches=None):
             names = eng.tensor_names()
         finally:
             eng.close()
-        return read_trace(lib), names
+        return runtime.trace(), names
     finally:
-        lib.sl_trace_enable(0)
+        runtime.stop_trace()
 
 
 def named_buffers(event, names):

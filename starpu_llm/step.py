@@ -1,0 +1,107 @@
+"""The training step both engines run: the batch split into sub-batches, the task flow
+(taskflow.py) over each, the update, the loss.
+
+An engine is where a run's tensors live and how each task of the flow is executed: the StarPU
+engine (engine.py) registers every tensor as a StarPU data handle and submits the flow as
+tasks; the reference engine (reference.py) keeps numpy arrays and calls the same kernels in a
+plain loop (the paper's baseline). Both run this step, so they execute the same layers in the
+same order.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import taskflow
+from ._clib import ffi
+from .config import GPTConfig, ParamLayout, check_batch_shape
+from .errors import StarpuLLMError
+from .state import TrainState
+from .tensors import Tensor
+
+
+class Engine:
+    """The per-step orchestration shared by both engines. A subclass sets ops (the
+    executor of taskflow's calls), p, g, m, v (ParameterTensors of the parameters, gradients
+    and moments) and subs (each sub-batch's (ActivationTensors, BackwardScratch))."""
+
+    name = "?"
+
+    def __init__(self, config: GPTConfig, state: TrainState, B: int, T: int, tokens: np.ndarray,
+                 sub_batches: int = 1):
+        check_batch_shape(config, B, T)
+        if sub_batches < 1 or B % sub_batches:
+            raise StarpuLLMError(f"--batch {B} cannot be split into {sub_batches} equal sub-batches; "
+                                 f"choose --sub-batches dividing {B}")
+        self.config, self.state, self.B, self.T = config, state, B, T
+        self.sub_batches, self.Bs = sub_batches, B // sub_batches
+        self.redux = 1 if sub_batches > 1 else 0
+        self.layout = ParamLayout(config)
+        self.tokens = tokens   # keep the shard alive: load tasks read it
+        self.tokens_ptr = ffi.cast("const uint16_t *", ffi.from_buffer(tokens))
+
+    # --- what subclasses provide ---
+    def wait(self):
+        raise NotImplementedError
+
+    def read(self, t: Tensor) -> np.ndarray:
+        raise NotImplementedError
+
+    def submitted(self) -> list | None:
+        """The names of the tasks submitted so far, in order, when recording; else None."""
+        return None
+
+    # where tasks run: the StarPU engine places them
+    def _run_sub_batch_on(self, i):
+        pass
+
+    def _gradients_submitted(self):
+        pass
+
+    def _run_update_on_owner(self):
+        pass
+
+    # --- the step ---
+    def submit_forward_backward(self, pos: int):
+        n = self.Bs * self.T
+        dloss = 1.0 / (self.B * self.T)   # gradients of all sub-batches sum to the mean's
+        for i, (a, s) in enumerate(self.subs):
+            self._run_sub_batch_on(i)
+            self.ops.load_batch(a.inputs, a.targets, self.tokens_ptr, pos + i * n, n)
+            taskflow.forward(self.ops, self.config, self.p, a, self.Bs, self.T)
+            taskflow.backward(self.ops, self.config, self.p, self.g, a, s, self.Bs, self.T,
+                              dloss, self.redux)
+        self._gradients_submitted()
+
+    def submit_update(self, lr: float, weight_decay: float):
+        self._run_update_on_owner()
+        self.state.step += 1
+        taskflow.update(self.ops, self.config, self.p, self.g, self.m, self.v, lr, weight_decay,
+                        self.state.step)
+
+    def forward_backward(self, pos: int) -> float:
+        """Loss of the batch at token position pos; leaves its gradients in the grads buffer."""
+        self.submit_forward_backward(pos)
+        self.wait()
+        return self.loss()
+
+    def step(self, pos: int, lr: float, weight_decay: float) -> float:
+        self.submit_forward_backward(pos)
+        self.submit_update(lr, weight_decay)
+        self.wait()
+        return self.loss()
+
+    def loss(self) -> float:
+        return float(np.mean([self.read(a.losses).mean(dtype=np.float64) for a, _ in self.subs]))
+
+    def logits(self) -> np.ndarray:
+        """(B, T, Vp) logits of the last forward pass."""
+        return np.concatenate([self.read(a.logits) for a, _ in self.subs])
+
+    def close(self):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

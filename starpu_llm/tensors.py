@@ -1,0 +1,176 @@
+"""The tensors of a training run by name, as llm.c's ParameterTensors and ActivationTensors.
+
+A Tensor is a name, a shape, a dtype and where the data is: a StarPU data handle (StarPU
+engine) or a numpy array (reference engine). A group is a dataclass of Tensors, per-layer
+ones as lists of L (one per layer). The field lists below are the one declaration of the
+tensors' names, and for the activations and the backward scratch of their shapes too (the
+parameters' shapes are llm.c's layout, config.ParamLayout).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import NamedTuple
+
+import numpy as np
+
+from ._clib import ffi
+from .config import GPTConfig, ParamLayout
+
+
+class Tensor:
+    """A named tensor: a StarPU data handle (h), or a numpy array and its pointer (direct)."""
+
+    __slots__ = ("name", "shape", "dtype", "array", "ptr", "h")
+
+    def __init__(self, name, shape, dtype=np.float32, array=None, h=None):
+        self.name, self.shape, self.dtype = name, tuple(shape), np.dtype(dtype)
+        self.array, self.h = array, h
+        self.ptr = None
+        if array is not None:
+            ctype = "int32_t *" if self.dtype == np.int32 else "float *"
+            self.ptr = ffi.cast(ctype, ffi.from_buffer(array))
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def __repr__(self):
+        return f"Tensor({self.name}, {self.shape})"
+
+
+class TensorGroup:
+    """What every group offers: its tensors in field order."""
+
+    def tensors(self):
+        """Every tensor of the group, per-layer lists flattened, in field order."""
+        for f in fields(self):
+            t = getattr(self, f.name)
+            yield from (t if isinstance(t, list) else [t])
+
+
+@dataclass
+class ParameterTensors(TensorGroup):
+    """GPT-2's 16 parameter tensors in llm.c's order; one group each for the parameters,
+    gradients and AdamW moments. A per-layer tensor is the list of its L layers' slices."""
+    wte: Tensor
+    wpe: Tensor
+    ln1w: list
+    ln1b: list
+    qkvw: list
+    qkvb: list
+    attprojw: list
+    attprojb: list
+    ln2w: list
+    ln2b: list
+    fcw: list
+    fcb: list
+    fcprojw: list
+    fcprojb: list
+    lnfw: Tensor
+    lnfb: Tensor
+
+    @classmethod
+    def over(cls, layout: ParamLayout, flat: np.ndarray, make):
+        """The group over flat, a buffer of layout (parameters, gradients, m or v): each field
+        is make(name, view of flat, layered), which returns a Tensor, or for a per-layer
+        tensor the list of its layers' Tensors. Called in llm.c's order."""
+        return cls(**{name: make(name, view, layout.is_layered(name))
+                      for name, view in layout.views(flat).items()})
+
+    @classmethod
+    def of_arrays(cls, kind: str, layout: ParamLayout, flat: np.ndarray):
+        """The group of numpy views into flat, named "{kind}.{name}" ("{kind}.{name}[l]")."""
+        def make(name, arr, layered):
+            if layered:
+                return [Tensor(f"{kind}.{name}[{l}]", arr[l].shape, array=arr[l])
+                        for l in range(len(arr))]
+            return Tensor(f"{kind}.{name}", arr.shape, array=arr)
+        return cls.over(layout, flat, make)
+
+
+class Dims(NamedTuple):
+    """The sizes an activation's shape is made of: a (sub-)batch of B sequences of T tokens."""
+    B: int
+    T: int
+    C: int
+    NH: int
+    Vp: int
+
+
+def single(shape, dtype=np.float32):
+    """A field holding one tensor; shape(dims) gives its shape."""
+    return field(metadata={"shape": shape, "dtype": dtype, "layered": False})
+
+
+def per_layer(shape):
+    """A field holding one float32 tensor per layer, each of shape(dims)."""
+    return field(metadata={"shape": shape, "dtype": np.float32, "layered": True})
+
+
+class SubBatchGroup(TensorGroup):
+    """A group whose fields declare their shapes (single / per_layer): one sub-batch's."""
+
+    @classmethod
+    def create(cls, cfg: GPTConfig, B: int, T: int, new_tensor):
+        """The group of a (sub-)batch of B x T tokens: every tensor is
+        new_tensor(name, shape, dtype), per-layer ones named "name[l]"; in field order."""
+        dims = Dims(B, T, cfg.C, cfg.NH, cfg.Vp)
+        out = {}
+        for f in fields(cls):
+            shape, dtype = f.metadata["shape"](dims), f.metadata["dtype"]
+            if f.metadata["layered"]:
+                out[f.name] = [new_tensor(f"{f.name}[{l}]", shape, dtype) for l in range(cfg.L)]
+            else:
+                out[f.name] = new_tensor(f.name, shape, dtype)
+        return cls(**out)
+
+
+@dataclass
+class ActivationTensors(SubBatchGroup):
+    """One sub-batch's inputs, targets and forward activations (llm.c's ActivationTensors)."""
+    inputs: Tensor = single(lambda d: (d.B, d.T), np.int32)
+    targets: Tensor = single(lambda d: (d.B, d.T), np.int32)
+    encoded: Tensor = single(lambda d: (d.B, d.T, d.C))
+    lnf: Tensor = single(lambda d: (d.B, d.T, d.C))
+    lnf_mean: Tensor = single(lambda d: (d.B, d.T))
+    lnf_rstd: Tensor = single(lambda d: (d.B, d.T))
+    logits: Tensor = single(lambda d: (d.B, d.T, d.Vp))
+    probs: Tensor = single(lambda d: (d.B, d.T, d.Vp))
+    losses: Tensor = single(lambda d: (d.B, d.T))
+    ln1: list = per_layer(lambda d: (d.B, d.T, d.C))
+    ln1_mean: list = per_layer(lambda d: (d.B, d.T))
+    ln1_rstd: list = per_layer(lambda d: (d.B, d.T))
+    qkv: list = per_layer(lambda d: (d.B, d.T, 3 * d.C))
+    atty: list = per_layer(lambda d: (d.B, d.T, d.C))
+    preatt: list = per_layer(lambda d: (d.B, d.NH, d.T, d.T))
+    att: list = per_layer(lambda d: (d.B, d.NH, d.T, d.T))
+    attproj: list = per_layer(lambda d: (d.B, d.T, d.C))
+    res2: list = per_layer(lambda d: (d.B, d.T, d.C))
+    ln2: list = per_layer(lambda d: (d.B, d.T, d.C))
+    ln2_mean: list = per_layer(lambda d: (d.B, d.T))
+    ln2_rstd: list = per_layer(lambda d: (d.B, d.T))
+    fch: list = per_layer(lambda d: (d.B, d.T, 4 * d.C))
+    fch_gelu: list = per_layer(lambda d: (d.B, d.T, 4 * d.C))
+    fcproj: list = per_layer(lambda d: (d.B, d.T, d.C))
+    res3: list = per_layer(lambda d: (d.B, d.T, d.C))
+
+
+@dataclass
+class BackwardScratch(SubBatchGroup):
+    """One sub-batch's backward buffers, reused by every layer."""
+    dlogits: Tensor = single(lambda d: (d.B, d.T, d.Vp))
+    dres: Tensor = single(lambda d: (d.B, d.T, d.C))     # gradient of the residual stream
+    dln: Tensor = single(lambda d: (d.B, d.T, d.C))
+    datty: Tensor = single(lambda d: (d.B, d.T, d.C))
+    dfch_gelu: Tensor = single(lambda d: (d.B, d.T, 4 * d.C))
+    dfch: Tensor = single(lambda d: (d.B, d.T, 4 * d.C))
+    dqkv: Tensor = single(lambda d: (d.B, d.T, 3 * d.C))
+    att_scratch: Tensor = single(lambda d: (2, d.B, d.NH, d.T, d.T))  # dpreatt, datt
+
+
+def sub_batch_tensors(cfg: GPTConfig, B: int, T: int, new_tensor):
+    """(activations, backward scratch) of one (sub-)batch, each tensor made by
+    new_tensor(name, shape, dtype), in this order (the MPI tags follow it)."""
+    return (ActivationTensors.create(cfg, B, T, new_tensor),
+            BackwardScratch.create(cfg, B, T, new_tensor))
