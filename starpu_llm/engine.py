@@ -12,7 +12,6 @@ from ._clib import ffi, lib
 from .errors import StarpuLLMError
 from .ops import StarPUOps
 from .placement import Placement
-from .reference import ReferenceEngine  # noqa: F401  (its old home: tests/test_model.py, test_mpi.py)
 from .step import Engine
 
 

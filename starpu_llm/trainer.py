@@ -230,10 +230,3 @@ def train(cfg: TrainConfig, state: TrainState | None = None, runtime=None) -> Tr
         formats.write_checkpoint(cfg.save, config, state.params)
         log(f"saved {cfg.save}")
     return result
-
-
-def read_trace(lib=None):
-    """runtime.read_trace, under its old name here (tests/test_parallel.py imports it from
-    this module until its imports move)."""
-    from .runtime import read_trace
-    return read_trace()
