@@ -62,7 +62,9 @@ for cell in "${cells[@]}"; do
   fi
   case "$kernels" in native) py=.venv/bin/python ;; portable) portable_venv; py=.venv-portable/bin/python ;;
     *) echo "test-matrix: kernels must be native or portable, not $kernels" >&2; exit 2 ;; esac
-  env=(PATH="$PWD/.venv/bin:$PATH")
+  # a "default" cell is the libraries' own choice for this CPU, even where the environment
+  # already forces one (some machines export OPENBLAS_CORETYPE)
+  env=(-u OPENBLAS_CORETYPE -u ATEN_CPU_CAPABILITY PATH="$PWD/.venv/bin:$PATH")
   [ "$blas" = default ] || env+=(OPENBLAS_CORETYPE="$blas")
   [ "$aten" = default ] || env+=(ATEN_CPU_CAPABILITY="$aten")
   pin=()
