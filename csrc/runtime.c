@@ -11,6 +11,16 @@ int sl_mpi_start(struct starpu_conf *conf, const void *comm);
 int sl_mpi_stop(void);
 
 static int initialized;
+
+/* Whether the n logical cores listed (NULL: 0..n-1) are all different. */
+static int distinct_cores(const int *cores, int n)
+{
+	for (int i = 0; cores && i < n; i++)
+		for (int j = 0; j < i; j++)
+			if (cores[i] == cores[j])
+				return 0;
+	return 1;
+}
 #if SL_HAVE_PARALLEL_WORKERS
 static sl_parallel_workers *parallel_workers;
 #endif
@@ -39,8 +49,13 @@ int sl_start(int ncpus, int cores_per_task, int kcore, const int *cores, const c
 	int use_parallel_workers = 0, use_team = 0;
 	if (cores_per_task > 1) {
 #if SL_HAVE_PARALLEL_WORKERS
-		/* parallel workers (1.4) or clusters (1.3 built with them), made after init */
-		use_parallel_workers = !getenv("SL_NO_PARALLEL_WORKERS");
+		/* parallel workers (1.4) or clusters (1.3 built with them), made after init, when
+		 * they can run the partition: a StarPU worker on each core, each core its own. An
+		 * oversubscribed parallel worker (two StarPU workers on one core) runs no task on
+		 * StarPU 1.4.12: its master spins finding nothing while its other worker, blocked,
+		 * holds the tasks. Same rule as effective_kcore in starpu_llm/runtime.py. */
+		use_parallel_workers = !getenv("SL_NO_PARALLEL_WORKERS") && ncpus <= STARPU_MAXCPUS
+				       && distinct_cores(cores, ncpus);
 #endif
 		use_team = !use_parallel_workers && kcore == SL_KCORE_TEAM;
 	}
@@ -85,11 +100,51 @@ int sl_start(int ncpus, int cores_per_task, int kcore, const int *cores, const c
 	return 0;
 }
 
+#if SL_HAVE_PARALLEL_WORKERS
+/* Waits for the tasks of every scheduling context. With the submitting thread's context
+ * unset, starpu_task_wait_for_all() goes through all of them (the global one, the parallel
+ * workers' own ones, the one enclosing them) instead of only the thread's. */
+static void wait_every_context(void)
+{
+	unsigned ctx = starpu_sched_ctx_get_context();
+	starpu_sched_ctx_set_context(NULL);
+	starpu_task_wait_for_all();
+	if (ctx != STARPU_NMAX_SCHED_CTXS)
+		starpu_sched_ctx_set_context(&ctx);
+}
+#endif
+
+/* Returns once every task submitted so far has completed (collective under StarPU-MPI: on
+ * every rank, with its MPI requests). Parallel workers need more than
+ * starpu_task_wait_for_all(): our tasks go to the context enclosing the parallel workers, and
+ * a parallel worker's master moves each task it pops from there into its own context, where
+ * the task then queues and runs. StarPU 1.4's wait goes through the nested contexts first and
+ * the enclosing one last, so it returns as soon as the last task has been moved, often before
+ * it has run (seen here: one task still pending after every wait of a training step).
+ * Freeing the task arguments then let that task, the last AdamW update, read freed memory:
+ * wrong, varying losses and NaN. So, on this process alone first: the enclosing context, after
+ * which no task moves any more, then every context, until StarPU counts no unfinished task;
+ * then the usual wait, once (the MPI one is collective), for MPI requests still in flight. */
+static int wait_tasks(int collective)
+{
+#if SL_HAVE_PARALLEL_WORKERS
+	if (parallel_workers) {
+		do {
+			int ret = starpu_task_wait_for_all();
+			if (ret != 0)
+				return ret;
+			wait_every_context();
+		} while (starpu_task_nsubmitted() > 0);
+	}
+#endif
+	return collective ? sl_mpi_wait_all() : starpu_task_wait_for_all();
+}
+
 int sl_shutdown(void)
 {
 	if (!initialized)
 		return 0;
-	starpu_task_wait_for_all();
+	wait_tasks(0);
 	sl_args_free_completed();
 #if SL_HAVE_PARALLEL_WORKERS
 	if (parallel_workers) {
@@ -107,7 +162,7 @@ int sl_shutdown(void)
 
 int sl_wait_all(void)
 {
-	int ret = sl_mpi_size() > 1 ? sl_mpi_wait_all() : starpu_task_wait_for_all();
+	int ret = wait_tasks(sl_mpi_size() > 1);
 	if (ret == 0)
 		sl_args_free_completed();
 	return ret;
