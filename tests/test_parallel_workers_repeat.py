@@ -1,5 +1,5 @@
-"""A 2-core worker trains the same way every time: repeated runs give identical losses, equal
-to one worker on one core.
+"""A 2-core worker trains the same way every time: repeated runs give identical losses, and
+its first loss equals one worker on one core's within the fp32 bound.
 
 On StarPU 1.4 the 2-core worker is a parallel worker (on 1.3, a team worker). There,
 starpu_task_wait_for_all() used to return before the last task of a step had run, and the
@@ -17,6 +17,7 @@ from starpu_llm.config import MODELS, GPTConfig
 from starpu_llm.engine import StarPUEngine
 from starpu_llm.runtime import usable_cores
 from starpu_llm.state import TrainState, random_init
+from bounds import loss_bound
 
 pytestmark = pytest.mark.skipif(usable_cores() < 2, reason="needs 2 cores")
 
@@ -24,9 +25,11 @@ SMALL = GPTConfig(max_seq_len=32, vocab_size=250, padded_vocab_size=256, num_lay
                   num_heads=4, channels=64)
 # model: (config, B, T, steps, repeats)
 CASES = {"small": (SMALL, 4, 32, 8, 5), "gpt2": (MODELS["gpt2"], 2, 64, 3, 3)}
-# Against one worker on one core, only the k-thread reductions inside the kernels differ:
-# observed 8e-9 (small) and 1.2e-7 (GPT-2) relative; a race showed up as 1e-4 or NaN.
-RTOL = 1e-5
+# Against one worker on one core, the first step runs at the same parameters and only the
+# k-thread reductions inside the kernels differ: its loss is within the fp32 loss bound of two
+# runs (tests/bounds.py, loss_bound; ~2e-4 relative for the small model). The later steps'
+# drift against one core is bounded in test_parallel.py (partition 1x2, with and without
+# sub-batches); here the race shows as runs that differ from each other (1e-4 or NaN).
 
 
 def train(name, workers, cores, sub_batches=None):
@@ -36,11 +39,13 @@ def train(name, workers, cores, sub_batches=None):
     with Runtime(workers, cores) as rt:
         eng = StarPUEngine(cfg, state, B, T, tokens, rt, sub_batches=sub_batches)
         try:
-            losses = [eng.step(i * B * T, 1e-3, 0.01) for i in range(steps)]
+            losses = [eng.step(0, 1e-3, 0.01)]
+            logits_scale = float(np.abs(eng.logits()).max())   # of the first step's forward
+            losses += [eng.step(i * B * T, 1e-3, 0.01) for i in range(1, steps)]
         finally:
             eng.close()
         how = rt.describe()
-    return np.array(losses), how
+    return np.array(losses), logits_scale, how
 
 
 @pytest.fixture(scope="module")
@@ -50,22 +55,24 @@ def one_core():
 
 def reference(one_core, name):
     if name not in one_core:
-        one_core[name] = train(name, 1, 1)[0]
+        one_core[name] = train(name, 1, 1)[:2]
     return one_core[name]
 
 
 @pytest.mark.parametrize("sub_batches", [None, 2])
 @pytest.mark.parametrize("name", list(CASES))
 def test_two_core_worker_repeats_exactly(one_core, name, sub_batches):
-    ref = reference(one_core, name)
+    ref, ref_scale = reference(one_core, name)
     assert np.all(np.isfinite(ref))
-    repeats = CASES[name][4]
-    first, how = train(name, 1, 2, sub_batches)
+    cfg, B, T, _, repeats = CASES[name]
+    first, _, how = train(name, 1, 2, sub_batches)
     for r in range(1, repeats):
-        again, _ = train(name, 1, 2, sub_batches)
+        again, _, _ = train(name, 1, 2, sub_batches)
         # one worker runs every task, in an order the data dependencies fix: bitwise the same
         np.testing.assert_array_equal(again, first, err_msg=f"run {r + 1} of {how}")
-    np.testing.assert_allclose(first, ref, rtol=RTOL, atol=0, err_msg=how)
+    bound = loss_bound(cfg, B, T, float(ref[0]), ref_scale)
+    assert abs(first[0] - ref[0]) <= bound, (how, first[0], ref[0], bound)
+    assert np.all(np.isfinite(first)), (how, first)
 
 
 def test_wait_returns_after_every_task():
