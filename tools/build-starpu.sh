@@ -29,6 +29,8 @@ prefix=$(realpath "$2")
 
 PYTHON=${PYTHON:-python3}
 python=$(command -v "$PYTHON") || { echo "$0: no Python at $PYTHON" >&2; exit 1; }
+# absolute (the build runs in another directory), without resolving a venv's symlink
+case "$python" in /*) ;; *) python="$(cd "$(dirname "$python")" && pwd)/$(basename "$python")" ;; esac
 maxcpus=${STARPU_MAXCPUS:-256}
 jobs=${JOBS:-$(nproc)}
 
