@@ -45,7 +45,13 @@ S14_TARBALL ?= ../shared/vendor/starpu-1.4.12.tar.gz
 S14_PREFIX  := $(CURDIR)/.deps/starpu-1.4
 VENV14      := .venv-1.4
 
+# starpupy, StarPU's Python interface built with it, put on the venv's sys.path (a .pth file)
+# so that tests/test_starpupy.py runs the starpupy face.
 test-1.4: $(VENV14)/.installed
+	$(VENV14)/bin/python -c 'import os, sys, sysconfig; \
+	    d = "$(S14_PREFIX)/lib/python%d.%d/site-packages" % sys.version_info[:2]; \
+	    os.path.isdir(d + "/starpu") and open(os.path.join(sysconfig.get_path("purelib"), \
+	        "starpupy-1.4.pth"), "w").write(d + "\n")'
 	$(VENV14)/bin/pytest tests -q $(ARGS)
 
 $(VENV14)/.installed: pyproject.toml meson.build meson.options tools/build-starpu.sh | system

@@ -1,16 +1,14 @@
 /* StarPU-MPI glue: start on mpi4py's communicator, register handles with owner and tag, the
- * cross-process gradient reduction. Built without MPI, every entry point says -ENOSYS. */
+ * cross-process gradient reduction, and the one task insertion (on the placement's rank under
+ * StarPU-MPI). Built without MPI, every MPI entry point says -ENOSYS. */
 #include <errno.h>
-#include "codelets/codelet.h"
-
-int sl_mpi_start(struct starpu_conf *conf, const void *comm);
-int sl_mpi_stop(void);
+#include "internal.h"
 
 #ifdef SL_HAVE_MPI
+#include <starpu_mpi.h>
 
-int sl_mpi_active;
-MPI_Comm sl_mpi_comm;
-int sl_exec_node;
+static int sl_mpi_active;
+static MPI_Comm sl_mpi_comm;
 
 int sl_mpi_available(void) { return 1; }
 
@@ -19,7 +17,7 @@ int sl_mpi_start(struct starpu_conf *conf, const void *comm)
 	int provided = 0;
 	MPI_Query_thread(&provided);
 	if (provided < MPI_THREAD_SERIALIZED)
-		return -EPROTO;   /* StarPU-MPI's thread calls MPI beside the application */
+		return -EPROTO; /* StarPU-MPI's thread calls MPI beside the application */
 	sl_mpi_comm = *(const MPI_Comm *)comm;
 	/* 0: MPI is already initialised (by mpi4py); StarPU is started with our conf */
 	int ret = starpu_mpi_init_conf(NULL, NULL, 0, sl_mpi_comm, conf);
@@ -28,7 +26,6 @@ int sl_mpi_start(struct starpu_conf *conf, const void *comm)
 	return ret;
 }
 
-/* Returns 0 when it shut StarPU down (starpu_mpi_shutdown does), 1 when MPI was not used. */
 int sl_mpi_stop(void)
 {
 	if (!sl_mpi_active)
@@ -62,8 +59,6 @@ int sl_mpi_register(sl_handle h, int64_t tag, int owner)
 	return 0;
 }
 
-void sl_mpi_set_exec_node(int rank) { sl_exec_node = rank; }
-
 int sl_mpi_redux(sl_handle h)
 {
 	if (!sl_mpi_active)
@@ -82,20 +77,51 @@ int sl_mpi_tag_ub(void)
 {
 	int *ub = NULL, flag = 0;
 	MPI_Comm_get_attr(sl_mpi_comm, MPI_TAG_UB, &ub, &flag);
-	return flag && ub ? *ub : 32767;   /* 32767: the least the MPI standard guarantees */
+	return flag && ub ? *ub : 32767; /* 32767: the least the MPI standard guarantees */
 }
 
 #else /* no MPI in this build */
 
 int sl_mpi_available(void) { return 0; }
-int sl_mpi_start(struct starpu_conf *conf, const void *comm) { (void)conf; (void)comm; return -ENOSYS; }
+int sl_mpi_start(struct starpu_conf *conf, const void *comm)
+{
+	(void)conf;
+	(void)comm;
+	return -ENOSYS;
+}
 int sl_mpi_stop(void) { return 1; }
 int sl_mpi_rank(void) { return 0; }
 int sl_mpi_size(void) { return 1; }
-int sl_mpi_register(sl_handle h, int64_t t, int o) { (void)h; (void)t; (void)o; return -ENOSYS; }
-void sl_mpi_set_exec_node(int rank) { (void)rank; }
-int sl_mpi_redux(sl_handle h) { (void)h; return -ENOSYS; }
+int sl_mpi_register(sl_handle h, int64_t t, int o)
+{
+	(void)h;
+	(void)t;
+	(void)o;
+	return -ENOSYS;
+}
+int sl_mpi_redux(sl_handle h)
+{
+	(void)h;
+	return -ENOSYS;
+}
 int sl_mpi_wait_all(void) { return -ENOSYS; }
 int sl_mpi_tag_ub(void) { return 0; }
 
 #endif
+
+/* The one place a task is inserted (see internal.h). */
+int sl_insert_task(struct sl_placement where, struct starpu_codelet *cl,
+		   struct starpu_data_descr *buffers, int nbuffers, void *args, size_t args_size,
+		   double flops)
+{
+#ifdef SL_HAVE_MPI
+	if (sl_mpi_active)
+		return starpu_mpi_task_insert(
+			sl_mpi_comm, cl, STARPU_EXECUTE_ON_NODE, where.node,
+			STARPU_EXECUTE_ON_WORKER, where.worker, STARPU_DATA_MODE_ARRAY, buffers,
+			nbuffers, STARPU_CL_ARGS_NFREE, args, args_size, STARPU_FLOPS, flops, 0);
+#endif
+	return starpu_task_insert(cl, STARPU_EXECUTE_ON_WORKER, where.worker,
+				  STARPU_DATA_MODE_ARRAY, buffers, nbuffers, STARPU_CL_ARGS_NFREE,
+				  args, args_size, STARPU_FLOPS, flops, 0);
+}

@@ -2,15 +2,13 @@
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include "codelets/codelet.h"
-
-extern struct starpu_codelet sl_zero_cl, sl_add_cl;
-
-/* mpi.c */
-int sl_mpi_start(struct starpu_conf *conf, const void *comm);
-int sl_mpi_stop(void);
+#include <string.h>
+#include "internal.h"
 
 static int initialized;
+
+#if SL_HAVE_PARALLEL_WORKERS
+static sl_parallel_workers *parallel_workers;
 
 /* Whether the n logical cores listed (NULL: 0..n-1) are all different. */
 static int distinct_cores(const int *cores, int n)
@@ -21,17 +19,18 @@ static int distinct_cores(const int *cores, int n)
 				return 0;
 	return 1;
 }
-#if SL_HAVE_PARALLEL_WORKERS
-static sl_parallel_workers *parallel_workers;
 #endif
 
 /* Starts StarPU (StarPU-MPI when comm is given) with ncpus cores for the partition
- * ncpus/k workers x k cores; cores lists them (NULL: 0..ncpus-1). See sl_api.h. */
-int sl_start(int ncpus, int cores_per_task, int kcore, const int *cores, const char *sched,
-	     const void *comm)
+ * ncpus/k workers x k cores; cores lists them (NULL: 0..ncpus-1). See sl_api.h. attach: StarPU
+ * was started by someone else (starpupy) on the same partition: only the set-up after init. */
+static int start(int ncpus, int cores_per_task, int kcore, const int *cores, const char *sched,
+		 const void *comm, int attach)
 {
 	if (initialized)
 		return -EALREADY;
+	if (attach && (comm || !starpu_is_initialized()))
+		return -EINVAL;
 	if (ncpus < 1 || cores_per_task < 1 || ncpus % cores_per_task)
 		return -EINVAL;
 	int nworkers = ncpus / cores_per_task;
@@ -54,12 +53,14 @@ int sl_start(int ncpus, int cores_per_task, int kcore, const int *cores, const c
 		 * oversubscribed parallel worker (two StarPU workers on one core) runs no task on
 		 * StarPU 1.4.12: its master spins finding nothing while its other worker, blocked,
 		 * holds the tasks. Same rule as effective_kcore in starpu_llm/runtime.py. */
-		use_parallel_workers = !getenv("SL_NO_PARALLEL_WORKERS") && ncpus <= STARPU_MAXCPUS
-				       && distinct_cores(cores, ncpus);
+		use_parallel_workers = !getenv("SL_NO_PARALLEL_WORKERS") &&
+				       ncpus <= STARPU_MAXCPUS && distinct_cores(cores, ncpus);
 #endif
 		use_team = !use_parallel_workers && kcore == SL_KCORE_TEAM;
 	}
-	if (use_team) {
+	if (attach) {
+		/* the starter set the conf from the same decisions (starpu_llm/starpupy_face.py) */
+	} else if (use_team) {
 		/* One StarPU worker on the first core of each group; its tasks' OpenMP team takes
 		 * the group's other cores, which StarPU does not run workers on. */
 		if (cores_per_task > SL_MAX_GROUP || nworkers > STARPU_NMAXWORKERS)
@@ -67,8 +68,8 @@ int sl_start(int ncpus, int cores_per_task, int kcore, const int *cores, const c
 		conf.ncpus = nworkers;
 		conf.use_explicit_workers_bindid = 1;
 		for (int w = 0; w < nworkers; w++)
-			conf.workers_bindid[w] = (unsigned)(cores ? cores[w * cores_per_task]
-							      : w * cores_per_task);
+			conf.workers_bindid[w] =
+				(unsigned)(cores ? cores[w * cores_per_task] : w * cores_per_task);
 	} else if (cores_per_task > 1 && !use_parallel_workers) {
 		/* Combined workers of exactly k cores running FORKJOIN tasks; starpu_init reads
 		 * these variables. */
@@ -80,10 +81,12 @@ int sl_start(int ncpus, int cores_per_task, int kcore, const int *cores, const c
 	sl_codelets_set_cores(use_team || use_parallel_workers ? 1 : cores_per_task);
 	sl_set_exec_worker(-1);
 
-	ret = comm ? sl_mpi_start(&conf, comm) : starpu_init(&conf);
-	if (ret)
-		return ret;
-	initialized = 1;
+	if (!attach) {
+		ret = comm ? sl_mpi_start(&conf, comm) : starpu_init(&conf);
+		if (ret)
+			return ret;
+	}
+	initialized = attach ? 2 : 1;
 
 #if SL_HAVE_PARALLEL_WORKERS
 	if (use_parallel_workers) {
@@ -98,6 +101,17 @@ int sl_start(int ncpus, int cores_per_task, int kcore, const int *cores, const c
 	if (use_team)
 		sl_codelets_set_team_groups(nworkers, cores_per_task, cores);
 	return 0;
+}
+
+int sl_start(int ncpus, int cores_per_task, int kcore, const int *cores, const char *sched,
+	     const void *comm)
+{
+	return start(ncpus, cores_per_task, kcore, cores, sched, comm, 0);
+}
+
+int sl_attach(int ncpus, int cores_per_task, int kcore, const int *cores)
+{
+	return start(ncpus, cores_per_task, kcore, cores, NULL, NULL, 1);
 }
 
 #if SL_HAVE_PARALLEL_WORKERS
@@ -154,8 +168,8 @@ int sl_shutdown(void)
 	}
 #endif
 	sl_codelets_set_team_groups(0, 1, NULL);
-	if (sl_mpi_stop() != 0)
-		starpu_shutdown();
+	if (initialized == 1 && sl_mpi_stop() != 0)
+		starpu_shutdown(); /* attached (2): the starter shuts StarPU down */
 	initialized = 0;
 	return 0;
 }
@@ -213,12 +227,6 @@ int sl_unpartition(sl_handle h)
 
 void sl_unregister(sl_handle h) { starpu_data_unregister(h); }
 
-int sl_set_grad_reduction(sl_handle h)
-{
-	starpu_data_set_reduction_methods(h, &sl_add_cl, &sl_zero_cl);
-	return 0;
-}
-
 void *sl_acquire(sl_handle h, int mode)
 {
 	if (starpu_data_acquire(h, mode == 3 ? STARPU_RW : STARPU_R) != 0)
@@ -227,3 +235,92 @@ void *sl_acquire(sl_handle h, int mode)
 }
 
 void sl_release(sl_handle h) { starpu_data_release(h); }
+
+/* The gather task: its n vector buffers, one after the other, into the memory given. */
+struct gather_args {
+	char *dst;
+	int n;
+};
+
+static void gather_cpu(void *buffers[], void *cl_arg)
+{
+	struct gather_args *a = cl_arg;
+	char *out = a->dst;
+	for (int i = 0; i < a->n; i++) {
+		size_t bytes = (size_t)STARPU_VECTOR_GET_NX(buffers[i]) *
+			       STARPU_VECTOR_GET_ELEMSIZE(buffers[i]);
+		memcpy(out, (const void *)STARPU_VECTOR_GET_PTR(buffers[i]), bytes);
+		out += bytes;
+	}
+}
+
+static struct starpu_codelet gather_cl = {
+	.cpu_funcs = { gather_cpu },
+	.nbuffers = STARPU_VARIABLE_NBUFFERS,
+	.name = "sl_gather",
+};
+
+int sl_submit_gather(sl_handle dst, void *dst_ptr, size_t dst_bytes, const sl_handle *src, int n)
+{
+	if (n < 1 || !dst || !dst_ptr)
+		return -EINVAL;
+	size_t total = 0;
+	for (int i = 0; i < n; i++)
+		total += (size_t)starpu_vector_get_nx(src[i]) * starpu_vector_get_elemsize(src[i]);
+	if (total != dst_bytes)
+		return -EINVAL;
+	struct starpu_data_descr *descr = malloc((size_t)(n + 1) * sizeof *descr);
+	struct gather_args *args = malloc(sizeof *args);
+	if (!descr || !args) {
+		free(descr);
+		free(args);
+		return -ENOMEM;
+	}
+	for (int i = 0; i < n; i++)
+		descr[i] = (struct starpu_data_descr){ .handle = src[i], .mode = STARPU_R };
+	descr[n] = (struct starpu_data_descr){ .handle = dst, .mode = STARPU_W };
+	*args = (struct gather_args){ .dst = dst_ptr, .n = n };
+	int ret = starpu_task_insert(&gather_cl, STARPU_DATA_MODE_ARRAY, descr, n + 1,
+				     STARPU_CL_ARGS, args, sizeof *args, 0);
+	free(descr);
+	if (ret)
+		free(args);
+	return ret;
+}
+
+/* ---- where tasks run ---- */
+
+static struct sl_placement placement = { .node = 0, .worker = -1 };
+
+void sl_set_exec_worker(int worker) { placement.worker = worker < 0 ? -1 : worker; }
+
+void sl_mpi_set_exec_node(int rank) { placement.node = rank; }
+
+struct sl_placement sl_task_placement(void) { return placement; }
+
+/* StarPU 1.4.12 keeps the operations of the data interfaces registered at run time (starpupy
+ * registers 3 at each starpu.init()) in a table indexed by id - STARPU_MAX_INTERFACE_ID that
+ * it frees at shutdown (size 0), while the ids keep growing from one init to the next; and
+ * the table grows at most once per registration, to 16 entries the first time. From the 7th
+ * starpu.init() of a process, starpupy's first interface goes past the 16 entries (heap
+ * corruption, then a crash). Here the table is grown in steps, each within its bounds, to
+ * hold the next n ids: called before starpu.init() (its size is then 0). */
+#if STARPU_MAJOR_VERSION > 1 || STARPU_MINOR_VERSION >= 4
+static struct starpu_data_interface_ops reserved_ops = { .name = "sl_reserved" };
+
+void sl_reserve_interface_ids(int n)
+{
+	int next = starpu_data_interface_get_next_id();
+	unsigned need = (unsigned)(next - STARPU_MAX_INTERFACE_ID + (n > 0 ? n : 0));
+	for (unsigned size = 0; size <= need; size = size ? 2 * size : 16) {
+		/* an id above the size grows the table (to 16, then doubling); its entry,
+		 * id - STARPU_MAX_INTERFACE_ID, stays below the new size */
+		unsigned id =
+			size + 1 < STARPU_MAX_INTERFACE_ID ? STARPU_MAX_INTERFACE_ID : size + 1;
+		reserved_ops.interfaceid = (enum starpu_data_interface_id)id;
+		starpu_data_register_ops(&reserved_ops);
+	}
+}
+#else
+void sl_reserve_interface_ids(int n) { (void)n; } /* no starpupy before 1.4 */
+#endif

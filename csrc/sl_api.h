@@ -7,7 +7,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-typedef struct _starpu_data_state *sl_handle;   /* == starpu_data_handle_t */
+typedef struct _starpu_data_state *sl_handle; /* == starpu_data_handle_t */
 
 /* ---- runtime (runtime.c) ---- */
 /* Starts StarPU (StarPU-MPI when comm is not NULL: the address of an MPI_Comm, e.g.
@@ -20,10 +20,17 @@ typedef struct _starpu_data_state *sl_handle;   /* == starpu_data_handle_t */
  *     tasks with an OpenMP team bound to its group (what StarPU 1.4's parallel workers do);
  *   - else (SL_KCORE_FORKJOIN) FORKJOIN parallel tasks on combined workers of k cores. */
 #define SL_KCORE_FORKJOIN 0
-#define SL_KCORE_TEAM 1
-#define SL_MAX_GROUP 64      /* most cores of one team worker */
+#define SL_KCORE_TEAM	  1
+#define SL_MAX_GROUP	  64 /* most cores of one team worker */
 int sl_start(int ncpus, int cores_per_task, int kcore, const int *cores, const char *sched,
-             const void *comm);
+	     const void *comm);
+/* The same set-up after init as sl_start, on a StarPU that another starter (starpupy's
+ * starpu.init(), starpu_llm/starpupy_face.py) has already initialised with the partition's
+ * configuration; sl_shutdown then leaves starpu_shutdown to that starter. No StarPU-MPI. */
+int sl_attach(int ncpus, int cores_per_task, int kcore, const int *cores);
+/* Before starpu.init(): room in StarPU's table of data interfaces for the next n interface
+ * ids (works around a StarPU 1.4.12 overflow from the 7th starpupy init in a process). */
+void sl_reserve_interface_ids(int n);
 int sl_shutdown(void);
 int sl_wait_all(void);
 void sl_pause(void);
@@ -32,8 +39,8 @@ int sl_worker_count(void);
 /* Tasks submitted from now on run on StarPU worker `worker` (-1: wherever the scheduler
  * puts them). Used to keep each data-parallel sub-batch on one worker. */
 void sl_set_exec_worker(int worker);
-int sl_max_cpus(void);                 /* STARPU_MAXCPUS of the StarPU build */
-int sl_have_parallel_workers(void);    /* 1.4 parallel workers / 1.3 clusters compiled in */
+int sl_max_cpus(void);		    /* STARPU_MAXCPUS of the StarPU build */
+int sl_have_parallel_workers(void); /* 1.4 parallel workers / 1.3 clusters compiled in */
 void sl_starpu_version(int *major, int *minor, int *release);
 /* Threads of the calling thread's OpenMP team and BLAS (the reference engine's knob). */
 void sl_set_threads(int k);
@@ -70,40 +77,52 @@ void sl_release(sl_handle h);
 
 /* ---- task submission (one helper per codelet, csrc/codelets/<layer>.c) ----
  * `redux` = 1 when a parameter gradient is a reduction target shared by sub-batches. */
-int sl_submit_encoder_forward(sl_handle out, sl_handle inp, sl_handle wte, sl_handle wpe,
-                              int B, int T, int C);
-int sl_submit_encoder_backward(sl_handle dwte, sl_handle dwpe, sl_handle dout, sl_handle inp,
-                               int B, int T, int C, int redux);
+int sl_submit_encoder_forward(sl_handle out, sl_handle inp, sl_handle wte, sl_handle wpe, int B,
+			      int T, int C);
+int sl_submit_encoder_backward(sl_handle dwte, sl_handle dwpe, sl_handle dout, sl_handle inp, int B,
+			       int T, int C, int redux);
 int sl_submit_layernorm_forward(sl_handle out, sl_handle mean, sl_handle rstd, sl_handle inp,
-                                sl_handle weight, sl_handle bias, int N, int C);
-int sl_submit_layernorm_backward(sl_handle dinp, sl_handle dweight, sl_handle dbias,
-                                 sl_handle dout, sl_handle inp, sl_handle weight,
-                                 sl_handle mean, sl_handle rstd, int N, int C,
-                                 int accumulate, int redux);
+				sl_handle weight, sl_handle bias, int N, int C);
+int sl_submit_layernorm_backward(sl_handle dinp, sl_handle dweight, sl_handle dbias, sl_handle dout,
+				 sl_handle inp, sl_handle weight, sl_handle mean, sl_handle rstd,
+				 int N, int C, int accumulate, int redux);
 /* bias / dbias may be NULL (the tied lm head has none) */
-int sl_submit_matmul_forward(sl_handle out, sl_handle inp, sl_handle weight, sl_handle bias,
-                             int N, int C, int OC);
-int sl_submit_matmul_backward(sl_handle dinp, sl_handle dweight, sl_handle dbias,
-                              sl_handle dout, sl_handle inp, sl_handle weight,
-                              int N, int C, int OC, int redux);
+int sl_submit_matmul_forward(sl_handle out, sl_handle inp, sl_handle weight, sl_handle bias, int N,
+			     int C, int OC);
+int sl_submit_matmul_backward(sl_handle dinp, sl_handle dweight, sl_handle dbias, sl_handle dout,
+			      sl_handle inp, sl_handle weight, int N, int C, int OC, int redux);
 int sl_submit_attention_forward(sl_handle out, sl_handle preatt, sl_handle att, sl_handle qkv,
-                                int B, int T, int C, int NH);
+				int B, int T, int C, int NH);
 /* scratch: 2*B*NH*T*T floats (dpreatt, datt), overwritten by each task */
-int sl_submit_attention_backward(sl_handle dqkv, sl_handle scratch, sl_handle dout,
-                                 sl_handle qkv, sl_handle att, int B, int T, int C, int NH);
+int sl_submit_attention_backward(sl_handle dqkv, sl_handle scratch, sl_handle dout, sl_handle qkv,
+				 sl_handle att, int B, int T, int C, int NH);
 int sl_submit_gelu_forward(sl_handle out, sl_handle inp, size_t N);
 int sl_submit_gelu_backward(sl_handle dinp, sl_handle inp, sl_handle dout, size_t N);
 int sl_submit_residual_forward(sl_handle out, sl_handle inp1, sl_handle inp2, size_t N);
-int sl_submit_residual_backward(sl_handle dinp1, sl_handle dinp2, sl_handle dout, size_t N);
 int sl_submit_crossentropy_forward(sl_handle probs, sl_handle losses, sl_handle logits,
-                                   sl_handle targets, int N, int V, int Vp);
-int sl_submit_crossentropy_backward(sl_handle dlogits, sl_handle probs, sl_handle targets,
-                                    int N, int V, int Vp, float dloss);
+				   sl_handle targets, int N, int V, int Vp);
+int sl_submit_crossentropy_backward(sl_handle dlogits, sl_handle probs, sl_handle targets, int N,
+				    int V, int Vp, float dloss);
 int sl_submit_adamw(sl_handle params, sl_handle grads, sl_handle m, sl_handle v, float lr,
-                    float beta1, float beta2, float eps, float weight_decay, int t);
+		    float beta1, float beta2, float eps, float weight_decay, int t);
 /* inputs/targets (n int32) from tokens[pos .. pos+n] (the caller keeps tokens alive) */
-int sl_submit_load_batch(sl_handle inputs, sl_handle targets, const uint16_t *tokens,
-                         size_t pos, size_t n);
+int sl_submit_load_batch(sl_handle inputs, sl_handle targets, const uint16_t *tokens, size_t pos,
+			 size_t n);
+
+/* A task reading the n vector handles src and copying them, one after the other, into the
+ * dst_bytes at dst_ptr (their total size), the memory of handle dst (any interface, e.g. a
+ * starpupy handle), which the task writes (STARPU_W): the starpupy face's checkpoint snapshot. */
+int sl_submit_gather(sl_handle dst, void *dst_ptr, size_t dst_bytes, const sl_handle *src, int n);
+
+/* ---- declared access modes (csrc/codelets/registry.c) ----
+ * Each codelet declares the access mode of each of its buffers once (SL_CODELET in
+ * csrc/codelets/codelet.h); the submit helpers above build their tasks from that table.
+ * sl_codelet_modes fills modes[i] (i < max) with the SL_ACCESS_* bits of buffer i of a task
+ * of codelet (an index of sl_codelet_name) submitted with this redux / accumulate, plus
+ * SL_ACCESS_OPTIONAL on a last buffer a task may leave out (matmul's bias), and returns the
+ * buffer count (-EINVAL for no such codelet). */
+#define SL_ACCESS_OPTIONAL 8
+int sl_codelet_modes(int codelet, int redux, int accumulate, int32_t *modes, int max);
 
 /* ---- diagnostics ---- */
 /* A task that records, for each thread of its team: the thread count, and the CPU mask
@@ -114,24 +133,23 @@ int sl_submit_probe(uint64_t *out, int max_threads);
  * (CLOCK_MONOTONIC ns, the clock of Python's time.monotonic_ns()), and the data handles and
  * access modes StarPU gave it (read back from the running task, not from our own tables).
  * A reduction method StarPU runs inline inside another task records nbuffers = -1. */
-#define SL_TRACE_MAXBUF 8      /* buffers recorded per task (STARPU_NMAXBUFS of Debian's 1.3) */
-#define SL_ACCESS_R 1          /* normalised access modes: reads, */
-#define SL_ACCESS_W 2          /* writes (W, RW, SCRATCH), */
-#define SL_ACCESS_REDUX 4      /* or contributes to a reduction (STARPU_REDUX) */
+#define SL_TRACE_MAXBUF 8 /* buffers recorded per task (STARPU_NMAXBUFS of Debian's 1.3) */
+#define SL_ACCESS_R	1 /* normalised access modes: reads, */
+#define SL_ACCESS_W	2 /* writes (W, RW, SCRATCH), */
+#define SL_ACCESS_REDUX 4 /* or contributes to a reduction (STARPU_REDUX) */
 struct sl_trace_event {
-	int32_t codelet;      /* index into sl_codelet_name() */
-	int32_t worker;       /* StarPU worker id of the task's master thread */
-	int32_t ncores;       /* cores of the (combined) worker */
-	int32_t nbuffers;     /* buffers of the task (only the first SL_TRACE_MAXBUF kept) */
+	int32_t codelet;  /* index into sl_codelet_name() */
+	int32_t worker;	  /* StarPU worker id of the task's master thread */
+	int32_t ncores;	  /* cores of the (combined) worker */
+	int32_t nbuffers; /* buffers of the task (only the first SL_TRACE_MAXBUF kept) */
 	int64_t start_ns;
 	int64_t end_ns;
-	int32_t modes[SL_TRACE_MAXBUF];          /* SL_ACCESS_* bits */
+	int32_t modes[SL_TRACE_MAXBUF]; /* SL_ACCESS_* bits */
 	sl_handle handles[SL_TRACE_MAXBUF];
 };
-int sl_trace_enable(size_t capacity);  /* capacity 0 disables and frees */
-size_t sl_trace_count(void);           /* events recorded (capped at capacity) */
+int sl_trace_enable(size_t capacity); /* capacity 0 disables and frees */
+size_t sl_trace_count(void);	      /* events recorded (capped at capacity) */
 const struct sl_trace_event *sl_trace_events(void);
-void sl_trace_reset(void);
 const char *sl_codelet_name(int codelet);
 int sl_codelet_count(void);
 

@@ -55,6 +55,7 @@ class StarPUEngine(Engine):
                                ("m", state.m), ("v", state.v)))
         self.subs = [place.sub_batch(config, self.Bs, T, i) for i in range(self.sub_batches)]
         place.check_tags()
+        self.checkpoints = None     # the starpupy face's checkpoint task, made on first use
 
     def submitted(self) -> list | None:
         return None if self.ops.records is None else list(self.ops.records)
@@ -82,6 +83,8 @@ class StarPUEngine(Engine):
 
     def wait(self):
         self.runtime.wait()
+        if self.checkpoints is not None:
+            self.checkpoints.check()
 
     def read(self, t):
         ptr = lib.sl_acquire(t.h, 1)
@@ -112,8 +115,33 @@ class StarPUEngine(Engine):
                     raise RuntimeError(f"acquiring {t.name} failed")
                 lib.sl_release(t.h)
 
+    def submit_checkpoint(self, path):
+        """Write the parameters, as the tasks submitted so far leave them, as an llm.c
+        checkpoint at path. Started by starpupy, the runtime does it as a Python task in the
+        task graph (starpupy_face.CheckpointTask), overlapping the next steps: wait() or
+        close() waits for it and raises its error. Else it waits and writes it here."""
+        if self.mpi:
+            raise StarpuLLMError("submit_checkpoint: under MPI, write the checkpoint on rank 0 "
+                                 "after sync()")
+        if getattr(self.runtime, "face", "cffi") != "starpupy":
+            from . import formats
+            self.sync()
+            formats.write_checkpoint(path, self.config, self.state.params)
+            return
+        if self.checkpoints is None:
+            from .starpupy_face import CheckpointTask
+            self.checkpoints = CheckpointTask(self.config, self.p)
+        self.checkpoints.submit(path)
+
     def close(self):
-        self.placement.unregister_all()
+        checkpoints, self.checkpoints = self.checkpoints, None
+        try:
+            if checkpoints is not None and self.runtime.running:
+                self.runtime.wait()
+                checkpoints.close()
+                checkpoints.check()
+        finally:
+            self.placement.unregister_all()
 
     def describe(self):
         per = f" ({self.subs_per_rank} per process)" if self.mpi else ""

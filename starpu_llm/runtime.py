@@ -115,13 +115,16 @@ class Runtime:
     the n workers run independent sub-batches; with k > 1 each task runs on its worker's k
     cores, through parallel workers, team workers or FORKJOIN tasks (see effective_kcore).
     comm: an mpi4py communicator to start StarPU-MPI on.
+    face: who starts and stops StarPU: "cffi" (sl_start, the default) or "starpupy" (StarPU's
+    own Python interface, where the StarPU build has it; see starpupy_face.py). None: "cffi",
+    or $STARPU_LLM_FACE=starpupy where starpupy is importable.
     """
 
     _active: "Runtime | None" = None
 
     def __init__(self, workers: int | None = None, cores_per_worker: int | None = None,
                  sched: str | None = None, oversubscribe: bool = False, comm=None,
-                 kcore: str | None = None):
+                 kcore: str | None = None, face: str | None = None):
         if Runtime._active is not None:
             raise StarpuLLMError("StarPU is already running in this process; "
                                  "shut the other Runtime down first")
@@ -159,11 +162,23 @@ class Runtime:
                                      "libstarpumpi and an MPI installed)")
             from mpi4py import MPI
             comm_addr = ffi.cast("void *", MPI._addressof(comm))
-        ret = lib.sl_start(n, cores_per_worker, KCORE_MODES[kcore], ffi.new("int[]", cores),
-                           sched.encode(), comm_addr)
-        if ret != 0:
-            raise StarpuLLMError(f"starpu_init failed ({ret}) for {workers} worker(s) x "
-                                 f"{cores_per_worker} core(s) with scheduler {sched!r}")
+        from . import starpupy_face
+        explicit = face is not None
+        self.face = face = starpupy_face.resolve(face)
+        if face == "starpupy" and comm is not None:
+            if explicit:
+                raise StarpuLLMError("face 'starpupy' cannot start StarPU-MPI (starpu.init() "
+                                     "takes no communicator); use the cffi face under MPI")
+            self.face = face = "cffi"
+        if face == "starpupy":
+            starpupy_face.start(n, cores_per_worker, self.kcore, KCORE_MODES[kcore], cores,
+                                sched)
+        else:
+            ret = lib.sl_start(n, cores_per_worker, KCORE_MODES[kcore], ffi.new("int[]", cores),
+                               sched.encode(), comm_addr)
+            if ret != 0:
+                raise StarpuLLMError(f"starpu_init failed ({ret}) for {workers} worker(s) x "
+                                     f"{cores_per_worker} core(s) with scheduler {sched!r}")
         Runtime._active = self
         atexit.register(self.shutdown)
         got = self.starpu_workers = lib.sl_worker_count()
@@ -209,7 +224,11 @@ class Runtime:
 
     def shutdown(self) -> None:
         if Runtime._active is self:
-            lib.sl_shutdown()
+            if self.face == "starpupy":
+                from . import starpupy_face
+                starpupy_face.stop()
+            else:
+                lib.sl_shutdown()
             Runtime._active = None
             atexit.unregister(self.shutdown)
 
@@ -223,7 +242,8 @@ class Runtime:
         major, minor, release = ffi.new("int *"), ffi.new("int *"), ffi.new("int *")
         lib.sl_starpu_version(major, minor, release)
         mpi = f", {self.size} MPI processes" if self.comm is not None else ""
-        return (f"StarPU {major[0]}.{minor[0]}.{release[0]}{mpi}, {self.workers} worker(s) x "
+        face = ", started by starpupy" if self.face == "starpupy" else ""
+        return (f"StarPU {major[0]}.{minor[0]}.{release[0]}{face}{mpi}, {self.workers} worker(s) x "
                 f"{self.cores_per_worker} core(s) ({self.kcore}), scheduler {self.sched}, "
                 f"BLAS {ffi.string(lib.sl_blas_name()).decode()}")
 

@@ -1,5 +1,6 @@
-/* What every codelet file shares: thread control for the cores a task owns, task tracing,
- * the gradient access mode and small accessors. One codelet file per layer includes it. */
+/* What every codelet file shares: the codelet declaration (SL_CODELET: perf model, access
+ * modes, codelet), the CPU function wrapper (SL_CPU_FUNC: cores and trace) and the submission
+ * (SL_SUBMIT). One codelet file per layer includes it. */
 #ifndef SL_CODELET_H
 #define SL_CODELET_H
 #include <starpu.h>
@@ -13,82 +14,123 @@
 #define SL_F(buffers, i) ((float *)STARPU_VECTOR_GET_PTR((buffers)[i]))
 #define SL_I(buffers, i) ((int32_t *)STARPU_VECTOR_GET_PTR((buffers)[i]))
 
-/* Access mode of a parameter-gradient buffer: plain RW with one contributor at a time, or
- * STARPU_REDUX when several sub-batches add into it concurrently (data parallelism). */
-static inline enum starpu_data_access_mode sl_grad_mode(int redux)
-{
-	return redux ? STARPU_REDUX : STARPU_RW;
-}
+/* Every codelet, by the name of its codelet (and perf model, "sl_" name): SL_CL_<name>. */
+#define SL_CODELET_NAMES(X)                                                                        \
+	X(encoder_forward)                                                                         \
+	X(encoder_backward)                                                                        \
+	X(layernorm_forward)                                                                       \
+	X(layernorm_backward)                                                                      \
+	X(matmul_forward)                                                                          \
+	X(matmul_backward)                                                                         \
+	X(attention_forward)                                                                       \
+	X(attention_backward)                                                                      \
+	X(gelu_forward)                                                                            \
+	X(gelu_backward)                                                                           \
+	X(residual_forward)                                                                        \
+	X(crossentropy_forward)                                                                    \
+	X(crossentropy_backward)                                                                   \
+	X(adamw)                                                                                   \
+	X(load_batch)                                                                              \
+	X(zero)                                                                                    \
+	X(add)                                                                                     \
+	X(probe)
 
-/* Called first in every codelet: sizes this thread's OpenMP team and BLAS to the k cores of
- * the (possibly combined) worker running the task, binds team thread t to the t-th core,
- * and opens a trace record. Returns the trace slot to give to sl_task_end. */
-long sl_task_begin(int codelet_id);
-void sl_task_end(long slot);
+#define SL_ID_ENUM(name) SL_CL_##name,
+enum { SL_CODELET_NAMES(SL_ID_ENUM) SL_CL_COUNT };
+#undef SL_ID_ENUM
 
-/* Per-codelet tuning hook: sl_start sets every registered codelet to SEQ (k=1) or FORKJOIN
- * with max_parallelism k. Each codelet file registers its codelets with this. */
-void sl_codelet_register(struct starpu_codelet *cl);
-void sl_codelets_set_cores(int k);
-/* With parallel workers the task's team size is set by StarPU's OpenMP prologue (the
- * parallel worker's cores): tasks then take k from omp_get_max_threads(). */
-void sl_codelets_set_team_from_runtime(int on);
-/* Team mode: worker w's tasks run a k-thread team bound to cores[w*k + t] (cores NULL:
- * core w*k + t); nworkers 0 turns team mode off. */
-void sl_codelets_set_team_groups(int nworkers, int k, const int *cores);
+/* The declared access mode of one buffer of a codelet. Fixed (R, W, RW), or chosen per task: */
+enum sl_mode {
+	SL_R,
+	SL_W,
+	SL_RW,
+	SL_GRAD,     /* a parameter gradient: RW with one contributor at a time, or STARPU_REDUX
+		      * when several sub-batches add into it concurrently (data parallelism) */
+	SL_ACC,	     /* W, or RW when the task adds into what is there (accumulate) */
+	SL_OPT = 16, /* flag: a trailing buffer a task may leave out (NULL handle: matmul's bias) */
+};
+#define SL_MAX_BUFFERS SL_TRACE_MAXBUF
 
-/* Each codelet file lists its codelets once; they are registered when the library loads. */
-#define SL_REGISTER_CODELETS(...)                                                   \
-	static void __attribute__((constructor)) sl_register_file_codelets(void)    \
-	{                                                                           \
-		struct starpu_codelet *cls[] = { __VA_ARGS__ };                     \
-		for (size_t i = 0; i < sizeof cls / sizeof cls[0]; i++)             \
-			sl_codelet_register(cls[i]);                                \
+/* A codelet with its declared modes: the one table the submission builds its tasks from, and
+ * which Python reads back (sl_codelet_modes). */
+struct sl_codelet {
+	struct starpu_codelet cl;
+	int id;		/* SL_CL_<name> */
+	int sequential; /* always on one core (StarPU runs reduction methods on any worker) */
+	int nbuffers;
+	int modes[SL_MAX_BUFFERS]; /* enum sl_mode */
+};
+
+/* Registers c (table of codelets by id, cores per task); the codelet's nbuffers and modes are
+ * set from the declared modes: fixed when they all are, else given with each task. */
+void sl_codelet_register(struct sl_codelet *c);
+/* The StarPU access mode of a declared mode for a task with this redux / accumulate. */
+enum starpu_data_access_mode sl_mode_resolve(int mode, int redux, int accumulate);
+
+/* Declares codelet `cname` (an SL_CODELET_NAMES entry) in one place: its codelet struct
+ * cname##_codelet running cname##_cpu (see SL_CPU_FUNC), perf model `perfmodel`, and the
+ * declared mode of each buffer (the variadic arguments, enum sl_mode), registered at library
+ * load. */
+#define SL_CODELET_DEF(cname, perfmodel, seq, ...)                                                 \
+	static void cname##_cpu(void *buffers[], void *cl_arg);                                    \
+	static struct sl_codelet cname##_codelet = {                                               \
+		.cl = { .cpu_funcs = { cname##_cpu },                                              \
+			.cpu_funcs_name = { #cname "_cpu" },                                       \
+			.model = (perfmodel),                                                      \
+			.name = #cname },                                                          \
+		.id = SL_CL_##cname,                                                               \
+		.sequential = (seq),                                                               \
+		.nbuffers = sizeof((const int[]){ __VA_ARGS__ }) / sizeof(int),                    \
+		.modes = { __VA_ARGS__ },                                                          \
+	};                                                                                         \
+	static void __attribute__((constructor)) cname##_register(void)                            \
+	{                                                                                          \
+		sl_codelet_register(&cname##_codelet);                                             \
 	}
 
-/* Allocate an args struct for STARPU_CL_ARGS_NFREE; freed by sl_args_free_completed(),
- * which the runtime calls once every submitted task has completed. */
-void *sl_args_alloc(size_t size);
-void sl_args_free_completed(void);
+#define SL_PERFMODEL(cname)                                                                        \
+	static struct starpu_perfmodel cname##_model = { .type = STARPU_HISTORY_BASED,             \
+							 .symbol = "sl_" #cname };
+/* A codelet on the task's k cores, with a history-based perf model "sl_<name>". */
+#define SL_CODELET(cname, ...)                                                                     \
+	SL_PERFMODEL(cname)                                                                        \
+	SL_CODELET_DEF(cname, &cname##_model, 0, __VA_ARGS__)
+/* A reduction method (init or reduce of a gradient): sequential. */
+#define SL_REDUCTION_CODELET(cname, ...)                                                           \
+	SL_PERFMODEL(cname)                                                                        \
+	SL_CODELET_DEF(cname, &cname##_model, 1, __VA_ARGS__)
 
-/* Every submit helper inserts its task through this one macro. sl_exec_worker pins the task
- * to one StarPU worker (-1: any worker, the scheduler decides); the runtime sets it while a
- * sub-batch is submitted, so each data-parallel worker keeps its own sub-batch. Under
- * StarPU-MPI every process submits every task: starpu_mpi_task_insert runs it where
- * sl_exec_node says (the rank owning the sub-batch, or the owner of the parameters for
- * updates) and posts the transfers its data needs. */
-extern int sl_exec_worker;
-#ifdef SL_HAVE_MPI
-#include <starpu_mpi.h>
-extern int sl_mpi_active;
-extern MPI_Comm sl_mpi_comm;
-extern int sl_exec_node;
-#define SL_INSERT(cl, ...)                                                                \
-	(sl_mpi_active ? starpu_mpi_task_insert(sl_mpi_comm, cl, STARPU_EXECUTE_ON_NODE,   \
-						sl_exec_node, STARPU_EXECUTE_ON_WORKER,     \
-						sl_exec_worker, __VA_ARGS__)                \
-		       : starpu_task_insert(cl, STARPU_EXECUTE_ON_WORKER, sl_exec_worker,  \
-					    __VA_ARGS__))
-#else
-#define SL_INSERT(cl, ...) \
-	starpu_task_insert(cl, STARPU_EXECUTE_ON_WORKER, sl_exec_worker, __VA_ARGS__)
-#endif
+/* The CPU function of codelet `name`: sizes this thread's OpenMP team and BLAS to the cores
+ * of the worker running the task, binds the team, and records the task in the trace around
+ * the body that follows the macro, which sees `buffers` and `a` (the task's args_type). */
+int sl_task_threads(void);
+long sl_trace_begin(int codelet, int ncores);
+void sl_trace_end(long slot);
+#define SL_CPU_FUNC(name, args_type)                                                               \
+	static void name##_body(void *buffers[], const args_type *a);                              \
+	static void name##_cpu(void *buffers[], void *cl_arg)                                      \
+	{                                                                                          \
+		long slot = sl_trace_begin(SL_CL_##name, sl_task_threads());                       \
+		name##_body(buffers, cl_arg);                                                      \
+		sl_trace_end(slot);                                                                \
+	}                                                                                          \
+	static void name##_body(void *buffers[], const args_type *a)
 
-/* Return code check for submissions: turns -ENODEV etc. into a printed, returned error. */
-int sl_check_submit(int ret, const char *what);
-
-#define SL_CODELET_IDS(X) \
-	X(ENCODER_FWD, "encoder_forward") X(ENCODER_BWD, "encoder_backward") \
-	X(LAYERNORM_FWD, "layernorm_forward") X(LAYERNORM_BWD, "layernorm_backward") \
-	X(MATMUL_FWD, "matmul_forward") X(MATMUL_BWD, "matmul_backward") \
-	X(ATTENTION_FWD, "attention_forward") X(ATTENTION_BWD, "attention_backward") \
-	X(GELU_FWD, "gelu_forward") X(GELU_BWD, "gelu_backward") \
-	X(RESIDUAL_FWD, "residual_forward") X(RESIDUAL_BWD, "residual_backward") \
-	X(XENT_FWD, "crossentropy_forward") X(XENT_BWD, "crossentropy_backward") \
-	X(ADAMW, "adamw") X(LOAD, "load_batch") X(ZERO, "zero") X(ADD, "add") X(PROBE, "probe")
-
-#define SL_ID_ENUM(id, name) SL_CL_##id,
-enum { SL_CODELET_IDS(SL_ID_ENUM) SL_CL_COUNT };
-#undef SL_ID_ENUM
+/* Submits a task of c on the given handles (in declared order; a NULL last handle leaves an
+ * optional buffer out), with the modes of c's table for this redux / accumulate, a copy of
+ * args (args_size bytes, kept until sl_args_free_completed) and the task's flop count, where
+ * the runtime places tasks now. Returns 0 or the negative error, printed. */
+int sl_submit(struct sl_codelet *c, const sl_handle *handles, int nhandles, int redux,
+	      int accumulate, const void *args, size_t args_size, double flops);
+#define SL_HANDLES(...)                                                                            \
+	(const sl_handle[]){ __VA_ARGS__ },                                                        \
+		(int)(sizeof((const sl_handle[]){ __VA_ARGS__ }) / sizeof(sl_handle))
+/* The common case: fixed modes, no flop count. */
+#define SL_SUBMIT(name, args, ...)                                                                 \
+	sl_submit(&name##_codelet, SL_HANDLES(__VA_ARGS__), 0, 0, &(args), sizeof(args), 0.0)
+/* With per-task modes (redux, accumulate) and the task's flop count. */
+#define SL_SUBMIT_EX(name, args, redux, accumulate, flops, ...)                                    \
+	sl_submit(&name##_codelet, SL_HANDLES(__VA_ARGS__), (redux), (accumulate), &(args),        \
+		  sizeof(args), (flops))
 
 #endif

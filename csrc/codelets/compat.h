@@ -17,17 +17,17 @@
 #define SL_HAVE_PARALLEL_WORKERS 1
 typedef struct starpu_parallel_worker_config sl_parallel_workers;
 /* n parallel workers over the machine, each running tasks with an OpenMP team of its cores */
-#define sl_parallel_workers_init(n)                                                        \
-	starpu_parallel_worker_init(HWLOC_OBJ_MACHINE, STARPU_PARALLEL_WORKER_NB, (n),          \
+#define sl_parallel_workers_init(n)                                                                \
+	starpu_parallel_worker_init(HWLOC_OBJ_MACHINE, STARPU_PARALLEL_WORKER_NB, (n),             \
 				    STARPU_PARALLEL_WORKER_TYPE, STARPU_PARALLEL_WORKER_OPENMP, 0)
 #define sl_parallel_workers_shutdown(pw) starpu_parallel_worker_shutdown(pw)
 #elif defined(STARPU_CLUSTER)
 #include <starpu_clusters.h>
 #define SL_HAVE_PARALLEL_WORKERS 1
 typedef struct starpu_cluster_machine sl_parallel_workers;
-#define sl_parallel_workers_init(n)                                                        \
-	starpu_cluster_machine(HWLOC_OBJ_MACHINE, STARPU_CLUSTER_NB, (n),                       \
-			       STARPU_CLUSTER_TYPE, STARPU_CLUSTER_OPENMP, 0)
+#define sl_parallel_workers_init(n)                                                                \
+	starpu_cluster_machine(HWLOC_OBJ_MACHINE, STARPU_CLUSTER_NB, (n), STARPU_CLUSTER_TYPE,     \
+			       STARPU_CLUSTER_OPENMP, 0)
 #define sl_parallel_workers_shutdown(pw) starpu_uncluster_machine(pw)
 #else
 #define SL_HAVE_PARALLEL_WORKERS 0

@@ -1,52 +1,49 @@
 /* Token + position embedding. */
 #include "kernels.h"
 #include <omp.h>
+#include "parallel.h"
 
 // out (B,T,C), inp (B,T) int32, wte (Vp,C), wpe (maxT,C)
-void encoder_forward(float *out, const int32_t *inp, const float *wte, const float *wpe,
-                     int B, int T, int C) {
-    #pragma omp parallel for collapse(2) schedule(static)
-    for (int b = 0; b < B; b++) {
-        for (int t = 0; t < T; t++) {
-            float *out_bt = out + ((size_t)b * T + t) * C;
-            const float *wte_ix = wte + (size_t)inp[b * T + t] * C;
-            const float *wpe_t = wpe + (size_t)t * C;
-            #pragma omp simd
-            for (int c = 0; c < C; c++) {
-                out_bt[c] = wte_ix[c] + wpe_t[c];
-            }
-        }
-    }
+void encoder_forward(float *out, const int32_t *inp, const float *wte, const float *wpe, int B,
+		     int T, int C)
+{
+#pragma omp parallel for collapse(2) schedule(static)
+	for (int b = 0; b < B; b++) {
+		for (int t = 0; t < T; t++) {
+			float *out_bt = out + ((size_t)b * T + t) * C;
+			const float *wte_ix = wte + (size_t)inp[b * T + t] * C;
+			const float *wpe_t = wpe + (size_t)t * C;
+#pragma omp simd
+			for (int c = 0; c < C; c++) {
+				out_bt[c] = wte_ix[c] + wpe_t[c];
+			}
+		}
+	}
 }
 
 // dwte (Vp,C) +=, dwpe (maxT,C) +=, dout (B,T,C), inp (B,T)
-void encoder_backward(float *dwte, float *dwpe, const float *dout, const int32_t *inp,
-                      int B, int T, int C) {
-    /* Repeated token ids make a parallel loop over (b,t) race on rows of dwte. Instead every
-     * thread owns a contiguous block of channels and walks all (b,t) in order: race-free,
-     * deterministic (same summation order for any team size), and the inner loop is a
-     * contiguous vectorised run of the channel block. */
-    #pragma omp parallel
-    {
-        int nth = omp_get_num_threads();
-        int tid = omp_get_thread_num();
-        /* blocks of whole 16-float runs so threads do not share cache lines */
-        int nblk = (C + 15) / 16;
-        int c0 = (int)((long)nblk * tid / nth) * 16;
-        int c1 = (int)((long)nblk * (tid + 1) / nth) * 16;
-        if (c1 > C) c1 = C;
-        if (c0 > C) c0 = C;
-        for (int b = 0; b < B; b++) {
-            for (int t = 0; t < T; t++) {
-                const float *dout_bt = dout + ((size_t)b * T + t) * C;
-                float *dwte_ix = dwte + (size_t)inp[b * T + t] * C;
-                float *dwpe_t = dwpe + (size_t)t * C;
-                #pragma omp simd
-                for (int c = c0; c < c1; c++) {
-                    dwte_ix[c] += dout_bt[c];
-                    dwpe_t[c] += dout_bt[c];
-                }
-            }
-        }
-    }
+void encoder_backward(float *dwte, float *dwpe, const float *dout, const int32_t *inp, int B, int T,
+		      int C)
+{
+/* Repeated token ids make a parallel loop over (b,t) race on rows of dwte. Instead every
+ * thread owns a contiguous block of channels and walks all (b,t) in order: race-free,
+ * deterministic (same summation order for any team size), and the inner loop is a
+ * contiguous vectorised run of the channel block. */
+#pragma omp parallel
+	{
+		int c0, c1;
+		thread_runs16(C, &c0, &c1);
+		for (int b = 0; b < B; b++) {
+			for (int t = 0; t < T; t++) {
+				const float *dout_bt = dout + ((size_t)b * T + t) * C;
+				float *dwte_ix = dwte + (size_t)inp[b * T + t] * C;
+				float *dwpe_t = dwpe + (size_t)t * C;
+#pragma omp simd
+				for (int c = c0; c < c1; c++) {
+					dwte_ix[c] += dout_bt[c];
+					dwpe_t[c] += dout_bt[c];
+				}
+			}
+		}
+	}
 }

@@ -19,37 +19,37 @@
 #include <stdint.h>
 
 /* out (B,T,C) = wte[inp[b,t]] + wpe[t];  inp (B,T) int32, wte (Vp,C), wpe (maxT,C) */
-void encoder_forward(float *out, const int32_t *inp, const float *wte, const float *wpe,
-                     int B, int T, int C);
+void encoder_forward(float *out, const int32_t *inp, const float *wte, const float *wpe, int B,
+		     int T, int C);
 /* dwte += scatter of dout by token id, dwpe[t] += sum_b dout[b,t] */
-void encoder_backward(float *dwte, float *dwpe, const float *dout, const int32_t *inp,
-                      int B, int T, int C);
+void encoder_backward(float *dwte, float *dwpe, const float *dout, const int32_t *inp, int B, int T,
+		      int C);
 
 /* out (N,C) = (inp - mean) * rstd * weight + bias, eps 1e-5; mean, rstd (N) are saved.
  * N = B*T rows. */
-void layernorm_forward(float *out, float *mean, float *rstd, const float *inp,
-                       const float *weight, const float *bias, int N, int C);
+void layernorm_forward(float *out, float *mean, float *rstd, const float *inp, const float *weight,
+		       const float *bias, int N, int C);
 /* dinp (N,C) = (accumulate ? dinp : 0) + d/dinp; dweight, dbias (C) += */
 void layernorm_backward(float *dinp, float *dweight, float *dbias, const float *dout,
-                        const float *inp, const float *weight, const float *mean,
-                        const float *rstd, int N, int C, int accumulate);
+			const float *inp, const float *weight, const float *mean, const float *rstd,
+			int N, int C, int accumulate);
 
 /* out (N,OC) = inp (N,C) @ weight(OC,C)^T + bias (OC); bias may be NULL. cblas_sgemm. */
-void matmul_forward(float *out, const float *inp, const float *weight, const float *bias,
-                    int N, int C, int OC);
+void matmul_forward(float *out, const float *inp, const float *weight, const float *bias, int N,
+		    int C, int OC);
 /* dinp (N,C) = dout @ weight (written, not accumulated);
  * dweight (OC,C) += dout^T @ inp;  dbias (OC) += column sums of dout (dbias may be NULL). */
-void matmul_backward(float *dinp, float *dweight, float *dbias, const float *dout,
-                     const float *inp, const float *weight, int N, int C, int OC);
+void matmul_backward(float *dinp, float *dweight, float *dbias, const float *dout, const float *inp,
+		     const float *weight, int N, int C, int OC);
 
 /* Causal self-attention over qkv (B,T,3C) laid out [q | k | v] per token, heads of size
  * hs = C/NH. preatt, att (B,NH,T,T): scores scaled by 1/sqrt(hs) and their softmax
  * (entries above the diagonal are written as 0). out (B,T,C). */
-void attention_forward(float *out, float *preatt, float *att, const float *qkv,
-                       int B, int T, int C, int NH);
+void attention_forward(float *out, float *preatt, float *att, const float *qkv, int B, int T, int C,
+		       int NH);
 /* dqkv (B,T,3C) written; dpreatt, datt (B,NH,T,T) are scratch (written). */
 void attention_backward(float *dqkv, float *dpreatt, float *datt, const float *dout,
-                        const float *qkv, const float *att, int B, int T, int C, int NH);
+			const float *qkv, const float *att, int B, int T, int C, int NH);
 
 /* GeLU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))); N elements. */
 void gelu_forward(float *out, const float *inp, size_t N);
@@ -65,11 +65,11 @@ void residual_backward(float *dinp1, float *dinp2, const float *dout, size_t N);
  * against targets (N). probs (N,Vp): columns >= V are written as 0. losses (N) per row.
  * Returns nothing; the mean loss is the caller's sum(losses)/N. */
 void crossentropy_softmax_forward(float *probs, float *losses, const float *logits,
-                                  const int32_t *targets, int N, int V, int Vp);
+				  const int32_t *targets, int N, int V, int Vp);
 /* dlogits (N,Vp) = (probs - onehot(targets)) * dloss, dloss the same for every row
  * (1/(B*T) for a mean loss); padded columns written as 0. dlogits may alias probs. */
-void crossentropy_softmax_backward(float *dlogits, const float *probs,
-                                   const int32_t *targets, int N, int V, int Vp, float dloss);
+void crossentropy_softmax_backward(float *dlogits, const float *probs, const int32_t *targets,
+				   int N, int V, int Vp, float dloss);
 
 /* AdamW on n parameters, as llm.c and torch.optim.AdamW (decoupled weight decay):
  *   m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2
@@ -77,9 +77,8 @@ void crossentropy_softmax_backward(float *dlogits, const float *probs,
  * t is the 1-based step. If zero_grad, g is set to 0 after use (ready for the next step).
  * The betas are floats, as in llm.c: v differs from torch's (double 1-beta2) by ~1e-5
  * relative, which the bias correction cancels in the update itself. */
-void adamw_update(float *params, float *grads, float *m, float *v, size_t n, float lr,
-                  float beta1, float beta2, float eps, float weight_decay, int t,
-                  int zero_grad);
+void adamw_update(float *params, float *grads, float *m, float *v, size_t n, float lr, float beta1,
+		  float beta2, float eps, float weight_decay, int t, int zero_grad);
 
 /* Zero n floats (used as the StarPU reduction init and for scratch). */
 void fill_zero(float *x, size_t n);
@@ -87,7 +86,6 @@ void fill_zero(float *x, size_t n);
 void add_inplace(float *dst, const float *src, size_t n);
 /* Load one batch: inputs[i] = tokens[pos+i], targets[i] = tokens[pos+i+1] for i < n
  * (reads the n+1 tokens from pos). */
-void load_batch(int32_t *inputs, int32_t *targets, const uint16_t *tokens, size_t pos,
-                size_t n);
+void load_batch(int32_t *inputs, int32_t *targets, const uint16_t *tokens, size_t pos, size_t n);
 
 #endif

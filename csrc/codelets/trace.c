@@ -1,0 +1,90 @@
+/* The task trace: a buffer of events, one per task run, each with its codelet, worker, cores,
+ * times and the handles and access modes StarPU gave the task. */
+#include <string.h>
+#include <time.h>
+#include "codelet.h"
+#include "../internal.h"
+
+static struct sl_trace_event *trace_buf;
+static size_t trace_cap;
+static size_t trace_next; /* atomically incremented slot counter */
+
+static int64_t now_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+int sl_trace_enable(size_t capacity)
+{
+	free(trace_buf);
+	trace_buf = NULL;
+	trace_cap = 0;
+	trace_next = 0;
+	if (capacity == 0)
+		return 0;
+	trace_buf = calloc(capacity, sizeof *trace_buf);
+	if (!trace_buf)
+		return -12; /* -ENOMEM */
+	trace_cap = capacity;
+	return 0;
+}
+
+size_t sl_trace_count(void)
+{
+	size_t n = __atomic_load_n(&trace_next, __ATOMIC_ACQUIRE);
+	return n < trace_cap ? n : trace_cap;
+}
+
+const struct sl_trace_event *sl_trace_events(void) { return trace_buf; }
+
+/* Opens the record of a task of `codelet` running on ncores; returns its slot (-1: none). */
+long sl_trace_begin(int codelet, int ncores)
+{
+	if (!trace_buf)
+		return -1;
+	size_t slot = __atomic_fetch_add(&trace_next, 1, __ATOMIC_ACQ_REL);
+	if (slot >= trace_cap)
+		return -1;
+	struct sl_trace_event *e = &trace_buf[slot];
+	e->codelet = codelet;
+	e->worker = starpu_worker_get_id();
+	e->ncores = ncores;
+	e->start_ns = now_ns();
+	return (long)slot;
+}
+
+int32_t sl_access_bits(enum starpu_data_access_mode m)
+{
+	if (m & STARPU_REDUX)
+		return SL_ACCESS_REDUX;
+	return ((m & STARPU_R) ? SL_ACCESS_R : 0) |
+	       ((m & (STARPU_W | STARPU_SCRATCH)) ? SL_ACCESS_W : 0);
+}
+
+/* The handles and modes of the running task, as StarPU holds them. StarPU calls a reduction's
+ * init method inline inside the task that first touches the per-worker copy: the current task
+ * is then that other task, recognised by its codelet name, and nothing is recorded. */
+static void trace_buffers(struct sl_trace_event *e)
+{
+	struct starpu_task *task = starpu_task_get_current();
+	e->nbuffers = -1;
+	if (!task || !task->cl || !task->cl->name ||
+	    strcmp(task->cl->name, sl_codelet_name(e->codelet)) != 0)
+		return;
+	int n = STARPU_TASK_GET_NBUFFERS(task);
+	e->nbuffers = n;
+	for (int i = 0; i < n && i < SL_TRACE_MAXBUF; i++) {
+		e->handles[i] = STARPU_TASK_GET_HANDLE(task, i);
+		e->modes[i] = sl_access_bits(STARPU_TASK_GET_MODE(task, i));
+	}
+}
+
+void sl_trace_end(long slot)
+{
+	if (slot < 0 || !trace_buf)
+		return;
+	trace_buf[slot].end_ns = now_ns();
+	trace_buffers(&trace_buf[slot]);
+}

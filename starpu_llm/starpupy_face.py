@@ -1,0 +1,187 @@
+"""starpupy, StarPU's own Python interface, as the Python face of the runtime (opt-in).
+
+Where StarPU was built with starpupy (the `starpu` Python package, StarPU >= 1.4) and the user
+asks for it (Runtime(face="starpupy"), or STARPU_LLM_FACE=starpupy in the environment):
+
+- StarPU is started and stopped by starpupy (starpu.init() / starpu.shutdown()); the project's
+  set-up after init (parallel workers, team groups, the codelets' cores) is then done by
+  sl_attach (csrc/runtime.c) on the StarPU starpupy started. starpu.init() takes no
+  configuration: the partition's (CPU workers, scheduler, worker cores, combined-worker size)
+  is handed to it through StarPU's environment variables, set for the call only.
+- Python-level tasks run in the same task graph as the C codelets: the checkpoint write
+  (CheckpointTask) is a starpupy task reading a starpupy handle (a numpy array), which a C task
+  fills from the parameter handles after the last update of the step. Later steps' forward
+  and backward passes and even their update overlap the file write: only the copy stands
+  between the update of step s and that of step s+1.
+
+What starpupy cannot do (StarPU 1.4.12): its handles are not vector handles. starpupy
+registers a numpy array with its own data interface (STARPUPY_BUFFER_INTERFACE, whose second
+field is a PyObject pointer, NULL for numpy, where a vector has its data pointer), so a C codelet
+reading STARPU_VECTOR_GET_PTR gets NULL and crashes; and a starpupy task given a vector handle
+aborts ("unexpected object": starpupy_codelet_func converts only its own interfaces). So the
+model's tensors stay vector handles registered by placement.py, and the raw
+starpu_data_handle_t of a starpupy handle (handle_pointer, from its "Handle" capsule) goes to C
+helpers that only order on it or copy into its memory, never to a codelet reading it.
+
+Without starpupy, or without the request, the cffi runtime is used, as before.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib.util
+import os
+import threading
+
+import numpy as np
+
+from ._clib import ffi, lib
+from .errors import StarpuLLMError
+
+FACES = ("cffi", "starpupy")
+ENV = "STARPU_LLM_FACE"
+
+
+def available() -> bool:
+    """Whether starpupy (StarPU's `starpu` Python package with its C module) is importable."""
+    try:
+        return importlib.util.find_spec("starpu") is not None and \
+            importlib.util.find_spec("starpu.starpupy") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def resolve(face: str | None) -> str:
+    """The face to use: the one asked for (an error when it cannot be had), else
+    $STARPU_LLM_FACE when starpupy is there for it, else "cffi"."""
+    if face is not None:
+        if face not in FACES:
+            raise StarpuLLMError(f"face {face!r}: choose one of {', '.join(FACES)}")
+        if face == "starpupy" and not available():
+            raise StarpuLLMError("face 'starpupy' needs StarPU's Python interface (the `starpu` "
+                                 "package of a StarPU >= 1.4 built with starpupy) on sys.path")
+        return face
+    env = os.environ.get(ENV, "cffi")
+    return "starpupy" if env == "starpupy" and available() else "cffi"
+
+
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.restype = ctypes.c_void_p
+_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
+
+def handle_pointer(handle):
+    """The starpu_data_handle_t of a starpupy Handle (its "Handle" capsule) as an sl_handle."""
+    ptr = _capsule_pointer(handle.get_capsule(), b"Handle")
+    if not ptr or ptr == ctypes.c_void_p(-1).value:
+        raise StarpuLLMError("this starpupy handle has been unregistered")
+    return ffi.cast("sl_handle", ptr)
+
+
+@contextlib.contextmanager
+def _environment(values: dict):
+    """os.environ updated with values for the block only (None: variable unset)."""
+    saved = {k: os.environ.get(k) for k in values}
+    try:
+        for k, v in values.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def start(ncpus: int, cores_per_worker: int, kcore_mode: str, kcore_value: int, cores: list,
+          sched: str) -> None:
+    """starpu.init() with the partition sl_start would configure, then sl_attach.
+    kcore_mode is runtime.effective_kcore's answer, which decides like sl_start."""
+    import starpu
+
+    workers = ncpus // cores_per_worker
+    env = {"STARPU_SCHED": sched, "STARPU_NCPU": str(ncpus), "STARPU_NCPUS": None,
+           "STARPU_WORKERS_CPUID": None, "STARPU_MIN_WORKERSIZE": None,
+           "STARPU_MAX_WORKERSIZE": None}
+    if kcore_mode == "team":      # one worker on the first core of each group
+        env["STARPU_NCPU"] = str(workers)
+        env["STARPU_WORKERS_CPUID"] = " ".join(str(cores[w * cores_per_worker])
+                                               for w in range(workers))
+    elif kcore_mode == "forkjoin":
+        env["STARPU_MIN_WORKERSIZE"] = env["STARPU_MAX_WORKERSIZE"] = str(cores_per_worker)
+    lib.sl_reserve_interface_ids(16)    # starpupy's 3 interfaces (see csrc/runtime.c)
+    with _environment(env):
+        starpu.init()
+    ret = lib.sl_attach(ncpus, cores_per_worker, kcore_value, ffi.new("int[]", cores))
+    if ret != 0:
+        starpu.shutdown()
+        raise StarpuLLMError(f"setting up the StarPU started by starpupy failed ({ret})")
+
+
+def stop() -> None:
+    """Our part of the shutdown (tasks, parallel workers), then starpupy's starpu.shutdown()."""
+    import starpu
+
+    lib.sl_shutdown()
+    starpu.shutdown()
+
+
+class CheckpointTask:
+    """The checkpoint write as a starpupy task in the training task graph.
+
+    submit(path) submits, after the tasks submitted so far: a C task copying every parameter
+    handle (read) into a snapshot, a numpy array registered as a starpupy handle (written);
+    then a Python task (starpupy, on a StarPU worker) reading that handle and writing the
+    snapshot as an llm.c checkpoint (formats.write_checkpoint). Both are ordered by StarPU's
+    data dependencies alone: the copy after the last update of the parameters, the write after
+    the copy, the next copy after the write; the next step's tasks need only the copy done."""
+
+    def __init__(self, config, params):
+        import starpu
+
+        from .config import ParamLayout
+        self.config = config
+        self.sources = [t.h for t in params.tensors()]    # ParamLayout order
+        self.snapshot = np.empty(ParamLayout(config).total, np.float32)
+        self.handle = starpu.Handle(self.snapshot)
+        self.written = []       # paths written, in order
+        self.errors = []
+        self._lock = threading.Lock()
+        self._submit = starpu.task_submit(ret_fut=False, name="checkpoint_write")
+
+    def submit(self, path) -> None:
+        path = os.fspath(path)
+        src = ffi.new("sl_handle[]", self.sources)
+        ret = lib.sl_submit_gather(handle_pointer(self.handle), ffi.from_buffer(self.snapshot),
+                                   self.snapshot.nbytes, src, len(self.sources))
+        if ret != 0:
+            raise StarpuLLMError(f"submitting the checkpoint snapshot failed ({ret})")
+        # a starpu.Handle argument is read (STARPU_R) by default; the task gets its numpy array
+        self._submit(self._write, path, self.handle)
+
+    def _write(self, path, snapshot):
+        from . import formats
+        try:
+            formats.write_checkpoint(path, self.config, snapshot)
+            with self._lock:
+                self.written.append(path)
+        except BaseException as e:        # raised in the submitting thread by check()
+            with self._lock:
+                self.errors.append(e)
+
+    def check(self) -> None:
+        """Raise the first error of a checkpoint write (once the tasks have run)."""
+        with self._lock:
+            if self.errors:
+                e, self.errors = self.errors[0], []
+                raise StarpuLLMError(f"writing a checkpoint failed: {e}") from e
+
+    def close(self) -> None:
+        """Unregister the snapshot handle (after its tasks; call with StarPU running)."""
+        if self.handle is not None:
+            self.handle.unregister()
+            self.handle = None
