@@ -54,20 +54,7 @@ fi
 pkgs=(autoconf automake libtool-bin make gcc pkg-config libhwloc-dev libopenmpi-dev openmpi-bin)
 # Debian's python3 needs its -dev package for Python.h; another Python (venv, pyenv) has its own.
 case "$(realpath "$python")" in /usr/bin/*) pkgs+=(python3-dev python3-setuptools) ;; esac
-missing=()
-for p in "${pkgs[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-  if [ -n "${SL_NO_APT:-}" ] || ! command -v apt-get >/dev/null; then
-    echo "$0: missing packages: ${missing[*]}" >&2
-    exit 1
-  fi
-  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-  echo "installing build dependencies: ${missing[*]}"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
-fi
+"$(dirname "$0")/install-system-deps.sh" "${pkgs[@]}"
 "$python" -c 'import setuptools' 2>/dev/null ||
   { echo "$0: $python has no setuptools (starpupy's install needs it)" >&2; exit 1; }
 
