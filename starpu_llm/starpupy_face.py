@@ -65,6 +65,40 @@ def resolve(face: str | None) -> str:
     return "starpupy" if env == "starpupy" and available() else "cffi"
 
 
+def import_starpupy():
+    """The `starpu` package (starpupy), imported once, with the references its C module's
+    initialisation releases without owning them put back (see _repair_references)."""
+    import starpu
+    import starpu.starpupy  # noqa: F401
+    _repair_references()
+    return starpu
+
+
+_repaired = False
+
+
+def _repair_references() -> None:
+    """StarPU 1.4.12's starpupy (starpupy/src/starpu_task_wrapper.c, module init and free)
+    Py_DECREFs borrowed references: the dicts of concurrent.futures and
+    concurrent.futures.thread and the ThreadPoolExecutor class when it is imported, the
+    Future class and the starpu package's dict when it is freed. Each is then one reference
+    short, and Python's finalisation frees a module dict twice: a segfault at exit, after
+    every test passed, in about one run in five (seen in _PyModule_ClearDict of
+    concurrent.futures). Giving each object the one reference starpupy took, once per
+    process, makes the counts right again."""
+    global _repaired
+    if _repaired:
+        return
+    import concurrent.futures
+    import concurrent.futures.thread
+    import starpu
+    for obj in (vars(concurrent.futures), vars(concurrent.futures.thread),
+                concurrent.futures.thread.ThreadPoolExecutor, concurrent.futures.Future,
+                vars(starpu)):
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+    _repaired = True
+
+
 _capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
 _capsule_pointer.restype = ctypes.c_void_p
 _capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
@@ -101,7 +135,7 @@ def start(ncpus: int, cores_per_worker: int, kcore_mode: str, kcore_value: int, 
           sched: str) -> None:
     """starpu.init() with the partition sl_start would configure, then sl_attach.
     kcore_mode is runtime.effective_kcore's answer, which decides like sl_start."""
-    import starpu
+    starpu = import_starpupy()
 
     workers = ncpus // cores_per_worker
     env = {"STARPU_SCHED": sched, "STARPU_NCPU": str(ncpus), "STARPU_NCPUS": None,
@@ -124,7 +158,7 @@ def start(ncpus: int, cores_per_worker: int, kcore_mode: str, kcore_value: int, 
 
 def stop() -> None:
     """Our part of the shutdown (tasks, parallel workers), then starpupy's starpu.shutdown()."""
-    import starpu
+    starpu = import_starpupy()
 
     lib.sl_shutdown()
     starpu.shutdown()
@@ -141,7 +175,7 @@ class CheckpointTask:
     the copy, the next copy after the write; the next step's tasks need only the copy done."""
 
     def __init__(self, config, params):
-        import starpu
+        starpu = import_starpupy()
 
         from .config import ParamLayout
         self.config = config

@@ -19,6 +19,8 @@ from starpu_llm.engine import StarPUEngine                           # noqa: E40
 from starpu_llm.runtime import usable_cores                          # noqa: E402
 from starpu_llm.state import TrainState, random_init                 # noqa: E402
 
+starpupy_face.import_starpupy()   # its reference repair, whatever runs first
+
 SMALL = GPTConfig(max_seq_len=32, vocab_size=250, padded_vocab_size=256, num_layers=2,
                   num_heads=4, channels=64)
 B, T, STEPS = 4, 32, 4
