@@ -67,3 +67,18 @@ $(VENV14)/.installed: pyproject.toml meson.build meson.options tools/build-starp
 
 clean:
 	rm -rf build $(VENV) $(VENV14)   # .deps (StarPU 1.4) stays: rm -rf .deps to rebuild it
+
+# The paper's figures regenerated on this machine (experiments/figures.py, docs/figures.md):
+# CSV + PNG in experiments/out, PNGs copied to docs/figures. --quick by default (under 20
+# minutes on 2 cores); on a real node: make figures FIGURES_ARGS=--full. Cached runs (same
+# configuration, machine and commit) are not rerun: FIGURES_ARGS="--force" reruns them.
+FIGURES_ARGS ?= --quick
+.PHONY: figures
+figures: $(VENV)/.installed $(VENV)/.test-deps $(VENV)/.figures-deps
+	$(BIN)/python experiments/figures.py $(FIGURES_ARGS)
+
+$(VENV)/.figures-deps: | $(VENV)/.installed
+	command -v dot >/dev/null || { SUDO=""; [ "$$(id -u)" -ne 0 ] && SUDO="sudo"; \
+	    $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq graphviz >/dev/null; }
+	$(BIN)/pip install -q matplotlib
+	touch $@

@@ -69,26 +69,46 @@ def parse_partitions(spec: str, cores: int):
     return out
 
 
+TORCH_ENGINES = ("torch", "torch-readable")
+
+
 def run_one(spec: dict) -> dict:
-    """Run one configuration in this process and return its result (used by the subprocess)."""
+    """Run one configuration in this process and return its result (used by the subprocess).
+
+    spec: model, batch, seq_len, steps (timed, after one warm-up) and engine: "starpu"
+    (workers, cores, kcore, sub_batches), "reference" (threads), "torch" (the standard eager
+    GPT-2: baselines/torch_sdpa.py) or "torch-readable" (torch_gpt2.py, the tests' oracle),
+    both with threads (default: every usable core). With trace=True (StarPU engine) the result
+    also has the task trace of every step: see traced_run."""
     from .config import MODELS
     from .trainer import peak_rss_mb
 
     config = MODELS[spec["model"]]
     B, T, steps = spec["batch"], spec["seq_len"], spec["steps"]
-    if spec["engine"] == "torch":
+    if spec["engine"] in TORCH_ENGINES:
         from . import data, formats
         from .state import random_init
-        from .torch_gpt2 import torch_train_step_times
+        if spec["engine"] == "torch":
+            from .baselines.torch_sdpa import torch_train_step_times
+        else:
+            from .torch_gpt2 import torch_train_step_times
         tokens = formats.read_shard(data.default_dataset()[0], config.V)
+        threads = spec.get("threads") or len(os.sched_getaffinity(0))
         ms = torch_train_step_times(config, random_init(config), tokens, B, T, steps + 1,
-                                    threads=len(os.sched_getaffinity(0)))
+                                    threads=threads)
+        import torch
+        spec["describe"] = (f"PyTorch {torch.__version__} eager "
+                            f"({'SDPA, fused AdamW' if spec['engine'] == 'torch' else 'readable'}), "
+                            f"{torch.get_num_threads()} thread(s)")
+    elif spec.get("trace"):
+        ms = traced_run(spec)
     else:   # exactly what `starpu-llm train` runs: one warm-up step, then the timed ones
         from .trainer import TrainConfig, train
         r = train(TrainConfig(model=spec["model"], batch=B, seq_len=T, steps=steps + 1,
                               engine=spec["engine"], workers=spec.get("workers"),
                               cores_per_worker=spec.get("cores"), kcore=spec.get("kcore"),
-                              sub_batches=spec.get("sub_batches"), log=None))
+                              sub_batches=spec.get("sub_batches"), threads=spec.get("threads"),
+                              log=None))
         ms = r.step_ms
         spec["describe"] = r.engine
     timed = ms[1:]
@@ -97,11 +117,80 @@ def run_one(spec: dict) -> dict:
     return spec
 
 
-def run_in_subprocess(spec: dict, env=None) -> dict:
+def traced_run(spec: dict) -> list:
+    """The StarPU engine for 1 + spec["steps"] steps under the task trace, as the trainer runs
+    it (same Runtime, loader and engine.step), returning the step times. Adds to spec:
+    "events" (Runtime.trace(): codelet, worker, cores, start_ns, end_ns, [[handle, mode], ...]
+    or None), "names" ({handle address as a string: tensor name}), "records" (the submitted
+    task names, in order) and "describe"."""
+    import time
+    from . import data
+    from .config import MODELS
+    from .engine import StarPUEngine
+    from .runtime import Runtime
+    from .state import TrainState, random_init
+
+    config = MODELS[spec["model"]]
+    B, T = spec["batch"], spec["seq_len"]
+    loader = data.DataLoader(data.default_dataset()[0], B, T, vocab_size=config.V)
+    state = TrainState(config=config, params=random_init(config))
+    ms = []
+    with Runtime(spec.get("workers"), spec.get("cores"), kcore=spec.get("kcore")) as rt:
+        engine = StarPUEngine(config, state, B, T, loader.tokens, rt,
+                              sub_batches=spec.get("sub_batches"), record=True)
+        rt.start_trace(400_000)
+        try:
+            for _ in range(spec["steps"] + 1):
+                t0 = time.perf_counter()
+                engine.step(loader.next_position(), 1e-4, 0.0)
+                ms.append((time.perf_counter() - t0) * 1e3)
+            names = engine.tensor_names()
+            spec["describe"] = engine.describe()
+        finally:
+            engine.close()
+        events = rt.trace()
+        rt.stop_trace()
+    spec["events"] = [[c, w, k, s, e, None if b is None else [list(x) for x in b]]
+                      for c, w, k, s, e, b in events]
+    spec["names"] = {str(h): n for h, n in names.items()}
+    spec["records"] = engine.submitted()
+    return ms
+
+
+def _mpi_rank() -> int:
+    for var in ("OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        if os.environ.get(var):
+            return int(os.environ[var])
+    return 0
+
+
+def run_in_subprocess(spec: dict, env=None, python: str | None = None) -> dict:
     """run_one(spec) in a fresh Python process (StarPU starts once per process, and the peak
-    RSS is then this configuration's own); on failure, spec with "error": the last stderr line."""
-    cmd = [sys.executable, "-m", "starpu_llm.bench", json.dumps(spec)]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    RSS is then this configuration's own); on failure, spec with "error": the last stderr line.
+
+    spec["cpus"] = k: the process (and its threads) may use only the first k of this
+    process's cores. spec["ranks"] = R > 1: R processes under mpirun (extra launcher options
+    in spec["mpirun_args"], a list), each given its share of those cores by the trainer's
+    pinning (distributed.pin_rank); the result is rank 0's. python: the interpreter (default
+    this one), e.g. another virtual environment's, whose starpu_llm (another build or commit)
+    then runs; it starts outside any source tree, so it imports its own installed package."""
+    cmd = [python or sys.executable, "-m", "starpu_llm.bench", json.dumps(spec)]
+    ranks = int(spec.get("ranks") or 1)
+    if ranks > 1:
+        import shutil
+        mpirun = shutil.which("mpirun")
+        if mpirun is None:
+            return dict(spec, error="mpirun not found (install openmpi-bin)")
+        cmd = [mpirun, "--oversubscribe", "--bind-to", "none", "-np", str(ranks),
+               *spec.get("mpirun_args", []), *cmd]
+        env = dict(env or os.environ, OMPI_ALLOW_RUN_AS_ROOT="1",
+                   OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    preexec = None
+    if spec.get("cpus"):
+        cpus = sorted(os.sched_getaffinity(0))[:int(spec["cpus"])]
+        preexec = lambda: os.sched_setaffinity(0, cpus)   # noqa: E731
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, preexec_fn=preexec,
+                       cwd=None if python is None else os.sep)
     if p.returncode != 0:
         return dict(spec, error=(p.stderr.strip().splitlines() or ["failed"])[-1])
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -154,4 +243,6 @@ def run_bench(args):
 
 
 if __name__ == "__main__":
-    print(json.dumps(run_one(json.loads(sys.argv[1]))))
+    result = run_one(json.loads(sys.argv[1]))
+    if _mpi_rank() == 0:    # under mpirun: rank 0's timings
+        print(json.dumps(result))

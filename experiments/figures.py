@@ -1,0 +1,654 @@
+#!/usr/bin/env python3
+"""Regenerate the paper's evaluation figures on this machine: `make figures` (or this script).
+
+    .venv/bin/python experiments/figures.py              # --quick: < 20 min on 2 cores
+    .venv/bin/python experiments/figures.py --full       # the paper's settings, for a real node
+    .venv/bin/python experiments/figures.py --only fig2a,fig3 --force
+
+Figures (PNG and CSV in --out, PNGs also copied to --png-dir):
+  fig1   the task graph of one iteration as the driver submits it (DOT + PNG, Graphviz): the
+         small test config, and GPT-2 124M with one node per layer and phase
+  fig2a  weak scaling (batch grows with the cores), fig2b strong scaling (fixed batch):
+         the reference engine, StarPU 1 x k, StarPU k x 1, PyTorch eager (SDPA)
+  fig3   tokens/ms of every n x k partition of the node, for several total batches
+  fig4   weak scaling over MPI processes, with the per-iteration cost of the reduction
+  trace  a Gantt chart of one training iteration per partition, critical path marked
+Every point: tokens/ms over 10 timed steps after one warm-up (the paper's metric), repeated
+--repeat times (>= 3), configurations interleaved round-robin; median with min-max bars.
+
+Resumable: every run is appended to OUT/runs.csv with its configuration, the machine and the
+git commit; a run already there for the same configuration, machine, commit and repeat is not
+run again (--force reruns the selected figures). Each run is one subprocess
+(starpu_llm.bench.run_in_subprocess), pinned to the cores the point uses.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+from starpu_llm.bench import cpu_description, run_in_subprocess, write_csv
+from starpu_llm.config import MODELS
+from starpu_llm.runtime import partitions_that_fit, usable_cores
+
+import taskgraph
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+FIGURES = ("fig1", "fig2a", "fig2b", "fig3", "fig4", "trace")
+REPLOT = False        # --replot: draw from the caches only
+# the configuration fields of a run (its cache key, with the machine and the commit)
+CONFIG_FIELDS = ("engine", "model", "batch", "seq_len", "steps", "workers", "cores", "kcore",
+                 "sub_batches", "threads", "cpus", "ranks", "mpirun_args")
+SERIES = {   # figure 2's series: label, colour, marker
+    "reference": ("reference engine (paper: Karpathy's llm.c)", "#444444", "s"),
+    "tensor": ("StarPU 1 x k (one k-core worker: tensor parallelism)", "#1f77b4", "o"),
+    "data": ("StarPU k x 1 (k one-core workers, k sub-batches: data parallelism)", "#2ca02c", "^"),
+    "torch": ("PyTorch eager, SDPA + fused AdamW, k threads", "#d62728", "D"),
+    "torch-readable": ("PyTorch eager, readable model (tests' oracle)", "#ff9896", "d"),
+}
+
+
+# --------------------------------------------------------------------------- model FLOPs
+
+def flops_per_token(model: str, T: int) -> float:
+    """Model FLOPs per trained token, counted from the shapes of the task graph's matmuls:
+    forward per token L (24 C^2 + 2 C (T + 1)) + 2 C Vp, that is the four GEMMs of a block
+    (qkv 3C^2, attproj C^2, fc 4C^2, fcproj 4C^2 multiply-adds), causal attention
+    (q.k and att.v over (T + 1) / 2 positions on average: 2 C (T + 1) flops) and the lm head
+    over the padded vocabulary; backward twice the forward (the gradient of the input and of
+    the weight); so 3x in all. Layernorm, GeLU, softmax, cross-entropy and AdamW are left out
+    (memory-bound, < 2 % of the flops). GPT-2 124M at T=64: 745 MFLOP/token (6 N = 747 M)."""
+    c = MODELS[model]
+    fwd = c.L * (24 * c.C ** 2 + 2 * c.C * (T + 1)) + 2 * c.C * c.Vp
+    return 3.0 * fwd
+
+
+# --------------------------------------------------------------------------- the machine
+
+def git_commit() -> str:
+    try:
+        p = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=10"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=30)
+        return p.stdout.strip() or "unknown"
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+def starpu_has_fxt() -> bool:
+    """Whether the StarPU this build uses was configured with FxT (STARPU_USE_FXT)."""
+    for pc in ("starpu-1.4", "starpu-1.3"):
+        p = subprocess.run(["pkg-config", "--variable=includedir", pc], capture_output=True, text=True)
+        if p.returncode == 0:
+            inc = p.stdout.strip()
+            for sub in ("starpu/" + pc.split("-")[1], ""):
+                f = os.path.join(inc, sub, "starpu_config.h")
+                if os.path.exists(f):
+                    return any(l.startswith("#define STARPU_USE_FXT") for l in open(f))
+    return False
+
+
+def machine_info() -> dict:
+    from starpu_llm._clib import ffi, lib
+    v = [ffi.new("int *") for _ in range(3)]
+    lib.sl_starpu_version(*v)
+    try:
+        from importlib.metadata import version
+        torch_version = version("torch")
+    except Exception:
+        torch_version = "not installed"
+    model = "?"
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return {"cpu_model": model, "cpu": cpu_description(), "cores": usable_cores(),
+            "host": os.uname().nodename,
+            "starpu_version": ".".join(str(x[0]) for x in v),
+            "starpu_fxt": starpu_has_fxt(),
+            "blas": ffi.string(lib.sl_blas_name()).decode(),
+            "torch_version": torch_version, "commit": git_commit()}
+
+
+def write_rows(path, rows):
+    """CSV of dict rows with the union of their fields (bench.write_csv: atomic)."""
+    fields = list(dict.fromkeys(k for r in rows for k in r))
+    write_csv(path, [{k: r.get(k, "") for k in fields} for r in rows])
+
+
+# --------------------------------------------------------------------------- the plan
+
+def divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def settings(args, cores: int) -> dict:
+    """The sizes of the two scales. The quick one divides the paper's batches so that the
+    whole run fits 20 minutes on 2 cores; the full one is the paper's."""
+    core_counts = ([int(c) for c in args.cores.split(",")] if args.cores else divisors(cores))
+    if args.full:
+        s = dict(scale="full", weak_per_core=6, strong_batch=72,
+                 fig3_batches=[cores * m for m in (1, 2, 4, 10)], trace_batch=2 * cores,
+                 mpi_batch_per_rank=None, graph_batch=1)
+    else:
+        s = dict(scale="quick", weak_per_core=1, strong_batch=2,
+                 fig3_batches=[cores * m for m in (1, 2)], trace_batch=2 * cores,
+                 mpi_batch_per_rank=2, graph_batch=1)
+    s.update(core_counts=core_counts, cores=cores, T=args.seq_len, steps=args.steps,
+             model=args.model)
+    for k in ("weak_per_core", "strong_batch", "trace_batch"):
+        if getattr(args, k, None):
+            s[k] = getattr(args, k)
+    if args.fig3_batches:
+        s["fig3_batches"] = [int(b) for b in args.fig3_batches.split(",")]
+    # MPI: R ranks, each an N x K partition; on one machine each rank gets cores / max(R)
+    ranks = [int(r) for r in args.ranks.split(",")]
+    if args.mpi_partition:
+        mw, mk = (int(x) for x in args.mpi_partition.lower().split("x"))
+    else:
+        mw, mk = 1, max(1, cores // max(ranks)) if not args.mpirun_args else cores
+    s.update(ranks=ranks, mpi_workers=mw, mpi_cores=mk,
+             mpi_batch_per_rank=args.mpi_batch_per_rank or s["mpi_batch_per_rank"] or 6 * mw * mk,
+             mpirun_args=args.mpirun_args.split() if args.mpirun_args else [])
+    return s
+
+
+def spec_of(engine, batch, S, cpus, workers=None, cores=None, kcore=None, threads=None,
+            ranks=None, mpirun_args=None) -> dict:
+    spec = dict(engine=engine, model=S["model"], batch=batch, seq_len=S["T"], steps=S["steps"],
+                cpus=cpus)
+    if engine == "starpu":
+        spec.update(workers=workers, cores=cores)
+        if cores > 1:
+            spec["kcore"] = kcore or "team"
+    else:
+        spec["threads"] = threads
+    if ranks and ranks > 1:
+        spec.update(ranks=ranks, mpirun_args=mpirun_args or [])
+        if mpirun_args:        # a cluster: each node's cores are its own
+            spec.pop("cpus")
+    return spec
+
+
+def fits(n, k, mode, cpus) -> bool:
+    return any((n, k) == (a, b) and (mode == m or k == 1) for a, b, m in partitions_that_fit(cpus))
+
+
+def plan(S, args, only) -> list[dict]:
+    """Every measured point: {figure, series, x, spec}."""
+    points = []
+    torch_series = ["torch"] + (["torch-readable"] if args.torch_readable else [])
+    for fig, batch_of in (("fig2a", lambda k: S["weak_per_core"] * k),
+                          ("fig2b", lambda k: S["strong_batch"])):
+        if fig not in only:
+            continue
+        for k in S["core_counts"]:
+            B = batch_of(k)
+            points.append(dict(figure=fig, series="reference", x=k,
+                               spec=spec_of("reference", B, S, k, threads=k)))
+            if fits(1, k, "team", k):
+                points.append(dict(figure=fig, series="tensor", x=k,
+                                   spec=spec_of("starpu", B, S, k, 1, k, "team")))
+            if B % k == 0 and fits(k, 1, "team", k):
+                points.append(dict(figure=fig, series="data", x=k,
+                                   spec=spec_of("starpu", B, S, k, k, 1)))
+            for t in torch_series:
+                points.append(dict(figure=fig, series=t, x=k, spec=spec_of(t, B, S, k, threads=k)))
+    if "fig3" in only:
+        for B in S["fig3_batches"]:
+            for n, k, mode in partitions_that_fit(S["cores"]):
+                if B % n == 0:
+                    label = f"{n}x{k}" + (" forkjoin" if mode == "forkjoin" else "")
+                    points.append(dict(figure="fig3", series=f"B={B}", x=label,
+                                       spec=spec_of("starpu", B, S, S["cores"], n, k, mode)))
+    if "fig4" in only:
+        mw, mk = S["mpi_workers"], S["mpi_cores"]
+        for R in S["ranks"]:
+            points.append(dict(figure="fig4", series=f"{mw}x{mk} per rank", x=R,
+                               spec=spec_of("starpu", R * S["mpi_batch_per_rank"], S,
+                                            R * mw * mk, mw, mk, "team", ranks=R,
+                                            mpirun_args=S["mpirun_args"])))
+    return points
+
+
+def config_key(spec: dict) -> str:
+    return json.dumps({k: spec.get(k) for k in CONFIG_FIELDS}, sort_keys=True)
+
+
+# --------------------------------------------------------------------------- the runs
+
+class RunCache:
+    """OUT/runs.csv: one row per run (raw repeat), rewritten atomically after each run."""
+
+    def __init__(self, path, machine):
+        self.path, self.machine = path, machine
+        self.rows = []
+        if os.path.exists(path):
+            with open(path, newline="") as f:
+                self.rows = list(csv.DictReader(f))
+
+    def _match(self, row, key, repeat):
+        m = self.machine
+        return (row["config"] == key and row["commit"] == m["commit"] and
+                row["cpu"] == m["cpu"] and row["host"] == m["host"] and int(row["repeat"]) == repeat)
+
+    def get(self, key, repeat):
+        for row in self.rows:
+            if self._match(row, key, repeat) and not row.get("error"):
+                return row
+        return None
+
+    def drop(self, key):
+        self.rows = [r for r in self.rows if not (r["config"] == key and
+                                                   r["commit"] == self.machine["commit"])]
+
+    def add(self, spec, repeat, result, seconds):
+        row = {"config": config_key(spec), "repeat": repeat}
+        row.update({k: json.dumps(spec.get(k)) if isinstance(spec.get(k), list) else spec.get(k, "")
+                    for k in CONFIG_FIELDS})
+        ok = "error" not in result
+        row.update(tokens_per_ms=result.get("tokens_per_ms", "") if ok else "",
+                   ms_per_step=(sum(result["step_ms"]) / len(result["step_ms"])) if ok else "",
+                   step_ms=" ".join(f"{x:.1f}" for x in result.get("step_ms", [])),
+                   peak_rss_mb=round(result.get("peak_rss_mb", 0), 1) if ok else "",
+                   describe=result.get("describe", ""), error=result.get("error", ""),
+                   wall_s=round(seconds, 1),
+                   when=datetime.datetime.now().isoformat(timespec="seconds"))
+        row.update(self.machine)
+        self.rows = [r for r in self.rows if not self._match(r, row["config"], repeat)]
+        self.rows.append(row)
+        fields = list(dict.fromkeys(k for r in self.rows for k in r))
+        write_csv(self.path, [{k: r.get(k, "") for k in fields} for r in self.rows])
+        return row
+
+
+def describe_point(p) -> str:
+    s = p["spec"]
+    what = {"reference": f"reference {s.get('threads')} thr",
+            "torch": f"torch SDPA {s.get('threads')} thr",
+            "torch-readable": f"torch readable {s.get('threads')} thr"}.get(s["engine"])
+    if what is None:
+        what = f"starpu {s['workers']}x{s['cores']}" + (f" {s['kcore']}" if s.get("kcore") else "")
+        if s.get("ranks"):
+            what = f"mpirun -np {s['ranks']} " + what
+    return f"{what}, B={s['batch']}"
+
+
+def latest_commit(path, machine) -> str:
+    """The commit of the most recent run in the runs cache made on this machine."""
+    if os.path.exists(path):
+        with open(path, newline="") as f:
+            rows = [r for r in csv.DictReader(f) if r["host"] == machine["host"]
+                    and r["cpu"] == machine["cpu"]]
+        if rows:
+            return max(rows, key=lambda r: r["when"])["commit"]
+    return machine["commit"]
+
+
+def run_points(points, cache, repeat, force_figs, log, replot=False):
+    """Round-robin over the distinct configurations, `repeat` times; cached runs skipped."""
+    configs = {}
+    for p in points:
+        configs.setdefault(config_key(p["spec"]), p)
+    for key, p in configs.items():
+        if force_figs & {q["figure"] for q in points if config_key(q["spec"]) == key}:
+            cache.drop(key)
+    todo = [(r, key, p) for r in range(1, repeat + 1) for key, p in configs.items()
+            if cache.get(key, r) is None]
+    if replot:
+        log(f"--replot: {len(todo)} run(s) missing from the cache are not run")
+        return
+    total = len(configs) * repeat
+    log(f"{len(configs)} configurations x {repeat} repeats = {total} runs; "
+        f"{total - len(todo)} in the cache (same configuration, machine and commit), "
+        f"{len(todo)} to run")
+    t_start = time.time()
+    durations = []
+    for i, (r, key, p) in enumerate(todo, 1):
+        figs = ",".join(sorted({q["figure"] for q in points if config_key(q["spec"]) == key}))
+        t0 = time.time()
+        result = run_in_subprocess(dict(p["spec"]))
+        dt = time.time() - t0
+        durations.append(dt)
+        row = cache.add(p["spec"], r, result, dt)
+        left = (len(todo) - i) * statistics.mean(durations)
+        status = (f"{float(row['tokens_per_ms']):.4f} tok/ms" if not row["error"]
+                  else f"FAILED: {row['error']}")
+        log(f"[{i:3d}/{len(todo)}] {figs:<11} {describe_point(p):<34} repeat {r}/{repeat}: "
+            f"{status} ({dt:.0f} s; {(time.time() - t_start) / 60:.1f} min so far, "
+            f"~{left / 60:.1f} min left)")
+
+
+# --------------------------------------------------------------------------- traced runs
+
+def traced(spec, path, machine, force, log):
+    """A traced run (bench.traced_run), cached as JSON for the same configuration and commit."""
+    key = config_key(spec) + machine["commit"] + machine["host"]
+    if not force and os.path.exists(path):
+        with open(path) as f:
+            r = json.load(f)
+        if r.get("cache_key") == key:
+            log(f"  {os.path.basename(path)}: cached")
+            return r
+    if REPLOT:
+        log(f"  {os.path.basename(path)}: not in the cache (--replot: not run)")
+        return None
+    t0 = time.time()
+    r = run_in_subprocess(dict(spec, trace=True))
+    if "error" in r:
+        log(f"  {os.path.basename(path)}: FAILED: {r['error']}")
+        return None
+    r["cache_key"] = key
+    with open(path, "w") as f:
+        json.dump(r, f)
+    log(f"  {os.path.basename(path)}: {len(r['events'])} tasks traced ({time.time() - t0:.0f} s)")
+    return r
+
+
+def figure1(S, out, machine, force, log):
+    made = []
+    for name, model, B, T, collapse in (("fig1_taskgraph_small", "tiny", 2, 16, False),
+                                        ("fig1_taskgraph_gpt2", "d12", S["graph_batch"], S["T"], True)):
+        spec = dict(engine="starpu", model=model, batch=B, seq_len=T, steps=1, workers=1,
+                    cores=1, cpus=1)
+        r = traced(spec, os.path.join(out, f"{name}.trace.json"), machine, force, log)
+        if r is None:
+            continue
+        names = {int(h): n for h, n in r["names"].items()}
+        events = taskgraph.load_events(r["events"])
+        nodes, edges, stats, ids = taskgraph.build_graph(events, names, 1, collapse)
+        per_it = len(r["records"]) // (r["steps"] + 1)
+        # every submitted task is in the trace (StarPU's own reduction tasks come on top)
+        from collections import Counter
+        traced_tasks = Counter(e.codelet for e in events if e.phase != "reduction")
+        if traced_tasks != Counter(r["records"]):
+            log(f"  {name}: WARNING: the trace's tasks differ from the submitted ones: "
+                f"{(traced_tasks - Counter(r['records'])) + (Counter(r['records']) - traced_tasks)}")
+        cfg = MODELS[model]
+        what = ("GPT-2 124M, one node per layer and phase (x n: tasks merged)" if collapse else
+                f"small test config '{model}' (L={cfg.L}, C={cfg.C}), one node per task")
+        title = (f"Figure 1: one training iteration as submitted, {what}; B={B}, T={T}, "
+                 f"1 worker; {per_it} tasks/iteration (StarPU's trace, access modes)\\n"
+                 f"edges drawn: {stats['raw']} read-after-write; reused-handle (WAR/WAW) edges "
+                 f"{stats['reuse'] - stats['reuse_implied']} of {stats['reuse']} (the others implied"
+                 f" by other paths); into the next iteration {stats['next'] - stats['next_implied']}"
+                 f" of {stats['next']} (the others implied)")
+        dot = os.path.join(out, f"{name}.dot")
+        png = os.path.join(out, f"{name}.png")
+        taskgraph.write_dot(dot, title, nodes, edges, ids, labels=True)
+        err = taskgraph.render(dot, png, dpi=48 if not collapse else 64)
+        if err:
+            log(f"  {name}: Graphviz failed: {err}")
+            continue
+        log(f"  {name}: {len(nodes)} nodes, {len(edges)} edges -> {png}")
+        made.append((name, stats, per_it))
+    return made
+
+
+def traces(S, out, machine, force, log):
+    """One traced iteration (the second; the first is the warm-up) per partition of the node."""
+    import plots
+    results = []
+    for n, k, mode in partitions_that_fit(S["cores"]):
+        B = S["trace_batch"]
+        if B % n:
+            continue
+        label = f"{n}x{k}" + (f"_{mode}" if k > 1 else "")
+        spec = dict(engine="starpu", model=S["model"], batch=B, seq_len=S["T"], steps=1,
+                    workers=n, cores=k, cpus=S["cores"])
+        if k > 1:
+            spec["kcore"] = mode
+        r = traced(spec, os.path.join(out, f"trace_{label}.json"), machine, force, log)
+        if r is None:
+            continue
+        png = os.path.join(out, f"trace_{label}.png")
+        info = plots.gantt(r, n, png, S, machine)
+        log(f"  trace {label}: iteration {info['makespan_ms']:.0f} ms, critical path "
+            f"{info['critical_ms']:.0f} ms, idle {info['idle_pct']:.0f} % -> {png}")
+        results.append(dict(partition=label, **info))
+    if results:
+        write_rows(os.path.join(out, "trace_summary.csv"), results)
+    return results
+
+
+def sgemm_peaks(core_counts, out, machine, force, log, replot=False) -> dict:
+    """{k: GFLOP/s}: experiments/sgemm_peak.py on the first k cores, cached per commit."""
+    path = os.path.join(out, "sgemm_peak.csv")
+    rows = []
+    if os.path.exists(path):
+        with open(path, newline="") as f:
+            rows = [r for r in csv.DictReader(f)
+                    if r["commit"] == machine["commit"] and r["host"] == machine["host"]]
+    have = {} if force else {int(r["threads"]): float(r["peak_gflops"]) for r in rows}
+    for k in sorted(set(core_counts)):
+        if k in have or replot:
+            continue
+        cpus = sorted(os.sched_getaffinity(0))[:k]
+        p = subprocess.run([sys.executable, os.path.join(HERE, "sgemm_peak.py"), "--threads",
+                            str(k), "--json"], capture_output=True, text=True,
+                           preexec_fn=lambda: os.sched_setaffinity(0, cpus))
+        if p.returncode != 0:
+            log(f"  sgemm peak on {k} core(s) failed: {p.stderr.strip()[-300:]}")
+            continue
+        r = json.loads(p.stdout.strip().splitlines()[-1])
+        have[k] = r["peak_gflops"]
+        log(f"  sgemm peak on {k} core(s): {r['peak_gflops']:.1f} GFLOP/s ({r['blas']})")
+    write_csv(path, [dict(threads=k, peak_gflops=g, commit=machine["commit"], host=machine["host"],
+                          blas=machine["blas"], cpu=machine["cpu"]) for k, g in sorted(have.items())])
+    return have
+
+
+# --------------------------------------------------------------------------- results.md
+
+def results_markdown(S, machine, made, peaks, minutes, load_before, load_after, repeat) -> str:
+    """The numbers of this run as Markdown (docs/figures/results.md): the machine, then each
+    figure's medians (min-max) in tokens/ms and the utilisation."""
+    L = [f"# Figures made on {machine['host']}, {datetime.date.today()}", "",
+         f"- CPU: {machine['cpu']}",
+         f"- StarPU {machine['starpu_version']} (FxT: {'yes' if machine['starpu_fxt'] else 'no'}), "
+         f"BLAS {machine['blas']}, PyTorch {machine['torch_version']}, commit {machine['commit']}",
+         "- sgemm peak (experiments/sgemm_peak.py): " + ", ".join(
+             f"{g:.0f} GFLOP/s on {k} core{'s' if k > 1 else ''}" for k, g in sorted(peaks.items())),
+         f"- scale: {S['scale']}; {repeat} interleaved runs per point, median (min-max) tokens/ms; "
+         f"{S['steps']} timed steps after 1 warm-up, T={S['T']}",
+         f"- `make figures` took {minutes:.1f} min; load average {load_before:.2f} before, "
+         f"{load_after:.2f} after", ""]
+
+    def cell(t):
+        u = f", {t['util_pct']:.0f} %" if t.get("util_pct") is not None else ""
+        return f"{t['median']:.4f} ({t['min']:.4f}-{t['max']:.4f}{u})"
+
+    for fig, title in (("fig2a", "Figure 2a, weak scaling"), ("fig2b", "Figure 2b, strong scaling")):
+        if not made.get(fig):
+            continue
+        table = made[fig]["table"]
+        xs = sorted({t["x"] for t in table})
+        L += [f"## {title}", "", "tokens/ms (min-max, % of the k cores' sgemm peak); batch in brackets", "",
+              "| series | " + " | ".join(f"{x} core{'s' if x > 1 else ''}" for x in xs) + " |",
+              "|---|" + "---|" * len(xs)]
+        for series in dict.fromkeys(t["series"] for t in table):
+            row = {t["x"]: t for t in table if t["series"] == series}
+            L.append(f"| {SERIES[series][0]} | " + " | ".join(
+                f"{cell(row[x])} [B={row[x]['batch']}]" if x in row else "-" for x in xs) + " |")
+        L.append("")
+    if made.get("fig3"):
+        table = made["fig3"]["table"]
+        parts = list(dict.fromkeys(t["x"] for t in table))
+        L += ["## Figure 3, partitions", "",
+              f"tokens/ms (min-max, % of the {S['cores']}-core sgemm peak)", "",
+              "| total batch | " + " | ".join(parts) + " |", "|---|" + "---|" * len(parts)]
+        for series in dict.fromkeys(t["series"] for t in table):
+            row = {t["x"]: t for t in table if t["series"] == series}
+            L.append(f"| {series} | " + " | ".join(cell(row[x]) if x in row else "-" for x in parts) + " |")
+        L.append("")
+    if made.get("fig4"):
+        table = sorted(made["fig4"]["table"], key=lambda t: t["x"])
+        base = table[0]["ms_per_step"] if table and table[0]["x"] == 1 else None
+        L += ["## Figure 4, MPI weak scaling", "",
+              "| processes | global batch | tokens/ms (all) | tokens/ms per process | ms/step | above 1 process |",
+              "|---|---|---|---|---|---|"]
+        for t in table:
+            R = int(t["x"])
+            above = "" if base is None else f"{t['ms_per_step'] - base:+.0f} ms"
+            L.append(f"| {R} | {t['batch']} | {cell(t)} | {t['median'] / R:.4f} | "
+                     f"{t['ms_per_step']:.0f} | {above} |")
+        L.append("")
+    if made.get("trace"):
+        L += ["## Traced iterations", "",
+              "| partition | tasks | iteration ms | critical path ms | idle % of core time | forward / backward / update / reduction ms (task time) |",
+              "|---|---|---|---|---|---|"]
+        for t in made["trace"]:
+            L.append(f"| {t['partition']} | {t['tasks']} | {t['makespan_ms']:.0f} | {t['critical_ms']:.0f} | "
+                     f"{t['idle_pct']:.0f} | " + " / ".join(f"{t.get(p + '_ms', 0):.0f}" for p in
+                                                           ("forward", "backward", "update", "reduction")) + " |")
+        L.append("")
+    if made.get("fig1"):
+        L += ["## Task graphs", ""]
+        for name, stats, per_it in made["fig1"]:
+            L.append(f"- {name}: {per_it} tasks per iteration; {stats['raw']} read-after-write edges; "
+                     f"{stats['reuse']} reused-handle edges, {stats['reuse_implied']} implied by others; "
+                     f"{stats['next']} edges into the next iteration, {stats['next_implied']} implied")
+        L.append("")
+    return "\n".join(L)
+
+
+# --------------------------------------------------------------------------- main
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="Regenerate the paper's figures (see the module doc).")
+    scale = ap.add_mutually_exclusive_group()
+    scale.add_argument("--quick", action="store_true", help="scaled-down batches (default)")
+    scale.add_argument("--full", action="store_true", help="the paper's batch sizes, for a real node")
+    ap.add_argument("--only", default=",".join(FIGURES), help=f"figures to make ({','.join(FIGURES)})")
+    ap.add_argument("--force", action="store_true", help="rerun the selected figures' points")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per point, interleaved (>= 3)")
+    ap.add_argument("--cores", help="figure 2's core counts (default: the divisors of the usable cores)")
+    ap.add_argument("--weak-per-core", type=int, help="figure 2a's sequences per core")
+    ap.add_argument("--strong-batch", type=int, help="figure 2b's total batch")
+    ap.add_argument("--fig3-batches", help="figure 3's total batches, comma-separated")
+    ap.add_argument("--trace-batch", type=int, help="the Gantt charts' batch")
+    ap.add_argument("--ranks", default="1,2", help="figure 4's MPI process counts (default 1,2)")
+    ap.add_argument("--mpi-partition", help="figure 4: each rank's N x K (default 1 x cores/max R)")
+    ap.add_argument("--mpi-batch-per-rank", type=int, help="figure 4: sequences per rank")
+    ap.add_argument("--mpirun-args", help="extra mpirun options, e.g. on a cluster "
+                    "'--hostfile H --map-by ppr:1:node' (each rank then uses its node's cores)")
+    ap.add_argument("--torch-readable", action="store_true",
+                    help="figure 2: also the readable PyTorch model (torch_gpt2.py)")
+    ap.add_argument("--out", default=os.path.join(HERE, "out"), help="CSV, DOT, traces, PNG")
+    ap.add_argument("--png-dir", default=os.path.join(ROOT, "docs", "figures"),
+                    help="where the PNGs are copied (committed; '' for none)")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan only")
+    ap.add_argument("--replot", action="store_true",
+                    help="redraw from the runs already in OUT (the latest commit measured on this "
+                    "machine), running nothing")
+    ap.add_argument("--model", default="d12", help="model (default d12 = GPT-2 124M; "
+                    "smaller ones only to test this pipeline)")
+    ap.add_argument("--seq-len", type=int, default=64, help="T (default 64, the paper's)")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per run (default 10, the paper's)")
+    args = ap.parse_args(argv)
+    if args.repeat < 3 and not args.dry_run:
+        print(f"note: --repeat {args.repeat} (< 3): fine for a test, not for the figures")
+    only = set(args.only.split(","))
+    unknown = only - set(FIGURES)
+    if unknown:
+        ap.error(f"--only: unknown {', '.join(sorted(unknown))}; choose from {', '.join(FIGURES)}")
+
+    os.makedirs(args.out, exist_ok=True)
+    log_file = open(os.path.join(args.out, "figures.log"), "a")
+
+    def log(msg):
+        line = f"{datetime.datetime.now():%H:%M:%S} {msg}"
+        print(line, flush=True)
+        log_file.write(line + "\n")
+        log_file.flush()
+
+    t0 = time.time()
+    cores = usable_cores()
+    S = settings(args, cores)
+    machine = machine_info()
+    if args.replot:
+        global REPLOT
+        REPLOT = True
+        machine["commit"] = latest_commit(os.path.join(args.out, "runs.csv"), machine)
+    log(f"figures ({S['scale']} scale): {machine['cpu']}; StarPU {machine['starpu_version']}"
+        f"{' (FxT)' if machine['starpu_fxt'] else ''}, BLAS {machine['blas']}, "
+        f"torch {machine['torch_version']}, commit {machine['commit']}")
+    try:
+        load = os.getloadavg()[0]
+        log(f"load average before: {load:.2f}" + ("  (busy machine: timings will be noisy)"
+                                                  if load > 1 else ""))
+    except OSError:
+        load = None
+    points = plan(S, args, only)
+    if args.dry_run:
+        for p in points:
+            print(p["figure"], p["series"], p["x"], describe_point(p))
+        return 0
+
+    made = {}
+    if "fig1" in only:
+        log("Figure 1: task graphs")
+        made["fig1"] = figure1(S, args.out, machine, args.force, log)
+    peak_cores = sorted(set(S["core_counts"]) | {S["cores"], S["mpi_cores"] * S["mpi_workers"]})
+    peaks = {}
+    if only & {"fig2a", "fig2b", "fig3", "fig4", "trace"}:
+        log("sgemm peak (experiments/sgemm_peak.py, the project's BLAS)")
+        peaks = sgemm_peaks([c for c in peak_cores if c <= cores], args.out, machine,
+                            args.force and not args.replot, log, args.replot)
+    if "trace" in only:
+        log(f"Execution traces, one iteration per partition (B={S['trace_batch']})")
+        made["trace"] = traces(S, args.out, machine, args.force, log)
+        if machine["starpu_fxt"]:
+            log("  this StarPU has FxT: for StarPU's own Paje trace of the same run, "
+                "STARPU_FXT_PREFIX=/tmp/fxt/ STARPU_FXT_TRACE=1 .venv/bin/starpu-llm train "
+                "--steps 2 ...; then starpu_fxt_tool -i /tmp/fxt/prof_file_* (writes paje.trace, "
+                "for ViTE); see docs/figures.md")
+        else:
+            log("  (this StarPU has no FxT, so no Paje trace: the charts come from the project's "
+                "own task trace; docs/figures.md says how to get one with an FxT build)")
+    if points:
+        log("Measurements")
+        cache = RunCache(os.path.join(args.out, "runs.csv"), machine)
+        run_points(points, cache, args.repeat, only if args.force else set(), log, args.replot)
+        import plots
+        for fig in ("fig2a", "fig2b", "fig3", "fig4"):
+            if fig in only:
+                made[fig] = plots.figure(fig, points, cache, S, machine, peaks, args.out,
+                                         args.repeat, log)
+    if args.png_dir:
+        os.makedirs(args.png_dir, exist_ok=True)
+        import plots
+        for f in sorted(os.listdir(args.out)):
+            if f.endswith(".png") and f.split("_")[0] in ("fig1", "fig2a", "fig2b", "fig3", "fig4", "trace"):
+                plots.shrink_png(os.path.join(args.out, f), 300_000)
+                shutil.copy(os.path.join(args.out, f), os.path.join(args.png_dir, f))
+            if f.endswith(".csv") and f.startswith(("fig", "sgemm", "trace_summary")):
+                shutil.copy(os.path.join(args.out, f), os.path.join(args.png_dir, f))
+        log(f"PNGs and CSVs copied to {args.png_dir}")
+    minutes, load_after = (time.time() - t0) / 60, os.getloadavg()[0]
+    if args.replot:     # the measuring run's summary and results.md stay
+        log("done (--replot: results.md and summary.json left as the measuring run wrote them)")
+        return 0
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump({"settings": S, "machine": machine, "made": made, "peaks": peaks,
+                   "minutes": minutes, "load_before": load, "load_after": load_after},
+                  f, indent=1, default=str)
+    md = results_markdown(S, machine, made, peaks, minutes, load or 0.0, load_after, args.repeat)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(md + "\n")
+    if args.png_dir:
+        shutil.copy(os.path.join(args.out, "results.md"), os.path.join(args.png_dir, "results.md"))
+    log(f"done in {(time.time() - t0) / 60:.1f} min; load average now {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

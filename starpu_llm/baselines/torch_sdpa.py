@@ -1,0 +1,140 @@
+"""GPT-2 in eager PyTorch, written the standard way for speed: the bench's PyTorch series.
+
+What a user who wants a fast eager GPT-2 on a CPU writes (nanoGPT's formulation):
+  - one leaf tensor per layer and weight (as nn.Linear holds them), applied with F.linear;
+  - attention through F.scaled_dot_product_attention(q, k, v, is_causal=True) (PyTorch's
+    fused flash-attention CPU kernel: no (T, T) mask, no materialised scores in eager ops);
+  - the lm head tied to wte: F.linear(x, wte[:V]), the real vocabulary only (wte's padded rows
+    are 0 and never reach the loss, so this is the same math as llm.c's Vp columns);
+  - AdamW with fused=True (foreach where the fused CPU kernel is not available);
+  - torch.set_num_threads(cores used).
+Weights come in and go out in llm.c's flat layout (config.ParamLayout), so it trains from
+exactly the same parameters as the engines and the readable oracle (starpu_llm.torch_gpt2),
+against which tests/test_baselines.py checks it.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..config import GPTConfig, ParamLayout
+
+LN_EPS = 1e-5
+
+
+def _adamw(params, lr, weight_decay):
+    kw = dict(lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay)
+    try:
+        return torch.optim.AdamW(params, fused=True, **kw), "fused"
+    except (RuntimeError, ValueError, TypeError):
+        return torch.optim.AdamW(params, foreach=True, **kw), "foreach"
+
+
+class SdpaGPT2:
+    """GPT-2 with per-layer leaf tensors, SDPA attention and a fused AdamW."""
+
+    def __init__(self, config: GPTConfig, flat_params: np.ndarray):
+        self.config = config
+        self.layout = ParamLayout(config)
+        flat = np.asarray(flat_params, dtype=np.float32)
+        assert flat.size == self.layout.total
+        views = self.layout.views(flat)
+        leaf = lambda a: torch.from_numpy(np.ascontiguousarray(a).copy()).requires_grad_(True)
+        # {name: tensor} for the unstacked ones, {name: [L tensors]} for the per-layer ones
+        self.params = {n: ([leaf(v[l]) for l in range(config.L)] if self.layout.is_layered(n)
+                           else leaf(v)) for n, v in views.items()}
+        self.optimizer = None
+        self.optimizer_kind = None
+
+    def parameters(self):
+        """Every leaf tensor, in ParamLayout order (per-layer ones layer by layer)."""
+        for n in self.layout.names:
+            p = self.params[n]
+            yield from (p if isinstance(p, list) else [p])
+
+    def forward(self, inputs, targets=None):
+        """inputs, targets: (B, T) integer arrays or tensors. Returns (logits (B,T,V), loss)."""
+        cfg, p = self.config, self.params
+        C, NH, V = cfg.C, cfg.NH, cfg.V
+        idx = torch.as_tensor(np.asarray(inputs, dtype=np.int64))
+        B, T = idx.shape
+        x = F.embedding(idx, p["wte"]) + p["wpe"][:T]
+        for l in range(cfg.L):
+            h = F.layer_norm(x, (C,), p["ln1w"][l], p["ln1b"][l], LN_EPS)
+            q, k, v = F.linear(h, p["qkvw"][l], p["qkvb"][l]).split(C, dim=2)
+            q, k, v = (t.view(B, T, NH, C // NH).transpose(1, 2) for t in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = y.transpose(1, 2).contiguous().view(B, T, C)
+            x = x + F.linear(y, p["attprojw"][l], p["attprojb"][l])
+            h = F.layer_norm(x, (C,), p["ln2w"][l], p["ln2b"][l], LN_EPS)
+            h = F.gelu(F.linear(h, p["fcw"][l], p["fcb"][l]), approximate="tanh")
+            x = x + F.linear(h, p["fcprojw"][l], p["fcprojb"][l])
+        x = F.layer_norm(x, (C,), p["lnfw"], p["lnfb"], LN_EPS)
+        logits = F.linear(x, p["wte"][:V])
+        loss = None
+        if targets is not None:
+            tgt = torch.as_tensor(np.asarray(targets, dtype=np.int64))
+            loss = F.cross_entropy(logits.view(B * T, V), tgt.view(-1))
+        return logits, loss
+
+    def forward_backward(self, inputs, targets):
+        """Forward and backward from zero gradients; returns (logits numpy, loss float)."""
+        for t in self.parameters():
+            t.grad = None
+        logits, loss = self.forward(inputs, targets)
+        loss.backward()
+        return logits.detach().numpy(), float(loss.detach())
+
+    def adamw_update(self, lr: float, weight_decay: float):
+        if self.optimizer is None:
+            self.optimizer, self.optimizer_kind = _adamw(list(self.parameters()), lr, weight_decay)
+        for group in self.optimizer.param_groups:
+            group["lr"], group["weight_decay"] = lr, weight_decay
+        self.optimizer.step()
+
+    def adamw_step(self, inputs, targets, lr: float, weight_decay: float) -> float:
+        for t in self.parameters():
+            t.grad = None
+        _, loss = self.forward(inputs, targets)
+        loss.backward()
+        self.adamw_update(lr, weight_decay)
+        return float(loss.detach())
+
+    # --- flat llm.c-layout views (for the tests) ---
+    def _flat(self, get) -> np.ndarray:
+        out = []
+        for n in self.layout.names:
+            p = self.params[n]
+            out += [get(t).reshape(-1) for t in (p if isinstance(p, list) else [p])]
+        return np.concatenate(out).astype(np.float32, copy=False)
+
+    def params_flat(self) -> np.ndarray:
+        return self._flat(lambda t: t.detach().numpy())
+
+    def grads_flat(self) -> np.ndarray:
+        return self._flat(lambda t: t.grad.detach().numpy())
+
+    def state_flat(self, key: str) -> np.ndarray:
+        """An AdamW state ("exp_avg" or "exp_avg_sq") in llm.c's layout."""
+        return self._flat(lambda t: self.optimizer.state[t][key].numpy())
+
+
+def torch_train_step_times(config: GPTConfig, flat_params: np.ndarray, tokens: np.ndarray,
+                           B: int, T: int, steps: int, threads: int, lr: float = 1e-4):
+    """Milliseconds of each of `steps` eager training steps (forward, backward, AdamW) on
+    consecutive batches, with `threads` intra-op threads (the signature of
+    torch_gpt2.torch_train_step_times)."""
+    torch.set_num_threads(threads)
+    model = SdpaGPT2(config, flat_params)
+    ms = []
+    n = B * T
+    for i in range(steps):
+        buf = np.asarray(tokens[i * n:i * n + n + 1], dtype=np.int64)
+        x, y = buf[:-1].reshape(B, T), buf[1:].reshape(B, T)
+        t0 = time.perf_counter()
+        model.adamw_step(x, y, lr, 0.0)
+        ms.append((time.perf_counter() - t0) * 1e3)
+    return ms
