@@ -42,10 +42,6 @@ void sl_set_exec_worker(int worker);
 int sl_max_cpus(void);		    /* STARPU_MAXCPUS of the StarPU build */
 int sl_have_parallel_workers(void); /* 1.4 parallel workers / 1.3 clusters compiled in */
 void sl_starpu_version(int *major, int *minor, int *release);
-/* Threads of the calling thread's OpenMP team and BLAS (the reference engine's knob). */
-void sl_set_threads(int k);
-int sl_get_threads(void);
-const char *sl_blas_name(void);
 
 /* ---- StarPU-MPI (mpi.c; stubs returning -ENOSYS when built without MPI) ---- */
 int sl_mpi_available(void);

@@ -114,7 +114,7 @@ def machine_info() -> dict:
             "host": os.uname().nodename,
             "starpu_version": ".".join(str(x[0]) for x in v),
             "starpu_fxt": starpu_has_fxt(),
-            "blas": ffi.string(lib.sl_blas_name()).decode(),
+            "blas": ffi.string(lib.blas_name()).decode(),
             "torch_version": torch_version, "commit": git_commit()}
 
 

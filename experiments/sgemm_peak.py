@@ -2,7 +2,7 @@
 
 Calls the project's matmul kernel (csrc/kernels/matmul.c: one cblas_sgemm, no bias) through
 its cffi binding, with the BLAS and OpenMP threads set as a task of k cores sets them
-(sl_set_threads). Shapes: GPT-2 124M's four layer GEMMs (out = inp @ W^T with inp (N, C)) at
+(kernels_set_threads). Shapes: GPT-2 124M's four layer GEMMs (out = inp @ W^T with inp (N, C)) at
 N = B*T = 256 and 1024 tokens, and a square 2048^3; each timed as the best of several calls
 after a warm-up. The peak is the best GFLOP/s over the shapes (2 N C OC flops per call).
 
@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from starpu_llm._clib import ffi, lib
+from starpu_llm._kernels import ffi, lib
 
 C = 768
 SHAPES = [(256, C, 3 * C), (256, C, 4 * C), (256, 4 * C, C), (1024, C, 3 * C),
@@ -46,10 +46,10 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", action="store_true", help="print one JSON line")
     args = ap.parse_args()
-    lib.sl_set_threads(args.threads)
+    lib.kernels_set_threads(args.threads)
     per_shape = {f"{n}x{k}x{oc}": round(gflops(n, k, oc), 2) for n, k, oc in SHAPES}
     peak = max(per_shape.values())
-    blas = ffi.string(lib.sl_blas_name()).decode()
+    blas = ffi.string(lib.blas_name()).decode()
     if args.json:
         print(json.dumps({"threads": args.threads, "peak_gflops": peak, "blas": blas,
                           "shapes": per_shape}))

@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "TrainConfig": "trainer", "TrainResult": "trainer", "train": "trainer",
     "TrainState": "state", "Runtime": "runtime",
-    "StarPUEngine": "engine", "ReferenceEngine": "reference",
+    "StarPUEngine": "flow.engine", "ReferenceEngine": "flow.reference",
 }
 
 

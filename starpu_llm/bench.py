@@ -14,7 +14,7 @@ import platform
 import subprocess
 import sys
 
-from .atomic import atomic_write
+from .io.atomic import atomic_write
 from .errors import StarpuLLMError
 
 
@@ -51,7 +51,7 @@ def cpu_description() -> str:
 def parse_partitions(spec: str, cores: int):
     """[(N, K, kcore)]: 'default', 'all' (every N x K = cores that this StarPU build can run,
     K > 1 both as team and forkjoin), or a list like 1x2,2x1,1x2:forkjoin."""
-    from .runtime import DEFAULT_KCORE, default_partition, partitions_that_fit
+    from .runtime.starpu import DEFAULT_KCORE, default_partition, partitions_that_fit
     if spec == "default":
         return [(*default_partition(cores), DEFAULT_KCORE)]
     if spec == "all":
@@ -86,12 +86,12 @@ def run_one(spec: dict) -> dict:
     config = MODELS[spec["model"]]
     B, T, steps = spec["batch"], spec["seq_len"], spec["steps"]
     if spec["engine"] in TORCH_ENGINES:
-        from . import data, formats
+        from .io import data, formats
         from .state import random_init
         if spec["engine"] == "torch":
             from .baselines.torch_sdpa import torch_train_step_times
         else:
-            from .torch_gpt2 import torch_train_step_times
+            from .baselines.torch_gpt2 import torch_train_step_times
         tokens = formats.read_shard(data.default_dataset()[0], config.V)
         threads = spec.get("threads") or len(os.sched_getaffinity(0))
         ms = torch_train_step_times(config, random_init(config), tokens, B, T, steps + 1,
@@ -124,10 +124,10 @@ def traced_run(spec: dict) -> list:
     or None), "names" ({handle address as a string: tensor name}), "records" (the submitted
     task names, in order) and "describe"."""
     import time
-    from . import data
+    from .io import data
     from .config import MODELS
-    from .engine import StarPUEngine
-    from .runtime import Runtime
+    from .flow.engine import StarPUEngine
+    from .runtime.starpu import Runtime
     from .state import TrainState, random_init
 
     config = MODELS[spec["model"]]

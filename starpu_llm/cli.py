@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .errors import StarpuLLMError
+from .errors import StarpuLLMError, flag as flag_of
 
 
 def _positive(flag):
@@ -50,7 +50,7 @@ def add_train_args(p):
         if group and group not in groups:
             groups[group] = p.add_argument_group(group)
         target = groups[group] if group else p
-        flag = "--" + f.name.replace("_", "-")
+        flag = flag_of(f.name)
         names = [flag] + ([m["short"]] if "short" in m else [])
         kw = dict(dest=f.name, default=f.default, help=m["help"])
         if isinstance(f.default, bool):
@@ -101,7 +101,7 @@ def cmd_train(args):
 
 
 def cmd_prepare(args):
-    from . import corpus, data
+    from .io import corpus, data
     source = args.text if args.text else corpus.shakespeare_text()
     train_path, val_path = data.prepare(source, args.out_dir, val_tokens=args.val_tokens,
                                         name=None if args.text else "shakespeare")
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     try:
         return {"train": cmd_train, "prepare": cmd_prepare, "bench": cmd_bench}[args.cmd](args)
     except StarpuLLMError as e:
-        print(f"starpu-llm: error: {e}", file=sys.stderr)
+        print(f"starpu-llm: error: {e.render(flag_of)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("starpu-llm: interrupted", file=sys.stderr)

@@ -56,12 +56,12 @@ class GPTConfig:
 
 def check_batch_shape(config: GPTConfig, B: int, T: int) -> None:
     """A clear error for a batch shape this model cannot train on."""
-    from .errors import StarpuLLMError
+    from .errors import StarpuLLMError, opt
     if B < 1:
-        raise StarpuLLMError(f"--batch must be at least 1, got {B}")
+        raise StarpuLLMError(f"{opt('batch')} must be at least 1, got {B}")
     if T < 1 or T > config.maxT:
-        raise StarpuLLMError(f"--seq-len {T} is outside 1..{config.maxT}, the model's maximum "
-                             f"sequence length; use --seq-len <= {config.maxT}")
+        raise StarpuLLMError(f"{opt('seq_len')} {T} is outside 1..{config.maxT}, the model's maximum "
+                             f"sequence length; use {opt('seq_len')} <= {config.maxT}")
 
 
 # Named configurations. "d12" is GPT-2 124M; the tiny ones keep tests fast.

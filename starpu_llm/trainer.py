@@ -13,10 +13,10 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from . import data, formats
-from .atomic import AtomicFile
+from .io import data, formats
+from .io.atomic import AtomicFile
 from .config import MODELS, GPTConfig, check_batch_shape
-from .errors import StarpuLLMError
+from .errors import StarpuLLMError, opt
 from .state import TrainState, random_init
 
 
@@ -66,7 +66,7 @@ class TrainConfig:
     cores_per_worker: int | None = setting(None, "K: cores of each worker (default: all cores / N)",
                                            check="positive", group=PARALLELISM)
     sub_batches: int | None = setting(
-        None, "split --batch into this many sub-batches (default: one per worker)",
+        None, "split the batch into this many sub-batches (default: one per worker)",
         check="positive", group=PARALLELISM, ranks_agree=True)
     kcore: str | None = setting(
         None, "how a task gets K > 1 cores without StarPU parallel workers: team (one worker per "
@@ -107,8 +107,8 @@ def load_model(cfg: TrainConfig) -> TrainState:
         config, params = formats.read_checkpoint(cfg.init_from)
     else:
         if cfg.model not in MODELS:
-            raise StarpuLLMError(f"--model {cfg.model!r} is not a known model; choose one of "
-                                 f"{', '.join(MODELS)} or give an llm.c checkpoint with --init-from")
+            raise StarpuLLMError(f"{opt('model')} {cfg.model!r} is not a known model; choose one of "
+                                 f"{', '.join(MODELS)} or give an llm.c checkpoint with {opt('init_from')}")
         config = MODELS[cfg.model]
         params = random_init(config, cfg.seed)
     return TrainState(config=config, params=params)
@@ -127,7 +127,7 @@ def run_settings(cfg: TrainConfig, config: GPTConfig, loader) -> dict:
 
 def start_runtime(cfg: TrainConfig, comm=None):
     """A StarPU Runtime for cfg's partition (on comm, under StarPU-MPI)."""
-    from .runtime import Runtime
+    from .runtime.starpu import Runtime
     return Runtime(cfg.workers, cfg.cores_per_worker, cfg.sched, cfg.oversubscribe,
                    comm=comm, kcore=cfg.kcore)
 
@@ -135,12 +135,12 @@ def start_runtime(cfg: TrainConfig, comm=None):
 def make_engine(cfg: TrainConfig, state: TrainState, tokens, runtime=None):
     """The engine of cfg.engine over state; the StarPU engine runs on `runtime`."""
     if cfg.engine == "reference":
-        from .reference import ReferenceEngine
+        from .flow.reference import ReferenceEngine
         return ReferenceEngine(state.config, state, cfg.batch, cfg.seq_len, tokens,
                                threads=cfg.threads, sub_batches=cfg.sub_batches or 1)
     if cfg.engine != "starpu":
-        raise StarpuLLMError(f"--engine {cfg.engine!r}: choose starpu or reference")
-    from .engine import StarPUEngine
+        raise StarpuLLMError(f"{opt('engine')} {cfg.engine!r}: choose starpu or reference")
+    from .flow.engine import StarPUEngine
     return StarPUEngine(state.config, state, cfg.batch, cfg.seq_len, tokens, runtime,
                         sub_batches=cfg.sub_batches, record=cfg.record)
 
@@ -151,14 +151,14 @@ def train(cfg: TrainConfig, state: TrainState | None = None, runtime=None) -> Tr
     A running `runtime` is used (and left running); otherwise the StarPU engine starts one
     for cfg's partition and shuts it down at the end."""
     if cfg.steps < 1:
-        raise StarpuLLMError(f"--steps must be at least 1, got {cfg.steps}")
-    from . import distributed
+        raise StarpuLLMError(f"{opt('steps')} must be at least 1, got {cfg.steps}")
+    from .runtime import mpi as distributed
     comm = distributed.world() if runtime is None else runtime.comm
     rank = comm.Get_rank() if comm is not None else 0
     log = (cfg.log if rank == 0 else None) or (lambda *a, **k: None)
     if comm is not None:
         if cfg.engine != "starpu":
-            raise StarpuLLMError("under mpirun only --engine starpu runs (the reference engine "
+            raise StarpuLLMError(f"under mpirun only {opt('engine')} starpu runs (the reference engine "
                                  "is a single process)")
         if runtime is None:
             distributed.pin_rank(comm)
@@ -206,7 +206,7 @@ def train(cfg: TrainConfig, state: TrainState | None = None, runtime=None) -> Tr
                 metrics.file.flush()
             if not np.isfinite(loss):
                 raise StarpuLLMError(f"the loss diverged at step {state.step} ({loss}); "
-                                     "lower --lr")
+                                     f"lower {opt('lr')}")
         state.data = loader.state()
         timed = result.step_ms[cfg.warmup_steps:] or result.step_ms
         result.timed_steps = len(timed)

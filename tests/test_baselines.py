@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 from starpu_llm.baselines.torch_sdpa import SdpaGPT2  # noqa: E402
 from starpu_llm.config import GPTConfig, ParamLayout  # noqa: E402
 from starpu_llm.state import random_init  # noqa: E402
-from starpu_llm.torch_gpt2 import TorchGPT2, batch  # noqa: E402
+from starpu_llm.baselines.torch_gpt2 import TorchGPT2, batch  # noqa: E402
 
 from bounds import (AdamDrift, assert_within, grad_rel_bound, logits_bound,  # noqa: E402
                     loss_bound, slice_scales)

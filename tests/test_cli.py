@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from starpu_llm import formats
+from starpu_llm.io import formats
 from starpu_llm.config import MODELS, ParamLayout
 from starpu_llm.runtime import usable_cores
 from starpu_llm.state import random_init

@@ -4,11 +4,11 @@ import os
 import numpy as np
 import pytest
 
-from starpu_llm import corpus, formats
-from starpu_llm.corpus import shakespeare_text
-from starpu_llm.data import DataLoader, default_dataset, prepare
+from starpu_llm.io import corpus, formats
+from starpu_llm.io.corpus import shakespeare_text
+from starpu_llm.io.data import DataLoader, default_dataset, prepare
 from starpu_llm.errors import StarpuLLMError
-from starpu_llm.tokenizer import decode, encode
+from starpu_llm.io.tokenizer import decode, encode
 
 
 @pytest.fixture(autouse=True)

@@ -4,10 +4,10 @@ import os
 import numpy as np
 import pytest
 
-from starpu_llm import formats
+from starpu_llm.io import formats
 from starpu_llm.config import MODELS, GPTConfig, ParamLayout
 from starpu_llm.errors import StarpuLLMError
-from starpu_llm.tokenizer import decode, encode, gpt2_encoding
+from starpu_llm.io.tokenizer import decode, encode, gpt2_encoding
 
 MICRO = MODELS["micro"]
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from bounds import (EXP_FLOOR, U, U64, assert_within, dot_bound, exp_rel, gamma, gamma64,
                     gamma_n, softmax_bound)
-from starpu_llm._clib import ffi, lib
+from starpu_llm._kernels import ffi, lib
 
 
 # ---------------------------------------------------------------- numpy <-> C pointers

@@ -53,12 +53,12 @@ import pytest
 
 import torch
 
-from starpu_llm.torch_gpt2 import TorchGPT2, batch
+from starpu_llm.baselines.torch_gpt2 import TorchGPT2, batch
 from starpu_llm.config import MODELS, GPTConfig, ParamLayout
-from starpu_llm.data import DataLoader, default_dataset
-from starpu_llm.engine import StarPUEngine
-from starpu_llm.formats import read_shard
-from starpu_llm.reference import ReferenceEngine
+from starpu_llm.io.data import DataLoader, default_dataset
+from starpu_llm.flow.engine import StarPUEngine
+from starpu_llm.io.formats import read_shard
+from starpu_llm.flow.reference import ReferenceEngine
 from starpu_llm.runtime import Runtime, usable_cores
 from starpu_llm.state import TrainState, random_init
 

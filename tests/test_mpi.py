@@ -14,11 +14,11 @@ import time
 import numpy as np
 import pytest
 
-from starpu_llm import formats
+from starpu_llm.io import formats
 from starpu_llm._clib import lib
 from starpu_llm.config import MODELS
-from starpu_llm.data import DataLoader
-from starpu_llm.reference import ReferenceEngine
+from starpu_llm.io.data import DataLoader
+from starpu_llm.flow.reference import ReferenceEngine
 from starpu_llm.state import TrainState, random_init
 
 from bounds import loss_bound, ratio
@@ -78,7 +78,7 @@ def loss_bounds(shard, single):
     the right run)."""
     state = TrainState(config=MICRO, params=random_init(MICRO, SEED))
     loader = DataLoader(shard, BATCH, SEQ_LEN, vocab_size=MICRO.V)
-    threads = lib.sl_get_threads()
+    threads = lib.kernels_threads()
     eng = ReferenceEngine(MICRO, state, BATCH, SEQ_LEN, loader.tokens, threads=1)
     replay, bounds = [], []
     try:
@@ -89,7 +89,7 @@ def loss_bounds(shard, single):
                                      float(np.abs(eng.logits()).max())))
     finally:
         eng.close()
-        lib.sl_set_threads(threads)
+        lib.kernels_set_threads(threads)
     bounds = np.array(bounds)
     assert np.all(np.abs(np.array(replay) - single) <= bounds), (replay, single, bounds)
     return bounds

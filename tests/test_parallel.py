@@ -6,10 +6,10 @@ import pytest
 
 from starpu_llm import Runtime, StarpuLLMError
 from starpu_llm.config import GPTConfig, ParamLayout
-from starpu_llm.engine import StarPUEngine
+from starpu_llm.flow.engine import StarPUEngine
 from starpu_llm.runtime import DEFAULT_KCORE, check_partition
 from starpu_llm.state import TrainState, random_init
-from starpu_llm.taskflow import update_order
+from starpu_llm.flow.taskflow import update_order
 
 from bounds import AdamDrift, grad_rel_bound, ratio, slice_scales
 
@@ -125,7 +125,7 @@ def test_partition_equals_single_worker(single, workers, cores, sub_batches, ove
 def test_indivisible_batch_is_a_clear_error():
     state = TrainState(config=CFG, params=random_init(CFG))
     with Runtime(1, 1) as rt:
-        with pytest.raises(StarpuLLMError, match="--sub-batches"):
+        with pytest.raises(StarpuLLMError, match="choose sub_batches dividing"):
             StarPUEngine(CFG, state, 4, T, TOKENS, rt, sub_batches=3)
 
 

@@ -14,7 +14,7 @@ import pytest
 from starpu_llm import Runtime
 from starpu_llm._clib import ffi, lib
 from starpu_llm.config import MODELS, GPTConfig
-from starpu_llm.engine import StarPUEngine
+from starpu_llm.flow.engine import StarPUEngine
 from starpu_llm.runtime import usable_cores
 from starpu_llm.state import TrainState, random_init
 from bounds import loss_bound

@@ -4,7 +4,8 @@ import os
 import pytest
 
 from starpu_llm import StarpuLLMError
-from starpu_llm import runtime
+from starpu_llm.errors import flag
+from starpu_llm.runtime import starpu as runtime
 from starpu_llm.runtime import (MAX_GROUP, Runtime, check_partition, default_partition,
                                 max_starpu_cpus, partitions_that_fit, usable_cores)
 
@@ -93,5 +94,7 @@ def test_zero_workers_rejected():
 
 
 def test_unknown_kcore_mode():
-    with pytest.raises(StarpuLLMError, match="--kcore"):
+    # the library names the setting as TrainConfig does; the CLI renders it as the flag
+    with pytest.raises(StarpuLLMError, match="^kcore 'threads': choose one of") as e:
         Runtime(1, 1, kcore="threads")
+    assert e.value.render(flag).startswith("--kcore 'threads'")

@@ -13,9 +13,10 @@ starpu = pytest.importorskip(
                      ">= 1.4 built with it): the starpupy face cannot run; `make test-1.4` runs it")
 
 from starpu_llm import Runtime, StarpuLLMError                      # noqa: E402
-from starpu_llm import formats, starpupy_face                        # noqa: E402
+from starpu_llm.io import formats                                   # noqa: E402
+from starpu_llm.runtime import starpupy_face                      # noqa: E402
 from starpu_llm.config import GPTConfig                              # noqa: E402
-from starpu_llm.engine import StarPUEngine                           # noqa: E402
+from starpu_llm.flow.engine import StarPUEngine                           # noqa: E402
 from starpu_llm.runtime import usable_cores                          # noqa: E402
 from starpu_llm.state import TrainState, random_init                 # noqa: E402
 
@@ -126,7 +127,7 @@ def test_starpupy_handle_pointer_is_a_starpu_handle():
     """The raw handle of a starpupy Handle (its capsule) is the StarPU handle C code orders
     on: a C task writing it (the snapshot copy) runs before the starpupy task reading it."""
     with Runtime(1, 1, face="starpupy") as rt:
-        from starpu_llm.placement import Placement
+        from starpu_llm.flow.placement import Placement
         place = Placement(rt, 1, 1, 0)
         src = [np.arange(5, dtype=np.float32), np.arange(5, 8, dtype=np.float32)]
         handles = [place._register(a) for a in src]

@@ -6,7 +6,7 @@ from starpu_llm import Runtime
 from starpu_llm._clib import lib
 from tracing import named_buffers, traced_step
 from starpu_llm.config import MODELS
-from starpu_llm.engine import StarPUEngine
+from starpu_llm.flow.engine import StarPUEngine
 from starpu_llm.state import TrainState, random_init
 from starpu_llm.trainer import TrainConfig, train
 
@@ -93,7 +93,7 @@ def test_memory_does_not_grow_with_steps(runtime):
 
 
 def test_trace_records_each_task(tmp_path, runtime):
-    from starpu_llm import formats
+    from starpu_llm.io import formats
     path = str(tmp_path / "t.bin")
     formats.write_shard(path, tokens())
     r = train(TrainConfig(model="micro", train_data=path, batch=2, seq_len=16, steps=2,

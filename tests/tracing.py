@@ -1,5 +1,5 @@
 """Test helpers: run one training step under the task trace and name its handles."""
-from starpu_llm.engine import StarPUEngine
+from starpu_llm.flow.engine import StarPUEngine
 from starpu_llm.state import TrainState, random_init
 
 

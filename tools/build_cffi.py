@@ -1,6 +1,8 @@
-"""Generate the cffi (API mode) C source of starpu_llm._clib from the public C headers.
+"""Generate the cffi (API mode) C source of a binding module from public C headers.
 
-Run by meson at build time: build_cffi.py kernels.h sl_api.h out.c
+Run by meson at build time: build_cffi.py MODULE OUT.c HEADER...
+    starpu_llm._kernels  from kernels.h: the pure kernels (no StarPU), for the reference engine
+    starpu_llm._clib     from kernels.h and sl_api.h: the kernels and the StarPU layer
 The declarations are the headers themselves minus preprocessor lines (integer constants,
 `#define NAME 123`, are kept: Python reads them as lib.NAME), so the Python binding cannot
 drift from the C API.
@@ -20,15 +22,15 @@ def cdef_of(path):
                      if not l.lstrip().startswith("#") or const.match(l))
 
 
-def main(kernels_h, api_h, out_c):
+def main(module, out_c, *headers):
     ffi = cffi.FFI()
-    ffi.cdef(cdef_of(kernels_h))
-    ffi.cdef(cdef_of(api_h))
-    ffi.set_source("starpu_llm._clib", '#include "kernels.h"\n#include "sl_api.h"\n')
+    for h in headers:
+        ffi.cdef(cdef_of(h))
+    ffi.set_source(module, "".join(f'#include "{os.path.basename(h)}"\n' for h in headers))
     tmp = out_c + ".tmp"
     ffi.emit_c_code(tmp)
     os.replace(tmp, out_c)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:])

@@ -4,18 +4,7 @@
 #define _GNU_SOURCE
 #include <omp.h>
 #include "codelet.h"
-#include "blas_threads.h"
 #include "../internal.h"
-
-void sl_set_threads(int k)
-{
-	omp_set_num_threads(k);
-	sl_blas_set_threads(k);
-}
-
-int sl_get_threads(void) { return omp_get_max_threads(); }
-
-const char *sl_blas_name(void) { return sl_blas_library(); }
 
 /* Binds thread t (t > 0) of the calling thread's k-thread libgomp pool to core cpus[t]. */
 static void bind_pool(const int *cpus, int k)
@@ -94,14 +83,14 @@ int sl_task_threads(void)
 	int k;
 	if (team_from_runtime) {
 		k = omp_get_max_threads(); /* the parallel worker's team, bound by StarPU */
-		sl_blas_set_threads(k);
+		blas_set_threads(k);
 	} else if (team_k > 1) {
 		k = team_k;
-		sl_set_threads(k);
+		kernels_set_threads(k);
 		bind_team_group(k);
 	} else {
 		k = starpu_combined_worker_get_size(); /* 1 on a basic worker */
-		sl_set_threads(k);
+		kernels_set_threads(k);
 		if (k > 1)
 			bind_team(k);
 	}

@@ -9,8 +9,8 @@
 #define ADAMW_BLK 2048
 
 /* x = sqrt(x) on n floats.  Why not a plain sqrtf loop: sqrtf may set errno, so without
- * -fno-math-errno GCC keeps a scalar call per element, and the whole update became ~8x
- * slower at 124M parameters (compute-bound instead of memory-bound). The SIMD square roots
+ * -fno-math-errno GCC keeps a scalar call per element, which makes the update compute-bound
+ * instead of memory-bound. The SIMD square roots
  * below are the same correctly rounded IEEE operation, just without errno. */
 static void sqrt_inplace(float *x, size_t n)
 {

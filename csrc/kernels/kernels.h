@@ -88,4 +88,11 @@ void add_inplace(float *dst, const float *src, size_t n);
  * (reads the n+1 tokens from pos). */
 void load_batch(int32_t *inputs, int32_t *targets, const uint16_t *tokens, size_t pos, size_t n);
 
+/* The threads of the kernels called next from this thread: its OpenMP team size and the BLAS
+ * threads (set together; a k-core task, or the reference loop, calls this with k). */
+void kernels_set_threads(int k);
+int kernels_threads(void);
+void blas_set_threads(int k); /* BLAS alone (a parallel worker's team is sized by StarPU) */
+const char *blas_name(void);  /* e.g. "openblas-openmp (Haswell)" */
+
 #endif

@@ -9,20 +9,18 @@ What a user who wants a fast eager GPT-2 on a CPU writes (nanoGPT's formulation)
   - AdamW with fused=True (foreach where the fused CPU kernel is not available);
   - torch.set_num_threads(cores used).
 Weights come in and go out in llm.c's flat layout (config.ParamLayout), so it trains from
-exactly the same parameters as the engines and the readable oracle (starpu_llm.torch_gpt2),
+exactly the same parameters as the engines and the readable oracle (starpu_llm.baselines.torch_gpt2),
 against which tests/test_baselines.py checks it.
 """
 from __future__ import annotations
 
-import time
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..config import GPTConfig, ParamLayout
-
-LN_EPS = 1e-5
+from ..config import GPTConfig
+from .common import LN_EPS, param_views, step_times
 
 
 def _adamw(params, lr, weight_decay):
@@ -38,10 +36,7 @@ class SdpaGPT2:
 
     def __init__(self, config: GPTConfig, flat_params: np.ndarray):
         self.config = config
-        self.layout = ParamLayout(config)
-        flat = np.asarray(flat_params, dtype=np.float32)
-        assert flat.size == self.layout.total
-        views = self.layout.views(flat)
+        self.layout, views = param_views(config, flat_params)
         leaf = lambda a: torch.from_numpy(np.ascontiguousarray(a).copy()).requires_grad_(True)
         # {name: tensor} for the unstacked ones, {name: [L tensors]} for the per-layer ones
         self.params = {n: ([leaf(v[l]) for l in range(config.L)] if self.layout.is_layered(n)
@@ -125,16 +120,6 @@ class SdpaGPT2:
 def torch_train_step_times(config: GPTConfig, flat_params: np.ndarray, tokens: np.ndarray,
                            B: int, T: int, steps: int, threads: int, lr: float = 1e-4):
     """Milliseconds of each of `steps` eager training steps (forward, backward, AdamW) on
-    consecutive batches, with `threads` intra-op threads (the signature of
-    torch_gpt2.torch_train_step_times)."""
+    consecutive batches, with `threads` intra-op threads (as torch_gpt2's)."""
     torch.set_num_threads(threads)
-    model = SdpaGPT2(config, flat_params)
-    ms = []
-    n = B * T
-    for i in range(steps):
-        buf = np.asarray(tokens[i * n:i * n + n + 1], dtype=np.int64)
-        x, y = buf[:-1].reshape(B, T), buf[1:].reshape(B, T)
-        t0 = time.perf_counter()
-        model.adamw_step(x, y, lr, 0.0)
-        ms.append((time.perf_counter() - t0) * 1e3)
-    return ms
+    return step_times(SdpaGPT2(config, flat_params), tokens, B, T, steps, lr)

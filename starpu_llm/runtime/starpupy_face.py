@@ -35,8 +35,8 @@ import threading
 
 import numpy as np
 
-from ._clib import ffi, lib
-from .errors import StarpuLLMError
+from .._clib import ffi, lib
+from ..errors import StarpuLLMError
 
 FACES = ("cffi", "starpupy")
 ENV = "STARPU_LLM_FACE"
@@ -177,7 +177,7 @@ class CheckpointTask:
     def __init__(self, config, params):
         starpu = import_starpupy()
 
-        from .config import ParamLayout
+        from ..config import ParamLayout
         self.config = config
         self.sources = [t.h for t in params.tensors()]    # ParamLayout order
         self.snapshot = np.empty(ParamLayout(config).total, np.float32)
@@ -198,7 +198,7 @@ class CheckpointTask:
         self._submit(self._write, path, self.handle)
 
     def _write(self, path, snapshot):
-        from . import formats
+        from ..io import formats
         try:
             formats.write_checkpoint(path, self.config, snapshot)
             with self._lock:

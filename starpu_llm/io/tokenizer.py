@@ -20,7 +20,7 @@ import numbers
 import os
 from typing import Iterable, Sequence
 
-from .errors import StarpuLLMError
+from ..errors import StarpuLLMError
 
 ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
 VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
@@ -54,7 +54,7 @@ class Tokenizer:
         if self.encoding is None:
             src = f" read from {self.path}" if self.path else ""
             raise StarpuLLMError(f"the tokenizer{src} can only decode (an llm.c tokenizer file has "
-                                 f"no merge rules); encode with starpu_llm.tokenizer.gpt2()")
+                                 f"no merge rules); encode with starpu_llm.io.tokenizer.gpt2()")
         return self.encoding.encode(text, allowed_special={EOT_TEXT})
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:

@@ -13,7 +13,7 @@ tensors.py: p, g, m, v ParameterTensors, a ActivationTensors, s BackwardScratch.
 """
 from __future__ import annotations
 
-from .config import GPTConfig
+from ..config import GPTConfig
 
 ADAM_BETA1, ADAM_BETA2, ADAM_EPS = 0.9, 0.999, 1e-8
 

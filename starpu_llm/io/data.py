@@ -9,7 +9,7 @@ import numpy as np
 
 from . import corpus, formats
 from .atomic import atomic_write_text
-from .errors import StarpuLLMError
+from ..errors import StarpuLLMError, opt
 from .tokenizer import EOT_TEXT, N_VOCAB, encode, gpt2
 
 TOKENIZER_FILENAME = "gpt2_tokenizer.bin"
@@ -160,7 +160,7 @@ class DataLoader:
         need, have = B * T + 1, int(self.tokens.size)
         if have < need:
             raise StarpuLLMError(f"{src} is too short: needs at least B*T+1 = {need} tokens, has {have}; "
-                                 f"use a smaller --batch/--seq-len or a larger shard")
+                                 f"use a smaller {opt('batch')}/{opt('seq_len')} or a larger shard")
         self._position = 0
 
     @property

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._clib import ffi, lib
-from .config import GPTConfig, ParamLayout
-from .errors import StarpuLLMError
+from .._clib import ffi, lib
+from ..config import GPTConfig, ParamLayout
+from ..errors import StarpuLLMError
 from .tensors import ParameterTensors, Tensor, sub_batch_tensors
 
 

@@ -3,14 +3,14 @@ baseline).
 
 Every tensor is a numpy array; DirectOps calls the C kernels at once in the calling thread,
 in the order taskflow.py makes its calls, so the reference runs exactly the layers the
-StarPU engine submits. Of the compiled extension it uses the kernels and the thread and BLAS
-settings only.
+StarPU engine submits. It loads starpu_llm._kernels, the binding of the kernels alone: no
+StarPU library is loaded or called on this path.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ._clib import ffi, lib
+from .._kernels import ffi, lib
 from .step import Engine
 from .tensors import ParameterTensors, Tensor, sub_batch_tensors
 
@@ -80,8 +80,8 @@ class ReferenceEngine(Engine):
     def __init__(self, config, state, B, T, tokens, threads: int | None = None, sub_batches: int = 1):
         super().__init__(config, state, B, T, tokens, sub_batches)
         if threads:
-            lib.sl_set_threads(threads)
-        self.threads = lib.sl_get_threads()
+            lib.kernels_set_threads(threads)
+        self.threads = lib.kernels_threads()
         self.ops = DirectOps()
         self.p, self.g, self.m, self.v = (
             ParameterTensors.of_arrays(kind, self.layout, flat)
@@ -100,4 +100,4 @@ class ReferenceEngine(Engine):
         return t.array.copy()
 
     def describe(self):
-        return f"reference engine, {self.threads} OpenMP thread(s), BLAS {ffi.string(lib.sl_blas_name()).decode()}"
+        return f"reference engine, {self.threads} OpenMP thread(s), BLAS {ffi.string(lib.blas_name()).decode()}"

