@@ -1,4 +1,4 @@
-/* StarPU start/stop and data registration helpers called from Python (starpu_llm/runtime.py). */
+/* StarPU start/stop and data registration helpers called from Python (starpu_llm/runtime/starpu.py). */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -52,14 +52,14 @@ static int start(int ncpus, int cores_per_task, int kcore, const int *cores, con
 		 * they can run the partition: a StarPU worker on each core, each core its own. An
 		 * oversubscribed parallel worker (two StarPU workers on one core) runs no task on
 		 * StarPU 1.4.12: its master spins finding nothing while its other worker, blocked,
-		 * holds the tasks. Same rule as effective_kcore in starpu_llm/runtime.py. */
+		 * holds the tasks. Same rule as effective_kcore in starpu_llm/runtime/starpu.py. */
 		use_parallel_workers = !getenv("SL_NO_PARALLEL_WORKERS") &&
 				       ncpus <= STARPU_MAXCPUS && distinct_cores(cores, ncpus);
 #endif
 		use_team = !use_parallel_workers && kcore == SL_KCORE_TEAM;
 	}
 	if (attach) {
-		/* the starter set the conf from the same decisions (starpu_llm/starpupy_face.py) */
+		/* the starter set the conf from the same decisions (starpu_llm/runtime/starpupy_face.py) */
 	} else if (use_team) {
 		/* One StarPU worker on the first core of each group; its tasks' OpenMP team takes
 		 * the group's other cores, which StarPU does not run workers on. */

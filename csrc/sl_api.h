@@ -25,7 +25,7 @@ typedef struct _starpu_data_state *sl_handle; /* == starpu_data_handle_t */
 int sl_start(int ncpus, int cores_per_task, int kcore, const int *cores, const char *sched,
 	     const void *comm);
 /* The same set-up after init as sl_start, on a StarPU that another starter (starpupy's
- * starpu.init(), starpu_llm/starpupy_face.py) has already initialised with the partition's
+ * starpu.init(), starpu_llm/runtime/starpupy_face.py) has already initialised with the partition's
  * configuration; sl_shutdown then leaves starpu_shutdown to that starter. No StarPU-MPI. */
 int sl_attach(int ncpus, int cores_per_task, int kcore, const int *cores);
 /* Before starpu.init(): room in StarPU's table of data interfaces for the next n interface

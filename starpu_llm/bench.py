@@ -77,7 +77,7 @@ def run_one(spec: dict) -> dict:
 
     spec: model, batch, seq_len, steps (timed, after one warm-up) and engine: "starpu"
     (workers, cores, kcore, sub_batches), "reference" (threads), "torch" (the standard eager
-    GPT-2: baselines/torch_sdpa.py) or "torch-readable" (torch_gpt2.py, the tests' oracle),
+    GPT-2: baselines/torch_sdpa.py) or "torch-readable" (baselines/torch_gpt2.py, the tests' oracle),
     both with threads (default: every usable core). With trace=True (StarPU engine) the result
     also has the task trace of every step: see traced_run."""
     from .config import MODELS
@@ -171,7 +171,7 @@ def run_in_subprocess(spec: dict, env=None, python: str | None = None) -> dict:
     spec["cpus"] = k: the process (and its threads) may use only the first k of this
     process's cores. spec["ranks"] = R > 1: R processes under mpirun (extra launcher options
     in spec["mpirun_args"], a list), each given its share of those cores by the trainer's
-    pinning (distributed.pin_rank); the result is rank 0's. python: the interpreter (default
+    pinning (runtime.mpi.pin_rank); the result is rank 0's. python: the interpreter (default
     this one), e.g. another virtual environment's, whose starpu_llm (another build or commit)
     then runs; it starts outside any source tree, so it imports its own installed package."""
     cmd = [python or sys.executable, "-m", "starpu_llm.bench", json.dumps(spec)]

@@ -1,6 +1,6 @@
 """The bench's PyTorch series (starpu_llm/baselines/torch_sdpa.py: SDPA attention, per-layer
 F.linear weights, tied head over the real vocabulary, fused AdamW) computes the same training
-step as the readable oracle (starpu_llm/torch_gpt2.py), from the same llm.c-layout weights.
+step as the readable oracle (starpu_llm/baselines/torch_gpt2.py), from the same llm.c-layout weights.
 
 Bounds (tests/bounds.py, "whole model"): both are fp32 evaluations of the same exact function,
 so each quantity is compared within the worst-case bound of two fp32 runs of it, whatever the

@@ -1,4 +1,4 @@
-"""Whole-model correctness: both engines against a PyTorch GPT-2 (starpu_llm/torch_gpt2.py).
+"""Whole-model correctness: both engines against a PyTorch GPT-2 (starpu_llm/baselines/torch_gpt2.py).
 
 Two models: a small one (random tokens, perturbed parameters so that every bias, layernorm
 parameter and padded wte row is non-trivial) and GPT-2 124M (random_init, Shakespeare tokens).

@@ -1,4 +1,4 @@
-"""starpupy as the runtime's Python face (starpu_llm/starpupy_face.py): StarPU started and
+"""starpupy as the runtime's Python face (starpu_llm/runtime/starpupy_face.py): StarPU started and
 stopped by starpupy trains exactly as when started through cffi, and the checkpoint write, a
 Python task submitted with starpupy into the task graph of the C codelets, writes the
 parameters of the step it follows while the next step runs.

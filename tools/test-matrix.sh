@@ -76,7 +76,7 @@ for cell in "${cells[@]}"; do
   seen=$(env "${env[@]}" "${pin[@]}" "$py" -c '
 import os, torch
 from starpu_llm._clib import ffi, lib
-print(f"BLAS {ffi.string(lib.sl_blas_name()).decode()}, torch {torch.backends.cpu.get_cpu_capability()}, "
+print(f"BLAS {ffi.string(lib.blas_name()).decode()}, torch {torch.backends.cpu.get_cpu_capability()}, "
       f"{len(os.sched_getaffinity(0))} core(s)")')
   echo "== $cell: $seen"
   t0=$SECONDS
