@@ -7,31 +7,23 @@ import sys
 from .errors import StarpuLLMError, flag as flag_of
 
 
-def _positive(flag):
-    def conv(s):
-        try:
-            v = int(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} expects a whole number, got {s!r}")
-        if v < 1:
-            raise argparse.ArgumentTypeError(f"{flag} must be at least 1, got {v}")
-        return v
-    return conv
+def _checked(parse, kind: str, ok, rule: str):
+    """An argparse type for a flag: parse the text (int, float), then check ok(value)."""
+    def for_flag(flag):
+        def conv(s):
+            try:
+                v = parse(s)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{flag} expects {kind}, got {s!r}")
+            if not ok(v):
+                raise argparse.ArgumentTypeError(f"{flag} must be {rule}, got {s}")
+            return v
+        return conv
+    return for_flag
 
 
-def _nonneg_float(flag):
-    def conv(s):
-        try:
-            v = float(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} expects a number, got {s!r}")
-        if not v >= 0:
-            raise argparse.ArgumentTypeError(f"{flag} must be >= 0, got {s}")
-        return v
-    return conv
-
-
-_CHECKS = {"positive": _positive, "nonneg": _nonneg_float}
+_CHECKS = {"positive": _checked(int, "a whole number", lambda v: v >= 1, "at least 1"),
+           "nonneg": _checked(float, "a number", lambda v: v >= 0, ">= 0")}
 
 
 def train_settings():

@@ -115,20 +115,19 @@ def handle_pointer(handle):
 @contextlib.contextmanager
 def _environment(values: dict):
     """os.environ updated with values for the block only (None: variable unset)."""
+    def apply(env):
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
     saved = {k: os.environ.get(k) for k in values}
     try:
-        for k, v in values.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        apply(values)
         yield
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        apply(saved)
 
 
 def start(ncpus: int, cores_per_worker: int, kcore_mode: str, kcore_value: int, cores: list,
