@@ -68,17 +68,17 @@ def build_parser():
     pr = sub.add_parser("prepare", help="tokenize a text file into llm.c train/val shards")
     pr.add_argument("text", nargs="?", help="UTF-8 text file (default: the bundled Shakespeare)")
     pr.add_argument("--out-dir", default=".", help="where the shards go (default: .)")
-    pr.add_argument("--val-tokens", type=_positive("--val-tokens"), default=32768)
+    pr.add_argument("--val-tokens", type=_CHECKS["positive"]("--val-tokens"), default=32768)
 
     b = sub.add_parser("bench", help="tokens/ms of the engines (and PyTorch eager) side by side")
     b.add_argument("--model", default="d12", choices=sorted(MODELS))
     b.add_argument("--batches", default="1,4,8", help="comma-separated B values (default 1,4,8)")
-    b.add_argument("--seq-len", type=_positive("--seq-len"), default=64)
-    b.add_argument("--steps", type=_positive("--steps"), default=10, help="timed steps (default 10)")
+    b.add_argument("--seq-len", type=_CHECKS["positive"]("--seq-len"), default=64)
+    b.add_argument("--steps", type=_CHECKS["positive"]("--steps"), default=10, help="timed steps (default 10)")
     b.add_argument("--partitions", default="default",
                    help="StarPU partitions NxK, comma-separated, or 'all' (default: 1 x all cores)")
     b.add_argument("--no-torch", action="store_true", help="skip the PyTorch eager reference")
-    b.add_argument("--repeat", type=_positive("--repeat"), default=1,
+    b.add_argument("--repeat", type=_CHECKS["positive"]("--repeat"), default=1,
                    help="runs of each configuration, interleaved round-robin; the median is "
                         "reported (default 1)")
     b.add_argument("--csv", metavar="PATH", help="also write the table as CSV")
