@@ -158,7 +158,7 @@ def test_dataloader_bad_inputs(tmp_path):
     with pytest.raises(StarpuLLMError) as ei:
         DataLoader(p, B=2, T=8)
     msg = str(ei.value)
-    assert "small.bin" in msg and "B*T+1 = 17" in msg and "has 10" in msg and "--batch/--seq-len" in msg
+    assert "small.bin" in msg and "B*T+1 = 17" in msg and "has 10" in msg and "use a smaller batch/seq_len" in msg
     with pytest.raises(StarpuLLMError, match="small.bin.*token id 9"):
         DataLoader(p, B=1, T=2, vocab_size=5)
     with pytest.raises(StarpuLLMError, match="nothere.bin"):
