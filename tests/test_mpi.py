@@ -154,3 +154,17 @@ def test_dead_rank_ends_the_job(shard, tmp_path):
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def test_resumed_run_equals_uninterrupted(shard, tmp_path):
+    """2 ranks: 4 steps in one run, and a run saving a checkpoint at step 2 (going on to
+    step 3) resumed up to step 4: the same losses and final parameters, to the bit."""
+    whole, part, ck = (str(tmp_path / n) for n in ("whole.jsonl", "part.jsonl", "ck"))
+    runs = [(whole, 4, ["--save", str(tmp_path / "whole.bin")]),
+            (part, 3, ["--save-every", "2", "--checkpoint-dir", ck]),
+            (part, 4, ["--resume", ck, "--save", str(tmp_path / "resumed.bin")])]
+    for metrics, steps, extra in runs:
+        p = mpirun(2, train_args(shard, metrics, steps=steps) + extra)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    assert losses(part) == losses(whole)
+    assert (tmp_path / "resumed.bin").read_bytes() == (tmp_path / "whole.bin").read_bytes()
