@@ -7,14 +7,17 @@
 from __future__ import annotations
 
 import json
+import os
 import resource
+import signal
+import threading
 import time
 from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from .io import data, formats
-from .io.atomic import AtomicFile
+from .io import checkpoint, data, formats
+from .io.atomic import AtomicFile, check_writable
 from .config import MODELS, GPTConfig, check_batch_shape
 from .errors import StarpuLLMError, opt
 from .state import TrainState, random_init
@@ -58,7 +61,18 @@ class TrainConfig:
     engine: str = setting("starpu", "starpu: the task graph; reference: the same kernels in a "
                           "plain loop", choices=["starpu", "reference"])
     seed: int = setting(1337, "seed of the random init", ranks_agree=True)
-    save: str | None = setting(None, "write the trained model (llm.c format)", metavar="PATH")
+    save: str | None = setting(None, "write the trained model (llm.c format) and its PATH.state "
+                               "(to --resume from), also when Ctrl-C stops the run", metavar="PATH")
+    save_every: int | None = setting(None, "write a checkpoint every N steps into "
+                                     "--checkpoint-dir", check="positive", metavar="N",
+                                     ranks_agree=True)
+    checkpoint_dir: str = setting("checkpoints", "where --save-every writes step_<N>.bin and its "
+                                  ".state (default: checkpoints)", metavar="DIR")
+    keep_checkpoints: int = setting(2, "checkpoints of --save-every kept, the newest (default 2)",
+                                    check="positive", metavar="K")
+    resume: str | None = setting(None, "continue the run saved in CKPT (a model with its .state, or "
+                                 "a --checkpoint-dir: its newest); --steps counts the whole run",
+                                 metavar="CKPT", ranks_agree=True)
     metrics_jsonl: str | None = setting(None, "one JSON object per step", metavar="PATH")
     # the n x k partition of the cores (StarPU engine)
     workers: int | None = setting(None, "N: parallel workers (default: 1)", check="positive",
@@ -103,6 +117,11 @@ def peak_rss_mb() -> float:
 
 
 def load_model(cfg: TrainConfig) -> TrainState:
+    if cfg.resume:
+        if cfg.init_from:
+            raise StarpuLLMError(f"{opt('resume')} continues a saved run and {opt('init_from')} "
+                                 f"starts a new one from given weights; give only one of them")
+        return checkpoint.read(cfg.resume)
     if cfg.init_from:
         config, params = formats.read_checkpoint(cfg.init_from)
     else:
@@ -145,17 +164,126 @@ def make_engine(cfg: TrainConfig, state: TrainState, tokens, runtime=None):
                         sub_batches=cfg.sub_batches, record=cfg.record)
 
 
+def check_outputs(cfg: TrainConfig, comm, rank: int) -> None:
+    """Fail before the first step, on every rank, when rank 0 (which writes them all) could
+    not write an output, instead of losing the trained model after the run."""
+    problem = None
+    if rank == 0:
+        try:
+            if cfg.save:
+                checkpoint.check_writable(cfg.save)
+            if cfg.save_every:
+                checkpoint.check_writable(checkpoint.step_path(cfg.checkpoint_dir, 0))
+            if cfg.metrics_jsonl:
+                check_writable(cfg.metrics_jsonl)
+        except StarpuLLMError as e:
+            problem = e.args[0]
+    if comm is not None:
+        problem = comm.bcast(problem, root=0)
+    if problem:
+        raise StarpuLLMError(problem)
+
+
+def open_metrics(path, step: int) -> AtomicFile:
+    """The metrics file, written under a temporary name as the run goes. A run resumed at
+    `step` keeps the rows up to that step from the file it replaces, so the file covers the
+    whole run (the rows of steps the resumed run redoes are dropped)."""
+    out = AtomicFile(path, text=True)
+    if step and os.path.exists(path):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+                    out.file.write(line)
+    return out
+
+
+def checkpoint_step(cfg: TrainConfig, engine, state: TrainState, loader, rank: int, log) -> None:
+    """--save-every's checkpoint of the step just done (every rank syncs; rank 0 writes). A
+    failed save does not end the run: the next one, or --save at the end, may succeed."""
+    engine.sync()
+    state.data = loader.state()
+    if rank != 0:
+        return
+    try:
+        log(f"checkpoint {checkpoint.save_step(cfg.checkpoint_dir, state, cfg.keep_checkpoints)}")
+    except StarpuLLMError as e:
+        log(f"warning: the checkpoint of step {state.step} was not written: {e}; training goes on")
+
+
+def save_model(cfg: TrainConfig, state: TrainState, log) -> None:
+    """--save at the end of the run. Should it fail after all (the path was checked before the
+    first step), the model goes to a fallback file in the working directory, so that the
+    training is not lost, and the error says where."""
+    try:
+        checkpoint.write(cfg.save, state)
+    except StarpuLLMError as e:
+        fallback = os.path.abspath(f"starpu-llm-unsaved-{os.getpid()}-step{state.step}.bin")
+        try:
+            checkpoint.write(fallback, state)
+        except StarpuLLMError as again:
+            raise StarpuLLMError(f"{e.args[0]}; writing the fallback {fallback} failed too "
+                                 f"({again.args[0]}): the trained model is lost") from e
+        raise StarpuLLMError(f"{e.args[0]}; the trained model was written to {fallback} "
+                             f"instead (and its state to {checkpoint.companion(fallback)})") from e
+    log(f"saved {cfg.save} and {checkpoint.companion(cfg.save)}")
+
+
+class StopOnCtrlC:
+    """While training, Ctrl-C (SIGINT) asks to stop after the current step, so the run ends
+    as after its last step (StarPU shut down, --save written) rather than wherever the signal
+    lands; a second Ctrl-C interrupts at once. Python runs signal handlers in the main thread
+    only, so elsewhere nothing changes."""
+
+    def __init__(self):
+        self.requested = False
+        self._installed = False
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc):
+        if self._installed:    # None: a handler not set from Python; Python's default then
+            signal.signal(signal.SIGINT, self._previous or signal.default_int_handler)
+
+    def _handler(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def stop(self, comm) -> bool:
+        """Whether to stop after this step; under MPI every rank stops after the same one."""
+        if comm is not None:
+            self.requested = any(comm.allgather(self.requested))
+        return self.requested
+
+
 def train(cfg: TrainConfig, state: TrainState | None = None, runtime=None) -> TrainResult:
-    """Train for cfg.steps steps; returns losses, timings and the final state.
+    """Train up to step cfg.steps (a resumed state continues from its step); returns losses,
+    timings and the final state.
 
     A running `runtime` is used (and left running); otherwise the StarPU engine starts one
-    for cfg's partition and shuts it down at the end."""
+    for cfg's partition and shuts it down at the end. Ctrl-C stops after the current step,
+    saves as at the end (--save, and a checkpoint with --save-every), then raises
+    KeyboardInterrupt (StopOnCtrlC)."""
+    with StopOnCtrlC() as ctrl_c:
+        return _train(cfg, state, runtime, ctrl_c)
+
+
+def _train(cfg: TrainConfig, state: TrainState | None, runtime, ctrl_c: StopOnCtrlC) -> TrainResult:
     if cfg.steps < 1:
         raise StarpuLLMError(f"{opt('steps')} must be at least 1, got {cfg.steps}")
     from .runtime import mpi as distributed
     comm = distributed.world() if runtime is None else runtime.comm
     rank = comm.Get_rank() if comm is not None else 0
     log = (cfg.log if rank == 0 else None) or (lambda *a, **k: None)
+    check_outputs(cfg, comm, rank)
     if comm is not None:
         if cfg.engine != "starpu":
             raise StarpuLLMError(f"under mpirun only {opt('engine')} starpu runs (the reference engine "
@@ -166,14 +294,17 @@ def train(cfg: TrainConfig, state: TrainState | None = None, runtime=None) -> Tr
             data.default_dataset()          # tokenize once, then every rank reads the cache
         comm.Barrier()
     state = state or load_model(cfg)
+    if state.step >= cfg.steps:
+        raise StarpuLLMError(f"the run is at step {state.step} already and {opt('steps')} counts the "
+                             f"steps of the whole run: give {opt('steps')} above {state.step}")
     config = state.config
     check_batch_shape(config, cfg.batch, cfg.seq_len)
     path = cfg.train_data or data.default_dataset()[0]
     loader = data.DataLoader(path, cfg.batch, cfg.seq_len, vocab_size=config.V)
-    if comm is not None:
-        distributed.check_same_settings(comm, run_settings(cfg, config, loader))
     if state.data:
         loader.load_state(state.data)
+    if comm is not None:
+        distributed.check_same_settings(comm, run_settings(cfg, config, loader))
 
     own_runtime = None
     if runtime is None and cfg.engine == "starpu":
@@ -184,14 +315,14 @@ def train(cfg: TrainConfig, state: TrainState | None = None, runtime=None) -> Tr
     if tracing:
         runtime.start_trace(200_000)
     # written as the run goes, under its final name at the end (also of a failed run)
-    metrics = AtomicFile(cfg.metrics_jsonl, text=True) if cfg.metrics_jsonl and rank == 0 else None
+    metrics = open_metrics(cfg.metrics_jsonl, state.step) if cfg.metrics_jsonl and rank == 0 else None
     log(f"model: L={config.L} NH={config.NH} C={config.C} V={config.V} Vp={config.Vp} "
         f"maxT={config.maxT}, {config.num_parameters:,} parameters")
     log(f"data: {path} ({loader.num_tokens:,} tokens), B={cfg.batch} T={cfg.seq_len}")
     log(f"engine: {result.engine}")
     try:
         tokens_per_step = cfg.batch * cfg.seq_len
-        for i in range(cfg.steps):
+        for i in range(cfg.steps - state.step):
             pos = loader.next_position()
             t0 = time.perf_counter()
             loss = engine.step(pos, cfg.lr, cfg.weight_decay)
@@ -207,6 +338,11 @@ def train(cfg: TrainConfig, state: TrainState | None = None, runtime=None) -> Tr
             if not np.isfinite(loss):
                 raise StarpuLLMError(f"the loss diverged at step {state.step} ({loss}); "
                                      f"lower {opt('lr')}")
+            stop = ctrl_c.stop(comm)
+            if cfg.save_every and (state.step % cfg.save_every == 0 or stop):
+                checkpoint_step(cfg, engine, state, loader, rank, log)
+            if stop:
+                break
         state.data = loader.state()
         timed = result.step_ms[cfg.warmup_steps:] or result.step_ms
         result.timed_steps = len(timed)
@@ -227,6 +363,10 @@ def train(cfg: TrainConfig, state: TrainState | None = None, runtime=None) -> Tr
     log(f"tokens/ms over {result.timed_steps} timed step(s): {result.tokens_per_ms:.4f}"
         f"   peak RSS: {result.peak_rss_mb:.0f} MB")
     if cfg.save and rank == 0:    # rank 0 owns the parameters
-        formats.write_checkpoint(cfg.save, config, state.params)
-        log(f"saved {cfg.save}")
+        save_model(cfg, state, log)
+    if ctrl_c.requested:
+        saved = cfg.save or (cfg.checkpoint_dir if cfg.save_every else None)
+        log(f"stopped by Ctrl-C after step {state.step}"
+            + (f"; continue with --resume {saved} --steps {cfg.steps}" if saved else ""))
+        raise KeyboardInterrupt
     return result

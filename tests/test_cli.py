@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from starpu_llm.io import formats
+from starpu_llm.io import checkpoint, formats
 from starpu_llm.config import MODELS, ParamLayout
 from starpu_llm.runtime import usable_cores
 from starpu_llm.state import random_init
@@ -57,7 +57,8 @@ def test_train_save_and_metrics(shard, tmp_path):
     config, params = formats.read_checkpoint(save)
     assert config == MICRO
     assert not np.array_equal(params, random_init(MICRO))   # trained, not the init
-    assert sorted(os.listdir(tmp_path / "out")) == ["model.bin"]   # no temporary left
+    # the model and its state, to resume from; no temporary left
+    assert sorted(os.listdir(tmp_path / "out")) == ["model.bin", "model.bin.state"]
 
 
 def test_init_from_checkpoint_gives_config_and_resumes_weights(shard, tmp_path):
@@ -138,14 +139,14 @@ def test_missing_file():
     assert_clean_error(rc, err, "/nonexistent/model.bin")
 
 
-def test_ctrl_c_exits_cleanly(shard):
-    """SIGINT mid-run: StarPU is shut down, exit status 130, no crash, no traceback."""
-    p = subprocess.Popen([sys.executable, "-u", "-m", "starpu_llm", "train", "--model", "micro",
-                          "--train-data", shard, "--batch", "2", "--seq-len", "16",
-                          "--steps", "100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)
+def interrupted(*args, cwd=None):
+    """`starpu-llm train *args` sent SIGINT once it printed step 3: (status, stdout, stderr)."""
+    p = subprocess.Popen([sys.executable, "-u", "-m", "starpu_llm", "train", *args], cwd=cwd,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = []
     try:
         for line in p.stdout:
+            lines.append(line)
             if "step    3/" in line:
                 break
         p.send_signal(signal.SIGINT)
@@ -153,6 +154,54 @@ def test_ctrl_c_exits_cleanly(shard):
     finally:
         if p.poll() is None:
             p.kill()
-    err = p.stderr.read()
+    return rc, "".join(lines) + p.stdout.read(), p.stderr.read()
+
+
+def test_ctrl_c_exits_cleanly(shard):
+    """SIGINT mid-run: StarPU is shut down, exit status 130, no crash, no traceback."""
+    rc, _, err = interrupted("--model", "micro", "--train-data", shard, "--batch", "2",
+                             "--seq-len", "16", "--steps", "100000")
     assert rc == 130, err
     assert "interrupted" in err and "Traceback" not in err
+
+
+def test_resume_from_a_checkpoint_directory(shard, tmp_path):
+    ck, metrics = str(tmp_path / "ck"), str(tmp_path / "m.jsonl")
+    args = ("train", "--model", "micro", "--train-data", shard, "--batch", "2", "--seq-len", "16",
+            "--metrics-jsonl", metrics)
+    rc, _, err = run(*args, "--steps", "3", "--save-every", "2", "--checkpoint-dir", ck)
+    assert rc == 0, err
+    assert sorted(os.listdir(ck)) == ["step_00000002.bin", "step_00000002.bin.state"]
+    rc, out, err = run(*args, "--steps", "5", "--resume", ck)
+    assert rc == 0, err
+    assert "step    3/5" in out and "step    2/5" not in out
+    # the resumed run's metrics: the first run's up to the checkpoint, then its own
+    assert [json.loads(l)["step"] for l in open(metrics)] == [1, 2, 3, 4, 5]
+    rc, _, err = run(*args, "--steps", "2", "--resume", ck)
+    assert_clean_error(rc, err, "at step 2 already", "--steps above 2")
+
+
+def test_unwritable_save_is_reported_before_training(shard, tmp_path):
+    (tmp_path / "a_file").write_text("")
+    rc, out, err = run("train", "--model", "micro", "--train-data", shard, "--seq-len", "16",
+                       "--save", str(tmp_path / "a_file" / "model.bin"))
+    assert_clean_error(rc, err, "a_file")
+    assert "step" not in out
+
+
+def test_ctrl_c_saves_a_checkpoint_to_resume_from(shard, tmp_path):
+    """SIGINT mid-run with --save: the run stops after the step under way, writes the model
+    and its state (no temporary, no core left), exits with 130; the run resumes from them."""
+    save = str(tmp_path / "model.bin")
+    args = ["--train-data", shard, "--batch", "2", "--seq-len", "16"]
+    rc, out, err = interrupted(*args, "--model", "micro", "--steps", "100000", "--save", save,
+                               cwd=tmp_path)
+    assert rc == 130, err
+    assert "interrupted" in err and "Traceback" not in err
+    last = max(int(l.split()[1].split("/")[0]) for l in out.splitlines() if l.startswith("step"))
+    assert checkpoint.read(save).step == last
+    assert f"continue with --resume {save} --steps 100000" in out
+    assert sorted(os.listdir(tmp_path)) == ["model.bin", "model.bin.state"]
+    rc, out, err = run("train", *args, "--resume", save, "--steps", str(last + 1))
+    assert rc == 0, err
+    assert f"step {last + 1:4d}/{last + 1}" in out

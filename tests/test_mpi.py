@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from starpu_llm.io import formats
+from starpu_llm.io import checkpoint, formats
 from starpu_llm._clib import lib
 from starpu_llm.config import MODELS
 from starpu_llm.io.data import DataLoader
@@ -130,27 +130,61 @@ def test_mismatched_settings_detected_before_training(shard, tmp_path):
     assert "step    1" not in p.stdout                    # nothing trained
 
 
-def test_dead_rank_ends_the_job(shard, tmp_path):
-    """kill -9 of one rank mid-run: the job exits non-zero within 60 s, no hang."""
+def signal_a_rank(tmp_path, args, rank, sig):
+    """Run `args` on 2 ranks and send `sig` to rank `rank` once step 3 is printed: (exit
+    status, seconds from the signal to the job's end, stdout)."""
     pids = tmp_path / "pids"
     pids.mkdir()
     wrapper = tmp_path / "rank.sh"
     wrapper.write_text(f'#!/bin/sh\necho $$ > {pids}/$OMPI_COMM_WORLD_RANK\nexec "$@"\n')
     wrapper.chmod(0o755)
-    args = train_args(shard, str(tmp_path / "m.jsonl"), batch=4, steps=100000)
     p = subprocess.Popen([MPIRUN, "--oversubscribe", "-np", "2", str(wrapper), sys.executable,
                           "-u", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, env=ENV)
+    lines = []
     try:
         for line in p.stdout:
+            lines.append(line)
             if "step    3/" in line:
                 break
-        os.kill(int((pids / "1").read_text()), signal.SIGKILL)
+        os.kill(int((pids / str(rank)).read_text()), sig)
         t0 = time.monotonic()
         rc = p.wait(timeout=60)
-        assert rc != 0
-        assert time.monotonic() - t0 < 60
+        return rc, time.monotonic() - t0, "".join(lines) + p.stdout.read()
     finally:
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def test_dead_rank_ends_the_job(shard, tmp_path):
+    """kill -9 of one rank mid-run: the job exits non-zero within 60 s, no hang."""
+    args = train_args(shard, str(tmp_path / "m.jsonl"), batch=4, steps=100000)
+    rc, seconds, _ = signal_a_rank(tmp_path, args, 1, signal.SIGKILL)
+    assert rc != 0 and seconds < 60
+
+
+def test_ctrl_c_of_one_rank_stops_every_rank_after_the_same_step(shard, tmp_path):
+    """SIGINT to rank 1 alone (mpirun itself would kill the ranks): every rank stops after
+    the same step, rank 0 saves the model and its state there, the job exits with 130."""
+    save = str(tmp_path / "model.bin")
+    args = train_args(shard, str(tmp_path / "m.jsonl"), batch=4, steps=100000) + ["--save", save]
+    rc, _, out = signal_a_rank(tmp_path, args, 1, signal.SIGINT)
+    assert rc == 130
+    last = max(int(l.split()[1].split("/")[0]) for l in out.splitlines() if l.startswith("step"))
+    assert checkpoint.read(save).step == last
+    assert f"stopped by Ctrl-C after step {last}" in out
+
+
+def test_resumed_run_equals_uninterrupted(shard, tmp_path):
+    """2 ranks: 4 steps in one run, and a run saving a checkpoint at step 2 (going on to
+    step 3) resumed up to step 4: the same losses and final parameters, to the bit."""
+    whole, part, ck = (str(tmp_path / n) for n in ("whole.jsonl", "part.jsonl", "ck"))
+    runs = [(whole, 4, ["--save", str(tmp_path / "whole.bin")]),
+            (part, 3, ["--save-every", "2", "--checkpoint-dir", ck]),
+            (part, 4, ["--resume", ck, "--save", str(tmp_path / "resumed.bin")])]
+    for metrics, steps, extra in runs:
+        p = mpirun(2, train_args(shard, metrics, steps=steps) + extra)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    assert losses(part) == losses(whole)
+    assert (tmp_path / "resumed.bin").read_bytes() == (tmp_path / "whole.bin").read_bytes()

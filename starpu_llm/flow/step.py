@@ -46,6 +46,11 @@ class Engine:
     def read(self, t: Tensor) -> np.ndarray:
         raise NotImplementedError
 
+    def sync(self):
+        """Make the state's arrays hold what the tasks submitted so far computed (the StarPU
+        engine's override; here the tensors are those arrays)."""
+        self.wait()
+
     def submitted(self) -> list | None:
         """The names of the tasks submitted so far, in order, when recording; else None."""
         return None

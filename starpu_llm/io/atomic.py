@@ -6,6 +6,7 @@ itself survives a crash. Failures raise StarpuLLMError naming the file and what 
 
     atomic_write(path, lambda f: f.write(data))          # all at once
     atomic_write_text(path, text)
+    check_writable(path)                                  # fail early, before the work
     out = AtomicFile(path, text=True)                     # progressively, renamed at the end
     out.file.write(line); ...; out.commit()               # (or out.discard())
 """
@@ -94,6 +95,14 @@ def atomic_write(path, write: Callable, text: bool = False) -> str:
 def atomic_write_text(path, text: str) -> str:
     """Write `text` (UTF-8) to `path` atomically."""
     return atomic_write(path, lambda f: f.write(text), text=True)
+
+
+def check_writable(path) -> None:
+    """Raise StarpuLLMError now if `path` could not be written later: a directory, or a place
+    where AtomicFile cannot create its directory or temporary file (the steps of a real write)."""
+    if os.path.isdir(path):
+        raise StarpuLLMError(f"{os.fspath(path)} is a directory; give the path of a file to write")
+    AtomicFile(path).discard()
 
 
 def _write_error(path: str, e: OSError) -> StarpuLLMError:

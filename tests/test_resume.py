@@ -1,0 +1,264 @@
+"""Checkpoints and exact resume: the checkpoint pair (io/checkpoint.py), saves that survive a
+SIGKILL, a run stopped and resumed giving the same bits as one that was not, outputs checked
+before the work and a failed final save rescued."""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from starpu_llm import StarpuLLMError
+from starpu_llm.config import MODELS, GPTConfig
+from starpu_llm.io import checkpoint, formats
+from starpu_llm.runtime import DEFAULT_KCORE, check_partition
+from starpu_llm.state import TrainState, random_init
+from starpu_llm.trainer import TrainConfig, train
+
+MICRO = MODELS["micro"]
+
+
+def state_at(step, config=MICRO, seed=0):
+    """A state with distinct parameters, moments, step and data position."""
+    rng = np.random.default_rng(seed + step)
+    n = config.num_parameters
+    return TrainState(config=config, params=random_init(config, seed + step),
+                      m=rng.standard_normal(n, dtype=np.float32),
+                      v=rng.random(n, dtype=np.float32), step=step, data={"position": 32 * step})
+
+
+def assert_same_state(a, b):
+    assert a.config == b.config and a.step == b.step and a.data == b.data
+    for name in ("params", "m", "v"):
+        assert np.array_equal(getattr(a, name), getattr(b, name)), name
+
+
+# --------------------------------------------------------------------------- the pair
+
+def test_round_trip(tmp_path):
+    path = str(tmp_path / "model.bin")
+    saved = state_at(5)
+    checkpoint.write(path, saved)
+    assert_same_state(checkpoint.read(path), saved)
+    # the model file alone is an llm.c checkpoint
+    config, params = formats.read_checkpoint(path)
+    assert config == MICRO and np.array_equal(params, saved.params)
+    assert sorted(os.listdir(tmp_path)) == ["model.bin", "model.bin.state"]
+
+
+def test_companion_of_another_model_is_refused(tmp_path):
+    a, b = str(tmp_path / "a.bin"), str(tmp_path / "b.bin")
+    checkpoint.write(a, state_at(5))
+    checkpoint.write(b, state_at(5, GPTConfig(max_seq_len=32, vocab_size=250,
+                                              padded_vocab_size=256, num_layers=1,
+                                              num_heads=2, channels=32)))
+    os.replace(checkpoint.companion(b), checkpoint.companion(a))
+    with pytest.raises(StarpuLLMError, match=r"a\.bin\.state does not belong to .*a\.bin.*L=1"):
+        checkpoint.read(a)
+
+
+def test_companion_of_another_step_is_refused(tmp_path):
+    a, b = str(tmp_path / "a.bin"), str(tmp_path / "b.bin")
+    checkpoint.write(a, state_at(5))
+    checkpoint.write(b, state_at(6))
+    os.replace(checkpoint.companion(b), checkpoint.companion(a))
+    with pytest.raises(StarpuLLMError, match="at step 6.*different saves"):
+        checkpoint.read(a)
+
+
+def test_missing_truncated_or_corrupt_companion(tmp_path):
+    path = str(tmp_path / "model.bin")
+    comp = checkpoint.companion(path)
+    formats.write_checkpoint(path, MICRO, random_init(MICRO))
+    with pytest.raises(StarpuLLMError, match="no companion file.*init_from"):
+        checkpoint.read(path)
+    checkpoint.write(path, state_at(5))
+    good = open(comp, "rb").read()
+    open(comp, "wb").write(good[:-4])
+    with pytest.raises(StarpuLLMError, match="bytes, but a companion of this model has"):
+        checkpoint.read(path)
+    open(comp, "wb").write(good[:-1] + bytes([good[-1] ^ 1]))
+    with pytest.raises(StarpuLLMError, match="corrupt"):
+        checkpoint.read(path)
+    open(comp, "wb").write(b"\0" * 2000)
+    with pytest.raises(StarpuLLMError, match="not a starpu-llm checkpoint companion"):
+        checkpoint.read(path)
+
+
+def test_a_save_failing_midway_leaves_no_mixed_pair(tmp_path, monkeypatch):
+    """Re-saving over a pair: the old companion goes first, so a save that stops after the
+    model leaves an incomplete checkpoint, not the new model beside the old companion."""
+    path = str(tmp_path / "model.bin")
+    checkpoint.write(path, state_at(5))
+
+    def fail(target, write, text=False):
+        raise StarpuLLMError(f"writing {target} failed")
+    monkeypatch.setattr(checkpoint.atomic, "atomic_write", fail)
+    with pytest.raises(StarpuLLMError):
+        checkpoint.write(path, state_at(6))
+    monkeypatch.undo()
+    assert np.array_equal(formats.read_checkpoint(path)[1], state_at(6).params)
+    with pytest.raises(StarpuLLMError, match="no companion file"):
+        checkpoint.read(path)
+
+
+def test_directory_keeps_the_newest_complete(tmp_path):
+    d = tmp_path / "ck"
+    for step in range(1, 6):
+        checkpoint.save_step(d, state_at(step), keep=2)
+    assert sorted(os.listdir(d)) == ["step_00000004.bin", "step_00000004.bin.state",
+                                     "step_00000005.bin", "step_00000005.bin.state"]
+    # a newer model whose companion was never written is not a checkpoint yet
+    formats.write_checkpoint(checkpoint.step_path(d, 6), MICRO, random_init(MICRO))
+    assert_same_state(checkpoint.read(d), state_at(5))
+    with pytest.raises(StarpuLLMError, match="no complete checkpoint"):
+        checkpoint.read(tmp_path)
+
+
+# --------------------------------------------------------------------------- killed mid-save
+
+SAVER = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from starpu_llm import StarpuLLMError
+    from starpu_llm.config import GPTConfig
+    from starpu_llm.io import checkpoint
+    from starpu_llm.state import TrainState
+
+    config = GPTConfig(max_seq_len=64, vocab_size=50257, padded_vocab_size=50304, num_layers=2,
+                       num_heads=4, channels=128)
+    n = config.num_parameters
+    try:
+        step = checkpoint.read(sys.argv[1]).step
+    except StarpuLLMError:
+        step = 0
+    while True:
+        step += 1
+        state = TrainState(config=config, params=np.full(n, step, np.float32),
+                           m=np.full(n, -step, np.float32), v=np.full(n, 2 * step, np.float32),
+                           step=step, data={"position": 7 * step})
+        checkpoint.save_step(sys.argv[1], state, keep=2)
+        print(step, flush=True)
+""")
+
+
+def test_sigkill_mid_save_leaves_the_previous_checkpoint(tmp_path):
+    """A process saving a 7M-parameter model (84 MB a checkpoint) in a loop is killed after a
+    random delay, four times; each time the directory's newest complete checkpoint, and every
+    other complete one, loads and is the save of one step. Most kills land inside a save,
+    leaving a temporary file or a model without its companion (the next save removes them)."""
+    d = str(tmp_path / "ck")
+    rng = random.Random(13)
+    midway = 0
+    for _ in range(4):
+        p = subprocess.Popen([sys.executable, "-c", SAVER, d], stdout=subprocess.PIPE, text=True)
+        try:
+            done = int(p.stdout.readline())        # one complete save in this round
+            time.sleep(rng.uniform(0.0, 1.5))
+            p.send_signal(signal.SIGKILL)
+            p.wait(timeout=30)
+        finally:
+            if p.poll() is None:
+                p.kill()
+        done = max([done] + [int(line) for line in p.stdout.read().split()])
+        models = checkpoint.saved_steps(d)
+        complete = [s for s, m in models.items() if os.path.exists(checkpoint.companion(m))]
+        midway += len(complete) < len(models) or any(n.endswith(".tmp") for n in os.listdir(d))
+        assert checkpoint.read(d).step == max(complete) >= done
+        for step in complete:
+            s = checkpoint.read(models[step])
+            assert s.step == step and s.data == {"position": 7 * step}
+            assert (s.params == step).all() and (s.m == -step).all() and (s.v == 2 * step).all()
+    assert midway, "no kill landed inside a save: make the saved model larger"
+
+
+# --------------------------------------------------------------------------- exact resume
+
+@pytest.fixture(scope="module")
+def shard(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("data") / "micro_train.bin")
+    rng = np.random.default_rng(0)
+    # a short shard: the 6 steps of 4 x 16 tokens wrap around it once
+    formats.write_shard(path, rng.integers(0, MICRO.V, 200).astype(np.uint16))
+    return path
+
+
+def config(shard, **kw):
+    return TrainConfig(**{**dict(model="micro", train_data=shard, batch=4, seq_len=16,
+                                 lr=1e-2, weight_decay=0.01, log=None), **kw})
+
+
+def rows(path):
+    return [json.loads(line) for line in open(path)]
+
+
+@pytest.mark.parametrize("engine,workers,cores", [
+    ("reference", None, None), ("starpu", 1, 1), ("starpu", 1, 2), ("starpu", 2, 1)])
+def test_stopped_and_resumed_equals_uninterrupted(shard, tmp_path, engine, workers, cores):
+    """6 steps in one run, and 3 steps saved every 3 then resumed with steps=6: the same
+    losses and the same final parameters and moments, to the bit."""
+    if engine == "starpu":
+        try:
+            check_partition(workers, cores, False, DEFAULT_KCORE)
+        except StarpuLLMError as e:
+            pytest.skip(f"{workers}x{cores} does not fit here: {e}")
+    kw = dict(engine=engine, workers=workers, cores_per_worker=cores)
+    whole = train(config(shard, steps=6, metrics_jsonl=str(tmp_path / "whole.jsonl"), **kw))
+    metrics, ck = str(tmp_path / "m.jsonl"), str(tmp_path / "ck")
+    first = train(config(shard, steps=3, save_every=3, checkpoint_dir=ck, metrics_jsonl=metrics,
+                         **kw))
+    assert checkpoint.read(ck).step == 3
+    rest = train(config(shard, steps=6, resume=ck, metrics_jsonl=metrics, **kw))
+    assert first.losses + rest.losses == whole.losses
+    assert_same_state(rest.state, whole.state)
+    # the metrics file of the resumed run is the whole run's, steps numbered globally
+    assert [(r["step"], r["loss"]) for r in rows(metrics)] == \
+           [(r["step"], r["loss"]) for r in rows(str(tmp_path / "whole.jsonl"))]
+
+
+def test_resume_needs_steps_beyond_the_checkpoint(shard, tmp_path):
+    path = str(tmp_path / "model.bin")
+    checkpoint.write(path, state_at(3))
+    with pytest.raises(StarpuLLMError, match="at step 3 already.*steps above 3"):
+        train(config(shard, steps=3, resume=path, engine="reference"))
+    with pytest.raises(StarpuLLMError, match="only one of them"):
+        train(config(shard, steps=5, resume=path, init_from=path, engine="reference"))
+
+
+# --------------------------------------------------------------------------- outputs
+
+@pytest.mark.parametrize("setting", ["save", "metrics_jsonl", "checkpoint_dir"])
+def test_unwritable_output_fails_before_the_first_step(shard, tmp_path, setting):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    lines = []
+    outputs = dict(save_every=1, checkpoint_dir=str(tmp_path / "ck"))
+    outputs[setting] = str(blocker / "out")
+    with pytest.raises(StarpuLLMError, match="a_file"):
+        train(config(shard, steps=2, engine="reference", log=lines.append, **outputs))
+    assert lines == []                            # nothing loaded, nothing trained
+    with pytest.raises(StarpuLLMError, match="is a directory"):
+        train(config(shard, steps=2, engine="reference", save=str(tmp_path)))
+
+
+def test_failed_final_save_goes_to_a_fallback_file(shard, tmp_path, monkeypatch):
+    """The --save directory is replaced by a file during the run (permissions would not
+    stop root): the model goes to a file in the working directory, named in the error."""
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+
+    def log(line):
+        if line.startswith("step") and out.is_dir():
+            out.rename(tmp_path / "moved")
+            out.write_text("")
+
+    with pytest.raises(StarpuLLMError, match="written to (.*starpu-llm-unsaved-.*-step2.bin)") as e:
+        train(config(shard, steps=2, engine="reference", save=str(out / "model.bin"), log=log))
+    fallback = e.value.args[0].split("written to ")[1].split(" ")[0]
+    assert os.path.dirname(fallback) == os.path.realpath(tmp_path)
+    assert checkpoint.read(fallback).step == 2
