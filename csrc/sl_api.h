@@ -99,8 +99,15 @@ int sl_submit_crossentropy_forward(sl_handle probs, sl_handle losses, sl_handle 
 				   sl_handle targets, int N, int V, int Vp);
 int sl_submit_crossentropy_backward(sl_handle dlogits, sl_handle probs, sl_handle targets, int N,
 				    int V, int Vp, float dloss);
-int sl_submit_adamw(sl_handle params, sl_handle grads, sl_handle m, sl_handle v, float lr,
-		    float beta1, float beta2, float eps, float weight_decay, int t);
+/* sumsq: NULL (no clipping, max_norm 0), or the squared global gradient norm (1 double, the
+ * root of the norm_sum tree) by which the task clips the gradient to max_norm > 0 */
+int sl_submit_adamw(sl_handle params, sl_handle grads, sl_handle m, sl_handle v, sl_handle sumsq,
+		    float max_norm, float lr, float beta1, float beta2, float eps,
+		    float weight_decay, int t);
+/* sumsq (1 double) = sum of squares of grad (gradient clipping, csrc/codelets/gradnorm.c) */
+int sl_submit_grad_sumsq(sl_handle sumsq, sl_handle grad);
+/* out (1 double) = in[0] + ... + in[n-1] (1 double each), 1 <= n <= 7 */
+int sl_submit_norm_sum(sl_handle out, const sl_handle *in, int n);
 /* inputs/targets (n int32) from tokens[pos .. pos+n] (the caller keeps tokens alive) */
 int sl_submit_load_batch(sl_handle inputs, sl_handle targets, const uint16_t *tokens, size_t pos,
 			 size_t n);

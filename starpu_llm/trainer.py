@@ -20,7 +20,9 @@ from .io import checkpoint, data, formats
 from .io.atomic import AtomicFile, check_writable
 from .config import MODELS, GPTConfig, check_batch_shape
 from .errors import StarpuLLMError, opt
+from .schedule import SCHEDULES, check_schedule, learning_rate
 from .state import TrainState, random_init
+from .validation import Validation
 
 
 PARALLELISM = "parallelism (StarPU engine)"     # the help group of the partition flags
@@ -74,6 +76,23 @@ class TrainConfig:
                                  "a --checkpoint-dir: its newest); --steps counts the whole run",
                                  metavar="CKPT", ranks_agree=True)
     metrics_jsonl: str | None = setting(None, "one JSON object per step", metavar="PATH")
+    # validation, learning-rate schedule, gradient clipping
+    val_data: str | None = setting(None, "validation shard (default: the bundled corpus's "
+                                   "validation shard)", metavar="SHARD")
+    val_every: int = setting(0, "mean validation loss every N steps and after the last "
+                             "(default 0: none)", metavar="N", ranks_agree=True)
+    val_batches: int = setting(10, "M fixed validation batches (default 10)", check="positive",
+                               metavar="M", ranks_agree=True)
+    lr_schedule: str = setting("constant", "learning rate: constant, or cosine decay to "
+                               "--min-lr over the run (after the warmup)",
+                               choices=list(SCHEDULES), ranks_agree=True)
+    warmup_steps: int = setting(0, "linear learning-rate warmup over the first N steps "
+                                "(default 0)", metavar="N", ranks_agree=True)
+    min_lr: float = setting(0.0, "the cosine schedule's final learning rate (default 0)",
+                            check="nonneg", ranks_agree=True)
+    grad_clip: float = setting(0.0, "clip the global L2 norm of the gradients to C before "
+                               "AdamW (default 0: off)", check="nonneg", metavar="C",
+                               ranks_agree=True)
     # the n x k partition of the cores (StarPU engine)
     workers: int | None = setting(None, "N: parallel workers (default: 1)", check="positive",
                                   group=PARALLELISM)
@@ -93,7 +112,7 @@ class TrainConfig:
     threads: int | None = setting(None, "reference engine: OpenMP/BLAS threads (default: all cores)",
                                   check="positive", group=PARALLELISM)
     # Python-only settings (no flag)
-    warmup_steps: int = 1              # steps excluded from the tokens/ms metric
+    untimed_steps: int = 1             # first steps excluded from the tokens/ms metric
     trace: bool = False                # record each task's worker and start/end times
     record: bool = False               # record each submitted task (name, writes, reads)
     log: callable = print              # where step lines go (None: silent)
@@ -110,6 +129,7 @@ class TrainResult:
     state: TrainState | None = None
     trace: list | None = None
     records: list | None = None
+    val_losses: list = field(default_factory=list)   # (step, validation loss)
 
 
 def peak_rss_mb() -> float:
@@ -264,6 +284,20 @@ class StopOnCtrlC:
         return self.requested
 
 
+def step_extras(cfg: TrainConfig, engine, validation, lr: float, rank: int, last: bool) -> dict:
+    """What the metrics record of a step beyond its loss and time, when it applies: the
+    scheduled learning rate, the gradients' norm before clipping (rank 0 holds it), the
+    validation loss (after the step's update, every val_every steps and after the last)."""
+    extra = {}
+    if cfg.lr_schedule != "constant" or cfg.warmup_steps:
+        extra["lr"] = lr
+    if cfg.grad_clip > 0 and rank == 0:
+        extra["grad_norm"] = engine.grad_norm()
+    if validation and validation.due(engine.state.step, last):
+        extra["val_loss"] = validation.loss(engine)
+    return extra
+
+
 def train(cfg: TrainConfig, state: TrainState | None = None, runtime=None) -> TrainResult:
     """Train up to step cfg.steps (a resumed state continues from its step); returns losses,
     timings and the final state.
@@ -279,6 +313,7 @@ def train(cfg: TrainConfig, state: TrainState | None = None, runtime=None) -> Tr
 def _train(cfg: TrainConfig, state: TrainState | None, runtime, ctrl_c: StopOnCtrlC) -> TrainResult:
     if cfg.steps < 1:
         raise StarpuLLMError(f"{opt('steps')} must be at least 1, got {cfg.steps}")
+    check_schedule(cfg.lr_schedule, cfg.lr, cfg.warmup_steps, cfg.min_lr)
     from .runtime import mpi as distributed
     comm = distributed.world() if runtime is None else runtime.comm
     rank = comm.Get_rank() if comm is not None else 0
@@ -290,7 +325,7 @@ def _train(cfg: TrainConfig, state: TrainState | None, runtime, ctrl_c: StopOnCt
                                  "is a single process)")
         if runtime is None:
             distributed.pin_rank(comm)
-        if rank == 0 and not cfg.train_data:
+        if rank == 0 and not (cfg.train_data and (cfg.val_data or not cfg.val_every)):
             data.default_dataset()          # tokenize once, then every rank reads the cache
         comm.Barrier()
     state = state or load_model(cfg)
@@ -305,6 +340,10 @@ def _train(cfg: TrainConfig, state: TrainState | None, runtime, ctrl_c: StopOnCt
         loader.load_state(state.data)
     if comm is not None:
         distributed.check_same_settings(comm, run_settings(cfg, config, loader))
+    validation = None
+    if cfg.val_every:
+        validation = Validation(cfg.val_data or data.default_dataset()[1], cfg.batch,
+                                cfg.seq_len, config.V, cfg.val_every, cfg.val_batches)
 
     own_runtime = None
     if runtime is None and cfg.engine == "starpu":
@@ -320,20 +359,29 @@ def _train(cfg: TrainConfig, state: TrainState | None, runtime, ctrl_c: StopOnCt
         f"maxT={config.maxT}, {config.num_parameters:,} parameters")
     log(f"data: {path} ({loader.num_tokens:,} tokens), B={cfg.batch} T={cfg.seq_len}")
     log(f"engine: {result.engine}")
+    if validation:
+        log(validation.describe())
     try:
         tokens_per_step = cfg.batch * cfg.seq_len
+        # --steps counts the whole run (a resumed one too): also the schedule's horizon
         for i in range(cfg.steps - state.step):
             pos = loader.next_position()
+            lr = learning_rate(state.step, cfg.steps, cfg.lr, cfg.lr_schedule, cfg.warmup_steps,
+                               cfg.min_lr)
             t0 = time.perf_counter()
-            loss = engine.step(pos, cfg.lr, cfg.weight_decay)
+            loss = engine.step(pos, lr, cfg.weight_decay, cfg.grad_clip)
             ms = (time.perf_counter() - t0) * 1e3
             result.losses.append(loss)
             result.step_ms.append(ms)
             tpm = tokens_per_step / ms
-            log(f"step {state.step:4d}/{cfg.steps}: train loss {loss:.6f} ({ms:.1f} ms, {tpm:.3f} tok/ms)")
+            extra = step_extras(cfg, engine, validation, lr, rank, last=state.step == cfg.steps)
+            if "val_loss" in extra:
+                result.val_losses.append((state.step, extra["val_loss"]))
+            log(f"step {state.step:4d}/{cfg.steps}: train loss {loss:.6f} ({ms:.1f} ms, {tpm:.3f} tok/ms)"
+                + "".join(f", {k.replace('_', ' ')} {v:.6g}" for k, v in extra.items()))
             if metrics:
                 metrics.file.write(json.dumps({"step": state.step, "loss": loss, "ms": ms,
-                                               "tokens_per_ms": tpm}) + "\n")
+                                               "tokens_per_ms": tpm, **extra}) + "\n")
                 metrics.file.flush()
             if not np.isfinite(loss):
                 raise StarpuLLMError(f"the loss diverged at step {state.step} ({loss}); "
@@ -344,7 +392,7 @@ def _train(cfg: TrainConfig, state: TrainState | None, runtime, ctrl_c: StopOnCt
             if stop:
                 break
         state.data = loader.state()
-        timed = result.step_ms[cfg.warmup_steps:] or result.step_ms
+        timed = result.step_ms[cfg.untimed_steps:] or result.step_ms
         result.timed_steps = len(timed)
         result.tokens_per_ms = tokens_per_step * len(timed) / sum(timed)
         if cfg.trace:

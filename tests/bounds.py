@@ -374,3 +374,48 @@ class AdamDrift:
         """Tensor n of the float64 per-entry bound (a view)."""
         o, shape = self.layout.offsets[n], self.layout.shapes[n]
         return self.bound[o:o + int(np.prod(shape))].reshape(shape)
+
+
+# ---- gradient clipping
+# Clipping (torch.nn.utils.clip_grad_norm_) multiplies every gradient by
+# s = min(1, C / (n + 1e-6)), n the global L2 norm of all gradients. Two runs whose gradients
+# differ by |g_a - g_b| <= eta = grad_rel * slice scale (per entry, as above):
+#   - the exact norms of their gradients differ by at most ||eta||_2 (the triangle inequality),
+#     and each run computes its norm from per-tensor sums of squares (k terms, the squares
+#     rounded: gamma(k + 1)), their square roots (u), the sum of the P per-tensor squares
+#     (gamma(P + 1)) and its square root (u): a relative error <= gamma(k + P + 6) (fp32,
+#     torch; the engines sum in float64, far below it). So
+#         |n_a - n_b| <= ||eta||_2 + 2 gamma(k_max + P + 6) n        (gradnorm_bound)
+#   - min(1, C / (x + 1e-6)) moves by at most |x - y| / (min(x, y) + 1e-6) relative, and its
+#     own computation rounds (+, /, the clamp, a conversion: gamma(4)); where both runs'
+#     norms stay below C - 1e-6 neither clips, s = 1 exactly:
+#         ds = |s_a - s_b| / s_b <= |n_a - n_b| / (n_b - |n_a - n_b|) + gamma(4)
+#   - the clipped gradients then differ by
+#         |s_a g_a - s_b g_b| <= s_b eta + ds s_b |g_a| + 2 u s |g|
+#     which, relative to the slice scale of the reference's clipped gradient s_b g_b, is
+#         grad_rel + ds (1 + grad_rel) + 2u                           (clipped_grad_rel)
+#     the gradient bound AdamDrift takes for that step.
+# First order, as the rest of the section.
+
+
+def gradnorm_bound(layout, grads, grad_rel: float, partials: int) -> float:
+    """|n_a - n_b| for two runs' global gradient norms (see above): grads the reference's
+    (unclipped) gradients, a flat ParamLayout buffer or a dict of its tensors; partials the
+    number of per-tensor sums of squares (the larger of the two runs')."""
+    views = grads if isinstance(grads, dict) else layout.views(grads)
+    scales = slice_scales(layout, views)
+    eta2 = sum(float(np.sum(np.broadcast_to(grad_rel * scales[n], np.shape(g)) ** 2))
+               for n, g in views.items())
+    norm = float(np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in views.values())))
+    k_max = max(int(np.size(g)) for g in views.values())
+    return float(np.sqrt(eta2)) + 2.0 * gamma(k_max + partials + 6) * norm
+
+
+def clipped_grad_rel(norm: float, norm_bound: float, max_norm: float, grad_rel: float) -> float:
+    """The relative gradient bound of two runs after clipping to max_norm (see above): norm
+    the reference's global norm, norm_bound gradnorm_bound."""
+    if (norm + norm_bound + 1e-6) * (1.0 + gamma(4)) <= max_norm:
+        return grad_rel                      # neither run clips: s = 1 exactly
+    assert norm_bound < norm, "the norm's bound is as large as the norm: nothing to compare"
+    ds = norm_bound / (norm - norm_bound) + gamma(4)
+    return grad_rel + ds * (1.0 + grad_rel) + 2.0 * U

@@ -23,14 +23,16 @@ def declared(codelet, redux, accumulate):
 
 def allowed(codelet, redux):
     """Every mode list a task of the codelet may run with in a step of this redux: either
-    accumulate, with or without an optional last buffer."""
+    accumulate, with or without its optional trailing buffers (any number of the last)."""
     out = set()
     for accumulate in (0, 1):
         modes = declared(codelet, redux, accumulate)
         full = tuple(m & ~lib.SL_ACCESS_OPTIONAL for m in modes)
         out.add(full)
-        if modes and modes[-1] & lib.SL_ACCESS_OPTIONAL:
-            out.add(full[:-1])
+        n = len(modes)
+        while n and modes[n - 1] & lib.SL_ACCESS_OPTIONAL:
+            n -= 1
+            out.add(full[:n])
     return out
 
 
@@ -38,7 +40,9 @@ def test_declared_table():
     ids = {ffi.string(lib.sl_codelet_name(i)).decode(): i for i in range(lib.sl_codelet_count())}
     r, w, rw, redux = lib.SL_ACCESS_R, lib.SL_ACCESS_W, lib.SL_ACCESS_R | lib.SL_ACCESS_W, lib.SL_ACCESS_REDUX
     opt = lib.SL_ACCESS_OPTIONAL
-    assert declared(ids["adamw"], 0, 0) == [rw] * 4
+    assert declared(ids["adamw"], 0, 0) == [rw] * 4 + [r | opt]     # [the gradient norm]
+    assert declared(ids["grad_sumsq"], 0, 0) == [w, r]
+    assert declared(ids["norm_sum"], 0, 0) == [w, r] + [r | opt] * 6
     assert declared(ids["matmul_backward"], 0, 0) == [w, rw, r, r, r, rw | opt]
     assert declared(ids["matmul_backward"], 1, 0) == [w, redux, r, r, r, redux | opt]
     assert declared(ids["layernorm_backward"], 0, 0)[0] == w
@@ -46,10 +50,10 @@ def test_declared_table():
     assert lib.sl_codelet_modes(lib.sl_codelet_count(), 0, 0, ffi.NULL, 0) < 0
 
 
-@pytest.mark.parametrize("sub_batches,redux", [(None, 0), (2, 1)])
-def test_traced_modes_are_the_declared_ones(sub_batches, redux):
+@pytest.mark.parametrize("sub_batches,redux,grad_clip", [(None, 0, 0.0), (2, 1, 0.0), (2, 1, 1.0)])
+def test_traced_modes_are_the_declared_ones(sub_batches, redux, grad_clip):
     with Runtime(1, 1) as rt:
-        events, _ = traced_step(rt, MICRO, TOKENS, sub_batches=sub_batches)
+        events, _ = traced_step(rt, MICRO, TOKENS, sub_batches=sub_batches, grad_clip=grad_clip)
     ids = {ffi.string(lib.sl_codelet_name(i)).decode(): i for i in range(lib.sl_codelet_count())}
     seen = set()
     for name, _, _, _, _, buffers in events:
@@ -66,3 +70,6 @@ def test_traced_modes_are_the_declared_ones(sub_batches, redux):
     assert {len(m) for n, m in seen if n == "matmul_backward"} == {5, 6}
     assert {m[0] for n, m in seen if n == "layernorm_backward"} == {
         lib.SL_ACCESS_W, lib.SL_ACCESS_R | lib.SL_ACCESS_W}
+    # the update reads the gradient norm exactly when clipping; the norm's tasks ran then only
+    assert {len(m) for n, m in seen if n == "adamw"} == ({5} if grad_clip else {4})
+    assert ({"grad_sumsq", "norm_sum"} <= names) == bool(grad_clip)

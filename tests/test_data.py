@@ -157,8 +157,9 @@ def test_dataloader_bad_inputs(tmp_path):
     formats.write_shard(p, np.arange(10))
     with pytest.raises(StarpuLLMError) as ei:
         DataLoader(p, B=2, T=8)
-    msg = ei.value.render(flag)            # the settings as the CLI names them
-    assert "small.bin" in msg and "B*T+1 = 17" in msg and "has 10" in msg and "--batch/--seq-len" in msg
+    msg = str(ei.value)    # settings named as TrainConfig fields, as flags by the CLI
+    assert "small.bin" in msg and "B*T+1 = 17" in msg and "has 10" in msg and "batch/seq_len" in msg
+    assert "--batch/--seq-len" in ei.value.render(flag)
     with pytest.raises(StarpuLLMError, match="small.bin.*token id 9"):
         DataLoader(p, B=1, T=2, vocab_size=5)
     with pytest.raises(StarpuLLMError, match="nothere.bin"):

@@ -586,8 +586,10 @@ def test_crossentropy_gpt2_vocab_row(rng):
 # ---------------------------------------------------------------- adamw
 
 
-@pytest.mark.parametrize("zero_grad", [0, 1])
-def test_adamw_three_steps(rng, zero_grad):
+@pytest.mark.parametrize("zero_grad,grad_scale", [(0, 1.0), (1, 1.0), (1, 0.25)])
+def test_adamw_three_steps(rng, zero_grad, grad_scale):
+    # grad_scale (gradient clipping's factor) multiplies the gradient; a power of two, so the
+    # scaled gradient is exact and the bounds below hold unchanged
     lr, b1, b2, eps, wd = 1e-3, 0.9, 0.999, 1e-8, 0.01
     # The kernel takes its hyperparameters as C floats, so it computes AdamW with them rounded
     # to fp32 (1 - 0.999f is 1.3e-5 away from 1 - 0.999, relatively): the float64 reference
@@ -617,12 +619,14 @@ def test_adamw_three_steps(rng, zero_grad):
         g[:50] = 0.0  # no gradient: moments decay, weight decay still applies
         g[50:60] *= 1e-6  # sqrt(vhat) comparable to eps
         grads_c[:] = g
-        lib.adamw_update(fp(params), fp(grads_c), fp(m), fp(v), n, lr, b1, b2, eps, wd, step, zero_grad)
+        lib.adamw_update(fp(params), fp(grads_c), fp(m), fp(v), n, lr, b1, b2, eps, wd, step, zero_grad,
+                         grad_scale)
         if zero_grad:
             assert np.all(grads_c == 0)
         else:
-            assert np.array_equal(grads_c, g)
+            assert np.array_equal(grads_c, g)   # the unscaled gradient, left as it was
         P0, M0, _ = ref_state()
+        g = g * np.float32(grad_scale)    # exact (a power of two)
         for p_t, g_part in zip(tparams, np.split(g, np.cumsum(sizes)[:-1])):
             p_t.grad = t64(g_part.reshape(p_t.shape))
         opt.step()
@@ -651,6 +655,45 @@ def test_adamw_three_steps(rng, zero_grad):
     close(params, P1, e_p, "adamw params")
     close(m, M1, e_m, "adamw m")
     close(v, V1, rel_v * V1, "adamw v")
+
+
+# ---------------------------------------------------------------- gradient norm (clipping)
+
+
+@pytest.mark.parametrize("n", [1, 37, 4096, 100003])
+def test_sum_of_squares(rng, n):
+    x = randn(rng, n, scale=3.0)
+    out = np.zeros(1)
+    dp = ffi.cast("double *", ffi.from_buffer(out))
+    lib.sum_of_squares(dp, fp(x), n)
+    # float64: the squares of floats are exact, the n - 1 additions of non-negative terms
+    # round: gamma64(n) * sum
+    exact = np.sum(f64(x) ** 2)
+    close(out[0], exact, gamma64(n) * exact, "sum_of_squares")
+    # fixed blocks: the same bits whatever the team size
+    got = []
+    for k in (1, 2, 3):
+        saved = lib.kernels_threads()
+        lib.kernels_set_threads(k)
+        try:
+            lib.sum_of_squares(dp, fp(x), n)
+        finally:
+            lib.kernels_set_threads(saved)
+        got.append(out[0])
+    assert got[0] == got[1] == got[2], got
+
+
+def test_sum_f64_and_clip_scale():
+    x = np.array([1e16, 1.0, -1e16, 3.0])
+    out = np.zeros(1)
+    lib.sum_f64(ffi.cast("double *", ffi.from_buffer(out)), ffi.cast("double *", ffi.from_buffer(x)), 4)
+    assert out[0] == ((1e16 + 1.0) - 1e16) + 3.0        # left to right, as documented
+    # min(1, C / (||g|| + 1e-6)), ||g|| = sqrt(sumsq); the result rounded to fp32 once
+    for sumsq, c in [(4.0, 1.0), (0.25, 1.0), (1e-20, 0.5), (1e6, 3.0)]:
+        want = min(1.0, c / (math.sqrt(sumsq) + 1e-6))
+        got = lib.clip_scale(sumsq, c)
+        assert abs(got - want) <= (U + gamma64(4)) * want, (sumsq, c, got, want)   # fp32 of a float64
+    assert lib.clip_scale(0.0, 1.0) == 1.0
 
 
 # ---------------------------------------------------------------- util

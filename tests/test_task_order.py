@@ -5,8 +5,9 @@ import pytest
 from starpu_llm import Runtime
 from starpu_llm._clib import lib
 from starpu_llm.config import MODELS
+from starpu_llm.flow.taskflow import norm_nodes, norm_tree, update_order
 from starpu_llm.runtime import usable_cores
-from tracing import traced_step
+from tracing import named_buffers, traced_step
 
 MICRO = MODELS["micro"]
 TOKENS = np.random.default_rng(0).integers(0, MICRO.V, 4000).astype(np.uint16)
@@ -39,3 +40,66 @@ def test_update_starts_after_its_gradient_is_final(workers, cores, sub_batches):
         assert e[3] >= last_write[grad], (
             f"adamw of {names[grad]} started {(last_write[grad] - e[3]) / 1e3:.0f} us "
             "before its gradient was final")
+
+
+PARTITIONS = [(1, 1, None), (1, 1, 2), (2, 1, None)]
+
+
+def traced(workers, cores, sub_batches, grad_clip):
+    if workers * cores > usable_cores():
+        pytest.skip(f"a {workers}x{cores} partition needs {workers * cores} cores; "
+                    f"this process may use {usable_cores()}")
+    with Runtime(workers, cores) as rt:
+        return traced_step(rt, MICRO, TOKENS, sub_batches=sub_batches, grad_clip=grad_clip)
+
+
+@pytest.mark.parametrize("workers,cores,sub_batches", PARTITIONS)
+def test_unclipped_update_depends_on_its_own_gradient_only(workers, cores, sub_batches):
+    """Without clipping, an AdamW task has the parameter, gradient and moments of its own
+    tensor slice and nothing else (no gradient norm): StarPU starts it as soon as that
+    gradient is final, whatever the other gradients do. No norm task runs."""
+    events, names = traced(workers, cores, sub_batches, 0.0)
+    assert not {"grad_sumsq", "norm_sum"} & {e[0] for e in events}
+    updates = [named_buffers(e, names) for e in events if e[0] == "adamw"]
+    assert len(updates) == len(update_order(MICRO))
+    for bufs in updates:
+        kinds = [n.split(".", 1) for n, _ in bufs]
+        assert [k for k, _ in kinds] == ["param", "grad", "m", "v"], bufs
+        assert len({t for _, t in kinds}) == 1, bufs
+
+
+@pytest.mark.parametrize("workers,cores,sub_batches", PARTITIONS)
+def test_clipped_update_waits_for_the_global_norm(workers, cores, sub_batches):
+    """With clipping: each gradient's sum of squares starts after that gradient is final
+    (every task writing or contributing to it has ended); the norm_sum tree runs after its
+    inputs; every AdamW task reads the tree's root and starts after it was written, so after
+    every gradient of the step is final."""
+    events, names = traced(workers, cores, sub_batches, 1.0)
+    writes = lib.SL_ACCESS_W | lib.SL_ACCESS_REDUX
+    end_of_write = {}   # handle name -> end of the last task writing it (AdamW aside)
+    for e in events:
+        if e[0] != "adamw" and e[5]:
+            for n, mode in named_buffers(e, names):
+                if mode & writes:
+                    end_of_write[n] = max(end_of_write.get(n, 0), e[4])
+    P = len(update_order(MICRO))
+    sums = [e for e in events if e[0] == "grad_sumsq"]
+    assert len(sums) == P
+    for e in sums:
+        (out, _), (grad, mode) = named_buffers(e, names)
+        assert out.startswith("gradnorm[") and grad.startswith("grad.") and mode == lib.SL_ACCESS_R
+        assert e[3] >= end_of_write[grad], f"sum of squares of {grad} started before it was final"
+    trees = [e for e in events if e[0] == "norm_sum"]
+    assert len(trees) == len(norm_tree(P))
+    for e in trees:
+        (out, _), *inputs = named_buffers(e, names)
+        assert all(e[3] >= end_of_write[n] for n, _ in inputs), (out, inputs)
+    root = f"gradnorm[{norm_nodes(MICRO) - 1}]"
+    last_gradient = max(t for n, t in end_of_write.items() if n.startswith("grad."))
+    updates = [e for e in events if e[0] == "adamw"]
+    assert len(updates) == P
+    for e in updates:
+        bufs = named_buffers(e, names)
+        assert bufs[4] == (root, lib.SL_ACCESS_R), bufs
+        assert e[3] >= end_of_write[root] >= last_gradient, bufs
+

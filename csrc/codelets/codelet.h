@@ -30,6 +30,8 @@
 	X(crossentropy_forward)                                                                    \
 	X(crossentropy_backward)                                                                   \
 	X(adamw)                                                                                   \
+	X(grad_sumsq)                                                                              \
+	X(norm_sum)                                                                                \
 	X(load_batch)                                                                              \
 	X(zero)                                                                                    \
 	X(add)                                                                                     \
@@ -48,6 +50,7 @@ enum sl_mode {
 		      * when several sub-batches add into it concurrently (data parallelism) */
 	SL_ACC,	     /* W, or RW when the task adds into what is there (accumulate) */
 	SL_OPT = 16, /* flag: a trailing buffer a task may leave out (NULL handle: matmul's bias) */
+	/* (several trailing SL_OPT buffers: a task leaves out the last ones it does not have) */
 };
 #define SL_MAX_BUFFERS SL_TRACE_MAXBUF
 
@@ -95,10 +98,12 @@ enum starpu_data_access_mode sl_mode_resolve(int mode, int redux, int accumulate
 #define SL_CODELET(cname, ...)                                                                     \
 	SL_PERFMODEL(cname)                                                                        \
 	SL_CODELET_DEF(cname, &cname##_model, 0, __VA_ARGS__)
-/* A reduction method (init or reduce of a gradient): sequential. */
-#define SL_REDUCTION_CODELET(cname, ...)                                                           \
+/* A codelet always run on one core (a task too small to share), with its perf model. */
+#define SL_SEQ_CODELET(cname, ...)                                                                 \
 	SL_PERFMODEL(cname)                                                                        \
 	SL_CODELET_DEF(cname, &cname##_model, 1, __VA_ARGS__)
+/* A reduction method (init or reduce of a gradient): sequential. */
+#define SL_REDUCTION_CODELET(cname, ...) SL_SEQ_CODELET(cname, __VA_ARGS__)
 
 /* The CPU function of codelet `name`: sizes this thread's OpenMP team and BLAS to the cores
  * of the worker running the task, binds the team, and records the task in the trace around

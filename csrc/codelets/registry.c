@@ -133,14 +133,16 @@ static int check_submit(int ret, const char *what)
 int sl_submit(struct sl_codelet *c, const sl_handle *handles, int nhandles, int redux,
 	      int accumulate, const void *args, size_t args_size, double flops)
 {
-	/* a NULL last handle leaves out an optional last buffer */
-	if (nhandles == c->nbuffers && nhandles > 0 && !handles[nhandles - 1] &&
-	    (c->modes[nhandles - 1] & SL_OPT))
+	/* NULL trailing handles leave out optional trailing buffers (matmul's bias), as does a
+	 * shorter list (norm_sum's inputs) */
+	while (nhandles > 0 && nhandles <= c->nbuffers && !handles[nhandles - 1] &&
+	       (c->modes[nhandles - 1] & SL_OPT))
 		nhandles--;
-	if (nhandles > SL_MAX_BUFFERS ||
-	    (nhandles != c->nbuffers &&
-	     !(nhandles == c->nbuffers - 1 && (c->modes[nhandles] & SL_OPT))))
+	if (nhandles > SL_MAX_BUFFERS || nhandles > c->nbuffers)
 		return check_submit(-EINVAL, c->cl.name);
+	for (int i = nhandles; i < c->nbuffers; i++)
+		if (!(c->modes[i] & SL_OPT))
+			return check_submit(-EINVAL, c->cl.name);
 	struct starpu_data_descr buffers[SL_MAX_BUFFERS];
 	for (int i = 0; i < nhandles; i++) {
 		if (!handles[i])

@@ -26,9 +26,10 @@ static void sqrt_inplace(float *x, size_t n)
 		x[i] = sqrtf(x[i]);
 }
 
-// params, grads, m, v (n); t is the 1-based step
+// params, grads, m, v (n); t is the 1-based step; the gradient is grad_scale * grads
 void adamw_update(float *params, float *grads, float *m, float *v, size_t n, float lr, float beta1,
-		  float beta2, float eps, float weight_decay, int t, int zero_grad)
+		  float beta2, float eps, float weight_decay, int t, int zero_grad,
+		  float grad_scale)
 {
 	/* bias corrections in double: for beta2 = 0.999, 1 - beta2^t is ~t * 1e-3 early on and
 	 * computing it in float would lose digits to cancellation */
@@ -45,7 +46,7 @@ void adamw_update(float *params, float *grads, float *m, float *v, size_t n, flo
 		float den[ADAMW_BLK];
 #pragma omp simd
 		for (size_t i = 0; i < len; i++) {
-			float gi = g[i];
+			float gi = g[i] * grad_scale; /* exact for grad_scale 1 */
 			float mi = beta1 * mb[i] + (1.0f - beta1) * gi;
 			float vi = beta2 * vb[i] + (1.0f - beta2) * gi * gi;
 			mb[i] = mi;

@@ -71,14 +71,25 @@ void crossentropy_softmax_forward(float *probs, float *losses, const float *logi
 void crossentropy_softmax_backward(float *dlogits, const float *probs, const int32_t *targets,
 				   int N, int V, int Vp, float dloss);
 
-/* AdamW on n parameters, as llm.c and torch.optim.AdamW (decoupled weight decay):
+/* AdamW on n parameters, as llm.c and torch.optim.AdamW (decoupled weight decay), on the
+ * gradient g = grad_scale * grads (1: as is; gradient clipping passes clip_scale below):
  *   m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2
  *   p -= lr * ( (m/(1-b1^t)) / (sqrt(v/(1-b2^t)) + eps) + wd p )
- * t is the 1-based step. If zero_grad, g is set to 0 after use (ready for the next step).
+ * t is the 1-based step. If zero_grad, grads is set to 0 after use (ready for the next step).
  * The betas are floats, as in llm.c: v differs from torch's (double 1-beta2) by ~1e-5
  * relative, which the bias correction cancels in the update itself. */
 void adamw_update(float *params, float *grads, float *m, float *v, size_t n, float lr, float beta1,
-		  float beta2, float eps, float weight_decay, int t, int zero_grad);
+		  float beta2, float eps, float weight_decay, int t, int zero_grad,
+		  float grad_scale);
+
+/* Global gradient norm for clipping (as torch.nn.utils.clip_grad_norm_), in three steps:
+ * out (1) = sum of x (n)^2, one tensor's partial sum, accumulated in double over fixed blocks
+ * (the result does not depend on the team size); */
+void sum_of_squares(double *out, const float *x, size_t n);
+/* out (1) = x[0] + ... + x[n-1] in this order (partial sums into their total); */
+void sum_f64(double *out, const double *x, int n);
+/* the factor applied to every gradient: min(1, max_norm / (sqrt(sumsq) + 1e-6)). */
+float clip_scale(double sumsq, float max_norm);
 
 /* Zero n floats (used as the StarPU reduction init and for scratch). */
 void fill_zero(float *x, size_t n);

@@ -11,6 +11,7 @@ import numpy as np
 from .._clib import ffi, lib
 from ..errors import StarpuLLMError, opt
 from .ops import StarPUOps
+from . import taskflow
 from .placement import Placement
 from .step import Engine
 
@@ -54,6 +55,7 @@ class StarPUEngine(Engine):
             for kind, flat in (("param", state.params), ("grad", state.grads),
                                ("m", state.m), ("v", state.v)))
         self.subs = [place.sub_batch(config, self.Bs, T, i) for i in range(self.sub_batches)]
+        self.norm = place.scalars("gradnorm", taskflow.norm_nodes(config))
         place.check_tags()
         self.checkpoints = None     # the starpupy face's checkpoint task, made on first use
 
@@ -65,6 +67,8 @@ class StarPUEngine(Engine):
         activations prefixed "s{i}."), to read the handles of a task trace."""
         names = {}
         for t in (t for group in (self.p, self.g, self.m, self.v) for t in group.tensors()):
+            names[int(ffi.cast("uintptr_t", t.h))] = t.name
+        for t in self.norm:
             names[int(ffi.cast("uintptr_t", t.h))] = t.name
         for i, (a, s) in enumerate(self.subs):
             for t in (t for group in (a, s) for t in group.tensors()):
@@ -80,6 +84,9 @@ class StarPUEngine(Engine):
 
     def _run_update_on_owner(self):
         self.placement.run_updates_on_owner()
+
+    def _run_anywhere(self):
+        self.placement.run_anywhere()
 
     def wait(self):
         self.runtime.wait()

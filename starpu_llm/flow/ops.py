@@ -96,6 +96,13 @@ class StarPUOps:
                                                        N, V, Vp, dloss),
                    "crossentropy_backward")
 
-    def adamw(self, p, g, m, v, lr, beta1, beta2, eps, wd, t):
-        self._done(lib.sl_submit_adamw(p.h, g.h, m.h, v.h, lr, beta1, beta2, eps, wd, t),
+    def adamw(self, p, g, m, v, lr, beta1, beta2, eps, wd, t, sumsq=None, max_norm=0.0):
+        self._done(lib.sl_submit_adamw(p.h, g.h, m.h, v.h, _h(sumsq), max_norm, lr, beta1, beta2,
+                                       eps, wd, t),
                    "adamw")
+
+    def grad_sumsq(self, sumsq, grad):
+        self._done(lib.sl_submit_grad_sumsq(sumsq.h, grad.h), "grad_sumsq")
+
+    def norm_sum(self, out, inputs):
+        self._done(lib.sl_submit_norm_sum(out.h, [t.h for t in inputs], len(inputs)), "norm_sum")

@@ -88,6 +88,14 @@ class Placement:
 
         return sub_batch_tensors(config, B, T, new_tensor)
 
+    def scalars(self, name: str, n: int) -> list:
+        """n float64 scalars "name[k]", each its own handle (over one element of a buffer of
+        rank 0, which owns them): the gradient norm's partial sums and their tree."""
+        arr = np.zeros(n, np.float64) if self.rank == 0 else None
+        return [Tensor(f"{name}[{k}]", (1,), np.float64,
+                       h=self._register(None if arr is None else arr[k:k + 1], 1, 8, owner=0))
+                for k in range(n)]
+
     def check_tags(self):
         """A clear error when the handles registered need more MPI tags than MPI allows."""
         if self.mpi and self._next_tag > lib.sl_mpi_tag_ub():
@@ -143,11 +151,15 @@ class Placement:
     def reduce_gradients(self, grads: ParameterTensors):
         """After the backward passes: reductions and updates go wherever a worker is free;
         under MPI every rank's gradient contributions are reduced to rank 0."""
-        lib.sl_set_exec_worker(-1)
+        self.run_anywhere()
         if self.mpi:
             for t in grads.tensors():
                 if lib.sl_mpi_redux(t.h) != 0:
                     raise RuntimeError(f"starpu_mpi_redux_data failed for {t.name}")
+
+    def run_anywhere(self):
+        """Tasks submitted next go wherever a worker is free (no sub-batch's worker)."""
+        lib.sl_set_exec_worker(-1)
 
     def run_updates_on_owner(self):
         """The update tasks run on rank 0, which owns parameters, gradients and moments."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._kernels import ffi, lib
+from . import taskflow
 from .step import Engine
 from .tensors import ParameterTensors, Tensor, sub_batch_tensors
 
@@ -68,8 +69,15 @@ class DirectOps:
     def crossentropy_backward(self, dlogits, probs, targets, N, V, Vp, dloss):
         lib.crossentropy_softmax_backward(dlogits.ptr, probs.ptr, targets.ptr, N, V, Vp, dloss)
 
-    def adamw(self, p, g, m, v, lr, beta1, beta2, eps, wd, t):
-        lib.adamw_update(p.ptr, g.ptr, m.ptr, v.ptr, p.size, lr, beta1, beta2, eps, wd, t, 1)
+    def adamw(self, p, g, m, v, lr, beta1, beta2, eps, wd, t, sumsq=None, max_norm=0.0):
+        scale = lib.clip_scale(sumsq.array[0], max_norm) if max_norm > 0 else 1.0
+        lib.adamw_update(p.ptr, g.ptr, m.ptr, v.ptr, p.size, lr, beta1, beta2, eps, wd, t, 1, scale)
+
+    def grad_sumsq(self, sumsq, grad):
+        lib.sum_of_squares(sumsq.ptr, grad.ptr, grad.size)
+
+    def norm_sum(self, out, inputs):
+        lib.sum_f64(out.ptr, [t.array[0] for t in inputs], len(inputs))
 
 
 class ReferenceEngine(Engine):
@@ -92,6 +100,9 @@ class ReferenceEngine(Engine):
             return Tensor(name, shape, dtype, array=np.zeros(shape, dtype))
 
         self.subs = [sub_batch_tensors(config, self.Bs, T, new_tensor) for _ in range(sub_batches)]
+        norm = np.zeros(taskflow.norm_nodes(config), np.float64)
+        self.norm = [Tensor(f"gradnorm[{k}]", (1,), np.float64, array=norm[k:k + 1])
+                     for k in range(norm.size)]
 
     def wait(self):
         pass

@@ -22,7 +22,8 @@ from .tensors import Tensor
 class Engine:
     """The per-step orchestration shared by both engines. A subclass sets ops (the
     executor of taskflow's calls), p, g, m, v (ParameterTensors of the parameters, gradients
-    and moments) and subs (each sub-batch's (ActivationTensors, BackwardScratch))."""
+    and moments), subs (each sub-batch's (ActivationTensors, BackwardScratch)) and norm (the
+    taskflow.norm_nodes float64 scalars of the gradient norm, for clipping)."""
 
     name = "?"
 
@@ -65,6 +66,9 @@ class Engine:
     def _run_update_on_owner(self):
         pass
 
+    def _run_anywhere(self):
+        pass
+
     # --- the step ---
     def submit_forward_backward(self, pos: int):
         n = self.Bs * self.T
@@ -77,11 +81,12 @@ class Engine:
                               dloss, self.redux)
         self._gradients_submitted()
 
-    def submit_update(self, lr: float, weight_decay: float):
+    def submit_update(self, lr: float, weight_decay: float, grad_clip: float = 0.0):
+        """The AdamW tasks; grad_clip > 0 clips the gradients' global norm to it first."""
         self._run_update_on_owner()
         self.state.step += 1
         taskflow.update(self.ops, self.config, self.p, self.g, self.m, self.v, lr, weight_decay,
-                        self.state.step)
+                        self.state.step, grad_clip, self.norm)
 
     def forward_backward(self, pos: int) -> float:
         """Loss of the batch at token position pos; leaves its gradients in the grads buffer."""
@@ -89,11 +94,32 @@ class Engine:
         self.wait()
         return self.loss()
 
-    def step(self, pos: int, lr: float, weight_decay: float) -> float:
+    def step(self, pos: int, lr: float, weight_decay: float, grad_clip: float = 0.0) -> float:
         self.submit_forward_backward(pos)
-        self.submit_update(lr, weight_decay)
+        self.submit_update(lr, weight_decay, grad_clip)
         self.wait()
         return self.loss()
+
+    def grad_norm(self) -> float:
+        """The global L2 norm of the gradients of the last clipped step (before clipping)."""
+        return float(np.sqrt(self.read(self.norm[-1])[0]))
+
+    def validation_loss(self, tokens: np.ndarray, positions) -> float:
+        """Mean loss over the batches of tokens (a uint16 shard) starting at positions:
+        forward-only task flows on the training's activation buffers. They read the
+        parameters and touch no gradient or moment (no backward, no update)."""
+        ptr = ffi.cast("const uint16_t *", ffi.from_buffer(tokens))
+        n = self.Bs * self.T
+        losses = []
+        for pos in positions:
+            for i, (a, _) in enumerate(self.subs):
+                self._run_sub_batch_on(i)
+                self.ops.load_batch(a.inputs, a.targets, ptr, pos + i * n, n)
+                taskflow.forward(self.ops, self.config, self.p, a, self.Bs, self.T)
+            self._run_anywhere()
+            self.wait()           # the next batch reuses the activations
+            losses.append(self.loss())
+        return float(np.mean(losses))
 
     def loss(self) -> float:
         return float(np.mean([self.read(a.losses).mean(dtype=np.float64) for a, _ in self.subs]))

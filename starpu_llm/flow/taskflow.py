@@ -5,7 +5,10 @@ the task graph from the handles each task reads and writes, so this file is the 
 description of the graph (paper section 2, Figure 1):
   - activations carry forward -> backward dependencies, parameters update -> next forward,
     gradients backward -> update, targets load -> loss;
-  - one update task per parameter tensor per layer, each ready as soon as its gradient is final.
+  - one update task per parameter tensor per layer, each ready as soon as its gradient is final
+    (with gradient clipping: once every gradient is final and their norm computed, update());
+  - a forward-only flow (forward() alone: validation) reads the parameters and writes the
+    activations only.
 Activation, input and target handles are created once and reused by every iteration (paper
 section 2.3), so memory does not grow with the number of steps; the backward pass reuses one
 set of scratch gradient buffers for all layers. The tensors are the named groups of
@@ -82,9 +85,52 @@ def update_order(cfg: GPTConfig):
     return order + [("wpe", None), ("wte", None)]
 
 
-def update(ops, cfg: GPTConfig, p, g, m, v, lr: float, weight_decay: float, t: int):
-    """One AdamW task per parameter tensor per layer; each also zeroes its gradient."""
-    for name, l in update_order(cfg):
-        pt, gt, mt, vt = (getattr(ns, name) if l is None else getattr(ns, name)[l]
-                          for ns in (p, g, m, v))
-        ops.adamw(pt, gt, mt, vt, lr, ADAM_BETA1, ADAM_BETA2, ADAM_EPS, weight_decay, t)
+NORM_FANIN = 7   # inputs of one norm_sum task: a task has at most 8 buffers (Debian's StarPU 1.3)
+
+
+def norm_tree(n: int, fanin: int = NORM_FANIN):
+    """The sums that reduce n partial sums of squares to one: [(inputs, out)], node out = the
+    nodes inputs added in order. Nodes 0 .. n-1 are the partials; each sum's out is the next
+    node; the last node is the root (node 0 when n == 1). A group of one moves up as is."""
+    sums, level, nxt = [], list(range(n)), n
+    while len(level) > 1:
+        up = []
+        for i in range(0, len(level), fanin):
+            group = tuple(level[i:i + fanin])
+            if len(group) == 1:
+                up.append(group[0])
+                continue
+            sums.append((group, nxt))
+            up.append(nxt)
+            nxt += 1
+        level = up
+    return sums
+
+
+def norm_nodes(cfg: GPTConfig) -> int:
+    """Scalars of the gradient norm's tree: one partial per update, the sums' outputs."""
+    n = len(update_order(cfg))
+    return n + len(norm_tree(n))
+
+
+def update(ops, cfg: GPTConfig, p, g, m, v, lr: float, weight_decay: float, t: int,
+           grad_clip: float = 0.0, norm=None):
+    """One AdamW task per parameter tensor per layer; each also zeroes its gradient.
+
+    grad_clip > 0: the gradients are first scaled by min(1, grad_clip / (||g|| + 1e-6)),
+    ||g|| the L2 norm of all of them (torch.nn.utils.clip_grad_norm_). norm: norm_nodes(cfg)
+    scalars (float64); a grad_sumsq task per tensor writes its partial sum of squares as soon
+    as its gradient is final, norm_sum tasks add them up (norm_tree), and every AdamW task
+    reads the root. Without clipping an update depends on its own gradient only."""
+    order = [tuple(getattr(ns, name) if l is None else getattr(ns, name)[l]
+                   for ns in (p, g, m, v)) for name, l in update_order(cfg)]
+    root = None
+    if grad_clip > 0:
+        for k, (_, gt, _, _) in enumerate(order):
+            ops.grad_sumsq(norm[k], gt)
+        for inputs, out in norm_tree(len(order)):
+            ops.norm_sum(norm[out], [norm[k] for k in inputs])
+        root = norm[-1]
+    for pt, gt, mt, vt in order:
+        ops.adamw(pt, gt, mt, vt, lr, ADAM_BETA1, ADAM_BETA2, ADAM_EPS, weight_decay, t,
+                  root, grad_clip if root is not None else 0.0)

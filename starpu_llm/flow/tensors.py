@@ -28,7 +28,7 @@ class Tensor:
         self.array, self.h = array, h
         self.ptr = None
         if array is not None:
-            ctype = "int32_t *" if self.dtype == np.int32 else "float *"
+            ctype = {np.int32: "int32_t *", np.float64: "double *"}.get(self.dtype.type, "float *")
             self.ptr = ffi.cast(ctype, ffi.from_buffer(array))
 
     @property
