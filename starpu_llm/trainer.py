@@ -60,6 +60,8 @@ class TrainConfig:
     seed: int = setting(1337, "seed of the random init", ranks_agree=True)
     save: str | None = setting(None, "write the trained model (llm.c format)", metavar="PATH")
     metrics_jsonl: str | None = setting(None, "one JSON object per step", metavar="PATH")
+    sample_every: int = setting(0, "every N steps, print a sample from the model being trained "
+                                "(default: never)", check="positive", metavar="N")
     # the n x k partition of the cores (StarPU engine)
     workers: int | None = setting(None, "N: parallel workers (default: 1)", check="positive",
                                   group=PARALLELISM)
@@ -189,7 +191,11 @@ def train(cfg: TrainConfig, state: TrainState | None = None, runtime=None) -> Tr
         f"maxT={config.maxT}, {config.num_parameters:,} parameters")
     log(f"data: {path} ({loader.num_tokens:,} tokens), B={cfg.batch} T={cfg.seq_len}")
     log(f"engine: {result.engine}")
+    sampler = None
     try:
+        if cfg.sample_every:
+            from .flow.generate import TrainingSampler
+            sampler = TrainingSampler(engine, cfg.seed)
         tokens_per_step = cfg.batch * cfg.seq_len
         for i in range(cfg.steps):
             pos = loader.next_position()
@@ -207,6 +213,8 @@ def train(cfg: TrainConfig, state: TrainState | None = None, runtime=None) -> Tr
             if not np.isfinite(loss):
                 raise StarpuLLMError(f"the loss diverged at step {state.step} ({loss}); "
                                      f"lower {opt('lr')}")
+            if sampler and state.step % cfg.sample_every == 0:
+                log(f"sample at step {state.step}: {sampler.sample()!r}")
         state.data = loader.state()
         timed = result.step_ms[cfg.warmup_steps:] or result.step_ms
         result.timed_steps = len(timed)
@@ -215,6 +223,8 @@ def train(cfg: TrainConfig, state: TrainState | None = None, runtime=None) -> Tr
             result.trace = runtime.trace() if tracing else []
         result.records = engine.submitted()
     finally:
+        if sampler:
+            sampler.close()
         engine.close()
         if tracing:
             runtime.stop_trace()

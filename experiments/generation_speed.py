@@ -1,0 +1,87 @@
+"""Time per generated token with and without the key/value cache, at positions 20 and 200:
+GPT-2 124M (d12, random init) on the StarPU engine (or --engine reference).
+
+With the cache (starpu_llm/flow/generate.py, Decoder) the token at position t is one decode
+step: every layer on one new row, its attention over the t cached positions. Without it
+(generate.Recompute) it is the training forward (taskflow.forward) over the t + 1 tokens of the
+sequence. Each time is the median of --repeat tokens (positions t .. t+repeat-1 with the cache;
+position t again and again without), after an untimed warm-up. Not a test: it prints the
+times, the load average before and after (the machine may be shared), and the ratio of the
+cached times at the last and the first position (the issue asks for at most 2).
+
+    .venv/bin/python experiments/generation_speed.py [--engine reference] [--repeat 5]
+"""
+import argparse
+import os
+import statistics
+import time
+
+import numpy as np
+
+from starpu_llm.config import MODELS
+from starpu_llm.flow import generate as gen
+from starpu_llm.state import random_init
+
+POSITIONS = (20, 200)
+
+
+def ms_per_token(model, sequence, t, repeat, cached):
+    """Median ms of feeding the token at position t (the t before it already in the model)."""
+    times = []
+    if cached:
+        model.reset()
+        model.feed([sequence[:t]])
+    for i in range(repeat):
+        if not cached:
+            model.sequence = sequence[None, :t]      # the prefix, without running it
+        token = sequence[t + i if cached else t]
+        t0 = time.perf_counter()
+        model.feed([[token]])
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engine", default="starpu", choices=["starpu", "reference"])
+    ap.add_argument("--repeat", type=int, default=5, help="timed tokens per figure (default 5)")
+    args = ap.parse_args()
+    config = MODELS["d12"]
+    params = random_init(config, 1337)
+    sequence = np.random.default_rng(0).integers(0, config.V, max(POSITIONS) + args.repeat,
+                                                 dtype=np.int32)
+    runtime = None
+    if args.engine == "starpu":
+        from starpu_llm.runtime.starpu import Runtime
+        runtime = Runtime()
+        backend = gen.StarPUBackend(runtime, config, params)
+        where = runtime.describe()
+    else:
+        backend = gen.DirectBackend(config, params)
+        where = "reference engine (the kernels in a plain loop)"
+    load_before = os.getloadavg()
+    try:
+        decoder, full = gen.Decoder(backend), gen.Recompute(backend)
+        ms_per_token(decoder, sequence, POSITIONS[0], 2, cached=True)     # warm-up
+        ms_per_token(full, sequence, POSITIONS[0], 1, cached=False)
+        rows = [(t, ms_per_token(decoder, sequence, t, args.repeat, cached=True),
+                 ms_per_token(full, sequence, t, args.repeat, cached=False)) for t in POSITIONS]
+    finally:
+        backend.close()
+        if runtime is not None:
+            runtime.shutdown()
+    load_after = os.getloadavg()
+    print(f"GPT-2 124M (d12, random init), {where}")
+    print(f"load average (1, 5, 15 min) before: {load_before[0]:.2f} {load_before[1]:.2f} "
+          f"{load_before[2]:.2f}, after: {load_after[0]:.2f} {load_after[1]:.2f} "
+          f"{load_after[2]:.2f} ({os.cpu_count()} logical cores)")
+    print(f"{'position':>8}  {'with cache ms/token':>20}  {'without cache ms/token':>23}")
+    for t, with_cache, without in rows:
+        print(f"{t:>8}  {with_cache:>20.1f}  {without:>23.1f}")
+    ratio = rows[-1][1] / rows[0][1]
+    print(f"with the cache, time per token at position {POSITIONS[-1]} / at {POSITIONS[0]}: "
+          f"{ratio:.2f} (asked: <= 2)")
+
+
+if __name__ == "__main__":
+    main()
