@@ -7,7 +7,7 @@ import pytest
 from starpu_llm.io import corpus, formats
 from starpu_llm.io.corpus import shakespeare_text
 from starpu_llm.io.data import DataLoader, default_dataset, prepare
-from starpu_llm.errors import StarpuLLMError
+from starpu_llm.errors import StarpuLLMError, flag
 from starpu_llm.io.tokenizer import decode, encode
 
 
@@ -157,7 +157,7 @@ def test_dataloader_bad_inputs(tmp_path):
     formats.write_shard(p, np.arange(10))
     with pytest.raises(StarpuLLMError) as ei:
         DataLoader(p, B=2, T=8)
-    msg = str(ei.value)
+    msg = ei.value.render(flag)      # the settings as the CLI names them
     assert "small.bin" in msg and "B*T+1 = 17" in msg and "has 10" in msg and "--batch/--seq-len" in msg
     with pytest.raises(StarpuLLMError, match="small.bin.*token id 9"):
         DataLoader(p, B=1, T=2, vocab_size=5)
