@@ -5,9 +5,10 @@ With the cache (starpu_llm/flow/generate.py, Decoder) the token at position t is
 step: every layer on one new row, its attention over the t cached positions. Without it
 (generate.Recompute) it is the training forward (taskflow.forward) over the t + 1 tokens of the
 sequence. Each time is the median of --repeat tokens (positions t .. t+repeat-1 with the cache;
-position t again and again without), after an untimed warm-up. Not a test: it prints the
-times, the load average before and after (the machine may be shared), and the ratio of the
-cached times at the last and the first position (the issue asks for at most 2).
+position t again and again without), the positions taking turns token by token, after an
+untimed warm-up. Not a test: it prints the times, the load average before and after (the
+machine may be shared), and the ratio of the cached times at the last and the first position
+(the issue asks for at most 2).
 
     .venv/bin/python experiments/generation_speed.py [--engine reference] [--repeat 5]
 """
@@ -25,20 +26,24 @@ from starpu_llm.state import random_init
 POSITIONS = (20, 200)
 
 
-def ms_per_token(model, sequence, t, repeat, cached):
-    """Median ms of feeding the token at position t (the t before it already in the model)."""
-    times = []
+def ms_per_token(models, sequence, repeat, cached):
+    """{t: median ms of feeding the token at position t to models[t] (the t tokens before it
+    already in the model)}. The positions take turns, token by token, so that a change of the
+    machine's load falls on all of them alike."""
     if cached:
-        model.reset()
-        model.feed([sequence[:t]])
+        for t, model in models.items():
+            model.reset()
+            model.feed([sequence[:t]])
+    times = {t: [] for t in models}
     for i in range(repeat):
-        if not cached:
-            model.sequence = sequence[None, :t]      # the prefix, without running it
-        token = sequence[t + i if cached else t]
-        t0 = time.perf_counter()
-        model.feed([[token]])
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        for t, model in models.items():
+            if not cached:
+                model.sequence = sequence[None, :t]      # the prefix, without running it
+            token = sequence[t + i if cached else t]
+            t0 = time.perf_counter()
+            model.feed([[token]])
+            times[t].append((time.perf_counter() - t0) * 1e3)
+    return {t: statistics.median(v) for t, v in times.items()}
 
 
 def main():
@@ -61,11 +66,13 @@ def main():
         where = "reference engine (the kernels in a plain loop)"
     load_before = os.getloadavg()
     try:
-        decoder, full = gen.Decoder(backend), gen.Recompute(backend)
-        ms_per_token(decoder, sequence, POSITIONS[0], 2, cached=True)     # warm-up
-        ms_per_token(full, sequence, POSITIONS[0], 1, cached=False)
-        rows = [(t, ms_per_token(decoder, sequence, t, args.repeat, cached=True),
-                 ms_per_token(full, sequence, t, args.repeat, cached=False)) for t in POSITIONS]
+        decoders = {t: gen.Decoder(backend) for t in POSITIONS}     # a cache each
+        full = {t: gen.Recompute(backend) for t in POSITIONS}
+        ms_per_token(decoders, sequence, 1, cached=True)                # warm-up
+        ms_per_token(full, sequence, 1, cached=False)
+        with_cache = ms_per_token(decoders, sequence, args.repeat, cached=True)
+        without = ms_per_token(full, sequence, args.repeat, cached=False)
+        rows = [(t, with_cache[t], without[t]) for t in POSITIONS]
     finally:
         backend.close()
         if runtime is not None:
