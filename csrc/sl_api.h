@@ -73,8 +73,9 @@ void sl_release(sl_handle h);
 
 /* ---- task submission (one helper per codelet, csrc/codelets/<layer>.c) ----
  * `redux` = 1 when a parameter gradient is a reduction target shared by sub-batches. */
+/* tokens at positions pos..pos+T-1 (pos 0 in training, the next positions in generation) */
 int sl_submit_encoder_forward(sl_handle out, sl_handle inp, sl_handle wte, sl_handle wpe, int B,
-			      int T, int C);
+			      int T, int C, int pos);
 int sl_submit_encoder_backward(sl_handle dwte, sl_handle dwpe, sl_handle dout, sl_handle inp, int B,
 			       int T, int C, int redux);
 int sl_submit_layernorm_forward(sl_handle out, sl_handle mean, sl_handle rstd, sl_handle inp,
@@ -92,6 +93,11 @@ int sl_submit_attention_forward(sl_handle out, sl_handle preatt, sl_handle att, 
 /* scratch: 2*B*NH*T*T floats (dpreatt, datt), overwritten by each task */
 int sl_submit_attention_backward(sl_handle dqkv, sl_handle scratch, sl_handle dout, sl_handle qkv,
 				 sl_handle att, int B, int T, int C, int NH);
+/* generation's key/value cache, kcache and vcache (B,NH,maxT,hs) per layer (kernels.h) */
+int sl_submit_kv_append(sl_handle kcache, sl_handle vcache, sl_handle qkv, int B, int Tn, int C,
+			int NH, int maxT, int pos);
+int sl_submit_attention_decode(sl_handle out, sl_handle qkv, sl_handle kcache, sl_handle vcache,
+			       int B, int Tn, int C, int NH, int maxT, int pos);
 int sl_submit_gelu_forward(sl_handle out, sl_handle inp, size_t N);
 int sl_submit_gelu_backward(sl_handle dinp, sl_handle inp, sl_handle dout, size_t N);
 int sl_submit_residual_forward(sl_handle out, sl_handle inp1, sl_handle inp2, size_t N);

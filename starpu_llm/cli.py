@@ -1,4 +1,4 @@
-"""Command line: starpu-llm train | prepare | bench (also python -m starpu_llm)."""
+"""Command line: starpu-llm train | prepare | bench | generate (also python -m starpu_llm)."""
 from __future__ import annotations
 
 import argparse
@@ -82,6 +82,22 @@ def build_parser():
                    help="runs of each configuration, interleaved round-robin; the median is "
                         "reported (default 1)")
     b.add_argument("--csv", metavar="PATH", help="also write the table as CSV")
+
+    g = sub.add_parser("generate", help="continue a prompt with a model (llm.c checkpoint with "
+                                        "GPT-2's vocabulary), printing the text as it comes")
+    g.add_argument("--init-from", required=True, metavar="CKPT", help="llm.c fp32 checkpoint")
+    g.add_argument("--prompt", default="", help="text to continue (default: none, start from "
+                                                "<|endoftext|>)")
+    g.add_argument("--max-new-tokens", type=_positive("--max-new-tokens"), default=64,
+                   help="tokens to generate (default 64); prompt + new tokens <= the model's maxT")
+    g.add_argument("--temperature", type=_nonneg_float("--temperature"), default=1.0,
+                   help="softmax temperature (default 1; 0: greedy)")
+    g.add_argument("--top-k", type=int, default=0, metavar="K",
+                   help="sample among the K most likely tokens (default 0: all; 1: greedy)")
+    g.add_argument("--seed", type=int, default=1337, help="seed of the sampling (default 1337)")
+    g.add_argument("--engine", default="starpu", choices=["starpu", "reference"],
+                   help="starpu: the task graph with a key/value cache; reference: the same "
+                        "kernels in a plain loop")
     return ap
 
 
@@ -107,10 +123,18 @@ def cmd_bench(args):
     return 0
 
 
+def cmd_generate(args):
+    from .flow.generate import run_generate
+    run_generate(args.init_from, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
+                 args.seed, args.engine)
+    return 0
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"train": cmd_train, "prepare": cmd_prepare, "bench": cmd_bench}[args.cmd](args)
+        return {"train": cmd_train, "prepare": cmd_prepare, "bench": cmd_bench,
+                "generate": cmd_generate}[args.cmd](args)
     except StarpuLLMError as e:
         print(f"starpu-llm: error: {e.render(flag_of)}", file=sys.stderr)
         return 2

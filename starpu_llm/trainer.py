@@ -93,6 +93,8 @@ class TrainConfig:
     grad_clip: float = setting(0.0, "clip the global L2 norm of the gradients to C before "
                                "AdamW (default 0: off)", check="nonneg", metavar="C",
                                ranks_agree=True)
+    sample_every: int = setting(0, "every N steps, print a sample from the model being trained "
+                                "(default: never)", check="positive", metavar="N")
     # the n x k partition of the cores (StarPU engine)
     workers: int | None = setting(None, "N: parallel workers (default: 1)", check="positive",
                                   group=PARALLELISM)
@@ -361,7 +363,11 @@ def _train(cfg: TrainConfig, state: TrainState | None, runtime, ctrl_c: StopOnCt
     log(f"engine: {result.engine}")
     if validation:
         log(validation.describe())
+    sampler = None
     try:
+        if cfg.sample_every:
+            from .flow.generate import TrainingSampler
+            sampler = TrainingSampler(engine, cfg.seed)
         tokens_per_step = cfg.batch * cfg.seq_len
         # --steps counts the whole run (a resumed one too): also the schedule's horizon
         for i in range(cfg.steps - state.step):
@@ -386,6 +392,8 @@ def _train(cfg: TrainConfig, state: TrainState | None, runtime, ctrl_c: StopOnCt
             if not np.isfinite(loss):
                 raise StarpuLLMError(f"the loss diverged at step {state.step} ({loss}); "
                                      f"lower {opt('lr')}")
+            if sampler and state.step % cfg.sample_every == 0:
+                log(f"sample at step {state.step}: {sampler.sample()!r}")
             stop = ctrl_c.stop(comm)
             if cfg.save_every and (state.step % cfg.save_every == 0 or stop):
                 checkpoint_step(cfg, engine, state, loader, rank, log)
@@ -399,6 +407,8 @@ def _train(cfg: TrainConfig, state: TrainState | None, runtime, ctrl_c: StopOnCt
             result.trace = runtime.trace() if tracing else []
         result.records = engine.submitted()
     finally:
+        if sampler:
+            sampler.close()
         engine.close()
         if tracing:
             runtime.stop_trace()

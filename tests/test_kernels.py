@@ -718,3 +718,64 @@ def test_load_batch():
     lib.load_batch(ip(inputs), ip(targets), u16p(tokens), pos, n)
     assert inputs.tolist() == tokens[pos : pos + n].astype(np.int64).tolist()
     assert targets.tolist() == tokens[pos + 1 : pos + n + 1].astype(np.int64).tolist()
+
+
+# ---------------------------------------------------------------- key/value cache (generation)
+
+
+def _kv_cache(qkv, NH, maxT, fill):
+    """Caches kcache, vcache (B,NH,maxT,hs) holding the keys and values of qkv's T positions;
+    positions >= T hold `fill`."""
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    hs = C // NH
+    caches = []
+    for part in (1, 2):
+        cache = np.full((B, NH, maxT, hs), fill, np.float32)
+        cache[:, :, :T] = qkv[..., part * C:(part + 1) * C].reshape(B, T, NH, hs).transpose(0, 2, 1, 3)
+        caches.append(cache)
+    return caches
+
+
+@pytest.mark.parametrize("B,Tn,pos", [(1, 1, 0), (2, 1, 7), (2, 3, 5)])
+def test_kv_append(rng, B, Tn, pos):
+    C, NH, maxT = 24, 3, 12
+    qkv = randn(rng, B, pos + Tn, 3 * C)
+    k, v = _kv_cache(qkv[:, :pos], NH, maxT, fill=7.0)      # 7: a marker for the empty positions
+    new = np.ascontiguousarray(qkv[:, pos:])
+    lib.kv_append(fp(k), fp(v), fp(new), B, Tn, C, NH, maxT, pos)
+    k_ref, v_ref = _kv_cache(qkv, NH, maxT, fill=7.0)
+    # a copy, so exact; the positions before pos and after pos + Tn are kept
+    assert np.array_equal(k, k_ref) and np.array_equal(v, v_ref)
+
+
+def _attention_decode_case(rng, B, Tn, pos, C, NH, qscale=1.0):
+    """attention_decode of Tn new positions after pos cached ones, against rows pos.. of causal
+    attention over all T = pos + Tn positions (torch, float64). The bound is
+    _attention_bounds' for those rows: the kernel computes each row with the same operations
+    in the same order as attention_forward (csrc/kernels/attend.h), over the same keys."""
+    T, maxT = pos + Tn, pos + Tn + 3
+    qkv = randn(rng, B, T, 3 * C)
+    qkv[..., :C] *= qscale
+    # positions >= T are NaN: a read of one (not causal) would make the output NaN, a failure
+    k, v = _kv_cache(qkv, NH, maxT, fill=np.nan)
+    new = np.ascontiguousarray(qkv[:, pos:])
+    out = np.full((B, Tn, C), np.nan, np.float32)
+    lib.attention_decode(fp(out), fp(new), fp(k), fp(v), B, Tn, C, NH, maxT, pos)
+    ref_out = _attention_ref(t64(qkv), B, T, C, NH)[0]
+    bd = _attention_bounds(qkv, np.zeros((B, T, C), np.float32), B, T, C, NH)
+    close(out, f64(ref_out)[:, pos:], bd["out"][:, pos:], "attention_decode out")
+
+
+@pytest.mark.parametrize("B,Tn,pos,C,NH", [(1, 1, 0, 16, 2), (2, 1, 9, 48, 4), (2, 3, 5, 36, 3)])
+def test_attention_decode_small(rng, B, Tn, pos, C, NH):
+    _attention_decode_case(rng, B, Tn, pos, C, NH)
+
+
+def test_attention_decode_gpt2_width(rng):
+    _attention_decode_case(rng, B=1, Tn=1, pos=63, C=768, NH=12)
+
+
+def test_attention_decode_large_scores(rng):
+    # scores of +-100s, as test_attention_large_scores
+    _attention_decode_case(rng, B=2, Tn=2, pos=6, C=32, NH=2, qscale=60.0)

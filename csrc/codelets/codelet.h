@@ -24,6 +24,8 @@
 	X(matmul_backward)                                                                         \
 	X(attention_forward)                                                                       \
 	X(attention_backward)                                                                      \
+	X(kv_append)                                                                               \
+	X(attention_decode)                                                                        \
 	X(gelu_forward)                                                                            \
 	X(gelu_backward)                                                                           \
 	X(residual_forward)                                                                        \

@@ -2,7 +2,7 @@
 #include "kernels.h"
 #include <math.h>
 #include <omp.h>
-#include "vexpf.h"
+#include "attend.h"
 
 // out (B,T,C), preatt (B,NH,T,T), att (B,NH,T,T), qkv (B,T,3C) = [q | k | v] per token
 void attention_forward(float *out, float *preatt, float *att, const float *qkv, int B, int T, int C,
@@ -17,53 +17,17 @@ void attention_forward(float *out, float *preatt, float *att, const float *qkv, 
 	for (int b = 0; b < B; b++) {
 		for (int h = 0; h < NH; h++) {
 			for (int t = 0; t < T; t++) {
-				const float *q = qkv + ((size_t)b * T + t) * C3 + h * hs;
+				// q, k, v of this head at position 0; position t2 is t2 * 3C further
+				const float *head = qkv + (size_t)b * T * C3 + h * hs;
 				float *pre = preatt + (((size_t)b * NH + h) * T + t) * T;
 				float *a = att + (((size_t)b * NH + h) * T + t) * T;
-
-				// scores against keys t2 <= t (causal), and their max
-				float mx = -INFINITY;
-				for (int t2 = 0; t2 <= t; t2++) {
-					const float *k =
-						qkv + ((size_t)b * T + t2) * C3 + C + h * hs;
-					float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-					for (int i = 0; i < hs; i++)
-						dot += q[i] * k[i];
-					dot *= scale;
-					pre[t2] = dot;
-					if (dot > mx)
-						mx = dot;
-				}
-				// softmax, shifted by the max so that expf never overflows
-				float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-				for (int t2 = 0; t2 <= t; t2++) {
-					float e = vexpf(pre[t2] - mx);
-					a[t2] = e;
-					sum += e;
-				}
-				float inv = 1.0f / sum;
-#pragma omp simd
-				for (int t2 = 0; t2 <= t; t2++)
-					a[t2] *= inv;
+				// causal: query t sees keys t2 <= t
+				attend(out + ((size_t)b * T + t) * C + h * hs, pre, a,
+				       head + (size_t)t * C3, head + C, head + 2 * C, C3, t + 1, hs,
+				       scale);
 				for (int t2 = t + 1; t2 < T; t2++) {
 					pre[t2] = 0.0f;
 					a[t2] = 0.0f;
-				}
-
-				// out[b,t,head h] = sum_t2 att[t2] * v[t2]
-				float *o = out + ((size_t)b * T + t) * C + h * hs;
-#pragma omp simd
-				for (int i = 0; i < hs; i++)
-					o[i] = 0.0f;
-				for (int t2 = 0; t2 <= t; t2++) {
-					const float *v =
-						qkv + ((size_t)b * T + t2) * C3 + 2 * C + h * hs;
-					float w = a[t2];
-#pragma omp simd
-					for (int i = 0; i < hs; i++)
-						o[i] += w * v[i];
 				}
 			}
 		}

@@ -51,6 +51,17 @@ void attention_forward(float *out, float *preatt, float *att, const float *qkv, 
 void attention_backward(float *dqkv, float *dpreatt, float *datt, const float *dout,
 			const float *qkv, const float *att, int B, int T, int C, int NH);
 
+/* Generation with a key/value cache (kvcache.c). Per layer, kcache and vcache
+ * (B,NH,maxT,hs) hold the keys and values of positions 0..pos-1; a step brings Tn new
+ * positions pos..pos+Tn-1 (pos + Tn <= maxT) whose [q | k | v] are qkv (B,Tn,3C). */
+/* Writes the new keys and values into the caches at positions pos..pos+Tn-1. */
+void kv_append(float *kcache, float *vcache, const float *qkv, int B, int Tn, int C, int NH,
+	       int maxT, int pos);
+/* out (B,Tn,C): new query i (position pos+i) attends to the cached positions 0..pos+i, as row
+ * pos+i of attention_forward (call kv_append first). */
+void attention_decode(float *out, const float *qkv, const float *kcache, const float *vcache,
+		      int B, int Tn, int C, int NH, int maxT, int pos);
+
 /* GeLU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))); N elements. */
 void gelu_forward(float *out, const float *inp, size_t N);
 /* dinp = gelu'(inp) * dout (written) */

@@ -6,6 +6,8 @@ without StarPU, is in reference.py.
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from .._clib import ffi, lib
@@ -14,6 +16,33 @@ from .ops import StarPUOps
 from . import taskflow
 from .placement import Placement
 from .step import Engine
+
+
+@contextlib.contextmanager
+def _acquired(t, mode):
+    """Tensor t's memory as a flat numpy array, held (StarPU acquire) after the tasks submitted
+    so far that write t (mode 1: to read it) or use it (mode 3: to write it)."""
+    ptr = lib.sl_acquire(t.h, mode)
+    if ptr == ffi.NULL:
+        raise RuntimeError(f"acquiring {t.name} failed")
+    try:
+        yield np.frombuffer(ffi.buffer(ptr, t.size * t.dtype.itemsize), dtype=t.dtype)
+    finally:
+        lib.sl_release(t.h)
+
+
+def read_tensor(t):
+    """A copy of tensor t as the tasks submitted so far leave it."""
+    with _acquired(t, 1) as x:
+        return x.reshape(t.shape).copy()
+
+
+def write_tensor(t, values):
+    """Write values into the first values.size elements of tensor t, after the tasks submitted
+    so far that use it."""
+    values = np.asarray(values, t.dtype).reshape(-1)
+    with _acquired(t, 3) as x:
+        x[:values.size] = values
 
 
 class StarPUEngine(Engine):
@@ -94,14 +123,7 @@ class StarPUEngine(Engine):
             self.checkpoints.check()
 
     def read(self, t):
-        ptr = lib.sl_acquire(t.h, 1)
-        if ptr == ffi.NULL:
-            raise RuntimeError(f"acquiring {t.name} failed")
-        try:
-            return np.frombuffer(ffi.buffer(ptr, t.size * t.dtype.itemsize),
-                                 dtype=t.dtype).reshape(t.shape).copy()
-        finally:
-            lib.sl_release(t.h)
+        return read_tensor(t)
 
     def loss(self) -> float:
         if not self.mpi:

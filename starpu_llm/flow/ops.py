@@ -40,8 +40,8 @@ class StarPUOps:
         self._done(lib.sl_submit_load_batch(inputs.h, targets.h, tokens_ptr, pos, n),
                    "load_batch")
 
-    def encoder_forward(self, out, inp, wte, wpe, B, T, C):
-        self._done(lib.sl_submit_encoder_forward(out.h, inp.h, wte.h, wpe.h, B, T, C),
+    def encoder_forward(self, out, inp, wte, wpe, B, T, C, pos=0):
+        self._done(lib.sl_submit_encoder_forward(out.h, inp.h, wte.h, wpe.h, B, T, C, pos),
                    "encoder_forward")
 
     def encoder_backward(self, dwte, dwpe, dout, inp, B, T, C, redux):
@@ -74,6 +74,15 @@ class StarPUOps:
         self._done(lib.sl_submit_attention_backward(dqkv.h, scratch.h, dout.h, qkv.h, att.h,
                                                     B, T, C, NH),
                    "attention_backward")
+
+    def kv_append(self, kcache, vcache, qkv, B, Tn, C, NH, maxT, pos):
+        self._done(lib.sl_submit_kv_append(kcache.h, vcache.h, qkv.h, B, Tn, C, NH, maxT, pos),
+                   "kv_append")
+
+    def attention_decode(self, out, qkv, kcache, vcache, B, Tn, C, NH, maxT, pos):
+        self._done(lib.sl_submit_attention_decode(out.h, qkv.h, kcache.h, vcache.h,
+                                                  B, Tn, C, NH, maxT, pos),
+                   "attention_decode")
 
     def gelu_forward(self, out, inp, N):
         self._done(lib.sl_submit_gelu_forward(out.h, inp.h, N), "gelu_forward")

@@ -77,16 +77,18 @@ class Placement:
     def sub_batch(self, config: GPTConfig, B: int, T: int, i: int):
         """(ActivationTensors, BackwardScratch) of sub-batch i, owned by its rank."""
         owner = self.owner(i)
+        return sub_batch_tensors(config, B, T,
+                                 lambda name, shape, dtype: self.tensor(name, shape, dtype, owner))
 
-        def new_tensor(name, shape, dtype):
-            # Our memory, not StarPU's (-1): StarPU 1.3.10's peager crashes when a parallel
-            # task gets a buffer StarPU allocated itself. np.empty touches no page, so the
-            # first task that writes a tensor places its pages (first touch).
-            arr = np.empty(shape, dtype) if owner == self.rank else None
-            h = self._register(arr, int(np.prod(shape)), np.dtype(dtype).itemsize, owner)
-            return Tensor(name, shape, dtype, h=h)
-
-        return sub_batch_tensors(config, B, T, new_tensor)
+    def tensor(self, name, shape, dtype=np.float32, owner=None) -> Tensor:
+        """A new tensor registered as a handle; under MPI owned by rank `owner` (None: this
+        process's own, not MPI-registered)."""
+        # Our memory, not StarPU's (-1): StarPU 1.3.10's peager crashes when a parallel
+        # task gets a buffer StarPU allocated itself. np.empty touches no page, so the
+        # first task that writes a tensor places its pages (first touch).
+        arr = np.empty(shape, dtype) if owner in (None, self.rank) else None
+        h = self._register(arr, int(np.prod(shape)), np.dtype(dtype).itemsize, owner)
+        return Tensor(name, shape, dtype, h=h)
 
     def scalars(self, name: str, n: int) -> list:
         """n float64 scalars "name[k]", each its own handle (over one element of a buffer of

@@ -27,8 +27,8 @@ class DirectOps:
     def load_batch(self, inputs, targets, tokens_ptr, pos, n):
         lib.load_batch(inputs.ptr, targets.ptr, tokens_ptr, pos, n)
 
-    def encoder_forward(self, out, inp, wte, wpe, B, T, C):
-        lib.encoder_forward(out.ptr, inp.ptr, wte.ptr, wpe.ptr, B, T, C)
+    def encoder_forward(self, out, inp, wte, wpe, B, T, C, pos=0):
+        lib.encoder_forward(out.ptr, inp.ptr, wte.ptr, wpe.ptr + pos * C, B, T, C)
 
     def encoder_backward(self, dwte, dwpe, dout, inp, B, T, C, redux):
         lib.encoder_backward(dwte.ptr, dwpe.ptr, dout.ptr, inp.ptr, B, T, C)
@@ -53,6 +53,12 @@ class DirectOps:
         datt = ffi.cast("float *", scratch.ptr) + B * NH * T * T
         lib.attention_backward(dqkv.ptr, scratch.ptr, datt, dout.ptr, qkv.ptr, att.ptr,
                                B, T, C, NH)
+
+    def kv_append(self, kcache, vcache, qkv, B, Tn, C, NH, maxT, pos):
+        lib.kv_append(kcache.ptr, vcache.ptr, qkv.ptr, B, Tn, C, NH, maxT, pos)
+
+    def attention_decode(self, out, qkv, kcache, vcache, B, Tn, C, NH, maxT, pos):
+        lib.attention_decode(out.ptr, qkv.ptr, kcache.ptr, vcache.ptr, B, Tn, C, NH, maxT, pos)
 
     def gelu_forward(self, out, inp, N):
         lib.gelu_forward(out.ptr, inp.ptr, N)

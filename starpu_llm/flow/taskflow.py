@@ -28,20 +28,31 @@ def forward(ops, cfg: GPTConfig, p, a, B: int, T: int):
     ops.encoder_forward(a.encoded, a.inputs, p.wte, p.wpe, B, T, C)
     x = a.encoded
     for l in range(L):
-        ops.layernorm_forward(a.ln1[l], a.ln1_mean[l], a.ln1_rstd[l], x, p.ln1w[l], p.ln1b[l], BT, C)
-        ops.matmul_forward(a.qkv[l], a.ln1[l], p.qkvw[l], p.qkvb[l], BT, C, 3 * C)
-        ops.attention_forward(a.atty[l], a.preatt[l], a.att[l], a.qkv[l], B, T, C, NH)
-        ops.matmul_forward(a.attproj[l], a.atty[l], p.attprojw[l], p.attprojb[l], BT, C, C)
-        ops.residual_forward(a.res2[l], x, a.attproj[l], BT * C)
-        ops.layernorm_forward(a.ln2[l], a.ln2_mean[l], a.ln2_rstd[l], a.res2[l], p.ln2w[l], p.ln2b[l], BT, C)
-        ops.matmul_forward(a.fch[l], a.ln2[l], p.fcw[l], p.fcb[l], BT, C, 4 * C)
-        ops.gelu_forward(a.fch_gelu[l], a.fch[l], BT * 4 * C)
-        ops.matmul_forward(a.fcproj[l], a.fch_gelu[l], p.fcprojw[l], p.fcprojb[l], BT, 4 * C, C)
-        ops.residual_forward(a.res3[l], a.res2[l], a.fcproj[l], BT * C)
-        x = a.res3[l]
+        b = a.layer(l)
+        block_forward(ops, cfg, p, l, x, b, BT,
+                      lambda b: ops.attention_forward(b.atty, b.preatt, b.att, b.qkv, B, T, C, NH))
+        x = b.res3
     ops.layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, x, p.lnfw, p.lnfb, BT, C)
     ops.matmul_forward(a.logits, a.lnf, p.wte, None, BT, C, Vp)   # lm head, tied to wte
     ops.crossentropy_forward(a.probs, a.losses, a.logits, a.targets, BT, V, Vp)
+
+
+def block_forward(ops, cfg: GPTConfig, p, l: int, x, b, N: int, attention):
+    """Transformer block l on N rows: x (N, C) in, b.res3 out. b names the block's buffers (the
+    fields of ActivationTensors.layer(l)); attention(b) submits the attention from b.qkv to
+    b.atty: over the sequences' own positions in training, over a key/value cache in
+    generation (generate.py)."""
+    C = cfg.C
+    ops.layernorm_forward(b.ln1, b.ln1_mean, b.ln1_rstd, x, p.ln1w[l], p.ln1b[l], N, C)
+    ops.matmul_forward(b.qkv, b.ln1, p.qkvw[l], p.qkvb[l], N, C, 3 * C)
+    attention(b)
+    ops.matmul_forward(b.attproj, b.atty, p.attprojw[l], p.attprojb[l], N, C, C)
+    ops.residual_forward(b.res2, x, b.attproj, N * C)
+    ops.layernorm_forward(b.ln2, b.ln2_mean, b.ln2_rstd, b.res2, p.ln2w[l], p.ln2b[l], N, C)
+    ops.matmul_forward(b.fch, b.ln2, p.fcw[l], p.fcb[l], N, C, 4 * C)
+    ops.gelu_forward(b.fch_gelu, b.fch, N * 4 * C)
+    ops.matmul_forward(b.fcproj, b.fch_gelu, p.fcprojw[l], p.fcprojb[l], N, 4 * C, C)
+    ops.residual_forward(b.res3, b.res2, b.fcproj, N * C)
 
 
 def backward(ops, cfg: GPTConfig, p, g, a, s, B: int, T: int, dloss: float, redux: int):

@@ -9,7 +9,8 @@ parameters' shapes are llm.c's layout, config.ParamLayout).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, make_dataclass
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import numpy as np
@@ -125,6 +126,11 @@ class SubBatchGroup(TensorGroup):
                 out[f.name] = new_tensor(f.name, shape, dtype)
         return cls(**out)
 
+    def layer(self, l: int) -> SimpleNamespace:
+        """Layer l's tensor of each per-layer field, by the field's name."""
+        return SimpleNamespace(**{f.name: getattr(self, f.name)[l] for f in fields(self)
+                                  if f.metadata["layered"]})
+
 
 @dataclass
 class ActivationTensors(SubBatchGroup):
@@ -174,3 +180,32 @@ def sub_batch_tensors(cfg: GPTConfig, B: int, T: int, new_tensor):
     new_tensor(name, shape, dtype), in this order (the MPI tags follow it)."""
     return (ActivationTensors.create(cfg, B, T, new_tensor),
             BackwardScratch.create(cfg, B, T, new_tensor))
+
+
+# ---- generation (flow/generate.py)
+
+@dataclass
+class KVCache(SubBatchGroup):
+    """The keys and values of the positions processed so far, per layer: created with T =
+    maxT, (B, NH, maxT, hs) each (the layout is explained in csrc/kernels/kvcache.c)."""
+    k: list = per_layer(lambda d: (d.B, d.NH, d.T, d.C // d.NH))
+    v: list = per_layer(lambda d: (d.B, d.NH, d.T, d.C // d.NH))
+
+
+def _decode_fields():
+    """DecodeTensors' fields: the new positions' tokens; one of each of a transformer block's
+    activations (ActivationTensors' per-layer fields, without preatt and att, whose place the
+    cache takes); the final layernorm and the logits of the last position."""
+    block = [(f.name, Tensor, single(f.metadata["shape"])) for f in fields(ActivationTensors)
+             if f.metadata["layered"] and f.name not in ("preatt", "att")]
+    head = [("lnf", lambda d: (d.B, d.C)), ("lnf_mean", lambda d: (d.B,)),
+            ("lnf_rstd", lambda d: (d.B,)), ("logits", lambda d: (d.B, d.Vp))]
+    return ([("tokens", Tensor, single(lambda d: (d.B, d.T), np.int32))] + block
+            + [(name, Tensor, single(shape)) for name, shape in head])
+
+
+# The buffers of a generation step of up to T new positions of B sequences, reused by every
+# layer (a block's buffers have the names of ActivationTensors.layer(l); res3 is the residual
+# stream, each block's input and output). The lm head reads the last position only: a step
+# that computes logits has one new position.
+DecodeTensors = make_dataclass("DecodeTensors", _decode_fields(), bases=(SubBatchGroup,))

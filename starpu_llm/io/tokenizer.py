@@ -14,6 +14,7 @@ llm.c tokenizer file by formats.read_tokenizer (decode only: the file holds no m
 """
 from __future__ import annotations
 
+import codecs
 import functools
 import importlib.util
 import numbers
@@ -82,6 +83,27 @@ class Tokenizer:
 
     def __repr__(self):
         return f"Tokenizer(vocab_size={self.vocab_size}, eot={self.eot}, path={self.path!r})"
+
+
+class StreamDecoder:
+    """Token ids to text as they come (printing a generation as it goes): GPT-2's byte-level
+    BPE splits some characters over several tokens, so the bytes of a token that ends inside
+    a UTF-8 sequence wait for the token that completes it. Invalid sequences become U+FFFD, as
+    in Tokenizer.decode; close() writes what an incomplete last sequence leaves."""
+
+    def __init__(self, tokenizer: Tokenizer, write):
+        self.tokenizer, self.write = tokenizer, write
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def __call__(self, token: int):
+        self._emit(self._utf8.decode(self.tokenizer.decode_bytes(token)))
+
+    def close(self):
+        self._emit(self._utf8.decode(b"", final=True))
+
+    def _emit(self, text: str):
+        if text:
+            self.write(text)
 
 
 def _data_dir() -> str:

@@ -1,0 +1,337 @@
+"""Text generation: GPT-2 forward-only with a key/value cache, as a task flow.
+
+A Decoder runs B sequences through the model a few positions at a time. It keeps, per layer,
+the keys and values of every position processed so far (tensors.KVCache, (B, NH, maxT, hs)
+per layer) and one set of forward buffers for up to `chunk` new positions, shared by the
+layers (tensors.DecodeTensors). Both are created once, as StarPU handles on the StarPU engine
+(numpy arrays on the reference engine), and reused by every step. A step (decode_step) takes
+Tn new positions pos..pos+Tn-1 through every block with the training block's own code
+(taskflow.block_forward: layernorms, matmuls, GeLU and residuals of the new rows); its
+attention appends the new keys and values to the cache (kv_append) and lets each new query
+attend to the cached positions 0..pos+i (attention_decode: causal by construction). A new
+token thus costs one position of every layer, not the whole prefix. The prompt goes in as
+steps of up to `chunk` positions without the lm head (prefill); its last token, like every
+sampled token, is a step of one position ending with the final layernorm and the lm head,
+which give the logits of the next token.
+
+Recompute is the same model without a cache: the training forward (taskflow.forward) over the
+whole sequence for every new token, the tests' oracle and the benchmark's baseline
+(experiments/generation_speed.py). Sampling is done here in Python, from the logits of the
+last position.
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from ..errors import StarpuLLMError, opt
+from . import taskflow
+from .tensors import ActivationTensors, DecodeTensors, KVCache, ParameterTensors, Tensor
+
+DEFAULT_CHUNK = 64     # prompt positions per prefill step
+SAMPLE_TOKENS = 64     # length of a sample printed during training (--sample-every)
+
+
+# ---- where the tensors live and how the tasks run (one backend per engine)
+
+class DirectBackend:
+    """The reference engine's side of generation: numpy tensors, the kernels called at once in
+    this thread (reference.DirectOps). Parameters: `params` (a flat ParamLayout buffer) or
+    an engine's ParameterTensors `p`."""
+
+    def __init__(self, config, params=None, p=None, threads: int | None = None):
+        from .._kernels import lib
+        from ..config import ParamLayout
+        from .reference import DirectOps
+        if threads:
+            lib.kernels_set_threads(threads)
+        self.config, self.ops = config, DirectOps()
+        self.p = p if p is not None else ParameterTensors.of_arrays(
+            "param", ParamLayout(config), params)
+
+    def tensor(self, name, shape, dtype=np.float32) -> Tensor:
+        return Tensor(name, shape, dtype, array=np.zeros(shape, dtype))
+
+    def read(self, t) -> np.ndarray:
+        return t.array.copy()
+
+    def write(self, t, values):
+        """values into the first values.size elements of t."""
+        values = np.asarray(values, t.dtype).reshape(-1)
+        t.array.reshape(-1)[:values.size] = values
+
+    def scratch(self) -> "DirectBackend":
+        """A backend for temporary tensors over the same parameters (close() releases them)."""
+        return DirectBackend(self.config, p=self.p)
+
+    def close(self):
+        pass
+
+
+class StarPUBackend:
+    """The StarPU engine's side of generation: every tensor a StarPU handle on our memory,
+    registered once (its own Placement), every layer a task (ops.StarPUOps). Parameters:
+    `params` (registered here) or the training engine's ParameterTensors `p`."""
+
+    def __init__(self, runtime, config, params=None, p=None):
+        from ..config import ParamLayout
+        from .engine import write_tensor
+        from .ops import StarPUOps
+        from .placement import Placement
+        if not runtime.running:
+            raise RuntimeError("the StarPU runtime is not running")
+        if runtime.size > 1:
+            raise StarpuLLMError("generation runs in one process: it is not available under mpirun")
+        self.runtime, self.config, self.ops = runtime, config, StarPUOps()
+        self.placement = Placement(runtime, config.L, 1, 0)
+        self.p = p if p is not None else self.placement.parameter_tensors(
+            "param", ParamLayout(config), params)
+        self.write = write_tensor
+
+    def tensor(self, name, shape, dtype=np.float32) -> Tensor:
+        return self.placement.tensor(name, shape, dtype)
+
+    def read(self, t) -> np.ndarray:
+        from .engine import read_tensor
+        self.runtime.wait()     # the whole step, which also frees its tasks' arguments
+        return read_tensor(t)
+
+    def scratch(self) -> "StarPUBackend":
+        """A backend for temporary tensors over the same parameters (close() unregisters them)."""
+        return StarPUBackend(self.runtime, self.config, p=self.p)
+
+    def close(self):
+        self.placement.unregister_all()
+
+
+# ---- the decode flow
+
+def decode_step(ops, cfg, p, kv, d, B: int, Tn: int, pos: int, logits: bool):
+    """Positions pos..pos+Tn-1 of B sequences (their tokens in d.tokens) through the model,
+    their keys and values appended to the cache kv. With logits (one new position, Tn = 1),
+    the logits of the next token of each sequence into d.logits."""
+    C, NH, maxT = cfg.C, cfg.NH, cfg.maxT
+    if logits and Tn != 1:
+        raise ValueError("the lm head runs on steps of one new position")
+    ops.encoder_forward(d.res3, d.tokens, p.wte, p.wpe, B, Tn, C, pos)
+    for l in range(cfg.L):
+        def attention(b, l=l):
+            ops.kv_append(kv.k[l], kv.v[l], b.qkv, B, Tn, C, NH, maxT, pos)
+            ops.attention_decode(b.atty, b.qkv, kv.k[l], kv.v[l], B, Tn, C, NH, maxT, pos)
+        # d.res3, the residual stream, is each block's input and output
+        taskflow.block_forward(ops, cfg, p, l, d.res3, d, B * Tn, attention)
+    if logits:
+        ops.layernorm_forward(d.lnf, d.lnf_mean, d.lnf_rstd, d.res3, p.lnfw, p.lnfb, B, C)
+        ops.matmul_forward(d.logits, d.lnf, p.wte, None, B, C, cfg.Vp)   # lm head, tied to wte
+
+
+def _batch(tokens, B: int, V: int) -> np.ndarray:
+    """tokens as a (B, n) int32 array, n >= 1, of ids in [0, V)."""
+    tokens = np.asarray(tokens, np.int64).reshape(B, -1)
+    if tokens.shape[1] == 0:
+        raise ValueError("no tokens to feed")
+    if tokens.min() < 0 or tokens.max() >= V:
+        raise StarpuLLMError(f"token ids must be in [0, {V}), the model's vocabulary; got "
+                             f"{tokens.min()}..{tokens.max()}")
+    return tokens.astype(np.int32)
+
+
+def _check_positions(config, n: int):
+    if n > config.maxT:
+        raise StarpuLLMError(f"{n} positions exceed the model's maximum sequence length "
+                             f"(maxT = {config.maxT})")
+
+
+class Decoder:
+    """B sequences through the model with a key/value cache (see the module docstring): a
+    feed of n tokens costs n positions, whatever came before. Tensors are made by `backend`
+    once, here."""
+
+    def __init__(self, backend, B: int = 1, chunk: int = DEFAULT_CHUNK):
+        cfg = self.config = backend.config
+        self.backend, self.B = backend, B
+        self.chunk = max(1, min(chunk, cfg.maxT))
+        self.kv = KVCache.create(cfg, B, cfg.maxT, backend.tensor)
+        self.d = DecodeTensors.create(cfg, B, self.chunk, backend.tensor)
+        self.pos = 0    # positions in the cache
+
+    def reset(self):
+        """Start new sequences (the new positions overwrite the cache's old ones)."""
+        self.pos = 0
+
+    def feed(self, tokens) -> np.ndarray:
+        """Appends tokens (B, n) to the sequences; returns the (B, V) logits of the next token."""
+        tokens = _batch(tokens, self.B, self.config.V)
+        n = tokens.shape[1]
+        _check_positions(self.config, self.pos + n)
+        for s in range(0, n - 1, self.chunk):     # prefill: no lm head
+            self._step(tokens[:, s:min(s + self.chunk, n - 1)], logits=False)
+        self._step(tokens[:, n - 1:], logits=True)
+        return self.backend.read(self.d.logits)[:, :self.config.V]
+
+    def _step(self, tokens, logits: bool):
+        Tn = tokens.shape[1]
+        self.backend.write(self.d.tokens, tokens)
+        decode_step(self.backend.ops, self.config, self.backend.p, self.kv, self.d, self.B, Tn,
+                    self.pos, logits)
+        self.pos += Tn
+
+
+class Recompute:
+    """The same model without a cache: each feed runs the training forward (taskflow.forward)
+    over the whole sequence so far, on tensors made for its length and released after it."""
+
+    def __init__(self, backend, B: int = 1):
+        self.backend, self.config, self.B = backend, backend.config, B
+        self.reset()
+
+    def reset(self):
+        self.sequence = np.zeros((self.B, 0), np.int32)
+
+    def feed(self, tokens) -> np.ndarray:
+        """Appends tokens (B, n) to the sequences; returns the (B, V) logits of the next token."""
+        seq = np.concatenate([self.sequence, _batch(tokens, self.B, self.config.V)], axis=1)
+        B, T = seq.shape
+        _check_positions(self.config, T)
+        scratch = self.backend.scratch()
+        try:
+            a = ActivationTensors.create(self.config, B, T, scratch.tensor)
+            scratch.write(a.inputs, seq)
+            scratch.write(a.targets, np.zeros_like(seq))    # the loss is computed, not used
+            taskflow.forward(scratch.ops, self.config, scratch.p, a, B, T)
+            logits = scratch.read(a.logits)[:, -1, :self.config.V]
+        finally:
+            scratch.close()
+        self.sequence = seq
+        return logits
+
+
+# ---- sampling
+
+def sample(logits, temperature: float, top_k: int, rng) -> int:
+    """A token id from one row of logits: the argmax when top_k is 1 or temperature 0
+    (greedy); else drawn with rng (a numpy Generator) from softmax(logits / temperature) over
+    the top_k largest logits (top_k 0: all)."""
+    x = np.asarray(logits, np.float64)
+    if top_k == 1 or temperature == 0:
+        return int(np.argmax(x))
+    ids = np.arange(x.size)
+    if 0 < top_k < x.size:
+        ids = np.sort(np.argpartition(x, x.size - top_k)[x.size - top_k:])
+    z = (x[ids] - x[ids].max()) / temperature
+    w = np.exp(z)
+    return int(ids[rng.choice(ids.size, p=w / w.sum())])
+
+
+def check_request(config, prompt_len: int, max_new_tokens: int, temperature: float, top_k: int):
+    """A clear error for a generation this model cannot do."""
+    if prompt_len < 1:
+        raise StarpuLLMError("generation needs a prompt of at least one token")
+    if max_new_tokens < 1:
+        raise StarpuLLMError(f"{opt('max_new_tokens')} must be at least 1, got {max_new_tokens}")
+    if not temperature >= 0:
+        raise StarpuLLMError(f"{opt('temperature')} must be >= 0, got {temperature}")
+    if top_k < 0:
+        raise StarpuLLMError(f"{opt('top_k')} must be >= 0 (0: all tokens), got {top_k}")
+    total = prompt_len + max_new_tokens
+    if total > config.maxT:
+        raise StarpuLLMError(
+            f"the prompt ({prompt_len} tokens) + {opt('max_new_tokens')} {max_new_tokens} = "
+            f"{total} tokens exceed the model's maximum sequence length (maxT = {config.maxT}); "
+            f"shorten the prompt or lower {opt('max_new_tokens')}")
+
+
+def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
+             rng=None, on_token=None) -> list[int]:
+    """Continues one sequence, prompt (token ids), by max_new_tokens tokens sampled from
+    `model` (a Decoder, or Recompute) with rng (default: a fresh numpy Generator); each token
+    goes to on_token as soon as it is drawn. Returns the new tokens."""
+    prompt = [int(t) for t in prompt]
+    check_request(model.config, len(prompt), max_new_tokens, temperature, top_k)
+    rng = rng if rng is not None else np.random.default_rng()
+    model.reset()
+    logits = model.feed([prompt])[0]
+    out = []
+    while True:
+        token = sample(logits, temperature, top_k, rng)
+        out.append(token)
+        if on_token is not None:
+            on_token(token)
+        if len(out) == max_new_tokens:
+            return out
+        logits = model.feed([[token]])[0]
+
+
+def _print(text: str):
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def run_generate(init_from, prompt: str = "", max_new_tokens: int = 64, temperature: float = 1.0,
+                 top_k: int = 0, seed: int = 1337, engine: str = "starpu", write=_print,
+                 runtime=None) -> str:
+    """`starpu-llm generate`: continues the text prompt (empty: from <|endoftext|>) with the
+    llm.c checkpoint init_from, a model of GPT-2's vocabulary, sampling with a numpy Generator
+    seeded with seed. Writes the prompt, then the text as it is produced, then a newline, to
+    `write`; returns the generated text. The StarPU engine runs on `runtime`, or on a runtime
+    of its own for the call."""
+    from ..io import formats, tokenizer
+    config, params = formats.read_checkpoint(init_from)
+    if config.V != tokenizer.N_VOCAB:
+        raise StarpuLLMError(f"{init_from} has a vocabulary of {config.V} tokens, not GPT-2's "
+                             f"{tokenizer.N_VOCAB}: generate reads and writes text with the GPT-2 "
+                             f"tokenizer; give the checkpoint of a GPT-2-vocabulary model")
+    if engine not in ("starpu", "reference"):
+        raise StarpuLLMError(f"{opt('engine')} {engine!r}: choose starpu or reference")
+    tok = tokenizer.gpt2()
+    ids = tok.encode(prompt) if prompt else [tok.eot]
+    check_request(config, len(ids), max_new_tokens, temperature, top_k)   # before any start-up
+    own_runtime = None
+    if engine == "starpu" and runtime is None:
+        from ..runtime.starpu import Runtime
+        runtime = own_runtime = Runtime()
+    try:
+        backend = (StarPUBackend(runtime, config, params) if engine == "starpu"
+                   else DirectBackend(config, params))
+        try:
+            write(prompt)
+            stream = tokenizer.StreamDecoder(tok, write)
+            new = generate(Decoder(backend), ids, max_new_tokens, temperature, top_k,
+                           np.random.default_rng(seed), stream)
+            stream.close()
+            write("\n")
+        finally:
+            backend.close()
+    finally:
+        if own_runtime is not None:
+            own_runtime.shutdown()
+    return tok.decode(new)
+
+
+class TrainingSampler:
+    """--sample-every: short samples from the model being trained, on the training engine's
+    own parameter tensors (on the StarPU engine its tasks read the parameter handles, so StarPU
+    runs them after the updates that write them), from <|endoftext|> (token 0 for a
+    vocabulary other than GPT-2's, whose samples are shown as token ids)."""
+
+    def __init__(self, engine, seed: int):
+        from ..io import tokenizer
+        config = engine.config
+        if getattr(engine, "mpi", False):
+            raise StarpuLLMError(f"{opt('sample_every')} is not available under mpirun "
+                                 "(generation runs in one process)")
+        backend = (StarPUBackend(engine.runtime, config, p=engine.p) if engine.name == "starpu"
+                   else DirectBackend(config, p=engine.p))
+        self.decoder = Decoder(backend, chunk=1)
+        self.rng = np.random.default_rng(seed)
+        self.tokenizer = tokenizer.gpt2() if config.V == tokenizer.N_VOCAB else None
+        self.start = tokenizer.EOT_ID if self.tokenizer else 0
+        self.length = min(SAMPLE_TOKENS, config.maxT - 1)
+
+    def sample(self) -> str:
+        ids = generate(self.decoder, [self.start], self.length, rng=self.rng)
+        return self.tokenizer.decode(ids) if self.tokenizer else " ".join(map(str, ids))
+
+    def close(self):
+        self.decoder.backend.close()
