@@ -88,9 +88,9 @@ def build_parser():
     g.add_argument("--init-from", required=True, metavar="CKPT", help="llm.c fp32 checkpoint")
     g.add_argument("--prompt", default="", help="text to continue (default: none, start from "
                                                 "<|endoftext|>)")
-    g.add_argument("--max-new-tokens", type=_positive("--max-new-tokens"), default=64,
+    g.add_argument("--max-new-tokens", type=_CHECKS["positive"]("--max-new-tokens"), default=64,
                    help="tokens to generate (default 64); prompt + new tokens <= the model's maxT")
-    g.add_argument("--temperature", type=_nonneg_float("--temperature"), default=1.0,
+    g.add_argument("--temperature", type=_CHECKS["nonneg"]("--temperature"), default=1.0,
                    help="softmax temperature (default 1; 0: greedy)")
     g.add_argument("--top-k", type=int, default=0, metavar="K",
                    help="sample among the K most likely tokens (default 0: all; 1: greedy)")
