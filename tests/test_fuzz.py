@@ -19,6 +19,7 @@ import functools
 import json
 import os
 import re
+import shutil
 import signal
 import struct
 import subprocess
@@ -35,8 +36,9 @@ from hypothesis import HealthCheck, Phase, find, given, settings, strategies as 
 
 from starpu_llm.config import GPTConfig
 from starpu_llm.errors import StarpuLLMError
-from starpu_llm.io import data, formats
+from starpu_llm.io import checkpoint, data, formats
 from starpu_llm.io.tokenizer import Tokenizer
+from starpu_llm.state import TrainState
 
 # Writing the valid files (fsync'ed by the writers) makes data generation slowish on a busy disk.
 _COMMON = dict(deadline=5000, suppress_health_check=[HealthCheck.too_slow])
@@ -168,8 +170,53 @@ def _check_meta(ok, raw: bytes):
         assert (meta["train_tokens"], meta["val_tokens"]) == (_TRAIN, _VAL)
 
 
-# The companion of a checkpoint (AdamW moments, step, data position: io/checkpoint.py, being
-# written) is to come as one more entry: its writer's files, its reader, its check, its fields.
+# The companion of a checkpoint (io/checkpoint.py: AdamW moments, step, data position): the
+# damaged file is put beside the model it was written for (fixed: one small config), as
+# PATH.state, and the pair read.
+_COMP_CONFIG = GPTConfig(max_seq_len=4, vocab_size=6, padded_vocab_size=8, num_layers=1,
+                         num_heads=2, channels=4)
+
+
+@functools.lru_cache(maxsize=None)
+def _companion_model() -> str:
+    path = os.path.join(_DIR.name, "pair", "model.bin")
+    n = _COMP_CONFIG.num_parameters
+    checkpoint.write(path, TrainState(config=_COMP_CONFIG, params=np.arange(n, dtype=np.float32)))
+    return path
+
+
+@st.composite
+def _companions(draw):
+    n = _COMP_CONFIG.num_parameters
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    state = TrainState(config=_COMP_CONFIG, params=np.arange(n, dtype=np.float32),
+                       m=rng.standard_normal(n, dtype=np.float32),
+                       v=rng.random(n, dtype=np.float32), step=draw(st.integers(0, 10**6)),
+                       data={"position": draw(st.integers(0, 10**9))})
+    model = _companion_model()
+    other = os.path.join(_DIR.name, "pair", "valid.bin")
+    checkpoint.write(other, state)          # the same parameters: its .state fits model.bin
+    with open(checkpoint.companion(other), "rb") as f:
+        return f.read()
+
+
+def _read_companion(path: str):
+    """The pair <pair>/NAME (a copy of the model) + <pair>/NAME.state (the file at path), NAME
+    the file's own name, so that every message about the pair names it."""
+    pair = os.path.join(_DIR.name, "pair", os.path.basename(path))
+    shutil.copyfile(_companion_model(), pair)
+    shutil.copyfile(path, checkpoint.companion(pair))
+    return checkpoint.read(pair)
+
+
+def _check_companion(state, raw: bytes):
+    n = _COMP_CONFIG.num_parameters
+    header = np.frombuffer(raw[:checkpoint.HEADER_INTS * 8], dtype="<i8")
+    assert len(raw) == checkpoint.HEADER_INTS * 8 + 8 * n
+    assert (state.step, state.data["position"]) == (int(header[8]), int(header[9]))
+    assert np.concatenate([state.m, state.v]).tobytes() == raw[checkpoint.HEADER_INTS * 8:]
+
+
 _CKPT_FIELDS = dict(magic=0, version=4, maxT=8, V=12, L=16, NH=20, C=24, Vp=28, reserved=32)
 READERS = [
     Reader("checkpoint", _checkpoints(), formats.read_checkpoint, _check_checkpoint, _CKPT_FIELDS,
@@ -183,6 +230,10 @@ READERS = [
     Reader("tokenizer", _tokenizers(), formats.read_tokenizer, _check_tokenizer,
            dict(magic=0, version=4, n=8, eot=12, reserved=16), huge=(dict(n=2**32 - 1, eot=0),),
            alloc_per_byte=32),
+    # int64 fields: the damage writes the low 32 bits of each
+    Reader("companion", _companions(), _read_companion, _check_companion,
+           dict(magic=0, version=8, maxT=16, V=24, L=32, NH=40, C=48, Vp=56, step=64,
+                position=72, model_crc=80, body_crc=88, reserved=96)),
     Reader("dataset-meta", _metas, lambda p: data._cached_ok(*_cache(), p), _check_meta, {},
            alloc_per_byte=64),          # JSON: a Python object per few bytes
 ]

@@ -6,7 +6,8 @@ A checkpoint is two files, the model at PATH and its companion at PATH.state:
 
     header  128 little-endian int64: magic, version, the model's config (maxT, V, L, NH, C,
             Vp), step, data position, CRC-32 of the model's parameters, CRC-32 of the
-            companion's body; the rest 0
+            first ten fields and the body (so a damaged step or position is caught
+            too); the rest 0
     body    m then v: float32, ParamLayout order
 
 Write order: any old companion at PATH.state is removed first, then the model is written,
@@ -46,9 +47,10 @@ def companion(path) -> str:
 
 
 def _crc(*arrays) -> int:
+    """CRC-32 of the arrays' bytes, in order."""
     crc = 0
     for a in arrays:
-        crc = zlib.crc32(memoryview(np.ascontiguousarray(a, dtype=_F32)).cast("B"), crc)
+        crc = zlib.crc32(memoryview(np.ascontiguousarray(a)).cast("B"), crc)
     return crc
 
 
@@ -70,13 +72,15 @@ def write(path, state: TrainState) -> str:
     formats.write_checkpoint(path, state.config, state.params)
     header = np.zeros(HEADER_INTS, _I64)
     fields = [MAGIC, VERSION, *_config_fields(state.config), state.step,
-              state.data.get("position", 0), _crc(state.params), _crc(state.m, state.v)]
+              state.data.get("position", 0), _crc(state.params)]
     header[:len(fields)] = fields
+    m, v = (np.ascontiguousarray(a, dtype=_F32) for a in (state.m, state.v))
+    header[len(fields)] = _crc(header[:len(fields) - 1], m, v)
 
     def body(f):
         f.write(header.tobytes())
-        for a in (state.m, state.v):
-            formats._write_array(f, np.ascontiguousarray(a, dtype=_F32))
+        for a in (m, v):
+            formats._write_array(f, a)
 
     atomic.atomic_write(companion(path), body)
     return path
@@ -118,14 +122,14 @@ def read(path) -> TrainState:
         raise StarpuLLMError(f"{comp} has {size} bytes, but a companion of this model has "
                              f"{expected} (the header and two moments of {n} float32); {hint}")
     step, position, model_crc, body_crc = (int(x) for x in header[8:12])
-    if _crc(params) != model_crc:
+    if _crc(params.astype(_F32, copy=False)) != model_crc:
         raise StarpuLLMError(f"{comp} does not belong to {path}: it was saved (at step {step}) "
                              f"with other parameters than {path} holds, so the two files come "
                              f"from different saves; {hint}")
     moments = np.fromfile(comp, dtype=_F32, count=2 * n, offset=HEADER_INTS * 8)
-    if _crc(moments) != body_crc:
-        raise StarpuLLMError(f"{comp} is corrupt: its moments do not match their checksum; "
-                             f"resume from another checkpoint")
+    if _crc(header[:10], moments) != body_crc:
+        raise StarpuLLMError(f"{comp} is corrupt: its step, data position or moments do not "
+                             f"match their checksum; resume from another checkpoint")
     m, v = np.split(moments.astype(np.float32, copy=False), 2)
     return TrainState(config=config, params=params, m=m, v=v, step=step,
                       data={"position": position})
