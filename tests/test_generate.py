@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from bounds import assert_within, logits_bound
-from starpu_llm import Runtime
 from starpu_llm.config import MODELS
 from starpu_llm.errors import StarpuLLMError
 from starpu_llm.flow import generate as gen
@@ -29,13 +28,6 @@ def params_of(config, seed=3):
     every position embedding matter."""
     p = random_init(config, seed)
     return p + np.random.default_rng(seed).standard_normal(p.size).astype(np.float32) * 0.02
-
-
-@pytest.fixture(scope="module")
-def runtime():
-    rt = Runtime()
-    yield rt
-    rt.shutdown()
 
 
 @pytest.fixture

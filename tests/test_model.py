@@ -59,7 +59,7 @@ from starpu_llm.io.data import DataLoader, default_dataset
 from starpu_llm.flow.engine import StarPUEngine
 from starpu_llm.io.formats import read_shard
 from starpu_llm.flow.reference import ReferenceEngine
-from starpu_llm.runtime import Runtime, usable_cores
+from starpu_llm.runtime import usable_cores
 from starpu_llm.state import TrainState, random_init
 
 from bounds import AdamDrift, grad_rel_bound, logits_bound, loss_bound, ratio, slice_scales
@@ -137,13 +137,6 @@ def param_errors(layout: ParamLayout, got: np.ndarray, want: np.ndarray, bound) 
 
 
 # --------------------------------------------------------------------------- the runs
-
-@pytest.fixture(scope="module")
-def runtime():
-    rt = Runtime()
-    yield rt
-    rt.shutdown()
-
 
 def make_engine(kind, case, state, runtime, sub_batches=None):
     if kind == "reference":

@@ -33,7 +33,7 @@ from starpu_llm.flow.engine import StarPUEngine
 from starpu_llm.flow.reference import ReferenceEngine
 from starpu_llm.flow.taskflow import update_order
 from starpu_llm.io import formats
-from starpu_llm.runtime import Runtime, usable_cores
+from starpu_llm.runtime import usable_cores
 from starpu_llm.schedule import learning_rate
 from starpu_llm.state import TrainState, random_init
 
@@ -58,13 +58,6 @@ TRAIN = _rng.integers(0, SMALL.V, 4096).astype(np.uint16)
 VAL = _rng.integers(0, SMALL.V, 1024).astype(np.uint16)
 VAL_POSITIONS = [0, B * T, 2 * B * T]
 POSITIONS = [i * B * T for i in range(STEPS)]      # consecutive batches, as the loader's
-
-
-@pytest.fixture(scope="module")
-def runtime():
-    rt = Runtime()
-    yield rt
-    rt.shutdown()
 
 
 @contextlib.contextmanager
