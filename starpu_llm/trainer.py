@@ -281,9 +281,13 @@ class StopOnCtrlC:
 
     def stop(self, comm) -> bool:
         """Whether to stop after this step; under MPI every rank stops after the same one."""
-        if comm is not None:
-            self.requested = any(comm.allgather(self.requested))
-        return self.requested
+        if comm is None:
+            return self.requested
+        # the ranks' answers agree; a Ctrl-C that lands during the allgather stays requested
+        # (not overwritten by its result) and stops every rank after the next step
+        agreed = any(comm.allgather(self.requested))
+        self.requested = self.requested or agreed
+        return agreed
 
 
 def step_extras(cfg: TrainConfig, engine, validation, lr: float, rank: int, last: bool) -> dict:

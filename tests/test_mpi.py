@@ -149,8 +149,9 @@ def signal_a_rank(tmp_path, args, rank, sig):
                 break
         os.kill(int((pids / str(rank)).read_text()), sig)
         t0 = time.monotonic()
-        rc = p.wait(timeout=60)
-        return rc, time.monotonic() - t0, "".join(lines) + p.stdout.read()
+        # read both pipes to the end while waiting: a rank blocked on a full pipe never stops
+        rest, _ = p.communicate(timeout=60)
+        return p.returncode, time.monotonic() - t0, "".join(lines) + rest
     finally:
         if p.poll() is None:
             p.kill()
