@@ -68,8 +68,19 @@ def test_two_core_worker_repeats_exactly(one_core, name, sub_batches):
     first, _, how = train(name, 1, 2, sub_batches)
     for r in range(1, repeats):
         again, _, _ = train(name, 1, 2, sub_batches)
-        # one worker runs every task, in an order the data dependencies fix: bitwise the same
-        np.testing.assert_array_equal(again, first, err_msg=f"run {r + 1} of {how}")
+        if not sub_batches:
+            # one worker runs every task, in an order the data dependencies fix: bitwise
+            np.testing.assert_array_equal(again, first, err_msg=f"run {r + 1} of {how}")
+            continue
+        # Two sub-batches on one worker add their gradients into the same reduction copy,
+        # and the dependencies do not order the two chains: StarPU 1.4's parallel worker may
+        # run them interleaved differently from run to run (seen: losses 2e-9 apart), so the
+        # sums round differently. The first step's loss precedes any update: bitwise; each
+        # later one within the fp32 loss bound of the first run's.
+        assert again[0] == first[0], (how, again[0], first[0])
+        for i in range(1, len(first)):
+            b = loss_bound(cfg, B, T, float(first[i]), ref_scale)
+            assert abs(again[i] - first[i]) <= b, (how, r + 1, i, again[i], first[i], b)
     bound = loss_bound(cfg, B, T, float(ref[0]), ref_scale)
     assert abs(first[0] - ref[0]) <= bound, (how, first[0], ref[0], bound)
     assert np.all(np.isfinite(first)), (how, first)
