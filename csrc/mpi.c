@@ -109,19 +109,23 @@ int sl_mpi_tag_ub(void) { return 0; }
 
 #endif
 
-/* The one place a task is inserted (see internal.h). */
+/* The one place a task is inserted (see internal.h). Each task carries its submission number
+ * as its tag id (STARPU_TAG_ONLY: a label for the trace, no tag dependency). */
 int sl_insert_task(struct sl_placement where, struct starpu_codelet *cl,
 		   struct starpu_data_descr *buffers, int nbuffers, void *args, size_t args_size,
 		   double flops)
 {
+	static uint64_t submitted;
+	starpu_tag_t seq = (starpu_tag_t)__atomic_fetch_add(&submitted, 1, __ATOMIC_RELAXED);
 #ifdef SL_HAVE_MPI
 	if (sl_mpi_active)
 		return starpu_mpi_task_insert(
 			sl_mpi_comm, cl, STARPU_EXECUTE_ON_NODE, where.node,
 			STARPU_EXECUTE_ON_WORKER, where.worker, STARPU_DATA_MODE_ARRAY, buffers,
-			nbuffers, STARPU_CL_ARGS_NFREE, args, args_size, STARPU_FLOPS, flops, 0);
+			nbuffers, STARPU_CL_ARGS_NFREE, args, args_size, STARPU_FLOPS, flops,
+			STARPU_TAG_ONLY, seq, 0);
 #endif
 	return starpu_task_insert(cl, STARPU_EXECUTE_ON_WORKER, where.worker,
 				  STARPU_DATA_MODE_ARRAY, buffers, nbuffers, STARPU_CL_ARGS_NFREE,
-				  args, args_size, STARPU_FLOPS, flops, 0);
+				  args, args_size, STARPU_FLOPS, flops, STARPU_TAG_ONLY, seq, 0);
 }

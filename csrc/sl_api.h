@@ -155,11 +155,19 @@ struct sl_trace_event {
 	int64_t end_ns;
 	int32_t modes[SL_TRACE_MAXBUF]; /* SL_ACCESS_* bits */
 	sl_handle handles[SL_TRACE_MAXBUF];
+	double flops;	/* the flop count the task was submitted with */
+	uint64_t job;	/* the task's submission number (sl_insert_task) */
 };
 int sl_trace_enable(size_t capacity); /* capacity 0 disables and frees */
+/* Dry run (on = 1): every task still runs through StarPU, with its dependencies, placement and
+ * trace, but its kernel is skipped; the task graph of a step is then recorded in a fraction of
+ * its run time (starpu_llm/perf/graph.py). The data are left as they were. */
+void sl_set_dry_run(int on);
+int sl_dry_run(void);
 size_t sl_trace_count(void);	      /* events recorded (capped at capacity) */
 const struct sl_trace_event *sl_trace_events(void);
 const char *sl_codelet_name(int codelet);
 int sl_codelet_count(void);
+int sl_codelet_sequential(int codelet); /* 1: always on one core; -1: no such codelet */
 
 #endif

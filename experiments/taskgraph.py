@@ -75,7 +75,7 @@ class Event:
 
     def __init__(self, i, raw):
         self.i = i
-        self.codelet, self.worker, self.cores, self.start, self.end, bufs = raw
+        self.codelet, self.worker, self.cores, self.start, self.end, bufs = raw[:6]
         self.buffers = None if bufs is None else [(int(h), int(m)) for h, m in bufs]
         self.phase = phase(self.codelet)
 

@@ -121,9 +121,11 @@ def traced_run(spec: dict) -> list:
     """The StarPU engine for 1 + spec["steps"] steps under the task trace, as the trainer runs
     it (same Runtime, loader and engine.step), returning the step times. Adds to spec:
     "events" (Runtime.trace(): codelet, worker, cores, start_ns, end_ns, [[handle, mode], ...]
-    or None), "names" ({handle address as a string: tensor name}), "records" (the submitted
-    task names, in order) and "describe"."""
+    or None, flops, job), "names" ({handle address as a string: tensor name}), "sizes" ({handle
+    address as a string: bytes}), "steps_ns" ([start, end] of each step, on the trace's clock),
+    "records" (the submitted task names, in order) and "describe"."""
     import time
+    from ._clib import ffi
     from .io import data
     from .config import MODELS
     from .flow.engine import StarPUEngine
@@ -134,25 +136,31 @@ def traced_run(spec: dict) -> list:
     B, T = spec["batch"], spec["seq_len"]
     loader = data.DataLoader(data.default_dataset()[0], B, T, vocab_size=config.V)
     state = TrainState(config=config, params=random_init(config))
-    ms = []
+    ms, steps_ns = [], []
     with Runtime(spec.get("workers"), spec.get("cores"), kcore=spec.get("kcore")) as rt:
         engine = StarPUEngine(config, state, B, T, loader.tokens, rt,
                               sub_batches=spec.get("sub_batches"), record=True)
         rt.start_trace(400_000)
         try:
             for _ in range(spec["steps"] + 1):
-                t0 = time.perf_counter()
+                t0 = time.monotonic_ns()
                 engine.step(loader.next_position(), 1e-4, 0.0)
-                ms.append((time.perf_counter() - t0) * 1e3)
+                t1 = time.monotonic_ns()
+                ms.append((t1 - t0) / 1e6)
+                steps_ns.append([t0, t1])
             names = engine.tensor_names()
+            sizes = {str(int(ffi.cast("uintptr_t", t.h))): t.size * t.dtype.itemsize
+                     for _, t in engine.named_tensors()}
             spec["describe"] = engine.describe()
         finally:
             engine.close()
         events = rt.trace()
         rt.stop_trace()
-    spec["events"] = [[c, w, k, s, e, None if b is None else [list(x) for x in b]]
-                      for c, w, k, s, e, b in events]
+    spec["events"] = [[c, w, k, s, e, None if b is None else [list(x) for x in b], f, j]
+                      for c, w, k, s, e, b, f, j in events]
     spec["names"] = {str(h): n for h, n in names.items()}
+    spec["sizes"] = sizes
+    spec["steps_ns"] = steps_ns
     spec["records"] = engine.submitted()
     return ms
 

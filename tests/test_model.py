@@ -363,8 +363,10 @@ def test_starpu_matches_reference(results):
 # --------------------------------------------------------------------------- data parallelism
 
 def test_starpu_sub_batches_small(runtime):
-    """The small model with the batch split into 2 sub-batches whose gradients StarPU reduces
-    (REDUX): matches torch within the same bounds (they hold for any summation order)."""
+    """The small model with the batch split into 2 sub-batches whose gradients add up (on
+    the fixture's one worker, chained; on several, a StarPU reduction, also tested against
+    one worker in test_parallel.py): matches torch within the same bounds (they hold for any
+    summation order)."""
     case = make_case("small")
     layout = ParamLayout(case.config)
     out = {}

@@ -21,7 +21,8 @@ TOKENS = np.random.default_rng(3).integers(0, CFG.V, 8000).astype(np.uint16)
 LAYOUT = ParamLayout(CFG)
 
 # Bounds (tests/bounds.py, section "whole model"). A partition changes the order of fp32
-# sums: the gradients of the sub-batches are added (STARPU_REDUX) instead of summed over the
+# sums: the gradients of the sub-batches are added (STARPU_REDUX, or chained where sub-batches
+# share a worker) instead of summed over the
 # whole batch in one kernel, and tasks run with 1 or 2 threads, whose OpenMP and OpenBLAS
 # splits can reorder any reduction of the forward and backward passes. No reduction is assumed
 # to keep its order, so the bound is that of two fp32 runs of the model:

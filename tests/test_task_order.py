@@ -45,6 +45,52 @@ def test_update_starts_after_its_gradient_is_final(workers, cores, sub_batches):
 PARTITIONS = [(1, 1, None), (1, 1, 2), (2, 1, None)]
 
 
+def sub_batch_of(event, names):
+    """The sub-batch whose activations a traced task uses (None: no sub-batch's)."""
+    subs = {n.split(".", 1)[0] for n, _ in named_buffers(event, names) if n.startswith("s")
+            and n.split(".", 1)[0][1:].isdigit()}
+    assert len(subs) <= 1, (event[0], subs)
+    return int(subs.pop()[1:]) if subs else None
+
+
+@pytest.mark.parametrize("workers,cores,sub_batches,reduction", [
+    (2, 1, None, True),    # one sub-batch per one-core worker: a StarPU reduction
+    (1, 1, 2, False),      # two sub-batches on one worker: chained
+    (1, 2, 2, False),      # on one 2-core worker (a parallel worker on StarPU 1.4)
+    (2, 1, 4, False),      # two per worker
+])
+def test_sub_batches_sharing_a_worker_add_in_submission_order(workers, cores, sub_batches,
+                                                               reduction):
+    """Where two sub-batches would add into one worker's reduction copy, in an order nothing
+    fixes (so the sums, and the losses, would round differently from run to run), their
+    contributions to each gradient are chained instead: the gradient is RW, and the tasks
+    adding into it run one after another, sub-batch 0's first. Where each worker runs one
+    sub-batch, the contributions are a StarPU reduction (REDUX)."""
+    events, names = traced(workers, cores, sub_batches, 0.0)
+    contributions = {}   # gradient name -> [(start, end, sub-batch)] of the tasks adding into it
+    for e in events:
+        if e[0] in ("adamw", "zero", "add") or not e[5]:   # (zero, add: StarPU's reduction)
+            continue
+        for n, mode in named_buffers(e, names):
+            if n.startswith("grad."):
+                assert bool(mode & lib.SL_ACCESS_REDUX) == reduction, (e[0], n, mode)
+                if not reduction:
+                    assert mode == lib.SL_ACCESS_R | lib.SL_ACCESS_W, (e[0], n, mode)
+                contributions.setdefault(n, []).append((e[3], e[4], sub_batch_of(e, names)))
+    assert len(contributions) == 12 * MICRO.L + 4
+    # StarPU's reduction methods run exactly when there is a reduction
+    assert {"zero", "add"} <= {e[0] for e in events} if reduction else \
+        not {"zero", "add"} & {e[0] for e in events}
+    if reduction:
+        return
+    for n, tasks in contributions.items():
+        tasks.sort()
+        order = [i for _, _, i in tasks]
+        assert order == sorted(order) and set(order) == set(range(sub_batches)), (n, order)
+        for (_, end, _), (start, _, _) in zip(tasks, tasks[1:]):
+            assert start >= end, f"two contributions to {n} overlapped"
+
+
 def traced(workers, cores, sub_batches, grad_clip):
     if workers * cores > usable_cores():
         pytest.skip(f"a {workers}x{cores} partition needs {workers * cores} cores; "

@@ -109,7 +109,8 @@ enum starpu_data_access_mode sl_mode_resolve(int mode, int redux, int accumulate
 
 /* The CPU function of codelet `name`: sizes this thread's OpenMP team and BLAS to the cores
  * of the worker running the task, binds the team, and records the task in the trace around
- * the body that follows the macro, which sees `buffers` and `a` (the task's args_type). */
+ * the body that follows the macro, which sees `buffers` and `a` (the task's args_type); in a
+ * dry run (sl_set_dry_run) the body is skipped. */
 int sl_task_threads(void);
 long sl_trace_begin(int codelet, int ncores);
 void sl_trace_end(long slot);
@@ -118,7 +119,8 @@ void sl_trace_end(long slot);
 	static void name##_cpu(void *buffers[], void *cl_arg)                                      \
 	{                                                                                          \
 		long slot = sl_trace_begin(SL_CL_##name, sl_task_threads());                       \
-		name##_body(buffers, cl_arg);                                                      \
+		if (!sl_dry_run())                                                                 \
+			name##_body(buffers, cl_arg);                                              \
 		sl_trace_end(slot);                                                                \
 	}                                                                                          \
 	static void name##_body(void *buffers[], const args_type *a)

@@ -8,6 +8,8 @@
 #include "codelet.h"
 #include "../internal.h"
 
+static struct sl_codelet *codelets[SL_CL_COUNT];
+
 #define SL_ID_NAME(name) #name,
 static const char *codelet_names[] = { SL_CODELET_NAMES(SL_ID_NAME) };
 #undef SL_ID_NAME
@@ -19,9 +21,15 @@ const char *sl_codelet_name(int codelet)
 
 int sl_codelet_count(void) { return SL_CL_COUNT; }
 
+int sl_codelet_sequential(int codelet)
+{
+	return codelet >= 0 && codelet < SL_CL_COUNT && codelets[codelet] ?
+		       codelets[codelet]->sequential :
+		       -1;
+}
+
 /* ---- the table ---- */
 
-static struct sl_codelet *codelets[SL_CL_COUNT];
 _Static_assert(SL_MAX_BUFFERS <= STARPU_NMAXBUFS, "a codelet's modes must fit in starpu_codelet");
 
 static int fixed_mode(int mode) { return mode == SL_R || mode == SL_W || mode == SL_RW; }

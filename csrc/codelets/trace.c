@@ -6,6 +6,11 @@
 #include "../internal.h"
 
 static struct sl_trace_event *trace_buf;
+static int dry_run;
+
+void sl_set_dry_run(int on) { __atomic_store_n(&dry_run, on != 0, __ATOMIC_RELEASE); }
+
+int sl_dry_run(void) { return __atomic_load_n(&dry_run, __ATOMIC_ACQUIRE); }
 static size_t trace_cap;
 static size_t trace_next; /* atomically incremented slot counter */
 
@@ -75,6 +80,8 @@ static void trace_buffers(struct sl_trace_event *e)
 		return;
 	int n = STARPU_TASK_GET_NBUFFERS(task);
 	e->nbuffers = n;
+	e->flops = task->flops;
+	e->job = task->tag_id; /* sl_insert_task's submission number */
 	for (int i = 0; i < n && i < SL_TRACE_MAXBUF; i++) {
 		e->handles[i] = STARPU_TASK_GET_HANDLE(task, i);
 		e->modes[i] = sl_access_bits(STARPU_TASK_GET_MODE(task, i));

@@ -77,7 +77,8 @@ class StarPUEngine(Engine):
         super().__init__(config, state, B, T, tokens, sub_batches * nranks)
         self.runtime = runtime
         self.ops = StarPUOps(record=record)
-        self.placement = place = Placement(runtime, config.L, self.subs_per_rank, self.redux)
+        self.placement = place = Placement(runtime, config.L, self.subs_per_rank)
+        self.redux = place.redux
         self.rank, self.mpi = place.rank, place.mpi
         self.p, self.g, self.m, self.v = (
             place.parameter_tensors(kind, self.layout, flat)
@@ -91,18 +92,20 @@ class StarPUEngine(Engine):
     def submitted(self) -> list | None:
         return None if self.ops.records is None else list(self.ops.records)
 
+    def named_tensors(self):
+        """(name, Tensor) of every tensor of this engine, sub-batch i's prefixed "s{i}."."""
+        for t in (t for group in (self.p, self.g, self.m, self.v) for t in group.tensors()):
+            yield t.name, t
+        for t in self.norm:
+            yield t.name, t
+        for i, (a, s) in enumerate(self.subs):
+            for t in (t for group in (a, s) for t in group.tensors()):
+                yield f"s{i}.{t.name}", t
+
     def tensor_names(self) -> dict:
         """{handle address: tensor name} of every tensor of this engine (sub-batch i's
         activations prefixed "s{i}."), to read the handles of a task trace."""
-        names = {}
-        for t in (t for group in (self.p, self.g, self.m, self.v) for t in group.tensors()):
-            names[int(ffi.cast("uintptr_t", t.h))] = t.name
-        for t in self.norm:
-            names[int(ffi.cast("uintptr_t", t.h))] = t.name
-        for i, (a, s) in enumerate(self.subs):
-            for t in (t for group in (a, s) for t in group.tensors()):
-                names[int(ffi.cast("uintptr_t", t.h))] = f"s{i}.{t.name}"
-        return names
+        return {int(ffi.cast("uintptr_t", t.h)): name for name, t in self.named_tensors()}
 
     # --- where tasks run: the placement decides ---
     def _run_sub_batch_on(self, i):

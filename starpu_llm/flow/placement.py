@@ -21,20 +21,41 @@ from ..errors import StarpuLLMError
 from .tensors import ParameterTensors, Tensor, sub_batch_tensors
 
 
+def gradient_mode(workers: int, pinned: bool, subs_per_rank: int, nranks: int) -> int:
+    """How the sub-batches' gradient contributions add up (the redux argument of the backward
+    tasks) for `workers` workers per process, sub-batches pinned to them or not.
+
+    A StarPU reduction (STARPU_REDUX, 1) gives each worker its own copy, summed in a fixed
+    tree at the end; it is deterministic only while no two sub-batches add into one copy,
+    since nothing orders two chains' additions into it and the sums would round differently
+    from run to run. So: a reduction when each pinned worker runs one sub-batch, and across
+    MPI processes (contributions to rank 0's gradients must be reductions there; sub-batches
+    sharing a process's worker keep an unfixed order). Wherever else sub-batches share a worker
+    (one worker, more sub-batches than workers, or unpinned parallel workers), the
+    contributions are chained (RW, 0): in submission order, sub-batch 0's first, with no copy,
+    no zeroing and no final sum (AdamW leaves every gradient zeroed); other sub-batches' tasks
+    still run meanwhile."""
+    if subs_per_rank * nranks <= 1:
+        return 0
+    return int(nranks > 1 or (pinned and subs_per_rank == workers))
+
+
 class Placement:
     """The handles of one engine (registered here, unregistered in reverse order by
     unregister_all) and the where-to-run decisions of its step."""
 
-    def __init__(self, runtime, layers: int, subs_per_rank: int, redux: int):
+    def __init__(self, runtime, layers: int, subs_per_rank: int):
         self.runtime = runtime
         self.rank, self.nranks = runtime.rank, runtime.size
         self.mpi = self.nranks > 1
-        self.layers, self.subs_per_rank, self.redux = layers, subs_per_rank, redux
+        self.layers, self.subs_per_rank = layers, subs_per_rank
         # Data parallelism: sub-batch i stays on worker i mod N, so every worker always adds
         # into its own reduction copies (StarPU allocates them all in the first step) and two
         # sub-batches never queue behind each other. Only where StarPU's worker ids are the N
         # workers of the partition.
         self.pin_sub_batches = runtime.workers > 1 and runtime.workers_are_starpu_workers
+        self.redux = gradient_mode(runtime.workers, self.pin_sub_batches, subs_per_rank,
+                                   self.nranks)
         self._registered = []     # (handle, partitioned) to unregister in reverse order
         self._buffers = []
         self._next_tag = 0
@@ -43,7 +64,7 @@ class Placement:
     def parameter_tensors(self, kind: str, layout: ParamLayout, flat: np.ndarray) -> ParameterTensors:
         """The parameters, gradients or moments (kind "param", "grad", "m", "v") over flat, a
         buffer of layout. Rank 0 owns them; other ranks hold parameter memory (received copies
-        land there) and nothing else. With sub-batches, gradients are reduced (STARPU_REDUX)."""
+        land there) and nothing else. Gradients accept STARPU_REDUX contributions when self.redux."""
         L = self.layers
         owner_here = self.rank == 0
         memory = owner_here or kind == "param"

@@ -35,7 +35,9 @@ class Engine:
                                  f"choose {opt('sub_batches')} dividing {B}")
         self.config, self.state, self.B, self.T = config, state, B, T
         self.sub_batches, self.Bs = sub_batches, B // sub_batches
-        self.redux = 1 if sub_batches > 1 else 0
+        # how sub-batches add their gradients (StarPU engine: a reduction or a chain, its
+        # placement decides); the reference engine adds them in order
+        self.redux = 0
         self.layout = ParamLayout(config)
         self.tokens = tokens   # keep the shard alive: load tasks read it
         self.tokens_ptr = ffi.cast("const uint16_t *", ffi.from_buffer(tokens))

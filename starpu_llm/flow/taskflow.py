@@ -56,8 +56,8 @@ def block_forward(ops, cfg: GPTConfig, p, l: int, x, b, N: int, attention):
 
 
 def backward(ops, cfg: GPTConfig, p, g, a, s, B: int, T: int, dloss: float, redux: int):
-    """Backward pass: accumulates into the parameter gradients g (RW, or REDUX when several
-    sub-batches add into them). dloss scales the per-token loss gradient (1/(global B*T))."""
+    """Backward pass: accumulates into the parameter gradients g (RW, or REDUX when sub-batches
+    add into them through a StarPU reduction: placement.py says when). dloss scales the per-token loss gradient (1/(global B*T))."""
     C, NH, L, V, Vp = cfg.C, cfg.NH, cfg.L, cfg.V, cfg.Vp
     BT = B * T
     ops.crossentropy_backward(s.dlogits, a.probs, a.targets, BT, V, Vp, dloss)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+from typing import NamedTuple
 
 from .._clib import ffi, lib
 from ..errors import StarpuLLMError, opt
@@ -271,10 +272,21 @@ class Runtime:
         return n, [int(out[1 + t]) for t in range(min(n, max_threads))]
 
 
+class TraceEvent(NamedTuple):
+    """One task run, as the trace recorded it (csrc/codelets/trace.c)."""
+    codelet: str
+    worker: int
+    cores: int
+    start_ns: int
+    end_ns: int
+    buffers: tuple | None   # ((handle address, SL_ACCESS_* mode), ...) as StarPU gave them;
+                            # None for a reduction method StarPU ran inline inside another task
+    flops: float            # the flop count the task was submitted with
+    job: int                # the task's submission number (process-wide)
+
+
 def read_trace() -> list:
-    """The recorded tasks: (codelet, worker, cores, start ns, end ns, buffers), where buffers
-    is ((handle address, SL_ACCESS_* mode), ...) as StarPU gave them to the task, or None for
-    a reduction method StarPU ran inline inside another task."""
+    """The recorded tasks (TraceEvent), in the order they started."""
     n = lib.sl_trace_count()
     ev = lib.sl_trace_events()
     names = [ffi.string(lib.sl_codelet_name(i)).decode() for i in range(lib.sl_codelet_count())]
@@ -283,5 +295,6 @@ def read_trace() -> list:
         nb = min(e.nbuffers, lib.SL_TRACE_MAXBUF)
         bufs = None if e.nbuffers < 0 else tuple(
             (int(ffi.cast("uintptr_t", e.handles[b])), int(e.modes[b])) for b in range(nb))
-        out.append((names[e.codelet], e.worker, e.ncores, e.start_ns, e.end_ns, bufs))
+        out.append(TraceEvent(names[e.codelet], e.worker, e.ncores, e.start_ns, e.end_ns, bufs,
+                              float(e.flops), int(e.job)))
     return out

@@ -1,0 +1,263 @@
+"""starpu-llm calibrate: measure this machine's cost model (machine.py's file), in minutes.
+
+1. Rates, from the kernels alone (no StarPU): an sgemm (the matmul kernel at GPT-2's width)
+   and a streaming kernel (the residual add) on k = 1 .. cores threads; zeroing and adding a
+   gradient-sized buffer on one core (a reduction's init and sum); under mpirun, when there is
+   one, a ping-pong between two processes (the link).
+2. Codelet costs: short traced training runs of GPT-2 124M on each partition N x K of the
+   machine, at two sub-batch sizes other than the ones the validation measures. Every task of
+   the timed steps is a sample (codelet, cores, flops, data size, seconds), and so is every
+   entry of StarPU's own history-based perf models written by those runs (STARPU_CALIBRATE=1,
+   their mean per data size; only for one-core workers, the only case where StarPU's record
+   of a task's core count is the real one: a team worker is one StarPU worker). Per codelet
+   and core count, a non-negative least-squares fit of
+       seconds = a * flops / sgemm(k) + b * size / bandwidth(k, N) + c
+   StarPU's cost per task: the time a one-worker step spends outside its tasks, per task; the
+   step's fixed cost: a step's wall time outside its first-to-last task.
+"""
+from __future__ import annotations
+
+import glob
+import itertools
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from .machine import Machine, save
+
+FIT_SUB_BATCH = (2, 6)      # sequences per sub-batch of the calibration runs
+
+
+# ---------------------------------------------------------------- rates
+
+def _best(f, reps=5):
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        f()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_rates(cores: int) -> dict:
+    """sgemm GFLOP/s and stream GB/s per core count, zero and add GB/s on one core."""
+    from .._kernels import ffi, lib
+
+    def ptr(a):
+        return ffi.cast("float *", ffi.from_buffer(a))
+
+    N, C, OC = 512, 768, 3072          # a GPT-2 MLP matmul of 8 sequences of 64
+    inp = np.random.default_rng(0).standard_normal((N, C)).astype(np.float32)
+    w = np.random.default_rng(1).standard_normal((OC, C)).astype(np.float32)
+    out = np.empty((N, OC), np.float32)
+    n = 1 << 24                         # 64 MB per array: well beyond the caches
+    x, y, z = (np.ones(n, np.float32) for _ in range(3))
+    sgemm, stream = [], []
+    for k in range(1, cores + 1):
+        lib.kernels_set_threads(k)
+        t = _best(lambda: lib.matmul_forward(ptr(out), ptr(inp), ptr(w), ffi.NULL, N, C, OC))
+        sgemm.append(2.0 * N * C * OC / t / 1e9)
+        t = _best(lambda: lib.residual_forward(ptr(z), ptr(x), ptr(y), n))
+        stream.append(3 * 4 * n / t / 1e9)
+    lib.kernels_set_threads(1)
+    zero = 4 * n / _best(lambda: lib.fill_zero(ptr(z), n)) / 1e9
+    add = 3 * 4 * n / _best(lambda: lib.add_inplace(ptr(z), ptr(x), n)) / 1e9
+    lib.kernels_set_threads(cores)
+    return dict(sgemm=sgemm, stream=stream, zero=zero, add=add)
+
+
+def pingpong() -> None:
+    """Under mpirun -np 2: rank 0 prints {"latency_us", "bandwidth_gbs"} as JSON."""
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    other = 1 - rank
+
+    def rounds(buf, reps):
+        comm.Barrier()
+        t0 = MPI.Wtime()
+        for _ in range(reps):
+            if rank == 0:
+                comm.Send(buf, other)
+                comm.Recv(buf, other)
+            else:
+                comm.Recv(buf, other)
+                comm.Send(buf, other)
+        return (MPI.Wtime() - t0) / (2 * reps)
+
+    small = np.zeros(1, np.float64)
+    big = np.zeros(1 << 23, np.float32)     # 32 MB: a layer's gradients are 7-28 MB
+    rounds(small, 100)
+    lat = rounds(small, 1000)
+    t = rounds(big, 10)
+    if rank == 0:
+        print(json.dumps(dict(latency_us=lat * 1e6, bandwidth_gbs=big.nbytes / (t - lat) / 1e9)))
+
+
+def measure_link() -> dict | None:
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        return None
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    p = subprocess.run([mpirun, "--oversubscribe", "--bind-to", "none", "-np", "2",
+                        sys.executable, "-m", "starpu_llm.perf.calibrate", "--pingpong"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    if p.returncode != 0:
+        return None
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------- StarPU's records
+
+def read_starpu_history(path: str) -> list:
+    """[(cores, size, flops, mean seconds, n)] of a StarPU history-based perf-model file."""
+    out, cores, lines = [], None, open(path, encoding="utf-8", errors="replace").read().splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i].strip()
+        if line.startswith("# number of cores") and i + 1 < len(lines):
+            cores = int(lines[i + 1].split()[0])
+        elif line.startswith("# hash") and "mean" in line:
+            i += 1
+            while i < len(lines) and lines[i].strip() and not lines[i].startswith("#"):
+                f = lines[i].split()
+                if len(f) >= 8 and cores is not None and int(f[7]) > 0:
+                    out.append((cores, int(f[1]), float(f[2]), float(f[3]) * 1e-6, int(f[7])))
+                i += 1
+            continue
+        i += 1
+    return out
+
+
+# ---------------------------------------------------------------- fitting
+
+def nnls3(X: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Non-negative weighted least squares in 3 unknowns: the best of every subset of them
+    (8 small problems), among the fits with no negative coefficient."""
+    best, best_res = np.zeros(X.shape[1]), float("inf")
+    sw = np.sqrt(w)
+    for r in range(1, X.shape[1] + 1):
+        for cols in itertools.combinations(range(X.shape[1]), r):
+            A = X[:, cols] * sw[:, None]
+            coef, *_ = np.linalg.lstsq(A, y * sw, rcond=None)
+            if np.any(coef < 0):
+                continue
+            res = float(np.sum((A @ coef - y * sw) ** 2))
+            if res < best_res:
+                best_res, best = res, np.zeros(X.shape[1])
+                best[list(cols)] = coef
+    return best
+
+
+def fit_codelets(samples: list, machine: Machine) -> dict:
+    """samples: (codelet, k, workers, flops, size, seconds, weight). Per codelet and k: a, b,
+    c_us, the sample count and the weighted mean relative error of the fit."""
+    groups = {}
+    for s in samples:
+        groups.setdefault((s[0], s[1]), []).append(s)
+    out = {}
+    for (name, k), rows in sorted(groups.items()):
+        X = np.array([[f / machine.sgemm(k), b / machine.bandwidth(k, W), 1.0]
+                      for _, _, W, f, b, _, _ in rows])
+        y = np.array([r[5] for r in rows])
+        w = np.array([r[6] for r in rows], dtype=float)
+        a, b, c = nnls3(X, y, w)
+        pred = X @ np.array([a, b, c])
+        rel = float(np.sum(w * np.abs(pred - y)) / np.sum(w * y)) if np.sum(w * y) > 0 else 0.0
+        d = out.setdefault(name, {"a": {}, "b": {}, "c_us": {}, "samples": {}, "rel_err": {}})
+        d["a"][k], d["b"][k], d["c_us"][k] = float(a), float(b), float(c * 1e6)
+        d["samples"][k], d["rel_err"][k] = float(w.sum()), rel
+    return out
+
+
+# ---------------------------------------------------------------- the runs
+
+def partitions(cores: int) -> list:
+    return [(cores // k, k) for k in range(1, cores + 1) if cores % k == 0]
+
+
+def traced_runs(cores: int, steps: int, log) -> tuple[list, list, list]:
+    """Traced runs of each partition at each FIT_SUB_BATCH; (task samples, StarPU history
+    samples, [(one-worker run, per-task overhead s, step fixed cost s)])."""
+    from ..bench import run_in_subprocess
+    samples, history, overheads = [], [], []
+    for (N, K), per_sub in itertools.product(partitions(cores), FIT_SUB_BATCH):
+        home = tempfile.mkdtemp(prefix="starpu-llm-calib-")
+        env = dict(os.environ, STARPU_HOME=home, STARPU_CALIBRATE="1")
+        spec = dict(engine="starpu", model="d12", batch=N * per_sub, seq_len=64, steps=steps,
+                    workers=N, cores=K, trace=True)
+        t0 = time.perf_counter()
+        r = run_in_subprocess(spec, env=env)
+        if "error" in r:
+            shutil.rmtree(home, ignore_errors=True)
+            raise RuntimeError(f"calibration run {N}x{K} B={N * per_sub} failed: {r['error']}")
+        log(f"  {N}x{K} B={N * per_sub}: {len(r['events'])} tasks traced, "
+            f"{time.perf_counter() - t0:.0f} s")
+        sizes = {int(h): n for h, n in r["sizes"].items()}
+        steps_ns = r["steps_ns"][1:]            # the warm-up step is not a sample
+        t_first = steps_ns[0][0]
+        for c, w, k, s, e, bufs, flops, _ in r["events"]:
+            if bufs is None or s < t_first:
+                continue
+            size = sum(sizes.get(int(h), 0) for h, _ in bufs)
+            samples.append((c, k, N, flops, size, (e - s) * 1e-9, 1.0))
+        for t0_ns, t1_ns in steps_ns:
+            ev = [(s, e) for _, _, _, s, e, b, _, _ in r["events"] if t0_ns <= s <= t1_ns]
+            if not ev:
+                continue
+            first, last = min(s for s, _ in ev), max(e for _, e in ev)
+            busy = sum(e - s for s, e in ev)
+            fixed = ((t1_ns - t0_ns) - (last - first)) * 1e-9
+            per_task = ((last - first) - busy) * 1e-9 / len(ev) if N == 1 else None
+            overheads.append((N, per_task, fixed))
+        if K == 1:
+            for path in glob.glob(os.path.join(home, ".starpu", "sampling", "codelets", "*",
+                                               "sl_*")):
+                codelet = os.path.basename(path).split(".", 1)[0][3:]
+                for cores_rec, size, flops, mean, n in read_starpu_history(path):
+                    if cores_rec == 1:
+                        history.append((codelet, 1, N, flops, size, mean, float(n)))
+        shutil.rmtree(home, ignore_errors=True)
+    return samples, history, overheads
+
+
+def calibrate(path: str, steps: int = 2, log=print) -> Machine:
+    from ..bench import cpu_description
+    from ..runtime.starpu import usable_cores
+    cores = usable_cores()
+    t0 = time.perf_counter()
+    log(f"calibrating {cpu_description()}")
+    rates = measure_rates(cores)
+    log("  sgemm GFLOP/s per core count: " + ", ".join(f"{x:.1f}" for x in rates["sgemm"]))
+    log("  stream GB/s per core count:   " + ", ".join(f"{x:.1f}" for x in rates["stream"]))
+    link = measure_link()
+    if link:
+        log(f"  MPI link: {link['latency_us']:.1f} us, {link['bandwidth_gbs']:.2f} GB/s")
+    m = Machine(name=os.uname().nodename, cores=cores, sgemm_gflops=rates["sgemm"],
+                bandwidth_gbs=rates["stream"], zero_gbs=rates["zero"], add_gbs=rates["add"],
+                source=f"starpu-llm calibrate on {cpu_description()}, "
+                       f"{time.strftime('%Y-%m-%d %H:%M')}")
+    if link:
+        m.link_latency_us, m.link_bandwidth_gbs = link["latency_us"], link["bandwidth_gbs"]
+    samples, history, overheads = traced_runs(cores, steps, log)
+    m.codelets = fit_codelets(samples + history, m)
+    per_task = [p for _, p, _ in overheads if p is not None]
+    m.task_us = max(0.0, statistics.median(per_task) * 1e6) if per_task else 5.0
+    m.step_ms = max(0.0, statistics.median(f for _, _, f in overheads) * 1e3)
+    save(m, path)
+    log(f"  {len(samples)} traced tasks and {len(history)} StarPU perf-model entries fitted; "
+        f"StarPU per task {m.task_us:.1f} us, per step {m.step_ms:.1f} ms")
+    log(f"wrote {path} ({time.perf_counter() - t0:.0f} s)")
+    return m
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--pingpong"]:
+        pingpong()

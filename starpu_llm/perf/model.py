@@ -1,0 +1,55 @@
+"""The cost of one task on a k-core worker, from its flop and byte counts.
+
+    t = a * flops / sgemm(k) + b * bytes / bandwidth(k, W) + c + task
+
+sgemm(k) and bandwidth(k, W) are the machine's rates (machine.py: an sgemm on k cores, and
+what one of W k-core workers streaming at once gets); a and b are the codelet's fitted
+ratios to them (a = 1: the task runs at the sgemm rate; b = 1: at the stream rate), c its fixed
+cost, task StarPU's cost per task. The ratios are what carry over to another machine: a
+description of a cluster node gives its own rates and reuses this machine's ratios.
+
+The reductions' methods: a per-worker copy is zeroed (bytes / zero rate) the first time a
+worker adds into it in a step, and each copy is added into the gradient (3 bytes moved per
+byte: read both, write one) before the gradient is read.
+"""
+from __future__ import annotations
+
+from .machine import Machine
+
+
+class CostModel:
+    """Costs on `machine`; the codelets' ratios come from `calibration` (a calibrated
+    Machine; default: machine itself)."""
+
+    def __init__(self, machine: Machine, calibration: Machine | None = None):
+        self.machine = machine
+        self.calibration = calibration or machine
+        if not self.calibration.codelets:
+            raise ValueError("the calibration has no codelet costs: run starpu-llm calibrate")
+
+    def coefficients(self, codelet: str, k: int):
+        """(a, b, c seconds) of codelet on k cores: those fitted at k, else at the largest
+        calibrated core count below k (the ratios of a wider sgemm are the machine's)."""
+        c = self.calibration.codelets.get(codelet)
+        if c is None:
+            return 1.0, 1.0, 0.0
+        ks = sorted(c["a"])
+        kk = max([x for x in ks if x <= k] or ks[:1])
+        return c["a"][kk], c["b"][kk], c["c_us"][kk] * 1e-6
+
+    def task(self, codelet: str, flops: float, nbytes: float, k: int, workers: int) -> float:
+        """Seconds of one task of codelet on a k-core worker among `workers` running at once."""
+        m = self.machine
+        a, b, c = self.coefficients(codelet, k)
+        return (a * flops / m.sgemm(k) + b * nbytes / m.bandwidth(k, workers) + c
+                + m.task_us * 1e-6)
+
+    def zero(self, nbytes: float) -> float:
+        return nbytes / self.machine.zero_rate()
+
+    def add(self, nbytes: float) -> float:
+        return 3 * nbytes / self.machine.add_rate() + self.machine.task_us * 1e-6
+
+    def transfer(self, nbytes: float) -> float:
+        m = self.machine
+        return m.link_latency_us * 1e-6 + nbytes / (m.link_bandwidth_gbs * 1e9)
