@@ -1,4 +1,5 @@
-"""Command line: starpu-llm train | prepare | bench | generate (also python -m starpu_llm)."""
+"""Command line: starpu-llm train | prepare | bench | calibrate | predict | generate (also
+python -m starpu_llm)."""
 from __future__ import annotations
 
 import argparse
@@ -83,6 +84,29 @@ def build_parser():
                         "reported (default 1)")
     b.add_argument("--csv", metavar="PATH", help="also write the table as CSV")
 
+    c = sub.add_parser("calibrate", help="measure this machine's cost model for `predict` "
+                                         "(a few minutes; one file per machine)")
+    c.add_argument("--out", metavar="PATH", help="where to write it (default: "
+                                                 "~/.cache/starpu-llm/machine-HOST.toml)")
+    c.add_argument("--steps", type=_CHECKS["positive"]("--steps"), default=2,
+                   help="traced steps per calibration run, after one warm-up (default 2)")
+
+    pd = sub.add_parser("predict", help="predict tokens/ms of a configuration from the task "
+                                        "graph and the calibrated cost model")
+    pd.add_argument("--model", default="d12", choices=sorted(MODELS))
+    pd.add_argument("--batch", type=_CHECKS["positive"]("--batch"), default=4)
+    pd.add_argument("--seq-len", type=_CHECKS["positive"]("--seq-len"), default=64)
+    pd.add_argument("--workers", type=_CHECKS["positive"]("--workers"), default=1)
+    pd.add_argument("--cores-per-worker", type=_CHECKS["positive"]("--cores-per-worker"),
+                    default=None, help="default: all cores over the workers")
+    pd.add_argument("--sub-batches", type=_CHECKS["positive"]("--sub-batches"), default=None,
+                    help="per rank (default: one per worker)")
+    pd.add_argument("--ranks", type=_CHECKS["positive"]("--ranks"), default=1,
+                    help="MPI processes, one per node (default 1)")
+    pd.add_argument("--calibration", metavar="PATH", help="this machine's calibration file")
+    pd.add_argument("--machine", metavar="FILE", help="predict for another machine described "
+                                                      "in FILE (TOML, see experiments/machines/)")
+
     g = sub.add_parser("generate", help="continue a prompt with a model (llm.c checkpoint with "
                                         "GPT-2's vocabulary), printing the text as it comes")
     g.add_argument("--init-from", required=True, metavar="CKPT", help="llm.c fp32 checkpoint")
@@ -123,6 +147,26 @@ def cmd_bench(args):
     return 0
 
 
+def cmd_calibrate(args):
+    from .perf.calibrate import calibrate
+    from .perf.machine import default_path
+    calibrate(args.out or default_path(), steps=args.steps)
+    return 0
+
+
+def cmd_predict(args):
+    from .perf.machine import load
+    from .perf.predict import load_calibration, predict
+    calibration = load_calibration(args.calibration)
+    machine = load(args.machine) if args.machine else None
+    cores = args.cores_per_worker or max(1, (machine or calibration).cores // args.workers)
+    p = predict(args.model, args.batch, args.seq_len, args.workers, cores, ranks=args.ranks,
+                sub_batches=args.sub_batches, calibration=calibration, machine=machine)
+    print(f"machine: {(machine or calibration).name}")
+    print(p.describe())
+    return 0
+
+
 def cmd_generate(args):
     from .flow.generate import run_generate
     run_generate(args.init_from, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
@@ -134,6 +178,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return {"train": cmd_train, "prepare": cmd_prepare, "bench": cmd_bench,
+                "calibrate": cmd_calibrate, "predict": cmd_predict,
                 "generate": cmd_generate}[args.cmd](args)
     except StarpuLLMError as e:
         print(f"starpu-llm: error: {e.render(flag_of)}", file=sys.stderr)

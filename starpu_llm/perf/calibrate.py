@@ -183,7 +183,7 @@ def partitions(cores: int) -> list:
     return [(cores // k, k) for k in range(1, cores + 1) if cores % k == 0]
 
 
-def traced_runs(cores: int, steps: int, log) -> tuple[list, list, list]:
+def traced_runs(cores: int, steps: int, log, model: str = "d12") -> tuple[list, list, list]:
     """Traced runs of each partition at each FIT_SUB_BATCH; (task samples, StarPU history
     samples, [(one-worker run, per-task overhead s, step fixed cost s)])."""
     from ..bench import run_in_subprocess
@@ -191,7 +191,7 @@ def traced_runs(cores: int, steps: int, log) -> tuple[list, list, list]:
     for (N, K), per_sub in itertools.product(partitions(cores), FIT_SUB_BATCH):
         home = tempfile.mkdtemp(prefix="starpu-llm-calib-")
         env = dict(os.environ, STARPU_HOME=home, STARPU_CALIBRATE="1")
-        spec = dict(engine="starpu", model="d12", batch=N * per_sub, seq_len=64, steps=steps,
+        spec = dict(engine="starpu", model=model, batch=N * per_sub, seq_len=64, steps=steps,
                     workers=N, cores=K, trace=True)
         t0 = time.perf_counter()
         r = run_in_subprocess(spec, env=env)
@@ -228,7 +228,8 @@ def traced_runs(cores: int, steps: int, log) -> tuple[list, list, list]:
     return samples, history, overheads
 
 
-def calibrate(path: str, steps: int = 2, log=print) -> Machine:
+def calibrate(path: str, steps: int = 2, log=print, model: str = "d12") -> Machine:
+    """Calibrate this machine on `model` (GPT-2 124M; the tests use a small one) into path."""
     from ..bench import cpu_description
     from ..runtime.starpu import usable_cores
     cores = usable_cores()
@@ -246,7 +247,7 @@ def calibrate(path: str, steps: int = 2, log=print) -> Machine:
                        f"{time.strftime('%Y-%m-%d %H:%M')}")
     if link:
         m.link_latency_us, m.link_bandwidth_gbs = link["latency_us"], link["bandwidth_gbs"]
-    samples, history, overheads = traced_runs(cores, steps, log)
+    samples, history, overheads = traced_runs(cores, steps, log, model)
     m.codelets = fit_codelets(samples + history, m)
     per_task = [p for _, p, _ in overheads if p is not None]
     m.task_us = max(0.0, statistics.median(per_task) * 1e6) if per_task else 5.0

@@ -97,6 +97,7 @@ def simulate(graph: TaskGraph, cost: CostModel, workers: int, cores: int, ranks:
     cp_write = [0.0] * nh       # the same on the critical path (no resource limits)
     cp_read = [0.0] * nh
     pending = {}                # gradient h -> {(rank, worker): end of its last contribution}
+    cp_pending = {}             # gradient h -> latest contribution end on the critical path
     copies = set()              # (h, rank, worker) zeroed this step
     arrived = {}                # (rank, h) -> arrival of a parameter from rank 0
     cp_end_all = 0.0
@@ -145,6 +146,7 @@ def simulate(graph: TaskGraph, cost: CostModel, workers: int, cores: int, ranks:
             order = nxt
         write_end[h] = max(write_end[h], order[0][1])
         end_all = max(end_all, write_end[h])
+        cp_write[h] = cp_read[h] = max(cp_write[h], cp_pending.pop(h, 0.0) + add)
 
     for task in graph.tasks:
         rank = 0 if task.sub is None else task.sub // S
@@ -181,7 +183,7 @@ def simulate(graph: TaskGraph, cost: CostModel, workers: int, cores: int, ranks:
         for h, mode in task.accesses:
             if redux and h in task.grads:
                 pending.setdefault(h, {})[(rank, w)] = end
-                cp_read[h] = max(cp_read[h], cp_end)
+                cp_pending[h] = max(cp_pending.get(h, 0.0), cp_end)
             elif mode & W:
                 write_end[h], read_end[h] = end, end
                 cp_write[h], cp_read[h] = cp_end, cp_end
