@@ -54,9 +54,13 @@ def plan(args, cores: int) -> list[tuple[str, dict]]:
     for B in (int(b) for b in args.batches.split(",") if b):
         rows.append((f"B={B} reference", dict(engine="reference", batch=B)))
         for n, k, mode in parse_partitions(args.partitions, cores):
-            if B % n == 0:
-                label = f"B={B} {n}x{k}" + (f" {mode}" if k > 1 else "")
-                rows.append((label, dict(engine="starpu", batch=B, workers=n, cores=k, kcore=mode)))
+            for sub in [int(x) for x in args.sub_batches.split(",") if x] or [None]:
+                if B % n or (sub and B % sub):
+                    continue
+                label = f"B={B} {n}x{k}" + (f" {mode}" if k > 1 else "") + \
+                    (f" {sub} sub-batches" if sub else "")
+                rows.append((label, dict(engine="starpu", batch=B, workers=n, cores=k, kcore=mode,
+                                         sub_batches=sub)))
     for R in (int(r) for r in args.mpi_ranks.split(",") if r):
         k = args.mpi_cores_per_rank
         spec = dict(engine="starpu", batch=R * args.mpi_batch_per_rank, workers=1, cores=k,
@@ -78,6 +82,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--steps", type=int, default=10, help="timed steps (after one warm-up)")
     ap.add_argument("--partitions", default="all", help="as starpu-llm bench --partitions")
+    ap.add_argument("--sub-batches", default="", help="e.g. 2,4: each partition row with these "
+                    "--sub-batches (empty: the default, one per worker)")
     ap.add_argument("--mpi-ranks", default="", help="e.g. 1,2,3 (empty: no MPI rows)")
     ap.add_argument("--mpi-batch-per-rank", type=int, default=4)
     ap.add_argument("--mpi-cores-per-rank", type=int, default=1)

@@ -23,7 +23,13 @@ def _checked(parse, kind: str, ok, rule: str):
     return for_flag
 
 
+def _int_or_auto(s):
+    return "auto" if s == "auto" else int(s)
+
+
 _CHECKS = {"positive": _checked(int, "a whole number", lambda v: v >= 1, "at least 1"),
+           "positive_or_auto": _checked(_int_or_auto, "a whole number or auto",
+                                        lambda v: v == "auto" or v >= 1, "at least 1, or auto"),
            "nonneg": _checked(float, "a number", lambda v: v >= 0, ">= 0")}
 
 

@@ -12,7 +12,7 @@ import resource
 import signal
 import threading
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
@@ -96,8 +96,10 @@ class TrainConfig:
     sample_every: int = setting(0, "every N steps, print a sample from the model being trained "
                                 "(default: never)", check="positive", metavar="N")
     # the n x k partition of the cores (StarPU engine)
-    workers: int | None = setting(None, "N: parallel workers (default: 1)", check="positive",
-                                  group=PARALLELISM)
+    workers: int | str | None = setting(
+        None, "N: parallel workers, or auto: the partition and sub-batches the performance model "
+        "ranks best, confirmed by a short trial of the two best and cached per machine and shape "
+        "(needs `starpu-llm calibrate`) (default: 1)", check="positive_or_auto", group=PARALLELISM)
     cores_per_worker: int | None = setting(None, "K: cores of each worker (default: all cores / N)",
                                            check="positive", group=PARALLELISM)
     sub_batches: int | None = setting(
@@ -164,6 +166,28 @@ def run_settings(cfg: TrainConfig, config: GPTConfig, loader) -> dict:
             "train_data": (loader.num_tokens, int(toks[:4096].astype(np.int64).sum()),
                            int(toks[-4096:].astype(np.int64).sum())),
             "data_position": loader.position}
+
+
+def autotuned(cfg: TrainConfig, config, comm, runtime, log) -> TrainConfig:
+    """cfg with the partition the autotuner (perf/autotune.py) chooses for its batch."""
+    from .config import MODELS
+    from .perf import autotune
+    from .perf.predict import load_calibration
+    if comm is not None or runtime is not None or cfg.engine != "starpu":
+        raise StarpuLLMError(f"{opt('workers')} auto chooses the partition of a single process "
+                             f"starting its own StarPU engine: give {opt('workers')} N there")
+    if cfg.cores_per_worker or cfg.sub_batches:
+        raise StarpuLLMError(f"{opt('workers')} auto chooses {opt('cores_per_worker')} and "
+                             f"{opt('sub_batches')} too: leave them out")
+    model = next((name for name, c in MODELS.items() if c == config), None)
+    if model is None:
+        raise StarpuLLMError(f"{opt('workers')} auto: the model is none of {', '.join(MODELS)}; "
+                             f"give {opt('workers')} N")
+    choice = autotune.choose(model, cfg.batch, cfg.seq_len, load_calibration(), log=log)
+    log(f"autotune: {choice.workers}x{choice.cores}, {choice.sub_batches} sub-batch(es): "
+        f"{choice.why}")
+    return replace(cfg, workers=choice.workers, cores_per_worker=choice.cores,
+                   sub_batches=choice.sub_batches)
 
 
 def start_runtime(cfg: TrainConfig, comm=None):
@@ -351,6 +375,8 @@ def _train(cfg: TrainConfig, state: TrainState | None, runtime, ctrl_c: StopOnCt
         validation = Validation(cfg.val_data or data.default_dataset()[1], cfg.batch,
                                 cfg.seq_len, config.V, cfg.val_every, cfg.val_batches)
 
+    if cfg.workers == "auto":
+        cfg = autotuned(cfg, config, comm, runtime, log)
     own_runtime = None
     if runtime is None and cfg.engine == "starpu":
         runtime = own_runtime = start_runtime(cfg, comm)

@@ -5,6 +5,10 @@ Speed is not asserted here (benchmarks measure it: experiments/perfmodel_validat
 bound only says the model is of the right order, whatever the machine's load: a prediction
 within a factor 2 of the measured tokens/ms.
 """
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -65,9 +69,24 @@ def test_machine_file_round_trip_and_errors(tmp_path):
         machine.load(str(path))
 
 
-@pytest.mark.skipif(usable_cores() < 2, reason="the partitions need 2 cores")
-def test_prediction_within_a_loose_bound_of_a_measurement(tmp_path):
-    cal = calibrate(str(tmp_path / "m.toml"), steps=2, log=lambda *_: None, model="tiny")
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    """(STARPU_LLM_HOME, Machine): this machine calibrated on the tiny model."""
+    home = tmp_path_factory.mktemp("home")
+    os.environ["STARPU_LLM_HOME"] = str(home)
+    try:
+        path = machine.default_path()
+    finally:
+        del os.environ["STARPU_LLM_HOME"]
+    return str(home), calibrate(path, steps=2, log=lambda *_: None, model="tiny")
+
+
+needs2 = pytest.mark.skipif(usable_cores() < 2, reason="the partitions need 2 cores")
+
+
+@needs2
+def test_prediction_within_a_loose_bound_of_a_measurement(calibrated):
+    _, cal = calibrated
     for workers, cores, B in [(1, 2, 4), (2, 1, 8)]:
         p = predict("tiny", B, 64, workers, cores, calibration=cal)
         r = run_in_subprocess(dict(engine="starpu", model="tiny", batch=B, seq_len=64, steps=4,
@@ -79,3 +98,26 @@ def test_prediction_within_a_loose_bound_of_a_measurement(tmp_path):
         assert 0.5 <= ratio <= 2.0, (workers, cores, B, p.tokens_per_ms, r["tokens_per_ms"])
         assert p.schedule.critical_path_s <= p.schedule.step_s
         assert len(p.schedule.idle) == workers and all(0 <= x <= 1 for x in p.schedule.idle)
+
+
+@needs2
+def test_workers_auto_chooses_confirms_and_caches(calibrated, tmp_path):
+    home, _ = calibrated
+    env = dict(os.environ, STARPU_LLM_HOME=home)
+    cmd = [sys.executable, "-m", "starpu_llm", "train", "--model", "tiny", "--batch", "8",
+           "--seq-len", "64", "--steps", "2", "--workers", "auto"]
+    first = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    trials = [l for l in first.stdout.splitlines() if "measured" in l and "predicted" in l]
+    assert len(trials) >= 2, first.stdout          # two trials, then the choice
+    chosen = [l for l in first.stdout.splitlines() if l.startswith("autotune: ") and "best of" in l]
+    assert chosen and "(cached)" not in chosen[0], first.stdout
+    part = chosen[0].split()[1].rstrip(",")
+    assert part in ("1x2", "2x1"), chosen
+    assert f"{part[0]} worker(s) x {part[2]} core(s)" in first.stdout, first.stdout
+    again = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert "(cached)" in again.stdout and part in again.stdout, again.stdout
+    bad = subprocess.run(cmd + ["--cores-per-worker", "1"], capture_output=True, text=True,
+                         env=env, cwd=tmp_path)
+    assert bad.returncode == 2 and "--workers auto" in bad.stderr, bad.stderr

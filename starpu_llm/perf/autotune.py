@@ -1,0 +1,76 @@
+"""Choose the partition (N workers x K cores, sub-batches) of a batch from the model, confirm
+the two best predictions with one short measured trial each, and remember the choice per
+machine and shape."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from .machine import Machine, default_path
+from .predict import predict
+
+
+@dataclass
+class Choice:
+    workers: int
+    cores: int
+    sub_batches: int
+    why: str
+
+
+def candidates(cores: int, B: int) -> list:
+    """(N, K, sub-batches): every N x K = cores with one or two sub-batches per worker that
+    split B."""
+    out = []
+    for k in range(1, cores + 1):
+        if cores % k:
+            continue
+        n = cores // k
+        for s in (n, 2 * n):
+            if B % s == 0:
+                out.append((n, k, s))
+    return out
+
+
+def cache_path(calibration_path: str | None = None) -> str:
+    return os.path.join(os.path.dirname(calibration_path or default_path()), "autotune.json")
+
+
+def choose(model: str, B: int, T: int, calibration: Machine, trial_steps: int = 2,
+           cache: str | None = None, log=print) -> Choice:
+    """The partition for (model, B, T) on this machine: ranked by the model, the two best
+    measured (trial_steps timed steps each, in a subprocess), the faster kept and cached."""
+    from ..bench import run_in_subprocess
+    cache = cache or cache_path()
+    key = f"{calibration.name}:{model}:B{B}:T{T}"
+    try:
+        with open(cache, encoding="utf-8") as f:
+            known = json.load(f)
+    except (OSError, ValueError):
+        known = {}
+    if key in known:
+        c = known[key]
+        return Choice(c["workers"], c["cores"], c["sub_batches"], c["why"] + " (cached)")
+    ranked = sorted(((predict(model, B, T, n, k, sub_batches=s, calibration=calibration), (n, k, s))
+                     for n, k, s in candidates(calibration.cores, B)),
+                    key=lambda x: -x[0].tokens_per_ms)
+    if not ranked:
+        raise ValueError(f"no partition of {calibration.cores} cores splits a batch of {B}")
+    trials = []
+    for p, (n, k, s) in ranked[:2]:
+        r = run_in_subprocess(dict(engine="starpu", model=model, batch=B, seq_len=T,
+                                   steps=trial_steps, workers=n, cores=k, sub_batches=s))
+        measured = r.get("tokens_per_ms", 0.0)
+        trials.append((measured, p, (n, k, s)))
+        log(f"autotune: {n}x{k}, {s} sub-batch(es): predicted {p.tokens_per_ms:.4f}, "
+            f"measured {measured:.4f} tok/ms")
+    measured, p, (n, k, s) = max(trials, key=lambda t: t[0])
+    why = (f"best of the model's ranking of {len(ranked)} partitions, confirmed by a "
+           f"{trial_steps}-step trial of the top {len(trials)}: {measured:.4f} tok/ms measured, "
+           f"{p.tokens_per_ms:.4f} predicted")
+    known[key] = dict(workers=n, cores=k, sub_batches=s, why=why)
+    from ..io.atomic import atomic_write
+    os.makedirs(os.path.dirname(os.path.abspath(cache)), exist_ok=True)
+    atomic_write(cache, lambda f: json.dump(known, f, indent=1), text=True)
+    return Choice(n, k, s, why)
