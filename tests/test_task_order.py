@@ -57,15 +57,15 @@ def sub_batch_of(event, names):
     (2, 1, None, True),    # one sub-batch per one-core worker: a StarPU reduction
     (1, 1, 2, False),      # two sub-batches on one worker: chained
     (1, 2, 2, False),      # on one 2-core worker (a parallel worker on StarPU 1.4)
-    (2, 1, 4, False),      # two per worker
+    (2, 1, 4, True),       # two per worker: a reduction still (a chain would serialize them)
 ])
-def test_sub_batches_sharing_a_worker_add_in_submission_order(workers, cores, sub_batches,
+def test_sub_batches_on_one_worker_add_in_submission_order(workers, cores, sub_batches,
                                                                reduction):
-    """Where two sub-batches would add into one worker's reduction copy, in an order nothing
-    fixes (so the sums, and the losses, would round differently from run to run), their
-    contributions to each gradient are chained instead: the gradient is RW, and the tasks
-    adding into it run one after another, sub-batch 0's first. Where each worker runs one
-    sub-batch, the contributions are a StarPU reduction (REDUX)."""
+    """Where all sub-batches share the one worker, whose reduction copy they would add into in
+    an order nothing fixes (so the sums, and the losses, would round differently from run to
+    run), their contributions to each gradient are chained instead: the gradient is RW, and
+    the tasks adding into it run one after another, sub-batch 0's first. With several workers,
+    the contributions are a StarPU reduction (REDUX)."""
     events, names = traced(workers, cores, sub_batches, 0.0)
     contributions = {}   # gradient name -> [(start, end, sub-batch)] of the tasks adding into it
     for e in events:

@@ -26,18 +26,20 @@ def gradient_mode(workers: int, pinned: bool, subs_per_rank: int, nranks: int) -
     tasks) for `workers` workers per process, sub-batches pinned to them or not.
 
     A StarPU reduction (STARPU_REDUX, 1) gives each worker its own copy, summed in a fixed
-    tree at the end; it is deterministic only while no two sub-batches add into one copy,
-    since nothing orders two chains' additions into it and the sums would round differently
-    from run to run. So: a reduction when each pinned worker runs one sub-batch, and across
-    MPI processes (contributions to rank 0's gradients must be reductions there; sub-batches
-    sharing a process's worker keep an unfixed order). Wherever else sub-batches share a worker
-    (one worker, more sub-batches than workers, or unpinned parallel workers), the
-    contributions are chained (RW, 0): in submission order, sub-batch 0's first, with no copy,
-    no zeroing and no final sum (AdamW leaves every gradient zeroed); other sub-batches' tasks
-    still run meanwhile."""
+    tree at the end; nothing orders two sub-batches' additions into one copy, so where they
+    share a worker the sums can round differently from run to run (seen on StarPU 1.4's
+    parallel worker). With a single worker per process (and one process) the contributions are
+    chained instead (RW, 0): in submission order, sub-batch 0's first, bitwise reproducible,
+    with no copy, no zeroing and no final sum (AdamW leaves every gradient zeroed); one worker
+    runs one task at a time anyway, so nothing is lost. With several workers the reduction
+    stays: a chain would serialize the sub-batches' backward passes (each one's first
+    contribution, to the tied wte gradient, would wait for the previous one's last, to the
+    same gradient), and under StarPU-MPI the ranks' contributions must be reductions. There,
+    bitwise reproducibility holds when each worker runs one sub-batch (pinned, N
+    sub-batches on N workers)."""
     if subs_per_rank * nranks <= 1:
         return 0
-    return int(nranks > 1 or (pinned and subs_per_rank == workers))
+    return int(nranks > 1 or workers > 1)
 
 
 class Placement:

@@ -1,0 +1,68 @@
+"""What the model predicts for the paper's node (experiments/machines/), beside the numbers
+the paper quotes: its Figure 3 (every N x K = 36 partition at a total batch of 360) and its
+Figure 4 (1 to 16 nodes, 32 cores each as 4 parallel workers of 8, one MPI process per node).
+
+The codelets' ratios to the machine's rates come from this machine's calibration
+(`starpu-llm calibrate`); the node's rates from its description. The paper gives Figure 4's
+batch only as "4 sequences executed in parallel" per node: the batch per node is a flag.
+
+    .venv/bin/python experiments/whatif_paper_node.py [--per-node-batch 72] [--csv out.csv]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from starpu_llm.bench import write_csv
+from starpu_llm.perf.machine import load
+from starpu_llm.perf.predict import load_calibration, predict
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PAPER_FIG3 = {(12, 3): 2.70, (3, 12): 2.53}          # tok/ms at B=360 (section 3)
+PAPER_FIG4 = {1: 2.32, 16: 1.88}                      # tok/ms per node count (section 4)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--machine", default=os.path.join(HERE, "machines",
+                                                      "paper-node-xeon-gold-6240.toml"))
+    ap.add_argument("--calibration", help="this machine's calibration (default: its file)")
+    ap.add_argument("--batch", type=int, default=360)
+    ap.add_argument("--per-node-batch", type=int, default=72)
+    ap.add_argument("--nodes", default="1,2,4,8,16")
+    ap.add_argument("--csv")
+    args = ap.parse_args(argv)
+    node = load(args.machine)
+    cal = load_calibration(args.calibration)
+    rows = []
+    print(f"machine: {node.name}; codelet ratios from {cal.name} ({cal.source})")
+    print(f"\nFigure 3: B={args.batch}, T=64, N x K = {node.cores}")
+    for n in range(1, node.cores + 1):
+        k = node.cores // n
+        if node.cores % n or args.batch % n:
+            continue
+        p = predict("d12", args.batch, 64, n, k, calibration=cal, machine=node,
+                    parallel_workers=True)
+        paper = PAPER_FIG3.get((n, k))
+        err = f"  paper {paper:.2f}, error {p.tokens_per_ms / paper - 1:+.0%}" if paper else ""
+        print(f"  {n:>2}x{k:<2} predicted {p.tokens_per_ms:.3f} tok/ms{err}", flush=True)
+        rows.append(dict(figure=3, partition=f"{n}x{k}", nodes=1, batch=args.batch,
+                         predicted=p.tokens_per_ms, paper=paper or ""))
+    print(f"\nFigure 4: 4 parallel workers x 8 cores per node, B={args.per_node_batch} per node")
+    for R in (int(x) for x in args.nodes.split(",")):
+        p = predict("d12", args.per_node_batch * R, 64, 4, 8, ranks=R, calibration=cal,
+                    machine=node, parallel_workers=True, tree=True)
+        per_node = p.tokens_per_ms / R
+        paper = PAPER_FIG4.get(R)
+        err = f"  paper {paper:.2f}, error {per_node / paper - 1:+.0%}" if paper else ""
+        print(f"  {R:>2} node(s): predicted {per_node:.3f} tok/ms per node{err}", flush=True)
+        rows.append(dict(figure=4, partition="4x8", nodes=R, batch=args.per_node_batch * R,
+                         predicted=per_node, paper=paper or ""))
+    if args.csv:
+        write_csv(args.csv, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
