@@ -1,7 +1,14 @@
 """Fixtures shared by the test files."""
+import os
+import tempfile
+
 import pytest
 
 from starpu_llm import Runtime
+
+# No calibration of this machine from outside the suite: with one, a run given no partition
+# would have the autotuner choose it (trainer.partition_by_default). Tests that want one make it.
+os.environ["STARPU_LLM_HOME"] = tempfile.mkdtemp(prefix="starpu-llm-tests-home-")
 
 
 @pytest.fixture(scope="module")

@@ -73,11 +73,7 @@ def test_machine_file_round_trip_and_errors(tmp_path):
 def calibrated(tmp_path_factory):
     """(STARPU_LLM_HOME, Machine): this machine calibrated on the tiny model."""
     home = tmp_path_factory.mktemp("home")
-    os.environ["STARPU_LLM_HOME"] = str(home)
-    try:
-        path = machine.default_path()
-    finally:
-        del os.environ["STARPU_LLM_HOME"]
+    path = os.path.join(str(home), os.path.basename(machine.default_path()))
     return str(home), calibrate(path, steps=2, log=lambda *_: None, model="tiny")
 
 
@@ -121,3 +117,13 @@ def test_workers_auto_chooses_confirms_and_caches(calibrated, tmp_path):
     bad = subprocess.run(cmd + ["--cores-per-worker", "1"], capture_output=True, text=True,
                          env=env, cwd=tmp_path)
     assert bad.returncode == 2 and "--workers auto" in bad.stderr, bad.stderr
+    # no partition given: the autotuner's choice where the machine is calibrated, 1 x all
+    # cores where it is not
+    default = cmd[:-2]
+    assert "--workers" not in default
+    tuned = subprocess.run(default, capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert tuned.returncode == 0 and "(cached)" in tuned.stdout and part in tuned.stdout, tuned
+    bare = subprocess.run(default, capture_output=True, text=True, cwd=tmp_path,
+                          env=dict(env, STARPU_LLM_HOME=str(tmp_path / "uncalibrated")))
+    assert bare.returncode == 0, bare.stderr
+    assert "autotune" not in bare.stdout and "1 worker(s) x 2 core(s)" in bare.stdout, bare.stdout

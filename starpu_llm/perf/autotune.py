@@ -21,15 +21,14 @@ class Choice:
 
 def candidates(cores: int, B: int) -> list:
     """(N, K, sub-batches): every N x K = cores with one or two sub-batches per worker that
-    split B."""
+    split B; where neither splits B (B below N), the most sub-batches below N that do."""
     out = []
     for k in range(1, cores + 1):
         if cores % k:
             continue
         n = cores // k
-        for s in (n, 2 * n):
-            if B % s == 0:
-                out.append((n, k, s))
+        split = [s for s in (n, 2 * n) if B % s == 0]
+        out += [(n, k, s) for s in split or [max(s for s in range(1, n) if B % s == 0)]]
     return out
 
 
@@ -43,7 +42,7 @@ def choose(model: str, B: int, T: int, calibration: Machine, trial_steps: int = 
     measured (trial_steps timed steps each, in a subprocess), the faster kept and cached."""
     from ..bench import run_in_subprocess
     cache = cache or cache_path()
-    key = f"{calibration.name}:{model}:B{B}:T{T}"
+    key = f"{calibration.name}:{calibration.source}:{model}:B{B}:T{T}"   # a new calibration: new choices
     try:
         with open(cache, encoding="utf-8") as f:
             known = json.load(f)

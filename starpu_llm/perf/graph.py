@@ -94,7 +94,8 @@ def record(model: str, B: int, T: int, sub_batches: int = 1, grad_clip: float = 
             lib.sl_set_dry_run(1)
             rt.start_trace(64 + 400 * config.L * sub_batches)
             try:
-                eng.step(0, 0.0, 0.0, grad_clip)
+                with np.errstate(all="ignore"):     # the step's loss is of skipped kernels
+                    eng.step(0, 0.0, 0.0, grad_clip)
                 events = rt.trace()
             finally:
                 rt.stop_trace()

@@ -1,0 +1,157 @@
+"""The performance model against measurements on this machine (issue 14's validation), and the
+autotuner's choice against the best measured partition.
+
+For every B in --batches: every partition of this machine's cores (1 x 1 and each N x K = all
+cores, with one and with two sub-batches per worker where they split B: the autotuner's
+candidates), and under `mpirun -np 2` one one-core process per core for --mpi-batches. Each
+configuration is measured as `starpu-llm bench` measures it (a fresh process, one warm-up and
+--steps timed steps, the runs of every configuration interleaved --repeat times, the median
+kept) and predicted by `starpu-llm predict` from this machine's calibration. With --autotune,
+the autotuner (a fresh cache) chooses a partition for each B, and its choice's measured speed
+is compared with the best measured one.
+
+Writes experiments/out/perfmodel_validation.csv and a predicted-vs-measured plot
+(docs/figures/perfmodel_validation.png), and prints the table in Markdown.
+
+    .venv/bin/python experiments/perfmodel_validation.py [--repeat 2] [--autotune]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+
+from starpu_llm.bench import cpu_description, run_in_subprocess, write_csv
+from starpu_llm.perf import autotune
+from starpu_llm.perf.predict import load_calibration, predict
+from starpu_llm.runtime.starpu import usable_cores
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def configurations(cores: int, batches: list, mpi_batches: list) -> list:
+    """(B, N, K, sub-batches per rank, ranks)."""
+    out = []
+    for B in batches:
+        out.append((B, 1, 1, 1, 1))
+        out += [(B, n, k, s, 1) for n, k, s in autotune.candidates(cores, B)]
+    out += [(B, 1, cores // 2, 1, 2) for B in mpi_batches if cores >= 2 and B % 2 == 0]
+    return out
+
+
+def label(n: int, k: int, s: int, ranks: int) -> str:
+    return f"{n}x{k}" + (f", {s} sub-batches" if s > 1 else "") + (f", mpirun -np {ranks}"
+                                                                   if ranks > 1 else "")
+
+
+def plot(rows: list, path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(5.2, 4.6))
+    hi = 1.1 * max(max(r["measured"], r["predicted"]) for r in rows)
+    ax.plot([0, hi], [0, hi], "k-", lw=0.8, label="predicted = measured")
+    for f, style in ((0.1, ":"), (0.2, "--")):
+        ax.plot([0, hi], [0, hi * (1 + f)], "k" + style, lw=0.6, label=f"±{f:.0%}")
+        ax.plot([0, hi], [0, hi * (1 - f)], "k" + style, lw=0.6)
+    marks = {1: "o", 4: "s", 8: "^", 16: "D"}
+    for r in rows:
+        color = "C3" if r["ranks"] > 1 else ("C0" if r["workers"] == 1 else "C1")
+        ax.plot(r["measured"], r["predicted"], marks.get(r["B"], "x"), color=color, ms=5,
+                mfc="none" if r["sub_batches"] > r["workers"] else color)
+    from matplotlib.lines import Line2D
+    h, l = ax.get_legend_handles_labels()
+    h += [Line2D([], [], color=c, marker="o", ls="") for c in ("C0", "C1", "C3")]
+    l += ["1 worker", "2 workers (hollow: 2 sub-batches each)", "mpirun -np 2"]
+    h += [Line2D([], [], color="gray", marker=m, ls="") for m in marks.values()]
+    l += [f"B={b}" for b in marks]
+    ax.legend(h, l, fontsize=7, loc="upper left")
+    ax.set_xlim(0, hi)
+    ax.set_ylim(0, hi)
+    ax.set_xlabel("measured tokens/ms")
+    ax.set_ylabel("predicted tokens/ms")
+    ax.set_title(title, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="d12")
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--batches", default="1,4,8,16")
+    ap.add_argument("--mpi-batches", default="4,8", help="total batch of the mpirun -np 2 runs")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps (one more is the warm-up)")
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--calibration", help="this machine's calibration (default: its file)")
+    ap.add_argument("--autotune", action="store_true", help="also check the autotuner's choices")
+    ap.add_argument("--out", default=os.path.join(HERE, "out"))
+    ap.add_argument("--png", default=os.path.join(HERE, "..", "docs", "figures",
+                                                  "perfmodel_validation.png"))
+    args = ap.parse_args(argv)
+    cal = load_calibration(args.calibration)
+    cores = usable_cores()
+    batches = [int(b) for b in args.batches.split(",")]
+    mpi_batches = [int(b) for b in args.mpi_batches.split(",") if b]
+    configs = configurations(cores, batches, mpi_batches)
+    print(f"machine: {cpu_description()}; calibration: {cal.source}")
+    print(f"{len(configs)} configurations x {args.repeat} run(s), {args.steps} timed steps each")
+    runs = {c: [] for c in configs}
+    for _ in range(args.repeat):          # interleaved: a slow phase hits every configuration
+        for c in configs:
+            B, n, k, s, R = c
+            r = run_in_subprocess(dict(engine="starpu", model=args.model, batch=B,
+                                       seq_len=args.seq_len, steps=args.steps, workers=n,
+                                       cores=k, sub_batches=s, ranks=R))
+            if "error" in r:
+                raise SystemExit(f"{label(n, k, s, R)} B={B} failed: {r['error']}")
+            runs[c].append(r["tokens_per_ms"])
+            print(f"  B={B:<3} {label(n, k, s, R):<32} {r['tokens_per_ms']:.4f} tok/ms", flush=True)
+    rows = []
+    for c in configs:
+        B, n, k, s, R = c
+        p = predict(args.model, B, args.seq_len, n, k, ranks=R, sub_batches=s, calibration=cal,
+                    ranks_per_node=R)
+        m = statistics.median(runs[c])
+        rows.append(dict(B=B, workers=n, cores=k, sub_batches=s, ranks=R, measured=m,
+                         predicted=p.tokens_per_ms, error=p.tokens_per_ms / m - 1,
+                         runs=" ".join(f"{x:.4f}" for x in runs[c])))
+    errors = [abs(r["error"]) for r in rows]
+    print("\n| B | partition | measured tok/ms | predicted | error |\n|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['B']} | {label(r['workers'], r['cores'], r['sub_batches'], r['ranks'])} | "
+              f"{r['measured']:.4f} | {r['predicted']:.4f} | {r['error']:+.1%} |")
+    print(f"\nabsolute error over {len(rows)} configurations: median {statistics.median(errors):.1%},"
+          f" largest {max(errors):.1%}")
+    os.makedirs(args.out, exist_ok=True)
+    write_csv(os.path.join(args.out, "perfmodel_validation.csv"), rows)
+    os.makedirs(os.path.dirname(os.path.abspath(args.png)), exist_ok=True)
+    plot(rows, args.png, f"{args.model} T={args.seq_len}, {cpu_description()}")
+    print(f"wrote {os.path.join(args.out, 'perfmodel_validation.csv')} and {args.png}")
+    if args.autotune:
+        print("\n| B | autotuner's choice | its measured tok/ms | best measured | gap |\n"
+              "|---|---|---|---|---|")
+        cache = os.path.join(tempfile.mkdtemp(prefix="starpu-llm-autotune-"), "autotune.json")
+        worst = 0.0
+        for B in batches:
+            ch = autotune.choose(args.model, B, args.seq_len, cal, cache=cache,
+                                 log=lambda *_: None)
+            mine = next(r for r in rows if (r["B"], r["workers"], r["cores"], r["sub_batches"],
+                                            r["ranks"]) == (B, ch.workers, ch.cores,
+                                                            ch.sub_batches, 1))
+            best = max((r for r in rows if r["B"] == B and r["ranks"] == 1),
+                       key=lambda r: r["measured"])
+            gap = 1 - mine["measured"] / best["measured"]
+            worst = max(worst, gap)
+            print(f"| {B} | {label(ch.workers, ch.cores, ch.sub_batches, 1)} | "
+                  f"{mine['measured']:.4f} | "
+                  f"{label(best['workers'], best['cores'], best['sub_batches'], 1)}: "
+                  f"{best['measured']:.4f} | {gap:.1%} |", flush=True)
+        print(f"\nautotuner: largest gap to the best measured partition {worst:.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
