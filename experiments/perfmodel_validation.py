@@ -58,13 +58,16 @@ def plot(rows: list, path: str, title: str) -> None:
         ax.plot([0, hi], [0, hi * (1 - f)], "k" + style, lw=0.6)
     marks = {1: "o", 4: "s", 8: "^", 16: "D"}
     for r in rows:
-        color = "C3" if r["ranks"] > 1 else ("C0" if r["workers"] == 1 else "C1")
+        color = ("C3" if r["ranks"] > 1 else "C2" if r["workers"] * r["cores"] == 1 else
+                 "C0" if r["workers"] == 1 else "C1")
         ax.plot(r["measured"], r["predicted"], marks.get(r["B"], "x"), color=color, ms=5,
                 mfc="none" if r["sub_batches"] > r["workers"] else color)
     from matplotlib.lines import Line2D
     h, l = ax.get_legend_handles_labels()
-    h += [Line2D([], [], color=c, marker="o", ls="") for c in ("C0", "C1", "C3")]
-    l += ["1 worker", "2 workers (hollow: 2 sub-batches each)", "mpirun -np 2"]
+    h += [Line2D([], [], color=c, marker="o", ls="") for c in ("C2", "C0", "C1", "C3")]
+    l += ["1 worker x 1 core", "1 worker x all cores", "one-core workers",
+          "mpirun -np 2, 1 core each", "(hollow: 2 sub-batches per worker)"]
+    h.append(Line2D([], [], color="gray", marker="o", ls="", mfc="none"))
     h += [Line2D([], [], color="gray", marker=m, ls="") for m in marks.values()]
     l += [f"B={b}" for b in marks]
     ax.legend(h, l, fontsize=7, loc="upper left")
@@ -87,13 +90,22 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--calibration", help="this machine's calibration (default: its file)")
     ap.add_argument("--autotune", action="store_true", help="also check the autotuner's choices")
+    ap.add_argument("--replot", metavar="CSV", help="only redraw the plot of an earlier run's CSV")
     ap.add_argument("--out", default=os.path.join(HERE, "out"))
     ap.add_argument("--png", default=os.path.join(HERE, "..", "docs", "figures",
                                                   "perfmodel_validation.png"))
     args = ap.parse_args(argv)
+    if args.replot:
+        import csv
+        with open(args.replot, newline="") as f:
+            rows = [{k: (v if k == "runs" else float(v)) for k, v in r.items()}
+                    for r in csv.DictReader(f)]
+        plot(rows, args.png, f"{args.model} T={args.seq_len}, {cpu_description()}")
+        print(f"wrote {args.png}")
+        return 0
     cal = load_calibration(args.calibration)
     cores = usable_cores()
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = [int(b) for b in args.batches.split(",") if b]
     mpi_batches = [int(b) for b in args.mpi_batches.split(",") if b]
     configs = configurations(cores, batches, mpi_batches)
     print(f"machine: {cpu_description()}; calibration: {cal.source}")

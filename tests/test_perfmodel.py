@@ -57,13 +57,15 @@ def test_nnls_and_history_parser(tmp_path):
 
 
 def test_machine_file_round_trip_and_errors(tmp_path):
-    m = machine.Machine("x", 4, [10.0, 19.0], [5.0, 8.0], codelets={
-        "adamw": {"a": {1: 0.0}, "b": {1: 1.5}, "c_us": {1: 2.0}}})
+    m = machine.Machine("x", 4, [10.0, 19.0], [5.0, 8.0], link_bandwidth_gbs=0.75,
+                        link_pingpong_gbs=12.0, codelets={
+                            "adamw": {"a": {1: 0.0}, "b": {1: 1.5}, "c_us": {1: 2.0}}})
     path = tmp_path / "m.toml"
     machine.save(m, str(path))
     back = machine.load(str(path))
     assert back.sgemm(2) == 19e9 and back.sgemm(4) == 37e9      # extrapolated per core
     assert back.codelets["adamw"]["b"][1] == 1.5
+    assert (back.link_bandwidth_gbs, back.link_pingpong_gbs) == (0.75, 12.0)
     path.write_text("[machine]\nname = 'y'\n")
     with pytest.raises(StarpuLLMError, match="m.toml: not a machine description"):
         machine.load(str(path))

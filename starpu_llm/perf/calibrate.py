@@ -5,7 +5,7 @@
    gradient-sized buffer on one core (a reduction's init and sum); under mpirun, when there is
    one, a ping-pong between two processes (the link).
 2. Codelet costs: short traced training runs of GPT-2 124M on each partition N x K of the
-   machine, at two sub-batch sizes other than the ones the validation measures. Every task of
+   machine, at sub-batches of 1, 3 and 6 sequences. Every task of
    the timed steps is a sample (codelet, cores, flops, data size, seconds), and so is every
    entry of StarPU's own history-based perf models written by those runs (STARPU_CALIBRATE=1,
    their mean per data size; only for one-core workers, the only case where StarPU's record
@@ -32,7 +32,7 @@ import numpy as np
 
 from .machine import Machine, save
 
-FIT_SUB_BATCH = (2, 6)      # sequences per sub-batch of the calibration runs
+FIT_SUB_BATCH = (1, 3, 6)   # sequences per sub-batch of the calibration runs
 
 
 # ---------------------------------------------------------------- rates
@@ -114,6 +114,44 @@ def measure_link() -> dict | None:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+MPI_FIT_SUB_BATCH = 6       # sequences per rank of the calibration's mpirun -np 2 run
+
+
+def fit_link(m: Machine, model: str, steps: int, log) -> None:
+    """The link's bandwidth as StarPU-MPI gets it during training: one `mpirun -np 2` run
+    (a 1 x cores/2 partition per rank, MPI_FIT_SUB_BATCH sequences each), then the bandwidth
+    at which the simulated step takes the measured time (bisection: the step time falls as
+    the bandwidth grows). Kept as it is when mpirun is missing or the run fails."""
+    from ..bench import run_in_subprocess
+    from .predict import predict
+    k = max(1, m.cores // 2)
+    B = 2 * MPI_FIT_SUB_BATCH
+    r = run_in_subprocess(dict(engine="starpu", model=model, batch=B, seq_len=64,
+                               steps=max(steps, 4),     # one sample for one number: a few steps
+                               workers=1, cores=k, sub_batches=1, ranks=2))
+    if "error" in r:
+        log(f"  mpirun -np 2 run failed ({r['error']}): the link keeps the ping-pong's figures")
+        return
+    measured = statistics.median(r["step_ms"]) * 1e-3
+
+    def step_at(gbs):
+        m.link_bandwidth_gbs = gbs
+        return predict(model, B, 64, 1, k, ranks=2, sub_batches=1, calibration=m,
+                       ranks_per_node=2).schedule.step_s
+    lo, hi = 0.01, 1000.0
+    if step_at(hi) > measured:          # slower than measured even with an infinite link
+        m.link_bandwidth_gbs = m.link_pingpong_gbs or 10.0
+        log(f"  mpirun -np 2 B={B}: {measured * 1e3:.0f} ms/step, below the model's at any "
+            f"bandwidth: the link keeps the ping-pong's figures")
+        return
+    for _ in range(40):
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if step_at(mid) > measured else (lo, mid)
+    m.link_bandwidth_gbs = hi
+    log(f"  mpirun -np 2 B={B}: {measured * 1e3:.0f} ms/step: StarPU-MPI's link "
+        f"{hi:.2f} GB/s (ping-pong {m.link_pingpong_gbs:.2f})")
+
+
 # ---------------------------------------------------------------- StarPU's records
 
 def read_starpu_history(path: str) -> list:
@@ -158,7 +196,9 @@ def nnls3(X: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 def fit_codelets(samples: list, machine: Machine) -> dict:
     """samples: (codelet, k, workers, flops, size, seconds, weight). Per codelet and k: a, b,
-    c_us, the sample count and the weighted mean relative error of the fit."""
+    c_us, the sample count and the weighted mean relative error of the fit. The fit minimises
+    the relative error (weights / seconds^2): a codelet's small shapes (a layer's matmul at one
+    sequence) count as much as its large ones (the lm head at six)."""
     groups = {}
     for s in samples:
         groups.setdefault((s[0], s[1]), []).append(s)
@@ -168,7 +208,7 @@ def fit_codelets(samples: list, machine: Machine) -> dict:
                       for _, _, W, f, b, _, _ in rows])
         y = np.array([r[5] for r in rows])
         w = np.array([r[6] for r in rows], dtype=float)
-        a, b, c = nnls3(X, y, w)
+        a, b, c = nnls3(X, y, w / np.maximum(y, 1e-7) ** 2)
         pred = X @ np.array([a, b, c])
         rel = float(np.sum(w * np.abs(pred - y)) / np.sum(w * y)) if np.sum(w * y) > 0 else 0.0
         d = out.setdefault(name, {"a": {}, "b": {}, "c_us": {}, "samples": {}, "rel_err": {}})
@@ -247,11 +287,14 @@ def calibrate(path: str, steps: int = 2, log=print, model: str = "d12") -> Machi
                        f"{time.strftime('%Y-%m-%d %H:%M')}")
     if link:
         m.link_latency_us, m.link_bandwidth_gbs = link["latency_us"], link["bandwidth_gbs"]
+        m.link_pingpong_gbs = link["bandwidth_gbs"]
     samples, history, overheads = traced_runs(cores, steps, log, model)
     m.codelets = fit_codelets(samples + history, m)
     per_task = [p for _, p, _ in overheads if p is not None]
     m.task_us = max(0.0, statistics.median(per_task) * 1e6) if per_task else 5.0
     m.step_ms = max(0.0, statistics.median(f for _, _, f in overheads) * 1e3)
+    if link:
+        fit_link(m, model, steps, log)
     save(m, path)
     log(f"  {len(samples)} traced tasks and {len(history)} StarPU perf-model entries fitted; "
         f"StarPU per task {m.task_us:.1f} us, per step {m.step_ms:.1f} ms")

@@ -6,7 +6,9 @@
             bandwidth_gbs: GB/s that k cores together stream (same layout)
 [starpu]    task_us: StarPU's cost per task (submission to start, µs); step_ms: a step's fixed
             cost outside the tasks (the Python driver's submission and wait)
-[link]      latency_us, bandwidth_gbs: one MPI message between two processes (two nodes)
+[link]      latency_us, bandwidth_gbs: one MPI message between two processes (two nodes);
+            a calibration fits bandwidth_gbs to a StarPU-MPI training run (what StarPU-MPI gets
+            of the link during a step) and keeps the raw MPI ping-pong's as pingpong_gbs
 [reduction] zero_gbs, add_gbs: the rate of a reduction's init (zeroing a copy) and sum
 [codelets.NAME]  the fitted cost of each task type (calibrate.py): per core count k,
             a[k], b[k], c_us[k] in  t = a flops / sgemm(k) + b bytes / bandwidth + c_us
@@ -36,6 +38,7 @@ class Machine:
     step_ms: float = 0.0
     link_latency_us: float = 2.0
     link_bandwidth_gbs: float = 10.0
+    link_pingpong_gbs: float = 0.0     # the raw MPI ping-pong's (information only)
     zero_gbs: float = 0.0       # 0: the bandwidth of one core
     add_gbs: float = 0.0
     source: str = ""
@@ -85,6 +88,7 @@ def dumps(m: Machine) -> str:
            "", "[starpu]", f"task_us = {_fmt(float(m.task_us))}", f"step_ms = {_fmt(float(m.step_ms))}",
            "", "[link]", f"latency_us = {_fmt(float(m.link_latency_us))}",
            f"bandwidth_gbs = {_fmt(float(m.link_bandwidth_gbs))}",
+           *([f"pingpong_gbs = {_fmt(float(m.link_pingpong_gbs))}"] if m.link_pingpong_gbs else []),
            "", "[reduction]", f"zero_gbs = {_fmt(float(m.zero_gbs))}", f"add_gbs = {_fmt(float(m.add_gbs))}"]
     for name in sorted(m.codelets):
         c = m.codelets[name]
@@ -110,6 +114,7 @@ def loads(text: str, path: str = "<machine>") -> Machine:
                     task_us=float(starpu.get("task_us", 5.0)), step_ms=float(starpu.get("step_ms", 0.0)),
                     link_latency_us=float(link.get("latency_us", 2.0)),
                     link_bandwidth_gbs=float(link.get("bandwidth_gbs", 10.0)),
+                    link_pingpong_gbs=float(link.get("pingpong_gbs", 0.0)),
                     zero_gbs=float(red.get("zero_gbs", 0.0)), add_gbs=float(red.get("add_gbs", 0.0)),
                     source=str(mach.get("source", "")), codelets=codelets)
     except (tomllib.TOMLDecodeError, KeyError, TypeError, ValueError) as e:

@@ -88,7 +88,10 @@ def simulate(graph: TaskGraph, cost: CostModel, workers: int, cores: int, ranks:
     S = graph.sub_batches // ranks
     if S * ranks != graph.sub_batches:
         raise ValueError("the graph's sub-batches do not split over the ranks")
-    node_workers = workers * ranks_per_node     # workers sharing a node's memory bandwidth
+    # workers streaming at once on a node, sharing its memory bandwidth: a sub-batch's tasks
+    # run beside the other sub-batches' only (S < N leaves workers idle), the updates on all
+    busy_subs = min(workers, S) * ranks_per_node
+    node_workers = workers * ranks_per_node
     wk = [[Resource() for _ in range(workers)] for _ in range(ranks)]
     link = [Resource() for _ in range(ranks)]   # each rank's network link
     nh = len(graph.handles)
@@ -111,6 +114,21 @@ def simulate(graph: TaskGraph, cost: CostModel, workers: int, cores: int, ranks:
         start = wk[rank][best].earliest(ready, dur)
         return best, start, wk[rank][best].take(start, dur)
 
+    # Without a core of its own for StarPU-MPI's progression thread (every core of the node
+    # runs a worker), a transfer also takes the receiving rank's core while it copies.
+    shares_cores = ranks > 1 and workers * cores * ranks_per_node >= cost.machine.cores
+
+    def receive(src, dst, ready, nbytes):
+        """A message of nbytes from rank src to rank dst, ready at `ready`: its arrival."""
+        d = cost.transfer(nbytes)
+        port = link[0 if src == 0 else dst]   # rank 0's broadcasts share its link; a
+        start = port.earliest(ready, d)        # reduction's messages queue on the receiver's
+        arrive = port.take(start, d)
+        redux_notes["transfer_s"] += d
+        if shares_cores:
+            arrive = max(arrive, place(dst, start, d)[2])
+        return arrive
+
     def reduce(h):
         """Sum the copies of gradient h into it (on rank 0): local sums, then across ranks."""
         nonlocal end_all
@@ -122,14 +140,11 @@ def simulate(graph: TaskGraph, cost: CostModel, workers: int, cores: int, ranks:
             _, _, parts[rank] = place(rank, ready, add)   # this copy into the rank's sum
             redux_notes["reduction_s"] += add
         order = sorted(parts.items())
-        send = cost.transfer(nbytes)
         if len(order) > 1 and not tree:
             (r0, t0), rest = order[0], order[1:]
             for r, t in rest:        # StarPU 1.3: every rank sends to the owner in turn
-                start = link[r0].earliest(t, send)
-                arrive = link[r0].take(start, send)
+                arrive = receive(r, r0, t, nbytes)
                 _, _, t0 = place(r0, max(t0, arrive), add)
-                redux_notes["transfer_s"] += send
             order = [(r0, t0)]
         while len(order) > 1:        # StarPU 1.4: a binary tree towards the owner
             nxt = []
@@ -138,10 +153,8 @@ def simulate(graph: TaskGraph, cost: CostModel, workers: int, cores: int, ranks:
                     nxt.append(order[i])
                     continue
                 (rd, td), (rs, ts) = order[i], order[i + 1]
-                start = link[rd].earliest(ts, send)
-                arrive = link[rd].take(start, send)
+                arrive = receive(rs, rd, ts, nbytes)
                 _, _, t = place(rd, max(td, arrive), add)
-                redux_notes["transfer_s"] += send
                 nxt.append((rd, t))
             order = nxt
         write_end[h] = max(write_end[h], order[0][1])
@@ -152,17 +165,15 @@ def simulate(graph: TaskGraph, cost: CostModel, workers: int, cores: int, ranks:
         rank = 0 if task.sub is None else task.sub // S
         only = (task.sub % S) % workers if (task.sub is not None and pinned) else None
         k = 1 if task.codelet in SEQUENTIAL else cores
-        dur = cost.task(task.codelet, task.flops, task.nbytes, k, node_workers)
+        dur = cost.task(task.codelet, task.flops, task.nbytes, k,
+                        node_workers if task.sub is None else busy_subs)
         ready = cp_ready = 0.0
         for h, mode in task.accesses:
             as_redux = redux and h in task.grads
             if not as_redux and h in pending:
                 reduce(h)
             if rank != 0 and graph.handles[h][0].startswith("param.") and (rank, h) not in arrived:
-                send = cost.transfer(graph.bytes_of(h))
-                start = link[0].earliest(write_end[h], send)
-                arrived[(rank, h)] = link[0].take(start, send)
-                redux_notes["transfer_s"] += send
+                arrived[(rank, h)] = receive(0, rank, write_end[h], graph.bytes_of(h))
             ready = max(ready, write_end[h], arrived.get((rank, h), 0.0))
             cp_ready = max(cp_ready, cp_write[h])
             if mode & (W | REDUX):
