@@ -27,9 +27,21 @@ def _int_or_auto(s):
     return "auto" if s == "auto" else int(s)
 
 
+def _int_or_all(s):
+    return "all" if s == "all" else int(s)
+
+
+def _int_list(s):
+    return [int(x) for x in s.split(",")]
+
+
 _CHECKS = {"positive": _checked(int, "a whole number", lambda v: v >= 1, "at least 1"),
            "positive_or_auto": _checked(_int_or_auto, "a whole number or auto",
                                         lambda v: v == "auto" or v >= 1, "at least 1, or auto"),
+           "positive_or_all": _checked(_int_or_all, "a whole number or all",
+                                       lambda v: v == "all" or v >= 1, "at least 1, or all"),
+           "positive_list": _checked(_int_list, "whole numbers separated by commas",
+                                     lambda v: min(v) >= 1, "at least 1 each"),
            "nonneg": _checked(float, "a number", lambda v: v >= 0, ">= 0")}
 
 
@@ -100,15 +112,20 @@ def build_parser():
     pd = sub.add_parser("predict", help="predict tokens/ms of a configuration from the task "
                                         "graph and the calibrated cost model")
     pd.add_argument("--model", default="d12", choices=sorted(MODELS))
-    pd.add_argument("--batch", type=_CHECKS["positive"]("--batch"), default=4)
+    pd.add_argument("--batch", type=_CHECKS["positive"]("--batch"), default=4,
+                    help="sequences per step (default 4); with a list of --ranks, per rank (weak "
+                         "scaling, as the paper's Figure 4)")
     pd.add_argument("--seq-len", type=_CHECKS["positive"]("--seq-len"), default=64)
-    pd.add_argument("--workers", type=_CHECKS["positive"]("--workers"), default=1)
+    pd.add_argument("--workers", type=_CHECKS["positive_or_all"]("--workers"), default=1,
+                    help="N, or all: every N x K partition of the machine's cores, one line each "
+                         "(the paper's Figure 3)")
     pd.add_argument("--cores-per-worker", type=_CHECKS["positive"]("--cores-per-worker"),
                     default=None, help="default: all cores over the workers")
     pd.add_argument("--sub-batches", type=_CHECKS["positive"]("--sub-batches"), default=None,
                     help="per rank (default: one per worker)")
-    pd.add_argument("--ranks", type=_CHECKS["positive"]("--ranks"), default=1,
-                    help="MPI processes, one per node (default 1)")
+    pd.add_argument("--ranks", type=_CHECKS["positive_list"]("--ranks"), default=[1],
+                    help="MPI processes, one per node (default 1); a comma-separated list "
+                         "predicts each (1,2,4,8,16: the paper's Figure 4, tokens/ms per node)")
     pd.add_argument("--calibration", metavar="PATH", help="this machine's calibration file")
     pd.add_argument("--machine", metavar="FILE", help="predict for another machine described "
                                                       "in FILE (TOML, see experiments/machines/)")
@@ -165,11 +182,25 @@ def cmd_predict(args):
     from .perf.predict import load_calibration, predict
     calibration = load_calibration(args.calibration)
     machine = load(args.machine) if args.machine else None
-    cores = args.cores_per_worker or max(1, (machine or calibration).cores // args.workers)
-    p = predict(args.model, args.batch, args.seq_len, args.workers, cores, ranks=args.ranks,
-                sub_batches=args.sub_batches, calibration=calibration, machine=machine)
-    print(f"machine: {(machine or calibration).name}")
-    print(p.describe())
+    target = machine or calibration
+    if args.workers == "all":
+        if args.cores_per_worker:
+            raise StarpuLLMError("--workers all takes every N x K of the machine's cores: "
+                                 "leave --cores-per-worker out")
+        parts = [(n, target.cores // n) for n in range(1, target.cores + 1)
+                 if target.cores % n == 0 and args.batch % n == 0]
+    else:
+        parts = [(args.workers, args.cores_per_worker or max(1, target.cores // args.workers))]
+    # a described machine runs k-core workers as StarPU 1.4 parallel workers (the clusters')
+    pw = True if machine is not None else None
+    print(f"machine: {target.name}")
+    for n, k in parts:
+        for R in args.ranks:
+            p = predict(args.model, args.batch * R if len(args.ranks) > 1 else args.batch,
+                        args.seq_len, n, k, ranks=R, sub_batches=args.sub_batches,
+                        calibration=calibration, machine=machine, parallel_workers=pw)
+            per_node = f" ({p.tokens_per_ms / R:.4f} tok/ms per node)" if R > 1 else ""
+            print(p.describe() + per_node, flush=True)
     return 0
 
 

@@ -129,3 +129,30 @@ def test_workers_auto_chooses_confirms_and_caches(calibrated, tmp_path):
                           env=dict(env, STARPU_LLM_HOME=str(tmp_path / "uncalibrated")))
     assert bare.returncode == 0, bare.stderr
     assert "autotune" not in bare.stdout and "1 worker(s) x 2 core(s)" in bare.stdout, bare.stdout
+
+
+def test_predict_cli_tables(calibrated, tmp_path):
+    """`predict --workers all` gives one line per N x K of the machine's cores, a list of
+    --ranks one line per rank count (weak scaling), and --machine predicts for a described
+    node (the paper's, 36 cores) with this machine's codelet ratios."""
+    home, cal = calibrated
+    env = dict(os.environ, STARPU_LLM_HOME=home)
+    base = [sys.executable, "-m", "starpu_llm", "predict", "--model", "tiny"]
+    r = subprocess.run(base + ["--workers", "all", "--batch", "4", "--ranks", "1,2"],
+                       capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    lines = [l for l in r.stdout.splitlines() if "predicted" in l]
+    parts = [(n, cal.cores // n) for n in range(1, cal.cores + 1) if cal.cores % n == 0]
+    assert len(lines) == 2 * len(parts), r.stdout
+    for (n, k), (one, two) in zip(parts, zip(lines[::2], lines[1::2])):
+        assert f"B=4 T=64 {n}x{k}," in one and f"B=8 T=64 {n}x{k} x 2 ranks" in two, r.stdout
+        assert "per node" in two and "per node" not in one
+    node = os.path.join(os.path.dirname(__file__), "..", "experiments", "machines",
+                        "paper-node-xeon-gold-6240.toml")
+    r = subprocess.run(base + ["--machine", node, "--batch", "36", "--workers", "12",
+                               "--cores-per-worker", "3"],
+                       capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert r.returncode == 0 and "36 cores" in r.stdout and "12x3" in r.stdout, r
+    bad = subprocess.run(base + ["--workers", "all", "--cores-per-worker", "1"],
+                         capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert bad.returncode == 2 and "--workers all" in bad.stderr, bad.stderr
