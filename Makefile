@@ -83,6 +83,15 @@ FIGURES_ARGS ?= --quick
 figures: $(VENV)/.installed $(VENV)/.test-deps $(VENV)/.figures-deps
 	$(BIN)/python experiments/figures.py $(FIGURES_ARGS)
 
+# The performance model against measurements (experiments/perfmodel_validation.py,
+# docs/perfmodel.md): calibrates this machine first when it has no calibration.
+PERFMODEL_ARGS ?= --repeat 2 --autotune
+.PHONY: perfmodel
+perfmodel: $(VENV)/.installed $(VENV)/.figures-deps
+	$(BIN)/python -c 'import os, sys; from starpu_llm.perf.machine import default_path; \
+	    sys.exit(0 if os.path.exists(default_path()) else 1)' || $(BIN)/starpu-llm calibrate
+	$(BIN)/python experiments/perfmodel_validation.py $(PERFMODEL_ARGS)
+
 $(VENV)/.figures-deps: | $(VENV)/.installed
 	command -v dot >/dev/null || { SUDO=""; [ "$$(id -u)" -ne 0 ] && SUDO="sudo"; \
 	    $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq graphviz >/dev/null; }
