@@ -15,7 +15,7 @@ import os
 import sys
 
 from starpu_llm.bench import write_csv
-from starpu_llm.perf.machine import load
+from starpu_llm.perf.machine import load, partitions
 from starpu_llm.perf.predict import load_calibration, predict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -38,9 +38,8 @@ def main(argv=None) -> int:
     rows = []
     print(f"machine: {node.name}; codelet ratios from {cal.name} ({cal.source})")
     print(f"\nFigure 3: B={args.batch}, T=64, N x K = {node.cores}")
-    for n in range(1, node.cores + 1):
-        k = node.cores // n
-        if node.cores % n or args.batch % n:
+    for n, k in partitions(node.cores):
+        if args.batch % n:
             continue
         p = predict("d12", args.batch, 64, n, k, calibration=cal, machine=node,
                     parallel_workers=True)

@@ -23,12 +23,9 @@ def _checked(parse, kind: str, ok, rule: str):
     return for_flag
 
 
-def _int_or_auto(s):
-    return "auto" if s == "auto" else int(s)
-
-
-def _int_or_all(s):
-    return "all" if s == "all" else int(s)
+def _int_or(word):
+    """A parser of a whole number, or of `word` itself."""
+    return lambda s: word if s == word else int(s)
 
 
 def _int_list(s):
@@ -36,9 +33,9 @@ def _int_list(s):
 
 
 _CHECKS = {"positive": _checked(int, "a whole number", lambda v: v >= 1, "at least 1"),
-           "positive_or_auto": _checked(_int_or_auto, "a whole number or auto",
+           "positive_or_auto": _checked(_int_or("auto"), "a whole number or auto",
                                         lambda v: v == "auto" or v >= 1, "at least 1, or auto"),
-           "positive_or_all": _checked(_int_or_all, "a whole number or all",
+           "positive_or_all": _checked(_int_or("all"), "a whole number or all",
                                        lambda v: v == "all" or v >= 1, "at least 1, or all"),
            "positive_list": _checked(_int_list, "whole numbers separated by commas",
                                      lambda v: min(v) >= 1, "at least 1 each"),
@@ -178,7 +175,7 @@ def cmd_calibrate(args):
 
 
 def cmd_predict(args):
-    from .perf.machine import load
+    from .perf.machine import load, partitions
     from .perf.predict import load_calibration, predict
     calibration = load_calibration(args.calibration)
     machine = load(args.machine) if args.machine else None
@@ -187,8 +184,7 @@ def cmd_predict(args):
         if args.cores_per_worker:
             raise StarpuLLMError("--workers all takes every N x K of the machine's cores: "
                                  "leave --cores-per-worker out")
-        parts = [(n, target.cores // n) for n in range(1, target.cores + 1)
-                 if target.cores % n == 0 and args.batch % n == 0]
+        parts = [(n, k) for n, k in partitions(target.cores) if args.batch % n == 0]
     else:
         parts = [(args.workers, args.cores_per_worker or max(1, target.cores // args.workers))]
     # a described machine runs k-core workers as StarPU 1.4 parallel workers (the clusters')

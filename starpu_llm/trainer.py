@@ -169,19 +169,20 @@ def run_settings(cfg: TrainConfig, config: GPTConfig, loader) -> dict:
             "data_position": loader.position}
 
 
-def partition_by_default(cfg: TrainConfig, comm, runtime) -> bool:
+def partition_by_default(cfg: TrainConfig, config, comm, runtime) -> bool:
     """Whether the autotuner chooses the partition although --workers auto was not given: a
-    single process starting its own StarPU engine, no partition setting given, and a
-    calibration of this machine on disk (without one, the default stays 1 x all cores)."""
+    single process starting its own StarPU engine, a model of MODELS (not a checkpoint of
+    another shape), no partition setting given, and a calibration of this machine on disk
+    (without one, the default stays 1 x all cores)."""
     from .perf.machine import default_path
     given = (cfg.workers, cfg.cores_per_worker, cfg.sub_batches, cfg.kcore, cfg.sched)
     return (cfg.engine == "starpu" and comm is None and runtime is None
-            and all(x is None for x in given) and os.path.exists(default_path()))
+            and config in MODELS.values() and all(x is None for x in given)
+            and os.path.exists(default_path()))
 
 
 def autotuned(cfg: TrainConfig, config, comm, runtime, log) -> TrainConfig:
     """cfg with the partition the autotuner (perf/autotune.py) chooses for its batch."""
-    from .config import MODELS
     from .perf import autotune
     from .perf.predict import load_calibration
     if comm is not None or runtime is not None or cfg.engine != "starpu":
@@ -191,8 +192,6 @@ def autotuned(cfg: TrainConfig, config, comm, runtime, log) -> TrainConfig:
         raise StarpuLLMError(f"{opt('workers')} auto chooses {opt('cores_per_worker')} and "
                              f"{opt('sub_batches')} too: leave them out")
     model = next((name for name, c in MODELS.items() if c == config), None)
-    if model is None and cfg.workers != "auto":
-        return cfg              # a checkpoint of another shape: the default partition
     if model is None:
         raise StarpuLLMError(f"{opt('workers')} auto: the model is none of {', '.join(MODELS)}; "
                              f"give {opt('workers')} N")
@@ -388,7 +387,7 @@ def _train(cfg: TrainConfig, state: TrainState | None, runtime, ctrl_c: StopOnCt
         validation = Validation(cfg.val_data or data.default_dataset()[1], cfg.batch,
                                 cfg.seq_len, config.V, cfg.val_every, cfg.val_batches)
 
-    if cfg.workers == "auto" or partition_by_default(cfg, comm, runtime):
+    if cfg.workers == "auto" or partition_by_default(cfg, config, comm, runtime):
         cfg = autotuned(cfg, config, comm, runtime, log)
     own_runtime = None
     if runtime is None and cfg.engine == "starpu":

@@ -7,7 +7,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from .machine import Machine, default_path
+from .machine import Machine, default_path, partitions
 from .predict import predict
 
 
@@ -23,10 +23,7 @@ def candidates(cores: int, B: int) -> list:
     """(N, K, sub-batches): every N x K = cores with one or two sub-batches per worker that
     split B; where neither splits B (B below N), the most sub-batches below N that do."""
     out = []
-    for k in range(1, cores + 1):
-        if cores % k:
-            continue
-        n = cores // k
+    for n, k in sorted(partitions(cores), key=lambda p: p[1]):
         split = [s for s in (n, 2 * n) if B % s == 0]
         out += [(n, k, s) for s in split or [max(s for s in range(1, n) if B % s == 0)]]
     return out

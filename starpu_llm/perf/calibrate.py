@@ -30,7 +30,7 @@ import time
 
 import numpy as np
 
-from .machine import Machine, save
+from .machine import Machine, partitions, save
 
 FIT_SUB_BATCH = (1, 3, 6)   # sequences per sub-batch of the calibration runs
 
@@ -218,10 +218,6 @@ def fit_codelets(samples: list, machine: Machine) -> dict:
 
 
 # ---------------------------------------------------------------- the runs
-
-def partitions(cores: int) -> list:
-    return [(cores // k, k) for k in range(1, cores + 1) if cores % k == 0]
-
 
 def traced_runs(cores: int, steps: int, log, model: str = "d12") -> tuple[list, list, list]:
     """Traced runs of each partition at each FIT_SUB_BATCH; (task samples, StarPU history
