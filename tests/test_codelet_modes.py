@@ -1,11 +1,14 @@
-"""Each task's access modes are declared once, in the C codelet table (SL_CODELET), which the
-submit helpers build their tasks from: StarPU must have run every task of a real step with
-exactly the declared modes (read back from the running task by the trace)."""
+"""Each codelet is declared once, in the C codelet table (SL_CODELET): its access modes, its
+argument struct, its flop count, its body. The one submission path builds its tasks from that
+table, and both Python executors are derived from it: StarPU must have run every task of a
+real step with exactly the declared modes (read back from the running task by the trace)."""
 import numpy as np
 import pytest
 
 from starpu_llm import Runtime
 from starpu_llm._clib import ffi, lib
+from starpu_llm.codelets import DirectOps, TABLE as KERNEL_TABLE
+from starpu_llm.runtime.submit import TABLE, StarPUOps, Where
 from starpu_llm.config import MODELS
 from starpu_llm.runtime import usable_cores
 from tracing import traced_step
@@ -24,11 +27,15 @@ def declared(codelet, redux, accumulate):
 
 def allowed(codelet, redux):
     """Every mode list a task of the codelet may run with in a step of this redux: either
-    accumulate, with or without its optional trailing buffers (any number of the last)."""
+    accumulate, with or without its optional trailing buffers (any number of the last), a
+    repeated last buffer any number of times (as many as the trace keeps)."""
     out = set()
+    flags = lib.SL_ACCESS_OPTIONAL | lib.SL_ACCESS_REPEAT | lib.SL_ACCESS_ANY
     for accumulate in (0, 1):
         modes = declared(codelet, redux, accumulate)
-        full = tuple(m & ~lib.SL_ACCESS_OPTIONAL for m in modes)
+        full = tuple(m & ~flags for m in modes)
+        if modes and modes[-1] & lib.SL_ACCESS_REPEAT:   # the last buffer, once or more
+            out.update(full + full[-1:] * k for k in range(lib.SL_TRACE_MAXBUF - len(full) + 1))
         out.add(full)
         n = len(modes)
         while n and modes[n - 1] & lib.SL_ACCESS_OPTIONAL:
@@ -43,7 +50,8 @@ def test_declared_table():
     opt = lib.SL_ACCESS_OPTIONAL
     assert declared(ids["adamw"], 0, 0) == [rw] * 4 + [r | opt]     # [the gradient norm]
     assert declared(ids["grad_sumsq"], 0, 0) == [w, r]
-    assert declared(ids["norm_sum"], 0, 0) == [w, r] + [r | opt] * 6
+    assert declared(ids["norm_sum"], 0, 0) == [w, r | lib.SL_ACCESS_REPEAT]
+    assert declared(ids["gather"], 0, 0) == [w | lib.SL_ACCESS_ANY, r | lib.SL_ACCESS_REPEAT]
     assert declared(ids["matmul_backward"], 0, 0) == [w, rw, r, r, r, rw | opt]
     assert declared(ids["matmul_backward"], 1, 0) == [w, redux, r, r, r, redux | opt]
     assert declared(ids["layernorm_backward"], 0, 0)[0] == w
@@ -80,3 +88,74 @@ def test_traced_modes_are_the_declared_ones(workers, sub_batches, redux, grad_cl
     # the update reads the gradient norm exactly when clipping; the norm's tasks ran then only
     assert {len(m) for n, m in seen if n == "adamw"} == ({5} if grad_clip else {4})
     assert ({"grad_sumsq", "norm_sum"} <= names) == bool(grad_clip)
+
+
+def test_both_executors_come_from_the_one_table():
+    """The StarPU and the direct executor have a method for every codelet of the table, the
+    same table in both binding modules; a call's scalars are the codelet's argument struct."""
+    assert TABLE == KERNEL_TABLE
+    assert len(TABLE) == lib.sl_codelet_count() > 20
+    for name, cd in TABLE.items():
+        assert callable(getattr(StarPUOps, name)) and callable(getattr(DirectOps, name)), name
+        assert ffi.string(lib.sl_codelet_name(cd.id)).decode() == name
+    assert TABLE["matmul_forward"].fields == ("N", "C", "OC")
+    assert TABLE["adamw"].fields[-1] == "max_norm"
+    assert TABLE["norm_sum"].repeat and not TABLE["adamw"].repeat
+    with pytest.raises(TypeError, match="missing"):
+        DirectOps().gelu_forward(None, None)          # no N
+    with pytest.raises(TypeError, match="unexpected"):
+        DirectOps().gelu_forward(None, None, 3, 4)
+
+
+def test_flops_come_from_the_declaration():
+    """The flop count StarPU gets is the declaration's: 2 N C OC (+ N OC with a bias)."""
+    cd = TABLE["matmul_forward"]
+    a = ffi.new(cd.args_type + " *", [3, 4, 5])
+    with_bias = ffi.new("size_t[]", [15, 12, 20, 5])
+    assert lib.sl_codelet_flops(cd.id, with_bias, 4, a) == 2 * 3 * 4 * 5 + 3 * 5
+    assert lib.sl_codelet_flops(cd.id, with_bias, 3, a) == 2 * 3 * 4 * 5
+    assert lib.sl_codelet_flops(TABLE["gelu_forward"].id, with_bias, 2, ffi.NULL) == 0
+
+
+def test_submission_checks_the_declaration_and_the_site():
+    """sl_submit refuses a task that does not match the declaration (a missing buffer, too
+    many, arguments of the wrong size) or a site that cannot be (node or worker below -1)."""
+    with Runtime(1, 1) as rt:
+        arrays = [np.ones(4, np.float32) for _ in range(3)]
+        h = [lib.sl_register_vector(ffi.from_buffer(x), 4, 4) for x in arrays]
+        cd = TABLE["gelu_forward"]
+        a = ffi.new(cd.args_type + " *", [4])
+        size = ffi.sizeof(cd.args_type)
+        hs = ffi.new("sl_handle[]", h)
+        any_, owner = lib.SL_ANY_WORKER, lib.SL_NODE_OWNER
+        assert lib.sl_submit(cd.id, hs, 1, 0, 0, a, size, owner, any_) < 0      # inp missing
+        assert lib.sl_submit(cd.id, hs, 3, 0, 0, a, size, owner, any_) < 0      # one too many
+        assert lib.sl_submit(cd.id, hs, 2, 0, 0, a, size - 1, owner, any_) < 0  # wrong args
+        assert lib.sl_submit(cd.id, hs, 2, 0, 0, a, size, -2, any_) < 0
+        assert lib.sl_submit(cd.id, hs, 2, 0, 0, a, size, owner, -2) < 0
+        assert lib.sl_submit(lib.sl_codelet_count(), hs, 2, 0, 0, a, size, owner, any_) < 0
+        assert lib.sl_submit(cd.id, hs, 2, 0, 0, a, size, owner, any_) == 0
+        rt.wait()
+        for x in h:
+            lib.sl_unregister(x)
+    assert np.all(arrays[0] > 0.8) and np.all(arrays[2] == 1)   # gelu(1) ran once, into h[0]
+
+
+def test_each_task_runs_where_its_submission_says():
+    """Placement is an argument of each submission: probe tasks given worker 0 or 1 run on
+    that worker, in any order of submission (no state carried from one task to the next)."""
+    if usable_cores() < 2:
+        pytest.skip("two one-core workers need two cores")
+    with Runtime(2, 1) as rt:
+        rt.start_trace(1000)
+        outs = []
+        for i in range(40):
+            out = ffi.new("uint64_t[]", 2)
+            outs.append(out)
+            StarPUOps(where=Where(worker=(i * 7) % 3 % 2)).probe(out, 1)
+        rt.wait()
+        events = rt.trace()
+        rt.stop_trace()
+    probes = sorted((e.job, e.worker) for e in events if e.codelet == "probe")
+    assert len(probes) == 40
+    assert [w for _, w in probes] == [(i * 7) % 3 % 2 for i in range(40)]

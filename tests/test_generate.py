@@ -15,7 +15,7 @@ from bounds import assert_within, logits_bound
 from starpu_llm.config import MODELS
 from starpu_llm.errors import StarpuLLMError
 from starpu_llm.flow import generate as gen
-from starpu_llm.flow.ops import StarPUOps
+from starpu_llm.runtime.submit import StarPUOps
 from starpu_llm.io import formats, tokenizer
 from starpu_llm.state import random_init
 from starpu_llm.trainer import TrainConfig, train

@@ -3,7 +3,7 @@ its first loss equals one worker on one core's within the fp32 bound.
 
 On StarPU 1.4 the 2-core worker is a parallel worker (on 1.3, a team worker). There,
 starpu_task_wait_for_all() used to return before the last task of a step had run, and the
-task arguments freed after the wait were then read by that task (csrc/runtime.c, wait_tasks):
+task arguments freed after the wait were then read by that task (csrc/starpu/runtime.c, wait_tasks):
 losses differed from run to run or turned NaN, and a single passing run proved nothing. So
 each case runs several times, with and without sub-batches, on a small model and on GPT-2
 124M (a few short steps). With sub-batches sharing a worker, the order of their gradient
@@ -18,6 +18,7 @@ from starpu_llm._clib import ffi, lib
 from starpu_llm.config import MODELS, GPTConfig
 from starpu_llm.flow.engine import StarPUEngine
 from starpu_llm.runtime import usable_cores
+from starpu_llm.runtime.submit import StarPUOps
 from starpu_llm.state import TrainState, random_init
 from bounds import loss_bound
 
@@ -90,6 +91,6 @@ def test_wait_returns_after_every_task():
         for _ in range(100):
             outs = [ffi.new("uint64_t[]", 3) for _ in range(20)]
             for out in outs:
-                assert lib.sl_submit_probe(out, 2) == 0
+                StarPUOps().probe(out, 2)
             rt.wait()
             assert [int(out[0]) for out in outs] == [2] * len(outs), rt.describe()

@@ -134,10 +134,10 @@ def test_starpupy_handle_pointer_is_a_starpu_handle():
         dst = np.zeros(8, np.float32)
         h = starpu.Handle(dst)
         seen = []
-        from starpu_llm._clib import ffi, lib
-        ret = lib.sl_submit_gather(starpupy_face.handle_pointer(h), ffi.from_buffer(dst),
-                                   dst.nbytes, ffi.new("sl_handle[]", handles), 2)
-        assert ret == 0
+        from starpu_llm._clib import ffi
+        from starpu_llm.runtime.submit import StarPUOps
+        StarPUOps().gather(starpupy_face.handle_pointer(h), handles,
+                           ffi.cast("char *", ffi.from_buffer(dst)))
         starpu.task_submit(ret_fut=False)(lambda a: seen.append(a.copy()), h)
         rt.wait()
         h.unregister()

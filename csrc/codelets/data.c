@@ -1,56 +1,45 @@
 /* Codelets that move data rather than compute a layer: the batch load, the zero-fill and the
- * sum used as StarPU's reduction methods for gradients, and the thread/affinity probe. */
+ * sum used as StarPU's reduction methods for gradients, the gather of a checkpoint snapshot,
+ * and the thread/affinity probe. */
 #define _GNU_SOURCE
 #include <omp.h>
 #include <sched.h>
+#include <string.h>
 #include "codelet.h"
 
-/* ---- load: inputs/targets from the token shard ---- */
-struct sl_load_args {
-	const uint16_t *tokens;
-	size_t pos, n;
-};
-
-/* inputs (n), targets (n) */
-SL_CODELET(load_batch, SL_W, SL_W)
-SL_CPU_FUNC(load_batch, struct sl_load_args)
+/* inputs (n), targets (n) from tokens[pos .. pos+n] */
+SL_CODELET(load_batch, struct sl_load_args, 0, 0.0, SL_W, SL_W)
 {
-	load_batch(SL_I(buffers, 0), SL_I(buffers, 1), a->tokens, a->pos, a->n);
-}
-
-int sl_submit_load_batch(sl_handle inputs, sl_handle targets, const uint16_t *tokens, size_t pos,
-			 size_t n)
-{
-	struct sl_load_args a = { tokens, pos, n };
-	return SL_SUBMIT(load_batch, a, inputs, targets);
+	load_batch(SL_I(0), SL_I(1), a->tokens, a->pos, a->n);
 }
 
 /* ---- gradient reduction methods: init = zero, reduce = dst += src ---- */
-SL_REDUCTION_CODELET(zero, SL_W)
-SL_CPU_FUNC(zero, void) { fill_zero(SL_F(buffers, 0), STARPU_VECTOR_GET_NX(buffers[0])); }
+SL_CODELET(zero, struct sl_no_args, SL_SEQUENTIAL, 0.0, SL_W)
+{
+	fill_zero(SL_F(0), SL_N(0));
+}
 
 /* StarPU 1.3 requires the first buffer of a reduction codelet to be exactly STARPU_RW */
-SL_REDUCTION_CODELET(add, SL_RW, SL_R)
-SL_CPU_FUNC(add, void)
+SL_CODELET(add, struct sl_no_args, SL_SEQUENTIAL, 0.0, SL_RW, SL_R)
 {
-	add_inplace(SL_F(buffers, 0), SL_F(buffers, 1), STARPU_VECTOR_GET_NX(buffers[0]));
+	add_inplace(SL_F(0), SL_F(1), SL_N(0));
 }
 
-int sl_set_grad_reduction(sl_handle h)
+/* dst (any interface: e.g. a starpupy handle, whose memory is a->dst), src_1 .. src_k vectors:
+ * the sources one after the other into dst (the starpupy face's checkpoint snapshot). */
+SL_CODELET(gather, struct sl_gather_args, SL_SEQUENTIAL, 0.0, SL_W | SL_ANY, SL_R | SL_REPEAT)
 {
-	starpu_data_set_reduction_methods(h, &add_codelet.cl, &zero_codelet.cl);
-	return 0;
+	char *out = a->dst;
+	for (int i = 1; i < n; i++) {
+		size_t bytes = SL_N(i) * b[i].elemsize;
+		memcpy(out, b[i].ptr, bytes);
+		out += bytes;
+	}
 }
 
-/* ---- probe: what a task sees of its cores ---- */
-struct sl_probe_args {
-	uint64_t *out;
-	int max_threads;
-};
-
-/* no buffers, no perf model */
-SL_CODELET_DEF(probe, NULL, 0)
-SL_CPU_FUNC(probe, struct sl_probe_args)
+/* ---- probe: what a task sees of its cores (no buffers) ---- */
+/* out[0] = the team's thread count, out[1 + t] = thread t's CPU mask (first 64 cores) */
+SL_CODELET(probe, struct sl_probe_args, SL_NO_PERFMODEL, 0.0)
 {
 	int k = omp_get_max_threads();
 #pragma omp parallel num_threads(k)
@@ -68,10 +57,4 @@ SL_CPU_FUNC(probe, struct sl_probe_args)
 #pragma omp single
 		a->out[0] = (uint64_t)omp_get_num_threads();
 	}
-}
-
-int sl_submit_probe(uint64_t *out, int max_threads)
-{
-	struct sl_probe_args a = { out, max_threads };
-	return sl_submit(&probe_codelet, NULL, 0, 0, 0, &a, sizeof a, 0.0);
 }

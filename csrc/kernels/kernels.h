@@ -69,8 +69,6 @@ void gelu_backward(float *dinp, const float *inp, const float *dout, size_t N);
 
 /* out = inp1 + inp2 (N elements) */
 void residual_forward(float *out, const float *inp1, const float *inp2, size_t N);
-/* dinp1 += dout, dinp2 += dout */
-void residual_backward(float *dinp1, float *dinp2, const float *dout, size_t N);
 
 /* Softmax over the first V of Vp logits of each of the N = B*T rows, then cross-entropy
  * against targets (N). probs (N,Vp): columns >= V are written as 0. losses (N) per row.

@@ -12,10 +12,10 @@ import numpy as np
 
 from .._clib import ffi, lib
 from ..errors import StarpuLLMError, opt
-from .ops import StarPUOps
 from . import taskflow
 from .placement import Placement
 from .step import Engine
+from ..runtime.submit import StarPUOps
 
 
 @contextlib.contextmanager
@@ -107,18 +107,15 @@ class StarPUEngine(Engine):
         activations prefixed "s{i}."), to read the handles of a task trace."""
         return {int(ffi.cast("uintptr_t", t.h)): name for name, t in self.named_tensors()}
 
-    # --- where tasks run: the placement decides ---
-    def _run_sub_batch_on(self, i):
-        self.placement.run_sub_batch_on(i)
+    # --- where tasks run: the placement decides, each submission takes it ---
+    def sub_batch_ops(self, i):
+        return self.ops.at(self.placement.sub_batch_site(i))
+
+    def update_ops(self):
+        return self.ops.at(self.placement.update_site())
 
     def _gradients_submitted(self):
         self.placement.reduce_gradients(self.g)
-
-    def _run_update_on_owner(self):
-        self.placement.run_updates_on_owner()
-
-    def _run_anywhere(self):
-        self.placement.run_anywhere()
 
     def wait(self):
         self.runtime.wait()

@@ -43,7 +43,7 @@ class DirectBackend:
     def __init__(self, config, params=None, p=None, threads: int | None = None):
         from .._kernels import lib
         from ..config import ParamLayout
-        from .reference import DirectOps
+        from ..codelets import DirectOps
         if threads:
             lib.kernels_set_threads(threads)
         self.config, self.ops = config, DirectOps()
@@ -71,13 +71,13 @@ class DirectBackend:
 
 class StarPUBackend:
     """The StarPU engine's side of generation: every tensor a StarPU handle on our memory,
-    registered once (its own Placement), every layer a task (ops.StarPUOps). Parameters:
+    registered once (its own Placement), every layer a task (runtime.submit.StarPUOps). Parameters:
     `params` (registered here) or the training engine's ParameterTensors `p`."""
 
     def __init__(self, runtime, config, params=None, p=None):
         from ..config import ParamLayout
         from .engine import write_tensor
-        from .ops import StarPUOps
+        from ..runtime.submit import StarPUOps
         from .placement import Placement
         if not runtime.running:
             raise RuntimeError("the StarPU runtime is not running")

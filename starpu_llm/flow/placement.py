@@ -1,4 +1,8 @@
-"""Where the StarPU engine's tensors live and where its tasks run.
+"""Where the StarPU engine's tensors live and where its tasks run: the one place that decides.
+
+Every task submission takes a `Where` (rank, worker) as an argument (runtime.submit.StarPUOps.at);
+the sites come from this class alone (sub_batch_site, update_site), and so do the owners of
+the handles it registers. Nothing else, in Python or in C, holds placement state.
 
 Every tensor is a StarPU vector handle. The per-layer parameters, gradients and moments are
 one (L, ...) array each, partitioned into a child handle per layer (StarPU data
@@ -18,6 +22,7 @@ import numpy as np
 from .._clib import ffi, lib
 from ..config import GPTConfig, ParamLayout
 from ..errors import StarpuLLMError
+from ..runtime.submit import ANY, OWNER, Where
 from .tensors import ParameterTensors, Tensor, sub_batch_tensors
 
 
@@ -43,8 +48,8 @@ def gradient_mode(workers: int, pinned: bool, subs_per_rank: int, nranks: int) -
 
 
 class Placement:
-    """The handles of one engine (registered here, unregistered in reverse order by
-    unregister_all) and the where-to-run decisions of its step."""
+    """The handles of one engine (registered here with their owners, unregistered in reverse
+    order by unregister_all) and where each task of its step runs."""
 
     def __init__(self, runtime, layers: int, subs_per_rank: int):
         self.runtime = runtime
@@ -161,32 +166,25 @@ class Placement:
         self._registered = []
         self._buffers = []
 
-    # --- where tasks run ---
+    # --- where tasks run: every submission takes one of these (runtime.submit.StarPUOps.at) ---
     def owner(self, i: int) -> int:
         """The rank of sub-batch i."""
         return i // self.subs_per_rank
 
-    def run_sub_batch_on(self, i: int):
-        """Tasks submitted next run on sub-batch i's rank, and on its worker when pinned."""
-        if self.mpi:
-            lib.sl_mpi_set_exec_node(self.owner(i))
-        if self.pin_sub_batches:
-            lib.sl_set_exec_worker(i % self.subs_per_rank % self.runtime.workers)
+    def sub_batch_site(self, i: int) -> Where:
+        """Sub-batch i's tasks: on its rank, and on its worker when pinned."""
+        worker = i % self.subs_per_rank % self.runtime.workers if self.pin_sub_batches else ANY
+        return Where(self.owner(i), worker)
+
+    def update_site(self) -> Where:
+        """The update tasks (AdamW, the gradient norm): on the owner of what they write (rank
+        0, which owns parameters, gradients and moments), on any worker."""
+        return Where(OWNER, ANY)
 
     def reduce_gradients(self, grads: ParameterTensors):
-        """After the backward passes: reductions and updates go wherever a worker is free;
-        under MPI every rank's gradient contributions are reduced to rank 0."""
-        self.run_anywhere()
+        """After the backward passes: under MPI every rank's gradient contributions are
+        reduced to the gradients' owner."""
         if self.mpi:
             for t in grads.tensors():
                 if lib.sl_mpi_redux(t.h) != 0:
                     raise RuntimeError(f"starpu_mpi_redux_data failed for {t.name}")
-
-    def run_anywhere(self):
-        """Tasks submitted next go wherever a worker is free (no sub-batch's worker)."""
-        lib.sl_set_exec_worker(-1)
-
-    def run_updates_on_owner(self):
-        """The update tasks run on rank 0, which owns parameters, gradients and moments."""
-        if self.mpi:
-            lib.sl_mpi_set_exec_node(0)

@@ -58,17 +58,16 @@ class Engine:
         """The names of the tasks submitted so far, in order, when recording; else None."""
         return None
 
-    # where tasks run: the StarPU engine places them
-    def _run_sub_batch_on(self, i):
-        pass
+    # where tasks run: the StarPU engine's placement decides; the reference runs them here
+    def sub_batch_ops(self, i: int):
+        """The executor of sub-batch i's tasks."""
+        return self.ops
+
+    def update_ops(self):
+        """The executor of the update tasks."""
+        return self.ops
 
     def _gradients_submitted(self):
-        pass
-
-    def _run_update_on_owner(self):
-        pass
-
-    def _run_anywhere(self):
         pass
 
     # --- the step ---
@@ -76,18 +75,17 @@ class Engine:
         n = self.Bs * self.T
         dloss = 1.0 / (self.B * self.T)   # gradients of all sub-batches sum to the mean's
         for i, (a, s) in enumerate(self.subs):
-            self._run_sub_batch_on(i)
-            self.ops.load_batch(a.inputs, a.targets, self.tokens_ptr, pos + i * n, n)
-            taskflow.forward(self.ops, self.config, self.p, a, self.Bs, self.T)
-            taskflow.backward(self.ops, self.config, self.p, self.g, a, s, self.Bs, self.T,
-                              dloss, self.redux)
+            ops = self.sub_batch_ops(i)
+            ops.load_batch(a.inputs, a.targets, self.tokens_ptr, pos + i * n, n)
+            taskflow.forward(ops, self.config, self.p, a, self.Bs, self.T)
+            taskflow.backward(ops, self.config, self.p, self.g, a, s, self.Bs, self.T, dloss,
+                              self.redux)
         self._gradients_submitted()
 
     def submit_update(self, lr: float, weight_decay: float, grad_clip: float = 0.0):
         """The AdamW tasks; grad_clip > 0 clips the gradients' global norm to it first."""
-        self._run_update_on_owner()
         self.state.step += 1
-        taskflow.update(self.ops, self.config, self.p, self.g, self.m, self.v, lr, weight_decay,
+        taskflow.update(self.update_ops(), self.config, self.p, self.g, self.m, self.v, lr, weight_decay,
                         self.state.step, grad_clip, self.norm)
 
     def forward_backward(self, pos: int) -> float:
@@ -115,10 +113,9 @@ class Engine:
         losses = []
         for pos in positions:
             for i, (a, _) in enumerate(self.subs):
-                self._run_sub_batch_on(i)
-                self.ops.load_batch(a.inputs, a.targets, ptr, pos + i * n, n)
-                taskflow.forward(self.ops, self.config, self.p, a, self.Bs, self.T)
-            self._run_anywhere()
+                ops = self.sub_batch_ops(i)
+                ops.load_batch(a.inputs, a.targets, ptr, pos + i * n, n)
+                taskflow.forward(ops, self.config, self.p, a, self.Bs, self.T)
             self.wait()           # the next batch reuses the activations
             losses.append(self.loss())
         return float(np.mean(losses))

@@ -1,6 +1,8 @@
 """GPT-2's training step as a sequential task flow: load, forward, loss, backward, update.
 
-Each call on `ops` is one task (StarPUOps submits it, DirectOps runs it at once). StarPU infers
+Each call on `ops` is one task of a codelet declared in csrc/codelets/ (runtime.submit.StarPUOps
+submits it, codelets.DirectOps runs it at once; codelets.py gives the calling convention: buffers, then
+arguments). StarPU infers
 the task graph from the handles each task reads and writes, so this file is the whole
 description of the graph (paper section 2, Figure 1):
   - activations carry forward -> backward dependencies, parameters update -> next forward,
@@ -25,7 +27,7 @@ def forward(ops, cfg: GPTConfig, p, a, B: int, T: int):
     """Forward pass and loss: p are the parameters, a this batch's activations."""
     C, NH, L, V, Vp = cfg.C, cfg.NH, cfg.L, cfg.V, cfg.Vp
     BT = B * T
-    ops.encoder_forward(a.encoded, a.inputs, p.wte, p.wpe, B, T, C)
+    ops.encoder_forward(a.encoded, a.inputs, p.wte, p.wpe, B, T, C, 0)
     x = a.encoded
     for l in range(L):
         b = a.layer(l)
@@ -61,27 +63,29 @@ def backward(ops, cfg: GPTConfig, p, g, a, s, B: int, T: int, dloss: float, redu
     C, NH, L, V, Vp = cfg.C, cfg.NH, cfg.L, cfg.V, cfg.Vp
     BT = B * T
     ops.crossentropy_backward(s.dlogits, a.probs, a.targets, BT, V, Vp, dloss)
-    ops.matmul_backward(s.dln, g.wte, None, s.dlogits, a.lnf, p.wte, BT, C, Vp, redux)
+    ops.matmul_backward(s.dln, g.wte, s.dlogits, a.lnf, p.wte, None, BT, C, Vp, redux=redux)
     ops.layernorm_backward(s.dres, g.lnfw, g.lnfb, s.dln, a.res3[L - 1], p.lnfw,
-                           a.lnf_mean, a.lnf_rstd, BT, C, 0, redux)
+                           a.lnf_mean, a.lnf_rstd, BT, C, 0, redux=redux)
     # s.dres holds the gradient of the residual stream. A residual add passes its gradient
     # unchanged to both inputs, so the branch (fcproj, attproj) reads s.dres directly and the
     # layernorm of the other branch adds into it: no residual_backward copies.
     for l in reversed(range(L)):
         x = a.res3[l - 1] if l > 0 else a.encoded
-        ops.matmul_backward(s.dfch_gelu, g.fcprojw[l], g.fcprojb[l], s.dres, a.fch_gelu[l],
-                            p.fcprojw[l], BT, 4 * C, C, redux)
+        ops.matmul_backward(s.dfch_gelu, g.fcprojw[l], s.dres, a.fch_gelu[l], p.fcprojw[l],
+                            g.fcprojb[l], BT, 4 * C, C, redux=redux)
         ops.gelu_backward(s.dfch, a.fch[l], s.dfch_gelu, BT * 4 * C)
-        ops.matmul_backward(s.dln, g.fcw[l], g.fcb[l], s.dfch, a.ln2[l], p.fcw[l], BT, C, 4 * C, redux)
+        ops.matmul_backward(s.dln, g.fcw[l], s.dfch, a.ln2[l], p.fcw[l], g.fcb[l], BT, C, 4 * C,
+                            redux=redux)
         ops.layernorm_backward(s.dres, g.ln2w[l], g.ln2b[l], s.dln, a.res2[l], p.ln2w[l],
-                               a.ln2_mean[l], a.ln2_rstd[l], BT, C, 1, redux)
-        ops.matmul_backward(s.datty, g.attprojw[l], g.attprojb[l], s.dres, a.atty[l],
-                            p.attprojw[l], BT, C, C, redux)
+                               a.ln2_mean[l], a.ln2_rstd[l], BT, C, 1, redux=redux)
+        ops.matmul_backward(s.datty, g.attprojw[l], s.dres, a.atty[l], p.attprojw[l],
+                            g.attprojb[l], BT, C, C, redux=redux)
         ops.attention_backward(s.dqkv, s.att_scratch, s.datty, a.qkv[l], a.att[l], B, T, C, NH)
-        ops.matmul_backward(s.dln, g.qkvw[l], g.qkvb[l], s.dqkv, a.ln1[l], p.qkvw[l], BT, C, 3 * C, redux)
+        ops.matmul_backward(s.dln, g.qkvw[l], s.dqkv, a.ln1[l], p.qkvw[l], g.qkvb[l], BT, C, 3 * C,
+                            redux=redux)
         ops.layernorm_backward(s.dres, g.ln1w[l], g.ln1b[l], s.dln, x, p.ln1w[l],
-                               a.ln1_mean[l], a.ln1_rstd[l], BT, C, 1, redux)
-    ops.encoder_backward(g.wte, g.wpe, s.dres, a.inputs, B, T, C, redux)
+                               a.ln1_mean[l], a.ln1_rstd[l], BT, C, 1, redux=redux)
+    ops.encoder_backward(g.wte, g.wpe, s.dres, a.inputs, B, T, C, redux=redux)
 
 
 LAYERED = ("ln1w", "ln1b", "qkvw", "qkvb", "attprojw", "attprojb",
@@ -143,5 +147,5 @@ def update(ops, cfg: GPTConfig, p, g, m, v, lr: float, weight_decay: float, t: i
             ops.norm_sum(norm[out], [norm[k] for k in inputs])
         root = norm[-1]
     for pt, gt, mt, vt in order:
-        ops.adamw(pt, gt, mt, vt, lr, ADAM_BETA1, ADAM_BETA2, ADAM_EPS, weight_decay, t,
-                  root, grad_clip if root is not None else 0.0)
+        ops.adamw(pt, gt, mt, vt, root, lr, ADAM_BETA1, ADAM_BETA2, ADAM_EPS, weight_decay, t,
+                  grad_clip if root is not None else 0.0)

@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 from .._clib import ffi, lib
 from ..errors import StarpuLLMError, opt
+from .submit import StarPUOps
 
 
 # How a task gets k > 1 cores on a StarPU without parallel workers (see sl_api.h): "team" =
@@ -48,7 +49,7 @@ def effective_kcore(kcore: str, cores_per_worker: int, workers: int = 1,
     'forkjoin'. Parallel workers need a StarPU worker on each of the N x K cores, so not
     beyond STARPU_MAXCPUS, nor with more cores than the process has (a parallel worker whose
     StarPU workers share a core runs no task); SL_NO_PARALLEL_WORKERS turns them off.
-    sl_start (csrc/runtime.c) decides the same way."""
+    sl_start (csrc/starpu/runtime.c) decides the same way."""
     if cores_per_worker == 1:
         return "single"
     if (lib.sl_have_parallel_workers() and not oversubscribed
@@ -265,15 +266,14 @@ class Runtime:
     def probe(self, max_threads: int = 64):
         """Run one task and return (team size, [cpu mask of each team thread])."""
         out = ffi.new("uint64_t[]", 1 + max_threads)
-        if lib.sl_submit_probe(out, max_threads) != 0:
-            raise RuntimeError("probe task submission failed")
+        StarPUOps().probe(out, max_threads)
         self.wait()
         n = int(out[0])
         return n, [int(out[1 + t]) for t in range(min(n, max_threads))]
 
 
 class TraceEvent(NamedTuple):
-    """One task run, as the trace recorded it (csrc/codelets/trace.c)."""
+    """One task run, as the trace recorded it (csrc/starpu/trace.c)."""
     codelet: str
     worker: int
     cores: int

@@ -5,7 +5,7 @@ asks for it (Runtime(face="starpupy"), or STARPU_LLM_FACE=starpupy in the enviro
 
 - StarPU is started and stopped by starpupy (starpu.init() / starpu.shutdown()); the project's
   set-up after init (parallel workers, team groups, the codelets' cores) is then done by
-  sl_attach (csrc/runtime.c) on the StarPU starpupy started. starpu.init() takes no
+  sl_attach (csrc/starpu/runtime.c) on the StarPU starpupy started. starpu.init() takes no
   configuration: the partition's (CPU workers, scheduler, worker cores, combined-worker size)
   is handed to it through StarPU's environment variables, set for the call only.
 - Python-level tasks run in the same task graph as the C codelets: the checkpoint write
@@ -37,6 +37,7 @@ import numpy as np
 
 from .._clib import ffi, lib
 from ..errors import StarpuLLMError
+from .submit import StarPUOps
 
 FACES = ("cffi", "starpupy")
 ENV = "STARPU_LLM_FACE"
@@ -146,7 +147,7 @@ def start(ncpus: int, cores_per_worker: int, kcore_mode: str, kcore_value: int, 
                                                for w in range(workers))
     elif kcore_mode == "forkjoin":
         env["STARPU_MIN_WORKERSIZE"] = env["STARPU_MAX_WORKERSIZE"] = str(cores_per_worker)
-    lib.sl_reserve_interface_ids(16)    # starpupy's 3 interfaces (see csrc/runtime.c)
+    lib.sl_reserve_interface_ids(16)    # starpupy's 3 interfaces (see csrc/starpu/runtime.c)
     with _environment(env):
         starpu.init()
     ret = lib.sl_attach(ncpus, cores_per_worker, kcore_value, ffi.new("int[]", cores))
@@ -188,11 +189,8 @@ class CheckpointTask:
 
     def submit(self, path) -> None:
         path = os.fspath(path)
-        src = ffi.new("sl_handle[]", self.sources)
-        ret = lib.sl_submit_gather(handle_pointer(self.handle), ffi.from_buffer(self.snapshot),
-                                   self.snapshot.nbytes, src, len(self.sources))
-        if ret != 0:
-            raise StarpuLLMError(f"submitting the checkpoint snapshot failed ({ret})")
+        StarPUOps().gather(handle_pointer(self.handle), self.sources,
+                           ffi.cast("char *", ffi.from_buffer(self.snapshot)))
         # a starpu.Handle argument is read (STARPU_R) by default; the task gets its numpy array
         self._submit(self._write, path, self.handle)
 

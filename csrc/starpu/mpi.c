@@ -1,6 +1,6 @@
 /* StarPU-MPI glue: start on mpi4py's communicator, register handles with owner and tag, the
- * cross-process gradient reduction, and the one task insertion (on the placement's rank under
- * StarPU-MPI). Built without MPI, every MPI entry point says -ENOSYS. */
+ * cross-process gradient reduction. Tasks are inserted by submit.c. Built without MPI, every
+ * MPI entry point says -ENOSYS. */
 #include <errno.h>
 #include "internal.h"
 
@@ -8,9 +8,11 @@
 #include <starpu_mpi.h>
 
 static int sl_mpi_active;
-static MPI_Comm sl_mpi_comm;
+static MPI_Comm sl_mpi_comm_;
 
 int sl_mpi_available(void) { return 1; }
+
+const void *sl_mpi_comm(void) { return sl_mpi_active ? &sl_mpi_comm_ : NULL; }
 
 int sl_mpi_start(struct starpu_conf *conf, const void *comm)
 {
@@ -18,9 +20,9 @@ int sl_mpi_start(struct starpu_conf *conf, const void *comm)
 	MPI_Query_thread(&provided);
 	if (provided < MPI_THREAD_SERIALIZED)
 		return -EPROTO; /* StarPU-MPI's thread calls MPI beside the application */
-	sl_mpi_comm = *(const MPI_Comm *)comm;
+	sl_mpi_comm_ = *(const MPI_Comm *)comm;
 	/* 0: MPI is already initialised (by mpi4py); StarPU is started with our conf */
-	int ret = starpu_mpi_init_conf(NULL, NULL, 0, sl_mpi_comm, conf);
+	int ret = starpu_mpi_init_conf(NULL, NULL, 0, sl_mpi_comm_, conf);
 	if (ret == 0)
 		sl_mpi_active = 1;
 	return ret;
@@ -39,7 +41,7 @@ int sl_mpi_rank(void)
 {
 	int r = 0;
 	if (sl_mpi_active)
-		starpu_mpi_comm_rank(sl_mpi_comm, &r);
+		starpu_mpi_comm_rank(sl_mpi_comm_, &r);
 	return r;
 }
 
@@ -47,7 +49,7 @@ int sl_mpi_size(void)
 {
 	int n = 1;
 	if (sl_mpi_active)
-		starpu_mpi_comm_size(sl_mpi_comm, &n);
+		starpu_mpi_comm_size(sl_mpi_comm_, &n);
 	return n;
 }
 
@@ -55,7 +57,7 @@ int sl_mpi_register(sl_handle h, int64_t tag, int owner)
 {
 	if (!sl_mpi_active)
 		return -EINVAL;
-	starpu_mpi_data_register_comm(h, (starpu_mpi_tag_t)tag, owner, sl_mpi_comm);
+	starpu_mpi_data_register_comm(h, (starpu_mpi_tag_t)tag, owner, sl_mpi_comm_);
 	return 0;
 }
 
@@ -64,25 +66,26 @@ int sl_mpi_redux(sl_handle h)
 	if (!sl_mpi_active)
 		return -EINVAL;
 #ifdef SL_HAVE_MPI_REDUX_TREE
-	return starpu_mpi_redux_data_prio_tree(sl_mpi_comm, h, 0, 2);
+	return starpu_mpi_redux_data_prio_tree(sl_mpi_comm_, h, 0, 2);
 #else
-	starpu_mpi_redux_data(sl_mpi_comm, h);
+	starpu_mpi_redux_data(sl_mpi_comm_, h);
 	return 0;
 #endif
 }
 
-int sl_mpi_wait_all(void) { return starpu_mpi_wait_for_all(sl_mpi_comm); }
+int sl_mpi_wait_all(void) { return starpu_mpi_wait_for_all(sl_mpi_comm_); }
 
 int sl_mpi_tag_ub(void)
 {
 	int *ub = NULL, flag = 0;
-	MPI_Comm_get_attr(sl_mpi_comm, MPI_TAG_UB, &ub, &flag);
+	MPI_Comm_get_attr(sl_mpi_comm_, MPI_TAG_UB, &ub, &flag);
 	return flag && ub ? *ub : 32767; /* 32767: the least the MPI standard guarantees */
 }
 
 #else /* no MPI in this build */
 
 int sl_mpi_available(void) { return 0; }
+const void *sl_mpi_comm(void) { return NULL; }
 int sl_mpi_start(struct starpu_conf *conf, const void *comm)
 {
 	(void)conf;
@@ -108,24 +111,3 @@ int sl_mpi_wait_all(void) { return -ENOSYS; }
 int sl_mpi_tag_ub(void) { return 0; }
 
 #endif
-
-/* The one place a task is inserted (see internal.h). Each task carries its submission number
- * as its tag id (STARPU_TAG_ONLY: a label for the trace, no tag dependency). */
-int sl_insert_task(struct sl_placement where, struct starpu_codelet *cl,
-		   struct starpu_data_descr *buffers, int nbuffers, void *args, size_t args_size,
-		   double flops)
-{
-	static uint64_t submitted;
-	starpu_tag_t seq = (starpu_tag_t)__atomic_fetch_add(&submitted, 1, __ATOMIC_RELAXED);
-#ifdef SL_HAVE_MPI
-	if (sl_mpi_active)
-		return starpu_mpi_task_insert(
-			sl_mpi_comm, cl, STARPU_EXECUTE_ON_NODE, where.node,
-			STARPU_EXECUTE_ON_WORKER, where.worker, STARPU_DATA_MODE_ARRAY, buffers,
-			nbuffers, STARPU_CL_ARGS_NFREE, args, args_size, STARPU_FLOPS, flops,
-			STARPU_TAG_ONLY, seq, 0);
-#endif
-	return starpu_task_insert(cl, STARPU_EXECUTE_ON_WORKER, where.worker,
-				  STARPU_DATA_MODE_ARRAY, buffers, nbuffers, STARPU_CL_ARGS_NFREE,
-				  args, args_size, STARPU_FLOPS, flops, STARPU_TAG_ONLY, seq, 0);
-}

@@ -24,16 +24,16 @@ static int distinct_cores(const int *cores, int n)
 /* Starts StarPU (StarPU-MPI when comm is given) with ncpus cores for the partition
  * ncpus/k workers x k cores; cores lists them (NULL: 0..ncpus-1). See sl_api.h. attach: StarPU
  * was started by someone else (starpupy) on the same partition: only the set-up after init. */
-static int start(int ncpus, int cores_per_task, int kcore, const int *cores, const char *sched,
+static int start(int ncpus, int cores_per_worker, int kcore, const int *cores, const char *sched,
 		 const void *comm, int attach)
 {
 	if (initialized)
 		return -EALREADY;
 	if (attach && (comm || !starpu_is_initialized()))
 		return -EINVAL;
-	if (ncpus < 1 || cores_per_task < 1 || ncpus % cores_per_task)
+	if (ncpus < 1 || cores_per_worker < 1 || ncpus % cores_per_worker)
 		return -EINVAL;
-	int nworkers = ncpus / cores_per_task;
+	int nworkers = ncpus / cores_per_worker;
 	struct starpu_conf conf;
 	int ret = starpu_conf_init(&conf);
 	if (ret)
@@ -46,7 +46,7 @@ static int start(int ncpus, int cores_per_task, int kcore, const int *cores, con
 
 	/* How a task gets its k cores, decided before starpu_init. */
 	int use_parallel_workers = 0, use_team = 0;
-	if (cores_per_task > 1) {
+	if (cores_per_worker > 1) {
 #if SL_HAVE_PARALLEL_WORKERS
 		/* parallel workers (1.4) or clusters (1.3 built with them), made after init, when
 		 * they can run the partition: a StarPU worker on each core, each core its own. An
@@ -63,23 +63,22 @@ static int start(int ncpus, int cores_per_task, int kcore, const int *cores, con
 	} else if (use_team) {
 		/* One StarPU worker on the first core of each group; its tasks' OpenMP team takes
 		 * the group's other cores, which StarPU does not run workers on. */
-		if (cores_per_task > SL_MAX_GROUP || nworkers > STARPU_NMAXWORKERS)
+		if (cores_per_worker > SL_MAX_GROUP || nworkers > STARPU_NMAXWORKERS)
 			return -EINVAL;
 		conf.ncpus = nworkers;
 		conf.use_explicit_workers_bindid = 1;
 		for (int w = 0; w < nworkers; w++)
 			conf.workers_bindid[w] =
-				(unsigned)(cores ? cores[w * cores_per_task] : w * cores_per_task);
-	} else if (cores_per_task > 1 && !use_parallel_workers) {
+				(unsigned)(cores ? cores[w * cores_per_worker] : w * cores_per_worker);
+	} else if (cores_per_worker > 1 && !use_parallel_workers) {
 		/* Combined workers of exactly k cores running FORKJOIN tasks; starpu_init reads
 		 * these variables. */
 		char k[16];
-		snprintf(k, sizeof k, "%d", cores_per_task);
+		snprintf(k, sizeof k, "%d", cores_per_worker);
 		setenv("STARPU_MIN_WORKERSIZE", k, 1);
 		setenv("STARPU_MAX_WORKERSIZE", k, 1);
 	}
-	sl_codelets_set_cores(use_team || use_parallel_workers ? 1 : cores_per_task);
-	sl_set_exec_worker(-1);
+	sl_codelets_setup(use_team || use_parallel_workers ? 1 : cores_per_worker);
 
 	if (!attach) {
 		ret = comm ? sl_mpi_start(&conf, comm) : starpu_init(&conf);
@@ -99,19 +98,19 @@ static int start(int ncpus, int cores_per_task, int kcore, const int *cores, con
 	}
 #endif
 	if (use_team)
-		sl_codelets_set_team_groups(nworkers, cores_per_task, cores);
+		sl_codelets_set_team_groups(nworkers, cores_per_worker, cores);
 	return 0;
 }
 
-int sl_start(int ncpus, int cores_per_task, int kcore, const int *cores, const char *sched,
+int sl_start(int ncpus, int cores_per_worker, int kcore, const int *cores, const char *sched,
 	     const void *comm)
 {
-	return start(ncpus, cores_per_task, kcore, cores, sched, comm, 0);
+	return start(ncpus, cores_per_worker, kcore, cores, sched, comm, 0);
 }
 
-int sl_attach(int ncpus, int cores_per_task, int kcore, const int *cores)
+int sl_attach(int ncpus, int cores_per_worker, int kcore, const int *cores)
 {
-	return start(ncpus, cores_per_task, kcore, cores, NULL, NULL, 1);
+	return start(ncpus, cores_per_worker, kcore, cores, NULL, NULL, 1);
 }
 
 #if SL_HAVE_PARALLEL_WORKERS
@@ -235,68 +234,6 @@ void *sl_acquire(sl_handle h, int mode)
 }
 
 void sl_release(sl_handle h) { starpu_data_release(h); }
-
-/* The gather task: its n vector buffers, one after the other, into the memory given. */
-struct gather_args {
-	char *dst;
-	int n;
-};
-
-static void gather_cpu(void *buffers[], void *cl_arg)
-{
-	struct gather_args *a = cl_arg;
-	char *out = a->dst;
-	for (int i = 0; i < a->n; i++) {
-		size_t bytes = (size_t)STARPU_VECTOR_GET_NX(buffers[i]) *
-			       STARPU_VECTOR_GET_ELEMSIZE(buffers[i]);
-		memcpy(out, (const void *)STARPU_VECTOR_GET_PTR(buffers[i]), bytes);
-		out += bytes;
-	}
-}
-
-static struct starpu_codelet gather_cl = {
-	.cpu_funcs = { gather_cpu },
-	.nbuffers = STARPU_VARIABLE_NBUFFERS,
-	.name = "sl_gather",
-};
-
-int sl_submit_gather(sl_handle dst, void *dst_ptr, size_t dst_bytes, const sl_handle *src, int n)
-{
-	if (n < 1 || !dst || !dst_ptr)
-		return -EINVAL;
-	size_t total = 0;
-	for (int i = 0; i < n; i++)
-		total += (size_t)starpu_vector_get_nx(src[i]) * starpu_vector_get_elemsize(src[i]);
-	if (total != dst_bytes)
-		return -EINVAL;
-	struct starpu_data_descr *descr = malloc((size_t)(n + 1) * sizeof *descr);
-	struct gather_args *args = malloc(sizeof *args);
-	if (!descr || !args) {
-		free(descr);
-		free(args);
-		return -ENOMEM;
-	}
-	for (int i = 0; i < n; i++)
-		descr[i] = (struct starpu_data_descr){ .handle = src[i], .mode = STARPU_R };
-	descr[n] = (struct starpu_data_descr){ .handle = dst, .mode = STARPU_W };
-	*args = (struct gather_args){ .dst = dst_ptr, .n = n };
-	int ret = starpu_task_insert(&gather_cl, STARPU_DATA_MODE_ARRAY, descr, n + 1,
-				     STARPU_CL_ARGS, args, sizeof *args, 0);
-	free(descr);
-	if (ret)
-		free(args);
-	return ret;
-}
-
-/* ---- where tasks run ---- */
-
-static struct sl_placement placement = { .node = 0, .worker = -1 };
-
-void sl_set_exec_worker(int worker) { placement.worker = worker < 0 ? -1 : worker; }
-
-void sl_mpi_set_exec_node(int rank) { placement.node = rank; }
-
-struct sl_placement sl_task_placement(void) { return placement; }
 
 /* StarPU 1.4.12 keeps the operations of the data interfaces registered at run time (starpupy
  * registers 3 at each starpu.init()) in a table indexed by id - STARPU_MAX_INTERFACE_ID that

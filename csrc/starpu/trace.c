@@ -2,8 +2,7 @@
  * times and the handles and access modes StarPU gave the task. */
 #include <string.h>
 #include <time.h>
-#include "codelet.h"
-#include "../internal.h"
+#include "internal.h"
 
 static struct sl_trace_event *trace_buf;
 static int dry_run;
@@ -44,7 +43,6 @@ size_t sl_trace_count(void)
 
 const struct sl_trace_event *sl_trace_events(void) { return trace_buf; }
 
-/* Opens the record of a task of `codelet` running on ncores; returns its slot (-1: none). */
 long sl_trace_begin(int codelet, int ncores)
 {
 	if (!trace_buf)
@@ -60,7 +58,8 @@ long sl_trace_begin(int codelet, int ncores)
 	return (long)slot;
 }
 
-int32_t sl_access_bits(enum starpu_data_access_mode m)
+/* A StarPU access mode as SL_ACCESS_* bits. */
+static int32_t access_bits(enum starpu_data_access_mode m)
 {
 	if (m & STARPU_REDUX)
 		return SL_ACCESS_REDUX;
@@ -81,10 +80,10 @@ static void trace_buffers(struct sl_trace_event *e)
 	int n = STARPU_TASK_GET_NBUFFERS(task);
 	e->nbuffers = n;
 	e->flops = task->flops;
-	e->job = task->tag_id; /* sl_insert_task's submission number */
+	e->job = task->tag_id; /* sl_submit's submission number */
 	for (int i = 0; i < n && i < SL_TRACE_MAXBUF; i++) {
 		e->handles[i] = STARPU_TASK_GET_HANDLE(task, i);
-		e->modes[i] = sl_access_bits(STARPU_TASK_GET_MODE(task, i));
+		e->modes[i] = access_bits(STARPU_TASK_GET_MODE(task, i));
 	}
 }
 

@@ -3,8 +3,7 @@
  * combined worker, a team worker's group, a parallel worker). */
 #define _GNU_SOURCE
 #include <omp.h>
-#include "codelet.h"
-#include "../internal.h"
+#include "internal.h"
 
 /* Binds thread t (t > 0) of the calling thread's k-thread libgomp pool to core cpus[t]. */
 static void bind_pool(const int *cpus, int k)
@@ -51,13 +50,14 @@ void sl_codelets_set_team_from_runtime(int on) { team_from_runtime = on; }
 
 /* ---- team mode: a worker owns a group of k cores ---- */
 
-static int team_k;
+static int team_cores;
 static int team_groups[STARPU_NMAXWORKERS][SL_MAX_GROUP];
 static __thread int team_bound; /* this worker's team threads are bound (once) */
 
-void sl_codelets_set_team_groups(int nworkers, int k, const int *cores)
+void sl_codelets_set_team_groups(int nworkers, int cores_per_worker, const int *cores)
 {
-	team_k = nworkers > 0 ? k : 0;
+	int k = cores_per_worker;
+	team_cores = nworkers > 0 ? k : 0;
 	for (int w = 0; w < nworkers && w < STARPU_NMAXWORKERS; w++)
 		for (int t = 0; t < k && t < SL_MAX_GROUP; t++)
 			team_groups[w][t] = cores ? cores[w * k + t] : w * k + t;
@@ -84,8 +84,8 @@ int sl_task_threads(void)
 	if (team_from_runtime) {
 		k = omp_get_max_threads(); /* the parallel worker's team, bound by StarPU */
 		blas_set_threads(k);
-	} else if (team_k > 1) {
-		k = team_k;
+	} else if (team_cores > 1) {
+		k = team_cores;
 		kernels_set_threads(k);
 		bind_team_group(k);
 	} else {

@@ -1,0 +1,96 @@
+/* The codelet table, seen by Python (the cffi modules are generated from this file): each
+ * codelet is declared once, in csrc/codelets/<layer>.c (SL_CODELET in codelet.h), with its
+ * buffers and their access modes, its scalar arguments (one struct below), its flop count and
+ * its body. Both engines are derived from that one declaration:
+ *   - the StarPU engine submits a task of it (csrc/starpu/codelets.c builds the StarPU codelet,
+ *     sl_submit in sl_api.h inserts the task);
+ *   - the reference engine calls its body at once (sl_codelet_run), with no StarPU loaded.
+ * Python reads the table (names, modes, argument struct) and builds one method per codelet
+ * (starpu_llm/flow/ops.py). No StarPU type appears here. */
+#ifndef SL_CODELETS_H
+#define SL_CODELETS_H
+#include <stddef.h>
+#include <stdint.h>
+
+/* ---- the scalar arguments of each codelet (field order = Python's argument order) ---- */
+struct sl_no_args {
+	int unused;
+};
+struct sl_encoder_args {
+	int B, T, C;
+	int pos; /* position of the first token (generation; 0 in training) */
+};
+struct sl_encoder_backward_args {
+	int B, T, C;
+};
+struct sl_layernorm_args {
+	int N, C;
+};
+struct sl_layernorm_backward_args {
+	int N, C;
+	int accumulate; /* dinp += instead of = (its buffer is then RW, not W) */
+};
+struct sl_matmul_args {
+	int N, C, OC;
+};
+struct sl_attention_args {
+	int B, T, C, NH;
+};
+struct sl_kvcache_args {
+	int B, Tn, C, NH, maxT, pos;
+};
+struct sl_elementwise_args {
+	size_t N;
+};
+struct sl_xent_args {
+	int N, V, Vp;
+};
+struct sl_xent_backward_args {
+	int N, V, Vp;
+	float dloss;
+};
+struct sl_adamw_args {
+	float lr, beta1, beta2, eps, weight_decay;
+	int t;
+	float max_norm; /* > 0: clip to it, by the norm in the optional sumsq buffer */
+};
+struct sl_load_args {
+	const uint16_t *tokens; /* the caller keeps the shard alive until the task ran */
+	size_t pos, n;
+};
+struct sl_gather_args {
+	char *dst; /* the memory of the first buffer (any data interface), its sources' total */
+};
+struct sl_probe_args {
+	uint64_t *out;
+	int max_threads;
+};
+
+/* ---- the table ---- */
+/* Access modes as bits, for the table, the task trace and Python. */
+#define SL_ACCESS_R	   1  /* reads */
+#define SL_ACCESS_W	   2  /* writes (W, RW, SCRATCH) */
+#define SL_ACCESS_REDUX	   4  /* contributes to a reduction (STARPU_REDUX) */
+#define SL_ACCESS_OPTIONAL 8  /* a trailing buffer a task may leave out (matmul's bias) */
+#define SL_ACCESS_REPEAT   16 /* the last buffer: any number of them (norm_sum's inputs) */
+#define SL_ACCESS_ANY	   32 /* any data interface: the body gets no pointer (gather's target) */
+#define SL_MAX_BUFFERS	   8  /* declared buffers of a codelet (STARPU_NMAXBUFS of Debian's 1.3) */
+
+int sl_codelet_count(void);
+const char *sl_codelet_name(int codelet);      /* "?" for no such codelet */
+const char *sl_codelet_args_type(int codelet); /* e.g. "struct sl_matmul_args" */
+int sl_codelet_sequential(int codelet);	       /* 1: always on one core; -1: no such codelet */
+/* modes[i] (i < max): the SL_ACCESS_* bits of buffer i of a task of codelet submitted with this
+ * redux (gradients: STARPU_REDUX instead of RW) and accumulate (W becomes RW), plus
+ * OPTIONAL / REPEAT / ANY as declared; returns the declared buffer count (-EINVAL: no such
+ * codelet). */
+int sl_codelet_modes(int codelet, int redux, int accumulate, int32_t *modes, int max);
+/* The flop count of a task of codelet on n buffers of count[i] elements (0: left out). */
+double sl_codelet_flops(int codelet, const size_t *count, int n, const void *args);
+/* Runs the body of codelet at once in this thread (the reference engine): n buffers at ptr[i]
+ * of count[i] elements of elemsize[i] bytes (ptr NULL: an optional buffer left out); args the
+ * codelet's argument struct. Returns 0, or -EINVAL for no such codelet / a wrong buffer count. */
+int sl_codelet_run(int codelet, void *const *ptr, const size_t *count, const size_t *elemsize,
+		   int n, const void *args);
+
+#endif

@@ -1,0 +1,104 @@
+/* The codelet table: every codelet declared with SL_CODELET registers itself here at library
+ * load. StarPU-free: the reference engine reads and runs the same table. */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include "codelet.h"
+
+static struct sl_codelet *table[SL_MAX_CODELETS];
+static int count;
+
+void (*sl_codelet_cpu)(const struct sl_codelet *c, void *buffers[], void *cl_arg);
+
+void sl_codelet_register(struct sl_codelet *c)
+{
+	if (count == SL_MAX_CODELETS || c->nbuffers > SL_MAX_BUFFERS) {
+		fprintf(stderr, "starpu_llm: cannot register codelet %s\n", c->name);
+		abort();
+	}
+	c->id = count;
+	table[count++] = c;
+}
+
+const struct sl_codelet *sl_codelet_get(int codelet)
+{
+	return codelet >= 0 && codelet < count ? table[codelet] : NULL;
+}
+
+int sl_codelet_count(void) { return count; }
+
+const char *sl_codelet_name(int codelet)
+{
+	const struct sl_codelet *c = sl_codelet_get(codelet);
+	return c ? c->name : "?";
+}
+
+const char *sl_codelet_args_type(int codelet)
+{
+	const struct sl_codelet *c = sl_codelet_get(codelet);
+	return c ? c->args_type : "?";
+}
+
+int sl_codelet_sequential(int codelet)
+{
+	const struct sl_codelet *c = sl_codelet_get(codelet);
+	return c ? (c->flags & SL_SEQUENTIAL) != 0 : -1;
+}
+
+int32_t sl_mode_access(int mode, int redux, int accumulate)
+{
+	switch (SL_MODE_KIND(mode)) {
+	case SL_R:
+		return SL_ACCESS_R;
+	case SL_W:
+		return SL_ACCESS_W;
+	case SL_GRAD:
+		return redux ? SL_ACCESS_REDUX : SL_ACCESS_R | SL_ACCESS_W;
+	case SL_ACC:
+		return accumulate ? SL_ACCESS_R | SL_ACCESS_W : SL_ACCESS_W;
+	default:
+		return SL_ACCESS_R | SL_ACCESS_W;
+	}
+}
+
+int sl_codelet_modes(int codelet, int redux, int accumulate, int32_t *modes, int max)
+{
+	const struct sl_codelet *c = sl_codelet_get(codelet);
+	if (!c)
+		return -EINVAL;
+	for (int i = 0; i < c->nbuffers && i < max; i++) {
+		int m = c->modes[i];
+		modes[i] = sl_mode_access(m, redux, accumulate) |
+			   ((m & SL_OPT) ? SL_ACCESS_OPTIONAL : 0) |
+			   ((m & SL_REPEAT) ? SL_ACCESS_REPEAT : 0) | ((m & SL_ANY) ? SL_ACCESS_ANY : 0);
+	}
+	return c->nbuffers;
+}
+
+/* the flop expressions read the buffer count and sizes, never the memory */
+double sl_codelet_flops(int codelet, const size_t *count_, int n, const void *args)
+{
+	const struct sl_codelet *c = sl_codelet_get(codelet);
+	if (!c || n < 0 || n > SL_MAX_BUFFERS)
+		return 0.0;
+	struct sl_buf b[SL_MAX_BUFFERS] = { { 0 } };
+	for (int i = 0; i < n; i++)
+		b[i] = (struct sl_buf){ .ptr = NULL, .n = count_[i] };
+	return c->flops(b, n, args);
+}
+
+int sl_codelet_run(int codelet, void *const *ptr, const size_t *count_, const size_t *elemsize,
+		   int n, const void *args)
+{
+	const struct sl_codelet *c = sl_codelet_get(codelet);
+	if (!c || n < 0)
+		return -EINVAL;
+	struct sl_buf *b = calloc((size_t)(n ? n : 1), sizeof *b);
+	if (!b)
+		return -ENOMEM;
+	for (int i = 0; i < n; i++)
+		b[i] = (struct sl_buf){ ptr[i], count_[i], elemsize[i] };
+	c->run(b, n, args);
+	free(b);
+	return 0;
+}

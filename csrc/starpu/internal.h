@@ -1,0 +1,50 @@
+/* What the files of the StarPU layer share, and Python must not see (the cffi module is
+ * generated from sl_api.h, sl_codelets.h and kernels.h only). The calls go one way:
+ *   runtime.c -> submit.c -> codelets.c -> threads.c, trace.c -> the codelet table
+ *   runtime.c, submit.c -> mpi.c
+ * (a file calls only files to its right or below; none calls back up). */
+#ifndef SL_INTERNAL_H
+#define SL_INTERNAL_H
+#include <starpu.h>
+#include <stdint.h>
+#include "compat.h"
+#include "sl_api.h"
+#include "../codelets/codelet.h"
+
+/* ---- mpi.c ---- */
+int sl_mpi_start(struct starpu_conf *conf, const void *comm);
+/* Returns 0 when it shut StarPU down (starpu_mpi_shutdown does), 1 when MPI was not used. */
+int sl_mpi_stop(void);
+/* The communicator StarPU-MPI runs on, or NULL when it does not run. */
+const void *sl_mpi_comm(void);
+
+/* ---- submit.c ---- */
+/* Frees the task arguments; call once every submitted task has completed. */
+void sl_args_free_completed(void);
+
+/* ---- codelets.c: a StarPU codelet for every codelet of the table ---- */
+/* Builds them (once) and sets every one but the sequential ones to run on cores_per_worker
+ * cores (FORKJOIN for more than one, else SEQ). */
+void sl_codelets_setup(int cores_per_worker);
+struct starpu_codelet *sl_starpu_codelet(int codelet);
+/* The StarPU access mode of SL_ACCESS_* bits. */
+enum starpu_data_access_mode sl_starpu_mode(int32_t access);
+
+/* ---- threads.c ---- */
+/* The cores of the worker running the task: sizes this thread's OpenMP team and BLAS, binds
+ * the team; returns the team size. */
+int sl_task_threads(void);
+/* With parallel workers the task's team size is set by StarPU's OpenMP prologue (the
+ * parallel worker's cores): tasks then take it from omp_get_max_threads(). */
+void sl_codelets_set_team_from_runtime(int on);
+/* Team mode: worker w's tasks run a cores_per_worker-thread team bound to
+ * cores[w * cores_per_worker + t] (cores NULL: core w * cores_per_worker + t); nworkers 0
+ * turns team mode off. */
+void sl_codelets_set_team_groups(int nworkers, int cores_per_worker, const int *cores);
+
+/* ---- trace.c ---- */
+/* Opens the record of a task of codelet running on ncores; returns its slot (-1: none). */
+long sl_trace_begin(int codelet, int ncores);
+void sl_trace_end(long slot);
+
+#endif

@@ -1,0 +1,111 @@
+/* The C API of starpu_llm's StarPU layer seen by Python (the _clib cffi module is generated from
+ * this file, csrc/codelets/sl_codelets.h and csrc/kernels/kernels.h). Non-variadic on purpose.
+ * Every int-returning function returns 0 on success and a negative errno-style code on
+ * failure (the Python side turns it into an exception naming the call). */
+#ifndef SL_API_H
+#define SL_API_H
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct _starpu_data_state *sl_handle; /* == starpu_data_handle_t */
+
+/* ---- runtime (runtime.c) ---- */
+/* Starts StarPU (StarPU-MPI when comm is not NULL: the address of an MPI_Comm, e.g.
+ * mpi4py's MPI._addressof(comm); MPI must already run with at least MPI_THREAD_SERIALIZED)
+ * on ncpus cores, the partition ncpus/cores_per_worker workers x cores_per_worker cores.
+ * cores lists the ncpus logical core ids, group by group (NULL: 0..ncpus-1). sched NULL or ""
+ * keeps StarPU's choice. How a task gets cores_per_worker > 1 cores (the kcore mechanism):
+ *   - parallel workers / clusters, where the StarPU build has them;
+ *   - else SL_KCORE_TEAM: one StarPU worker per group of cores, running sequential tasks with
+ *     an OpenMP team bound to its group (what StarPU 1.4's parallel workers do);
+ *   - else (SL_KCORE_FORKJOIN) FORKJOIN parallel tasks on combined workers of that size. */
+#define SL_KCORE_FORKJOIN 0
+#define SL_KCORE_TEAM	  1
+#define SL_MAX_GROUP	  64 /* most cores of one team worker */
+int sl_start(int ncpus, int cores_per_worker, int kcore, const int *cores, const char *sched,
+	     const void *comm);
+/* The same set-up after init as sl_start, on a StarPU that another starter (starpupy's
+ * starpu.init(), starpu_llm/runtime/starpupy_face.py) has already initialised with the partition's
+ * configuration; sl_shutdown then leaves starpu_shutdown to that starter. No StarPU-MPI. */
+int sl_attach(int ncpus, int cores_per_worker, int kcore, const int *cores);
+/* Before starpu.init(): room in StarPU's table of data interfaces for the next n interface
+ * ids (works around a StarPU 1.4.12 overflow from the 7th starpupy init in a process). */
+void sl_reserve_interface_ids(int n);
+int sl_shutdown(void);
+int sl_wait_all(void);
+void sl_pause(void);
+void sl_resume(void);
+int sl_worker_count(void);
+int sl_max_cpus(void);		    /* STARPU_MAXCPUS of the StarPU build */
+int sl_have_parallel_workers(void); /* 1.4 parallel workers / 1.3 clusters compiled in */
+void sl_starpu_version(int *major, int *minor, int *release);
+
+/* ---- StarPU-MPI (mpi.c; stubs returning -ENOSYS when built without MPI) ---- */
+int sl_mpi_available(void);
+int sl_mpi_rank(void);
+int sl_mpi_size(void);
+/* Every process registers every handle with the same dense tag and the owning rank. */
+int sl_mpi_register(sl_handle h, int64_t tag, int owner);
+/* Sum the STARPU_REDUX contributions of all ranks into the owner's copy (a binary tree where
+ * StarPU has one, 1.4; flat to the owner on 1.3). */
+int sl_mpi_redux(sl_handle h);
+int sl_mpi_wait_all(void);
+int sl_mpi_tag_ub(void);
+
+/* ---- data (runtime.c) ---- */
+/* A vector of n elements of elemsize bytes on memory at ptr (ptr NULL lets StarPU allocate
+ * it lazily; not used with FORKJOIN tasks: StarPU 1.3.10's peager crashes on such buffers). */
+sl_handle sl_register_vector(void *ptr, size_t n, size_t elemsize);
+/* Split a vector into nparts equal blocks (StarPU data partitioning); children out. */
+int sl_partition(sl_handle h, int nparts, sl_handle *children);
+int sl_unpartition(sl_handle h);
+void sl_unregister(sl_handle h);
+/* Make gradient handle h accept STARPU_REDUX contributions (zero init, add reduction). */
+int sl_set_grad_reduction(sl_handle h);
+/* Acquire for reading (mode 1) or read-write (3); returns the local pointer or NULL. */
+void *sl_acquire(sl_handle h, int mode);
+void sl_release(sl_handle h);
+
+/* ---- task submission (submit.c): the one insert path of every task ----
+ * A task of codelet (an index of the codelet table, sl_codelets.h) on the n handles given in
+ * declared order (a shorter list leaves out trailing optional buffers; a repeated last buffer
+ * comes any number of times), with the modes its declaration gives for this redux (parameter
+ * gradients as STARPU_REDUX contributions) and accumulate, a copy of args (args_size bytes,
+ * the codelet's argument struct) and its flop count from the declaration. Where it runs is
+ * the caller's decision, given with every task (starpu_llm/flow/placement.py decides):
+ *   node:   the StarPU-MPI rank that runs it, or SL_NODE_OWNER: the owner of the data it
+ *           writes (StarPU-MPI's rule); ignored by plain StarPU;
+ *   worker: the StarPU worker that runs it, or SL_ANY_WORKER: where the scheduler puts it. */
+#define SL_NODE_OWNER -1
+#define SL_ANY_WORKER -1
+int sl_submit(int codelet, const sl_handle *handles, int n, int redux, int accumulate,
+	      const void *args, size_t args_size, int node, int worker);
+
+/* ---- task trace (trace.c) ----
+ * When enabled, each task records its codelet, worker and start/end time (CLOCK_MONOTONIC ns,
+ * the clock of Python's time.monotonic_ns()), and the data handles and access modes StarPU
+ * gave it (read back from the running task, not from our own tables). A reduction method
+ * StarPU runs inline inside another task records nbuffers = -1. Modes: SL_ACCESS_* bits. */
+#define SL_TRACE_MAXBUF 8 /* buffers recorded per task (STARPU_NMAXBUFS of Debian's 1.3) */
+struct sl_trace_event {
+	int32_t codelet;  /* index into the codelet table */
+	int32_t worker;	  /* StarPU worker id of the task's master thread */
+	int32_t ncores;	  /* cores of the (combined) worker */
+	int32_t nbuffers; /* buffers of the task (only the first SL_TRACE_MAXBUF kept) */
+	int64_t start_ns;
+	int64_t end_ns;
+	int32_t modes[SL_TRACE_MAXBUF]; /* SL_ACCESS_* bits */
+	sl_handle handles[SL_TRACE_MAXBUF];
+	double flops;	/* the flop count the task was submitted with */
+	uint64_t job;	/* the task's submission number (sl_submit) */
+};
+int sl_trace_enable(size_t capacity); /* capacity 0 disables and frees */
+/* Dry run (on = 1): every task still runs through StarPU, with its dependencies, placement and
+ * trace, but its body is skipped; the task graph of a step is then recorded in a fraction of
+ * its run time (starpu_llm/perf/graph.py). The data are left as they were. */
+void sl_set_dry_run(int on);
+int sl_dry_run(void);
+size_t sl_trace_count(void); /* events recorded (capped at capacity) */
+const struct sl_trace_event *sl_trace_events(void);
+
+#endif

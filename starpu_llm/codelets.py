@@ -1,0 +1,114 @@
+"""The codelet table, read from C, and the two executors of the task flow derived from it.
+
+Each codelet is declared once, in C (csrc/codelets/<layer>.c): its buffers and their access
+modes, its argument struct (csrc/codelets/sl_codelets.h), its flop count and its body. Python
+reads that table and gives each executor one method per codelet, called as
+
+    ops.matmul_forward(out, inp, weight, bias, N, C, OC)
+
+the buffers in declared order (None for an optional buffer left out, a list for a repeated
+last one), then the fields of the codelet's argument struct in order (or by name), and
+`redux=1` where parameter gradients take StarPU reduction contributions. A field named
+`accumulate` also selects the mode of an SL_ACC buffer (W, or RW when adding).
+
+  - DirectOps (here) runs the codelet's body at once in the calling thread (the reference
+    engine; only the _kernels binding is loaded, no StarPU);
+  - runtime.submit.StarPUOps submits one StarPU task per call (lib.sl_submit, never running Python
+    inside a task), at the `Where` it was made for: the placement passes it with every task.
+
+flow/taskflow.py is written against these methods only, so both engines run exactly the same
+sequence of layers.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from ._kernels import ffi, lib
+
+
+class SubmitError(RuntimeError):
+    pass
+
+
+class Codelet(NamedTuple):
+    """One declaration of the codelet table."""
+    id: int
+    name: str
+    args_type: str          # "struct sl_..._args"
+    fields: tuple           # the argument struct's field names, in order
+    nbuffers: int           # declared buffers (the last one repeated when `repeat`)
+    repeat: bool
+
+
+def read_table(ffi_, lib_) -> dict:
+    """{name: Codelet} of a binding module's codelet table."""
+    out = {}
+    for i in range(lib_.sl_codelet_count()):
+        name = ffi_.string(lib_.sl_codelet_name(i)).decode()
+        args_type = ffi_.string(lib_.sl_codelet_args_type(i)).decode()
+        fields = () if args_type == "struct sl_no_args" else tuple(
+            f for f, _ in ffi_.typeof(args_type).fields)
+        modes = ffi_.new("int32_t[]", lib_.SL_MAX_BUFFERS)
+        n = lib_.sl_codelet_modes(i, 0, 0, modes, lib_.SL_MAX_BUFFERS)
+        out[name] = Codelet(i, name, args_type, fields, n,
+                            bool(n and modes[n - 1] & lib_.SL_ACCESS_REPEAT))
+    return out
+
+
+def split_call(cd: Codelet, args: tuple, kwargs: dict):
+    """(buffers, scalars) of a call: the buffers in declared order without trailing Nones,
+    a repeated last buffer's list flattened; the struct's fields by position, then by name."""
+    nb = cd.nbuffers
+    buffers = list(args[:nb])
+    if cd.repeat and len(buffers) == nb:
+        buffers = buffers[:-1] + list(buffers[-1])
+    while buffers and buffers[-1] is None:
+        buffers.pop()
+    scalars = dict(zip(cd.fields, args[nb:]))
+    extra = set(kwargs) - set(cd.fields)
+    if extra or len(args) - nb > len(cd.fields):
+        raise TypeError(f"{cd.name}: unexpected arguments {sorted(extra) or args[nb:]}")
+    scalars.update(kwargs)
+    missing = [f for f in cd.fields if f not in scalars]
+    if missing:
+        raise TypeError(f"{cd.name}: missing arguments {missing}")
+    return buffers, scalars
+
+
+def add_methods(cls, table: dict, call):
+    """Gives cls one method per codelet of table, each `call(self, codelet, args, kwargs)`."""
+    def method(cd):
+        def run(self, *args, **kwargs):
+            return call(self, cd, args, kwargs)
+        run.__name__ = run.__qualname__ = cd.name
+        run.__doc__ = f"The {cd.name} codelet ({cd.args_type}: {', '.join(cd.fields)})."
+        return run
+    for name, cd in table.items():
+        setattr(cls, name, method(cd))
+    return cls
+
+
+TABLE = read_table(ffi, lib)
+
+
+def _run(self, cd: Codelet, args, kwargs):
+    kwargs.pop("redux", None)             # sub-batches add their gradients in order here
+    buffers, scalars = split_call(cd, args, kwargs)
+    n = len(buffers)
+    ptrs = ffi.new("void *[]", [ffi.cast("void *", t.ptr) for t in buffers] or 1)
+    counts = ffi.new("size_t[]", [t.size for t in buffers] or 1)
+    sizes = ffi.new("size_t[]", [t.dtype.itemsize for t in buffers] or 1)
+    a = ffi.new(cd.args_type + " *", scalars) if cd.fields else ffi.NULL
+    if lib.sl_codelet_run(cd.id, ptrs, counts, sizes, n, a) != 0:
+        raise SubmitError(f"running {cd.name} failed")
+
+
+class DirectOps:
+    """Runs each codelet's body at once, in order, in this thread (OpenMP inside each kernel);
+    the same methods as StarPUOps."""
+
+    def at(self, where) -> "DirectOps":
+        return self
+
+
+add_methods(DirectOps, TABLE, _run)
