@@ -3,8 +3,41 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 import numpy as np
+
+
+class ParamSpec(NamedTuple):
+    """One of GPT-2's parameter tensors: the one declaration the layout (ParamLayout), the named
+    groups (flow/tensors.ParameterTensors), the update order (flow/taskflow.update_order) and
+    the initialisation (state.random_init) are derived from."""
+    name: str
+    shape: Callable      # GPTConfig -> the shape (one layer's, for a block's tensor)
+    part: str            # "embedding", "block" (one per layer, stacked over L) or "head"
+    init: str            # "normal" N(0, 0.02), "residual" N(0, 0.02/sqrt(2L)), "ones", "zeros"
+
+
+# GPT-2's parameters in llm.c's checkpoint order.
+PARAMETERS = (
+    ParamSpec("wte", lambda c: (c.Vp, c.C), "embedding", "normal"),   # rows >= V stay 0
+    ParamSpec("wpe", lambda c: (c.maxT, c.C), "embedding", "normal"),
+    ParamSpec("ln1w", lambda c: (c.C,), "block", "ones"),
+    ParamSpec("ln1b", lambda c: (c.C,), "block", "zeros"),
+    ParamSpec("qkvw", lambda c: (3 * c.C, c.C), "block", "normal"),
+    ParamSpec("qkvb", lambda c: (3 * c.C,), "block", "zeros"),
+    ParamSpec("attprojw", lambda c: (c.C, c.C), "block", "residual"),
+    ParamSpec("attprojb", lambda c: (c.C,), "block", "zeros"),
+    ParamSpec("ln2w", lambda c: (c.C,), "block", "ones"),
+    ParamSpec("ln2b", lambda c: (c.C,), "block", "zeros"),
+    ParamSpec("fcw", lambda c: (4 * c.C, c.C), "block", "normal"),
+    ParamSpec("fcb", lambda c: (4 * c.C,), "block", "zeros"),
+    ParamSpec("fcprojw", lambda c: (c.C, 4 * c.C), "block", "residual"),
+    ParamSpec("fcprojb", lambda c: (c.C,), "block", "zeros"),
+    ParamSpec("lnfw", lambda c: (c.C,), "head", "ones"),
+    ParamSpec("lnfb", lambda c: (c.C,), "head", "zeros"),
+)
+PARAMETER_SPECS = {p.name: p for p in PARAMETERS}
 
 
 @dataclass(frozen=True)
@@ -43,18 +76,10 @@ class GPTConfig:
         return sum(math.prod(s) for _, s in self.param_shapes())
 
     def param_shapes(self):
-        """The 16 parameter tensors in llm.c's checkpoint order, with their shapes."""
-        L, C, Vp, maxT = self.L, self.C, self.Vp, self.maxT
-        return [
-            ("wte", (Vp, C)), ("wpe", (maxT, C)),
-            ("ln1w", (L, C)), ("ln1b", (L, C)),
-            ("qkvw", (L, 3 * C, C)), ("qkvb", (L, 3 * C)),
-            ("attprojw", (L, C, C)), ("attprojb", (L, C)),
-            ("ln2w", (L, C)), ("ln2b", (L, C)),
-            ("fcw", (L, 4 * C, C)), ("fcb", (L, 4 * C)),
-            ("fcprojw", (L, C, 4 * C)), ("fcprojb", (L, C)),
-            ("lnfw", (C,)), ("lnfb", (C,)),
-        ]
+        """The 16 parameter tensors in llm.c's checkpoint order, with their shapes (a block's
+        tensors stacked over the L layers)."""
+        return [(p.name, ((self.L,) if p.part == "block" else ()) + p.shape(self))
+                for p in PARAMETERS]
 
 
 def check_batch_shape(config: GPTConfig, B: int, T: int) -> None:
@@ -102,4 +127,4 @@ class ParamLayout:
                 for n, s in self.shapes.items()}
 
     def is_layered(self, name: str) -> bool:
-        return name not in ("wte", "wpe", "lnfw", "lnfb")
+        return PARAMETER_SPECS[name].part == "block"

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .config import GPTConfig, ParamLayout
+from .config import PARAMETERS, GPTConfig, ParamLayout
 
 
 @dataclass
@@ -33,12 +33,12 @@ def random_init(config: GPTConfig, seed: int = 1337) -> np.ndarray:
     flat = np.zeros(layout.total, np.float32)
     views = layout.views(flat)
     rng = np.random.default_rng(seed)
-    std = 0.02
-    for name in ("wte", "wpe", "qkvw", "attprojw", "fcw", "fcprojw"):
-        s = std / np.sqrt(2 * config.L) if name in ("attprojw", "fcprojw") else std
-        a = views[name]
-        a[...] = rng.standard_normal(a.shape, dtype=np.float32) * np.float32(s)
+    std = {"normal": 0.02, "residual": 0.02 / np.sqrt(2 * config.L)}
+    for p in PARAMETERS:          # the random ones drawn in llm.c's order
+        a = views[p.name]
+        if p.init in std:
+            a[...] = rng.standard_normal(a.shape, dtype=np.float32) * np.float32(std[p.init])
+        elif p.init == "ones":
+            a[...] = 1.0
     views["wte"][config.V:] = 0.0
-    for name in ("ln1w", "ln2w", "lnfw"):
-        views[name][...] = 1.0
     return flat

@@ -18,7 +18,7 @@ tensors.py: p, g, m, v ParameterTensors, a ActivationTensors, s BackwardScratch.
 """
 from __future__ import annotations
 
-from ..config import GPTConfig
+from ..config import PARAMETERS, GPTConfig
 
 ADAM_BETA1, ADAM_BETA2, ADAM_EPS = 0.9, 0.999, 1e-8
 
@@ -88,16 +88,14 @@ def backward(ops, cfg: GPTConfig, p, g, a, s, B: int, T: int, dloss: float, redu
     ops.encoder_backward(g.wte, g.wpe, s.dres, a.inputs, B, T, C, redux=redux)
 
 
-LAYERED = ("ln1w", "ln1b", "qkvw", "qkvb", "attprojw", "attprojb",
-           "ln2w", "ln2b", "fcw", "fcb", "fcprojw", "fcprojb")
-
-
 def update_order(cfg: GPTConfig):
-    """(tensor name, layer or None) in the order their gradients become final in backward."""
-    order = [("lnfw", None), ("lnfb", None)]
-    for l in reversed(range(cfg.L)):
-        order += [(name, l) for name in reversed(LAYERED)]
-    return order + [("wpe", None), ("wte", None)]
+    """(tensor name, layer or None) in the order their gradients become final in backward:
+    config.PARAMETERS backwards (head, blocks from the last layer to the first, embedding)."""
+    def part(name):
+        return [p.name for p in reversed(PARAMETERS) if p.part == name]
+    return ([(name, None) for name in part("head")]
+            + [(name, l) for l in reversed(range(cfg.L)) for name in part("block")]
+            + [(name, None) for name in part("embedding")])
 
 
 NORM_FANIN = 7   # inputs of one norm_sum task: a task has at most 8 buffers (Debian's StarPU 1.3)

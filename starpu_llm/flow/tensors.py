@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .._kernels import ffi
-from ..config import GPTConfig, ParamLayout
+from ..config import PARAMETERS, GPTConfig, ParamLayout
 
 
 class Tensor:
@@ -50,26 +50,8 @@ class TensorGroup:
             yield from (t if isinstance(t, list) else [t])
 
 
-@dataclass
-class ParameterTensors(TensorGroup):
-    """GPT-2's 16 parameter tensors in llm.c's order; one group each for the parameters,
-    gradients and AdamW moments. A per-layer tensor is the list of its L layers' slices."""
-    wte: Tensor
-    wpe: Tensor
-    ln1w: list
-    ln1b: list
-    qkvw: list
-    qkvb: list
-    attprojw: list
-    attprojb: list
-    ln2w: list
-    ln2b: list
-    fcw: list
-    fcb: list
-    fcprojw: list
-    fcprojb: list
-    lnfw: Tensor
-    lnfb: Tensor
+class _ParameterGroup(TensorGroup):
+    """What ParameterTensors offers beyond its fields."""
 
     @classmethod
     def over(cls, layout: ParamLayout, flat: np.ndarray, make):
@@ -88,6 +70,13 @@ class ParameterTensors(TensorGroup):
                         for l in range(len(arr))]
             return Tensor(f"{kind}.{name}", arr.shape, array=arr)
         return cls.over(layout, flat, make)
+
+
+# GPT-2's 16 parameter tensors in llm.c's order (config.PARAMETERS): one group each for the
+# parameters, gradients and AdamW moments. A block's tensor is the list of its L layers' slices.
+ParameterTensors = make_dataclass(
+    "ParameterTensors", [(p.name, list if p.part == "block" else Tensor) for p in PARAMETERS],
+    bases=(_ParameterGroup,))
 
 
 class Dims(NamedTuple):
