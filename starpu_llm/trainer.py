@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import signal
 import threading
 import time
@@ -20,6 +19,7 @@ from .io import checkpoint, data, formats
 from .io.atomic import AtomicFile, check_writable
 from .config import MODELS, GPTConfig, check_batch_shape
 from .errors import StarpuLLMError, opt
+from .runs import peak_rss_mb
 from .schedule import SCHEDULES, check_schedule, learning_rate
 from .state import TrainState, random_init
 from .validation import Validation
@@ -135,10 +135,6 @@ class TrainResult:
     trace: list | None = None
     records: list | None = None
     val_losses: list = field(default_factory=list)   # (step, validation loss)
-
-
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def load_model(cfg: TrainConfig) -> TrainState:

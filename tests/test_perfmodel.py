@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from starpu_llm.bench import run_in_subprocess
+from starpu_llm.runs import run_in_subprocess
 from starpu_llm.perf import graph, machine
 from starpu_llm.perf.calibrate import calibrate, nnls3, read_starpu_history
 from starpu_llm.perf.predict import predict
