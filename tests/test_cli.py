@@ -52,7 +52,13 @@ def test_train_save_and_metrics(shard, tmp_path):
     assert "tokens/ms over 2 timed step(s)" in out and "peak RSS" in out
     rows = [json.loads(l) for l in open(metrics)]
     assert [r["step"] for r in rows] == [1, 2, 3]
-    assert all(set(r) == {"step", "loss", "ms", "tokens_per_ms"} for r in rows)
+    assert all(set(r) == {"step", "loss", "ms", "tokens_per_ms", "partition"} for r in rows)
+    # no partition flag: the documented default, one worker on all usable cores
+    assert rows[0]["partition"] == dict(engine="starpu", workers=1, cores_per_worker=usable_cores(),
+                                        sub_batches=1, kcore=rows[0]["partition"]["kcore"], ranks=1)
+    assert rows[0]["partition"]["kcore"] in (("single",) if usable_cores() == 1 else
+                                             ("team", "parallel-workers"))
+    assert f"partition: 1 worker(s) x {usable_cores()} core(s)" in out
     assert rows[-1]["loss"] < rows[0]["loss"]
     config, params = formats.read_checkpoint(save)
     assert config == MICRO

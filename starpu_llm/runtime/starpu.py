@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 from .._clib import ffi, lib
 from ..errors import StarpuLLMError, opt
+from . import starpupy_face
 
 
 # How a task gets k > 1 cores on a StarPU without parallel workers (see sl_api.h): "team" =
@@ -163,7 +164,6 @@ class Runtime:
                                      "libstarpumpi and an MPI installed)")
             from mpi4py import MPI
             comm_addr = ffi.cast("void *", MPI._addressof(comm))
-        from . import starpupy_face
         explicit = face is not None
         self.face = face = starpupy_face.resolve(face)
         if face == "starpupy" and comm is not None:
@@ -226,7 +226,6 @@ class Runtime:
     def shutdown(self) -> None:
         if Runtime._active is self:
             if self.face == "starpupy":
-                from . import starpupy_face
                 starpupy_face.stop()
             else:
                 lib.sl_shutdown()
