@@ -24,7 +24,7 @@ from .trainer import TrainConfig, train
 
 
 def parse_partitions(spec: str, cores: int):
-    """[(N, K, kcore)]: 'default', 'all' (every N x K = cores that this StarPU build can run,
+    """[(N workers, K cores_per_worker, kcore)]: 'default', 'all' (every N x K = cores that this StarPU build can run,
     K > 1 both as team and forkjoin), or a list like 1x2,2x1,1x2:forkjoin."""
     if spec == "default":
         return [(*default_partition(cores), DEFAULT_KCORE)]
@@ -34,12 +34,12 @@ def parse_partitions(spec: str, cores: int):
     for item in spec.split(","):
         part, _, mode = item.partition(":")
         try:
-            n, k = (int(x) for x in part.lower().split("x"))
+            workers, cores_per_worker = (int(x) for x in part.lower().split("x"))
         except ValueError:
             raise StarpuLLMError(f"--partitions: {item!r} is not NxK[:team|forkjoin] (e.g. 2x1)")
         if mode not in ("", "team", "forkjoin"):
             raise StarpuLLMError(f"--partitions: {item!r}: the mode is team or forkjoin")
-        out.append((n, k, mode or "team"))
+        out.append((workers, cores_per_worker, mode or "team"))
     return out
 
 
@@ -137,7 +137,9 @@ def run_bench(args):
           + ("  runs (tok/ms)" if repeat > 1 else ""))
     for B in batches:
         specs = [dict(engine="reference")]
-        specs += [dict(engine="starpu", workers=n, cores=k, kcore=m) for n, k, m in partitions
+        # the spec's "cores" is the workers' K (cores_per_worker; the key perf/ and experiments/ read)
+        specs += [dict(engine="starpu", workers=n, cores=cores_per_worker, kcore=kcore)
+                  for n, cores_per_worker, kcore in partitions
                   if B % n == 0]
         if not args.no_torch:
             specs.append(dict(engine="torch"))

@@ -183,16 +183,16 @@ def cmd_predict(args):
         if args.cores_per_worker:
             raise StarpuLLMError("--workers all takes every N x K of the machine's cores: "
                                  "leave --cores-per-worker out")
-        parts = [(n, k) for n, k in partitions(target.cores) if args.batch % n == 0]
+        parts = [p for p in partitions(target.cores) if args.batch % p[0] == 0]
     else:
         parts = [(args.workers, args.cores_per_worker or max(1, target.cores // args.workers))]
-    # a described machine runs k-core workers as StarPU 1.4 parallel workers (the clusters')
+    # a described machine runs K-core workers as StarPU 1.4 parallel workers (the clusters')
     pw = True if machine is not None else None
     print(f"machine: {target.name}")
-    for n, k in parts:
+    for n, cores_per_worker in parts:
         for R in args.ranks:
             p = predict(args.model, args.batch * R if len(args.ranks) > 1 else args.batch,
-                        args.seq_len, n, k, ranks=R, sub_batches=args.sub_batches,
+                        args.seq_len, n, cores_per_worker, ranks=R, sub_batches=args.sub_batches,
                         calibration=calibration, machine=machine, parallel_workers=pw)
             per_node = f" ({p.tokens_per_ms / R:.4f} tok/ms per node)" if R > 1 else ""
             print(p.describe() + per_node, flush=True)

@@ -125,26 +125,27 @@ def _environment(values: dict):
         apply(saved)
 
 
-def start(ncpus: int, cores_per_worker: int, kcore_mode: str, kcore_value: int, cores: list,
+def start(ncpus: int, cores_per_worker: int, kcore: str, kcore_requested: int, core_ids: list,
           sched: str) -> None:
     """starpu.init() with the partition sl_start would configure, then sl_attach.
-    kcore_mode is runtime.effective_kcore's answer, which decides like sl_start."""
+    kcore is runtime.effective_kcore's answer, which decides like sl_start; kcore_requested
+    the asked-for mechanism's C constant (KCORE_MODES)."""
     starpu = import_starpupy()
 
     workers = ncpus // cores_per_worker
     env = {"STARPU_SCHED": sched, "STARPU_NCPU": str(ncpus), "STARPU_NCPUS": None,
            "STARPU_WORKERS_CPUID": None, "STARPU_MIN_WORKERSIZE": None,
            "STARPU_MAX_WORKERSIZE": None}
-    if kcore_mode == "team":      # one worker on the first core of each group
+    if kcore == "team":      # one worker on the first core of each group
         env["STARPU_NCPU"] = str(workers)
-        env["STARPU_WORKERS_CPUID"] = " ".join(str(cores[w * cores_per_worker])
+        env["STARPU_WORKERS_CPUID"] = " ".join(str(core_ids[w * cores_per_worker])
                                                for w in range(workers))
-    elif kcore_mode == "forkjoin":
+    elif kcore == "forkjoin":
         env["STARPU_MIN_WORKERSIZE"] = env["STARPU_MAX_WORKERSIZE"] = str(cores_per_worker)
     lib.sl_reserve_interface_ids(16)    # starpupy's 3 interfaces (see csrc/runtime.c)
     with _environment(env):
         starpu.init()
-    ret = lib.sl_attach(ncpus, cores_per_worker, kcore_value, ffi.new("int[]", cores))
+    ret = lib.sl_attach(ncpus, cores_per_worker, kcore_requested, ffi.new("int[]", core_ids))
     if ret != 0:
         starpu.shutdown()
         raise StarpuLLMError(f"setting up the StarPU started by starpupy failed ({ret})")
