@@ -26,7 +26,7 @@ import os
 import statistics
 import sys
 
-from starpu_llm.runs import parse_partitions
+from starpu_llm.bench import parse_partitions
 from starpu_llm.runs import cpu_description, run_in_subprocess, write_csv
 
 
