@@ -26,7 +26,8 @@ import os
 import statistics
 import sys
 
-from starpu_llm.bench import cpu_description, parse_partitions, run_in_subprocess, write_csv
+from starpu_llm.bench import parse_partitions
+from starpu_llm.runs import cpu_description, run_in_subprocess, write_csv
 
 
 def parse_side(text: str) -> tuple[str, str, dict]:

@@ -34,7 +34,7 @@ import subprocess
 import sys
 import time
 
-from starpu_llm.bench import cpu_description, run_in_subprocess, write_csv
+from starpu_llm.runs import cpu_description, run_in_subprocess, write_csv
 from starpu_llm.config import MODELS
 from starpu_llm.runtime import partitions_that_fit, usable_cores
 

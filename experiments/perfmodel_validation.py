@@ -25,7 +25,7 @@ import statistics
 import sys
 import tempfile
 
-from starpu_llm.bench import cpu_description, run_in_subprocess, write_csv
+from starpu_llm.runs import cpu_description, run_in_subprocess, write_csv
 from starpu_llm.perf import autotune
 from starpu_llm.perf.predict import load_calibration, predict
 from starpu_llm.runtime.starpu import usable_cores

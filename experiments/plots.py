@@ -107,7 +107,7 @@ def _write_fig_csv(path, fig, runs, S, machine, peaks, extra=None):
                                                 "torch_version", "commit", "host")})
             row["machine_cores"] = row.pop("cores_machine", machine["cores"])
             rows.append(row)
-    from starpu_llm.bench import write_csv
+    from starpu_llm.runs import write_csv
     if rows:
         write_csv(path, rows)
     return rows

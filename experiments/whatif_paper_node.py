@@ -14,7 +14,7 @@ import argparse
 import os
 import sys
 
-from starpu_llm.bench import write_csv
+from starpu_llm.runs import write_csv
 from starpu_llm.perf.machine import load, partitions
 from starpu_llm.perf.predict import load_calibration, predict
 

@@ -6,6 +6,8 @@
 The compiled part (kernels, codelets, cffi binding) is loaded on first use, so the file
 formats and data tools work without it.
 """
+import importlib
+
 from .config import MODELS, GPTConfig, ParamLayout
 from .errors import StarpuLLMError
 
@@ -20,7 +22,6 @@ _LAZY = {
 
 def __getattr__(name):
     if name in _LAZY:
-        import importlib
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module 'starpu_llm' has no attribute {name!r}")
 

@@ -7,51 +7,25 @@ RSS of each configuration is then its own.
 """
 from __future__ import annotations
 
-import csv
 import json
 import os
-import platform
-import subprocess
 import sys
+import time
 
-from .io.atomic import atomic_write
+from ._clib import ffi
+from .config import MODELS
 from .errors import StarpuLLMError
-
-
-def write_csv(path: str, rows: list[dict]) -> None:
-    """rows as CSV at path, written atomically (nothing half-written)."""
-    def write(f):
-        w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["B"])
-        w.writeheader()
-        w.writerows(rows)
-
-    atomic_write(path, write, text=True)
-
-
-def cpu_description() -> str:
-    model = platform.processor() or "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            text = f.read()
-        flags = ", ".join(x for x in ("avx512f", "avx2", "fma") if f" {x}" in text)
-    except OSError:
-        pass
-    return f"{model} ({len(os.sched_getaffinity(0))} cores usable; {flags})"
+from .flow.engine import StarPUEngine
+from .io import data, formats
+from .runs import cpu_description, mpi_rank, peak_rss_mb, run_in_subprocess, write_csv
+from .runtime.starpu import DEFAULT_KCORE, Runtime, default_partition, partitions_that_fit
+from .state import TrainState, random_init
+from .trainer import TrainConfig, train
 
 
 def parse_partitions(spec: str, cores: int):
-    """[(N, K, kcore)]: 'default', 'all' (every N x K = cores that this StarPU build can run,
+    """[(N workers, K cores_per_worker, kcore)]: 'default', 'all' (every N x K = cores that this StarPU build can run,
     K > 1 both as team and forkjoin), or a list like 1x2,2x1,1x2:forkjoin."""
-    from .runtime.starpu import DEFAULT_KCORE, default_partition, partitions_that_fit
     if spec == "default":
         return [(*default_partition(cores), DEFAULT_KCORE)]
     if spec == "all":
@@ -60,12 +34,12 @@ def parse_partitions(spec: str, cores: int):
     for item in spec.split(","):
         part, _, mode = item.partition(":")
         try:
-            n, k = (int(x) for x in part.lower().split("x"))
+            workers, cores_per_worker = (int(x) for x in part.lower().split("x"))
         except ValueError:
             raise StarpuLLMError(f"--partitions: {item!r} is not NxK[:team|forkjoin] (e.g. 2x1)")
         if mode not in ("", "team", "forkjoin"):
             raise StarpuLLMError(f"--partitions: {item!r}: the mode is team or forkjoin")
-        out.append((n, k, mode or "team"))
+        out.append((workers, cores_per_worker, mode or "team"))
     return out
 
 
@@ -80,14 +54,9 @@ def run_one(spec: dict) -> dict:
     GPT-2: baselines/torch_sdpa.py) or "torch-readable" (baselines/torch_gpt2.py, the tests' oracle),
     both with threads (default: every usable core). With trace=True (StarPU engine) the result
     also has the task trace of every step: see traced_run."""
-    from .config import MODELS
-    from .trainer import peak_rss_mb
-
     config = MODELS[spec["model"]]
     B, T, steps = spec["batch"], spec["seq_len"], spec["steps"]
     if spec["engine"] in TORCH_ENGINES:
-        from .io import data, formats
-        from .state import random_init
         if spec["engine"] == "torch":
             from .baselines.torch_sdpa import torch_train_step_times
         else:
@@ -103,7 +72,6 @@ def run_one(spec: dict) -> dict:
     elif spec.get("trace"):
         ms = traced_run(spec)
     else:   # exactly what `starpu-llm train` runs: one warm-up step, then the timed ones
-        from .trainer import TrainConfig, train
         r = train(TrainConfig(model=spec["model"], batch=B, seq_len=T, steps=steps + 1,
                               engine=spec["engine"], workers=spec.get("workers"),
                               cores_per_worker=spec.get("cores"), kcore=spec.get("kcore"),
@@ -124,14 +92,6 @@ def traced_run(spec: dict) -> list:
     or None, flops, job), "names" ({handle address as a string: tensor name}), "sizes" ({handle
     address as a string: bytes}), "steps_ns" ([start, end] of each step, on the trace's clock),
     "records" (the submitted task names, in order) and "describe"."""
-    import time
-    from ._clib import ffi
-    from .io import data
-    from .config import MODELS
-    from .flow.engine import StarPUEngine
-    from .runtime.starpu import Runtime
-    from .state import TrainState, random_init
-
     config = MODELS[spec["model"]]
     B, T = spec["batch"], spec["seq_len"]
     loader = data.DataLoader(data.default_dataset()[0], B, T, vocab_size=config.V)
@@ -165,45 +125,6 @@ def traced_run(spec: dict) -> list:
     return ms
 
 
-def _mpi_rank() -> int:
-    for var in ("OMPI_COMM_WORLD_RANK", "PMI_RANK"):
-        if os.environ.get(var):
-            return int(os.environ[var])
-    return 0
-
-
-def run_in_subprocess(spec: dict, env=None, python: str | None = None) -> dict:
-    """run_one(spec) in a fresh Python process (StarPU starts once per process, and the peak
-    RSS is then this configuration's own); on failure, spec with "error": the last stderr line.
-
-    spec["cpus"] = k: the process (and its threads) may use only the first k of this
-    process's cores. spec["ranks"] = R > 1: R processes under mpirun (extra launcher options
-    in spec["mpirun_args"], a list), each given its share of those cores by the trainer's
-    pinning (runtime.mpi.pin_rank); the result is rank 0's. python: the interpreter (default
-    this one), e.g. another virtual environment's, whose starpu_llm (another build or commit)
-    then runs; it starts outside any source tree, so it imports its own installed package."""
-    cmd = [python or sys.executable, "-m", "starpu_llm.bench", json.dumps(spec)]
-    ranks = int(spec.get("ranks") or 1)
-    if ranks > 1:
-        import shutil
-        mpirun = shutil.which("mpirun")
-        if mpirun is None:
-            return dict(spec, error="mpirun not found (install openmpi-bin)")
-        cmd = [mpirun, "--oversubscribe", "--bind-to", "none", "-np", str(ranks),
-               *spec.get("mpirun_args", []), *cmd]
-        env = dict(env or os.environ, OMPI_ALLOW_RUN_AS_ROOT="1",
-                   OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    preexec = None
-    if spec.get("cpus"):
-        cpus = sorted(os.sched_getaffinity(0))[:int(spec["cpus"])]
-        preexec = lambda: os.sched_setaffinity(0, cpus)   # noqa: E731
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, preexec_fn=preexec,
-                       cwd=None if python is None else os.sep)
-    if p.returncode != 0:
-        return dict(spec, error=(p.stderr.strip().splitlines() or ["failed"])[-1])
-    return json.loads(p.stdout.strip().splitlines()[-1])
-
-
 def run_bench(args):
     cores = len(os.sched_getaffinity(0))
     partitions = parse_partitions(args.partitions, cores)
@@ -216,7 +137,9 @@ def run_bench(args):
           + ("  runs (tok/ms)" if repeat > 1 else ""))
     for B in batches:
         specs = [dict(engine="reference")]
-        specs += [dict(engine="starpu", workers=n, cores=k, kcore=m) for n, k, m in partitions
+        # the spec's "cores" is the workers' K (cores_per_worker; the key perf/ and experiments/ read)
+        specs += [dict(engine="starpu", workers=n, cores=cores_per_worker, kcore=kcore)
+                  for n, cores_per_worker, kcore in partitions
                   if B % n == 0]
         if not args.no_torch:
             specs.append(dict(engine="torch"))
@@ -252,5 +175,5 @@ def run_bench(args):
 
 if __name__ == "__main__":
     result = run_one(json.loads(sys.argv[1]))
-    if _mpi_rank() == 0:    # under mpirun: rank 0's timings
+    if mpi_rank() == 0:    # under mpirun: rank 0's timings
         print(json.dumps(result))

@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import fields
 
+from .bench import run_bench
+from .cli_generate import run_generate
+from .config import MODELS
 from .errors import StarpuLLMError, flag as flag_of
+from .io import corpus, data
+from .perf.calibrate import calibrate
+from .perf.machine import default_path, load, partitions
+from .perf.predict import load_calibration, predict
+from .trainer import TrainConfig, train
 
 
 def _checked(parse, kind: str, ok, rule: str):
@@ -44,8 +53,6 @@ _CHECKS = {"positive": _checked(int, "a whole number", lambda v: v >= 1, "at lea
 
 def train_settings():
     """The TrainConfig fields that are `starpu-llm train` flags (those with help)."""
-    from dataclasses import fields
-    from .trainer import TrainConfig
     return [f for f in fields(TrainConfig) if "help" in f.metadata]
 
 
@@ -74,7 +81,6 @@ def add_train_args(p):
 
 
 def build_parser():
-    from .config import MODELS
     ap = argparse.ArgumentParser(prog="starpu-llm", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
 
@@ -146,14 +152,12 @@ def build_parser():
 
 
 def cmd_train(args):
-    from .trainer import TrainConfig, train
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in train_settings()})
     train(cfg)
     return 0
 
 
 def cmd_prepare(args):
-    from .io import corpus, data
     source = args.text if args.text else corpus.shakespeare_text()
     train_path, val_path = data.prepare(source, args.out_dir, val_tokens=args.val_tokens,
                                         name=None if args.text else "shakespeare")
@@ -162,21 +166,16 @@ def cmd_prepare(args):
 
 
 def cmd_bench(args):
-    from .bench import run_bench
     run_bench(args)
     return 0
 
 
 def cmd_calibrate(args):
-    from .perf.calibrate import calibrate
-    from .perf.machine import default_path
     calibrate(args.out or default_path(), steps=args.steps)
     return 0
 
 
 def cmd_predict(args):
-    from .perf.machine import load, partitions
-    from .perf.predict import load_calibration, predict
     calibration = load_calibration(args.calibration)
     machine = load(args.machine) if args.machine else None
     target = machine or calibration
@@ -184,16 +183,16 @@ def cmd_predict(args):
         if args.cores_per_worker:
             raise StarpuLLMError("--workers all takes every N x K of the machine's cores: "
                                  "leave --cores-per-worker out")
-        parts = [(n, k) for n, k in partitions(target.cores) if args.batch % n == 0]
+        parts = [p for p in partitions(target.cores) if args.batch % p[0] == 0]
     else:
         parts = [(args.workers, args.cores_per_worker or max(1, target.cores // args.workers))]
-    # a described machine runs k-core workers as StarPU 1.4 parallel workers (the clusters')
+    # a described machine runs K-core workers as StarPU 1.4 parallel workers (the clusters')
     pw = True if machine is not None else None
     print(f"machine: {target.name}")
-    for n, k in parts:
+    for n, cores_per_worker in parts:
         for R in args.ranks:
             p = predict(args.model, args.batch * R if len(args.ranks) > 1 else args.batch,
-                        args.seq_len, n, k, ranks=R, sub_batches=args.sub_batches,
+                        args.seq_len, n, cores_per_worker, ranks=R, sub_batches=args.sub_batches,
                         calibration=calibration, machine=machine, parallel_workers=pw)
             per_node = f" ({p.tokens_per_ms / R:.4f} tok/ms per node)" if R > 1 else ""
             print(p.describe() + per_node, flush=True)
@@ -201,7 +200,6 @@ def cmd_predict(args):
 
 
 def cmd_generate(args):
-    from .flow.generate import run_generate
     run_generate(args.init_from, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
                  args.seed, args.engine)
     return 0

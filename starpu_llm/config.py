@@ -7,6 +7,8 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
+from .errors import StarpuLLMError, opt
+
 
 class ParamSpec(NamedTuple):
     """One of GPT-2's parameter tensors: the one declaration the layout (ParamLayout), the named
@@ -84,7 +86,6 @@ class GPTConfig:
 
 def check_batch_shape(config: GPTConfig, B: int, T: int) -> None:
     """A clear error for a batch shape this model cannot train on."""
-    from .errors import StarpuLLMError, opt
     if B < 1:
         raise StarpuLLMError(f"{opt('batch')} must be at least 1, got {B}")
     if T < 1 or T > config.maxT:

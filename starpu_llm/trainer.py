@@ -1,4 +1,7 @@
-"""Training from Python: TrainConfig + train(), the same as `starpu-llm train`.
+"""Training from Python: TrainConfig + train(), the same as `starpu-llm train`: the run's
+settings and the training loop. Around it: what the run starts from and what a resumed run
+keeps (resume.py), its engine and partition (engines.py), Ctrl-C (ctrl_c.py), the metrics
+file (metrics.py), the checkpoints (checkpointing.py), samples (sampler.py).
 
     from starpu_llm import TrainConfig, train
     result = train(TrainConfig(model="d12", batch=4, seq_len=64, steps=10))
@@ -6,22 +9,26 @@
 """
 from __future__ import annotations
 
-import json
-import os
-import resource
-import signal
-import threading
 import time
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from .io import checkpoint, data, formats
-from .io.atomic import AtomicFile, check_writable
+from .checkpointing import checkpoint_step, save_model
 from .config import MODELS, GPTConfig, check_batch_shape
+from .ctrl_c import StopOnCtrlC
+from .engines import autotuned, make_engine, partition_of, start_runtime
 from .errors import StarpuLLMError, opt
+from .io import checkpoint, data
+from .io.atomic import check_writable
+from .metrics import Metrics, step_extras
+from .record import RunRecord, Settings
+from .resume import load_model, on_recorded_partition, warn_changes
+from .runs import peak_rss_mb
+from .runtime import mpi as distributed
+from .sampler import TrainingSampler
 from .schedule import SCHEDULES, check_schedule, learning_rate
-from .state import TrainState, random_init
+from .state import TrainState
 from .validation import Validation
 
 
@@ -45,8 +52,9 @@ def setting(default, help: str | None = None, *, short: str | None = None,
 
 @dataclass
 class TrainConfig:
-    model: str = setting("d12", "model size when not initialised from a checkpoint (d12 = GPT-2 124M)",
-                         choices=sorted(MODELS))
+    model: str | None = setting(None, "model size (default d12 = GPT-2 124M; with --init-from or "
+                                "--resume, the checkpoint's: a contradicting one is refused)",
+                                choices=sorted(MODELS))
     init_from: str | None = setting(None, "llm.c fp32 checkpoint to start from", metavar="CKPT",
                                     ranks_agree=True)   # its header gives the model
     train_data: str | None = setting(None, "llm.c token shard (default: bundled Shakespeare)",
@@ -73,9 +81,11 @@ class TrainConfig:
     keep_checkpoints: int = setting(2, "checkpoints of --save-every kept, the newest (default 2)",
                                     check="positive", metavar="K")
     resume: str | None = setting(None, "continue the run saved in CKPT (a model with its .state, or "
-                                 "a --checkpoint-dir: its newest); --steps counts the whole run",
+                                 "a --checkpoint-dir: its newest) on its recorded partition unless "
+                                 "one is given; --steps counts the whole run",
                                  metavar="CKPT", ranks_agree=True)
-    metrics_jsonl: str | None = setting(None, "one JSON object per step", metavar="PATH")
+    metrics_jsonl: str | None = setting(None, "one JSON object per step (with the partition it "
+                                        "ran on)", metavar="PATH")
     # validation, learning-rate schedule, gradient clipping
     val_data: str | None = setting(None, "validation shard (default: the bundled corpus's "
                                    "validation shard)", metavar="SHARD")
@@ -99,8 +109,8 @@ class TrainConfig:
     workers: int | str | None = setting(
         None, "N: parallel workers, or auto: the partition and sub-batches the performance model "
         "ranks best, confirmed by a short trial of the two best and cached per machine and shape "
-        "(needs `starpu-llm calibrate`) (default: auto where this machine is calibrated and no "
-        "other partition setting is given, else 1)", check="positive_or_auto", group=PARALLELISM)
+        "(needs `starpu-llm calibrate`) (default: 1 worker on all usable cores, calibrated or "
+        "not; with --resume, the recorded partition)", check="positive_or_auto", group=PARALLELISM)
     cores_per_worker: int | None = setting(None, "K: cores of each worker (default: all cores / N)",
                                            check="positive", group=PARALLELISM)
     sub_batches: int | None = setting(
@@ -137,27 +147,6 @@ class TrainResult:
     val_losses: list = field(default_factory=list)   # (step, validation loss)
 
 
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
-def load_model(cfg: TrainConfig) -> TrainState:
-    if cfg.resume:
-        if cfg.init_from:
-            raise StarpuLLMError(f"{opt('resume')} continues a saved run and {opt('init_from')} "
-                                 f"starts a new one from given weights; give only one of them")
-        return checkpoint.read(cfg.resume)
-    if cfg.init_from:
-        config, params = formats.read_checkpoint(cfg.init_from)
-    else:
-        if cfg.model not in MODELS:
-            raise StarpuLLMError(f"{opt('model')} {cfg.model!r} is not a known model; choose one of "
-                                 f"{', '.join(MODELS)} or give an llm.c checkpoint with {opt('init_from')}")
-        config = MODELS[cfg.model]
-        params = random_init(config, cfg.seed)
-    return TrainState(config=config, params=params)
-
-
 def run_settings(cfg: TrainConfig, config: GPTConfig, loader) -> dict:
     """What every MPI rank must agree on (compared before training): the TrainConfig fields
     marked ranks_agree, the model's shape, and the training data (its content, not its path)."""
@@ -167,59 +156,6 @@ def run_settings(cfg: TrainConfig, config: GPTConfig, loader) -> dict:
             "train_data": (loader.num_tokens, int(toks[:4096].astype(np.int64).sum()),
                            int(toks[-4096:].astype(np.int64).sum())),
             "data_position": loader.position}
-
-
-def partition_by_default(cfg: TrainConfig, config, comm, runtime) -> bool:
-    """Whether the autotuner chooses the partition although --workers auto was not given: a
-    single process starting its own StarPU engine, a model of MODELS (not a checkpoint of
-    another shape), no partition setting given, and a calibration of this machine on disk
-    (without one, the default stays 1 x all cores)."""
-    from .perf.machine import default_path
-    given = (cfg.workers, cfg.cores_per_worker, cfg.sub_batches, cfg.kcore, cfg.sched)
-    return (cfg.engine == "starpu" and comm is None and runtime is None
-            and config in MODELS.values() and all(x is None for x in given)
-            and os.path.exists(default_path()))
-
-
-def autotuned(cfg: TrainConfig, config, comm, runtime, log) -> TrainConfig:
-    """cfg with the partition the autotuner (perf/autotune.py) chooses for its batch."""
-    from .perf import autotune
-    from .perf.predict import load_calibration
-    if comm is not None or runtime is not None or cfg.engine != "starpu":
-        raise StarpuLLMError(f"{opt('workers')} auto chooses the partition of a single process "
-                             f"starting its own StarPU engine: give {opt('workers')} N there")
-    if cfg.cores_per_worker or cfg.sub_batches:
-        raise StarpuLLMError(f"{opt('workers')} auto chooses {opt('cores_per_worker')} and "
-                             f"{opt('sub_batches')} too: leave them out")
-    model = next((name for name, c in MODELS.items() if c == config), None)
-    if model is None:
-        raise StarpuLLMError(f"{opt('workers')} auto: the model is none of {', '.join(MODELS)}; "
-                             f"give {opt('workers')} N")
-    choice = autotune.choose(model, cfg.batch, cfg.seq_len, load_calibration(), log=log)
-    log(f"autotune: {choice.workers}x{choice.cores}, {choice.sub_batches} sub-batch(es): "
-        f"{choice.why}")
-    return replace(cfg, workers=choice.workers, cores_per_worker=choice.cores,
-                   sub_batches=choice.sub_batches)
-
-
-def start_runtime(cfg: TrainConfig, comm=None):
-    """A StarPU Runtime for cfg's partition (on comm, under StarPU-MPI)."""
-    from .runtime.starpu import Runtime
-    return Runtime(cfg.workers, cfg.cores_per_worker, cfg.sched, cfg.oversubscribe,
-                   comm=comm, kcore=cfg.kcore)
-
-
-def make_engine(cfg: TrainConfig, state: TrainState, tokens, runtime=None):
-    """The engine of cfg.engine over state; the StarPU engine runs on `runtime`."""
-    if cfg.engine == "reference":
-        from .flow.reference import ReferenceEngine
-        return ReferenceEngine(state.config, state, cfg.batch, cfg.seq_len, tokens,
-                               threads=cfg.threads, sub_batches=cfg.sub_batches or 1)
-    if cfg.engine != "starpu":
-        raise StarpuLLMError(f"{opt('engine')} {cfg.engine!r}: choose starpu or reference")
-    from .flow.engine import StarPUEngine
-    return StarPUEngine(state.config, state, cfg.batch, cfg.seq_len, tokens, runtime,
-                        sub_batches=cfg.sub_batches, record=cfg.record)
 
 
 def check_outputs(cfg: TrainConfig, comm, rank: int) -> None:
@@ -242,104 +178,6 @@ def check_outputs(cfg: TrainConfig, comm, rank: int) -> None:
         raise StarpuLLMError(problem)
 
 
-def open_metrics(path, step: int) -> AtomicFile:
-    """The metrics file, written under a temporary name as the run goes. A run resumed at
-    `step` keeps the rows up to that step from the file it replaces, so the file covers the
-    whole run (the rows of steps the resumed run redoes are dropped)."""
-    out = AtomicFile(path, text=True)
-    if step and os.path.exists(path):
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                try:
-                    row = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
-                    out.file.write(line)
-    return out
-
-
-def checkpoint_step(cfg: TrainConfig, engine, state: TrainState, loader, rank: int, log) -> None:
-    """--save-every's checkpoint of the step just done (every rank syncs; rank 0 writes). A
-    failed save does not end the run: the next one, or --save at the end, may succeed."""
-    engine.sync()
-    state.data = loader.state()
-    if rank != 0:
-        return
-    try:
-        log(f"checkpoint {checkpoint.save_step(cfg.checkpoint_dir, state, cfg.keep_checkpoints)}")
-    except StarpuLLMError as e:
-        log(f"warning: the checkpoint of step {state.step} was not written: {e}; training goes on")
-
-
-def save_model(cfg: TrainConfig, state: TrainState, log) -> None:
-    """--save at the end of the run. Should it fail after all (the path was checked before the
-    first step), the model goes to a fallback file in the working directory, so that the
-    training is not lost, and the error says where."""
-    try:
-        checkpoint.write(cfg.save, state)
-    except StarpuLLMError as e:
-        fallback = os.path.abspath(f"starpu-llm-unsaved-{os.getpid()}-step{state.step}.bin")
-        try:
-            checkpoint.write(fallback, state)
-        except StarpuLLMError as again:
-            raise StarpuLLMError(f"{e.args[0]}; writing the fallback {fallback} failed too "
-                                 f"({again.args[0]}): the trained model is lost") from e
-        raise StarpuLLMError(f"{e.args[0]}; the trained model was written to {fallback} "
-                             f"instead (and its state to {checkpoint.companion(fallback)})") from e
-    log(f"saved {cfg.save} and {checkpoint.companion(cfg.save)}")
-
-
-class StopOnCtrlC:
-    """While training, Ctrl-C (SIGINT) asks to stop after the current step, so the run ends
-    as after its last step (StarPU shut down, --save written) rather than wherever the signal
-    lands; a second Ctrl-C interrupts at once. Python runs signal handlers in the main thread
-    only, so elsewhere nothing changes."""
-
-    def __init__(self):
-        self.requested = False
-        self._installed = False
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handler)
-            self._installed = True
-        return self
-
-    def __exit__(self, *exc):
-        if self._installed:    # None: a handler not set from Python; Python's default then
-            signal.signal(signal.SIGINT, self._previous or signal.default_int_handler)
-
-    def _handler(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-
-    def stop(self, comm) -> bool:
-        """Whether to stop after this step; under MPI every rank stops after the same one."""
-        if comm is None:
-            return self.requested
-        # the ranks' answers agree; a Ctrl-C that lands during the allgather stays requested
-        # (not overwritten by its result) and stops every rank after the next step
-        agreed = any(comm.allgather(self.requested))
-        self.requested = self.requested or agreed
-        return agreed
-
-
-def step_extras(cfg: TrainConfig, engine, validation, lr: float, rank: int, last: bool) -> dict:
-    """What the metrics record of a step beyond its loss and time, when it applies: the
-    scheduled learning rate, the gradients' norm before clipping (rank 0 holds it), the
-    validation loss (after the step's update, every val_every steps and after the last)."""
-    extra = {}
-    if cfg.lr_schedule != "constant" or cfg.warmup_steps:
-        extra["lr"] = lr
-    if cfg.grad_clip > 0 and rank == 0:
-        extra["grad_norm"] = engine.grad_norm()
-    if validation and validation.due(engine.state.step, last):
-        extra["val_loss"] = validation.loss(engine)
-    return extra
-
-
 def train(cfg: TrainConfig, state: TrainState | None = None, runtime=None) -> TrainResult:
     """Train up to step cfg.steps (a resumed state continues from its step); returns losses,
     timings and the final state.
@@ -356,7 +194,6 @@ def _train(cfg: TrainConfig, state: TrainState | None, runtime, ctrl_c: StopOnCt
     if cfg.steps < 1:
         raise StarpuLLMError(f"{opt('steps')} must be at least 1, got {cfg.steps}")
     check_schedule(cfg.lr_schedule, cfg.lr, cfg.warmup_steps, cfg.min_lr)
-    from .runtime import mpi as distributed
     comm = distributed.world() if runtime is None else runtime.comm
     rank = comm.Get_rank() if comm is not None else 0
     log = (cfg.log if rank == 0 else None) or (lambda *a, **k: None)
@@ -370,7 +207,9 @@ def _train(cfg: TrainConfig, state: TrainState | None, runtime, ctrl_c: StopOnCt
         if rank == 0 and not (cfg.train_data and (cfg.val_data or not cfg.val_every)):
             data.default_dataset()          # tokenize once, then every rank reads the cache
         comm.Barrier()
-    state = state or load_model(cfg)
+    saved = None            # the record of the run a --resume continues
+    if state is None:
+        state, saved = load_model(cfg)
     if state.step >= cfg.steps:
         raise StarpuLLMError(f"the run is at step {state.step} already and {opt('steps')} counts the "
                              f"steps of the whole run: give {opt('steps')} above {state.step}")
@@ -387,28 +226,35 @@ def _train(cfg: TrainConfig, state: TrainState | None, runtime, ctrl_c: StopOnCt
         validation = Validation(cfg.val_data or data.default_dataset()[1], cfg.batch,
                                 cfg.seq_len, config.V, cfg.val_every, cfg.val_batches)
 
-    if cfg.workers == "auto" or partition_by_default(cfg, config, comm, runtime):
+    # the partition: the default, or --workers auto's, or a --resume's recorded one
+    if cfg.resume:
+        cfg = on_recorded_partition(cfg, saved)
+    if cfg.workers == "auto":
         cfg = autotuned(cfg, config, comm, runtime, log)
     own_runtime = None
     if runtime is None and cfg.engine == "starpu":
         runtime = own_runtime = start_runtime(cfg, comm)
     engine = make_engine(cfg, state, loader.tokens, runtime)
     result = TrainResult(engine=engine.describe())
+    record = RunRecord(partition_of(engine), Settings.of(cfg))
     tracing = cfg.trace and runtime is not None   # the reference engine runs no tasks
     if tracing:
         runtime.start_trace(200_000)
     # written as the run goes, under its final name at the end (also of a failed run)
-    metrics = open_metrics(cfg.metrics_jsonl, state.step) if cfg.metrics_jsonl and rank == 0 else None
+    metrics = (Metrics(cfg.metrics_jsonl, state.step, record.partition)
+               if cfg.metrics_jsonl and rank == 0 else None)
     log(f"model: L={config.L} NH={config.NH} C={config.C} V={config.V} Vp={config.Vp} "
         f"maxT={config.maxT}, {config.num_parameters:,} parameters")
     log(f"data: {path} ({loader.num_tokens:,} tokens), B={cfg.batch} T={cfg.seq_len}")
     log(f"engine: {result.engine}")
+    log(f"partition: {record.partition.describe()}")
+    if cfg.resume:
+        warn_changes(saved, record.partition, record.settings, log)
     if validation:
         log(validation.describe())
     sampler = None
     try:
         if cfg.sample_every:
-            from .flow.generate import TrainingSampler
             sampler = TrainingSampler(engine, cfg.seed)
         tokens_per_step = cfg.batch * cfg.seq_len
         # --steps counts the whole run (a resumed one too): also the schedule's horizon
@@ -428,9 +274,7 @@ def _train(cfg: TrainConfig, state: TrainState | None, runtime, ctrl_c: StopOnCt
             log(f"step {state.step:4d}/{cfg.steps}: train loss {loss:.6f} ({ms:.1f} ms, {tpm:.3f} tok/ms)"
                 + "".join(f", {k.replace('_', ' ')} {v:.6g}" for k, v in extra.items()))
             if metrics:
-                metrics.file.write(json.dumps({"step": state.step, "loss": loss, "ms": ms,
-                                               "tokens_per_ms": tpm, **extra}) + "\n")
-                metrics.file.flush()
+                metrics.write(state.step, loss, ms, tpm, extra)
             if not np.isfinite(loss):
                 raise StarpuLLMError(f"the loss diverged at step {state.step} ({loss}); "
                                      f"lower {opt('lr')}")
@@ -438,7 +282,7 @@ def _train(cfg: TrainConfig, state: TrainState | None, runtime, ctrl_c: StopOnCt
                 log(f"sample at step {state.step}: {sampler.sample()!r}")
             stop = ctrl_c.stop(comm)
             if cfg.save_every and (state.step % cfg.save_every == 0 or stop):
-                checkpoint_step(cfg, engine, state, loader, rank, log)
+                checkpoint_step(cfg, engine, state, loader, rank, record, log)
             if stop:
                 break
         state.data = loader.state()
@@ -463,7 +307,7 @@ def _train(cfg: TrainConfig, state: TrainState | None, runtime, ctrl_c: StopOnCt
     log(f"tokens/ms over {result.timed_steps} timed step(s): {result.tokens_per_ms:.4f}"
         f"   peak RSS: {result.peak_rss_mb:.0f} MB")
     if cfg.save and rank == 0:    # rank 0 owns the parameters
-        save_model(cfg, state, log)
+        save_model(cfg.save, state, record, log)
     if ctrl_c.requested:
         saved = cfg.save or (cfg.checkpoint_dir if cfg.save_every else None)
         log(f"stopped by Ctrl-C after step {state.step}"

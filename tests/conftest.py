@@ -6,8 +6,8 @@ import pytest
 
 from starpu_llm import Runtime
 
-# No calibration of this machine from outside the suite: with one, a run given no partition
-# would have the autotuner choose it (trainer.partition_by_default). Tests that want one make it.
+# No calibration or autotuner cache of this machine from outside the suite (--workers auto
+# would read them). Tests that want one make it.
 os.environ["STARPU_LLM_HOME"] = tempfile.mkdtemp(prefix="starpu-llm-tests-home-")
 
 

@@ -52,7 +52,13 @@ def test_train_save_and_metrics(shard, tmp_path):
     assert "tokens/ms over 2 timed step(s)" in out and "peak RSS" in out
     rows = [json.loads(l) for l in open(metrics)]
     assert [r["step"] for r in rows] == [1, 2, 3]
-    assert all(set(r) == {"step", "loss", "ms", "tokens_per_ms"} for r in rows)
+    assert all(set(r) == {"step", "loss", "ms", "tokens_per_ms", "partition"} for r in rows)
+    # no partition flag: the documented default, one worker on all usable cores
+    assert rows[0]["partition"] == dict(engine="starpu", workers=1, cores_per_worker=usable_cores(),
+                                        sub_batches=1, kcore=rows[0]["partition"]["kcore"], ranks=1)
+    assert rows[0]["partition"]["kcore"] in (("single",) if usable_cores() == 1 else
+                                             ("team", "parallel-workers"))
+    assert f"partition: 1 worker(s) x {usable_cores()} core(s)" in out
     assert rows[-1]["loss"] < rows[0]["loss"]
     config, params = formats.read_checkpoint(save)
     assert config == MICRO
@@ -179,6 +185,16 @@ def test_resume_from_a_checkpoint_directory(shard, tmp_path):
     assert [json.loads(l)["step"] for l in open(metrics)] == [1, 2, 3, 4, 5]
     rc, _, err = run(*args, "--steps", "2", "--resume", ck)
     assert_clean_error(rc, err, "at step 2 already", "--steps above 2")
+    # a micro run resumed as another model: refused, not silently trained as the saved one
+    rc, _, err = run("train", "--model", "tiny", "--train-data", shard, "--steps", "5",
+                     "--resume", ck)
+    assert_clean_error(rc, err, "--model tiny contradicts", "the micro model")
+    # no --model: the checkpoint's; a changed batch is named in one warning line
+    rc, out, err = run("train", "--train-data", shard, "--batch", "4", "--seq-len", "16",
+                       "--steps", "5", "--resume", ck)
+    assert rc == 0, err
+    assert [l for l in out.splitlines() if l.startswith("warning")] == [
+        "warning: --batch 4 (saved with 2): the run is no longer the uninterrupted one"], out
 
 
 def test_unwritable_save_is_reported_before_training(shard, tmp_path):

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from starpu_llm.bench import run_in_subprocess
+from starpu_llm.runs import run_in_subprocess
 from starpu_llm.perf import graph, machine
 from starpu_llm.perf.calibrate import calibrate, nnls3, read_starpu_history
 from starpu_llm.perf.predict import predict
@@ -119,12 +119,12 @@ def test_workers_auto_chooses_confirms_and_caches(calibrated, tmp_path):
     bad = subprocess.run(cmd + ["--cores-per-worker", "1"], capture_output=True, text=True,
                          env=env, cwd=tmp_path)
     assert bad.returncode == 2 and "--workers auto" in bad.stderr, bad.stderr
-    # no partition given: the autotuner's choice where the machine is calibrated, 1 x all
-    # cores where it is not
+    # no partition given: 1 x all cores, calibrated or not (the autotuner only when asked)
     default = cmd[:-2]
     assert "--workers" not in default
     tuned = subprocess.run(default, capture_output=True, text=True, env=env, cwd=tmp_path)
-    assert tuned.returncode == 0 and "(cached)" in tuned.stdout and part in tuned.stdout, tuned
+    assert tuned.returncode == 0 and "autotune" not in tuned.stdout, tuned
+    assert "1 worker(s) x 2 core(s)" in tuned.stdout, tuned.stdout
     bare = subprocess.run(default, capture_output=True, text=True, cwd=tmp_path,
                           env=dict(env, STARPU_LLM_HOME=str(tmp_path / "uncalibrated")))
     assert bare.returncode == 0, bare.stderr

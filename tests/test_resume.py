@@ -16,7 +16,9 @@ import pytest
 from starpu_llm import StarpuLLMError
 from starpu_llm.config import MODELS, GPTConfig
 from starpu_llm.io import checkpoint, formats
-from starpu_llm.runtime import DEFAULT_KCORE, check_partition
+from starpu_llm.perf.machine import Machine, default_path, save as save_machine
+from starpu_llm.record import Partition, RunRecord, Settings
+from starpu_llm.runtime import DEFAULT_KCORE, check_partition, usable_cores
 from starpu_llm.state import TrainState, random_init
 from starpu_llm.trainer import TrainConfig, train
 
@@ -49,6 +51,46 @@ def test_round_trip(tmp_path):
     config, params = formats.read_checkpoint(path)
     assert config == MICRO and np.array_equal(params, saved.params)
     assert sorted(os.listdir(tmp_path)) == ["model.bin", "model.bin.state"]
+
+
+RECORD = RunRecord(Partition("starpu", 2, 1, 4, "single", 1),
+                   Settings(batch=4, seq_len=16, steps=6, lr=1e-2, weight_decay=0.01,
+                            lr_schedule="cosine", warmup_steps=1, min_lr=1e-3, grad_clip=0.5))
+
+
+def test_the_run_record_round_trip(tmp_path):
+    path = str(tmp_path / "model.bin")
+    checkpoint.write(path, state_at(3), RECORD)
+    state, record = checkpoint.read_with_record(path)
+    assert record == RECORD and state.step == 3
+    checkpoint.write(path, state_at(3))
+    assert checkpoint.read_with_record(path)[1] is None
+
+
+def test_a_version_1_companion_is_still_read(tmp_path):
+    """A companion of before the run record (version 1: its checksum over the first ten
+    header fields and the moments) reads as before, with no record."""
+    path = str(tmp_path / "model.bin")
+    saved = state_at(4)
+    checkpoint.write(path, saved, RECORD)
+    comp = checkpoint.companion(path)
+    raw = bytearray(open(comp, "rb").read())
+    header = np.frombuffer(raw, "<i8", count=checkpoint.HEADER_INTS).copy()
+    header[1] = 1
+    header[11:] = 0
+    header[11] = checkpoint._crc(header[:10], saved.m, saved.v)
+    raw[:header.nbytes] = header.tobytes()
+    open(comp, "wb").write(bytes(raw))
+    state, record = checkpoint.read_with_record(path)
+    assert record is None
+    assert_same_state(state, saved)
+    # a damaged record is caught by the checksum
+    checkpoint.write(path, saved, RECORD)
+    raw = bytearray(open(comp, "rb").read())
+    raw[checkpoint.RECORD_AT * 8 + 5] ^= 1
+    open(comp, "wb").write(bytes(raw))
+    with pytest.raises(StarpuLLMError, match="run record"):
+        checkpoint.read(path)
 
 
 def test_companion_of_another_model_is_refused(tmp_path):
@@ -262,3 +304,82 @@ def test_failed_final_save_goes_to_a_fallback_file(shard, tmp_path, monkeypatch)
     fallback = e.value.args[0].split("written to ")[1].split(" ")[0]
     assert os.path.dirname(fallback) == os.path.realpath(tmp_path)
     assert checkpoint.read(fallback).step == 2
+
+
+# --------------------------------------------------------------------------- the same command, the same run
+
+def calibrate_synthetically() -> None:
+    """A calibration of this machine where $STARPU_LLM_HOME says (a synthetic one: the
+    trainer must not read it at all without --workers auto)."""
+    save_machine(Machine(name="synthetic", cores=usable_cores(), sgemm_gflops=[50.0, 90.0],
+                         bandwidth_gbs=[10.0, 15.0], source="tests/test_resume.py",
+                         codelets={"matmul_forward": {"a": {1: 1.0}, "b": {1: 0.0},
+                                                      "c_us": {1: 5.0}}}), default_path())
+
+
+def test_the_default_partition_ignores_a_calibration(shard, tmp_path, monkeypatch):
+    """Without a partition setting, `train` runs 1 worker on all usable cores, one
+    sub-batch, calibrated or not, and trains the same losses (the tiny model, to the bit)."""
+    tiny = str(tmp_path / "tiny.bin")
+    formats.write_shard(tiny, np.random.default_rng(1).integers(0, 50257, 2000).astype(np.uint16))
+
+    def run():
+        lines = []
+        r = train(TrainConfig(model="tiny", train_data=tiny, batch=2, seq_len=32, steps=3,
+                              metrics_jsonl=str(tmp_path / "m.jsonl"), log=lines.append))
+        assert not any("autotune" in line for line in lines), lines
+        return r.losses, rows(str(tmp_path / "m.jsonl"))[0]["partition"], lines
+
+    monkeypatch.setenv("STARPU_LLM_HOME", str(tmp_path / "uncalibrated"))
+    plain, plain_partition, _ = run()
+    monkeypatch.setenv("STARPU_LLM_HOME", str(tmp_path / "calibrated"))
+    calibrate_synthetically()
+    assert os.path.exists(default_path())
+    calibrated, calibrated_partition, lines = run()
+    assert calibrated_partition == plain_partition
+    assert (plain_partition["workers"], plain_partition["cores_per_worker"],
+            plain_partition["sub_batches"]) == (1, usable_cores(), 1)
+    assert f"partition: 1 worker(s) x {usable_cores()} core(s)" in "\n".join(lines)
+    assert calibrated == plain
+
+
+def test_resume_continues_on_the_recorded_partition(shard, tmp_path):
+    """A run saved on 2x1 resumed with no partition setting continues on 2x1 (and equals the
+    uninterrupted 2x1 run); a partition given is used, with one warning line."""
+    kw = dict(engine="starpu", oversubscribe=True)
+    whole = train(config(shard, steps=4, workers=2, cores_per_worker=1, **kw))
+    ck = str(tmp_path / "ck")
+    train(config(shard, steps=2, workers=2, cores_per_worker=1, save_every=2, checkpoint_dir=ck,
+                 **kw))
+    p = checkpoint.read_with_record(ck)[1].partition
+    assert (p.engine, p.workers, p.cores_per_worker, p.sub_batches) == ("starpu", 2, 1, 2)
+    lines, metrics = [], str(tmp_path / "m.jsonl")
+    rest = train(config(shard, steps=4, resume=ck, metrics_jsonl=metrics, log=lines.append, **kw))
+    assert rest.losses == whole.losses[2:]
+    assert {(r["partition"]["workers"], r["partition"]["cores_per_worker"]) for r in rows(metrics)} \
+        == {(2, 1)}
+    assert not any("warning" in line for line in lines), lines
+    lines = []
+    train(config(shard, steps=4, resume=ck, workers=1, cores_per_worker=1, log=lines.append, **kw))
+    warnings = [line for line in lines if line.startswith("warning")]
+    assert len(warnings) == 1 and "1 worker(s) x 1 core(s)" in warnings[0] \
+        and "2 worker(s) x 1 core(s)" in warnings[0] and "roundings will differ" in warnings[0]
+
+
+def test_resume_refuses_another_model_and_warns_on_changed_settings(shard, tmp_path):
+    ck = str(tmp_path / "ck")
+    train(config(shard, steps=2, engine="reference", save_every=2, checkpoint_dir=ck))
+    with pytest.raises(StarpuLLMError, match="model tiny contradicts .*the micro model"):
+        train(config(shard, steps=3, engine="reference", resume=ck, model="tiny"))
+    with pytest.raises(StarpuLLMError, match="model tiny contradicts .*the micro model"):
+        train(config(shard, steps=3, engine="reference", init_from=checkpoint.latest(ck),
+                     model="tiny"))
+    lines = []
+    train(config(shard, steps=3, engine="reference", resume=ck, log=lines.append))
+    assert not any(line.startswith("warning") for line in lines), lines
+    lines = []
+    train(config(shard, steps=3, engine="reference", resume=ck, batch=2, lr=1e-3,
+                 log=lines.append))
+    warnings = [line for line in lines if line.startswith("warning")]
+    assert warnings == ["warning: --batch 2 (saved with 4), --lr 0.001 (saved with 0.01): the "
+                        "run is no longer the uninterrupted one"], lines

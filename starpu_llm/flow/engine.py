@@ -12,7 +12,9 @@ import numpy as np
 
 from .._clib import ffi, lib
 from ..errors import StarpuLLMError, opt
+from ..io import formats
 from . import taskflow
+from .checkpoint_task import CheckpointTask
 from .placement import Placement
 from .step import Engine
 from ..runtime.submit import StarPUOps
@@ -147,18 +149,16 @@ class StarPUEngine(Engine):
     def submit_checkpoint(self, path):
         """Write the parameters, as the tasks submitted so far leave them, as an llm.c
         checkpoint at path. Started by starpupy, the runtime does it as a Python task in the
-        task graph (starpupy_face.CheckpointTask), overlapping the next steps: wait() or
+        task graph (checkpoint_task.CheckpointTask), overlapping the next steps: wait() or
         close() waits for it and raises its error. Else it waits and writes it here."""
         if self.mpi:
             raise StarpuLLMError("submit_checkpoint: under MPI, write the checkpoint on rank 0 "
                                  "after sync()")
         if getattr(self.runtime, "face", "cffi") != "starpupy":
-            from ..io import formats
             self.sync()
             formats.write_checkpoint(path, self.config, self.state.params)
             return
         if self.checkpoints is None:
-            from ..runtime.starpupy_face import CheckpointTask
             self.checkpoints = CheckpointTask(self.config, self.p)
         self.checkpoints.submit(path)
 

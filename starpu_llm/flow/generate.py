@@ -21,16 +21,19 @@ last position.
 """
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 
+from .._kernels import lib as kernels
+from ..codelets import DirectOps
+from ..config import ParamLayout
 from ..errors import StarpuLLMError, opt
+from ..runtime.submit import StarPUOps
 from . import taskflow
+from .engine import read_tensor, write_tensor
+from .placement import Placement
 from .tensors import ActivationTensors, DecodeTensors, KVCache, ParameterTensors, Tensor
 
 DEFAULT_CHUNK = 64     # prompt positions per prefill step
-SAMPLE_TOKENS = 64     # length of a sample printed during training (--sample-every)
 
 
 # ---- where the tensors live and how the tasks run (one backend per engine)
@@ -41,11 +44,8 @@ class DirectBackend:
     an engine's ParameterTensors `p`."""
 
     def __init__(self, config, params=None, p=None, threads: int | None = None):
-        from .._kernels import lib
-        from ..config import ParamLayout
-        from ..codelets import DirectOps
         if threads:
-            lib.kernels_set_threads(threads)
+            kernels.kernels_set_threads(threads)
         self.config, self.ops = config, DirectOps()
         self.p = p if p is not None else ParameterTensors.of_arrays(
             "param", ParamLayout(config), params)
@@ -75,10 +75,6 @@ class StarPUBackend:
     `params` (registered here) or the training engine's ParameterTensors `p`."""
 
     def __init__(self, runtime, config, params=None, p=None):
-        from ..config import ParamLayout
-        from .engine import write_tensor
-        from ..runtime.submit import StarPUOps
-        from .placement import Placement
         if not runtime.running:
             raise RuntimeError("the StarPU runtime is not running")
         if runtime.size > 1:
@@ -93,7 +89,6 @@ class StarPUBackend:
         return self.placement.tensor(name, shape, dtype)
 
     def read(self, t) -> np.ndarray:
-        from .engine import read_tensor
         self.runtime.wait()     # the whole step, which also frees its tasks' arguments
         return read_tensor(t)
 
@@ -261,77 +256,3 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
         if len(out) == max_new_tokens:
             return out
         logits = model.feed([[token]])[0]
-
-
-def _print(text: str):
-    sys.stdout.write(text)
-    sys.stdout.flush()
-
-
-def run_generate(init_from, prompt: str = "", max_new_tokens: int = 64, temperature: float = 1.0,
-                 top_k: int = 0, seed: int = 1337, engine: str = "starpu", write=_print,
-                 runtime=None) -> str:
-    """`starpu-llm generate`: continues the text prompt (empty: from <|endoftext|>) with the
-    llm.c checkpoint init_from, a model of GPT-2's vocabulary, sampling with a numpy Generator
-    seeded with seed. Writes the prompt, then the text as it is produced, then a newline, to
-    `write`; returns the generated text. The StarPU engine runs on `runtime`, or on a runtime
-    of its own for the call."""
-    from ..io import formats, tokenizer
-    config, params = formats.read_checkpoint(init_from)
-    if config.V != tokenizer.N_VOCAB:
-        raise StarpuLLMError(f"{init_from} has a vocabulary of {config.V} tokens, not GPT-2's "
-                             f"{tokenizer.N_VOCAB}: generate reads and writes text with the GPT-2 "
-                             f"tokenizer; give the checkpoint of a GPT-2-vocabulary model")
-    if engine not in ("starpu", "reference"):
-        raise StarpuLLMError(f"{opt('engine')} {engine!r}: choose starpu or reference")
-    tok = tokenizer.gpt2()
-    ids = tok.encode(prompt) if prompt else [tok.eot]
-    check_request(config, len(ids), max_new_tokens, temperature, top_k)   # before any start-up
-    own_runtime = None
-    if engine == "starpu" and runtime is None:
-        from ..runtime.starpu import Runtime
-        runtime = own_runtime = Runtime()
-    try:
-        backend = (StarPUBackend(runtime, config, params) if engine == "starpu"
-                   else DirectBackend(config, params))
-        try:
-            write(prompt)
-            stream = tokenizer.StreamDecoder(tok, write)
-            new = generate(Decoder(backend), ids, max_new_tokens, temperature, top_k,
-                           np.random.default_rng(seed), stream)
-            stream.close()
-            write("\n")
-        finally:
-            backend.close()
-    finally:
-        if own_runtime is not None:
-            own_runtime.shutdown()
-    return tok.decode(new)
-
-
-class TrainingSampler:
-    """--sample-every: short samples from the model being trained, on the training engine's
-    own parameter tensors (on the StarPU engine its tasks read the parameter handles, so StarPU
-    runs them after the updates that write them), from <|endoftext|> (token 0 for a
-    vocabulary other than GPT-2's, whose samples are shown as token ids)."""
-
-    def __init__(self, engine, seed: int):
-        from ..io import tokenizer
-        config = engine.config
-        if getattr(engine, "mpi", False):
-            raise StarpuLLMError(f"{opt('sample_every')} is not available under mpirun "
-                                 "(generation runs in one process)")
-        backend = (StarPUBackend(engine.runtime, config, p=engine.p) if engine.name == "starpu"
-                   else DirectBackend(config, p=engine.p))
-        self.decoder = Decoder(backend, chunk=1)
-        self.rng = np.random.default_rng(seed)
-        self.tokenizer = tokenizer.gpt2() if config.V == tokenizer.N_VOCAB else None
-        self.start = tokenizer.EOT_ID if self.tokenizer else 0
-        self.length = min(SAMPLE_TOKENS, config.maxT - 1)
-
-    def sample(self) -> str:
-        ids = generate(self.decoder, [self.start], self.length, rng=self.rng)
-        return self.tokenizer.decode(ids) if self.tokenizer else " ".join(map(str, ids))
-
-    def close(self):
-        self.decoder.backend.close()

@@ -4,11 +4,16 @@ position.
 
 A checkpoint is two files, the model at PATH and its companion at PATH.state:
 
-    header  128 little-endian int64: magic, version, the model's config (maxT, V, L, NH, C,
-            Vp), step, data position, CRC-32 of the model's parameters, CRC-32 of the
-            first ten fields and the body (so a damaged step or position is caught
-            too); the rest 0
+    header  128 little-endian int64 (1024 bytes): magic, version, the model's config (maxT,
+            V, L, NH, C, Vp), step, data position, CRC-32 of the model's parameters, CRC-32
+            of the first ten fields, of the run record and of the body (so a damaged step,
+            position or record is caught too); then (version 2) the length n of the run
+            record and, from byte 104, its n bytes: the partition and the settings of the
+            run (record.RunRecord, as compact JSON); the rest 0
     body    m then v: float32, ParamLayout order
+
+Version 1 companions (no run record; their CRC covers the first ten fields and the body) are
+read as before, with no record.
 
 Write order: any old companion at PATH.state is removed first, then the model is written,
 then its companion, each atomically (atomic.py). So the companion's presence marks a complete
@@ -31,11 +36,13 @@ import numpy as np
 
 from . import atomic, formats
 from ..errors import StarpuLLMError, opt
+from ..record import RunRecord
 from ..state import TrainState
 
 MAGIC = 20261123
-VERSION = 1
+VERSION = 2                        # 2: with the run record; 1 is still read
 HEADER_INTS = 128                  # int64: a 1024-byte header, as llm.c's files have
+RECORD_AT = 13                     # the run record's first int64 of the header
 _I64 = np.dtype("<i8")
 _F32 = np.dtype("<f4")
 _STEP_NAME = re.compile(r"step_(\d+)\.bin")
@@ -58,9 +65,21 @@ def _config_fields(config) -> list[int]:
     return [config.maxT, config.V, config.L, config.NH, config.C, config.Vp]
 
 
-def write(path, state: TrainState) -> str:
+def _record_field(record: RunRecord | None) -> np.ndarray:
+    """Header ints 12.. : the record's length, then its bytes, zero-padded."""
+    raw = record.to_json().encode() if record is not None else b""
+    room = (HEADER_INTS - RECORD_AT) * 8
+    if len(raw) > room:
+        raise ValueError(f"the run record takes {len(raw)} bytes, the header has room for {room}")
+    out = np.zeros(HEADER_INTS - RECORD_AT + 1, _I64)
+    out[0] = len(raw)
+    out[1:].view(np.uint8)[:len(raw)] = np.frombuffer(raw, np.uint8)
+    return out
+
+
+def write(path, state: TrainState, record: RunRecord | None = None) -> str:
     """Write state as a checkpoint pair: the model at path, then its companion (see the
-    module's docstring for the order). Returns path."""
+    module's docstring for the order), with the run's record. Returns path."""
     path = os.fspath(path)
     try:
         os.unlink(companion(path))
@@ -74,8 +93,9 @@ def write(path, state: TrainState) -> str:
     fields = [MAGIC, VERSION, *_config_fields(state.config), state.step,
               state.data.get("position", 0), _crc(state.params)]
     header[:len(fields)] = fields
+    header[RECORD_AT - 1:] = _record_field(record)
     m, v = (np.ascontiguousarray(a, dtype=_F32) for a in (state.m, state.v))
-    header[len(fields)] = _crc(header[:len(fields) - 1], m, v)
+    header[len(fields)] = _crc(header[:len(fields) - 1], header[RECORD_AT - 1:], m, v)
 
     def body(f):
         f.write(header.tobytes())
@@ -90,6 +110,11 @@ def read(path) -> TrainState:
     """The TrainState saved at path: a model file with its companion, or a directory of
     saves (its newest complete checkpoint). Refuses a companion that does not belong to its
     model (StarpuLLMError)."""
+    return read_with_record(path)[0]
+
+
+def read_with_record(path) -> tuple[TrainState, RunRecord | None]:
+    """read(path) and the run record of its companion (None: a version 1 companion)."""
     path = os.fspath(path)
     if os.path.isdir(path):
         path = latest(path)
@@ -106,9 +131,11 @@ def read(path) -> TrainState:
     if size < HEADER_INTS * 8 or int(header[0]) != MAGIC:
         raise StarpuLLMError(f"{comp} is not a starpu-llm checkpoint companion (no header with "
                              f"magic {MAGIC}); {hint}")
-    if int(header[1]) != VERSION:
-        raise StarpuLLMError(f"{comp} is a companion of version {int(header[1])}, but only "
-                             f"version {VERSION} is supported; {hint}")
+    version = int(header[1])
+    if version not in (1, VERSION):
+        raise StarpuLLMError(f"{comp} is a companion of version {version}, but this starpu-llm "
+                             f"reads versions 1 to {VERSION}; resume it with the starpu-llm that "
+                             f"saved it, or {hint}")
     saved_for = [int(x) for x in header[2:8]]
     if saved_for != _config_fields(config):
         names = ("maxT", "V", "L", "NH", "C", "Vp")
@@ -127,12 +154,28 @@ def read(path) -> TrainState:
                              f"with other parameters than {path} holds, so the two files come "
                              f"from different saves; {hint}")
     moments = np.fromfile(comp, dtype=_F32, count=2 * n, offset=HEADER_INTS * 8)
-    if _crc(header[:10], moments) != body_crc:
-        raise StarpuLLMError(f"{comp} is corrupt: its step, data position or moments do not "
-                             f"match their checksum; resume from another checkpoint")
+    covered = (header[:10],) if version == 1 else (header[:10], header[RECORD_AT - 1:])
+    if _crc(*covered, moments) != body_crc:
+        raise StarpuLLMError(f"{comp} is corrupt: its step, data position, run record or "
+                             f"moments do not match their checksum; resume from another checkpoint")
+    record = _read_record(header, comp) if version >= 2 else None
     m, v = np.split(moments.astype(np.float32, copy=False), 2)
     return TrainState(config=config, params=params, m=m, v=v, step=step,
-                      data={"position": position})
+                      data={"position": position}), record
+
+
+def _read_record(header: np.ndarray, comp: str) -> RunRecord | None:
+    n = int(header[RECORD_AT - 1])
+    if n == 0:
+        return None
+    raw = header[RECORD_AT:].view(np.uint8)
+    try:
+        if not 0 < n <= raw.size:
+            raise ValueError(f"a length of {n} bytes")
+        return RunRecord.from_json(raw[:n].tobytes().decode())
+    except (ValueError, KeyError, TypeError) as e:
+        raise StarpuLLMError(f"{comp}: its run record cannot be read ({e}); resume from "
+                             f"another checkpoint") from e
 
 
 # --------------------------------------------------------------------------- a directory of saves
@@ -161,11 +204,11 @@ def latest(directory) -> str:
     return complete[max(complete)]
 
 
-def save_step(directory, state: TrainState, keep: int) -> str:
+def save_step(directory, state: TrainState, keep: int, record: RunRecord | None = None) -> str:
     """Write state's checkpoint into directory, then remove older ones, keeping `keep` in all.
     Checkpoints of later steps (an earlier run's, in the same directory) are left alone, to be
     replaced when this run gets there: until then `latest` finds them, not this run's."""
-    path = write(step_path(directory, state.step), state)
+    path = write(step_path(directory, state.step), state, record)
     saved = saved_steps(directory)
     older = sorted(s for s in saved if s < state.step)
     doomed = [p for s in older[:max(0, len(older) - (keep - 1))]

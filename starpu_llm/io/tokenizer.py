@@ -21,6 +21,10 @@ import numbers
 import os
 from typing import Iterable, Sequence
 
+import tiktoken
+from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+from tiktoken_ext.openai_public import r50k_pat_str
+
 from ..errors import StarpuLLMError
 
 ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
@@ -117,13 +121,6 @@ def _data_dir() -> str:
 @functools.lru_cache(maxsize=None)
 def gpt2_encoding():
     """The GPT-2 tiktoken.Encoding (50257 tokens, <|endoftext|> = 50256), built from local files."""
-    try:
-        import tiktoken
-        from tiktoken.load import data_gym_to_mergeable_bpe_ranks
-        from tiktoken_ext.openai_public import r50k_pat_str
-    except ImportError:
-        raise StarpuLLMError("the Python package tiktoken is not installed; install it with "
-                             "`pip install tiktoken`") from None
     d = _data_dir()
     try:
         ranks = data_gym_to_mergeable_bpe_ranks(

@@ -7,6 +7,7 @@ import json
 import os
 from dataclasses import dataclass
 
+from ..runs import run_in_subprocess
 from .machine import Machine, default_path, partitions
 from .predict import predict
 
@@ -37,7 +38,6 @@ def choose(model: str, B: int, T: int, calibration: Machine, trial_steps: int = 
            cache: str | None = None, log=print) -> Choice:
     """The partition for (model, B, T) on this machine: ranked by the model, the two best
     measured (trial_steps timed steps each, in a subprocess), the faster kept and cached."""
-    from ..bench import run_in_subprocess
     cache = cache or cache_path()
     key = f"{calibration.name}:{calibration.source}:{model}:B{B}:T{T}"   # a new calibration: new choices
     try:

@@ -30,6 +30,7 @@ import time
 
 import numpy as np
 
+from ..runs import cpu_description, run_in_subprocess
 from .machine import Machine, partitions, save
 
 FIT_SUB_BATCH = (1, 3, 6)   # sequences per sub-batch of the calibration runs
@@ -122,7 +123,6 @@ def fit_link(m: Machine, model: str, steps: int, log) -> None:
     (a 1 x cores/2 partition per rank, MPI_FIT_SUB_BATCH sequences each), then the bandwidth
     at which the simulated step takes the measured time (bisection: the step time falls as
     the bandwidth grows). Kept as it is when mpirun is missing or the run fails."""
-    from ..bench import run_in_subprocess
     from .predict import predict
     k = max(1, m.cores // 2)
     B = 2 * MPI_FIT_SUB_BATCH
@@ -222,7 +222,6 @@ def fit_codelets(samples: list, machine: Machine) -> dict:
 def traced_runs(cores: int, steps: int, log, model: str = "d12") -> tuple[list, list, list]:
     """Traced runs of each partition at each FIT_SUB_BATCH; (task samples, StarPU history
     samples, [(one-worker run, per-task overhead s, step fixed cost s)])."""
-    from ..bench import run_in_subprocess
     samples, history, overheads = [], [], []
     for (N, K), per_sub in itertools.product(partitions(cores), FIT_SUB_BATCH):
         home = tempfile.mkdtemp(prefix="starpu-llm-calib-")
@@ -266,7 +265,6 @@ def traced_runs(cores: int, steps: int, log, model: str = "d12") -> tuple[list, 
 
 def calibrate(path: str, steps: int = 2, log=print, model: str = "d12") -> Machine:
     """Calibrate this machine on `model` (GPT-2 124M; the tests use a small one) into path."""
-    from ..bench import cpu_description
     from ..runtime.starpu import usable_cores
     cores = usable_cores()
     t0 = time.perf_counter()

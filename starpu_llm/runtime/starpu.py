@@ -13,10 +13,11 @@ from typing import NamedTuple
 
 from .._clib import ffi, lib
 from ..errors import StarpuLLMError, opt
+from . import starpupy_face
 from .submit import StarPUOps
 
 
-# How a task gets k > 1 cores on a StarPU without parallel workers (see sl_api.h): "team" =
+# How a task gets K > 1 cores (cores_per_worker) on a StarPU without parallel workers (see sl_api.h): "team" =
 # one worker per k-core group running an OpenMP team bound to the group (StarPU 1.4's
 # parallel-worker design; the cheaper dispatch), "forkjoin" = FORKJOIN tasks on combined workers
 # under peager (the per-task costs are measured in docs/design.md).
@@ -74,13 +75,13 @@ def partitions_that_fit(cores: int | None = None) -> list[tuple[int, int, str]]:
     cores = cores or usable_cores()
     cap = max_starpu_cpus()
     out = []
-    for n in range(1, cores + 1):
-        k = cores // n
-        if cores % n or k > MAX_GROUP:
+    for workers in range(1, cores + 1):
+        cores_per_worker = cores // workers
+        if cores % workers or cores_per_worker > MAX_GROUP:
             continue
-        for mode in (("team", "forkjoin") if k > 1 else ("team",)):
-            if starpu_worker_count(n, k, mode) <= cap:
-                out.append((n, k, mode))
+        for kcore in (("team", "forkjoin") if cores_per_worker > 1 else ("team",)):
+            if starpu_worker_count(workers, cores_per_worker, kcore) <= cap:
+                out.append((workers, cores_per_worker, kcore))
     return out
 
 
@@ -154,8 +155,8 @@ class Runtime:
         os.environ.setdefault("STARPU_NCUDA", "0")
         os.environ.setdefault("STARPU_NOPENCL", "0")
         n = workers * cores_per_worker
-        cores = sorted(os.sched_getaffinity(0))
-        cores = (cores * (n // len(cores) + 1))[:n]    # oversubscribed: cores are reused
+        core_ids = sorted(os.sched_getaffinity(0))
+        core_ids = (core_ids * (n // len(core_ids) + 1))[:n]    # oversubscribed: cores are reused
         self.comm = comm
         comm_addr = ffi.NULL
         if comm is not None:
@@ -164,7 +165,6 @@ class Runtime:
                                      "libstarpumpi and an MPI installed)")
             from mpi4py import MPI
             comm_addr = ffi.cast("void *", MPI._addressof(comm))
-        from . import starpupy_face
         explicit = face is not None
         self.face = face = starpupy_face.resolve(face)
         if face == "starpupy" and comm is not None:
@@ -173,10 +173,10 @@ class Runtime:
                                      "takes no communicator); use the cffi face under MPI")
             self.face = face = "cffi"
         if face == "starpupy":
-            starpupy_face.start(n, cores_per_worker, self.kcore, KCORE_MODES[kcore], cores,
+            starpupy_face.start(n, cores_per_worker, self.kcore, KCORE_MODES[kcore], core_ids,
                                 sched)
         else:
-            ret = lib.sl_start(n, cores_per_worker, KCORE_MODES[kcore], ffi.new("int[]", cores),
+            ret = lib.sl_start(n, cores_per_worker, KCORE_MODES[kcore], ffi.new("int[]", core_ids),
                                sched.encode(), comm_addr)
             if ret != 0:
                 raise StarpuLLMError(f"starpu_init failed ({ret}) for {workers} worker(s) x "
@@ -227,7 +227,6 @@ class Runtime:
     def shutdown(self) -> None:
         if Runtime._active is self:
             if self.face == "starpupy":
-                from . import starpupy_face
                 starpupy_face.stop()
             else:
                 lib.sl_shutdown()

@@ -8,11 +8,9 @@ asks for it (Runtime(face="starpupy"), or STARPU_LLM_FACE=starpupy in the enviro
   sl_attach (csrc/starpu/runtime.c) on the StarPU starpupy started. starpu.init() takes no
   configuration: the partition's (CPU workers, scheduler, worker cores, combined-worker size)
   is handed to it through StarPU's environment variables, set for the call only.
-- Python-level tasks run in the same task graph as the C codelets: the checkpoint write
-  (CheckpointTask) is a starpupy task reading a starpupy handle (a numpy array), which a C task
-  fills from the parameter handles after the last update of the step. Later steps' forward
-  and backward passes and even their update overlap the file write: only the copy stands
-  between the update of step s and that of step s+1.
+- Python-level tasks run in the same task graph as the C codelets (a starpupy handle's raw
+  starpu_data_handle_t is handle_pointer's); the checkpoint write of flow/checkpoint_task.py
+  is one.
 
 What starpupy cannot do (StarPU 1.4.12): its handles are not vector handles. starpupy
 registers a numpy array with its own data interface (STARPUPY_BUFFER_INTERFACE, whose second
@@ -27,17 +25,15 @@ Without starpupy, or without the request, the cffi runtime is used, as before.
 """
 from __future__ import annotations
 
+import concurrent.futures
+import concurrent.futures.thread
 import contextlib
 import ctypes
 import importlib.util
 import os
-import threading
-
-import numpy as np
 
 from .._clib import ffi, lib
 from ..errors import StarpuLLMError
-from .submit import StarPUOps
 
 FACES = ("cffi", "starpupy")
 ENV = "STARPU_LLM_FACE"
@@ -90,8 +86,6 @@ def _repair_references() -> None:
     global _repaired
     if _repaired:
         return
-    import concurrent.futures
-    import concurrent.futures.thread
     import starpu
     for obj in (vars(concurrent.futures), vars(concurrent.futures.thread),
                 concurrent.futures.thread.ThreadPoolExecutor, concurrent.futures.Future,
@@ -131,26 +125,27 @@ def _environment(values: dict):
         apply(saved)
 
 
-def start(ncpus: int, cores_per_worker: int, kcore_mode: str, kcore_value: int, cores: list,
+def start(ncpus: int, cores_per_worker: int, kcore: str, kcore_requested: int, core_ids: list,
           sched: str) -> None:
     """starpu.init() with the partition sl_start would configure, then sl_attach.
-    kcore_mode is runtime.effective_kcore's answer, which decides like sl_start."""
+    kcore is runtime.effective_kcore's answer, which decides like sl_start; kcore_requested
+    the asked-for mechanism's C constant (KCORE_MODES)."""
     starpu = import_starpupy()
 
     workers = ncpus // cores_per_worker
     env = {"STARPU_SCHED": sched, "STARPU_NCPU": str(ncpus), "STARPU_NCPUS": None,
            "STARPU_WORKERS_CPUID": None, "STARPU_MIN_WORKERSIZE": None,
            "STARPU_MAX_WORKERSIZE": None}
-    if kcore_mode == "team":      # one worker on the first core of each group
+    if kcore == "team":      # one worker on the first core of each group
         env["STARPU_NCPU"] = str(workers)
-        env["STARPU_WORKERS_CPUID"] = " ".join(str(cores[w * cores_per_worker])
+        env["STARPU_WORKERS_CPUID"] = " ".join(str(core_ids[w * cores_per_worker])
                                                for w in range(workers))
-    elif kcore_mode == "forkjoin":
+    elif kcore == "forkjoin":
         env["STARPU_MIN_WORKERSIZE"] = env["STARPU_MAX_WORKERSIZE"] = str(cores_per_worker)
     lib.sl_reserve_interface_ids(16)    # starpupy's 3 interfaces (see csrc/starpu/runtime.c)
     with _environment(env):
         starpu.init()
-    ret = lib.sl_attach(ncpus, cores_per_worker, kcore_value, ffi.new("int[]", cores))
+    ret = lib.sl_attach(ncpus, cores_per_worker, kcore_requested, ffi.new("int[]", core_ids))
     if ret != 0:
         starpu.shutdown()
         raise StarpuLLMError(f"setting up the StarPU started by starpupy failed ({ret})")
@@ -162,57 +157,3 @@ def stop() -> None:
 
     lib.sl_shutdown()
     starpu.shutdown()
-
-
-class CheckpointTask:
-    """The checkpoint write as a starpupy task in the training task graph.
-
-    submit(path) submits, after the tasks submitted so far: a C task copying every parameter
-    handle (read) into a snapshot, a numpy array registered as a starpupy handle (written);
-    then a Python task (starpupy, on a StarPU worker) reading that handle and writing the
-    snapshot as an llm.c checkpoint (formats.write_checkpoint). Both are ordered by StarPU's
-    data dependencies alone: the copy after the last update of the parameters, the write after
-    the copy, the next copy after the write; the next step's tasks need only the copy done."""
-
-    def __init__(self, config, params):
-        starpu = import_starpupy()
-
-        from ..config import ParamLayout
-        self.config = config
-        self.sources = [t.h for t in params.tensors()]    # ParamLayout order
-        self.snapshot = np.empty(ParamLayout(config).total, np.float32)
-        self.handle = starpu.Handle(self.snapshot)
-        self.written = []       # paths written, in order
-        self.errors = []
-        self._lock = threading.Lock()
-        self._submit = starpu.task_submit(ret_fut=False, name="checkpoint_write")
-
-    def submit(self, path) -> None:
-        path = os.fspath(path)
-        StarPUOps().gather(handle_pointer(self.handle), self.sources,
-                           ffi.cast("char *", ffi.from_buffer(self.snapshot)))
-        # a starpu.Handle argument is read (STARPU_R) by default; the task gets its numpy array
-        self._submit(self._write, path, self.handle)
-
-    def _write(self, path, snapshot):
-        from ..io import formats
-        try:
-            formats.write_checkpoint(path, self.config, snapshot)
-            with self._lock:
-                self.written.append(path)
-        except BaseException as e:        # raised in the submitting thread by check()
-            with self._lock:
-                self.errors.append(e)
-
-    def check(self) -> None:
-        """Raise the first error of a checkpoint write (once the tasks have run)."""
-        with self._lock:
-            if self.errors:
-                e, self.errors = self.errors[0], []
-                raise StarpuLLMError(f"writing a checkpoint failed: {e}") from e
-
-    def close(self) -> None:
-        """Unregister the snapshot handle (after its tasks; call with StarPU running)."""
-        if self.handle is not None:
-            self.handle.unregister()
-            self.handle = None

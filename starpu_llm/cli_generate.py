@@ -1,0 +1,56 @@
+"""`starpu-llm generate`: a prompt continued by a model read from an llm.c checkpoint, the
+text printed as it comes (the decode flow itself is flow/generate.py)."""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from .errors import StarpuLLMError, opt
+from .flow.generate import Decoder, DirectBackend, StarPUBackend, check_request, generate
+from .io import formats, tokenizer
+from .runtime.starpu import Runtime
+
+
+def _print(text: str):
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def run_generate(init_from, prompt: str = "", max_new_tokens: int = 64, temperature: float = 1.0,
+                 top_k: int = 0, seed: int = 1337, engine: str = "starpu", write=_print,
+                 runtime=None) -> str:
+    """`starpu-llm generate`: continues the text prompt (empty: from <|endoftext|>) with the
+    llm.c checkpoint init_from, a model of GPT-2's vocabulary, sampling with a numpy Generator
+    seeded with seed. Writes the prompt, then the text as it is produced, then a newline, to
+    `write`; returns the generated text. The StarPU engine runs on `runtime`, or on a runtime
+    of its own for the call."""
+    config, params = formats.read_checkpoint(init_from)
+    if config.V != tokenizer.N_VOCAB:
+        raise StarpuLLMError(f"{init_from} has a vocabulary of {config.V} tokens, not GPT-2's "
+                             f"{tokenizer.N_VOCAB}: generate reads and writes text with the GPT-2 "
+                             f"tokenizer; give the checkpoint of a GPT-2-vocabulary model")
+    if engine not in ("starpu", "reference"):
+        raise StarpuLLMError(f"{opt('engine')} {engine!r}: choose starpu or reference")
+    tok = tokenizer.gpt2()
+    ids = tok.encode(prompt) if prompt else [tok.eot]
+    check_request(config, len(ids), max_new_tokens, temperature, top_k)   # before any start-up
+    own_runtime = None
+    if engine == "starpu" and runtime is None:
+        runtime = own_runtime = Runtime()
+    try:
+        backend = (StarPUBackend(runtime, config, params) if engine == "starpu"
+                   else DirectBackend(config, params))
+        try:
+            write(prompt)
+            stream = tokenizer.StreamDecoder(tok, write)
+            new = generate(Decoder(backend), ids, max_new_tokens, temperature, top_k,
+                           np.random.default_rng(seed), stream)
+            stream.close()
+            write("\n")
+        finally:
+            backend.close()
+    finally:
+        if own_runtime is not None:
+            own_runtime.shutdown()
+    return tok.decode(new)

@@ -1,0 +1,70 @@
+"""The engine a run trains on, and the partition it runs: without a partition setting the
+fixed default (the StarPU engine: one worker on all usable cores, one sub-batch; the
+reference engine: one OpenMP thread per usable core), whatever calibration exists; the
+autotuner's choice only with --workers auto (perf/autotune.py); on --resume, the recorded
+partition unless one is given (resume.py)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .config import MODELS
+from .errors import StarpuLLMError, opt
+from .flow.engine import StarPUEngine
+from .flow.reference import ReferenceEngine
+from .perf import autotune
+from .perf.predict import load_calibration
+from .record import Partition
+from .runtime.starpu import Runtime
+
+PARTITION_SETTINGS = ("workers", "cores_per_worker", "sub_batches", "kcore", "threads")
+
+
+def partition_given(cfg) -> bool:
+    """Whether cfg sets any part of the partition (or leaves it to the default)."""
+    return any(getattr(cfg, name) is not None for name in PARTITION_SETTINGS)
+
+
+def autotuned(cfg, config, comm, runtime, log):
+    """cfg with the partition the autotuner (perf/autotune.py) chooses for its batch."""
+    if comm is not None or runtime is not None or cfg.engine != "starpu":
+        raise StarpuLLMError(f"{opt('workers')} auto chooses the partition of a single process "
+                             f"starting its own StarPU engine: give {opt('workers')} N there")
+    if cfg.cores_per_worker or cfg.sub_batches:
+        raise StarpuLLMError(f"{opt('workers')} auto chooses {opt('cores_per_worker')} and "
+                             f"{opt('sub_batches')} too: leave them out")
+    model = next((name for name, c in MODELS.items() if c == config), None)
+    if model is None:
+        raise StarpuLLMError(f"{opt('workers')} auto: the model is none of {', '.join(MODELS)}; "
+                             f"give {opt('workers')} N")
+    choice = autotune.choose(model, cfg.batch, cfg.seq_len, load_calibration(), log=log)
+    log(f"autotune: {choice.workers}x{choice.cores}, {choice.sub_batches} sub-batch(es): "
+        f"{choice.why}")
+    return replace(cfg, workers=choice.workers, cores_per_worker=choice.cores,
+                   sub_batches=choice.sub_batches)
+
+
+def start_runtime(cfg, comm=None) -> Runtime:
+    """A StarPU Runtime for cfg's partition (on comm, under StarPU-MPI)."""
+    return Runtime(cfg.workers, cfg.cores_per_worker, cfg.sched, cfg.oversubscribe,
+                   comm=comm, kcore=cfg.kcore)
+
+
+def make_engine(cfg, state, tokens, runtime=None):
+    """The engine of cfg.engine over state; the StarPU engine runs on `runtime`."""
+    if cfg.engine == "reference":
+        return ReferenceEngine(state.config, state, cfg.batch, cfg.seq_len, tokens,
+                               threads=cfg.threads, sub_batches=cfg.sub_batches or 1)
+    if cfg.engine != "starpu":
+        raise StarpuLLMError(f"{opt('engine')} {cfg.engine!r}: choose starpu or reference")
+    return StarPUEngine(state.config, state, cfg.batch, cfg.seq_len, tokens, runtime,
+                        sub_batches=cfg.sub_batches, record=cfg.record)
+
+
+def partition_of(engine) -> Partition:
+    """The partition an engine runs, as in effect (after defaults and the StarPU build's
+    choices)."""
+    if engine.name == "reference":
+        return Partition("reference", 1, engine.threads, engine.sub_batches, "openmp", 1)
+    rt = engine.runtime
+    return Partition("starpu", rt.workers, rt.cores_per_worker, engine.subs_per_rank, rt.kcore,
+                     rt.size)

@@ -1,0 +1,74 @@
+"""What a run records about itself, printed at its start, in each metrics record and in the
+checkpoint companion: the partition it ran on and the settings that shape its numbers. A
+resumed run compares them with its own (resume.py)."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+
+
+@dataclass(frozen=True)
+class Partition:
+    """How a run splits its work; with the settings, what fixes its roundings."""
+    engine: str             # "starpu" or "reference"
+    workers: int            # N (the reference engine: 1)
+    cores_per_worker: int   # K (the reference engine: its OpenMP threads)
+    sub_batches: int        # per MPI process
+    kcore: str              # what gives a task its K cores, as in effect: single, team,
+                            # forkjoin or parallel-workers (runtime.effective_kcore); the
+                            # reference engine: openmp
+    ranks: int = 1          # MPI processes
+
+    def describe(self) -> str:
+        ranks = f" on each of {self.ranks} MPI processes" if self.ranks > 1 else ""
+        if self.engine == "reference":
+            return f"reference engine, {self.cores_per_worker} thread(s), {self.sub_batches} sub-batch(es)"
+        return (f"{self.workers} worker(s) x {self.cores_per_worker} core(s) ({self.kcore}), "
+                f"{self.sub_batches} sub-batch(es){ranks}")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The training settings that shape a run's numbers beyond the model and the partition."""
+    batch: int
+    seq_len: int
+    steps: int              # the cosine schedule's horizon
+    lr: float
+    weight_decay: float
+    lr_schedule: str
+    warmup_steps: int
+    min_lr: float
+    grad_clip: float
+
+    @classmethod
+    def of(cls, cfg) -> "Settings":
+        """The settings of a TrainConfig."""
+        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls)})
+
+    def changed(self, now: "Settings") -> list[tuple[str, object, object]]:
+        """(name, recorded value, value now) of each setting that differs in a way that changes
+        the run: `steps` only under the cosine schedule (elsewhere it only says where to stop)."""
+        out = []
+        for f in fields(self):
+            was, new = getattr(self, f.name), getattr(now, f.name)
+            if f.name == "steps" and "cosine" not in (self.lr_schedule, now.lr_schedule):
+                continue
+            if was != new:
+                out.append((f.name, was, new))
+        return out
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    partition: Partition
+    settings: Settings
+
+    def to_json(self) -> str:
+        return json.dumps({"partition": asdict(self.partition), "settings": asdict(self.settings)},
+                          separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "RunRecord":
+        """The record of to_json; ValueError (KeyError, TypeError) when text is not one."""
+        d = json.loads(text)
+        return cls(Partition(**d["partition"]), Settings(**d["settings"]))

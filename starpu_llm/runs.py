@@ -1,0 +1,96 @@
+"""One configuration run in a fresh Python process, and the helpers that record such runs:
+what the bench, the calibration, the autotuner and the experiments share.
+
+run_in_subprocess starts `python -m starpu_llm.bench SPEC`: the child runs bench.run_one
+(the trainer's own run), so this module sits below both the trainer and the bench and
+imports neither; the child process is the only link.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import platform
+import resource
+import shutil
+import subprocess
+import sys
+
+from .io.atomic import atomic_write
+
+CHILD = "starpu_llm.bench"      # the module the child process runs (its __main__: run_one)
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory, MB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def write_csv(path: str, rows: list[dict]) -> None:
+    """rows as CSV at path, written atomically (nothing half-written)."""
+    def write(f):
+        w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["B"])
+        w.writeheader()
+        w.writerows(rows)
+
+    atomic_write(path, write, text=True)
+
+
+def cpu_description() -> str:
+    model = platform.processor() or "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+        flags = ", ".join(x for x in ("avx512f", "avx2", "fma") if f" {x}" in text)
+    except OSError:
+        pass
+    return f"{model} ({len(os.sched_getaffinity(0))} cores usable; {flags})"
+
+
+def mpi_rank() -> int:
+    """This process's rank under mpirun (0 outside it), from the launcher's environment."""
+    for var in ("OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        if os.environ.get(var):
+            return int(os.environ[var])
+    return 0
+
+
+def run_in_subprocess(spec: dict, env=None, python: str | None = None) -> dict:
+    """bench.run_one(spec) in a fresh Python process (StarPU starts once per process, and the
+    peak RSS is then this configuration's own); on failure, spec with "error": the last
+    stderr line.
+
+    spec["cpus"] = c: the process (and its threads) may use only the first c of this
+    process's cores. spec["ranks"] = R > 1: R processes under mpirun (extra launcher options
+    in spec["mpirun_args"], a list), each given its share of those cores by the trainer's
+    pinning (runtime.mpi.pin_rank); the result is rank 0's. python: the interpreter (default
+    this one), e.g. another virtual environment's, whose starpu_llm (another build or commit)
+    then runs; it starts outside any source tree, so it imports its own installed package."""
+    cmd = [python or sys.executable, "-m", CHILD, json.dumps(spec)]
+    ranks = int(spec.get("ranks") or 1)
+    if ranks > 1:
+        mpirun = shutil.which("mpirun")
+        if mpirun is None:
+            return dict(spec, error="mpirun not found (install openmpi-bin)")
+        cmd = [mpirun, "--oversubscribe", "--bind-to", "none", "-np", str(ranks),
+               *spec.get("mpirun_args", []), *cmd]
+        env = dict(env or os.environ, OMPI_ALLOW_RUN_AS_ROOT="1",
+                   OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    preexec = None
+    if spec.get("cpus"):
+        cpus = sorted(os.sched_getaffinity(0))[:int(spec["cpus"])]
+        preexec = lambda: os.sched_setaffinity(0, cpus)   # noqa: E731
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, preexec_fn=preexec,
+                       cwd=None if python is None else os.sep)
+    if p.returncode != 0:
+        return dict(spec, error=(p.stderr.strip().splitlines() or ["failed"])[-1])
+    return json.loads(p.stdout.strip().splitlines()[-1])
