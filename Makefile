@@ -85,7 +85,9 @@ figures: $(VENV)/.installed $(VENV)/.test-deps $(VENV)/.figures-deps
 	$(BIN)/python experiments/figures.py $(FIGURES_ARGS)
 
 # The performance model against measurements (experiments/perfmodel_validation.py,
-# docs/perfmodel.md): calibrates this machine first when it has no calibration.
+# docs/perfmodel.md): calibrates this machine first when it has no calibration; writes the raw
+# runs, predictions, autotuner choices, machine description and calibration beside the plot in
+# experiments/results/perfmodel/<cpu kind>/ (to commit). About 20 minutes, on a quiet machine.
 PERFMODEL_ARGS ?= --repeat 2 --autotune
 .PHONY: perfmodel
 perfmodel: $(VENV)/.installed $(VENV)/.figures-deps

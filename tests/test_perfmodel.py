@@ -320,3 +320,42 @@ def test_predict_cli_tables(tmp_path):
     bad = subprocess.run(base + ["--workers", "all", "--cores-per-worker", "1"],
                          capture_output=True, text=True, env=env, cwd=tmp_path)
     assert bad.returncode == 2 and "--workers all" in bad.stderr, bad.stderr
+
+
+@needs2
+def test_validation_writes_its_raw_data(tmp_path):
+    """experiments/perfmodel_validation.py on the tiny model, one repeat, one timed step, with a
+    synthetic calibration: its raw files (what `make perfmodel` commits) hold every run, every
+    configuration's prediction and error, the autotuner's choice and the machine. Only the
+    files' content is checked, none of the numbers' values."""
+    cal = tmp_path / "calibration.toml"
+    machine.save(linear(usable_cores()), str(cal))
+    out = tmp_path / "results"
+    script = os.path.join(os.path.dirname(__file__), "..", "experiments", "perfmodel_validation.py")
+    r = subprocess.run([sys.executable, script, "--model", "tiny", "--batches", "4",
+                        "--mpi-batches", "", "--steps", "1", "--repeat", "1", "--autotune",
+                        "--calibration", str(cal), "--results", str(out), "--png", ""],
+                       capture_output=True, text=True, cwd=tmp_path,
+                       env=dict(os.environ, STARPU_LLM_HOME=str(tmp_path / "home")))
+    assert r.returncode == 0, r.stdout + r.stderr
+    import csv
+    import json
+    parts = [(1, 1, 1)] + list(autotune.candidates(usable_cores(), 4))
+    with open(out / "runs.csv", newline="") as f:
+        runs = list(csv.DictReader(f))
+    assert [(int(x["workers"]), int(x["cores"]), int(x["sub_batches"])) for x in runs] == parts
+    assert all(float(x["tokens_per_ms"]) > 0 and len(x["step_ms"].split()) == 1 for x in runs)
+    with open(out / "validation.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(int(x["workers"]), int(x["cores"]), int(x["sub_batches"])) for x in rows] == parts
+    for x in rows:
+        assert float(x["error"]) == pytest.approx(float(x["predicted"]) / float(x["measured"]) - 1)
+    with open(out / "autotune.csv", newline="") as f:
+        (choice,) = list(csv.DictReader(f))
+    assert choice["B"] == "4" and choice["choice"] in choice["ranking"] and choice["trials"]
+    about = json.loads((out / "machine.json").read_text())
+    for key in ("cpu_model", "isa", "cores", "starpu_version", "blas", "commit", "dirty",
+                "calibration", "command"):
+        assert key in about, key
+    assert about["dirty"] == about["commit"].endswith("-dirty")
+    assert (out / "calibration.toml").read_text() == cal.read_text()
