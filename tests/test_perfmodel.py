@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from starpu_llm.perf import autotune, graph, machine
-from starpu_llm.perf.calibrate import calibrate, nnls3, read_starpu_history
+from starpu_llm.perf.calibrate import calibrate, fit_codelets, nnls3, read_starpu_history, total_error
 from starpu_llm.perf.predict import predict, task_graph
 from starpu_llm.perf.simulate import SEQUENTIAL
 from starpu_llm.runtime import usable_cores
@@ -359,3 +359,26 @@ def test_validation_writes_its_raw_data(tmp_path):
         assert key in about, key
     assert about["dirty"] == about["commit"].endswith("-dirty")
     assert (out / "calibration.toml").read_text() == cal.read_text()
+
+
+def test_fit_is_unbiased_for_noisy_tasks():
+    """Tasks of two shapes whose durations spread log-normally (s = 0.3, as tasks do on a
+    shared machine): the fitted cost of each shape is the mean of its samples (a step is a sum
+    of tasks), not the ~16 % faster estimate that a relative fit on the samples themselves
+    gives; the fit's total error on them is then 0."""
+    m = machine.Machine("x", 2, [1.0, 2.0], [1.0, 2.0])
+    noise = np.exp(0.3 * np.random.default_rng(0).standard_normal(400))
+    samples = [("matmul_forward", 1, 1, flops, 0, flops * 1e-9 * x, 1.0)   # 1 s per GFLOP
+               for flops in (1e9, 4e9) for x in noise]
+    fit = fit_codelets(samples, m)["matmul_forward"]
+    for flops in (1e9, 4e9):
+        got = fit["a"][1] * flops / m.sgemm(1) + fit["c_us"][1] * 1e-6
+        assert got == pytest.approx(flops * 1e-9 * noise.mean(), rel=1e-9)
+    # what a relative fit on the samples themselves would say: well below their mean
+    X = np.array([[s[3] / m.sgemm(1), 0.0, 1.0] for s in samples])
+    y = np.array([s[5] for s in samples])
+    a_raw = nnls3(X, y, 1 / y ** 2)[0]
+    assert a_raw < 0.9 * fit["a"][1], (a_raw, fit["a"][1])
+    assert fit["total_err"][1] == pytest.approx(0.0, abs=1e-9)
+    m.codelets = {"matmul_forward": fit}
+    assert total_error(samples, m) == pytest.approx({1: 0.0}, abs=1e-9)
