@@ -77,20 +77,34 @@ clean:
 # The paper's figures regenerated on this machine (experiments/figures.py, docs/figures.md):
 # CSV + PNG in experiments/out, PNGs copied to docs/figures. --quick by default (under 20
 # minutes on 2 cores); on a real node: make figures FIGURES_ARGS=--full. Cached runs (same
-# configuration, machine and commit) are not rerun: FIGURES_ARGS="--force" reruns them.
+# configuration, machine and clean commit) are not rerun: FIGURES_ARGS="--force" reruns them.
+# It refuses a tree with uncommitted changes (the figures name the commit that made them).
 FIGURES_ARGS ?= --quick
 .PHONY: figures
 figures: $(VENV)/.installed $(VENV)/.test-deps $(VENV)/.figures-deps
 	$(BIN)/python experiments/figures.py $(FIGURES_ARGS)
 
 # The performance model against measurements (experiments/perfmodel_validation.py,
-# docs/perfmodel.md): calibrates this machine first when it has no calibration.
+# docs/perfmodel.md): calibrates this machine first when it has no calibration; writes the raw
+# runs, predictions, autotuner choices, machine description and calibration beside the plot in
+# experiments/results/perfmodel/<cpu kind>/ (to commit). About 20 minutes, on a quiet machine.
 PERFMODEL_ARGS ?= --repeat 2 --autotune
 .PHONY: perfmodel
 perfmodel: $(VENV)/.installed $(VENV)/.figures-deps
 	$(BIN)/python -c 'import os, sys; from starpu_llm.perf.machine import default_path; \
 	    sys.exit(0 if os.path.exists(default_path()) else 1)' || $(BIN)/starpu-llm calibrate
 	$(BIN)/python experiments/perfmodel_validation.py $(PERFMODEL_ARGS)
+
+# The figures pipeline end to end on the tiny model, one repeat, into a temporary folder (about
+# a minute on 2 cores; .ci/run runs it): every figure drawn, every run and trace made, or it
+# fails. --allow-dirty: it also runs on a tree with uncommitted changes (nothing is cached).
+.PHONY: figures-smoke
+figures-smoke: $(VENV)/.installed $(VENV)/.test-deps $(VENV)/.figures-deps
+	tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	$(BIN)/python experiments/figures.py --model tiny --repeat 1 --steps 2 --out "$$tmp" \
+	    --png-dir '' --allow-dirty && \
+	for f in fig1_taskgraph_small fig1_taskgraph_gpt2 fig2a_weak fig2b_strong fig3_partitions \
+	         fig4_mpi; do test -s "$$tmp/$$f.png" || { echo "figures-smoke: no $$f.png"; exit 1; }; done
 
 $(VENV)/.figures-deps: | $(VENV)/.installed
 	command -v dot >/dev/null || { SUDO=""; [ "$$(id -u)" -ne 0 ] && SUDO="sudo"; \

@@ -18,8 +18,10 @@ Every point: tokens/ms over 10 timed steps after one warm-up (the paper's metric
 
 Resumable: every run is appended to OUT/runs.csv with its configuration, the machine and the
 git commit; a run already there for the same configuration, machine, commit and repeat is not
-run again (--force reruns the selected figures). Each run is one subprocess
-(starpu_llm.bench.run_in_subprocess), pinned to the cores the point uses.
+run again (--force reruns the selected figures). Only a clean commit's runs are reused: the
+script refuses a tree with uncommitted changes, unless --allow-dirty (a smoke test, a trial):
+then nothing is reused, every caption says "<commit>-dirty", and docs/figures is not touched. Each run is one subprocess
+(starpu_llm.runs.run_in_subprocess), pinned to the cores the point uses.
 """
 from __future__ import annotations
 
@@ -34,92 +36,24 @@ import subprocess
 import sys
 import time
 
-from starpu_llm.runs import cpu_description, run_in_subprocess, write_csv
+from starpu_llm.runs import run_in_subprocess, write_csv
 from starpu_llm.config import MODELS
 from starpu_llm.runtime import partitions_that_fit, usable_cores
 
 import taskgraph
+from provenance import machine_info, reusable
+from series import CONFIG_FIELDS, SERIES, config_key
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 FIGURES = ("fig1", "fig2a", "fig2b", "fig3", "fig4", "trace")
 REPLOT = False        # --replot: draw from the caches only
-# the configuration fields of a run (its cache key, with the machine and the commit)
-CONFIG_FIELDS = ("engine", "model", "batch", "seq_len", "steps", "workers", "cores", "kcore",
-                 "sub_batches", "threads", "cpus", "ranks", "mpirun_args")
-SERIES = {   # figure 2's series: label, colour, marker
-    "reference": ("reference engine (paper: Karpathy's llm.c)", "#444444", "s"),
-    "tensor": ("StarPU 1 x k (one k-core worker: tensor parallelism)", "#1f77b4", "o"),
-    "data": ("StarPU k x 1 (k one-core workers, k sub-batches: data parallelism)", "#2ca02c", "^"),
-    "torch": ("PyTorch eager, SDPA + fused AdamW, k threads", "#d62728", "D"),
-    "torch-readable": ("PyTorch eager, readable model (tests' oracle)", "#ff9896", "d"),
-}
-
-
-# --------------------------------------------------------------------------- model FLOPs
-
-def flops_per_token(model: str, T: int) -> float:
-    """Model FLOPs per trained token, counted from the shapes of the task graph's matmuls:
-    forward per token L (24 C^2 + 2 C (T + 1)) + 2 C Vp, that is the four GEMMs of a block
-    (qkv 3C^2, attproj C^2, fc 4C^2, fcproj 4C^2 multiply-adds), causal attention
-    (q.k and att.v over (T + 1) / 2 positions on average: 2 C (T + 1) flops) and the lm head
-    over the padded vocabulary; backward twice the forward (the gradient of the input and of
-    the weight); so 3x in all. Layernorm, GeLU, softmax, cross-entropy and AdamW are left out
-    (memory-bound, < 2 % of the flops). GPT-2 124M at T=64: 745 MFLOP/token (6 N = 747 M)."""
-    c = MODELS[model]
-    fwd = c.L * (24 * c.C ** 2 + 2 * c.C * (T + 1)) + 2 * c.C * c.Vp
-    return 3.0 * fwd
 
 
 # --------------------------------------------------------------------------- the machine
 
-def git_commit() -> str:
-    try:
-        p = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=10"],
-                           cwd=ROOT, capture_output=True, text=True, timeout=30)
-        return p.stdout.strip() or "unknown"
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-
-
-def starpu_has_fxt() -> bool:
-    """Whether the StarPU this build uses was configured with FxT (STARPU_USE_FXT)."""
-    for pc in ("starpu-1.4", "starpu-1.3"):
-        p = subprocess.run(["pkg-config", "--variable=includedir", pc], capture_output=True, text=True)
-        if p.returncode == 0:
-            inc = p.stdout.strip()
-            for sub in ("starpu/" + pc.split("-")[1], ""):
-                f = os.path.join(inc, sub, "starpu_config.h")
-                if os.path.exists(f):
-                    return any(l.startswith("#define STARPU_USE_FXT") for l in open(f))
-    return False
-
-
-def machine_info() -> dict:
-    from starpu_llm._clib import ffi, lib
-    v = [ffi.new("int *") for _ in range(3)]
-    lib.sl_starpu_version(*v)
-    try:
-        from importlib.metadata import version
-        torch_version = version("torch")
-    except Exception:
-        torch_version = "not installed"
-    model = "?"
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return {"cpu_model": model, "cpu": cpu_description(), "cores": usable_cores(),
-            "host": os.uname().nodename,
-            "starpu_version": ".".join(str(x[0]) for x in v),
-            "starpu_fxt": starpu_has_fxt(),
-            "blas": ffi.string(lib.blas_name()).decode(),
-            "torch_version": torch_version, "commit": git_commit()}
-
-
 def write_rows(path, rows):
-    """CSV of dict rows with the union of their fields (bench.write_csv: atomic)."""
+    """CSV of dict rows with the union of their fields (runs.write_csv: atomic)."""
     fields = list(dict.fromkeys(k for r in rows for k in r))
     write_csv(path, [{k: r.get(k, "") for k in fields} for r in rows])
 
@@ -219,10 +153,6 @@ def plan(S, args, only) -> list[dict]:
     return points
 
 
-def config_key(spec: dict) -> str:
-    return json.dumps({k: spec.get(k) for k in CONFIG_FIELDS}, sort_keys=True)
-
-
 # --------------------------------------------------------------------------- the runs
 
 class RunCache:
@@ -230,6 +160,7 @@ class RunCache:
 
     def __init__(self, path, machine):
         self.path, self.machine = path, machine
+        self.fresh = set()      # (config, repeat) run by this process
         self.rows = []
         if os.path.exists(path):
             with open(path, newline="") as f:
@@ -241,6 +172,8 @@ class RunCache:
                 row["cpu"] == m["cpu"] and row["host"] == m["host"] and int(row["repeat"]) == repeat)
 
     def get(self, key, repeat):
+        if not reusable(self.machine["commit"]) and (key, repeat) not in self.fresh:
+            return None         # a dirty tree's runs serve only the invocation that made them
         for row in self.rows:
             if self._match(row, key, repeat) and not row.get("error"):
                 return row
@@ -265,6 +198,7 @@ class RunCache:
         row.update(self.machine)
         self.rows = [r for r in self.rows if not self._match(r, row["config"], repeat)]
         self.rows.append(row)
+        self.fresh.add((row["config"], repeat))
         fields = list(dict.fromkeys(k for r in self.rows for k in r))
         write_csv(self.path, [{k: r.get(k, "") for k in fields} for r in self.rows])
         return row
@@ -283,11 +217,12 @@ def describe_point(p) -> str:
 
 
 def latest_commit(path, machine) -> str:
-    """The commit of the most recent run in the runs cache made on this machine."""
+    """The commit of the most recent run in the runs cache made on this machine at a clean
+    commit."""
     if os.path.exists(path):
         with open(path, newline="") as f:
             rows = [r for r in csv.DictReader(f) if r["host"] == machine["host"]
-                    and r["cpu"] == machine["cpu"]]
+                    and r["cpu"] == machine["cpu"] and reusable(r["commit"])]
         if rows:
             return max(rows, key=lambda r: r["when"])["commit"]
     return machine["commit"]
@@ -332,7 +267,7 @@ def run_points(points, cache, repeat, force_figs, log, replot=False):
 def traced(spec, path, machine, force, log):
     """A traced run (bench.traced_run), cached as JSON for the same configuration and commit."""
     key = config_key(spec) + machine["commit"] + machine["host"]
-    if not force and os.path.exists(path):
+    if not force and reusable(machine["commit"]) and os.path.exists(path):
         with open(path) as f:
             r = json.load(f)
         if r.get("cache_key") == key:
@@ -426,7 +361,8 @@ def sgemm_peaks(core_counts, out, machine, force, log, replot=False) -> dict:
     if os.path.exists(path):
         with open(path, newline="") as f:
             rows = [r for r in csv.DictReader(f)
-                    if r["commit"] == machine["commit"] and r["host"] == machine["host"]]
+                    if r["commit"] == machine["commit"] and r["host"] == machine["host"]
+                    and reusable(r["commit"])]
     have = {} if force else {int(r["threads"]): float(r["peak_gflops"]) for r in rows}
     for k in sorted(set(core_counts)):
         if k in have or replot:
@@ -546,6 +482,9 @@ def main(argv=None):
     ap.add_argument("--png-dir", default=os.path.join(ROOT, "docs", "figures"),
                     help="where the PNGs are copied (committed; '' for none)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan only")
+    ap.add_argument("--allow-dirty", action="store_true",
+                    help="run from a tree with uncommitted changes (a smoke test): nothing is "
+                    "reused or reusable, captions say -dirty, --png-dir is ignored")
     ap.add_argument("--replot", action="store_true",
                     help="redraw from the runs already in OUT (the latest commit measured on this "
                     "machine), running nothing")
@@ -574,6 +513,14 @@ def main(argv=None):
     cores = usable_cores()
     S = settings(args, cores)
     machine = machine_info()
+    if not reusable(machine["commit"]) and not (args.replot or args.dry_run):
+        if not args.allow_dirty:
+            print(f"figures.py: the tree is at {machine['commit']} (uncommitted changes, or not a "
+                  "git checkout): figures must name the commit that made them. Commit first "
+                  "(git status), or pass --allow-dirty for a trial run (nothing cached, captions "
+                  "say -dirty, docs/figures untouched).", file=sys.stderr)
+            return 2
+        args.png_dir = ""
     if args.replot:
         global REPLOT
         REPLOT = True
@@ -647,7 +594,22 @@ def main(argv=None):
     if args.png_dir:
         shutil.copy(os.path.join(args.out, "results.md"), os.path.join(args.png_dir, "results.md"))
     log(f"done in {(time.time() - t0) / 60:.1f} min; load average now {os.getloadavg()[0]:.2f}")
+    problems = incomplete(made, only)
+    if problems:
+        log("INCOMPLETE (exit status 1): " + "; ".join(problems))
+        return 1
     return 0
+
+
+def incomplete(made, only) -> list:
+    """What a run left out: points without their runs, task graphs or traces not made."""
+    out = [f"{fig}: no run for {made[fig]['missing']}" for fig in ("fig2a", "fig2b", "fig3", "fig4")
+           if made.get(fig) and made[fig]["missing"]]
+    if "fig1" in only and len(made.get("fig1", [])) < 2:
+        out.append("fig1: a task graph is missing")
+    if "trace" in only and not made.get("trace"):
+        out.append("trace: no traced iteration")
+    return out
 
 
 if __name__ == "__main__":

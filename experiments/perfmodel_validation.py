@@ -10,8 +10,17 @@ kept) and predicted by `starpu-llm predict` from this machine's calibration. Wit
 the autotuner (a fresh cache) chooses a partition for each B, and its choice's measured speed
 is compared with the best measured one.
 
-Writes experiments/out/perfmodel_validation.csv and a predicted-vs-measured plot
-(docs/figures/perfmodel_validation.png), and prints the table in Markdown.
+Writes the raw data beside the plot, in experiments/results/perfmodel/<cpu kind>/ (committed;
+the CPU kind is its model name and widest vector ISA, provenance.cpu_kind):
+  runs.csv          every run: configuration, repeat, tokens/ms, each timed step's ms
+  validation.csv    per configuration: the runs' tokens/ms, their median, the prediction, the error
+  autotune.csv      (--autotune) per B: the model's ranking, the trials, the choice, its measured
+                    speed against the best measured partition, the gap
+  machine.json      the CPU (model, ISA flags avx2/avx512, cores), StarPU, BLAS, the git commit
+                    and whether the tree had uncommitted changes, the calibration used, the command
+  calibration.toml  a copy of that calibration
+  validation.png    predicted against measured (also copied to docs/figures/perfmodel_validation.png)
+and prints the tables in Markdown.
 
     .venv/bin/python experiments/perfmodel_validation.py [--repeat 2] [--autotune]
     make perfmodel        (calibrates first if this machine has no calibration, then this
@@ -20,17 +29,25 @@ Writes experiments/out/perfmodel_validation.csv and a predicted-vs-measured plot
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
 
 from starpu_llm.runs import cpu_description, run_in_subprocess, write_csv
+from starpu_llm.io.atomic import atomic_write_text
 from starpu_llm.perf import autotune
+from starpu_llm.perf.machine import default_path
 from starpu_llm.perf.predict import load_calibration, predict
 from starpu_llm.runtime.starpu import usable_cores
 
+from provenance import cpu_kind, machine_info, reusable
+
 HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results", "perfmodel")
 
 
 def configurations(cores: int, batches: list, mpi_batches: list) -> list:
@@ -93,9 +110,11 @@ def main(argv=None) -> int:
     ap.add_argument("--calibration", help="this machine's calibration (default: its file)")
     ap.add_argument("--autotune", action="store_true", help="also check the autotuner's choices")
     ap.add_argument("--replot", metavar="CSV", help="only redraw the plot of an earlier run's CSV")
-    ap.add_argument("--out", default=os.path.join(HERE, "out"))
+    ap.add_argument("--results", help="the raw files' folder (default: "
+                    "experiments/results/perfmodel/<cpu kind>)")
     ap.add_argument("--png", default=os.path.join(HERE, "..", "docs", "figures",
-                                                  "perfmodel_validation.png"))
+                                                  "perfmodel_validation.png"),
+                    help="where the plot is also copied ('' for nowhere)")
     args = ap.parse_args(argv)
     if args.replot:
         import csv
@@ -105,13 +124,40 @@ def main(argv=None) -> int:
         plot(rows, args.png, f"{args.model} T={args.seq_len}, {cpu_description()}")
         print(f"wrote {args.png}")
         return 0
-    cal = load_calibration(args.calibration)
+    cal_path = args.calibration or default_path()
+    cal = load_calibration(cal_path)
     cores = usable_cores()
     batches = [int(b) for b in args.batches.split(",") if b]
     mpi_batches = [int(b) for b in args.mpi_batches.split(",") if b]
     configs = configurations(cores, batches, mpi_batches)
-    print(f"machine: {cpu_description()}; calibration: {cal.source}")
+    machine = machine_info()
+    results = args.results or os.path.join(RESULTS, cpu_kind())
+    print(f"machine: {cpu_description()}; calibration: {cal.source}; commit {machine['commit']}")
+    if not reusable(machine["commit"]):
+        print("note: the tree has uncommitted changes: machine.json says so (commit before a "
+              "run whose results are committed)")
     print(f"{len(configs)} configurations x {args.repeat} run(s), {args.steps} timed steps each")
+    runs = measure(configs, args)
+    rows = validation_rows(configs, runs, cal, args.model, args.seq_len)
+    print_table(rows)
+    choices = autotuner_rows(batches, rows, cal, args.model, args.seq_len) if args.autotune else None
+    write_results(results, runs, rows, choices, machine, cal_path, cal, args, argv)
+    try:
+        png = os.path.join(results, "validation.png")
+        plot(rows, png, f"{args.model} T={args.seq_len}, {cpu_description()}, {machine['commit']}")
+        print(f"wrote {png}")
+        if args.png:
+            os.makedirs(os.path.dirname(os.path.abspath(args.png)), exist_ok=True)
+            shutil.copy(png, args.png)
+            print(f"copied to {args.png}")
+    except ImportError:
+        print("no matplotlib here: the plot is skipped (`make perfmodel` installs it; or redraw "
+              f"later: --replot {os.path.join(results, 'validation.csv')})")
+    return 0
+
+
+def measure(configs: list, args) -> dict:
+    """{configuration: [run result, one per repeat]}, the configurations interleaved."""
     runs = {c: [] for c in configs}
     for _ in range(args.repeat):          # interleaved: a slow phase hits every configuration
         for c in configs:
@@ -121,17 +167,26 @@ def main(argv=None) -> int:
                                        cores=k, sub_batches=s, ranks=R))
             if "error" in r:
                 raise SystemExit(f"{label(n, k, s, R)} B={B} failed: {r['error']}")
-            runs[c].append(r["tokens_per_ms"])
+            runs[c].append(r)
             print(f"  B={B:<3} {label(n, k, s, R):<32} {r['tokens_per_ms']:.4f} tok/ms", flush=True)
+    return runs
+
+
+def validation_rows(configs: list, runs: dict, cal, model: str, T: int) -> list:
+    """Per configuration: the median of its runs' tokens/ms against the model's prediction."""
     rows = []
     for c in configs:
         B, n, k, s, R = c
-        p = predict(args.model, B, args.seq_len, n, k, ranks=R, sub_batches=s, calibration=cal,
-                    ranks_per_node=R)
-        m = statistics.median(runs[c])
+        p = predict(model, B, T, n, k, ranks=R, sub_batches=s, calibration=cal, ranks_per_node=R)
+        speeds = [r["tokens_per_ms"] for r in runs[c]]
+        m = statistics.median(speeds)
         rows.append(dict(B=B, workers=n, cores=k, sub_batches=s, ranks=R, measured=m,
                          predicted=p.tokens_per_ms, error=p.tokens_per_ms / m - 1,
-                         runs=" ".join(f"{x:.4f}" for x in runs[c])))
+                         runs=" ".join(f"{x:.4f}" for x in speeds)))
+    return rows
+
+
+def print_table(rows: list) -> None:
     errors = [abs(r["error"]) for r in rows]
     print("\n| B | partition | measured tok/ms | predicted | error |\n|---|---|---|---|---|")
     for r in rows:
@@ -139,38 +194,59 @@ def main(argv=None) -> int:
               f"{r['measured']:.4f} | {r['predicted']:.4f} | {r['error']:+.1%} |")
     print(f"\nabsolute error over {len(rows)} configurations: median {statistics.median(errors):.1%},"
           f" largest {max(errors):.1%}")
-    os.makedirs(args.out, exist_ok=True)
-    write_csv(os.path.join(args.out, "perfmodel_validation.csv"), rows)
-    print(f"wrote {os.path.join(args.out, 'perfmodel_validation.csv')}")
-    try:
-        os.makedirs(os.path.dirname(os.path.abspath(args.png)), exist_ok=True)
-        plot(rows, args.png, f"{args.model} T={args.seq_len}, {cpu_description()}")
-        print(f"wrote {args.png}")
-    except ImportError:
-        print("no matplotlib here: the plot is skipped (`make perfmodel` installs it; or redraw "
-              f"later: --replot {os.path.join(args.out, 'perfmodel_validation.csv')})")
-    if args.autotune:
-        print("\n| B | autotuner's choice | its measured tok/ms | best measured | gap |\n"
-              "|---|---|---|---|---|")
-        cache = os.path.join(tempfile.mkdtemp(prefix="starpu-llm-autotune-"), "autotune.json")
-        worst = 0.0
-        for B in batches:
-            ch = autotune.choose(args.model, B, args.seq_len, cal, cache=cache,
-                                 log=lambda *_: None)
-            mine = next(r for r in rows if (r["B"], r["workers"], r["cores"], r["sub_batches"],
-                                            r["ranks"]) == (B, ch.workers, ch.cores,
-                                                            ch.sub_batches, 1))
-            best = max((r for r in rows if r["B"] == B and r["ranks"] == 1),
-                       key=lambda r: r["measured"])
-            gap = 1 - mine["measured"] / best["measured"]
-            worst = max(worst, gap)
-            print(f"| {B} | {label(ch.workers, ch.cores, ch.sub_batches, 1)} | "
-                  f"{mine['measured']:.4f} | "
-                  f"{label(best['workers'], best['cores'], best['sub_batches'], 1)}: "
-                  f"{best['measured']:.4f} | {gap:.1%} |", flush=True)
-        print(f"\nautotuner: largest gap to the best measured partition {worst:.1%}")
-    return 0
 
+
+def autotuner_rows(batches: list, rows: list, cal, model: str, T: int) -> list:
+    """Per B: the autotuner's choice (a fresh cache, its own trials) against the best measured
+    partition of the sweep."""
+    print("\n| B | autotuner's choice | its measured tok/ms | best measured | gap |\n"
+          "|---|---|---|---|---|")
+    cache = os.path.join(tempfile.mkdtemp(prefix="starpu-llm-autotune-"), "autotune.json")
+    out = []
+    for B in batches:
+        trials = []
+        ch = autotune.choose(model, B, T, cal, cache=cache, log=trials.append)
+        ranking = autotune.rank(model, B, T, cal)
+        mine = next(r for r in rows if (r["B"], r["workers"], r["cores"], r["sub_batches"],
+                                        r["ranks"]) == (B, ch.workers, ch.cores, ch.sub_batches, 1))
+        best = max((r for r in rows if r["B"] == B and r["ranks"] == 1), key=lambda r: r["measured"])
+        gap = 1 - mine["measured"] / best["measured"]
+        out.append(dict(B=B, choice=label(ch.workers, ch.cores, ch.sub_batches, 1),
+                        choice_predicted=mine["predicted"], choice_measured=mine["measured"],
+                        best=label(best["workers"], best["cores"], best["sub_batches"], 1),
+                        best_measured=best["measured"], gap=gap,
+                        ranking=" > ".join(f"{label(p.workers, p.cores, p.sub_batches, 1)} "
+                                           f"{p.tokens_per_ms:.4f}" for p in ranking),
+                        trials=" | ".join(trials)))
+        print(f"| {B} | {out[-1]['choice']} | {mine['measured']:.4f} | {out[-1]['best']}: "
+              f"{best['measured']:.4f} | {gap:.1%} |", flush=True)
+    print(f"\nautotuner: largest gap to the best measured partition "
+          f"{max(r['gap'] for r in out):.1%}")
+    return out
+
+
+def write_results(folder: str, runs: dict, rows: list, choices: list | None, machine: dict,
+                  cal_path: str, cal, args, argv) -> None:
+    """The raw files of a validation run (the module doc lists them), each written atomically."""
+    os.makedirs(folder, exist_ok=True)
+    write_csv(os.path.join(folder, "runs.csv"), [
+        dict(B=B, workers=n, cores=k, sub_batches=s, ranks=R, repeat=i + 1,
+             tokens_per_ms=r["tokens_per_ms"], step_ms=" ".join(f"{x:.2f}" for x in r["step_ms"]))
+        for (B, n, k, s, R), rs in runs.items() for i, r in enumerate(rs)])
+    write_csv(os.path.join(folder, "validation.csv"), rows)
+    if choices is not None:
+        write_csv(os.path.join(folder, "autotune.csv"), choices)
+    with open(cal_path, encoding="utf-8") as f:
+        atomic_write_text(os.path.join(folder, "calibration.toml"), f.read())
+    about = dict(machine, dirty=not reusable(machine["commit"]),
+                 calibration=dict(path=cal_path, source=cal.source, task_us=cal.task_us,
+                                  step_ms=cal.step_ms),
+                 model=args.model, seq_len=args.seq_len, steps=args.steps, repeat=args.repeat,
+                 command="experiments/perfmodel_validation.py " + " ".join(argv or sys.argv[1:]),
+                 when=datetime.datetime.now().isoformat(timespec="seconds"))
+    atomic_write_text(os.path.join(folder, "machine.json"), json.dumps(about, indent=1) + "\n")
+    print(f"wrote runs.csv, validation.csv{', autotune.csv' if choices is not None else ''}, "
+          f"machine.json and calibration.toml in {folder}")
 
 if __name__ == "__main__":
     sys.exit(main())

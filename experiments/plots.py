@@ -14,6 +14,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 import taskgraph  # noqa: E402
+from series import SERIES, config_key, flops_per_token  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PAPER_NODE = "paper: 2x Xeon Gold 6240, 36 cores, StarPU 1.4.10, MKL"
@@ -72,7 +73,6 @@ def _stats(values):
 
 def _runs(points, cache, repeat):
     """{(series, x): [rows of the runs cache]} for these points."""
-    from figures import config_key
     out = {}
     for p in points:
         rows = [cache.get(config_key(p["spec"]), r) for r in range(1, repeat + 1)]
@@ -81,7 +81,6 @@ def _runs(points, cache, repeat):
 
 
 def _write_fig_csv(path, fig, runs, S, machine, peaks, extra=None):
-    from figures import flops_per_token
     rows = []
     for (series, x), (p, rs) in runs.items():
         spec = p["spec"]
@@ -126,7 +125,6 @@ def _annotate_paper(ax, pts, colour_of, xkey=float):
 
 
 def figure(fig, points, cache, S, machine, peaks, out, repeat, log):
-    from figures import SERIES, flops_per_token
     pts = [p for p in points if p["figure"] == fig]
     if not pts:
         return None
@@ -318,7 +316,8 @@ def figure(fig, points, cache, S, machine, peaks, out, repeat, log):
                           batch=spec["batch"], median=med, min=lo, max=hi, runs=len(rs),
                           ms_per_step=statistics.median(float(r["ms_per_step"]) for r in rs),
                           util_pct=(100 * fpt * med / R * 1e3 / (peak * 1e9)) if peak else None))
-    return {"headline": headline, "table": table, "png": png, "csv": csv_path}
+    return {"headline": headline, "table": table, "png": png, "csv": csv_path,
+            "missing": missing}
 
 
 def gantt(r, workers, png, S, machine) -> dict:

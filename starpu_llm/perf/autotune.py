@@ -1,6 +1,10 @@
 """Choose the partition (N workers x K cores, sub-batches) of a batch from the model, confirm
 the two best predictions with one short measured trial each, and remember the choice per
-machine and shape."""
+machine and shape.
+
+rank() is the model's part alone (no run, no clock: the same machine description gives the
+same ranking; tests/test_perfmodel.py checks it on synthetic machines); choose() adds the
+timed trials and the cache."""
 from __future__ import annotations
 
 import json
@@ -30,13 +34,27 @@ def candidates(cores: int, B: int) -> list:
     return out
 
 
+def rank(model: str, B: int, T: int, calibration: Machine, machine: Machine | None = None,
+         parallel_workers: bool | None = None) -> list:
+    """The candidates of (model, B, T) on `machine` (default: the calibrated one), as
+    Predictions, fastest predicted first (ties: fewer workers first, the candidates' order)."""
+    target = machine or calibration
+    ranked = [predict(model, B, T, n, k, sub_batches=s, calibration=calibration, machine=machine,
+                      parallel_workers=parallel_workers)
+              for n, k, s in candidates(target.cores, B)]
+    ranked.sort(key=lambda p: -p.tokens_per_ms)      # stable: ties keep the candidates' order
+    if not ranked:
+        raise ValueError(f"no partition of {target.cores} cores splits a batch of {B}")
+    return ranked
+
+
 def cache_path(calibration_path: str | None = None) -> str:
     return os.path.join(os.path.dirname(calibration_path or default_path()), "autotune.json")
 
 
 def choose(model: str, B: int, T: int, calibration: Machine, trial_steps: int = 2,
            cache: str | None = None, log=print) -> Choice:
-    """The partition for (model, B, T) on this machine: ranked by the model, the two best
+    """The partition for (model, B, T) on this machine: ranked by the model (rank), the two best
     measured (trial_steps timed steps each, in a subprocess), the faster kept and cached."""
     cache = cache or cache_path()
     key = f"{calibration.name}:{calibration.source}:{model}:B{B}:T{T}"   # a new calibration: new choices
@@ -48,13 +66,10 @@ def choose(model: str, B: int, T: int, calibration: Machine, trial_steps: int = 
     if key in known:
         c = known[key]
         return Choice(c["workers"], c["cores"], c["sub_batches"], c["why"] + " (cached)")
-    ranked = sorted(((predict(model, B, T, n, k, sub_batches=s, calibration=calibration), (n, k, s))
-                     for n, k, s in candidates(calibration.cores, B)),
-                    key=lambda x: -x[0].tokens_per_ms)
-    if not ranked:
-        raise ValueError(f"no partition of {calibration.cores} cores splits a batch of {B}")
+    ranked = rank(model, B, T, calibration)
     trials = []
-    for p, (n, k, s) in ranked[:2]:
+    for p in ranked[:2]:
+        n, k, s = p.workers, p.cores, p.sub_batches
         r = run_in_subprocess(dict(engine="starpu", model=model, batch=B, seq_len=T,
                                    steps=trial_steps, workers=n, cores=k, sub_batches=s))
         measured = r.get("tokens_per_ms", 0.0)

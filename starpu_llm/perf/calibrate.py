@@ -10,7 +10,8 @@
    entry of StarPU's own history-based perf models written by those runs (STARPU_CALIBRATE=1,
    their mean per data size; only for one-core workers, the only case where StarPU's record
    of a task's core count is the real one: a team worker is one StarPU worker). Per codelet
-   and core count, a non-negative least-squares fit of
+   and core count, a non-negative least-squares fit (relative error, on each shape's mean:
+   fit_codelets) of
        seconds = a * flops / sgemm(k) + b * size / bandwidth(k, N) + c
    StarPU's cost per task: the time a one-worker step spends outside its tasks, per task; the
    step's fixed cost: a step's wall time outside its first-to-last task.
@@ -194,13 +195,32 @@ def nnls3(X: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
     return best
 
 
+def shape_means(samples: list) -> list:
+    """The samples of one shape (codelet, cores, workers, flops, size) replaced by one: their
+    weighted mean duration, weighted by their total weight."""
+    groups = {}
+    for name, k, W, flops, size, seconds, weight in samples:
+        g = groups.setdefault((name, k, W, flops, size), [0.0, 0.0])
+        g[0] += seconds * weight
+        g[1] += weight
+    return [(*key, total / weight, weight) for key, (total, weight) in groups.items() if weight > 0]
+
+
 def fit_codelets(samples: list, machine: Machine) -> dict:
     """samples: (codelet, k, workers, flops, size, seconds, weight). Per codelet and k: a, b,
-    c_us, the sample count and the weighted mean relative error of the fit. The fit minimises
-    the relative error (weights / seconds^2): a codelet's small shapes (a layer's matmul at one
-    sequence) count as much as its large ones (the lm head at six)."""
+    c_us, the sample count, the weighted mean relative error of the fit and total_err, the
+    signed error of the fit on the samples' total time (a step is a sum of tasks: this is what
+    a prediction inherits).
+
+    The fit is on each shape's mean duration (shape_means), weighted by its samples' weight
+    over its mean squared: every shape's relative error counts (a codelet's small shapes, a
+    layer's matmul at one sequence, as much as its large ones, the lm head at six), and the
+    noise of the samples of one shape does not bias the fit. Fitted on the samples themselves
+    with relative weights, a shape's estimate is E[1/y]/E[1/y^2] of its durations y: for a
+    log-normal spread s, exp(-2 s^2) of their mean (s = 0.2: 8 % fast; 0.3: 16 % fast): the
+    noisier the tasks (a k-core task waits for its slowest thread), the faster the model."""
     groups = {}
-    for s in samples:
+    for s in shape_means(samples):
         groups.setdefault((s[0], s[1]), []).append(s)
     out = {}
     for (name, k), rows in sorted(groups.items()):
@@ -210,11 +230,26 @@ def fit_codelets(samples: list, machine: Machine) -> dict:
         w = np.array([r[6] for r in rows], dtype=float)
         a, b, c = nnls3(X, y, w / np.maximum(y, 1e-7) ** 2)
         pred = X @ np.array([a, b, c])
-        rel = float(np.sum(w * np.abs(pred - y)) / np.sum(w * y)) if np.sum(w * y) > 0 else 0.0
-        d = out.setdefault(name, {"a": {}, "b": {}, "c_us": {}, "samples": {}, "rel_err": {}})
+        total = float(np.sum(w * y))
+        rel = float(np.sum(w * np.abs(pred - y)) / total) if total > 0 else 0.0
+        d = out.setdefault(name, {"a": {}, "b": {}, "c_us": {}, "samples": {}, "rel_err": {},
+                                  "total_err": {}})
         d["a"][k], d["b"][k], d["c_us"][k] = float(a), float(b), float(c * 1e6)
         d["samples"][k], d["rel_err"][k] = float(w.sum()), rel
+        d["total_err"][k] = float(np.sum(w * pred) / total - 1) if total > 0 else 0.0
     return out
+
+
+def total_error(samples: list, m: Machine) -> dict:
+    """{k: the fitted codelets' total time on the samples of k-core tasks over their measured
+    total, minus 1}: what a step made of these tasks inherits."""
+    fitted, measured = {}, {}
+    for name, k, W, flops, size, seconds, weight in samples:
+        c = m.codelets[name]
+        fitted[k] = fitted.get(k, 0.0) + weight * (c["a"][k] * flops / m.sgemm(k) + c["b"][k] * size
+                                                   / m.bandwidth(k, W) + c["c_us"][k] * 1e-6)
+        measured[k] = measured.get(k, 0.0) + weight * seconds
+    return {k: fitted[k] / measured[k] - 1 for k in fitted if measured[k] > 0}
 
 
 # ---------------------------------------------------------------- the runs
@@ -284,6 +319,8 @@ def calibrate(path: str, steps: int = 2, log=print, model: str = "d12") -> Machi
         m.link_pingpong_gbs = link["bandwidth_gbs"]
     samples, history, overheads = traced_runs(cores, steps, log, model)
     m.codelets = fit_codelets(samples + history, m)
+    log("  the fit against the traced tasks' total time, per core count: " + ", ".join(
+        f"k={k} {err:+.1%}" for k, err in sorted(total_error(samples, m).items())))
     per_task = [p for _, p, _ in overheads if p is not None]
     m.task_us = max(0.0, statistics.median(per_task) * 1e6) if per_task else 5.0
     m.step_ms = max(0.0, statistics.median(f for _, _, f in overheads) * 1e3)

@@ -98,7 +98,7 @@ def dumps(m: Machine) -> str:
     for name in sorted(m.codelets):
         c = m.codelets[name]
         out += ["", f"[codelets.{name}]"]
-        for key in ("a", "b", "c_us", "samples", "rel_err"):
+        for key in ("a", "b", "c_us", "samples", "rel_err", "total_err"):
             if key in c:
                 out.append(f"{key} = {{ " + ", ".join(f'"{k}" = {_fmt(float(v))}'
                                                       for k, v in sorted(c[key].items())) + " }")

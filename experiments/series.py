@@ -1,0 +1,35 @@
+"""What figures.py (the runs) and plots.py (their plots) share: a run's configuration fields
+and cache key, figure 2's series, and the model FLOPs per token."""
+from __future__ import annotations
+
+import json
+
+from starpu_llm.config import MODELS
+
+# the configuration fields of a run (its cache key, with the machine and the commit)
+CONFIG_FIELDS = ("engine", "model", "batch", "seq_len", "steps", "workers", "cores", "kcore",
+                 "sub_batches", "threads", "cpus", "ranks", "mpirun_args")
+SERIES = {   # figure 2's series: label, colour, marker
+    "reference": ("reference engine (paper: Karpathy's llm.c)", "#444444", "s"),
+    "tensor": ("StarPU 1 x k (one k-core worker: tensor parallelism)", "#1f77b4", "o"),
+    "data": ("StarPU k x 1 (k one-core workers, k sub-batches: data parallelism)", "#2ca02c", "^"),
+    "torch": ("PyTorch eager, SDPA + fused AdamW, k threads", "#d62728", "D"),
+    "torch-readable": ("PyTorch eager, readable model (tests' oracle)", "#ff9896", "d"),
+}
+
+
+def config_key(spec: dict) -> str:
+    return json.dumps({k: spec.get(k) for k in CONFIG_FIELDS}, sort_keys=True)
+
+
+def flops_per_token(model: str, T: int) -> float:
+    """Model FLOPs per trained token, counted from the shapes of the task graph's matmuls:
+    forward per token L (24 C^2 + 2 C (T + 1)) + 2 C Vp, that is the four GEMMs of a block
+    (qkv 3C^2, attproj C^2, fc 4C^2, fcproj 4C^2 multiply-adds), causal attention
+    (q.k and att.v over (T + 1) / 2 positions on average: 2 C (T + 1) flops) and the lm head
+    over the padded vocabulary; backward twice the forward (the gradient of the input and of
+    the weight); so 3x in all. Layernorm, GeLU, softmax, cross-entropy and AdamW are left out
+    (memory-bound, < 2 % of the flops). GPT-2 124M at T=64: 745 MFLOP/token (6 N = 747 M)."""
+    c = MODELS[model]
+    fwd = c.L * (24 * c.C ** 2 + 2 * c.C * (T + 1)) + 2 * c.C * c.Vp
+    return 3.0 * fwd
