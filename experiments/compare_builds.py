@@ -60,11 +60,11 @@ def plan(args, cores: int) -> list[tuple[str, dict]]:
                     continue
                 label = f"B={B} {n}x{k}" + (f" {mode}" if k > 1 else "") + \
                     (f" {sub} sub-batches" if sub else "")
-                rows.append((label, dict(engine="starpu", batch=B, workers=n, cores=k, kcore=mode,
+                rows.append((label, dict(engine="starpu", batch=B, workers=n, cores_per_worker=k, kcore=mode,
                                          sub_batches=sub)))
     for R in (int(r) for r in args.mpi_ranks.split(",") if r):
         k = args.mpi_cores_per_rank
-        spec = dict(engine="starpu", batch=R * args.mpi_batch_per_rank, workers=1, cores=k,
+        spec = dict(engine="starpu", batch=R * args.mpi_batch_per_rank, workers=1, cores_per_worker=k,
                     kcore="team")
         if R > 1:
             spec["ranks"] = R

@@ -95,13 +95,13 @@ def settings(args, cores: int) -> dict:
     return s
 
 
-def spec_of(engine, batch, S, cpus, workers=None, cores=None, kcore=None, threads=None,
+def spec_of(engine, batch, S, cpus, workers=None, cores_per_worker=None, kcore=None, threads=None,
             ranks=None, mpirun_args=None) -> dict:
     spec = dict(engine=engine, model=S["model"], batch=batch, seq_len=S["T"], steps=S["steps"],
                 cpus=cpus)
     if engine == "starpu":
-        spec.update(workers=workers, cores=cores)
-        if cores > 1:
+        spec.update(workers=workers, cores_per_worker=cores_per_worker)
+        if cores_per_worker > 1:
             spec["kcore"] = kcore or "team"
     else:
         spec["threads"] = threads
@@ -210,7 +210,7 @@ def describe_point(p) -> str:
             "torch": f"torch SDPA {s.get('threads')} thr",
             "torch-readable": f"torch readable {s.get('threads')} thr"}.get(s["engine"])
     if what is None:
-        what = f"starpu {s['workers']}x{s['cores']}" + (f" {s['kcore']}" if s.get("kcore") else "")
+        what = f"starpu {s['workers']}x{s['cores_per_worker']}" + (f" {s['kcore']}" if s.get("kcore") else "")
         if s.get("ranks"):
             what = f"mpirun -np {s['ranks']} " + what
     return f"{what}, B={s['batch']}"
@@ -293,7 +293,7 @@ def figure1(S, out, machine, force, log):
     for name, model, B, T, collapse in (("fig1_taskgraph_small", "tiny", 2, 16, False),
                                         ("fig1_taskgraph_gpt2", "d12", S["graph_batch"], S["T"], True)):
         spec = dict(engine="starpu", model=model, batch=B, seq_len=T, steps=1, workers=1,
-                    cores=1, cpus=1)
+                    cores_per_worker=1, cpus=1)
         r = traced(spec, os.path.join(out, f"{name}.trace.json"), machine, force, log)
         if r is None:
             continue
@@ -338,7 +338,7 @@ def traces(S, out, machine, force, log):
             continue
         label = f"{n}x{k}" + (f"_{mode}" if k > 1 else "")
         spec = dict(engine="starpu", model=S["model"], batch=B, seq_len=S["T"], steps=1,
-                    workers=n, cores=k, cpus=S["cores"])
+                    workers=n, cores_per_worker=k, cpus=S["cores"])
         if k > 1:
             spec["kcore"] = mode
         r = traced(spec, os.path.join(out, f"trace_{label}.json"), machine, force, log)

@@ -24,7 +24,7 @@ for n, k in [(1, 2), (2, 1)]:
         if args.batch % sb or sb < n:
             continue
         r = run_in_subprocess(dict(engine="starpu", model="d12", batch=args.batch, seq_len=64,
-                                   steps=args.steps, workers=n, cores=k, sub_batches=sb))
+                                   steps=args.steps, workers=n, cores_per_worker=k, sub_batches=sb))
         if "error" in r:
             print(f"{n}x{k} {sb}: {r['error']}")
             continue

@@ -77,7 +77,7 @@ def plot(rows: list, path: str, title: str) -> None:
         ax.plot([0, hi], [0, hi * (1 - f)], "k" + style, lw=0.6)
     marks = {1: "o", 4: "s", 8: "^", 16: "D"}
     for r in rows:
-        color = ("C3" if r["ranks"] > 1 else "C2" if r["workers"] * r["cores"] == 1 else
+        color = ("C3" if r["ranks"] > 1 else "C2" if r["workers"] * r["cores_per_worker"] == 1 else
                  "C0" if r["workers"] == 1 else "C1")
         ax.plot(r["measured"], r["predicted"], marks.get(r["B"], "x"), color=color, ms=5,
                 mfc="none" if r["sub_batches"] > r["workers"] else color)
@@ -164,7 +164,7 @@ def measure(configs: list, args) -> dict:
             B, n, k, s, R = c
             r = run_in_subprocess(dict(engine="starpu", model=args.model, batch=B,
                                        seq_len=args.seq_len, steps=args.steps, workers=n,
-                                       cores=k, sub_batches=s, ranks=R))
+                                       cores_per_worker=k, sub_batches=s, ranks=R))
             if "error" in r:
                 raise SystemExit(f"{label(n, k, s, R)} B={B} failed: {r['error']}")
             runs[c].append(r)
@@ -180,7 +180,7 @@ def validation_rows(configs: list, runs: dict, cal, model: str, T: int) -> list:
         p = predict(model, B, T, n, k, ranks=R, sub_batches=s, calibration=cal, ranks_per_node=R)
         speeds = [r["tokens_per_ms"] for r in runs[c]]
         m = statistics.median(speeds)
-        rows.append(dict(B=B, workers=n, cores=k, sub_batches=s, ranks=R, measured=m,
+        rows.append(dict(B=B, workers=n, cores_per_worker=k, sub_batches=s, ranks=R, measured=m,
                          predicted=p.tokens_per_ms, error=p.tokens_per_ms / m - 1,
                          runs=" ".join(f"{x:.4f}" for x in speeds)))
     return rows
@@ -207,15 +207,15 @@ def autotuner_rows(batches: list, rows: list, cal, model: str, T: int) -> list:
         trials = []
         ch = autotune.choose(model, B, T, cal, cache=cache, log=trials.append)
         ranking = autotune.rank(model, B, T, cal)
-        mine = next(r for r in rows if (r["B"], r["workers"], r["cores"], r["sub_batches"],
-                                        r["ranks"]) == (B, ch.workers, ch.cores, ch.sub_batches, 1))
+        mine = next(r for r in rows if (r["B"], r["workers"], r["cores_per_worker"], r["sub_batches"],
+                                        r["ranks"]) == (B, ch.workers, ch.cores_per_worker, ch.sub_batches, 1))
         best = max((r for r in rows if r["B"] == B and r["ranks"] == 1), key=lambda r: r["measured"])
         gap = 1 - mine["measured"] / best["measured"]
-        out.append(dict(B=B, choice=label(ch.workers, ch.cores, ch.sub_batches, 1),
+        out.append(dict(B=B, choice=label(ch.workers, ch.cores_per_worker, ch.sub_batches, 1),
                         choice_predicted=mine["predicted"], choice_measured=mine["measured"],
-                        best=label(best["workers"], best["cores"], best["sub_batches"], 1),
+                        best=label(best["workers"], best["cores_per_worker"], best["sub_batches"], 1),
                         best_measured=best["measured"], gap=gap,
-                        ranking=" > ".join(f"{label(p.workers, p.cores, p.sub_batches, 1)} "
+                        ranking=" > ".join(f"{label(p.workers, p.cores_per_worker, p.sub_batches, 1)} "
                                            f"{p.tokens_per_ms:.4f}" for p in ranking),
                         trials=" | ".join(trials)))
         print(f"| {B} | {out[-1]['choice']} | {mine['measured']:.4f} | {out[-1]['best']}: "
@@ -230,7 +230,7 @@ def write_results(folder: str, runs: dict, rows: list, choices: list | None, mac
     """The raw files of a validation run (the module doc lists them), each written atomically."""
     os.makedirs(folder, exist_ok=True)
     write_csv(os.path.join(folder, "runs.csv"), [
-        dict(B=B, workers=n, cores=k, sub_batches=s, ranks=R, repeat=i + 1,
+        dict(B=B, workers=n, cores_per_worker=k, sub_batches=s, ranks=R, repeat=i + 1,
              tokens_per_ms=r["tokens_per_ms"], step_ms=" ".join(f"{x:.2f}" for x in r["step_ms"]))
         for (B, n, k, s, R), rs in runs.items() for i, r in enumerate(rs)])
     write_csv(os.path.join(folder, "validation.csv"), rows)

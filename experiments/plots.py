@@ -86,7 +86,7 @@ def _write_fig_csv(path, fig, runs, S, machine, peaks, extra=None):
         spec = p["spec"]
         fpt = flops_per_token(spec["model"], spec["seq_len"])
         ranks = int(spec.get("ranks") or 1)
-        per_rank_cores = (spec.get("workers", 1) * spec.get("cores", 1)) if ranks > 1 else \
+        per_rank_cores = (spec.get("workers", 1) * spec.get("cores_per_worker", 1)) if ranks > 1 else \
             int(spec.get("cpus") or machine["cores"])
         peak = peaks.get(per_rank_cores)
         for r in rs:
@@ -98,13 +98,13 @@ def _write_fig_csv(path, fig, runs, S, machine, peaks, extra=None):
                        utilisation=(round(fpt * tpm / ranks * 1e3 / (peak * 1e9), 4) if peak else ""),
                        scale=S["scale"])
             row.update({k: r[k] for k in ("engine", "model", "batch", "seq_len", "steps", "workers",
-                                          "cores", "kcore", "sub_batches", "threads", "cpus",
+                                          "cores_per_worker", "kcore", "sub_batches", "threads", "cpus",
                                           "ranks", "describe", "when")})
             if extra:
                 row.update(extra(p, r))
-            row.update({k: machine[k] for k in ("cpu_model", "cores", "starpu_version", "blas",
+            row.update({k: machine[k] for k in ("cpu_model", "starpu_version", "blas",
                                                 "torch_version", "commit", "host")})
-            row["machine_cores"] = row.pop("cores_machine", machine["cores"])
+            row["machine_cores"] = machine["cores"]
             rows.append(row)
     from starpu_llm.runs import write_csv
     if rows:
@@ -309,7 +309,7 @@ def figure(fig, points, cache, S, machine, peaks, out, repeat, log):
             continue
         spec = p["spec"]
         R = int(spec.get("ranks") or 1)
-        c = spec["workers"] * spec["cores"] if R > 1 else int(spec.get("cpus") or S["cores"])
+        c = spec["workers"] * spec["cores_per_worker"] if R > 1 else int(spec.get("cpus") or S["cores"])
         med, lo, hi = stat[(series, x)]
         peak = peaks.get(c)
         table.append(dict(series=series, label=SERIES.get(series, (series,))[0], x=x,
@@ -334,7 +334,7 @@ def gantt(r, workers, png, S, machine) -> dict:
     rows = sorted({e.worker for e in it})
     # idle: the share of the partition's core time (n x k cores over the iteration) that no
     # task held; a task of k cores holds k of them
-    ncores = workers * int(r["cores"])
+    ncores = workers * int(r["cores_per_worker"])
     idle = 100.0 * (1 - sum(e.ms * e.cores for e in it) / (ncores * makespan))
     f, ax = plt.subplots(figsize=(12, 2.0 + 0.45 * (len(rows) + 1)))
     for y, w in enumerate(rows):
@@ -356,7 +356,7 @@ def gantt(r, workers, png, S, machine) -> dict:
     ax.set_ylim(-0.6, yc + 0.6)
     ax.set_xlim(0, makespan)
     ax.set_xlabel("ms since the iteration's first task")
-    label = f"{workers}x{r['cores']}" + (f" {r.get('kcore', 'team')}" if r["cores"] > 1 else "")
+    label = f"{workers}x{r['cores_per_worker']}" + (f" {r.get('kcore', 'team')}" if r["cores_per_worker"] > 1 else "")
     ax.set_title(_wrap(f"One training iteration, partition {label} ({r.get('describe', '')}), "
                  f"{_model(S)}, B={r['batch']}, T={r['seq_len']}: {len(it)} tasks, "
                  f"{makespan:.0f} ms; idle {idle:.0f} % of the {ncores} cores' time; dependency critical path "

@@ -7,7 +7,7 @@ import json
 from starpu_llm.config import MODELS
 
 # the configuration fields of a run (its cache key, with the machine and the commit)
-CONFIG_FIELDS = ("engine", "model", "batch", "seq_len", "steps", "workers", "cores", "kcore",
+CONFIG_FIELDS = ("engine", "model", "batch", "seq_len", "steps", "workers", "cores_per_worker", "kcore",
                  "sub_batches", "threads", "cpus", "ranks", "mpirun_args")
 SERIES = {   # figure 2's series: label, colour, marker
     "reference": ("reference engine (paper: Karpathy's llm.c)", "#444444", "s"),

@@ -50,7 +50,7 @@ def run_one(spec: dict) -> dict:
     """Run one configuration in this process and return its result (used by the subprocess).
 
     spec: model, batch, seq_len, steps (timed, after one warm-up) and engine: "starpu"
-    (workers, cores, kcore, sub_batches), "reference" (threads), "torch" (the standard eager
+    (workers, cores_per_worker, kcore, sub_batches), "reference" (threads), "torch" (the standard eager
     GPT-2: baselines/torch_sdpa.py) or "torch-readable" (baselines/torch_gpt2.py, the tests' oracle),
     both with threads (default: every usable core). With trace=True (StarPU engine) the result
     also has the task trace of every step: see traced_run."""
@@ -74,7 +74,7 @@ def run_one(spec: dict) -> dict:
     else:   # exactly what `starpu-llm train` runs: one warm-up step, then the timed ones
         r = train(TrainConfig(model=spec["model"], batch=B, seq_len=T, steps=steps + 1,
                               engine=spec["engine"], workers=spec.get("workers"),
-                              cores_per_worker=spec.get("cores"), kcore=spec.get("kcore"),
+                              cores_per_worker=spec.get("cores_per_worker"), kcore=spec.get("kcore"),
                               sub_batches=spec.get("sub_batches"), threads=spec.get("threads"),
                               log=None))
         ms = r.step_ms
@@ -97,7 +97,7 @@ def traced_run(spec: dict) -> list:
     loader = data.DataLoader(data.default_dataset()[0], B, T, vocab_size=config.V)
     state = TrainState(config=config, params=random_init(config))
     ms, steps_ns = [], []
-    with Runtime(spec.get("workers"), spec.get("cores"), kcore=spec.get("kcore")) as rt:
+    with Runtime(spec.get("workers"), spec.get("cores_per_worker"), kcore=spec.get("kcore")) as rt:
         engine = StarPUEngine(config, state, B, T, loader.tokens, rt,
                               sub_batches=spec.get("sub_batches"), record=True)
         rt.start_trace(400_000)
@@ -137,8 +137,7 @@ def run_bench(args):
           + ("  runs (tok/ms)" if repeat > 1 else ""))
     for B in batches:
         specs = [dict(engine="reference")]
-        # the spec's "cores" is the workers' K (cores_per_worker; the key perf/ and experiments/ read)
-        specs += [dict(engine="starpu", workers=n, cores=cores_per_worker, kcore=kcore)
+        specs += [dict(engine="starpu", workers=n, cores_per_worker=cores_per_worker, kcore=kcore)
                   for n, cores_per_worker, kcore in partitions
                   if B % n == 0]
         if not args.no_torch:
@@ -154,7 +153,7 @@ def run_bench(args):
         for s, rs in zip(specs, runs):
             label = s["engine"]
             if s["engine"] == "starpu":
-                label += f" {s['workers']}x{s['cores']}" + (f" {s['kcore']}" if s["cores"] > 1 else "")
+                label += f" {s['workers']}x{s['cores_per_worker']}" + (f" {s['kcore']}" if s["cores_per_worker"] > 1 else "")
             ok = [r for r in rs if "error" not in r]
             if not ok:
                 print(f"{B:>3} {label:<22} failed: {rs[0]['error']}")

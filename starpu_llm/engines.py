@@ -37,9 +37,9 @@ def autotuned(cfg, config, comm, runtime, log):
         raise StarpuLLMError(f"{opt('workers')} auto: the model is none of {', '.join(MODELS)}; "
                              f"give {opt('workers')} N")
     choice = autotune.choose(model, cfg.batch, cfg.seq_len, load_calibration(), log=log)
-    log(f"autotune: {choice.workers}x{choice.cores}, {choice.sub_batches} sub-batch(es): "
+    log(f"autotune: {choice.workers}x{choice.cores_per_worker}, {choice.sub_batches} sub-batch(es): "
         f"{choice.why}")
-    return replace(cfg, workers=choice.workers, cores_per_worker=choice.cores,
+    return replace(cfg, workers=choice.workers, cores_per_worker=choice.cores_per_worker,
                    sub_batches=choice.sub_batches)
 
 

@@ -158,7 +158,7 @@ def test_predictions_move_the_right_way():
 
 def best_per_partition(ranked):
     """[(N, K)] in the order of each partition's best candidate."""
-    return list(dict.fromkeys((p.workers, p.cores) for p in ranked))
+    return list(dict.fromkeys((p.workers, p.cores_per_worker) for p in ranked))
 
 
 def speeds_against_one_core(m, ranked):
@@ -167,7 +167,7 @@ def speeds_against_one_core(m, ranked):
                   parallel_workers=False).tokens_per_ms
     best = {}
     for p in ranked:
-        best.setdefault((p.workers, p.cores), p.tokens_per_ms / one)
+        best.setdefault((p.workers, p.cores_per_worker), p.tokens_per_ms / one)
     return best
 
 
@@ -189,7 +189,7 @@ def test_autotuner_picks_one_worker_where_cores_scale_and_reductions_cost():
                                parallel_workers=False)
         assert len(ranked) == len(autotune.candidates(cores, 8)) >= 4
         top = ranked[0]
-        assert (top.workers, top.cores, top.sub_batches) == (1, cores, 1), \
+        assert (top.workers, top.cores_per_worker, top.sub_batches) == (1, cores, 1), \
             [p.describe() for p in ranked]
 
 
@@ -211,7 +211,7 @@ def test_autotuner_avoids_a_costly_team():
     (the k-core per-task cost): on 8 cores the one-core workers must win."""
     m = linear(8, team_us=1000.0)
     ranked = autotune.rank(MODEL, 8, T, m, parallel_workers=False)
-    assert (ranked[0].workers, ranked[0].cores) == (8, 1), [p.describe() for p in ranked]
+    assert (ranked[0].workers, ranked[0].cores_per_worker) == (8, 1), [p.describe() for p in ranked]
     assert best_per_partition(ranked)[-1] == (1, 8)
 
 
@@ -231,9 +231,9 @@ def test_autotuner_picks_the_middle_partition_where_it_must():
 
 def test_ranking_is_a_pure_function_of_the_description():
     m = synthetic(4, [1.0, 2.5, 2.5, 2.5], [1e6] * 4)
-    one = [(p.workers, p.cores, p.sub_batches, p.tokens_per_ms)
+    one = [(p.workers, p.cores_per_worker, p.sub_batches, p.tokens_per_ms)
            for p in autotune.rank(MODEL, 8, T, m, parallel_workers=False)]
-    again = [(p.workers, p.cores, p.sub_batches, p.tokens_per_ms)
+    again = [(p.workers, p.cores_per_worker, p.sub_batches, p.tokens_per_ms)
              for p in autotune.rank(MODEL, 8, T, machine.loads(machine.dumps(m)),
                                     parallel_workers=False)]
     assert one == again
@@ -354,11 +354,11 @@ def test_validation_writes_its_raw_data(tmp_path):
     parts = [(1, 1, 1)] + list(autotune.candidates(usable_cores(), 4))
     with open(out / "runs.csv", newline="") as f:
         runs = list(csv.DictReader(f))
-    assert [(int(x["workers"]), int(x["cores"]), int(x["sub_batches"])) for x in runs] == parts
+    assert [(int(x["workers"]), int(x["cores_per_worker"]), int(x["sub_batches"])) for x in runs] == parts
     assert all(float(x["tokens_per_ms"]) > 0 and len(x["step_ms"].split()) == 1 for x in runs)
     with open(out / "validation.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert [(int(x["workers"]), int(x["cores"]), int(x["sub_batches"])) for x in rows] == parts
+    assert [(int(x["workers"]), int(x["cores_per_worker"]), int(x["sub_batches"])) for x in rows] == parts
     for x in rows:
         assert float(x["error"]) == pytest.approx(float(x["predicted"]) / float(x["measured"]) - 1)
     with open(out / "autotune.csv", newline="") as f:

@@ -19,7 +19,7 @@ from .predict import predict
 @dataclass
 class Choice:
     workers: int
-    cores: int
+    cores_per_worker: int
     sub_batches: int
     why: str
 
@@ -65,13 +65,13 @@ def choose(model: str, B: int, T: int, calibration: Machine, trial_steps: int = 
         known = {}
     if key in known:
         c = known[key]
-        return Choice(c["workers"], c["cores"], c["sub_batches"], c["why"] + " (cached)")
+        return Choice(c["workers"], c["cores_per_worker"], c["sub_batches"], c["why"] + " (cached)")
     ranked = rank(model, B, T, calibration)
     trials = []
     for p in ranked[:2]:
-        n, k, s = p.workers, p.cores, p.sub_batches
+        n, k, s = p.workers, p.cores_per_worker, p.sub_batches
         r = run_in_subprocess(dict(engine="starpu", model=model, batch=B, seq_len=T,
-                                   steps=trial_steps, workers=n, cores=k, sub_batches=s))
+                                   steps=trial_steps, workers=n, cores_per_worker=k, sub_batches=s))
         measured = r.get("tokens_per_ms", 0.0)
         trials.append((measured, p, (n, k, s)))
         log(f"autotune: {n}x{k}, {s} sub-batch(es): predicted {p.tokens_per_ms:.4f}, "
@@ -80,7 +80,7 @@ def choose(model: str, B: int, T: int, calibration: Machine, trial_steps: int = 
     why = (f"best of the model's ranking of {len(ranked)} partitions, confirmed by a "
            f"{trial_steps}-step trial of the top {len(trials)}: {measured:.4f} tok/ms measured, "
            f"{p.tokens_per_ms:.4f} predicted")
-    known[key] = dict(workers=n, cores=k, sub_batches=s, why=why)
+    known[key] = dict(workers=n, cores_per_worker=k, sub_batches=s, why=why)
     from ..io.atomic import atomic_write
     os.makedirs(os.path.dirname(os.path.abspath(cache)), exist_ok=True)
     atomic_write(cache, lambda f: json.dump(known, f, indent=1), text=True)

@@ -129,7 +129,7 @@ def fit_link(m: Machine, model: str, steps: int, log) -> None:
     B = 2 * MPI_FIT_SUB_BATCH
     r = run_in_subprocess(dict(engine="starpu", model=model, batch=B, seq_len=64,
                                steps=max(steps, 4),     # one sample for one number: a few steps
-                               workers=1, cores=k, sub_batches=1, ranks=2))
+                               workers=1, cores_per_worker=k, sub_batches=1, ranks=2))
     if "error" in r:
         log(f"  mpirun -np 2 run failed ({r['error']}): the link keeps the ping-pong's figures")
         return
@@ -262,7 +262,7 @@ def traced_runs(cores: int, steps: int, log, model: str = "d12") -> tuple[list, 
         home = tempfile.mkdtemp(prefix="starpu-llm-calib-")
         env = dict(os.environ, STARPU_HOME=home, STARPU_CALIBRATE="1")
         spec = dict(engine="starpu", model=model, batch=N * per_sub, seq_len=64, steps=steps,
-                    workers=N, cores=K, trace=True)
+                    workers=N, cores_per_worker=K, trace=True)
         t0 = time.perf_counter()
         r = run_in_subprocess(spec, env=env)
         if "error" in r:

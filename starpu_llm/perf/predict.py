@@ -30,15 +30,15 @@ def starpu_has_tree_reduction() -> bool:
     return (v[0], v[1]) >= (1, 4)
 
 
-def pins_sub_batches(workers: int, cores: int, parallel_workers: bool | None = None) -> bool:
+def pins_sub_batches(workers: int, cores_per_worker: int, parallel_workers: bool | None = None) -> bool:
     """Whether the placement pins sub-batch i to worker i mod N here: where StarPU's workers
     are the partition's (one-core workers, or team workers; not parallel workers)."""
     from ..runtime.starpu import DEFAULT_KCORE, starpu_worker_count
     if workers == 1:
         return False
     if parallel_workers is None:
-        return starpu_worker_count(workers, cores, DEFAULT_KCORE) == workers
-    return cores == 1 or not parallel_workers
+        return starpu_worker_count(workers, cores_per_worker, DEFAULT_KCORE) == workers
+    return cores_per_worker == 1 or not parallel_workers
 
 
 @dataclass
@@ -47,7 +47,7 @@ class Prediction:
     B: int
     T: int
     workers: int
-    cores: int
+    cores_per_worker: int
     sub_batches: int        # per rank
     ranks: int
     schedule: Schedule
@@ -59,7 +59,7 @@ class Prediction:
 
     def describe(self) -> str:
         s = self.schedule
-        part = f"{self.workers}x{self.cores}" + (f" x {self.ranks} ranks" if self.ranks > 1 else "")
+        part = f"{self.workers}x{self.cores_per_worker}" + (f" x {self.ranks} ranks" if self.ranks > 1 else "")
         idle = ", ".join(f"{x:.0%}" for x in s.idle[:16]) + (" ..." if len(s.idle) > 16 else "")
         how = "reduction" if self.reduction else ("chained" if self.sub_batches * self.ranks > 1
                                                   else "one sub-batch")
@@ -81,7 +81,7 @@ def load_calibration(path: str | None = None) -> Machine:
         raise
 
 
-def predict(model: str, B: int, T: int, workers: int, cores: int, ranks: int = 1,
+def predict(model: str, B: int, T: int, workers: int, cores_per_worker: int, ranks: int = 1,
             sub_batches: int | None = None, calibration: Machine | None = None,
             machine: Machine | None = None, tree: bool | None = None,
             parallel_workers: bool | None = None, ranks_per_node: int = 1) -> Prediction:
@@ -92,10 +92,10 @@ def predict(model: str, B: int, T: int, workers: int, cores: int, ranks: int = 1
     from ..config import MODELS
     calibration = calibration or load_calibration()
     target = machine or calibration
-    if workers < 1 or cores < 1 or ranks < 1:
+    if workers < 1 or cores_per_worker < 1 or ranks < 1:
         raise StarpuLLMError(f"{opt('workers')}, {opt('cores_per_worker')} and ranks must be >= 1")
-    if workers * cores > target.cores:
-        raise StarpuLLMError(f"{workers} x {cores} cores do not fit in {target.name}'s "
+    if workers * cores_per_worker > target.cores:
+        raise StarpuLLMError(f"{workers} x {cores_per_worker} cores do not fit in {target.name}'s "
                              f"{target.cores} cores")
     S = sub_batches or workers
     if B % (S * ranks):
@@ -104,10 +104,10 @@ def predict(model: str, B: int, T: int, workers: int, cores: int, ranks: int = 1
     if T > MODELS[model].max_seq_len:
         raise StarpuLLMError(f"{opt('seq_len')} {T} is above the model's {MODELS[model].max_seq_len}")
     g = task_graph(model, B, T, S * ranks)
-    pinned = pins_sub_batches(workers, cores, parallel_workers)
+    pinned = pins_sub_batches(workers, cores_per_worker, parallel_workers)
     redux = gradient_mode(workers, pinned, S, ranks)
     if tree is None:
         tree = starpu_has_tree_reduction()
-    sched = simulate(g, CostModel(target, calibration), workers, cores, ranks, pinned=pinned,
+    sched = simulate(g, CostModel(target, calibration), workers, cores_per_worker, ranks, pinned=pinned,
                      redux=redux, tree=tree, ranks_per_node=ranks_per_node)
-    return Prediction(model, B, T, workers, cores, S, ranks, sched, bool(redux))
+    return Prediction(model, B, T, workers, cores_per_worker, S, ranks, sched, bool(redux))
