@@ -190,7 +190,7 @@ def print_table(rows: list) -> None:
     errors = [abs(r["error"]) for r in rows]
     print("\n| B | partition | measured tok/ms | predicted | error |\n|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['B']} | {label(r['workers'], r['cores'], r['sub_batches'], r['ranks'])} | "
+        print(f"| {r['B']} | {label(r['workers'], r['cores_per_worker'], r['sub_batches'], r['ranks'])} | "
               f"{r['measured']:.4f} | {r['predicted']:.4f} | {r['error']:+.1%} |")
     print(f"\nabsolute error over {len(rows)} configurations: median {statistics.median(errors):.1%},"
           f" largest {max(errors):.1%}")
