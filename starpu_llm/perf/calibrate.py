@@ -39,12 +39,18 @@ FIT_SUB_BATCH = (1, 3, 6)   # sequences per sub-batch of the calibration runs
 
 # ---------------------------------------------------------------- rates
 
-def _best(f, reps=5):
-    best = float("inf")
-    for _ in range(reps):
+def _best(f, reps=5, seconds=0.5):
+    """The best time of f over at least reps calls and `seconds`, after one warm-up call. A
+    window of a few calls is not enough on a VM: measured here (Zen 3, 2 vCPUs), 5 calls of a
+    2-thread sgemm gave one core's rate in one measurement of two, the second thread held off
+    for the whole window (the calibration then recorded sgemm(2) = 91 against 175 GFLOP/s)."""
+    f()
+    best, calls, end = float("inf"), 0, time.perf_counter() + seconds
+    while calls < reps or time.perf_counter() < end:
         t0 = time.perf_counter()
         f()
         best = min(best, time.perf_counter() - t0)
+        calls += 1
     return best
 
 
