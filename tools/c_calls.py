@@ -13,6 +13,9 @@ import re
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from import_graph import cycles  # noqa: E402  (the same circle finder as for the imports)
+
 DEFINITION = re.compile(r"^(?!static\b)[A-Za-z_][\w \t\*]*?\b([A-Za-z_]\w*)\s*\(([^;{}]*)\)\s*\{",
                         re.M)
 CALL = re.compile(r"\b([A-Za-z_]\w*)\s*\(")
@@ -36,38 +39,6 @@ def call_graph(root: Path) -> dict:
     for f, text in code.items():
         graph[f] = {owner[n] for n in CALL.findall(text) if n in owner and owner[n] != f}
     return graph
-
-
-def cycles(graph: dict) -> list:
-    """The circles of graph, each as a list of nodes (one per strongly connected component of
-    more than one node)."""
-    index, low, stack, on, out = {}, {}, [], set(), []
-
-    def visit(v):
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in sorted(graph.get(v, ())):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                out.append(sorted(comp))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return out
 
 
 def main(argv=None) -> int:
