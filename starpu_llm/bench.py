@@ -76,9 +76,11 @@ def run_one(spec: dict) -> dict:
                               engine=spec["engine"], workers=spec.get("workers"),
                               cores_per_worker=spec.get("cores_per_worker"), kcore=spec.get("kcore"),
                               sub_batches=spec.get("sub_batches"), threads=spec.get("threads"),
-                              log=None))
+                              ownership=spec.get("ownership"), log=None))
         ms = r.step_ms
         spec["describe"] = r.engine
+        if r.rank_peak_rss_mb is not None:    # under mpirun: every rank's
+            spec.update(traffic=r.traffic, rank_peak_rss_mb=r.rank_peak_rss_mb)
     timed = ms[1:]
     spec.update(step_ms=timed, tokens_per_ms=B * T * len(timed) / sum(timed),
                 peak_rss_mb=peak_rss_mb())

@@ -16,7 +16,8 @@ from .perf.predict import load_calibration
 from .record import Partition
 from .runtime.starpu import Runtime
 
-PARTITION_SETTINGS = ("workers", "cores_per_worker", "sub_batches", "kcore", "threads")
+PARTITION_SETTINGS = ("workers", "cores_per_worker", "sub_batches", "kcore", "threads",
+                      "ownership")
 
 
 def partition_given(cfg) -> bool:
@@ -57,7 +58,7 @@ def make_engine(cfg, state, tokens, runtime=None):
     if cfg.engine != "starpu":
         raise StarpuLLMError(f"{opt('engine')} {cfg.engine!r}: choose starpu or reference")
     return StarPUEngine(state.config, state, cfg.batch, cfg.seq_len, tokens, runtime,
-                        sub_batches=cfg.sub_batches, record=cfg.record)
+                        sub_batches=cfg.sub_batches, record=cfg.record, ownership=cfg.ownership)
 
 
 def partition_of(engine) -> Partition:
@@ -67,4 +68,4 @@ def partition_of(engine) -> Partition:
         return Partition("reference", 1, engine.threads, engine.sub_batches, "openmp", 1)
     rt = engine.runtime
     return Partition("starpu", rt.workers, rt.cores_per_worker, engine.subs_per_rank, rt.kcore,
-                     rt.size)
+                     rt.size, engine.placement.ownership)

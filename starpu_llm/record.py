@@ -18,9 +18,12 @@ class Partition:
                             # forkjoin or parallel-workers (runtime.effective_kcore); the
                             # reference engine: openmp
     ranks: int = 1          # MPI processes
+    ownership: str = "rank0"  # who owns parameters, gradients, moments (flow/placement.py):
+                              # sharded or rank0 (a single process: rank0)
 
     def describe(self) -> str:
-        ranks = f" on each of {self.ranks} MPI processes" if self.ranks > 1 else ""
+        ranks = (f" on each of {self.ranks} MPI processes, {self.ownership} ownership"
+                 if self.ranks > 1 else "")
         if self.engine == "reference":
             return f"reference engine, {self.cores_per_worker} thread(s), {self.sub_batches} sub-batch(es)"
         return (f"{self.workers} worker(s) x {self.cores_per_worker} core(s) ({self.kcore}), "

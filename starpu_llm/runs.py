@@ -17,6 +17,7 @@ import subprocess
 import sys
 
 from .io.atomic import atomic_write
+from .runtime.mpi import COMM_STATS_ENV
 
 CHILD = "starpu_llm.bench"      # the module the child process runs (its __main__: run_one)
 
@@ -83,8 +84,9 @@ def run_in_subprocess(spec: dict, env=None, python: str | None = None) -> dict:
             return dict(spec, error="mpirun not found (install openmpi-bin)")
         cmd = [mpirun, "--oversubscribe", "--bind-to", "none", "-np", str(ranks),
                *spec.get("mpirun_args", []), *cmd]
+        # StarPU-MPI's traffic counters on (the result's "traffic": bytes per step and rank)
         env = dict(env or os.environ, OMPI_ALLOW_RUN_AS_ROOT="1",
-                   OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+                   OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", **COMM_STATS_ENV)
     preexec = None
     if spec.get("cpus"):
         cpus = sorted(os.sched_getaffinity(0))[:int(spec["cpus"])]

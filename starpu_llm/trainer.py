@@ -124,6 +124,11 @@ class TrainConfig:
                                 group=PARALLELISM)
     oversubscribe: bool = setting(False, "allow N x K above the usable cores (correctness tests only)",
                                   group=PARALLELISM)
+    ownership: str | None = setting(
+        None, "under mpirun, which ranks own the parameters, gradients and AdamW moments: "
+        "sharded (each tensor slice on one rank, bytes balanced; the default) or rank0 (all on "
+        "rank 0, the paper's scheme)", choices=["sharded", "rank0"], group=PARALLELISM,
+        ranks_agree=True)
     threads: int | None = setting(None, "reference engine: OpenMP/BLAS threads (default: all cores)",
                                   check="positive", group=PARALLELISM)
     # Python-only settings (no flag)
@@ -145,6 +150,10 @@ class TrainResult:
     trace: list | None = None
     records: list | None = None
     val_losses: list = field(default_factory=list)   # (step, validation loss)
+    # under mpirun: every rank's (bytes sent, bytes received) per timed step, from StarPU-MPI's
+    # statistics (None when off: runtime.mpi.COMM_STATS_ENV), and every rank's peak RSS
+    traffic: list | None = None
+    rank_peak_rss_mb: list | None = None
 
 
 def run_settings(cfg: TrainConfig, config: GPTConfig, loader) -> dict:
@@ -258,7 +267,10 @@ def _train(cfg: TrainConfig, state: TrainState | None, runtime, ctrl_c: StopOnCt
             sampler = TrainingSampler(engine, cfg.seed)
         tokens_per_step = cfg.batch * cfg.seq_len
         # --steps counts the whole run (a resumed one too): also the schedule's horizon
+        sent = []     # under MPI, the bytes sent so far at each step's start (if counted)
         for i in range(cfg.steps - state.step):
+            if comm is not None:
+                sent.append(runtime.bytes_sent())
             pos = loader.next_position()
             lr = learning_rate(state.step, cfg.steps, cfg.lr, cfg.lr_schedule, cfg.warmup_steps,
                                cfg.min_lr)
@@ -288,10 +300,15 @@ def _train(cfg: TrainConfig, state: TrainState | None, runtime, ctrl_c: StopOnCt
         state.data = loader.state()
         timed = result.step_ms[cfg.untimed_steps:] or result.step_ms
         result.timed_steps = len(timed)
+        if comm is not None and sent:
+            result.traffic = distributed.traffic(comm, sent[len(result.step_ms) - len(timed)],
+                                                 runtime.bytes_sent(), len(timed))
         result.tokens_per_ms = tokens_per_step * len(timed) / sum(timed)
         if cfg.trace:
             result.trace = runtime.trace() if tracing else []
         result.records = engine.submitted()
+        if cfg.save:
+            engine.sync()       # under MPI the owners send rank 0 their slices to save
     finally:
         if sampler:
             sampler.close()
@@ -303,6 +320,8 @@ def _train(cfg: TrainConfig, state: TrainState | None, runtime, ctrl_c: StopOnCt
         if metrics:
             metrics.commit()
     result.peak_rss_mb = peak_rss_mb()
+    if comm is not None:
+        result.rank_peak_rss_mb = comm.allgather(result.peak_rss_mb)
     result.state = state
     log(f"tokens/ms over {result.timed_steps} timed step(s): {result.tokens_per_ms:.4f}"
         f"   peak RSS: {result.peak_rss_mb:.0f} MB")

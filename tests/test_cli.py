@@ -55,7 +55,8 @@ def test_train_save_and_metrics(shard, tmp_path):
     assert all(set(r) == {"step", "loss", "ms", "tokens_per_ms", "partition"} for r in rows)
     # no partition flag: the documented default, one worker on all usable cores
     assert rows[0]["partition"] == dict(engine="starpu", workers=1, cores_per_worker=usable_cores(),
-                                        sub_batches=1, kcore=rows[0]["partition"]["kcore"], ranks=1)
+                                        sub_batches=1, kcore=rows[0]["partition"]["kcore"], ranks=1,
+                                        ownership="rank0")
     assert rows[0]["partition"]["kcore"] in (("single",) if usable_cores() == 1 else
                                              ("team", "parallel-workers"))
     assert f"partition: 1 worker(s) x {usable_cores()} core(s)" in out

@@ -15,7 +15,7 @@ starpu = pytest.importorskip(
 from starpu_llm import Runtime, StarpuLLMError                      # noqa: E402
 from starpu_llm.io import formats                                   # noqa: E402
 from starpu_llm.runtime import starpupy_face                      # noqa: E402
-from starpu_llm.config import GPTConfig                              # noqa: E402
+from starpu_llm.config import MODELS, GPTConfig                      # noqa: E402
 from starpu_llm.flow.engine import StarPUEngine                           # noqa: E402
 from starpu_llm.runtime import usable_cores                          # noqa: E402
 from starpu_llm.state import TrainState, random_init                 # noqa: E402
@@ -128,7 +128,7 @@ def test_starpupy_handle_pointer_is_a_starpu_handle():
     on: a C task writing it (the snapshot copy) runs before the starpupy task reading it."""
     with Runtime(1, 1, face="starpupy") as rt:
         from starpu_llm.flow.placement import Placement
-        place = Placement(rt, 1, 1)
+        place = Placement(rt, MODELS["micro"], 1)
         src = [np.arange(5, dtype=np.float32), np.arange(5, 8, dtype=np.float32)]
         handles = [place._register(a) for a in src]
         dst = np.zeros(8, np.float32)

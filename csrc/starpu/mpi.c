@@ -1,6 +1,7 @@
-/* StarPU-MPI glue: start on mpi4py's communicator, register handles with owner and tag, the
- * cross-process gradient reduction. Tasks are inserted by submit.c. Built without MPI, every
- * MPI entry point says -ENOSYS. */
+/* StarPU-MPI glue: start on mpi4py's communicator, register handles with owner and tag, bring
+ * a handle to a rank, read the traffic counters. Tasks are inserted by submit.c. Built without MPI, every
+ * MPI entry point says -ENOSYS. The gradients' reduction across ranks is a task flow
+ * (taskflow.reduce_gradients), not starpu_mpi_redux_data (see placement.py). */
 #include <errno.h>
 #include "internal.h"
 
@@ -61,19 +62,35 @@ int sl_mpi_register(sl_handle h, int64_t tag, int owner)
 	return 0;
 }
 
-int sl_mpi_redux(sl_handle h)
+int sl_mpi_wait_all(void) { return starpu_mpi_wait_for_all(sl_mpi_comm_); }
+
+int sl_mpi_fetch(sl_handle h, int node)
 {
 	if (!sl_mpi_active)
 		return -EINVAL;
-#ifdef SL_HAVE_MPI_REDUX_TREE
-	return starpu_mpi_redux_data_prio_tree(sl_mpi_comm_, h, 0, 2);
-#else
-	starpu_mpi_redux_data(sl_mpi_comm_, h);
+	/* void on 1.3, int on 1.4 */
+	starpu_mpi_get_data_on_node_detached(sl_mpi_comm_, h, node, NULL, NULL);
 	return 0;
-#endif
 }
 
-int sl_mpi_wait_all(void) { return starpu_mpi_wait_for_all(sl_mpi_comm_); }
+int sl_mpi_bytes_sent(size_t *sent)
+{
+	if (!sl_mpi_active)
+		return -EINVAL;
+	int n = sl_mpi_size();
+	/* StarPU leaves the array alone when its statistics are off: a sentinel tells */
+	for (int r = 0; r < n; r++)
+		sent[r] = (size_t)-1;
+#if STARPU_MAJOR_VERSION > 1 || STARPU_MINOR_VERSION >= 4
+	starpu_mpi_comm_stats_retrieve(sent);
+#else
+	starpu_mpi_comm_amounts_retrieve(sent);
+#endif
+	for (int r = 0; r < n; r++)
+		if (sent[r] == (size_t)-1)
+			return -ENODATA;
+	return 0;
+}
 
 int sl_mpi_tag_ub(void)
 {
@@ -102,12 +119,18 @@ int sl_mpi_register(sl_handle h, int64_t t, int o)
 	(void)o;
 	return -ENOSYS;
 }
-int sl_mpi_redux(sl_handle h)
-{
-	(void)h;
-	return -ENOSYS;
-}
 int sl_mpi_wait_all(void) { return -ENOSYS; }
 int sl_mpi_tag_ub(void) { return 0; }
+int sl_mpi_fetch(sl_handle h, int node)
+{
+	(void)h;
+	(void)node;
+	return -ENOSYS;
+}
+int sl_mpi_bytes_sent(size_t *sent)
+{
+	(void)sent;
+	return -ENOSYS;
+}
 
 #endif

@@ -206,24 +206,6 @@ sl_handle sl_register_vector(void *ptr, size_t n, size_t elemsize)
 	return h;
 }
 
-int sl_partition(sl_handle h, int nparts, sl_handle *children)
-{
-	if (nparts < 1 || starpu_vector_get_nx(h) % (unsigned)nparts)
-		return -EINVAL;
-	struct starpu_data_filter f = { .filter_func = starpu_vector_filter_block,
-					.nchildren = (unsigned)nparts };
-	starpu_data_partition(h, &f);
-	for (int i = 0; i < nparts; i++)
-		children[i] = starpu_data_get_sub_data(h, 1, i);
-	return 0;
-}
-
-int sl_unpartition(sl_handle h)
-{
-	starpu_data_unpartition(h, STARPU_MAIN_RAM);
-	return 0;
-}
-
 void sl_unregister(sl_handle h) { starpu_data_unregister(h); }
 
 void *sl_acquire(sl_handle h, int mode)

@@ -46,19 +46,20 @@ int sl_mpi_rank(void);
 int sl_mpi_size(void);
 /* Every process registers every handle with the same dense tag and the owning rank. */
 int sl_mpi_register(sl_handle h, int64_t tag, int owner);
-/* Sum the STARPU_REDUX contributions of all ranks into the owner's copy (a binary tree where
- * StarPU has one, 1.4; flat to the owner on 1.3). */
-int sl_mpi_redux(sl_handle h);
 int sl_mpi_wait_all(void);
 int sl_mpi_tag_ub(void);
+/* Bring h's current value to rank `node` (its owner sends it; a no-op where node owns it);
+ * detached: a later acquire on node waits for it. Every rank calls it. */
+int sl_mpi_fetch(sl_handle h, int node);
+/* StarPU-MPI's own count of the bytes this rank has sent to each rank (sent[r], r < size)
+ * since it started: 0, or -ENODATA when its statistics are off (STARPU_COMM_STATS=1 on
+ * StarPU 1.3, STARPU_MPI_STATS=1 on 1.4, set before the start). */
+int sl_mpi_bytes_sent(size_t *sent);
 
 /* ---- data (runtime.c) ---- */
 /* A vector of n elements of elemsize bytes on memory at ptr (ptr NULL lets StarPU allocate
  * it lazily; not used with FORKJOIN tasks: StarPU 1.3.10's peager crashes on such buffers). */
 sl_handle sl_register_vector(void *ptr, size_t n, size_t elemsize);
-/* Split a vector into nparts equal blocks (StarPU data partitioning); children out. */
-int sl_partition(sl_handle h, int nparts, sl_handle *children);
-int sl_unpartition(sl_handle h);
 void sl_unregister(sl_handle h);
 /* Make gradient handle h accept STARPU_REDUX contributions (zero init, add reduction). */
 int sl_set_grad_reduction(sl_handle h);

@@ -51,13 +51,13 @@ class StarPUEngine(Engine):
     """Every tensor a StarPU data handle; every layer a task (needs a running Runtime).
 
     Under StarPU-MPI (a Runtime started on a communicator of R processes) every process
-    submits the whole graph; rank r runs its sub-batches (B/R sequences), rank 0 the
-    updates (see placement.py)."""
+    submits the whole graph; rank r runs its sub-batches (B/R sequences), the owner of each
+    parameter slice its update (`ownership`: placement.py)."""
 
     name = "starpu"
 
     def __init__(self, config, state, B, T, tokens, runtime, sub_batches: int | None = None,
-                 record: bool = False):
+                 record: bool = False, ownership: str | None = None):
         if not runtime.running:
             raise RuntimeError("the StarPU runtime is not running")
         nranks = runtime.size
@@ -79,15 +79,17 @@ class StarPUEngine(Engine):
         super().__init__(config, state, B, T, tokens, sub_batches * nranks)
         self.runtime = runtime
         self.ops = StarPUOps(record=record)
-        self.placement = place = Placement(runtime, config.L, self.subs_per_rank)
+        self.placement = place = Placement(runtime, config, self.subs_per_rank, ownership)
         self.redux = place.redux
         self.rank, self.mpi = place.rank, place.mpi
         self.p, self.g, self.m, self.v = (
             place.parameter_tensors(kind, self.layout, flat)
             for kind, flat in (("param", state.params), ("grad", state.grads),
                                ("m", state.m), ("v", state.v)))
+        # under MPI each rank adds its sub-batches' gradients into its own contributions
+        self.contributions = place.contributions(self.layout, state.grads, self.g)
         self.subs = [place.sub_batch(config, self.Bs, T, i) for i in range(self.sub_batches)]
-        self.norm = place.scalars("gradnorm", taskflow.norm_nodes(config))
+        self.norm = place.norm_scalars(config)
         place.check_tags()
         self.checkpoints = None     # the starpupy face's checkpoint task, made on first use
 
@@ -116,8 +118,13 @@ class StarPUEngine(Engine):
     def update_ops(self):
         return self.ops.at(self.placement.update_site())
 
+    def sub_batch_grads(self, i):
+        return self.contributions[self.placement.owner(i)]
+
     def _gradients_submitted(self):
-        self.placement.reduce_gradients(self.g)
+        if self.mpi:
+            taskflow.reduce_gradients(self.ops.at(self.placement.reduction_site()), self.config,
+                                      self.g, self.contributions)
 
     def wait(self):
         self.runtime.wait()
@@ -135,13 +142,22 @@ class StarPUEngine(Engine):
         return float(sum(self.runtime.comm.allreduce(mine)) / self.sub_batches)
 
     def sync(self):
-        """Make the numpy buffers of parameters, gradients and moments coherent (runs any
-        pending gradient reduction). Under MPI only rank 0 holds them."""
+        """Make the state's arrays of parameters, gradients and moments hold their current
+        values (runs any pending gradient reduction). Under MPI on rank 0 only, which writes
+        the checkpoints: every rank takes part, the owners send rank 0 their slices of the
+        parameters and moments (the gradients: rank 0's own slices)."""
+        groups = (self.p, self.g, self.m, self.v)
         self.wait()
+        # not the gradients (each update leaves them zero; a received copy on a non-owner
+        # would be added into by its next gradient reduction)
+        self.placement.gather_to_root(t for group in (self.p, self.m, self.v)
+                                      for t in group.tensors())
         if self.mpi and self.rank != 0:
             return
-        for group in (self.p, self.g, self.m, self.v):
+        for group in groups:
             for t in group.tensors():
+                if t.name in self.placement.elsewhere:   # another rank's gradient
+                    continue
                 if lib.sl_acquire(t.h, 1) == ffi.NULL:
                     raise RuntimeError(f"acquiring {t.name} failed")
                 lib.sl_release(t.h)

@@ -67,6 +67,11 @@ class Engine:
         """The executor of the update tasks."""
         return self.ops
 
+    def sub_batch_grads(self, i: int):
+        """The ParameterTensors sub-batch i's backward tasks add into: the gradients (the
+        StarPU engine under MPI: its rank's contributions, added up after the backward)."""
+        return self.g
+
     def _gradients_submitted(self):
         pass
 
@@ -78,8 +83,8 @@ class Engine:
             ops = self.sub_batch_ops(i)
             ops.load_batch(a.inputs, a.targets, self.tokens_ptr, pos + i * n, n)
             taskflow.forward(ops, self.config, self.p, a, self.Bs, self.T)
-            taskflow.backward(ops, self.config, self.p, self.g, a, s, self.Bs, self.T, dloss,
-                              self.redux)
+            taskflow.backward(ops, self.config, self.p, self.sub_batch_grads(i), a, s, self.Bs,
+                              self.T, dloss, self.redux)
         self._gradients_submitted()
 
     def submit_update(self, lr: float, weight_decay: float, grad_clip: float = 0.0):

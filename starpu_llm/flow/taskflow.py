@@ -88,6 +88,27 @@ def backward(ops, cfg: GPTConfig, p, g, a, s, B: int, T: int, dloss: float, redu
     ops.encoder_backward(g.wte, g.wpe, s.dres, a.inputs, B, T, C, redux=redux)
 
 
+def reduce_gradients(ops, cfg: GPTConfig, g, contributions):
+    """Data parallelism over processes: after the backward passes, each rank's contribution to
+    a gradient slice (contributions[q], placement.Placement.contributions; the slices q owns
+    are the gradients themselves) is added into the slice, on its owner, in rank order: a
+    fixed sum, the same in every run; then zeroed for the next step. In update order, so the
+    slices final first are reduced first."""
+    for name, l in update_order(cfg):
+        gt = _slice(g, name, l)
+        for c in contributions:
+            ct = _slice(c, name, l)
+            if ct is not gt:
+                ops.add(gt, ct)
+                ops.zero(ct)
+
+
+def _slice(group, name, l):
+    """Tensor `name` of a ParameterTensors group, layer l's for a block tensor (l not None)."""
+    t = getattr(group, name)
+    return t if l is None else t[l]
+
+
 def update_order(cfg: GPTConfig):
     """(tensor name, layer or None) in the order their gradients become final in backward:
     config.PARAMETERS backwards (head, blocks from the last layer to the first, embedding)."""
@@ -135,8 +156,7 @@ def update(ops, cfg: GPTConfig, p, g, m, v, lr: float, weight_decay: float, t: i
     scalars (float64); a grad_sumsq task per tensor writes its partial sum of squares as soon
     as its gradient is final, norm_sum tasks add them up (norm_tree), and every AdamW task
     reads the root. Without clipping an update depends on its own gradient only."""
-    order = [tuple(getattr(ns, name) if l is None else getattr(ns, name)[l]
-                   for ns in (p, g, m, v)) for name, l in update_order(cfg)]
+    order = [tuple(_slice(ns, name, l) for ns in (p, g, m, v)) for name, l in update_order(cfg)]
     root = None
     if grad_clip > 0:
         for k, (_, gt, _, _) in enumerate(order):

@@ -105,7 +105,7 @@ def predict(model: str, B: int, T: int, workers: int, cores_per_worker: int, ran
         raise StarpuLLMError(f"{opt('seq_len')} {T} is above the model's {MODELS[model].max_seq_len}")
     g = task_graph(model, B, T, S * ranks)
     pinned = pins_sub_batches(workers, cores_per_worker, parallel_workers)
-    redux = gradient_mode(workers, pinned, S, ranks)
+    redux = gradient_mode(workers, pinned, S)
     if tree is None:
         tree = starpu_has_tree_reduction()
     sched = simulate(g, CostModel(target, calibration), workers, cores_per_worker, ranks, pinned=pinned,

@@ -15,6 +15,23 @@ import os
 
 from ..errors import StarpuLLMError
 
+# The environment that turns StarPU-MPI's communication statistics on (StarPU 1.3 reads the
+# first, 1.4 the second, at the start): the bytes each rank sends (Runtime.bytes_sent).
+COMM_STATS_ENV = {"STARPU_COMM_STATS": "1", "STARPU_MPI_STATS": "1"}
+
+
+def traffic(comm, before: list, after: list, steps: int) -> list:
+    """[(bytes sent, bytes received)] per step of every rank, from each rank's bytes_sent()
+    before and after `steps` steps (every rank calls it; None when the statistics are off)."""
+    if before is None or after is None or steps < 1:
+        return None
+    sent = [a - b for a, b in zip(after, before)]
+    table = comm.allgather(sent)            # table[s][r]: bytes rank s sent to rank r
+    R = len(table)
+    return [(sum(table[r]) / steps, sum(table[s][r] for s in range(R)) / steps)
+            for r in range(R)]
+
+
 def launched_by_mpirun() -> bool:
     """True when this process is one of several started by an MPI launcher."""
     for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):

@@ -205,6 +205,15 @@ class Runtime:
     def size(self) -> int:
         return lib.sl_mpi_size()
 
+    def bytes_sent(self) -> list | None:
+        """StarPU-MPI's count of the bytes this rank has sent to each rank since the start;
+        None outside MPI or when its statistics are off (runtime.mpi.COMM_STATS_ENV turns
+        them on)."""
+        if self.comm is None:
+            return None
+        sent = ffi.new("size_t[]", self.size)
+        return list(sent) if lib.sl_mpi_bytes_sent(sent) == 0 else None
+
     @property
     def running(self) -> bool:
         return Runtime._active is self
