@@ -76,7 +76,8 @@ def run_one(spec: dict) -> dict:
                               engine=spec["engine"], workers=spec.get("workers"),
                               cores_per_worker=spec.get("cores_per_worker"), kcore=spec.get("kcore"),
                               sub_batches=spec.get("sub_batches"), threads=spec.get("threads"),
-                              ownership=spec.get("ownership"), log=None))
+                              ownership=spec.get("ownership"),
+                              oversubscribe=spec.get("oversubscribe", False), log=None))
         ms = r.step_ms
         spec["describe"] = r.engine
         if r.rank_peak_rss_mb is not None:    # under mpirun: every rank's

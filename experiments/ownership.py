@@ -1,0 +1,164 @@
+"""Who owns the parameters under mpirun, measured (issue 21, item 5): tokens/ms, bytes each rank
+sends and receives per step (StarPU-MPI's own counters) and each rank's peak RSS, for every
+ownership mode on R ranks of one core each, beside one process on 1 core and on R cores.
+
+Every configuration runs once per round, rounds interleaved (a slow phase of a shared machine
+hits all alike); the summary takes each configuration's median round. A second part runs the
+sharded mode at R = 2, 3, 4 (oversubscribed: bytes only, the times mean nothing there) to
+compare the largest rank's traffic with the 2 (R-1)/R x model-bytes optimum. Writes
+runs.csv (every run), summary.csv, summary.md and machine.json into --out.
+
+    .venv/bin/python experiments/ownership.py                      # ~25 min on 2 cores
+    .venv/bin/python experiments/ownership.py --batches 8 --repeat 1 --steps 3   # a trial
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+from provenance import cpu_kind, machine_info
+from starpu_llm.config import MODELS
+from starpu_llm.runs import run_in_subprocess, write_csv
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def configurations(modes, R, transports):
+    """(label, spec fields) of each configuration run at every batch."""
+    out = [("1 process 1x1", dict(workers=1, cores_per_worker=1, cpus=1)),
+           (f"1 process 1x{R}", dict(workers=1, cores_per_worker=R, kcore="team", cpus=R))]
+    for transport in transports:
+        mca = ["--mca", "btl", "self,tcp"] if transport == "tcp" else []
+        suffix = " tcp" if transport == "tcp" else ""
+        for mode in modes:
+            fields = dict(workers=1, cores_per_worker=1, cpus=R, ranks=R, mpirun_args=mca)
+            fields.update(mode_fields(mode))
+            out.append((f"{R} ranks {mode}{suffix}", fields))
+    return out
+
+
+def mode_fields(mode: str) -> dict:
+    """The run-spec fields of an ownership mode: rank0, sharded, or pipeline<S>."""
+    if mode.startswith("pipeline"):
+        return dict(ownership="sharded", pipeline_stages=int(mode[len("pipeline"):] or 2))
+    return dict(ownership=mode)
+
+
+def row_of(label, B, rnd, r, model_bytes):
+    row = dict(config=label, batch=B, round=rnd, tokens_per_ms=round(r["tokens_per_ms"], 5),
+               ms_per_step=round(sum(r["step_ms"]) / len(r["step_ms"]), 1),
+               peak_rss_mb=round(r["peak_rss_mb"]))
+    if r.get("rank_peak_rss_mb"):
+        row["rank_peak_rss_mb"] = " ".join(str(round(x)) for x in r["rank_peak_rss_mb"])
+    if r.get("traffic"):
+        sent = [s for s, _ in r["traffic"]]
+        recv = [v for _, v in r["traffic"]]
+        row.update(sent_mb=" ".join(f"{s / 1e6:.1f}" for s in sent),
+                   received_mb=" ".join(f"{v / 1e6:.1f}" for v in recv),
+                   largest_traffic_model_bytes=round(max(max(sent), max(recv)) / model_bytes, 4))
+    return row
+
+
+def uniform(rows):
+    """rows with the same columns (the union, in order of appearance; '' where missing)."""
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    return [{k: r.get(k, "") for k in cols} for r in rows]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="d12")
+    ap.add_argument("--batches", default="8,16")
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=10, help="timed steps (one warm-up before)")
+    ap.add_argument("--repeat", type=int, default=2, help="interleaved rounds")
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--modes", default="rank0,sharded")
+    ap.add_argument("--transports", default="default,tcp",
+                    help="default (Open MPI's choice: shared memory) and/or tcp (--mca btl "
+                         "self,tcp on the loopback, as between nodes)")
+    ap.add_argument("--bytes-ranks", default="2,3,4",
+                    help="R of the oversubscribed sharded runs that measure bytes only ('' none)")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "ownership", cpu_kind()))
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    config = MODELS[args.model]
+    model_bytes = 4 * config.num_parameters
+    batches = [int(b) for b in args.batches.split(",")]
+    confs = configurations(args.modes.split(","), args.ranks, args.transports.split(","))
+    base = dict(engine="starpu", model=args.model, seq_len=args.seq_len, steps=args.steps)
+    rows, t0 = [], time.time()
+    for rnd in range(args.repeat):
+        for B in batches:
+            for label, fields in confs:
+                r = run_in_subprocess(dict(base, batch=B, **fields))
+                if "error" in r:
+                    print(f"B={B} {label}: failed: {r['error']}", flush=True)
+                    continue
+                rows.append(row_of(label, B, rnd, r, model_bytes))
+                print(json.dumps(rows[-1]), flush=True)
+    for R in [int(x) for x in args.bytes_ranks.split(",") if x]:
+        # bytes only: oversubscribed, 2 timed steps, one sequence per rank
+        r = run_in_subprocess(dict(base, batch=R, steps=2, workers=1, cores_per_worker=1,
+                                   ranks=R, ownership="sharded", oversubscribe=True))
+        if "error" in r:
+            print(f"bytes at R={R}: failed: {r['error']}", flush=True)
+            continue
+        row = row_of(f"{R} ranks sharded (bytes only)", R, 0, r, model_bytes)
+        row["optimum_model_bytes"] = round(2 * (R - 1) / R, 4)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    rows = uniform(rows)
+    write_csv(os.path.join(args.out, "runs.csv"), rows)
+    summary = uniform(summarize(rows))
+    write_csv(os.path.join(args.out, "summary.csv"), summary)
+    info = dict(machine_info(), minutes=round((time.time() - t0) / 60, 1), argv=argv or [],
+                model_bytes=model_bytes)
+    with open(os.path.join(args.out, "machine.json"), "w") as f:
+        json.dump(info, f, indent=1)
+    with open(os.path.join(args.out, "summary.md"), "w") as f:
+        f.write(markdown(summary, info))
+    print(markdown(summary, info))
+
+
+def summarize(rows):
+    """Each (config, batch)'s median round, with its ratio to the same batch's rank0 run."""
+    out = []
+    keys = sorted({(r["batch"], r["config"]) for r in rows}, key=lambda k: (k[0], k[1]))
+    for B, label in keys:
+        runs = sorted((r for r in rows if r["batch"] == B and r["config"] == label),
+                      key=lambda r: r["tokens_per_ms"])
+        med = dict(runs[len(runs) // 2])
+        med["rounds"] = " ".join(f"{r['tokens_per_ms']:.4f}" for r in runs)
+        med.pop("round")
+        out.append(med)
+    for r in out:
+        ref = next((x for x in out if x["batch"] == r["batch"]
+                    and x["config"].endswith("ranks rank0" + (" tcp" if r["config"].endswith("tcp") else ""))), None)
+        r["vs_rank0"] = round(r["tokens_per_ms"] / ref["tokens_per_ms"], 3) if ref and "ranks" in r["config"] else ""
+    return out
+
+
+def markdown(summary, info) -> str:
+    lines = [f"# Ownership modes measured ({info['cpu_model']}, {info['cores']} cores, "
+             f"StarPU {info['starpu_version']}, commit {info['commit']})", "",
+             f"Model bytes: {info['model_bytes'] / 1e6:.1f} MB. Median of the rounds "
+             "(all rounds in the last column).", "",
+             "| B | configuration | tok/ms | vs rank0 | ms/step | peak RSS per rank (MB) | "
+             "sent per rank (MB/step) | received per rank (MB/step) | largest / model bytes | rounds |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in summary:
+        lines.append(f"| {r['batch']} | {r['config']} | {r['tokens_per_ms']:.4f} | {r['vs_rank0']} | "
+                     f"{r['ms_per_step']} | {r.get('rank_peak_rss_mb', r['peak_rss_mb'])} | "
+                     f"{r.get('sent_mb', '')} | {r.get('received_mb', '')} | "
+                     f"{r.get('largest_traffic_model_bytes', '')}"
+                     + (f" (optimum {r['optimum_model_bytes']})" if r.get("optimum_model_bytes", "") != "" else "")
+                     + f" | {r['rounds']} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
