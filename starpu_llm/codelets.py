@@ -8,8 +8,9 @@ reads that table and gives each executor one method per codelet, called as
 
 the buffers in declared order (None for an optional buffer left out, a list for a repeated
 last one), then the fields of the codelet's argument struct in order (or by name), and
-`redux=1` where parameter gradients take StarPU reduction contributions. A field named
-`accumulate` also selects the mode of an SL_ACC buffer (W, or RW when adding).
+`redux=1` where parameter gradients take StarPU reduction contributions. The mode of an
+SL_ACC buffer (W, or RW when adding) follows the field its declaration names
+(SL_CODELET_ACC), read by the C side from the arguments.
 
   - DirectOps (here) runs the codelet's body at once in the calling thread (the reference
     engine; only the _kernels binding is loaded, no StarPU);

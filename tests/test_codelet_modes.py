@@ -128,13 +128,13 @@ def test_submission_checks_the_declaration_and_the_site():
         size = ffi.sizeof(cd.args_type)
         hs = ffi.new("sl_handle[]", h)
         any_, owner = lib.SL_ANY_WORKER, lib.SL_NODE_OWNER
-        assert lib.sl_submit(cd.id, hs, 1, 0, 0, a, size, owner, any_) < 0      # inp missing
-        assert lib.sl_submit(cd.id, hs, 3, 0, 0, a, size, owner, any_) < 0      # one too many
-        assert lib.sl_submit(cd.id, hs, 2, 0, 0, a, size - 1, owner, any_) < 0  # wrong args
-        assert lib.sl_submit(cd.id, hs, 2, 0, 0, a, size, -2, any_) < 0
-        assert lib.sl_submit(cd.id, hs, 2, 0, 0, a, size, owner, -2) < 0
-        assert lib.sl_submit(lib.sl_codelet_count(), hs, 2, 0, 0, a, size, owner, any_) < 0
-        assert lib.sl_submit(cd.id, hs, 2, 0, 0, a, size, owner, any_) == 0
+        assert lib.sl_submit(cd.id, hs, 1, 0, a, size, owner, any_) < 0      # inp missing
+        assert lib.sl_submit(cd.id, hs, 3, 0, a, size, owner, any_) < 0      # one too many
+        assert lib.sl_submit(cd.id, hs, 2, 0, a, size - 1, owner, any_) < 0  # wrong args
+        assert lib.sl_submit(cd.id, hs, 2, 0, a, size, -2, any_) < 0
+        assert lib.sl_submit(cd.id, hs, 2, 0, a, size, owner, -2) < 0
+        assert lib.sl_submit(lib.sl_codelet_count(), hs, 2, 0, a, size, owner, any_) < 0
+        assert lib.sl_submit(cd.id, hs, 2, 0, a, size, owner, any_) == 0
         rt.wait()
         for x in h:
             lib.sl_unregister(x)

@@ -82,8 +82,8 @@ static int check_handles(const struct sl_codelet *c, const sl_handle *handles, i
  * trace, no tag dependency). Under StarPU-MPI every process submits every task:
  * starpu_mpi_task_insert runs it on `node` (or on the owner of what it writes) and posts the
  * transfers its data need. */
-int sl_submit(int codelet, const sl_handle *handles, int n, int redux, int accumulate,
-	      const void *args, size_t args_size, int node, int worker)
+int sl_submit(int codelet, const sl_handle *handles, int n, int redux, const void *args,
+	      size_t args_size, int node, int worker)
 {
 	static uint64_t submitted;
 	const struct sl_codelet *c = sl_codelet_get(codelet);
@@ -100,6 +100,7 @@ int sl_submit(int codelet, const sl_handle *handles, int n, int redux, int accum
 		free(count);
 		return check_submit(-ENOMEM, c->name);
 	}
+	int accumulate = sl_codelet_accumulate(c, args);
 	for (int i = 0; i < n; i++) {
 		int decl = c->modes[i < c->nbuffers ? i : c->nbuffers - 1];
 		buffers[i].handle = handles[i];

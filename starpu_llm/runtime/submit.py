@@ -38,8 +38,8 @@ def _submit(self, cd: Codelet, args, kwargs):
         a, size = ffi.new(cd.args_type + " *", scalars), ffi.sizeof(cd.args_type)
     else:
         a, size = ffi.NULL, 0
-    ret = lib.sl_submit(cd.id, handles, len(buffers), redux, scalars.get("accumulate", 0), a,
-                        size, self.where.node, self.where.worker)
+    ret = lib.sl_submit(cd.id, handles, len(buffers), redux, a, size, self.where.node,
+                        self.where.worker)
     if ret != 0:
         raise SubmitError(f"submitting {cd.name} failed ({ret})")
     if self.records is not None:
