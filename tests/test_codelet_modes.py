@@ -159,3 +159,18 @@ def test_each_task_runs_where_its_submission_says():
     probes = sorted((e.job, e.worker) for e in events if e.codelet == "probe")
     assert len(probes) == 40
     assert [w for _, w in probes] == [(i * 7) % 3 % 2 for i in range(40)]
+
+
+def test_a_repeated_buffer_past_the_declared_maximum():
+    """A repeated last buffer may come more times than a codelet can declare buffers
+    (SL_MAX_BUFFERS): the gather of a checkpoint snapshot reads every parameter tensor."""
+    k = lib.SL_MAX_BUFFERS + 4
+    sources = [np.full(3, i, np.float32) for i in range(k)]
+    dst = np.zeros(3 * k, np.float32)
+    with Runtime(1, 1) as rt:
+        hs = [lib.sl_register_vector(ffi.from_buffer(x), x.size, 4) for x in [dst, *sources]]
+        StarPUOps().gather(hs[0], hs[1:], ffi.cast("char *", ffi.from_buffer(dst)))
+        rt.wait()
+        for h in hs:
+            lib.sl_unregister(h)
+    assert np.array_equal(dst, np.repeat(np.arange(k, dtype=np.float32), 3))
