@@ -36,6 +36,7 @@ class Codelet(NamedTuple):
     id: int
     name: str
     args_type: str          # "struct sl_..._args"
+    args_size: int          # its size in bytes
     fields: tuple           # the argument struct's field names, in order
     nbuffers: int           # declared buffers (the last one repeated when `repeat`)
     repeat: bool
@@ -51,7 +52,7 @@ def read_table(ffi_, lib_) -> dict:
             f for f, _ in ffi_.typeof(args_type).fields)
         modes = ffi_.new("int32_t[]", lib_.SL_MAX_BUFFERS)
         n = lib_.sl_codelet_modes(i, 0, 0, modes, lib_.SL_MAX_BUFFERS)
-        out[name] = Codelet(i, name, args_type, fields, n,
+        out[name] = Codelet(i, name, args_type, ffi_.sizeof(args_type), fields, n,
                             bool(n and modes[n - 1] & lib_.SL_ACCESS_REPEAT))
     return out
 
