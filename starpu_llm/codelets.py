@@ -8,8 +8,9 @@ reads that table and gives each executor one method per codelet, called as
 
 the buffers in declared order (None for an optional buffer left out, a list for a repeated
 last one), then the fields of the codelet's argument struct in order (or by name), and
-`redux=1` where parameter gradients take StarPU reduction contributions. A field named
-`accumulate` also selects the mode of an SL_ACC buffer (W, or RW when adding).
+`redux=1` where parameter gradients take StarPU reduction contributions. The mode of an
+SL_ACC buffer (W, or RW when adding) follows the field its declaration names
+(SL_CODELET_ACC), read by the C side from the arguments.
 
   - DirectOps (here) runs the codelet's body at once in the calling thread (the reference
     engine; only the _kernels binding is loaded, no StarPU);
@@ -35,6 +36,7 @@ class Codelet(NamedTuple):
     id: int
     name: str
     args_type: str          # "struct sl_..._args"
+    args_size: int          # its size in bytes
     fields: tuple           # the argument struct's field names, in order
     nbuffers: int           # declared buffers (the last one repeated when `repeat`)
     repeat: bool
@@ -50,7 +52,7 @@ def read_table(ffi_, lib_) -> dict:
             f for f, _ in ffi_.typeof(args_type).fields)
         modes = ffi_.new("int32_t[]", lib_.SL_MAX_BUFFERS)
         n = lib_.sl_codelet_modes(i, 0, 0, modes, lib_.SL_MAX_BUFFERS)
-        out[name] = Codelet(i, name, args_type, fields, n,
+        out[name] = Codelet(i, name, args_type, ffi_.sizeof(args_type), fields, n,
                             bool(n and modes[n - 1] & lib_.SL_ACCESS_REPEAT))
     return out
 

@@ -93,10 +93,21 @@ def check_batch_shape(config: GPTConfig, B: int, T: int) -> None:
                              f"sequence length; use {opt('seq_len')} <= {config.maxT}")
 
 
-# Named configurations. "d12" is GPT-2 124M; the tiny ones keep tests fast.
+# Named configurations: llm.c's GPT-2 sizes "dL" (L layers, maxT=1024, V=50257 padded to
+# Vp=50304), each also under its GPT-2 release's name; the tiny ones keep tests fast.
+GPT2_124M = GPTConfig()
+GPT2_350M = GPTConfig(num_layers=24, num_heads=16, channels=1024)
+GPT2_774M = GPTConfig(num_layers=36, num_heads=20, channels=1280)
+GPT2_1558M = GPTConfig(num_layers=48, num_heads=25, channels=1600)
 MODELS = {
-    "gpt2": GPTConfig(),
-    "d12": GPTConfig(),
+    "gpt2": GPT2_124M,
+    "d12": GPT2_124M,
+    "gpt2-medium": GPT2_350M,
+    "d24": GPT2_350M,
+    "gpt2-large": GPT2_774M,
+    "d36": GPT2_774M,
+    "gpt2-xl": GPT2_1558M,
+    "d48": GPT2_1558M,
     "d6": GPTConfig(num_layers=6, num_heads=6, channels=384),
     "tiny": GPTConfig(max_seq_len=64, vocab_size=50257, padded_vocab_size=50304,
                       num_layers=2, num_heads=4, channels=64),

@@ -2,6 +2,8 @@
 argument struct, its flop count, its body. The one submission path builds its tasks from that
 table, and both Python executors are derived from it: StarPU must have run every task of a
 real step with exactly the declared modes (read back from the running task by the trace)."""
+import threading
+
 import numpy as np
 import pytest
 
@@ -128,13 +130,13 @@ def test_submission_checks_the_declaration_and_the_site():
         size = ffi.sizeof(cd.args_type)
         hs = ffi.new("sl_handle[]", h)
         any_, owner = lib.SL_ANY_WORKER, lib.SL_NODE_OWNER
-        assert lib.sl_submit(cd.id, hs, 1, 0, 0, a, size, owner, any_) < 0      # inp missing
-        assert lib.sl_submit(cd.id, hs, 3, 0, 0, a, size, owner, any_) < 0      # one too many
-        assert lib.sl_submit(cd.id, hs, 2, 0, 0, a, size - 1, owner, any_) < 0  # wrong args
-        assert lib.sl_submit(cd.id, hs, 2, 0, 0, a, size, -2, any_) < 0
-        assert lib.sl_submit(cd.id, hs, 2, 0, 0, a, size, owner, -2) < 0
-        assert lib.sl_submit(lib.sl_codelet_count(), hs, 2, 0, 0, a, size, owner, any_) < 0
-        assert lib.sl_submit(cd.id, hs, 2, 0, 0, a, size, owner, any_) == 0
+        assert lib.sl_submit(cd.id, hs, 1, 0, a, size, owner, any_) < 0      # inp missing
+        assert lib.sl_submit(cd.id, hs, 3, 0, a, size, owner, any_) < 0      # one too many
+        assert lib.sl_submit(cd.id, hs, 2, 0, a, size - 1, owner, any_) < 0  # wrong args
+        assert lib.sl_submit(cd.id, hs, 2, 0, a, size, -2, any_) < 0
+        assert lib.sl_submit(cd.id, hs, 2, 0, a, size, owner, -2) < 0
+        assert lib.sl_submit(lib.sl_codelet_count(), hs, 2, 0, a, size, owner, any_) < 0
+        assert lib.sl_submit(cd.id, hs, 2, 0, a, size, owner, any_) == 0
         rt.wait()
         for x in h:
             lib.sl_unregister(x)
@@ -159,3 +161,50 @@ def test_each_task_runs_where_its_submission_says():
     probes = sorted((e.job, e.worker) for e in events if e.codelet == "probe")
     assert len(probes) == 40
     assert [w for _, w in probes] == [(i * 7) % 3 % 2 for i in range(40)]
+
+
+def test_a_repeated_buffer_past_the_declared_maximum():
+    """A repeated last buffer may come more times than a codelet can declare buffers
+    (SL_MAX_BUFFERS): the gather of a checkpoint snapshot reads every parameter tensor."""
+    k = lib.SL_MAX_BUFFERS + 4
+    sources = [np.full(3, i, np.float32) for i in range(k)]
+    dst = np.zeros(3 * k, np.float32)
+    with Runtime(1, 1) as rt:
+        hs = [lib.sl_register_vector(ffi.from_buffer(x), x.size, 4) for x in [dst, *sources]]
+        StarPUOps().gather(hs[0], hs[1:], ffi.cast("char *", ffi.from_buffer(dst)))
+        rt.wait()
+        for h in hs:
+            lib.sl_unregister(h)
+    assert np.array_equal(dst, np.repeat(np.arange(k, dtype=np.float32), 3))
+
+
+def test_threads_submitting_at_once_keep_their_arguments():
+    """StarPUOps reuses its cffi buffers from task to task, one set per thread (cffi lets
+    another thread run during sl_submit): two threads submitting gelu tasks at once, one
+    with N=8 and one with N=4 over 8-element vectors, each task sees its own N (with one
+    set shared by both, 32 tasks of these 6000 got the other thread's N in a trial run)."""
+    k = 3000
+    with Runtime(1, 1) as rt:
+        arrays = {N: [(np.ones(8, np.float32), np.full(8, np.nan, np.float32)) for _ in range(k)]
+                  for N in (8, 4)}
+        handles = {N: [tuple(lib.sl_register_vector(ffi.from_buffer(x), 8, 4) for x in pair)
+                       for pair in pairs] for N, pairs in arrays.items()}
+
+        def submit(N):
+            ops = StarPUOps()
+            for inp, out in handles[N]:
+                ops.gelu_forward(out, inp, N)
+        threads = [threading.Thread(target=submit, args=(N,)) for N in handles]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        rt.wait()
+        for pairs in handles.values():
+            for pair in pairs:
+                for h in pair:
+                    lib.sl_unregister(h)
+    for N, pairs in arrays.items():
+        outs = np.stack([out for _, out in pairs])
+        assert np.isfinite(outs[:, :N]).all(), N
+        assert np.isnan(outs[:, N:]).all(), N

@@ -23,7 +23,8 @@ enum sl_mode {
 	SL_RW,
 	SL_GRAD, /* a parameter gradient: RW with one contributor at a time, or STARPU_REDUX
 		  * when several sub-batches add into it concurrently (data parallelism) */
-	SL_ACC,	 /* W, or RW when the task adds into what is there (accumulate) */
+	SL_ACC,	 /* W, or RW when the task adds into what is there: the int field of the
+		  * arguments that SL_CODELET_ACC names says which */
 	/* flags */
 	SL_OPT = 16,	/* a trailing buffer a task may leave out (several: the last ones) */
 	SL_REPEAT = 32, /* the last declared buffer may come any number of times (>= 1) */
@@ -43,6 +44,7 @@ struct sl_codelet {
 	int flags;
 	int nbuffers; /* declared */
 	int modes[SL_MAX_BUFFERS];
+	ptrdiff_t accumulate_at; /* offset in args of the int selecting an SL_ACC buffer's mode; -1 */
 	/* the body on plain buffers, and the flop count (StarPU's statistics, the perf model) */
 	void (*run)(const struct sl_buf *b, int n, const void *args);
 	double (*flops)(const struct sl_buf *b, int n, const void *args);
@@ -57,6 +59,8 @@ void sl_codelet_register(struct sl_codelet *c);
 const struct sl_codelet *sl_codelet_get(int codelet);
 /* The buffer's mode as SL_ACCESS_* bits for a task with this redux / accumulate. */
 int32_t sl_mode_access(int mode, int redux, int accumulate);
+/* The accumulate of a task of c with these arguments (0 for a codelet without SL_ACC). */
+int sl_codelet_accumulate(const struct sl_codelet *c, const void *args);
 /* What StarPU's CPU function of every codelet calls: set by the StarPU layer
  * (csrc/starpu/codelets.c) before the first task; NULL in the reference binding. */
 extern void (*sl_codelet_cpu)(const struct sl_codelet *c, void *buffers[], void *cl_arg);
@@ -74,6 +78,17 @@ extern void (*sl_codelet_cpu)(const struct sl_codelet *c, void *buffers[], void 
  *   ...      the declared mode of each buffer (enum sl_mode), in order.
  * The body follows the macro as a block; it sees b (struct sl_buf[n]), n and a. */
 #define SL_CODELET(cname, args_t, cflags, flops_expr, ...)                                         \
+	SL_CODELET_DECLARE(cname, args_t, -1, cflags, flops_expr, __VA_ARGS__)
+
+/* The same for a codelet with an SL_ACC buffer (and only for one): acc_field, an int field of
+ * args_t, is the task's accumulate (nonzero: the buffer is RW, else W). */
+#define SL_CODELET_ACC(cname, args_t, acc_field, cflags, flops_expr, ...)                          \
+	_Static_assert(sizeof(((args_t *)0)->acc_field) == sizeof(int),                            \
+		       #args_t "." #acc_field " must be an int");                                  \
+	SL_CODELET_DECLARE(cname, args_t, (ptrdiff_t)offsetof(args_t, acc_field), cflags,          \
+			   flops_expr, __VA_ARGS__)
+
+#define SL_CODELET_DECLARE(cname, args_t, acc_at, cflags, flops_expr, ...)                         \
 	static void cname##_body(const struct sl_buf *b SL_UNUSED, int n SL_UNUSED,                \
 				 const args_t *a SL_UNUSED);                                       \
 	static void cname##_run(const struct sl_buf *b, int n, const void *args)                   \
@@ -100,6 +115,7 @@ extern void (*sl_codelet_cpu)(const struct sl_codelet *c, void *buffers[], void 
 		.flags = (cflags),                                                                 \
 		.nbuffers = sizeof((const int[]){ __VA_ARGS__ }) / sizeof(int),                    \
 		.modes = { __VA_ARGS__ },                                                          \
+		.accumulate_at = (acc_at),                                                         \
 		.run = cname##_run,                                                                \
 		.flops = cname##_flops,                                                            \
 		.cpu = cname##_cpu,                                                                \

@@ -9,9 +9,9 @@ SL_CODELET(layernorm_forward, struct sl_layernorm_args, 0, 0.0, SL_W, SL_W, SL_W
 }
 
 /* dinp (N,C), dweight, dbias, dout, inp, weight, mean, rstd: eight, the most a codelet of
- * Debian's StarPU build can declare. */
-SL_CODELET(layernorm_backward, struct sl_layernorm_backward_args, 0, 0.0, SL_ACC, SL_GRAD, SL_GRAD,
-	   SL_R, SL_R, SL_R, SL_R, SL_R)
+ * Debian's StarPU build can declare. dinp is written, or added into when a->accumulate. */
+SL_CODELET_ACC(layernorm_backward, struct sl_layernorm_backward_args, accumulate, 0, 0.0, SL_ACC,
+	       SL_GRAD, SL_GRAD, SL_R, SL_R, SL_R, SL_R, SL_R)
 {
 	layernorm_backward(SL_F(0), SL_F(1), SL_F(2), SL_F(3), SL_F(4), SL_F(5), SL_F(6), SL_F(7),
 			   a->N, a->C, a->accumulate);

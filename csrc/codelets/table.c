@@ -3,6 +3,7 @@
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include "codelet.h"
 
 static struct sl_codelet *table[SL_MAX_CODELETS];
@@ -10,10 +11,23 @@ static int count;
 
 void (*sl_codelet_cpu)(const struct sl_codelet *c, void *buffers[], void *cl_arg);
 
+static int has_acc_buffer(const struct sl_codelet *c)
+{
+	for (int i = 0; i < c->nbuffers; i++)
+		if (SL_MODE_KIND(c->modes[i]) == SL_ACC)
+			return 1;
+	return 0;
+}
+
 void sl_codelet_register(struct sl_codelet *c)
 {
 	if (count == SL_MAX_CODELETS || c->nbuffers > SL_MAX_BUFFERS) {
 		fprintf(stderr, "starpu_llm: cannot register codelet %s\n", c->name);
+		abort();
+	}
+	if (has_acc_buffer(c) != (c->accumulate_at >= 0)) {
+		fprintf(stderr, "starpu_llm: codelet %s: an SL_ACC buffer needs SL_CODELET_ACC "
+				"(naming the accumulate field) and SL_CODELET_ACC an SL_ACC buffer\n", c->name);
 		abort();
 	}
 	c->id = count;
@@ -59,6 +73,14 @@ int32_t sl_mode_access(int mode, int redux, int accumulate)
 	default:
 		return SL_ACCESS_R | SL_ACCESS_W;
 	}
+}
+
+int sl_codelet_accumulate(const struct sl_codelet *c, const void *args)
+{
+	int accumulate = 0;
+	if (c->accumulate_at >= 0 && args)
+		memcpy(&accumulate, (const char *)args + c->accumulate_at, sizeof accumulate);
+	return accumulate;
 }
 
 int sl_codelet_modes(int codelet, int redux, int accumulate, int32_t *modes, int max)

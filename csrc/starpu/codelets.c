@@ -11,6 +11,9 @@ static struct starpu_codelet cls[SL_MAX_CODELETS];
 static struct starpu_perfmodel models[SL_MAX_CODELETS];
 static char symbols[SL_MAX_CODELETS][64];
 static int built;
+/* the methods of every gradient reduction: init = the zero codelet, reduce = the add codelet
+ * (found once, by build) */
+static struct starpu_codelet *reduce_add, *reduce_zero;
 
 enum starpu_data_access_mode sl_starpu_mode(int32_t access)
 {
@@ -67,6 +70,14 @@ static int fixed_modes(const struct sl_codelet *c)
 	return 1;
 }
 
+static int codelet_id(const char *name)
+{
+	for (int id = 0; id < sl_codelet_count(); id++)
+		if (strcmp(sl_codelet_name(id), name) == 0)
+			return id;
+	return -1;
+}
+
 static void build(void)
 {
 	int count = sl_codelet_count();
@@ -98,6 +109,8 @@ static void build(void)
 	}
 	sl_codelet_cpu = codelet_cpu;
 	built = 1;
+	reduce_add = sl_starpu_codelet(codelet_id("add"));
+	reduce_zero = sl_starpu_codelet(codelet_id("zero"));
 }
 
 _Static_assert(SL_MAX_BUFFERS <= STARPU_NMAXBUFS, "a codelet's modes must fit in starpu_codelet");
@@ -119,21 +132,10 @@ struct starpu_codelet *sl_starpu_codelet(int codelet)
 	return built && codelet >= 0 && codelet < sl_codelet_count() ? &cls[codelet] : NULL;
 }
 
-/* ---- gradient reductions: init = the zero codelet, reduce = the add codelet ---- */
-static int codelet_id(const char *name)
-{
-	for (int id = 0; id < sl_codelet_count(); id++)
-		if (strcmp(sl_codelet_name(id), name) == 0)
-			return id;
-	return -1;
-}
-
 int sl_set_grad_reduction(sl_handle h)
 {
-	struct starpu_codelet *add = sl_starpu_codelet(codelet_id("add"));
-	struct starpu_codelet *zero = sl_starpu_codelet(codelet_id("zero"));
-	if (!add || !zero)
+	if (!reduce_add || !reduce_zero)
 		return -EINVAL;
-	starpu_data_set_reduction_methods(h, add, zero);
+	starpu_data_set_reduction_methods(h, reduce_add, reduce_zero);
 	return 0;
 }

@@ -71,16 +71,17 @@ void sl_release(sl_handle h);
  * A task of codelet (an index of the codelet table, sl_codelets.h) on the n handles given in
  * declared order (a shorter list leaves out trailing optional buffers; a repeated last buffer
  * comes any number of times), with the modes its declaration gives for this redux (parameter
- * gradients as STARPU_REDUX contributions) and accumulate, a copy of args (args_size bytes,
- * the codelet's argument struct) and its flop count from the declaration. Where it runs is
+ * gradients as STARPU_REDUX contributions) and for the accumulate field of args the
+ * declaration names (SL_CODELET_ACC), a copy of args (args_size bytes, the codelet's argument
+ * struct) and its flop count from the declaration. Where it runs is
  * the caller's decision, given with every task (starpu_llm/flow/placement.py decides):
  *   node:   the StarPU-MPI rank that runs it, or SL_NODE_OWNER: the owner of the data it
  *           writes (StarPU-MPI's rule); ignored by plain StarPU;
  *   worker: the StarPU worker that runs it, or SL_ANY_WORKER: where the scheduler puts it. */
 #define SL_NODE_OWNER -1
 #define SL_ANY_WORKER -1
-int sl_submit(int codelet, const sl_handle *handles, int n, int redux, int accumulate,
-	      const void *args, size_t args_size, int node, int worker);
+int sl_submit(int codelet, const sl_handle *handles, int n, int redux, const void *args,
+	      size_t args_size, int node, int worker);
 
 /* ---- task trace (trace.c) ----
  * When enabled, each task records its codelet, worker and start/end time (CLOCK_MONOTONIC ns,

@@ -82,8 +82,8 @@ static int check_handles(const struct sl_codelet *c, const sl_handle *handles, i
  * trace, no tag dependency). Under StarPU-MPI every process submits every task:
  * starpu_mpi_task_insert runs it on `node` (or on the owner of what it writes) and posts the
  * transfers its data need. */
-int sl_submit(int codelet, const sl_handle *handles, int n, int redux, int accumulate,
-	      const void *args, size_t args_size, int node, int worker)
+int sl_submit(int codelet, const sl_handle *handles, int n, int redux, const void *args,
+	      size_t args_size, int node, int worker)
 {
 	static uint64_t submitted;
 	const struct sl_codelet *c = sl_codelet_get(codelet);
@@ -93,13 +93,20 @@ int sl_submit(int codelet, const sl_handle *handles, int n, int redux, int accum
 	if (check_handles(c, handles, n) != 0 || args_size != (args ? c->args_size : 0) ||
 	    node < SL_NODE_OWNER || worker < SL_ANY_WORKER)
 		return check_submit(-EINVAL, c->name);
-	struct starpu_data_descr *buffers = calloc((size_t)(n ? n : 1), sizeof *buffers);
-	size_t *count = calloc((size_t)(n ? n : 1), sizeof *count);
-	if (!buffers || !count) {
-		free(buffers);
-		free(count);
-		return check_submit(-ENOMEM, c->name);
+	/* on the stack up to the declared maximum; only a repeated last buffer goes beyond it
+	 * (the gather of a checkpoint snapshot: every parameter tensor) */
+	struct starpu_data_descr stack_buffers[SL_MAX_BUFFERS], *buffers = stack_buffers;
+	size_t stack_count[SL_MAX_BUFFERS], *count = stack_count;
+	if (n > SL_MAX_BUFFERS) {
+		buffers = malloc((size_t)n * sizeof *buffers);
+		count = malloc((size_t)n * sizeof *count);
+		if (!buffers || !count) {
+			free(buffers);
+			free(count);
+			return check_submit(-ENOMEM, c->name);
+		}
 	}
+	int accumulate = sl_codelet_accumulate(c, args);
 	for (int i = 0; i < n; i++) {
 		int decl = c->modes[i < c->nbuffers ? i : c->nbuffers - 1];
 		buffers[i].handle = handles[i];
@@ -123,7 +130,9 @@ int sl_submit(int codelet, const sl_handle *handles, int n, int redux, int accum
 		ret = starpu_task_insert(cl, STARPU_EXECUTE_ON_WORKER, worker,
 					 STARPU_DATA_MODE_ARRAY, buffers, n, STARPU_CL_ARGS_NFREE,
 					 a, args_size, STARPU_FLOPS, flops, STARPU_TAG_ONLY, seq, 0);
-	free(buffers);
-	free(count);
+	if (buffers != stack_buffers) {
+		free(buffers);
+		free(count);
+	}
 	return check_submit(ret, c->name);
 }

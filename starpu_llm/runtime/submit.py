@@ -7,6 +7,7 @@ flow/placement.Placement and nowhere else.
 """
 from __future__ import annotations
 
+import threading
 from typing import NamedTuple
 
 from .._clib import ffi, lib
@@ -30,16 +31,34 @@ def _handle(t):
     return getattr(t, "h", t)
 
 
+class _Buffers(threading.local):
+    """What a submission hands to sl_submit, allocated once per thread and filled anew for each
+    task: sl_submit reads the handles during the call only and copies the arguments
+    (csrc/starpu/submit.c). Per thread, as cffi releases the GIL during the call (and a thread
+    makes one submission at a time: no signal handler or finalizer submits a task)."""
+
+    def __init__(self):
+        self.handles = ffi.new("sl_handle[]", lib.SL_MAX_BUFFERS)
+        self.args = {name: ffi.new(cd.args_type + " *") for name, cd in TABLE.items() if cd.fields}
+
+
+_BUFFERS = _Buffers()
+
+
 def _submit(self, cd: Codelet, args, kwargs):
     redux = kwargs.pop("redux", 0)
     buffers, scalars = split_call(cd, args, kwargs)
-    handles = ffi.new("sl_handle[]", [_handle(t) for t in buffers] or 1)
+    n, mine = len(buffers), _BUFFERS
+    if n > len(mine.handles):       # a repeated last buffer past the declared maximum
+        mine.handles = ffi.new("sl_handle[]", n)
+    mine.handles[0:n] = [_handle(t) for t in buffers]
     if cd.fields:
-        a, size = ffi.new(cd.args_type + " *", scalars), ffi.sizeof(cd.args_type)
+        a, size = mine.args[cd.name], cd.args_size
+        a[0] = scalars              # every field: split_call refuses a call missing one
     else:
         a, size = ffi.NULL, 0
-    ret = lib.sl_submit(cd.id, handles, len(buffers), redux, scalars.get("accumulate", 0), a,
-                        size, self.where.node, self.where.worker)
+    ret = lib.sl_submit(cd.id, mine.handles, n, redux, a, size, self.where.node,
+                        self.where.worker)
     if ret != 0:
         raise SubmitError(f"submitting {cd.name} failed ({ret})")
     if self.records is not None:
