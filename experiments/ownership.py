@@ -152,7 +152,7 @@ def markdown(summary, info) -> str:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary:
         lines.append(f"| {r['batch']} | {r['config']} | {r['tokens_per_ms']:.4f} | {r['vs_rank0']} | "
-                     f"{r['ms_per_step']} | {r.get('rank_peak_rss_mb', r['peak_rss_mb'])} | "
+                     f"{r['ms_per_step']} | {r.get('rank_peak_rss_mb') or r['peak_rss_mb']} | "
                      f"{r.get('sent_mb', '')} | {r.get('received_mb', '')} | "
                      f"{r.get('largest_traffic_model_bytes', '')}"
                      + (f" (optimum {r['optimum_model_bytes']})" if r.get("optimum_model_bytes", "") != "" else "")

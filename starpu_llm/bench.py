@@ -77,6 +77,7 @@ def run_one(spec: dict) -> dict:
                               cores_per_worker=spec.get("cores_per_worker"), kcore=spec.get("kcore"),
                               sub_batches=spec.get("sub_batches"), threads=spec.get("threads"),
                               ownership=spec.get("ownership"),
+                              pipeline_stages=spec.get("pipeline_stages"),
                               oversubscribe=spec.get("oversubscribe", False), log=None))
         ms = r.step_ms
         spec["describe"] = r.engine

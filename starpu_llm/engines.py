@@ -17,7 +17,7 @@ from .record import Partition
 from .runtime.starpu import Runtime
 
 PARTITION_SETTINGS = ("workers", "cores_per_worker", "sub_batches", "kcore", "threads",
-                      "ownership")
+                      "ownership", "pipeline_stages")
 
 
 def partition_given(cfg) -> bool:
@@ -58,7 +58,8 @@ def make_engine(cfg, state, tokens, runtime=None):
     if cfg.engine != "starpu":
         raise StarpuLLMError(f"{opt('engine')} {cfg.engine!r}: choose starpu or reference")
     return StarPUEngine(state.config, state, cfg.batch, cfg.seq_len, tokens, runtime,
-                        sub_batches=cfg.sub_batches, record=cfg.record, ownership=cfg.ownership)
+                        sub_batches=cfg.sub_batches, record=cfg.record, ownership=cfg.ownership,
+                        pipeline_stages=cfg.pipeline_stages or 1)
 
 
 def partition_of(engine) -> Partition:
@@ -68,4 +69,4 @@ def partition_of(engine) -> Partition:
         return Partition("reference", 1, engine.threads, engine.sub_batches, "openmp", 1)
     rt = engine.runtime
     return Partition("starpu", rt.workers, rt.cores_per_worker, engine.subs_per_rank, rt.kcore,
-                     rt.size, engine.placement.ownership)
+                     rt.size, engine.placement.ownership, engine.placement.stages)

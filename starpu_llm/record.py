@@ -20,10 +20,15 @@ class Partition:
     ranks: int = 1          # MPI processes
     ownership: str = "rank0"  # who owns parameters, gradients, moments (flow/placement.py):
                               # sharded or rank0 (a single process: rank0)
+    stages: int = 1         # pipeline stages (ranks = stages x data-parallel copies)
 
     def describe(self) -> str:
-        ranks = (f" on each of {self.ranks} MPI processes, {self.ownership} ownership"
-                 if self.ranks > 1 else "")
+        if self.stages > 1:
+            ranks = (f" per copy, {self.ranks // self.stages} copies of {self.stages} pipeline "
+                     f"stages on {self.ranks} MPI processes, {self.ownership} ownership")
+        else:
+            ranks = (f" on each of {self.ranks} MPI processes, {self.ownership} ownership"
+                     if self.ranks > 1 else "")
         if self.engine == "reference":
             return f"reference engine, {self.cores_per_worker} thread(s), {self.sub_batches} sub-batch(es)"
         return (f"{self.workers} worker(s) x {self.cores_per_worker} core(s) ({self.kcore}), "

@@ -69,7 +69,8 @@ def on_recorded_partition(cfg, record: RunRecord | None):
     kcore = p.kcore if p.kcore in ("team", "forkjoin") else None
     return replace(cfg, workers=p.workers, cores_per_worker=p.cores_per_worker,
                    sub_batches=p.sub_batches, kcore=kcore,
-                   ownership=p.ownership if p.ranks > 1 else None)
+                   ownership=p.ownership if p.ranks > 1 else None,
+                   pipeline_stages=p.stages if p.ranks > 1 else None)
 
 
 def warn_changes(record: RunRecord | None, partition: Partition, settings: Settings, log) -> None:

@@ -129,6 +129,12 @@ class TrainConfig:
         "sharded (each tensor slice on one rank, bytes balanced; the default) or rank0 (all on "
         "rank 0, the paper's scheme)", choices=["sharded", "rank0"], group=PARALLELISM,
         ranks_agree=True)
+    pipeline_stages: int | None = setting(
+        None, "under mpirun, S pipeline stages: the layers split into S contiguous stages (the "
+        "first also runs the embedding and the head), balanced by their flops; the sub-batches "
+        "flow through them as micro-batches; R = S x D ranks run D data-parallel copies "
+        "(default 1: data parallelism only)", check="positive", metavar="S", group=PARALLELISM,
+        ranks_agree=True)
     threads: int | None = setting(None, "reference engine: OpenMP/BLAS threads (default: all cores)",
                                   check="positive", group=PARALLELISM)
     # Python-only settings (no flag)

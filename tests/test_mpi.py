@@ -97,25 +97,42 @@ def loss_bounds(shard, single):
     return bounds
 
 
-@pytest.mark.parametrize("ranks,ownership", [(2, "sharded"), (3, "sharded"), (4, "sharded"),
-                                              (2, "rank0"), (3, "rank0")])
-def test_ranks_equal_single_process(shard, single, loss_bounds, tmp_path, ranks, ownership):
-    """R ranks (4: oversubscribed) against one process within the loss bounds, and the same
-    run twice bitwise equal (losses and saved model)."""
+MODES = {   # name: (ranks, flags, what the partition line says)
+    "sharded-2": (2, [], "2 MPI processes, sharded ownership"),
+    "sharded-3": (3, [], "3 MPI processes, sharded ownership"),
+    "sharded-4": (4, [], "4 MPI processes, sharded ownership"),
+    "rank0-2": (2, ["--ownership", "rank0"], "2 MPI processes, rank0 ownership"),
+    "rank0-3": (3, ["--ownership", "rank0"], "3 MPI processes, rank0 ownership"),
+    # micro-batches flowing through the stages
+    "pipeline-2": (2, ["--pipeline-stages", "2", "--sub-batches", "3"],
+                   "1 copies of 2 pipeline stages on 2 MPI processes"),
+    "pipeline-3": (3, ["--pipeline-stages", "3", "--sub-batches", "4"],
+                   "1 copies of 3 pipeline stages on 3 MPI processes"),
+    # both: 2 data-parallel copies of a 2-stage pipeline
+    "both-4": (4, ["--pipeline-stages", "2", "--sub-batches", "2"],
+               "2 copies of 2 pipeline stages on 4 MPI processes"),
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_ranks_equal_single_process(shard, single, loss_bounds, tmp_path, mode):
+    """Every mode on R ranks (3 and 4: oversubscribed) against one process within the loss
+    bounds, and the same run twice bitwise equal (losses and saved model)."""
+    ranks, flags, described = MODES[mode]
     saved = []
     for run in range(2):
         m = str(tmp_path / f"m{run}.jsonl")
         save = str(tmp_path / f"model{run}.bin")
-        p = mpirun(ranks, train_args(shard, m) + ["--save", save, "--ownership", ownership])
+        p = mpirun(ranks, train_args(shard, m) + ["--save", save] + flags)
         assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
         got = losses(m)
         assert len(got) == STEPS
         # every step: the loss bound at the step's parameters (fixture loss_bounds)
         err = np.abs(np.array(got) - np.array(single))
-        print(f"\n[{ranks} ranks, {ownership}] losses error / bound: "
+        print(f"\n[{mode}] losses error / bound: "
               f"{np.max(ratio(err, loss_bounds)):.2e}")
         assert np.all(err <= loss_bounds), (err, loss_bounds)
-        assert f"{ranks} MPI processes, {ownership} ownership" in p.stdout
+        assert described in p.stdout
         assert p.stdout.count("step    5/5") == 1           # only rank 0 prints
         assert os.path.exists(save) and formats.read_checkpoint(save)[0] == MICRO
         saved.append((got, open(save, "rb").read(), open(checkpoint.companion(save), "rb").read()))
@@ -141,6 +158,40 @@ def test_shard_owners_balance_the_bytes():
             assert abs(sum(shares) - 1) < 1e-12
             assert max(shares) <= max(1 / R + largest_other, wte) + 1e-12, (name, R, shares)
         assert placement_shares(cfg, 2, "rank0") == [1.0, 0.0]
+
+
+def test_pipeline_stages_balance_the_flops():
+    """Stage 0 runs the embedding, its layers and the head; the boundaries minimise the
+    busiest stage's flops (checked against every split), so GPT-2 124M's head (5.4 blocks'
+    worth) leaves stage 0 fewer blocks; every stage's slices are owned by its ranks."""
+    from starpu_llm.flow.placement import Topology, stage_layers
+    cfg, T = MODELS["d12"], 64
+    block, head = 72 * cfg.C ** 2 + 12 * T * cfg.C, 6 * cfg.Vp * cfg.C
+    for S in (2, 3, 4):
+        stages = stage_layers(cfg, S, T)
+        assert list(stages) == sorted(stages) and set(stages) <= set(range(S))
+        counts = [stages.count(s) for s in range(S)]
+        work = max([head + counts[0] * block] + [c * block for c in counts[1:]])
+        for first in range(cfg.L - S + 2):      # no other split of stage 0 does better
+            rest = cfg.L - first
+            others = [rest // (S - 1) + (k < rest % (S - 1)) for k in range(S - 1)]
+            assert work <= max([head + first * block] + [c * block for c in others])
+        assert counts[0] < cfg.L // S
+    topo = Topology(cfg, 4, 2, "sharded", T)
+    for key, r in topo.owners.items():
+        assert r in topo.readers(key)
+        assert (key[1] is None) == (topo.slice_stage(key) == 0) or key[1] is not None
+    assert topo.owners[("wte", None)] in topo.stage_ranks(0) == [0, 2]
+
+
+def test_impossible_topologies_say_what_to_do(shard, tmp_path):
+    for ranks, flags, says in ((2, ["--pipeline-stages", "3"], "--pipeline-stages 3"),
+                               (2, ["--pipeline-stages", "2", "--ownership", "rank0"],
+                                "--ownership rank0"),
+                               (2, ["--pipeline-stages", "4"], "--pipeline-stages 4")):
+        p = mpirun(ranks, train_args(shard, str(tmp_path / "m.jsonl")) + flags)
+        assert p.returncode != 0
+        assert says in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
 
 
 def test_batch_must_split_over_ranks(shard, tmp_path):
@@ -208,7 +259,9 @@ def test_ctrl_c_of_one_rank_stops_every_rank_after_the_same_step(shard, tmp_path
     assert f"stopped by Ctrl-C after step {last}" in out
 
 
-def test_resumed_run_equals_uninterrupted(shard, tmp_path):
+@pytest.mark.parametrize("flags", [[], ["--pipeline-stages", "2", "--sub-batches", "3"]],
+                         ids=["sharded", "pipeline"])
+def test_resumed_run_equals_uninterrupted(shard, tmp_path, flags):
     """2 ranks: 4 steps in one run, and a run saving a checkpoint at step 2 (going on to
     step 3) resumed up to step 4: the same losses and final parameters, to the bit; and a run
     that saves a checkpoint at steps 2 and 4 ends with the same model as the one that
@@ -221,7 +274,7 @@ def test_resumed_run_equals_uninterrupted(shard, tmp_path):
                                                  str(tmp_path / "ck2"), "--save",
                                                  str(tmp_path / "saving.bin")])]
     for metrics, steps, extra in runs:
-        p = mpirun(2, train_args(shard, metrics, steps=steps) + extra)
+        p = mpirun(2, train_args(shard, metrics, steps=steps) + extra + flags)
         assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     assert losses(part) == losses(whole)
     assert (tmp_path / "resumed.bin").read_bytes() == (tmp_path / "whole.bin").read_bytes()
@@ -230,12 +283,14 @@ def test_resumed_run_equals_uninterrupted(shard, tmp_path):
 
 
 def test_resume_under_another_mode_and_rank_count(shard, single, loss_bounds, tmp_path):
-    """A checkpoint of 2 sharded ranks at step 2, resumed on 3 ranks with rank-0 ownership
-    and in one process: steps 3-5 within the loss bounds of the uninterrupted single process."""
+    """A checkpoint of 2 sharded ranks at step 2, resumed on 3 ranks with rank-0 ownership,
+    in one process and in a 2-stage pipeline: steps 3-5 within the loss bounds of the
+    uninterrupted single process."""
     save = str(tmp_path / "two.bin")
     p = mpirun(2, train_args(shard, str(tmp_path / "a.jsonl"), steps=2) + ["--save", save])
     assert p.returncode == 0, p.stderr[-4000:]
-    for ranks, extra in ((3, ["--ownership", "rank0"]), (1, ["--workers", "1"])):
+    for ranks, extra in ((3, ["--ownership", "rank0"]), (1, ["--workers", "1"]),
+                         (2, ["--pipeline-stages", "2", "--sub-batches", "2"])):
         m = str(tmp_path / f"r{ranks}.jsonl")
         args = train_args(shard, m) + ["--resume", save] + extra
         p = (mpirun(ranks, args) if ranks > 1 else

@@ -128,7 +128,7 @@ def test_starpupy_handle_pointer_is_a_starpu_handle():
     on: a C task writing it (the snapshot copy) runs before the starpupy task reading it."""
     with Runtime(1, 1, face="starpupy") as rt:
         from starpu_llm.flow.placement import Placement
-        place = Placement(rt, MODELS["micro"], 1)
+        place = Placement(rt, MODELS["micro"])
         src = [np.arange(5, dtype=np.float32), np.arange(5, 8, dtype=np.float32)]
         handles = [place._register(a) for a in src]
         dst = np.zeros(8, np.float32)

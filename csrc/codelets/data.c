@@ -1,5 +1,6 @@
 /* Codelets that move data rather than compute a layer: the batch load, the zero-fill and the
- * sum used as StarPU's reduction methods for gradients, the gather of a checkpoint snapshot,
+ * sum used as StarPU's reduction methods for gradients (and the ranks' gradient sums), the copy
+ * between pipeline stages, the gather of a checkpoint snapshot,
  * and the thread/affinity probe. */
 #define _GNU_SOURCE
 #include <omp.h>
@@ -23,6 +24,13 @@ SL_CODELET(zero, struct sl_no_args, SL_SEQUENTIAL, 0.0, SL_W)
 SL_CODELET(add, struct sl_no_args, SL_SEQUENTIAL, 0.0, SL_RW, SL_R)
 {
 	add_inplace(SL_F(0), SL_F(1), SL_N(0));
+}
+
+/* dst (n), src (n): the residual stream's gradient handed from one pipeline stage's backward
+ * scratch to the next (flow/taskflow.py, backward); on the receiving stage's rank. */
+SL_CODELET(copy, struct sl_no_args, SL_SEQUENTIAL, 0.0, SL_W, SL_R)
+{
+	copy_floats(SL_F(0), SL_F(1), SL_N(0));
 }
 
 /* dst (any interface: e.g. a starpupy handle, whose memory is a->dst), src_1 .. src_k vectors:

@@ -104,6 +104,8 @@ float clip_scale(double sumsq, float max_norm);
 void fill_zero(float *x, size_t n);
 /* dst += src (n floats): the StarPU reduction of gradient copies. */
 void add_inplace(float *dst, const float *src, size_t n);
+/* dst = src (n floats): a tensor handed from one pipeline stage to the next. */
+void copy_floats(float *dst, const float *src, size_t n);
 /* Load one batch: inputs[i] = tokens[pos+i], targets[i] = tokens[pos+i+1] for i < n
  * (reads the n+1 tokens from pos). */
 void load_batch(int32_t *inputs, int32_t *targets, const uint16_t *tokens, size_t pos, size_t n);

@@ -1,6 +1,7 @@
-/* Small helpers: zeroing, in-place add (gradient reduction), batch loading. */
+/* Small helpers: zeroing, in-place add (gradient reduction), copy, batch loading. */
 #include "kernels.h"
 #include <omp.h>
+#include <string.h>
 
 // x (n) = 0
 void fill_zero(float *x, size_t n)
@@ -16,6 +17,12 @@ void add_inplace(float *dst, const float *src, size_t n)
 #pragma omp parallel for simd schedule(static) if (n > 32768)
 	for (size_t i = 0; i < n; i++)
 		dst[i] += src[i];
+}
+
+// dst (n) = src (n)
+void copy_floats(float *dst, const float *src, size_t n)
+{
+	memcpy(dst, src, n * sizeof *dst);
 }
 
 // inputs (n), targets (n) int32; tokens uint16, needs n + 1 tokens from pos

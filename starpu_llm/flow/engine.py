@@ -15,7 +15,7 @@ from ..errors import StarpuLLMError, opt
 from ..io import formats
 from . import taskflow
 from .checkpoint_task import CheckpointTask
-from .placement import Placement
+from .placement import Placement, Topology
 from .step import Engine
 from ..runtime.submit import StarPUOps
 
@@ -47,6 +47,15 @@ def write_tensor(t, values):
         x[:values.size] = values
 
 
+def default_micro_batches(per_copy: int, stages: int, workers: int) -> int:
+    """A pipeline's sub-batches (micro-batches) per copy when not given: the fewest that
+    divide the copy's batch and give each stage's workers two each in flight (2 S N), so
+    that a stage has the next micro-batch while the others hold theirs; at most one sequence
+    each."""
+    return next((m for m in range(2 * stages * workers, per_copy + 1) if per_copy % m == 0),
+                per_copy)
+
+
 class StarPUEngine(Engine):
     """Every tensor a StarPU data handle; every layer a task (needs a running Runtime).
 
@@ -57,29 +66,38 @@ class StarPUEngine(Engine):
     name = "starpu"
 
     def __init__(self, config, state, B, T, tokens, runtime, sub_batches: int | None = None,
-                 record: bool = False, ownership: str | None = None):
+                 record: bool = False, ownership: str | None = None, pipeline_stages: int = 1):
         if not runtime.running:
             raise RuntimeError("the StarPU runtime is not running")
         nranks = runtime.size
-        if B % nranks:
-            raise StarpuLLMError(f"{opt('batch')} {B} cannot be split over {nranks} MPI processes; "
-                                 f"use a {opt('batch')} divisible by {nranks}")
-        per_rank = B // nranks
+        topology = Topology(config, nranks, pipeline_stages,
+                            (ownership or "sharded") if nranks > 1 else "rank0", T)
+        copies = topology.copies      # data-parallel copies: every rank's without a pipeline
+        where = (f"{copies} data-parallel copies of the pipeline" if pipeline_stages > 1
+                 else f"{nranks} MPI processes")
+        if B % copies:
+            raise StarpuLLMError(f"{opt('batch')} {B} cannot be split over {where}; "
+                                 f"use a {opt('batch')} divisible by {copies}")
+        per_copy = B // copies
+        if sub_batches is None and pipeline_stages > 1:
+            sub_batches = default_micro_batches(per_copy, pipeline_stages, runtime.workers)
         if sub_batches is None:   # data parallelism: one sub-batch per worker by default
             sub_batches = runtime.workers
-            if per_rank % sub_batches:
+            if per_copy % sub_batches:
                 raise StarpuLLMError(
                     f"{opt('batch')} {B} cannot be split over {sub_batches} workers (one sub-batch "
-                    f"each) x {nranks} process(es); use a {opt('batch')} divisible by "
-                    f"{sub_batches * nranks}, or {opt('sub_batches')}")
-        elif per_rank % sub_batches:
-            raise StarpuLLMError(f"{opt('batch')} {B} ({per_rank} per process) cannot be split into "
-                                 f"{sub_batches} equal sub-batches; choose {opt('sub_batches')} dividing {per_rank}")
-        self.subs_per_rank = sub_batches
-        super().__init__(config, state, B, T, tokens, sub_batches * nranks)
+                    f"each) x {where}; use a {opt('batch')} divisible by "
+                    f"{sub_batches * copies}, or {opt('sub_batches')}")
+        elif per_copy % sub_batches:
+            raise StarpuLLMError(f"{opt('batch')} {B} ({per_copy} per copy) cannot be split into "
+                                 f"{sub_batches} equal sub-batches; choose {opt('sub_batches')} "
+                                 f"dividing {per_copy}")
+        self.subs_per_rank = sub_batches     # per data-parallel copy (a rank's, or a pipeline's)
+        super().__init__(config, state, B, T, tokens, sub_batches * copies)
         self.runtime = runtime
         self.ops = StarPUOps(record=record)
-        self.placement = place = Placement(runtime, config, self.subs_per_rank, ownership)
+        self.placement = place = Placement(runtime, config, topology, self.subs_per_rank)
+        self.layer_stage = place.layer_stage if place.stages > 1 else None
         self.redux = place.redux
         self.rank, self.mpi = place.rank, place.mpi
         self.p, self.g, self.m, self.v = (
@@ -102,9 +120,15 @@ class StarPUEngine(Engine):
             yield t.name, t
         for t in self.norm:
             yield t.name, t
-        for i, (a, s) in enumerate(self.subs):
-            for t in (t for group in (a, s) for t in group.tensors()):
+        for t in (t for copy in self.contributions for t in copy.tensors()):
+            if t.name.startswith("grad@"):
+                yield t.name, t
+        for i, (a, stages) in enumerate(self.subs):
+            for t in a.tensors():
                 yield f"s{i}.{t.name}", t
+            for k, s in enumerate(stages):     # stage k > 0's scratch: "s{i}.stage{k}."
+                for t in s.tensors():
+                    yield f"s{i}.{f'stage{k}.' if k else ''}{t.name}", t
 
     def tensor_names(self) -> dict:
         """{handle address: tensor name} of every tensor of this engine (sub-batch i's
@@ -119,7 +143,7 @@ class StarPUEngine(Engine):
         return self.ops.at(self.placement.update_site())
 
     def sub_batch_grads(self, i):
-        return self.contributions[self.placement.owner(i)]
+        return self.contributions[self.placement.copy(i)]
 
     def _gradients_submitted(self):
         if self.mpi:

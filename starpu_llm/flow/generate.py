@@ -80,7 +80,7 @@ class StarPUBackend:
         if runtime.size > 1:
             raise StarpuLLMError("generation runs in one process: it is not available under mpirun")
         self.runtime, self.config, self.ops = runtime, config, StarPUOps()
-        self.placement = Placement(runtime, config, 1)
+        self.placement = Placement(runtime, config)
         self.p = p if p is not None else self.placement.parameter_tensors(
             "param", ParamLayout(config), params)
         self.write = write_tensor

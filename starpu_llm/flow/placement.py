@@ -24,7 +24,9 @@ order.
 """
 from __future__ import annotations
 
+import ctypes
 import math
+import mmap
 
 import numpy as np
 
@@ -59,67 +61,169 @@ def gradient_mode(workers: int, pinned: bool, subs_per_rank: int) -> int:
 OWNERSHIPS = ("sharded", "rank0")
 
 
-def shard_owners(config: GPTConfig, nranks: int) -> dict:
-    """{(name, layer or None): rank} for every parameter slice (a block tensor's layer, or
-    wte, wpe, lnfw, lnfb), the owned bytes balanced over the ranks: the slices, largest first,
-    each to the rank owning the fewest bytes so far (ties: the lowest rank). No slice is larger
-    than wte, 31 % of GPT-2 124M: up to 3 ranks each owns at most a third plus less than the
-    smallest slice; from 4 ranks on the rank owning wte owns 31 % (placement_shares says how
-    much each rank owns)."""
+def _slice_sizes(config: GPTConfig) -> list:
+    """((name, layer or None), elements) of every parameter slice, in llm.c's order."""
     layout = ParamLayout(config)
-    slices = []
+    out = []
     for name in layout.names:
         size = math.prod(layout.shapes[name])
         if layout.is_layered(name):
-            slices += [((name, l), size // config.L) for l in range(config.L)]
+            out += [((name, l), size // config.L) for l in range(config.L)]
         else:
-            slices.append(((name, None), size))
-    owned = [0] * nranks
+            out.append(((name, None), size))
+    return out
+
+
+def _balance(slices: list, ranks: list) -> dict:
+    """{key: rank}: the slices ((key, size)), largest first, each to the rank of `ranks` owning
+    the fewest elements so far (ties: the first in `ranks`)."""
+    owned = {r: 0 for r in ranks}
     owners = {}
     for key, size in sorted(slices, key=lambda s: -s[1]):    # stable: llm.c's order in a tie
-        r = min(range(nranks), key=lambda r: (owned[r], r))
+        r = min(ranks, key=lambda r: (owned[r], ranks.index(r)))
         owners[key] = r
         owned[r] += size
     return owners
 
 
-def placement_shares(config: GPTConfig, nranks: int, ownership: str = "sharded") -> list:
+def stage_layers(config: GPTConfig, stages: int, T: int) -> tuple:
+    """The pipeline stage of each layer: contiguous ranges, stage 0 first. Stage 0 also runs
+    the embedding and the head (lnf and the lm head, tied to wte: its gradient never leaves
+    the rank). The boundaries balance the stages' work by the flop counts the codelets declare
+    (the performance model's work term) per token, forward and backward: a block 72 C^2 +
+    12 T C (its four matmuls, 24 C^2 forward and twice that backward, and the attention's
+    4 T C forward, twice backward), the head 6 Vp C; the embedding and the small layers add
+    next to nothing. Of the splits (stage 0's blocks; the others' as even as can be), the
+    one whose busiest stage has the least work."""
+    L = config.L
+    if not 1 <= stages <= L + 1:
+        raise StarpuLLMError(f"{opt('pipeline_stages')} {stages}: choose 1 to {L + 1} (the "
+                             f"model's {L} layers, and the head)")
+    if stages == 1:
+        return (0,) * L
+    block = 72 * config.C ** 2 + 12 * T * config.C
+    head = 6 * config.Vp * config.C
+    best = None
+    for first in range(L - stages + 2):          # blocks on stage 0; every other has one
+        rest, n = L - first, stages - 1
+        others = [rest // n + (k < rest % n) for k in range(n)]
+        work = max([head + first * block] + [k * block for k in others])
+        if best is None or work < best[0]:
+            best = (work, [first] + others)
+    return tuple(s for s, n in enumerate(best[1]) for _ in range(n))
+
+
+def discard_pages(view: np.ndarray) -> None:
+    """Give the whole memory pages inside view back to the system (madvise MADV_DONTNEED):
+    they read as zeros from then on, and count in no RSS until written again."""
+    page = mmap.PAGESIZE
+    start = -(-view.ctypes.data // page) * page
+    end = (view.ctypes.data + view.nbytes) // page * page
+    if end > start and _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
+                                     mmap.MADV_DONTNEED) != 0:
+        raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) failed")
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+class Topology:
+    """How R ranks share the work: S pipeline stages x D data-parallel copies (rank d S + s
+    runs stage s of copy d; S = 1: plain data parallelism, a copy per rank), and the owner of
+    every parameter slice (a block tensor's layer, or wte, wpe, lnfw, lnfb): a pure function
+    of the model, R, S, the ownership and T. A slice belongs to one stage (its layer's; the
+    embedding and head tensors to stage 0) and is owned by one of that stage's D ranks, the
+    stage's bytes balanced over them (sharded); rank0 puts every slice on rank 0 (no
+    pipeline). The ranks that read a slice and add into its gradient are its stage's."""
+
+    def __init__(self, config: GPTConfig, ranks: int, stages: int = 1,
+                 ownership: str = "sharded", T: int | None = None):
+        if ownership not in OWNERSHIPS:
+            raise StarpuLLMError(f"{opt('ownership')} {ownership!r}: choose one of "
+                                 f"{', '.join(OWNERSHIPS)}")
+        if stages < 1 or ranks % stages:
+            raise StarpuLLMError(f"{opt('pipeline_stages')} {stages} does not divide the {ranks} "
+                                 f"MPI process(es); run a multiple of {stages} processes")
+        if stages > 1 and ownership == "rank0":
+            raise StarpuLLMError(f"{opt('ownership')} rank0 puts every parameter on rank 0, "
+                                 f"which a pipeline cannot: leave {opt('ownership')} out")
+        self.ranks, self.stages, self.copies = ranks, stages, ranks // stages
+        self.ownership = ownership
+        self.layer_stage = stage_layers(config, stages, T or config.maxT)
+        slices = _slice_sizes(config)
+        if ownership == "rank0":
+            self.owners = {key: 0 for key, _ in slices}
+        else:
+            self.owners = {}
+            for s in range(stages):
+                self.owners.update(_balance([x for x in slices if self.slice_stage(x[0]) == s],
+                                            self.stage_ranks(s)))
+
+    def rank(self, stage: int, copy: int) -> int:
+        return copy * self.stages + stage
+
+    def stage_ranks(self, stage: int) -> list:
+        """The ranks running `stage`, one per copy, in copy order."""
+        return [self.rank(stage, d) for d in range(self.copies)]
+
+    def slice_stage(self, key) -> int:
+        return 0 if key[1] is None else self.layer_stage[key[1]]
+
+    def readers(self, key) -> list:
+        """The ranks whose tasks read a parameter slice and add into its gradient."""
+        return self.stage_ranks(self.slice_stage(key))
+
+    def shares(self, config: GPTConfig) -> list:
+        """The fraction of the parameter bytes each rank owns."""
+        sizes = dict(_slice_sizes(config))
+        owned = [0] * self.ranks
+        for key, r in self.owners.items():
+            owned[r] += sizes[key]
+        total = sum(sizes.values())
+        return [o / total for o in owned]
+
+
+def owner_map(config: GPTConfig, nranks: int, ownership: str, stages: int = 1,
+              T: int | None = None) -> dict:
+    """{(name, layer or None): rank} under an ownership scheme (OWNERSHIPS) and S stages."""
+    return Topology(config, nranks, stages, ownership, T).owners
+
+
+def placement_shares(config: GPTConfig, nranks: int, ownership: str = "sharded",
+                     stages: int = 1, T: int | None = None) -> list:
     """The fraction of the parameter bytes each rank owns."""
-    owners = owner_map(config, nranks, ownership)
-    layout = ParamLayout(config)
-    owned = [0] * nranks
-    for (name, l), r in owners.items():
-        owned[r] += math.prod(layout.shapes[name]) // (config.L if l is not None else 1)
-    return [o / layout.total for o in owned]
+    return Topology(config, nranks, stages, ownership, T).shares(config)
 
 
-def owner_map(config: GPTConfig, nranks: int, ownership: str) -> dict:
-    """{(name, layer or None): rank} under an ownership scheme (OWNERSHIPS)."""
-    if ownership == "sharded":
-        return shard_owners(config, nranks)
-    if ownership == "rank0":
-        return {key: 0 for key in shard_owners(config, 1)}
-    raise StarpuLLMError(f"{opt('ownership')} {ownership!r}: choose one of {', '.join(OWNERSHIPS)}")
+def shard_owners(config: GPTConfig, nranks: int) -> dict:
+    """Sharded data parallelism's owners: every slice on one of the R ranks, the owned bytes
+    balanced (largest first to the least loaded). No slice is larger than wte, 31 % of GPT-2
+    124M: up to 3 ranks each owns at most a third plus less than the largest other slice;
+    from 4 ranks on, the rank owning wte owns 31 %."""
+    return owner_map(config, nranks, "sharded")
 
 
 class Placement:
     """The handles of one engine (registered here with their owners, unregistered in reverse
     order by unregister_all) and where each task of its step runs."""
 
-    def __init__(self, runtime, config: GPTConfig, subs_per_rank: int, ownership: str | None = None):
+    def __init__(self, runtime, config: GPTConfig, topology: Topology | None = None,
+                 subs_per_copy: int = 1):
         self.runtime = runtime
         self.rank, self.nranks = runtime.rank, runtime.size
         self.mpi = self.nranks > 1
-        self.layers, self.subs_per_rank = config.L, subs_per_rank
-        # who owns each parameter slice, with its gradient and moments: one process owns all
-        self.ownership = (ownership or "sharded") if self.mpi else "rank0"
-        self.owners = owner_map(config, self.nranks, self.ownership)
+        self.layers, self.subs_per_copy = config.L, subs_per_copy
+        # the ranks' pipeline stages and data-parallel copies, and who owns each parameter
+        # slice with its gradient and moments (default: one process owns all)
+        self.topology = topo = topology or Topology(config, self.nranks, 1, "rank0")
+        self.ownership, self.owners = topo.ownership, topo.owners
+        self.stages, self.copies, self.layer_stage = topo.stages, topo.copies, topo.layer_stage
         # Data parallelism: sub-batch i stays on worker i mod N, so every worker always adds
         # into its own reduction copies (StarPU allocates them all in the first step) and two
         # sub-batches never queue behind each other. Only where StarPU's worker ids are the N
         # workers of the partition.
         self.pin_sub_batches = runtime.workers > 1 and runtime.workers_are_starpu_workers
-        self.redux = gradient_mode(runtime.workers, self.pin_sub_batches, subs_per_rank)
+        self.redux = gradient_mode(runtime.workers, self.pin_sub_batches, subs_per_copy)
         self._registered = []     # handles to unregister, in reverse order
         self._buffers = []
         self._next_tag = 0
@@ -129,18 +233,23 @@ class Placement:
     def parameter_tensors(self, kind: str, layout: ParamLayout, flat: np.ndarray) -> ParameterTensors:
         """The parameters, gradients or moments (kind "param", "grad", "m", "v") over flat, a
         buffer of layout: one handle per slice (a block tensor's layer, or a whole embedding or
-        head tensor), owned by self.owners' rank. Every rank holds the parameters (its tasks
-        read them all; received copies land there). Gradients are on their owner's memory;
-        moments on their owner's and on rank 0's, where the checkpoint's copies land (a page
-        is touched only when written: rank 0 holds others' moments only once it has written a
-        checkpoint); elsewhere they are never touched. Gradients accept STARPU_REDUX
-        contributions when self.redux."""
+        head tensor), owned by self.owners' rank. The ranks of a slice's stage hold its
+        parameters (their tasks read them; received copies land there), its owner its
+        gradient and moments; rank 0 has memory for every parameter and moment too, where the
+        checkpoints' copies land (a page is touched only when written: rank 0 holds others'
+        slices only once it has written a checkpoint). Elsewhere a slice's handle has no
+        memory and is never used. The pages of flat a rank does not use are given back to the
+        system (every rank initialised or loaded the whole model). Gradients accept
+        STARPU_REDUX contributions when self.redux."""
         def make(name, arr, layered):
             tensors = []
             for key, view in self._slices(name, arr, layered):
                 owner = self.owners[key]
-                memory = (owner == self.rank or kind == "param"
-                          or (self.rank == 0 and kind in ("m", "v")))
+                used = owner == self.rank or (kind == "param"
+                                              and self.rank in self.topology.readers(key))
+                if not used and kind != "grad":
+                    discard_pages(view)    # the initial or loaded values another rank holds
+                memory = used or (self.rank == 0 and kind != "grad")
                 tensors.append(self._slice_tensor(kind, key, view, memory, owner))
             return tensors if layered else tensors[0]
 
@@ -148,22 +257,26 @@ class Placement:
 
     def contributions(self, layout: ParamLayout, flat: np.ndarray,
                       grads: ParameterTensors) -> list:
-        """For each rank q, the tensors its backward tasks add into: for the slices q owns the
-        gradients themselves, for the others q's contribution, a handle owned by q (on q's
-        memory: the slice of flat, a gradient buffer, that no gradient of q uses), which
-        taskflow.reduce_gradients adds into the owner's gradient. One process: [grads].
+        """For each data-parallel copy d, the tensors its sub-batches' backward tasks add
+        into: a slice's, on the rank q running the slice's stage in copy d, is the gradient
+        itself where q owns it, else q's contribution, a handle owned by q (on q's memory: the
+        slice of flat, a gradient buffer that no gradient of q uses), which
+        taskflow.reduce_gradients adds into the owner's gradient. One copy: [grads].
 
         Not starpu_mpi_redux_data: it adds the contributions in the order they arrive
         (STARPU_COMMUTE), so from 3 ranks on the sums round differently from run to run."""
-        if not self.mpi:
+        if self.copies == 1:
             return [grads]
+        topo = self.topology
         groups = []
-        for q in range(self.nranks):
-            def make(name, arr, layered, q=q):
+        for d in range(self.copies):
+            def make(name, arr, layered, d=d):
                 mine = getattr(grads, name) if layered else [getattr(grads, name)]
-                tensors = [g if self.owners[key] == q else
-                           self._slice_tensor(f"grad@{q}", key, view, q == self.rank, q)
-                           for g, (key, view) in zip(mine, self._slices(name, arr, layered))]
+                tensors = []
+                for g, (key, view) in zip(mine, self._slices(name, arr, layered)):
+                    q = topo.rank(topo.slice_stage(key), d)
+                    tensors.append(g if self.owners[key] == q else
+                                   self._slice_tensor(f"grad@{q}", key, view, q == self.rank, q))
                 return tensors if layered else tensors[0]
             groups.append(ParameterTensors.over(layout, flat, make))
         return groups
@@ -202,10 +315,20 @@ class Placement:
                 for k, owner in enumerate(owners)]
 
     def sub_batch(self, config: GPTConfig, B: int, T: int, i: int):
-        """(ActivationTensors, BackwardScratch) of sub-batch i, owned by its rank."""
-        owner = self.owner(i)
-        return sub_batch_tensors(config, B, T,
-                                 lambda name, shape, dtype: self.tensor(name, shape, dtype, owner))
+        """(ActivationTensors, [BackwardScratch of each stage]) of sub-batch i: each layer's
+        activations owned by the rank running the layer's stage in the sub-batch's copy, the
+        embedding's and head's (and the inputs, targets, losses) by its stage 0's, a stage's
+        scratch by the stage's."""
+        topo, d = self.topology, self.copy(i)
+        home = topo.rank(0, d)
+
+        def at(rank):
+            return lambda name, shape, dtype: self.tensor(name, shape, dtype, rank)
+        return sub_batch_tensors(
+            config, B, T, at(home),
+            lambda name, shape, dtype, l: self.tensor(name, shape, dtype,
+                                                      topo.rank(self.layer_stage[l], d)),
+            [at(topo.rank(s, d)) for s in range(self.stages)])
 
     def tensor(self, name, shape, dtype=np.float32, owner=None) -> Tensor:
         """A new tensor registered as a handle; under MPI owned by rank `owner` (None: this
@@ -256,14 +379,19 @@ class Placement:
         self._buffers = []
 
     # --- where tasks run: every submission takes one of these (runtime.submit.StarPUOps.at) ---
+    def copy(self, i: int) -> int:
+        """The data-parallel copy sub-batch i runs on."""
+        return i // self.subs_per_copy
+
     def owner(self, i: int) -> int:
-        """The rank of sub-batch i."""
-        return i // self.subs_per_rank
+        """The rank of sub-batch i's inputs and loss: its copy's stage 0."""
+        return self.topology.rank(0, self.copy(i))
 
     def sub_batch_site(self, i: int) -> Where:
-        """Sub-batch i's tasks: on its rank, and on its worker when pinned."""
-        worker = i % self.subs_per_rank % self.runtime.workers if self.pin_sub_batches else ANY
-        return Where(self.owner(i), worker)
+        """Sub-batch i's tasks: on its rank (in a pipeline: the rank of the stage a task
+        belongs to, the owner of what it writes), and on its worker when pinned."""
+        worker = i % self.subs_per_copy % self.runtime.workers if self.pin_sub_batches else ANY
+        return Where(self.owner(i) if self.stages == 1 else OWNER, worker)
 
     def update_site(self) -> Where:
         """The update tasks (AdamW, the gradient norm): on the owner of what they write (each

@@ -22,8 +22,9 @@ from .tensors import Tensor
 class Engine:
     """The per-step orchestration shared by both engines. A subclass sets ops (the
     executor of taskflow's calls), p, g, m, v (ParameterTensors of the parameters, gradients
-    and moments), subs (each sub-batch's (ActivationTensors, BackwardScratch)) and norm (the
-    taskflow.norm_nodes float64 scalars of the gradient norm, for clipping)."""
+    and moments), subs (each sub-batch's (ActivationTensors, [BackwardScratch of each pipeline
+    stage])) and norm (the taskflow.norm_nodes float64 scalars of the gradient norm, for
+    clipping)."""
 
     name = "?"
 
@@ -38,6 +39,8 @@ class Engine:
         # how sub-batches add their gradients (StarPU engine: a reduction or a chain, its
         # placement decides); the reference engine adds them in order
         self.redux = 0
+        # the pipeline stage of each layer (the StarPU engine's placement; here one stage)
+        self.layer_stage = None
         self.layout = ParamLayout(config)
         self.tokens = tokens   # keep the shard alive: load tasks read it
         self.tokens_ptr = ffi.cast("const uint16_t *", ffi.from_buffer(tokens))
@@ -84,7 +87,7 @@ class Engine:
             ops.load_batch(a.inputs, a.targets, self.tokens_ptr, pos + i * n, n)
             taskflow.forward(ops, self.config, self.p, a, self.Bs, self.T)
             taskflow.backward(ops, self.config, self.p, self.sub_batch_grads(i), a, s, self.Bs,
-                              self.T, dloss, self.redux)
+                              self.T, dloss, self.redux, self.layer_stage)
         self._gradients_submitted()
 
     def submit_update(self, lr: float, weight_decay: float, grad_clip: float = 0.0):

@@ -57,35 +57,49 @@ def block_forward(ops, cfg: GPTConfig, p, l: int, x, b, N: int, attention):
     ops.residual_forward(b.res3, b.res2, b.fcproj, N * C)
 
 
-def backward(ops, cfg: GPTConfig, p, g, a, s, B: int, T: int, dloss: float, redux: int):
+def backward(ops, cfg: GPTConfig, p, g, a, s, B: int, T: int, dloss: float, redux: int,
+             layer_stage=None):
     """Backward pass: accumulates into the parameter gradients g (RW, or REDUX when sub-batches
-    add into them through a StarPU reduction: placement.py says when). dloss scales the per-token loss gradient (1/(global B*T))."""
+    add into them through a StarPU reduction: placement.py says when). dloss scales the
+    per-token loss gradient (1/(global B*T)). s: the backward scratch of each pipeline stage
+    (one without a pipeline); layer_stage[l] the stage of layer l (default: all on stage 0,
+    which also runs the head and the embedding). Where the backward moves from one stage to
+    the next, the residual stream's gradient is copied into the next stage's scratch: the one
+    tensor that crosses (a transfer between ranks)."""
     C, NH, L, V, Vp = cfg.C, cfg.NH, cfg.L, cfg.V, cfg.Vp
     BT = B * T
-    ops.crossentropy_backward(s.dlogits, a.probs, a.targets, BT, V, Vp, dloss)
-    ops.matmul_backward(s.dln, g.wte, s.dlogits, a.lnf, p.wte, None, BT, C, Vp, redux=redux)
-    ops.layernorm_backward(s.dres, g.lnfw, g.lnfb, s.dln, a.res3[L - 1], p.lnfw,
+    stage_of = layer_stage or (0,) * L
+    head = cur = s[0]
+    ops.crossentropy_backward(head.dlogits, a.probs, a.targets, BT, V, Vp, dloss)
+    ops.matmul_backward(head.dln, g.wte, head.dlogits, a.lnf, p.wte, None, BT, C, Vp, redux=redux)
+    ops.layernorm_backward(head.dres, g.lnfw, g.lnfb, head.dln, a.res3[L - 1], p.lnfw,
                            a.lnf_mean, a.lnf_rstd, BT, C, 0, redux=redux)
     # s.dres holds the gradient of the residual stream. A residual add passes its gradient
     # unchanged to both inputs, so the branch (fcproj, attproj) reads s.dres directly and the
     # layernorm of the other branch adds into it: no residual_backward copies.
     for l in reversed(range(L)):
+        if s[stage_of[l]] is not cur:
+            ops.copy(s[stage_of[l]].dres, cur.dres)
+            cur = s[stage_of[l]]
         x = a.res3[l - 1] if l > 0 else a.encoded
-        ops.matmul_backward(s.dfch_gelu, g.fcprojw[l], s.dres, a.fch_gelu[l], p.fcprojw[l],
+        ops.matmul_backward(cur.dfch_gelu, g.fcprojw[l], cur.dres, a.fch_gelu[l], p.fcprojw[l],
                             g.fcprojb[l], BT, 4 * C, C, redux=redux)
-        ops.gelu_backward(s.dfch, a.fch[l], s.dfch_gelu, BT * 4 * C)
-        ops.matmul_backward(s.dln, g.fcw[l], s.dfch, a.ln2[l], p.fcw[l], g.fcb[l], BT, C, 4 * C,
-                            redux=redux)
-        ops.layernorm_backward(s.dres, g.ln2w[l], g.ln2b[l], s.dln, a.res2[l], p.ln2w[l],
+        ops.gelu_backward(cur.dfch, a.fch[l], cur.dfch_gelu, BT * 4 * C)
+        ops.matmul_backward(cur.dln, g.fcw[l], cur.dfch, a.ln2[l], p.fcw[l], g.fcb[l], BT, C,
+                            4 * C, redux=redux)
+        ops.layernorm_backward(cur.dres, g.ln2w[l], g.ln2b[l], cur.dln, a.res2[l], p.ln2w[l],
                                a.ln2_mean[l], a.ln2_rstd[l], BT, C, 1, redux=redux)
-        ops.matmul_backward(s.datty, g.attprojw[l], s.dres, a.atty[l], p.attprojw[l],
+        ops.matmul_backward(cur.datty, g.attprojw[l], cur.dres, a.atty[l], p.attprojw[l],
                             g.attprojb[l], BT, C, C, redux=redux)
-        ops.attention_backward(s.dqkv, s.att_scratch, s.datty, a.qkv[l], a.att[l], B, T, C, NH)
-        ops.matmul_backward(s.dln, g.qkvw[l], s.dqkv, a.ln1[l], p.qkvw[l], g.qkvb[l], BT, C, 3 * C,
-                            redux=redux)
-        ops.layernorm_backward(s.dres, g.ln1w[l], g.ln1b[l], s.dln, x, p.ln1w[l],
+        ops.attention_backward(cur.dqkv, cur.att_scratch, cur.datty, a.qkv[l], a.att[l], B, T,
+                               C, NH)
+        ops.matmul_backward(cur.dln, g.qkvw[l], cur.dqkv, a.ln1[l], p.qkvw[l], g.qkvb[l], BT, C,
+                            3 * C, redux=redux)
+        ops.layernorm_backward(cur.dres, g.ln1w[l], g.ln1b[l], cur.dln, x, p.ln1w[l],
                                a.ln1_mean[l], a.ln1_rstd[l], BT, C, 1, redux=redux)
-    ops.encoder_backward(g.wte, g.wpe, s.dres, a.inputs, B, T, C, redux=redux)
+    if cur is not head:
+        ops.copy(head.dres, cur.dres)
+    ops.encoder_backward(g.wte, g.wpe, head.dres, a.inputs, B, T, C, redux=redux)
 
 
 def reduce_gradients(ops, cfg: GPTConfig, g, contributions):

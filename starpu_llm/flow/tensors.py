@@ -102,15 +102,19 @@ class SubBatchGroup(TensorGroup):
     """A group whose fields declare their shapes (single / per_layer): one sub-batch's."""
 
     @classmethod
-    def create(cls, cfg: GPTConfig, B: int, T: int, new_tensor):
+    def create(cls, cfg: GPTConfig, B: int, T: int, new_tensor, layer_tensor=None):
         """The group of a (sub-)batch of B x T tokens: every tensor is
-        new_tensor(name, shape, dtype), per-layer ones named "name[l]"; in field order."""
+        new_tensor(name, shape, dtype), per-layer ones named "name[l]" (made by
+        layer_tensor(name, shape, dtype, l) when given: a pipeline places layers apart); in
+        field order."""
         dims = Dims(B, T, cfg.C, cfg.NH, cfg.Vp)
+        layer_tensor = layer_tensor or (lambda name, shape, dtype, l: new_tensor(name, shape, dtype))
         out = {}
         for f in fields(cls):
             shape, dtype = f.metadata["shape"](dims), f.metadata["dtype"]
             if f.metadata["layered"]:
-                out[f.name] = [new_tensor(f"{f.name}[{l}]", shape, dtype) for l in range(cfg.L)]
+                out[f.name] = [layer_tensor(f"{f.name}[{l}]", shape, dtype, l)
+                               for l in range(cfg.L)]
             else:
                 out[f.name] = new_tensor(f.name, shape, dtype)
         return cls(**out)
@@ -164,11 +168,15 @@ class BackwardScratch(SubBatchGroup):
     att_scratch: Tensor = single(lambda d: (2, d.B, d.NH, d.T, d.T))  # dpreatt, datt
 
 
-def sub_batch_tensors(cfg: GPTConfig, B: int, T: int, new_tensor):
-    """(activations, backward scratch) of one (sub-)batch, each tensor made by
-    new_tensor(name, shape, dtype), in this order (the MPI tags follow it)."""
-    return (ActivationTensors.create(cfg, B, T, new_tensor),
-            BackwardScratch.create(cfg, B, T, new_tensor))
+def sub_batch_tensors(cfg: GPTConfig, B: int, T: int, new_tensor, layer_tensor=None,
+                      stage_tensors=None):
+    """(activations, [backward scratch of each pipeline stage]) of one (sub-)batch, in this
+    order (the MPI tags follow it): each tensor made by new_tensor(name, shape, dtype), a
+    per-layer activation by layer_tensor(name, shape, dtype, l) when given, and stage s's
+    scratch by stage_tensors[s](name, shape, dtype) when given (else one stage's, by
+    new_tensor)."""
+    return (ActivationTensors.create(cfg, B, T, new_tensor, layer_tensor),
+            [BackwardScratch.create(cfg, B, T, make) for make in (stage_tensors or [new_tensor])])
 
 
 # ---- generation (flow/generate.py)
