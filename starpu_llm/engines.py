@@ -9,10 +9,12 @@ from dataclasses import replace
 
 from .config import MODELS
 from .errors import StarpuLLMError, opt
-from .flow.engine import StarPUEngine
+from .flow.engine import StarPUEngine, default_micro_batches
 from .flow.reference import ReferenceEngine
 from .perf import autotune
+from .perf.model import CostModel
 from .perf.predict import load_calibration
+from .perf.stages import layer_costs
 from .record import Partition
 from .runtime.starpu import Runtime
 
@@ -57,9 +59,28 @@ def make_engine(cfg, state, tokens, runtime=None):
                                threads=cfg.threads, sub_batches=cfg.sub_batches or 1)
     if cfg.engine != "starpu":
         raise StarpuLLMError(f"{opt('engine')} {cfg.engine!r}: choose starpu or reference")
+    S = cfg.pipeline_stages or 1
     return StarPUEngine(state.config, state, cfg.batch, cfg.seq_len, tokens, runtime,
                         sub_batches=cfg.sub_batches, record=cfg.record, ownership=cfg.ownership,
-                        pipeline_stages=cfg.pipeline_stages or 1)
+                        pipeline_stages=S,
+                        stage_costs=stage_costs(cfg, state.config, runtime) if S > 1 else None)
+
+
+def stage_costs(cfg, config, runtime):
+    """The layers' predicted seconds for a pipeline's stage boundaries (perf/stages.py) from
+    this machine's calibration; None without one (the boundaries then balance flops). The
+    boundaries change no result, only the speed."""
+    try:
+        calibration = load_calibration()
+    except StarpuLLMError:
+        return None
+    S = cfg.pipeline_stages
+    per_copy = cfg.batch // max(1, runtime.size // S)
+    micro = cfg.sub_batches or default_micro_batches(per_copy, S, runtime.workers)
+    if per_copy % micro:
+        return None          # the engine says what is wrong
+    return layer_costs(config, per_copy // micro, cfg.seq_len, CostModel(calibration),
+                       runtime.cores_per_worker)
 
 
 def partition_of(engine) -> Partition:

@@ -66,12 +66,13 @@ class StarPUEngine(Engine):
     name = "starpu"
 
     def __init__(self, config, state, B, T, tokens, runtime, sub_batches: int | None = None,
-                 record: bool = False, ownership: str | None = None, pipeline_stages: int = 1):
+                 record: bool = False, ownership: str | None = None, pipeline_stages: int = 1,
+                 stage_costs=None):
         if not runtime.running:
             raise RuntimeError("the StarPU runtime is not running")
         nranks = runtime.size
         topology = Topology(config, nranks, pipeline_stages,
-                            (ownership or "sharded") if nranks > 1 else "rank0", T)
+                            (ownership or "sharded") if nranks > 1 else "rank0", T, stage_costs)
         copies = topology.copies      # data-parallel copies: every rank's without a pipeline
         where = (f"{copies} data-parallel copies of the pipeline" if pipeline_stages > 1
                  else f"{nranks} MPI processes")

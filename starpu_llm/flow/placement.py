@@ -86,31 +86,39 @@ def _balance(slices: list, ranks: list) -> dict:
     return owners
 
 
-def stage_layers(config: GPTConfig, stages: int, T: int) -> tuple:
+def flop_costs(config: GPTConfig, T: int):
+    """(head, [block l]) work per token by the flop counts the codelets declare, forward and
+    backward: a block 72 C^2 + 12 T C (its four matmuls, 24 C^2 forward and twice that
+    backward, and the attention's 4 T C forward, twice backward), the head 6 Vp C; the
+    embedding and the small layers add next to nothing. The default costs of stage_layers;
+    perf/stages.layer_costs predicts seconds from a calibration instead."""
+    return 6 * config.Vp * config.C, [72 * config.C ** 2 + 12 * T * config.C] * config.L
+
+
+def stage_layers(config: GPTConfig, stages: int, T: int, costs=None) -> tuple:
     """The pipeline stage of each layer: contiguous ranges, stage 0 first. Stage 0 also runs
     the embedding and the head (lnf and the lm head, tied to wte: its gradient never leaves
-    the rank). The boundaries balance the stages' work by the flop counts the codelets declare
-    (the performance model's work term) per token, forward and backward: a block 72 C^2 +
-    12 T C (its four matmuls, 24 C^2 forward and twice that backward, and the attention's
-    4 T C forward, twice backward), the head 6 Vp C; the embedding and the small layers add
-    next to nothing. Of the splits (stage 0's blocks; the others' as even as can be), the
-    one whose busiest stage has the least work."""
+    the rank). costs = (head, [block l]) (default: flop_costs): of the splits, the one whose
+    busiest stage costs least (ties: fewer blocks on the earlier stages)."""
     L = config.L
     if not 1 <= stages <= L + 1:
         raise StarpuLLMError(f"{opt('pipeline_stages')} {stages}: choose 1 to {L + 1} (the "
                              f"model's {L} layers, and the head)")
-    if stages == 1:
-        return (0,) * L
-    block = 72 * config.C ** 2 + 12 * T * config.C
-    head = 6 * config.Vp * config.C
-    best = None
-    for first in range(L - stages + 2):          # blocks on stage 0; every other has one
-        rest, n = L - first, stages - 1
-        others = [rest // n + (k < rest % n) for k in range(n)]
-        work = max([head + first * block] + [k * block for k in others])
-        if best is None or work < best[0]:
-            best = (work, [first] + others)
-    return tuple(s for s, n in enumerate(best[1]) for _ in range(n))
+    head, block = costs or flop_costs(config, T)
+    prefix = [0.0]
+    for c in block:
+        prefix.append(prefix[-1] + c)
+    # best[s][j]: (the busiest stage's cost, cuts) of blocks [0, j) on stages 0..s; stage 0
+    # holds the head and may hold no block, every later stage at least one (linear partition)
+    best = [{j: (head + prefix[j], (0, j)) for j in range(L - stages + 2)}]
+    for k in range(1, stages):
+        row = {}
+        for j in range(k, L - stages + k + 2):
+            row[j] = min((max(best[-1][i][0], prefix[j] - prefix[i]), best[-1][i][1] + (j,))
+                         for i in best[-1] if i < j)
+        best.append(row)
+    cuts = best[-1][L][1]
+    return tuple(s for s in range(stages) for _ in range(cuts[s], cuts[s + 1]))
 
 
 def discard_pages(view: np.ndarray) -> None:
@@ -134,10 +142,11 @@ class Topology:
     of the model, R, S, the ownership and T. A slice belongs to one stage (its layer's; the
     embedding and head tensors to stage 0) and is owned by one of that stage's D ranks, the
     stage's bytes balanced over them (sharded); rank0 puts every slice on rank 0 (no
-    pipeline). The ranks that read a slice and add into its gradient are its stage's."""
+    pipeline). The ranks that read a slice and add into its gradient are its stage's. costs:
+    the layers' (stage_layers)."""
 
     def __init__(self, config: GPTConfig, ranks: int, stages: int = 1,
-                 ownership: str = "sharded", T: int | None = None):
+                 ownership: str = "sharded", T: int | None = None, costs=None):
         if ownership not in OWNERSHIPS:
             raise StarpuLLMError(f"{opt('ownership')} {ownership!r}: choose one of "
                                  f"{', '.join(OWNERSHIPS)}")
@@ -149,7 +158,7 @@ class Topology:
                                  f"which a pipeline cannot: leave {opt('ownership')} out")
         self.ranks, self.stages, self.copies = ranks, stages, ranks // stages
         self.ownership = ownership
-        self.layer_stage = stage_layers(config, stages, T or config.maxT)
+        self.layer_stage = stage_layers(config, stages, T or config.maxT, costs)
         slices = _slice_sizes(config)
         if ownership == "rank0":
             self.owners = {key: 0 for key, _ in slices}
