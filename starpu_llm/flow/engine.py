@@ -214,5 +214,6 @@ class StarPUEngine(Engine):
             self.placement.unregister_all()
 
     def describe(self):
-        per = f" ({self.subs_per_rank} per process)" if self.mpi else ""
+        unit = "copy" if self.placement.stages > 1 else "process"
+        per = f" ({self.subs_per_rank} per {unit})" if self.mpi else ""
         return f"starpu engine, {self.runtime.describe()}, {self.sub_batches} sub-batch(es){per}"
