@@ -1,12 +1,16 @@
 """What the model predicts for the paper's node (experiments/machines/), beside the numbers
 the paper quotes: its Figure 3 (every N x K = 36 partition at a total batch of 360) and its
-Figure 4 (1 to 16 nodes, 32 cores each as 4 parallel workers of 8, one MPI process per node).
+Figure 4 (1 to 16 nodes, 32 cores each as 4 parallel workers of 8, one MPI process per node),
+for each way of sharing the model over the nodes (--modes: the ownership, rank0 or sharded,
+and pipelines of S stages as "pipeline S", with --micro-batches per data-parallel copy), with
+each node count's per-node efficiency against one node.
 
 The codelets' ratios to the machine's rates come from this machine's calibration
 (`starpu-llm calibrate`); the node's rates from its description. The paper gives Figure 4's
 batch only as "4 sequences executed in parallel" per node: the batch per node is a flag.
 
     .venv/bin/python experiments/whatif_paper_node.py [--per-node-batch 72] [--csv out.csv]
+        [--modes rank0,sharded,"pipeline 2"] [--micro-batches 16]
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import sys
 
 from starpu_llm.runs import write_csv
 from starpu_llm.perf.machine import load, partitions
-from starpu_llm.perf.predict import load_calibration, predict
+from starpu_llm.perf.predict import Mode, load_calibration, predict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PAPER_FIG3 = {(12, 3): 2.70, (3, 12): 2.53}          # tok/ms at B=360 (section 3)
@@ -31,6 +35,11 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=360)
     ap.add_argument("--per-node-batch", type=int, default=72)
     ap.add_argument("--nodes", default="1,2,4,8,16")
+    ap.add_argument("--modes", default="rank0,sharded,pipeline 2",
+                    help='comma-separated: rank0, sharded, "pipeline S" (S stages, sharded '
+                         "over the copies of each stage)")
+    ap.add_argument("--micro-batches", type=int, default=16,
+                    help="a pipeline's micro-batches per data-parallel copy (default 16)")
     ap.add_argument("--csv")
     args = ap.parse_args(argv)
     node = load(args.machine)
@@ -49,15 +58,26 @@ def main(argv=None) -> int:
         rows.append(dict(figure=3, partition=f"{n}x{k}", nodes=1, batch=args.batch,
                          predicted=p.tokens_per_ms, paper=paper or ""))
     print(f"\nFigure 4: 4 parallel workers x 8 cores per node, B={args.per_node_batch} per node")
-    for R in (int(x) for x in args.nodes.split(",")):
-        p = predict("d12", args.per_node_batch * R, 64, 4, 8, ranks=R, calibration=cal,
-                    machine=node, parallel_workers=True, tree=True)
-        per_node = p.tokens_per_ms / R
-        paper = PAPER_FIG4.get(R)
-        err = f"  paper {paper:.2f}, error {per_node / paper - 1:+.0%}" if paper else ""
-        print(f"  {R:>2} node(s): predicted {per_node:.3f} tok/ms per node{err}", flush=True)
-        rows.append(dict(figure=4, partition="4x8", nodes=R, batch=args.per_node_batch * R,
-                         predicted=per_node, paper=paper or ""))
+    one = predict("d12", args.per_node_batch, 64, 4, 8, calibration=cal, machine=node,
+                  parallel_workers=True).tokens_per_ms
+    for text in args.modes.split(","):
+        stages = int(text.split()[1]) if text.startswith("pipeline") else 1
+        mode = Mode("sharded" if stages > 1 else text, stages)
+        for R in (int(x) for x in args.nodes.split(",")):
+            if R % stages:
+                continue
+            subs = args.micro_batches if stages > 1 else None
+            p = predict("d12", args.per_node_batch * R, 64, 4, 8, ranks=R, sub_batches=subs,
+                        calibration=cal, machine=node, parallel_workers=True, mode=mode)
+            per_node = p.tokens_per_ms / R
+            paper = PAPER_FIG4.get(R) if mode == Mode("rank0") or R == 1 else None
+            err = f"  paper {paper:.2f}, error {per_node / paper - 1:+.0%}" if paper else ""
+            print(f"  {mode.label(R):>28}, {R:>2} node(s): predicted {per_node:.3f} tok/ms per "
+                  f"node, {per_node / one:.0%} of one node's; per node up to "
+                  f"{max(p.schedule.sent) / 1e6:.0f} MB sent{err}", flush=True)
+            rows.append(dict(figure=4, partition="4x8", nodes=R, batch=args.per_node_batch * R,
+                             mode=mode.label(R), predicted=per_node, efficiency=per_node / one,
+                             paper=paper or ""))
     if args.csv:
         write_csv(args.csv, rows)
     return 0

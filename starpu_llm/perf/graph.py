@@ -46,6 +46,29 @@ class TaskGraph:
         return self.handles[h][0].startswith("grad.")
 
 
+def handle_layer(name: str) -> int | None:
+    """The layer of a per-layer tensor's handle ("param.qkvw[3]", "s0.qkv[3]": 3), else None
+    (a whole tensor, or a gradient norm scalar "gradnorm[k]")."""
+    if not name.endswith("]") or name.startswith("gradnorm["):
+        return None
+    return int(name[name.rindex("[") + 1:-1])
+
+
+def task_layer(graph: TaskGraph, task: GraphTask) -> int | None:
+    """The transformer block a task belongs to: None for the embedding, the head and the loss
+    (a task touching wte, wpe, lnfw or lnfb, or no per-layer tensor); else the layer of what
+    it writes (layer l's first layernorm reads layer l-1's output), else of what it reads."""
+    names = [(graph.handles[h][0], mode) for h, mode in task.accesses]
+    if any(n.split(".", 1)[0] in ("param", "grad") and handle_layer(n) is None for n, _ in names):
+        return None
+    for writes in (True, False):
+        layers = [handle_layer(n) for n, mode in names if bool(mode & (W | REDUX)) == writes]
+        layers = [l for l in layers if l is not None]
+        if layers:
+            return layers[0]
+    return None
+
+
 def task_bytes(accesses, sizes) -> int:
     """A task's data size: the sum of its buffers' sizes (StarPU's own size of a task, that
     of its perf-model records)."""
