@@ -18,8 +18,9 @@ import pytest
 from starpu_llm.perf import autotune, graph, machine
 from starpu_llm.perf.calibrate import calibrate, fit_codelets, nnls3, read_starpu_history, total_error
 from starpu_llm.config import MODELS, ParamLayout
-from starpu_llm.flow.placement import owner_map, placement_shares
-from starpu_llm.perf.predict import Mode, pipeline_owners, predict, stage_layers, task_graph
+from starpu_llm.flow.placement import owner_map, placement_shares, shard_owners
+from starpu_llm.perf.predict import (Mode, balanced_owners, parameter_slices, pipeline_owners,
+                                     predict, stage_layers, task_graph)
 from starpu_llm.perf.simulate import SEQUENTIAL
 from starpu_llm.runtime import usable_cores
 from starpu_llm.errors import StarpuLLMError
@@ -430,6 +431,22 @@ def test_pipeline_moves_only_activations():
     s = predict(MODEL, B, T, 1, 1, ranks=2, sub_batches=4, calibration=linear(2),
                 parallel_workers=False, mode=Mode("sharded", 2)).schedule
     assert s.sent == s.received == [2 * B * T * C * 4] * 2
+
+
+def test_owner_maps():
+    """The model's balancing over any ranks is the placement's over all (one rule); a
+    pipeline's slices are owned within their stage: with one copy, by the stage's rank."""
+    config = MODELS["d12"]
+    for R in (1, 2, 3, 4, 16):
+        assert balanced_owners(parameter_slices(config), lambda key: range(R)) == \
+            shard_owners(config, R)
+    stages = (0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1)
+    one = pipeline_owners(config, stages, 1, "sharded")
+    assert all(r == (0 if l is None else stages[l]) for (_, l), r in one.items())
+    two = pipeline_owners(config, stages, 2, "sharded")     # ranks 0, 2: stage 0; 1, 3: stage 1
+    assert all(r % 2 == (0 if l is None else stages[l]) for (_, l), r in two.items())
+    assert set(two.values()) == {0, 1, 2, 3}
+    assert set(pipeline_owners(config, stages, 2, "rank0").values()) == {0, 1}
 
 
 def test_sharded_beats_rank0_on_a_slow_link():

@@ -101,27 +101,42 @@ def stage_layers(graph: graphs.TaskGraph, stages: int) -> tuple:
     return tuple(s for s in range(stages) for _ in range(ends[s], ends[s + 1]))
 
 
-def pipeline_owners(config, layer_stage: tuple, copies: int, ownership: str) -> dict:
-    """{(name, layer or None): rank} for a pipeline: a stage's slices (stage 0: also the
-    embedding and the head) owned by the ranks of its copies, sharded (bytes balanced, largest
-    first to the least loaded, as placement.shard_owners) or all by copy 0's (rank0)."""
-    stages = max(layer_stage) + 1
+def parameter_slices(config) -> list:
+    """((name, layer or None), floats) of every parameter slice: each layer of a block tensor,
+    each other tensor whole (placement.shard_owners' slices)."""
     layout = ParamLayout(config)
-    owned = {}
-    slices = []
+    out = []
     for name in layout.names:
         size = math.prod(layout.shapes[name])
         if layout.is_layered(name):
-            slices += [((name, l), layer_stage[l], size // config.L) for l in range(config.L)]
+            out += [((name, l), size // config.L) for l in range(config.L)]
         else:
-            slices.append(((name, None), 0, size))
-    owners = {}
-    for key, stage, size in sorted(slices, key=lambda s: -s[2]):
-        ranks = [d * stages + stage for d in range(copies if ownership == "sharded" else 1)]
-        r = min(ranks, key=lambda r: (owned.get(r, 0), r))
+            out.append(((name, None), size))
+    return out
+
+
+def balanced_owners(slices: list, candidates) -> dict:
+    """{key: rank} of slices ((key, size), ...): largest first, each to the rank among
+    candidates(key) that owns the fewest bytes so far (ties: the first), as
+    placement.shard_owners balances them over all ranks."""
+    owned, owners = {}, {}
+    for key, size in sorted(slices, key=lambda s: -s[1]):      # stable: llm.c's order in a tie
+        r = min(candidates(key), key=lambda r: (owned.get(r, 0), r))
         owners[key] = r
         owned[r] = owned.get(r, 0) + size
     return owners
+
+
+def pipeline_owners(config, layer_stage: tuple, copies: int, ownership: str) -> dict:
+    """{(name, layer or None): rank} for a pipeline: a stage's slices (stage 0: also the
+    embedding and the head) owned by the ranks of its copies, sharded (bytes balanced) or
+    all by copy 0's (rank0)."""
+    stages = max(layer_stage) + 1
+
+    def ranks(key):
+        stage = 0 if key[1] is None else layer_stage[key[1]]
+        return [d * stages + stage for d in range(copies if ownership == "sharded" else 1)]
+    return balanced_owners(parameter_slices(config), ranks)
 
 
 def pins_sub_batches(workers: int, cores_per_worker: int, parallel_workers: bool | None = None) -> bool:

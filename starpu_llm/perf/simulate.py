@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from .._clib import ffi, lib
 from ..config import MODELS
 from ..flow.taskflow import update_order
-from .graph import R, REDUX, W, TaskGraph, task_layer
+from .graph import R, REDUX, W, TaskGraph, handle_layer, task_layer
 from .model import CostModel
 
 
@@ -295,16 +295,21 @@ def simulate(graph: TaskGraph, cost: CostModel, workers: int, cores: int, ranks:
 
     def reduce_gradients():
         """taskflow.reduce_gradients: each other contributor's copy of a slice added into
-        it on its owner, in rank order, then zeroed on the contributor."""
-        grads = {slice_of(name): h for h, (name, _) in enumerate(graph.handles)
-                 if name.startswith("grad.")}
+        it on its owner, in rank order, then zeroed on the contributor; slice by slice in
+        update order (the blocks of a tensor split in blocks in their order)."""
+        grads = {}
+        for h, (name, _) in enumerate(graph.handles):
+            if name.startswith("grad."):
+                base, index = slice_of(name)
+                layered = handle_layer(name) is not None
+                grads.setdefault((base, index if layered else None), []).append(h)
         for key in update_order(MODELS[graph.model]):
-            h = grads[key]
-            for q in sorted(q for g, q in contribution if g == h):
-                v = contribution[(h, q)]
-                run(home[h], cost.add(size[h]), ((h, R | W), (v, R)))
-                run(q, cost.zero(size[h], task=True), ((v, W),))
-                notes["reduction_s"] += cost.add(size[h])
+            for h in grads[key]:
+                for q in sorted(q for g, q in contribution if g == h):
+                    v = contribution[(h, q)]
+                    run(home[h], cost.add(size[h]), ((h, R | W), (v, R)))
+                    run(q, cost.zero(size[h], task=True), ((v, W),))
+                    notes["reduction_s"] += cost.add(size[h])
 
     for i, task in enumerate(graph.tasks):
         rank = rank_of[i]
