@@ -174,8 +174,9 @@ class Prediction:
         idle = ", ".join(f"{x:.0%}" for x in s.idle[:16]) + (" ..." if len(s.idle) > 16 else "")
         how = "reduction" if self.reduction else ("chained" if self.sub_batches * self.ranks > 1
                                                   else "one sub-batch")
+        per = "per rank" if self.mode.stages == 1 else "per copy"
         return (f"{self.model} B={self.B} T={self.T} {part}, {self.sub_batches} sub-batch(es) "
-                f"per rank ({how}): predicted {self.tokens_per_ms:.4f} tok/ms, "
+                f"{per} ({how}): predicted {self.tokens_per_ms:.4f} tok/ms, "
                 f"{s.step_s * 1e3:.1f} ms/step; critical path {s.critical_path_s * 1e3:.1f} ms; "
                 f"idle per worker {idle}" + (f"; per rank up to {max(s.sent) / 1e6:.0f} MB sent, "
                                              f"{max(s.received) / 1e6:.0f} MB received"
@@ -218,8 +219,9 @@ def predict(model: str, B: int, T: int, workers: int, cores_per_worker: int, ran
     copies = ranks // mode.stages
     S = sub_batches or workers
     if B % (S * copies):
-        raise StarpuLLMError(f"{opt('batch')} {B} does not split into {S} sub-batch(es) x {copies} "
-                             f"data-parallel cop(ies); choose a {opt('batch')} divisible by {S * copies}")
+        over = f"{ranks} rank(s)" if mode.stages == 1 else f"{copies} pipeline cop(ies)"
+        raise StarpuLLMError(f"{opt('batch')} {B} does not split into {S} sub-batch(es) x {over}; "
+                             f"choose a {opt('batch')} divisible by {S * copies}")
     if T > MODELS[model].max_seq_len:
         raise StarpuLLMError(f"{opt('seq_len')} {T} is above the model's {MODELS[model].max_seq_len}")
     g = task_graph(model, B, T, S * copies)
