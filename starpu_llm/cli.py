@@ -13,7 +13,7 @@ from .errors import StarpuLLMError, flag as flag_of
 from .io import corpus, data
 from .perf.calibrate import calibrate
 from .perf.machine import default_path, load, partitions
-from .perf.predict import load_calibration, predict
+from .perf.predict import load_calibration, modes, predict
 from .trainer import TrainConfig, train
 
 
@@ -129,6 +129,14 @@ def build_parser():
     pd.add_argument("--ranks", type=_CHECKS["positive_list"]("--ranks"), default=[1],
                     help="MPI processes, one per node (default 1); a comma-separated list "
                          "predicts each (1,2,4,8,16: the paper's Figure 4, tokens/ms per node)")
+    pd.add_argument("--ownership", default="sharded", metavar="MODES",
+                    help="with --ranks above 1, who owns the parameter slices: sharded, rank0, "
+                         "a comma-separated list, or all; several modes are printed best first "
+                         "for each rank count (default sharded)")
+    pd.add_argument("--pipeline-stages", default="1", metavar="S",
+                    help="pipeline stages (R = S x data-parallel copies): a comma-separated list, "
+                         "or all (every S dividing R), each with each --ownership (default 1); a "
+                         "pipeline wants many micro-batches: --sub-batches (per copy)")
     pd.add_argument("--calibration", metavar="PATH", help="this machine's calibration file")
     pd.add_argument("--machine", metavar="FILE", help="predict for another machine described "
                                                       "in FILE (TOML, see experiments/machines/)")
@@ -188,14 +196,24 @@ def cmd_predict(args):
         parts = [(args.workers, args.cores_per_worker or max(1, target.cores // args.workers))]
     # a described machine runs K-core workers as StarPU 1.4 parallel workers (the clusters')
     pw = True if machine is not None else None
+    weak = len(args.ranks) > 1        # --batch per rank; efficiency against one node
     print(f"machine: {target.name}")
     for n, cores_per_worker in parts:
+        def at(R, mode):
+            return predict(args.model, args.batch * R if weak else args.batch, args.seq_len, n,
+                           cores_per_worker, ranks=R, sub_batches=args.sub_batches,
+                           calibration=calibration, machine=machine, parallel_workers=pw,
+                           mode=mode)
+        one = at(1, modes(1, "sharded", "1", args.model)[0]).tokens_per_ms if weak else None
         for R in args.ranks:
-            p = predict(args.model, args.batch * R if len(args.ranks) > 1 else args.batch,
-                        args.seq_len, n, cores_per_worker, ranks=R, sub_batches=args.sub_batches,
-                        calibration=calibration, machine=machine, parallel_workers=pw)
-            per_node = f" ({p.tokens_per_ms / R:.4f} tok/ms per node)" if R > 1 else ""
-            print(p.describe() + per_node, flush=True)
+            ranked = sorted((at(R, mode) for mode in modes(R, args.ownership, args.pipeline_stages,
+                                                           args.model)),
+                            key=lambda p: -p.tokens_per_ms)
+            for p in ranked:
+                per_node = (f" ({p.tokens_per_ms / R:.4f} tok/ms per node"
+                            + (f", {p.tokens_per_ms / R / one:.0%} of one node's" if weak else "")
+                            + ")") if R > 1 else ""
+                print(p.describe() + per_node, flush=True)
     return 0
 
 

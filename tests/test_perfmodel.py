@@ -17,7 +17,10 @@ import pytest
 
 from starpu_llm.perf import autotune, graph, machine
 from starpu_llm.perf.calibrate import calibrate, fit_codelets, nnls3, read_starpu_history, total_error
-from starpu_llm.perf.predict import predict, task_graph
+from starpu_llm.config import MODELS, ParamLayout
+from starpu_llm.flow.placement import owner_map, placement_shares, shard_owners
+from starpu_llm.perf.predict import (Mode, balanced_owners, parameter_slices, pipeline_owners,
+                                     predict, stage_layers, task_graph)
 from starpu_llm.perf.simulate import SEQUENTIAL
 from starpu_llm.runtime import usable_cores
 from starpu_llm.errors import StarpuLLMError
@@ -393,3 +396,190 @@ def test_fit_is_unbiased_for_noisy_tasks():
     assert fit["total_err"][1] == pytest.approx(0.0, abs=1e-9)
     m.codelets = {"matmul_forward": fit}
     assert total_error(samples, m) == pytest.approx({1: 0.0}, abs=1e-9)
+
+
+# ---------------------------------------------------------------- ranks: the ownership modes
+
+def model_bytes(model=MODEL) -> int:
+    return ParamLayout(MODELS[model]).total * 4
+
+
+@pytest.mark.parametrize("R", [2, 3, 4])
+@pytest.mark.parametrize("workers", [1, 2])
+def test_bytes_per_rank_are_the_closed_form(R, workers):
+    """Sharded: each rank sends its contributions to the slices the others own ((1 - share)
+    x the model's bytes) and its own slices' new parameters to the R - 1 others ((R - 1) x
+    share), and receives the reverse (its own workers' copies are added up locally first).
+    rank0: rank 0 sends and receives R - 1 models, every other rank one."""
+    m, M = linear(2), model_bytes()
+    shares = placement_shares(MODELS[MODEL], R)
+    assert len(set(shares)) > 1            # the closed form is checked on unequal shares
+    sharded = predict(MODEL, 4 * R, T, workers, 1, ranks=R, calibration=m,
+                      parallel_workers=False, mode=Mode("sharded")).schedule
+    expected = [round((1 - f) * M + (R - 1) * f * M) for f in shares]
+    assert sharded.sent == expected and sharded.received == expected
+    rank0 = predict(MODEL, 4 * R, T, workers, 1, ranks=R, calibration=m,
+                    parallel_workers=False, mode=Mode("rank0")).schedule
+    assert rank0.sent == rank0.received == [(R - 1) * M] + [M] * (R - 1)
+
+
+def test_pipeline_moves_only_activations():
+    """Two stages, one rank each: no parameter or gradient crosses; per sequence, the residual
+    stream at the boundary goes forward and its gradient back, the last stage's output to
+    the head on stage 0 and the head's gradient back: 2 x T x C floats each way."""
+    C, B = MODELS[MODEL].C, 8
+    s = predict(MODEL, B, T, 1, 1, ranks=2, sub_batches=4, calibration=linear(2),
+                parallel_workers=False, mode=Mode("sharded", 2)).schedule
+    assert s.sent == s.received == [2 * B * T * C * 4] * 2
+
+
+def test_owner_maps():
+    """The model's balancing over any ranks is the placement's over all (one rule); a
+    pipeline's slices are owned within their stage: with one copy, by the stage's rank."""
+    config = MODELS["d12"]
+    for R in (1, 2, 3, 4, 16):
+        assert balanced_owners(parameter_slices(config), lambda key: range(R)) == \
+            shard_owners(config, R)
+    stages = (0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1)
+    one = pipeline_owners(config, stages, 1, "sharded")
+    assert all(r == (0 if l is None else stages[l]) for (_, l), r in one.items())
+    two = pipeline_owners(config, stages, 2, "sharded")     # ranks 0, 2: stage 0; 1, 3: stage 1
+    assert all(r % 2 == (0 if l is None else stages[l]) for (_, l), r in two.items())
+    assert set(two.values()) == {0, 1, 2, 3}
+    assert set(pipeline_owners(config, stages, 2, "rank0").values()) == {0, 1}
+
+
+def test_sharded_beats_rank0_on_a_slow_link():
+    """Where the link is what a step waits for, rank 0 alone sending and receiving R - 1
+    models (rank0) is slower than every rank sending and receiving about two (sharded)."""
+    m = linear(2)
+    m.link_bandwidth_gbs = 1e-3
+    speed = {o: predict(MODEL, 16, T, 1, 1, ranks=4, calibration=m, parallel_workers=False,
+                        mode=Mode(o)).tokens_per_ms for o in ("rank0", "sharded")}
+    assert speed["sharded"] > speed["rank0"], speed
+    # and a link this slow is what the step is made of: rank 0's R - 1 = 3 models out at the
+    # step's start (the parameters), then 3 in (the gradients, once the backward has run)
+    step_s = 4 * 16 * T / (speed["rank0"] * 1e3)
+    assert step_s > 2 * 3 * model_bytes() / 1e6
+
+
+def test_mode_predictions_are_deterministic():
+    """The same graph recorded twice, the same machine read back from its file: the same
+    schedule, to the bit, in every mode."""
+    from starpu_llm.perf.model import CostModel
+    from starpu_llm.perf.simulate import simulate
+    m = linear(2, reduction_gbs=2.0)
+    m.link_bandwidth_gbs = 0.01
+    owners = {o: owner_map(MODELS[MODEL], 4, o) for o in ("rank0", "sharded")}
+    runs = []
+    for cal in (m, machine.loads(machine.dumps(m))):
+        g = graph.record(MODEL, 16, T, 8)
+        runs.append([(s.step_s, s.critical_path_s, s.busy_s, s.sent, s.received)
+                     for s in (simulate(g, CostModel(cal), 2, 1, 4, pinned=True, redux=1,
+                                        owners=owners[o]) for o in ("rank0", "sharded"))]
+                    + [simulate(g, CostModel(cal), 2, 1, 4, pinned=True, redux=1,
+                                owners=pipeline_owners(MODELS[MODEL], (0, 1), 2, "sharded"),
+                                layer_stage=(0, 1)).step_s])
+    assert runs[0] == runs[1]
+
+
+def test_pipeline_stages_balance_the_flops():
+    """stage_layers: contiguous stages, stage 0 first (it holds the embedding and the head),
+    every other stage with a layer, and no other split of the layers has a smaller largest
+    stage (all splits tried)."""
+    import itertools
+    g = task_graph("d6", 1, T, 1)
+    L = MODELS["d6"].L
+    flops = [0.0] * L
+    head = 0.0
+    for t in g.tasks:
+        layer = graph.task_layer(g, t)
+        if layer is None:
+            head += t.flops
+        else:
+            flops[layer] += t.flops
+    assert len(set(flops)) == 1 and head > 0     # every block the same, the head apart
+
+    def largest(ends):
+        bounds = (0,) + ends + (L,)
+        return max([head + sum(flops[:bounds[1]])] +
+                   [sum(flops[a:b]) for a, b in zip(bounds[1:], bounds[2:])])
+    for stages in (2, 3, 4, L + 1):
+        got = stage_layers(g, stages)
+        assert list(got) == sorted(got) and set(got) >= set(range(1, stages)), got
+        ends = tuple(got.index(s) for s in range(1, stages))
+        best = min(largest(c) for c in itertools.combinations(range(L), stages - 1))
+        assert largest(ends) == pytest.approx(best), (stages, got)
+    with pytest.raises(StarpuLLMError, match="at most 7 stages"):
+        stage_layers(g, L + 2)
+
+
+def test_task_layer():
+    """Every transformer block's tasks, and only they, belong to their layer: one
+    sub-batch's step has as many tasks in each layer, the rest (embedding, head, loss,
+    updates of wte, wpe, lnf) in none."""
+    g = task_graph(MODEL, 4, T, 1)
+    layers = [graph.task_layer(g, t) for t in g.tasks if t.sub is not None]
+    counts = [layers.count(l) for l in range(MODELS[MODEL].L)]
+    assert counts == [10 + 8] * MODELS[MODEL].L         # a block's forward and backward tasks
+    head = [t.codelet for t in g.tasks if t.sub is not None and graph.task_layer(g, t) is None]
+    assert sorted(set(head)) == ["crossentropy_backward", "crossentropy_forward",
+                                 "encoder_backward", "encoder_forward", "layernorm_backward",
+                                 "layernorm_forward", "load_batch", "matmul_backward",
+                                 "matmul_forward"]
+
+
+def test_predict_ranks_the_modes(tmp_path):
+    """`predict --ownership all --pipeline-stages 1,2`: one line per mode of each rank count,
+    best first, with each one's share of one node's speed per node; a bad mode named."""
+    home = tmp_path / "home"
+    machine.save(linear(usable_cores()), str(home / os.path.basename(machine.default_path())))
+    env = dict(os.environ, STARPU_LLM_HOME=str(home))
+    base = [sys.executable, "-m", "starpu_llm", "predict", "--model", "tiny", "--batch", "4"]
+    r = subprocess.run(base + ["--ranks", "1,2", "--ownership", "all", "--pipeline-stages", "1,2",
+                               "--sub-batches", "2"],
+                       capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    lines = [l for l in r.stdout.splitlines() if "predicted" in l]
+    assert len(lines) == 4, r.stdout            # one process; rank0, sharded, pipeline at R=2
+    assert "ranks" not in lines[0]
+    two = lines[1:]
+    assert sorted(l.split("x 2 ranks, ")[1].split(",")[0] for l in two) == \
+        ["pipeline 2 stages", "rank0", "sharded"], r.stdout
+    speeds = [float(l.split("predicted ")[1].split()[0]) for l in two]
+    assert speeds == sorted(speeds, reverse=True) and all("of one node's" in l for l in two)
+    bad = subprocess.run(base + ["--ranks", "2", "--ownership", "rank1"],
+                         capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert bad.returncode == 2 and "--ownership 'rank1'" in bad.stderr, bad.stderr
+
+
+def test_ownership_validation_script(tmp_path):
+    """experiments/ownership_validation.py on a CSV of made-up runs (repeats, both modes, one
+    process): one line per configuration, the repeats' median against the prediction of this
+    calibration, the error predicted / measured - 1. Only the arithmetic is checked."""
+    import csv
+    cal = tmp_path / "calibration.toml"
+    machine.save(linear(usable_cores()), str(cal))
+    runs = tmp_path / "runs.csv"
+    runs.write_text("mode,ranks,batch,tokens_per_ms,model,seq_len,note\n"
+                    "rank0,2,4,1.0,tiny,16,a\nrank0,2,4,3.0,tiny,16,b\nrank0,2,4,2.0,tiny,16,c\n"
+                    "sharded,2,4,2.5,tiny,16,\n,1,4,1.5,tiny,16,\n")
+    out = tmp_path / "out.csv"
+    script = os.path.join(os.path.dirname(__file__), "..", "experiments", "ownership_validation.py")
+    r = subprocess.run([sys.executable, script, str(runs), "--calibration", str(cal), "--csv", str(out)],
+                       capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    with open(out, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(x["mode"], x["ranks"], x["runs"], float(x["measured"])) for x in rows] == \
+        [("rank0", "2", "3", 2.0), ("sharded", "2", "1", 2.5), ("sharded", "1", "1", 1.5)]
+    for x in rows:
+        assert float(x["error"]) == pytest.approx(float(x["predicted"]) / float(x["measured"]) - 1)
+        p = predict("tiny", 4, 16, 1, 1, ranks=int(x["ranks"]), calibration=machine.load(str(cal)),
+                    ranks_per_node=int(x["ranks"]), mode=Mode(x["mode"]))
+        assert float(x["predicted"]) == pytest.approx(p.tokens_per_ms, rel=1e-9)
+    assert "| rank0 | 3 |" in r.stdout.replace("1x1 ", "")
+    runs.write_text("mode,ranks,batch,tokens_per_ms\nrank2,2,4,1.0\n")
+    bad = subprocess.run([sys.executable, script, str(runs), "--calibration", str(cal)],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert bad.returncode == 2 and "row 2: mode 'rank2'" in bad.stderr, bad.stderr

@@ -127,15 +127,17 @@ MPI_FIT_SUB_BATCH = 6       # sequences per rank of the calibration's mpirun -np
 
 def fit_link(m: Machine, model: str, steps: int, log) -> None:
     """The link's bandwidth as StarPU-MPI gets it during training: one `mpirun -np 2` run
-    (a 1 x cores/2 partition per rank, MPI_FIT_SUB_BATCH sequences each), then the bandwidth
+    (a 1 x cores/2 partition per rank, MPI_FIT_SUB_BATCH sequences each, sharded ownership:
+    each rank sends and receives about the model's bytes), then the bandwidth
     at which the simulated step takes the measured time (bisection: the step time falls as
     the bandwidth grows). Kept as it is when mpirun is missing or the run fails."""
-    from .predict import predict
+    from .predict import Mode, predict
     k = max(1, m.cores // 2)
     B = 2 * MPI_FIT_SUB_BATCH
     r = run_in_subprocess(dict(engine="starpu", model=model, batch=B, seq_len=64,
                                steps=max(steps, 4),     # one sample for one number: a few steps
-                               workers=1, cores_per_worker=k, sub_batches=1, ranks=2))
+                               workers=1, cores_per_worker=k, sub_batches=1, ranks=2,
+                               ownership="sharded"))
     if "error" in r:
         log(f"  mpirun -np 2 run failed ({r['error']}): the link keeps the ping-pong's figures")
         return
@@ -144,7 +146,7 @@ def fit_link(m: Machine, model: str, steps: int, log) -> None:
     def step_at(gbs):
         m.link_bandwidth_gbs = gbs
         return predict(model, B, 64, 1, k, ranks=2, sub_batches=1, calibration=m,
-                       ranks_per_node=2).schedule.step_s
+                       ranks_per_node=2, mode=Mode("sharded")).schedule.step_s
     lo, hi = 0.01, 1000.0
     if step_at(hi) > measured:          # slower than measured even with an infinite link
         m.link_bandwidth_gbs = m.link_pingpong_gbs or 10.0

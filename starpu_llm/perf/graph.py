@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._clib import ffi, lib
+from ..config import PARAMETER_SPECS
 
 # access bits of the trace (csrc/sl_api.h)
 R, W, REDUX = lib.SL_ACCESS_R, lib.SL_ACCESS_W, lib.SL_ACCESS_REDUX
@@ -44,6 +45,35 @@ class TaskGraph:
 
     def is_gradient(self, h: int) -> bool:
         return self.handles[h][0].startswith("grad.")
+
+
+def handle_layer(name: str) -> int | None:
+    """The layer of a per-layer tensor's handle: a block parameter's, gradient's or moment's
+    ("grad.qkvw[3]": 3) or a sub-batch's per-layer activation ("s0.qkv[3]"); else None."""
+    kind, _, rest = name.partition(".")
+    base, bracket, index = rest.partition("[")
+    if not bracket:
+        return None
+    if kind in ("param", "grad", "m", "v") and PARAMETER_SPECS[base].part != "block":
+        return None
+    return int(index[:-1])
+
+
+def task_layer(graph: TaskGraph, task: GraphTask) -> int | None:
+    """The transformer block a task belongs to: None for the embedding, the head and the loss
+    (a task touching wte, wpe, lnfw or lnfb, or no per-layer tensor); else the layer of what
+    it writes (layer l's first layernorm reads layer l-1's output), else of what it reads."""
+    names = [(graph.handles[h][0], mode) for h, mode in task.accesses]
+    for n, _ in names:
+        kind, _, rest = n.partition(".")
+        if kind in ("param", "grad") and PARAMETER_SPECS[rest.partition("[")[0]].part != "block":
+            return None
+    for writes in (True, False):
+        layers = [handle_layer(n) for n, mode in names if bool(mode & (W | REDUX)) == writes]
+        layers = [l for l in layers if l is not None]
+        if layers:
+            return layers[0]
+    return None
 
 
 def task_bytes(accesses, sizes) -> int:

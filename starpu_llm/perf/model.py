@@ -10,7 +10,8 @@ description of a cluster node gives its own rates and reuses this machine's rati
 
 The reductions' methods: a per-worker copy is zeroed (bytes / zero rate) the first time a
 worker adds into it in a step, and each copy is added into the gradient (3 bytes moved per
-byte: read both, write one) before the gradient is read.
+byte: read both, write one) before the gradient is read; across ranks a contribution is added
+into its owner's gradient at the same rate and zeroed by a task of its own.
 """
 from __future__ import annotations
 
@@ -44,8 +45,10 @@ class CostModel:
         return (a * flops / m.sgemm(k) + b * nbytes / m.bandwidth(k, workers) + c
                 + m.task_us * 1e-6)
 
-    def zero(self, nbytes: float) -> float:
-        return nbytes / self.machine.zero_rate()
+    def zero(self, nbytes: float, task: bool = False) -> float:
+        """Zeroing nbytes: inside the task that first adds into a copy, or as a task of its
+        own (task=True: a contribution zeroed after it is sent)."""
+        return nbytes / self.machine.zero_rate() + (self.machine.task_us * 1e-6 if task else 0.0)
 
     def add(self, nbytes: float) -> float:
         return 3 * nbytes / self.machine.add_rate() + self.machine.task_us * 1e-6

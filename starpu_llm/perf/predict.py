@@ -1,12 +1,16 @@
 """starpu-llm predict: the step time of a configuration, from the recorded task graph
-(graph.py), the cost model (model.py) and the list scheduler (simulate.py)."""
+(graph.py), the cost model (model.py) and the list scheduler (simulate.py); across ranks
+under each way of spreading the model over them (a Mode: flow/placement.py's ownership, and
+pipeline stages)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
-from .._clib import ffi, lib
+from ..config import MODELS, ParamLayout
 from ..errors import StarpuLLMError, opt
-from ..flow.placement import gradient_mode
+from ..flow.placement import OWNERSHIPS, gradient_mode, owner_map
 from . import graph as graphs
 from .machine import Machine, default_path, load
 from .model import CostModel
@@ -23,11 +27,116 @@ def task_graph(model: str, B: int, T: int, sub_batches: int) -> graphs.TaskGraph
     return _GRAPHS[key]
 
 
-def starpu_has_tree_reduction() -> bool:
-    """StarPU-MPI 1.4 reduces with a tree (starpu_mpi_redux_data_prio_tree); 1.3 flat."""
-    v = ffi.new("int[3]")
-    lib.sl_starpu_version(v, v + 1, v + 2)
-    return (v[0], v[1]) >= (1, 4)
+class Mode(NamedTuple):
+    """How R ranks share the model: `ownership` (placement.OWNERSHIPS) of the parameter
+    slices, over all ranks, or with `stages` > 1 over the R / stages data-parallel copies of
+    each pipeline stage (stage s of copy d is rank d * stages + s)."""
+    ownership: str = "sharded"
+    stages: int = 1
+
+    def label(self, ranks: int) -> str:
+        if ranks == 1:
+            return "one process"
+        if self.stages == 1:
+            return self.ownership
+        if self.stages == ranks:
+            return f"pipeline {self.stages} stages"
+        return f"pipeline {self.stages} stages x {ranks // self.stages} {self.ownership}"
+
+
+def modes(ranks: int, ownership: str = "sharded", stages: str = "1", model: str = "d12") -> list:
+    """The distinct Modes of `ranks` ranks for an ownership and a stages text (predict's
+    --ownership and --pipeline-stages: comma-separated, or all): each ownership with each
+    number of stages that divides the ranks (a pipeline of one rank per stage is one mode
+    whatever the ownership; one rank is one mode)."""
+    owns = list(OWNERSHIPS) if ownership == "all" else ownership.split(",")
+    for o in owns:
+        if o not in OWNERSHIPS:
+            raise StarpuLLMError(f"{opt('ownership')} {o!r}: choose among {', '.join(OWNERSHIPS)}, "
+                                 "a comma-separated list of them, or all")
+    L = MODELS[model].L
+    if stages == "all":
+        counts = list(range(1, L + 2))
+    else:
+        try:
+            counts = [int(x) for x in stages.split(",")]
+        except ValueError:
+            counts = [0]
+        if min(counts) < 1:
+            raise StarpuLLMError(f"{opt('pipeline_stages')} {stages!r}: give whole numbers >= 1 "
+                                 "separated by commas, or all")
+    if ranks == 1:
+        return [Mode()]
+    found = [Mode("sharded" if s == ranks else o, s) for s in counts if ranks % s == 0
+             and s <= L + 1 for o in owns]
+    return list(dict.fromkeys(found))
+
+
+def stage_layers(graph: graphs.TaskGraph, stages: int) -> tuple:
+    """The stage of each layer for a pipeline of `stages`: contiguous layers, stage 0 with
+    the embedding and the head (the tied wte) and possibly no layer, every other stage with
+    at least one; the stages' flops (one sub-batch's tasks) balanced: the boundaries that
+    make the largest stage smallest, then the sum of the squares of the stages' flops."""
+    L = MODELS[graph.model].L
+    if not 1 <= stages <= L + 1:
+        raise StarpuLLMError(f"{stages} pipeline stages: {graph.model} has {L} layers; choose "
+                             f"at most {L + 1} stages (stage 0 may hold the embedding and head alone)")
+    flops = [0.0] * L
+    head = 0.0
+    for task in graph.tasks:
+        if task.sub == 0:
+            layer = graphs.task_layer(graph, task)
+            if layer is None:
+                head += task.flops
+            else:
+                flops[layer] += task.flops
+    # best[n]: (largest stage, sum of squares, ends of the stages) of layers 0..n-1 over the
+    # stages so far
+    best = [(head + sum(flops[:n]), (head + sum(flops[:n])) ** 2, (n,)) for n in range(L + 1)]
+    for _ in range(1, stages):
+        best = [min(((max(best[m][0], sum(flops[m:n])), best[m][1] + sum(flops[m:n]) ** 2,
+                      best[m][2] + (n,)) for m in range(n)), default=(math.inf, math.inf, ()))
+                for n in range(L + 1)]
+    ends = (0,) + best[L][2]
+    return tuple(s for s in range(stages) for _ in range(ends[s], ends[s + 1]))
+
+
+def parameter_slices(config) -> list:
+    """((name, layer or None), floats) of every parameter slice: each layer of a block tensor,
+    each other tensor whole (placement.shard_owners' slices)."""
+    layout = ParamLayout(config)
+    out = []
+    for name in layout.names:
+        size = math.prod(layout.shapes[name])
+        if layout.is_layered(name):
+            out += [((name, l), size // config.L) for l in range(config.L)]
+        else:
+            out.append(((name, None), size))
+    return out
+
+
+def balanced_owners(slices: list, candidates) -> dict:
+    """{key: rank} of slices ((key, size), ...): largest first, each to the rank among
+    candidates(key) that owns the fewest bytes so far (ties: the first), as
+    placement.shard_owners balances them over all ranks."""
+    owned, owners = {}, {}
+    for key, size in sorted(slices, key=lambda s: -s[1]):      # stable: llm.c's order in a tie
+        r = min(candidates(key), key=lambda r: (owned.get(r, 0), r))
+        owners[key] = r
+        owned[r] = owned.get(r, 0) + size
+    return owners
+
+
+def pipeline_owners(config, layer_stage: tuple, copies: int, ownership: str) -> dict:
+    """{(name, layer or None): rank} for a pipeline: a stage's slices (stage 0: also the
+    embedding and the head) owned by the ranks of its copies, sharded (bytes balanced) or
+    all by copy 0's (rank0)."""
+    stages = max(layer_stage) + 1
+
+    def ranks(key):
+        stage = 0 if key[1] is None else layer_stage[key[1]]
+        return [d * stages + stage for d in range(copies if ownership == "sharded" else 1)]
+    return balanced_owners(parameter_slices(config), ranks)
 
 
 def pins_sub_batches(workers: int, cores_per_worker: int, parallel_workers: bool | None = None) -> bool:
@@ -48,10 +157,11 @@ class Prediction:
     T: int
     workers: int
     cores_per_worker: int
-    sub_batches: int        # per rank
+    sub_batches: int        # per rank (a pipeline: per data-parallel copy)
     ranks: int
     schedule: Schedule
     reduction: bool
+    mode: Mode = Mode()
 
     @property
     def tokens_per_ms(self) -> float:
@@ -59,14 +169,18 @@ class Prediction:
 
     def describe(self) -> str:
         s = self.schedule
-        part = f"{self.workers}x{self.cores_per_worker}" + (f" x {self.ranks} ranks" if self.ranks > 1 else "")
+        part = f"{self.workers}x{self.cores_per_worker}" + (
+            f" x {self.ranks} ranks, {self.mode.label(self.ranks)}" if self.ranks > 1 else "")
         idle = ", ".join(f"{x:.0%}" for x in s.idle[:16]) + (" ..." if len(s.idle) > 16 else "")
         how = "reduction" if self.reduction else ("chained" if self.sub_batches * self.ranks > 1
                                                   else "one sub-batch")
+        per = "per rank" if self.mode.stages == 1 else "per copy"
         return (f"{self.model} B={self.B} T={self.T} {part}, {self.sub_batches} sub-batch(es) "
-                f"per rank ({how}): predicted {self.tokens_per_ms:.4f} tok/ms, "
+                f"{per} ({how}): predicted {self.tokens_per_ms:.4f} tok/ms, "
                 f"{s.step_s * 1e3:.1f} ms/step; critical path {s.critical_path_s * 1e3:.1f} ms; "
-                f"idle per worker {idle}")
+                f"idle per worker {idle}" + (f"; per rank up to {max(s.sent) / 1e6:.0f} MB sent, "
+                                             f"{max(s.received) / 1e6:.0f} MB received"
+                                             if self.ranks > 1 else ""))
 
 
 def load_calibration(path: str | None = None) -> Machine:
@@ -83,13 +197,13 @@ def load_calibration(path: str | None = None) -> Machine:
 
 def predict(model: str, B: int, T: int, workers: int, cores_per_worker: int, ranks: int = 1,
             sub_batches: int | None = None, calibration: Machine | None = None,
-            machine: Machine | None = None, tree: bool | None = None,
-            parallel_workers: bool | None = None, ranks_per_node: int = 1) -> Prediction:
+            machine: Machine | None = None, parallel_workers: bool | None = None,
+            ranks_per_node: int = 1, mode: Mode = Mode()) -> Prediction:
     """Predict one configuration. calibration: this machine's (default: its file);
     machine: another machine's description (what-if), its codelet ratios taken from the
     calibration; parallel_workers: whether the target runs k-core workers as StarPU 1.4
-    parallel workers (default: as this build does)."""
-    from ..config import MODELS
+    parallel workers (default: as this build does); mode: how the ranks share the model;
+    sub_batches: per rank, or in a pipeline per data-parallel copy (its micro-batches)."""
     calibration = calibration or load_calibration()
     target = machine or calibration
     if workers < 1 or cores_per_worker < 1 or ranks < 1:
@@ -97,17 +211,28 @@ def predict(model: str, B: int, T: int, workers: int, cores_per_worker: int, ran
     if workers * cores_per_worker > target.cores:
         raise StarpuLLMError(f"{workers} x {cores_per_worker} cores do not fit in {target.name}'s "
                              f"{target.cores} cores")
+    if mode.ownership not in OWNERSHIPS:
+        raise StarpuLLMError(f"{opt('ownership')} {mode.ownership!r}: choose one of {', '.join(OWNERSHIPS)}")
+    if mode.stages < 1 or ranks % mode.stages:
+        raise StarpuLLMError(f"{mode.stages} pipeline stages do not divide {ranks} rank(s); choose "
+                             f"a number of stages dividing the ranks")
+    copies = ranks // mode.stages
     S = sub_batches or workers
-    if B % (S * ranks):
-        raise StarpuLLMError(f"{opt('batch')} {B} does not split into {S} sub-batch(es) x {ranks} "
-                             f"rank(s); choose a {opt('batch')} divisible by {S * ranks}")
+    if B % (S * copies):
+        over = f"{ranks} rank(s)" if mode.stages == 1 else f"{copies} pipeline cop(ies)"
+        raise StarpuLLMError(f"{opt('batch')} {B} does not split into {S} sub-batch(es) x {over}; "
+                             f"choose a {opt('batch')} divisible by {S * copies}")
     if T > MODELS[model].max_seq_len:
         raise StarpuLLMError(f"{opt('seq_len')} {T} is above the model's {MODELS[model].max_seq_len}")
-    g = task_graph(model, B, T, S * ranks)
+    g = task_graph(model, B, T, S * copies)
     pinned = pins_sub_batches(workers, cores_per_worker, parallel_workers)
     redux = gradient_mode(workers, pinned, S)
-    if tree is None:
-        tree = starpu_has_tree_reduction()
+    if mode.stages > 1:
+        layer_stage = stage_layers(g, mode.stages)
+        owners = pipeline_owners(MODELS[model], layer_stage, copies, mode.ownership)
+    else:
+        layer_stage, owners = (), owner_map(MODELS[model], ranks, mode.ownership)
     sched = simulate(g, CostModel(target, calibration), workers, cores_per_worker, ranks, pinned=pinned,
-                     redux=redux, tree=tree, ranks_per_node=ranks_per_node)
-    return Prediction(model, B, T, workers, cores_per_worker, S, ranks, sched, bool(redux))
+                     redux=redux, ranks_per_node=ranks_per_node, owners=owners,
+                     layer_stage=layer_stage)
+    return Prediction(model, B, T, workers, cores_per_worker, S, ranks, sched, bool(redux), mode)

@@ -4,14 +4,25 @@ A list scheduler in the spirit of StarPU's eager/lws: tasks are taken in submiss
 each starts when its data dependencies allow (StarPU's sequential consistency: a read after
 the last write, a write after the last write and the reads since) on the worker that can
 start it first, filling idle gaps; a sub-batch's tasks stay on its worker when the placement
-pins them (flow/placement.py), updates and reductions go to any worker of rank 0.
+pins them (flow/placement.py), the other tasks go to any worker of their rank.
 
 Gradients follow the placement's rule (placement.gradient_mode): a StarPU reduction gives
 each worker a copy, zeroed by the first task that adds into it, and the copies are added into
-the gradient before it is read; a chain needs nothing more than the dependencies. Across R
-processes (StarPU-MPI), each rank's copies are summed locally, then sent to rank 0 (StarPU
-1.3: each rank to rank 0 in turn; 1.4: a binary tree) and added there; a rank other than 0
-receives each parameter from rank 0 before its first task that reads it.
+the gradient before it is read; a chain needs nothing more than the dependencies.
+
+Across R processes (StarPU-MPI) the step is spread as flow/placement.py spreads it: every
+parameter slice has an owner (`owners`), which updates it; rank r runs its sub-batches' tasks,
+or in a pipeline (`layer_stage`) stage s of data-parallel copy d (rank d * stages + s) runs
+its layers' tasks of copy d's sub-batches (the embedding and the head are stage 0's). Data
+lives where it was last written; a task reading it elsewhere waits for a message. Each rank
+has a full-duplex link: a message takes the sender's outgoing and the receiver's incoming
+side at once. Each rank adds its sub-batches' gradient contributions into its own copy of a
+slice (the slices it owns: the gradient itself); after the backward, slice by slice in update
+order, the owner receives each other contributor's copy in rank order and adds it (one core),
+and the contributor zeroes its copy (one core): taskflow.reduce_gradients. At the step's
+start the owners send the parameters (their previous update) to the ranks that read them:
+slice by slice in the order the step first reads them, each slice to the ranks in rank order
+(MPI progresses the posted sends together; a slice at a time approximates that fair share).
 """
 from __future__ import annotations
 
@@ -20,7 +31,9 @@ import math
 from dataclasses import dataclass, field
 
 from .._clib import ffi, lib
-from .graph import REDUX, W, TaskGraph
+from ..config import MODELS
+from ..flow.taskflow import update_order
+from .graph import R, REDUX, W, TaskGraph, handle_layer, task_layer
 from .model import CostModel
 
 
@@ -65,6 +78,16 @@ class Resource:
         return end
 
 
+def earliest_together(a: Resource, b: Resource, ready: float, dur: float) -> float:
+    """The earliest start >= ready at which both a and b are idle for dur."""
+    while True:
+        t = a.earliest(ready, dur)
+        u = b.earliest(t, dur)
+        if u == t:
+            return t
+        ready = u
+
+
 @dataclass
 class Schedule:
     step_s: float               # predicted step time (makespan plus the step's fixed cost)
@@ -73,6 +96,8 @@ class Schedule:
     busy_s: list
     tasks: int
     tokens: int
+    sent: list = field(default_factory=list)       # bytes each rank sends in the step
+    received: list = field(default_factory=list)   # bytes each rank receives
     notes: dict = field(default_factory=dict)
 
     @property
@@ -80,32 +105,82 @@ class Schedule:
         return self.tokens / (self.step_s * 1e3)
 
 
+def slice_of(name: str):
+    """(tensor name, layer or None) of a parameter, gradient or moment handle's name
+    ("grad.qkvw[3]" -> ("qkvw", 3)), None for any other handle."""
+    kind, _, rest = name.partition(".")
+    if kind not in ("param", "grad", "m", "v"):
+        return None
+    base, _, l = rest.partition("[")
+    return base, int(l[:-1]) if l else None
+
+
+def homes(graph: TaskGraph, owners: dict) -> list:
+    """The rank holding each handle of graph at the step's start (None: none yet): a
+    parameter slice's, its gradient's and moments' owner; a gradient norm partial's (k-th
+    of update order) its gradient's owner, the norm's sums rank 0."""
+    order = update_order(MODELS[graph.model])
+    out = []
+    for name, _ in graph.handles:
+        key = slice_of(name)
+        if key is not None:
+            out.append(owners.get(key, 0))
+        elif name.startswith("gradnorm["):
+            k = int(name[len("gradnorm["):-1])
+            out.append(owners.get(order[k], 0) if k < len(order) else 0)
+        else:
+            out.append(None)
+    return out
+
+
 def simulate(graph: TaskGraph, cost: CostModel, workers: int, cores: int, ranks: int = 1,
-             pinned: bool = True, redux: int = 0, tree: bool = True,
-             ranks_per_node: int = 1) -> Schedule:
-    """The schedule of one step of graph (recorded with ranks x sub-batches-per-rank
-    sub-batches) on `workers` workers of `cores` cores in each of `ranks` processes."""
-    S = graph.sub_batches // ranks
-    if S * ranks != graph.sub_batches:
+             pinned: bool = True, redux: int = 0, ranks_per_node: int = 1,
+             owners: dict | None = None, layer_stage: tuple = ()) -> Schedule:
+    """The schedule of one step of graph (recorded with all ranks' sub-batches) on `workers`
+    workers of `cores` cores in each of `ranks` processes. owners: {(tensor name, layer or
+    None): rank} of every parameter slice (placement.owner_map; default: all on rank 0);
+    layer_stage: the pipeline stage of each layer (default: no pipeline)."""
+    stages = max(layer_stage, default=0) + 1
+    copies = ranks // stages
+    S = graph.sub_batches // copies if copies * stages == ranks else 0
+    if S * copies != graph.sub_batches:
         raise ValueError("the graph's sub-batches do not split over the ranks")
+    home = homes(graph, owners or {})
+    # the rank of each task: its sub-batch's copy and its layer's stage; an update's, the
+    # rank holding what it writes first
+    rank_of = []
+    for task in graph.tasks:
+        if task.sub is not None:
+            layer = task_layer(graph, task) if stages > 1 else None
+            rank_of.append(task.sub // S * stages + (0 if layer is None else layer_stage[layer]))
+        else:
+            written = [h for h, mode in task.accesses if mode & W]
+            rank_of.append(home[written[0]] or 0 if written else 0)
+    last_sub = max((i for i, t in enumerate(graph.tasks) if t.sub is not None), default=-1)
+
     # workers streaming at once on a node, sharing its memory bandwidth: a sub-batch's tasks
     # run beside the other sub-batches' only (S < N leaves workers idle), the updates on all
     busy_subs = min(workers, S) * ranks_per_node
     node_workers = workers * ranks_per_node
     wk = [[Resource() for _ in range(workers)] for _ in range(ranks)]
-    link = [Resource() for _ in range(ranks)]   # each rank's network link
-    nh = len(graph.handles)
-    write_end = [0.0] * nh      # end of the last write (or of the reduction) of each handle
-    read_end = [0.0] * nh       # latest end of the reads since
-    cp_write = [0.0] * nh       # the same on the critical path (no resource limits)
-    cp_read = [0.0] * nh
-    pending = {}                # gradient h -> {(rank, worker): end of its last contribution}
-    cp_pending = {}             # gradient h -> latest contribution end on the critical path
-    copies = set()              # (h, rank, worker) zeroed this step
-    arrived = {}                # (rank, h) -> arrival of a parameter from rank 0
-    cp_end_all = 0.0
-    end_all = 0.0
-    redux_notes = {"reduction_s": 0.0, "transfer_s": 0.0}
+    out_port = [Resource() for _ in range(ranks)]     # each rank's link, sending
+    in_port = [Resource() for _ in range(ranks)]      # and receiving
+    sent, received = [0] * ranks, [0] * ranks
+    # per handle (the graph's, then each rank's copy of a gradient slice it does not own):
+    size = [n for _, n in graph.handles]
+    where = list(home)          # the rank holding its latest version
+    write_end = [0.0] * len(size)   # end of the last write (or of the reduction)
+    read_end = [0.0] * len(size)    # latest end of the reads since (messages included)
+    cp_write = [0.0] * len(size)    # the same on the critical path (no resource limits)
+    cp_read = [0.0] * len(size)
+    held = {}                   # handle -> {rank: arrival of its latest version there}
+    contribution = {}           # (gradient, rank) -> that rank's copy of it
+    pending = {}                # handle -> {worker: end of its last contribution}
+    cp_pending = {}             # handle -> latest contribution end on the critical path
+    zeroed = set()              # (handle, worker) reduction copies zeroed this step
+    end_all = cp_end_all = 0.0
+    notes = {"reduction_s": 0.0, "transfer_s": 0.0,
+             "backward_end_s": [0.0] * ranks}     # each rank's last sub-batch task's end
 
     def place(rank, ready, dur, only=None):
         """Start a job of dur on the worker of rank (or `only`) that starts it first."""
@@ -115,97 +190,155 @@ def simulate(graph: TaskGraph, cost: CostModel, workers: int, cores: int, ranks:
         return best, start, wk[rank][best].take(start, dur)
 
     # Without a core of its own for StarPU-MPI's progression thread (every core of the node
-    # runs a worker), a transfer also takes the receiving rank's core while it copies.
+    # runs a worker), a message also takes the receiving rank's core while it copies.
     shares_cores = ranks > 1 and workers * cores * ranks_per_node >= cost.machine.cores
 
-    def receive(src, dst, ready, nbytes):
-        """A message of nbytes from rank src to rank dst, ready at `ready`: its arrival."""
+    def send(src, dst, ready, nbytes):
+        """A message of nbytes from rank src to rank dst, ready at `ready`, on the links:
+        (start, arrival)."""
         d = cost.transfer(nbytes)
-        port = link[0 if src == 0 else dst]   # rank 0's broadcasts share its link; a
-        start = port.earliest(ready, d)        # reduction's messages queue on the receiver's
-        arrive = port.take(start, d)
-        redux_notes["transfer_s"] += d
+        start = earliest_together(out_port[src], in_port[dst], ready, d)
+        out_port[src].take(start, d)
+        in_port[dst].take(start, d)
+        notes["transfer_s"] += d
+        sent[src] += nbytes
+        received[dst] += nbytes
+        return start, start + d
+
+    def arrival(message, dst):
+        """When a message's data is usable on dst: it also takes a core of dst to copy."""
+        start, arrive = message
         if shares_cores:
-            arrive = max(arrive, place(dst, start, d)[2])
+            arrive = max(arrive, place(dst, start, arrive - start)[2])
         return arrive
 
-    def reduce(h):
-        """Sum the copies of gradient h into it (on rank 0): local sums, then across ranks."""
-        nonlocal end_all
-        parts = {}
-        nbytes = graph.bytes_of(h)
-        add = cost.add(nbytes)
-        for (rank, _w), end in sorted(pending.pop(h).items()):
-            ready = max(parts.get(rank, 0.0), end)
-            _, _, parts[rank] = place(rank, ready, add)   # this copy into the rank's sum
-            redux_notes["reduction_s"] += add
-        order = sorted(parts.items())
-        if len(order) > 1 and not tree:
-            (r0, t0), rest = order[0], order[1:]
-            for r, t in rest:        # StarPU 1.3: every rank sends to the owner in turn
-                arrive = receive(r, r0, t, nbytes)
-                _, _, t0 = place(r0, max(t0, arrive), add)
-            order = [(r0, t0)]
-        while len(order) > 1:        # StarPU 1.4: a binary tree towards the owner
-            nxt = []
-            for i in range(0, len(order), 2):
-                if i + 1 == len(order):
-                    nxt.append(order[i])
-                    continue
-                (rd, td), (rs, ts) = order[i], order[i + 1]
-                arrive = receive(rs, rd, ts, nbytes)
-                _, _, t = place(rd, max(td, arrive), add)
-                nxt.append((rd, t))
-            order = nxt
-        write_end[h] = max(write_end[h], order[0][1])
-        end_all = max(end_all, write_end[h])
-        cp_write[h] = cp_read[h] = max(cp_write[h], cp_pending.pop(h, 0.0) + add)
+    # the parameters: the owners send them at the step's start (see the module's docstring);
+    # a message is on the links from here, the copy on the receiver's core when it is read
+    reads = {}                  # (parameter, reading rank) in the order of the first reads
+    for i, task in enumerate(graph.tasks):
+        for h, mode in task.accesses:
+            if mode & R and graph.handles[h][0].startswith("param.") and home[h] != rank_of[i]:
+                reads.setdefault((h, rank_of[i]), None)
+    first = {}
+    for h, _ in reads:
+        first.setdefault(h, len(first))
+    messages = {(h, r): send(home[h], r, 0.0, size[h])
+                for h, r in sorted(reads, key=lambda hr: (first[hr[0]], hr[1]))}
 
-    for task in graph.tasks:
-        rank = 0 if task.sub is None else task.sub // S
+    def new_handle(nbytes, rank):
+        for lst, v in ((size, nbytes), (where, rank), (write_end, 0.0), (read_end, 0.0),
+                       (cp_write, 0.0), (cp_read, 0.0)):
+            lst.append(v)
+        return len(size) - 1
+
+    def added_into(h, rank):
+        """The handle rank's contributions to gradient h go into: h on its owner, else the
+        rank's own copy."""
+        if home[h] == rank:
+            return h
+        if (h, rank) not in contribution:
+            contribution[(h, rank)] = new_handle(size[h], rank)
+        return contribution[(h, rank)]
+
+    def reduce_locally(v):
+        """Add the workers' reduction copies of v into it, on the rank holding it."""
+        nonlocal end_all
+        rank, t = where[v], 0.0
+        add = cost.add(size[v])
+        for _w, end in sorted(pending.pop(v).items()):
+            _, _, t = place(rank, max(t, end), add)
+            notes["reduction_s"] += add
+        write_end[v] = max(write_end[v], t)
+        end_all = max(end_all, write_end[v])
+        cp_write[v] = cp_read[v] = max(cp_write[v], cp_pending.pop(v, 0.0) + add)
+
+    def run(rank, dur, accesses, only=None, into=frozenset()):
+        """One task on rank (on worker `only`, else the first free) of dur seconds:
+        accesses ((handle, mode), ...), adding a reduction contribution into the handles
+        `into`. Returns its end."""
+        nonlocal end_all, cp_end_all
+        ready = cp_ready = 0.0
+        for v, mode in accesses:
+            if v not in into and v in pending:
+                reduce_locally(v)
+            if mode & R and v not in into and where[v] not in (None, rank):
+                there = held.setdefault(v, {})
+                if rank not in there:
+                    message = messages.pop((v, rank), None) or \
+                        send(where[v], rank, write_end[v], size[v])
+                    there[rank] = arrival(message, rank)
+                    read_end[v] = max(read_end[v], message[1])
+                ready = max(ready, there[rank])
+                cp_ready = max(cp_ready, cp_write[v] + cost.transfer(size[v]))
+            ready = max(ready, write_end[v])
+            cp_ready = max(cp_ready, cp_write[v])
+            if mode & (W | REDUX):
+                ready = max(ready, read_end[v])
+                cp_ready = max(cp_ready, cp_read[v])
+        w, start, end = place(rank, ready, dur, only)
+        end_all = max(end_all, end)
+        cp_end = cp_ready + dur
+        cp_end_all = max(cp_end_all, cp_end)
+        for v, mode in accesses:
+            if v in into:
+                pending.setdefault(v, {})[w] = end
+                cp_pending[v] = max(cp_pending.get(v, 0.0), cp_end)
+            elif mode & W:
+                write_end[v], read_end[v] = end, end
+                cp_write[v], cp_read[v] = cp_end, cp_end
+                where[v] = rank
+                held.pop(v, None)
+            else:
+                read_end[v] = max(read_end[v], end)
+                cp_read[v] = max(cp_read[v], cp_end)
+        return end
+
+    def reduce_gradients():
+        """taskflow.reduce_gradients: each other contributor's copy of a slice added into
+        it on its owner, in rank order, then zeroed on the contributor; slice by slice in
+        update order (the blocks of a tensor split in blocks in their order)."""
+        grads = {}
+        for h, (name, _) in enumerate(graph.handles):
+            if name.startswith("grad."):
+                base, index = slice_of(name)
+                layered = handle_layer(name) is not None
+                grads.setdefault((base, index if layered else None), []).append(h)
+        for key in update_order(MODELS[graph.model]):
+            for h in grads[key]:
+                for q in sorted(q for g, q in contribution if g == h):
+                    v = contribution[(h, q)]
+                    run(home[h], cost.add(size[h]), ((h, R | W), (v, R)))
+                    run(q, cost.zero(size[h], task=True), ((v, W),))
+                    notes["reduction_s"] += cost.add(size[h])
+
+    for i, task in enumerate(graph.tasks):
+        rank = rank_of[i]
         only = (task.sub % S) % workers if (task.sub is not None and pinned) else None
         k = 1 if task.codelet in SEQUENTIAL else cores
         dur = cost.task(task.codelet, task.flops, task.nbytes, k,
                         node_workers if task.sub is None else busy_subs)
-        ready = cp_ready = 0.0
-        for h, mode in task.accesses:
-            as_redux = redux and h in task.grads
-            if not as_redux and h in pending:
-                reduce(h)
-            if rank != 0 and graph.handles[h][0].startswith("param.") and (rank, h) not in arrived:
-                arrived[(rank, h)] = receive(0, rank, write_end[h], graph.bytes_of(h))
-            ready = max(ready, write_end[h], arrived.get((rank, h), 0.0))
-            cp_ready = max(cp_ready, cp_write[h])
-            if mode & (W | REDUX):
-                ready = max(ready, read_end[h])
-                cp_ready = max(cp_ready, cp_read[h])
-        extra = 0.0
-        if redux and task.grads:
-            # a worker's first contribution to a gradient zeroes its copy (inline init)
-            w_guess = only if only is not None else 0
-            for h in task.grads:
-                if (h, rank, w_guess) not in copies:
-                    copies.add((h, rank, w_guess))
-                    extra += cost.zero(graph.bytes_of(h))
-        w, start, end = place(rank, ready, dur + extra, only)
-        end_all = max(end_all, end)
-        cp_end = cp_ready + dur + extra
-        cp_end_all = max(cp_end_all, cp_end)
-        for h, mode in task.accesses:
-            if redux and h in task.grads:
-                pending.setdefault(h, {})[(rank, w)] = end
-                cp_pending[h] = max(cp_pending.get(h, 0.0), cp_end)
-            elif mode & W:
-                write_end[h], read_end[h] = end, end
-                cp_write[h], cp_read[h] = cp_end, cp_end
-            else:
-                read_end[h] = max(read_end[h], end)
-                cp_read[h] = max(cp_read[h], cp_end)
-    for h in list(pending):
-        reduce(h)
+        accesses = tuple((added_into(h, rank) if h in task.grads else h, mode)
+                         for h, mode in task.accesses)
+        into = frozenset(v for (v, _), (h, _) in zip(accesses, task.accesses)
+                         if redux and h in task.grads)
+        # a worker's first contribution to a gradient zeroes its copy (inline init)
+        w_guess = only if only is not None else 0
+        for v in sorted(into):
+            if (v, w_guess) not in zeroed:
+                zeroed.add((v, w_guess))
+                dur += cost.zero(size[v])
+        end = run(rank, dur, accesses, only, into)
+        if task.sub is not None:
+            notes["backward_end_s"][rank] = max(notes["backward_end_s"][rank], end)
+        if i == last_sub and ranks > 1:
+            reduce_gradients()
+    for v in list(pending):
+        reduce_locally(v)
     makespan = end_all
+    notes["link_out_s"] = [p.busy for p in out_port]
+    notes["link_in_s"] = [p.busy for p in in_port]
     busy = [r.busy for ranks_w in wk for r in ranks_w]
     return Schedule(step_s=makespan + cost.machine.step_ms * 1e-3, critical_path_s=cp_end_all,
                     idle=[max(0.0, 1 - b / makespan) if makespan else 0.0 for b in busy],
                     busy_s=busy, tasks=len(graph.tasks), tokens=graph.B * graph.T,
-                    notes=redux_notes)
+                    sent=sent, received=received, notes=notes)

@@ -1,0 +1,119 @@
+"""The performance model against measured runs of the ownership modes (issue 21, item 6):
+predicted against measured tokens/ms for every configuration of a CSV of runs, and the error.
+
+The CSV (e.g. experiments/results/ownership/runs.csv) has one row per run, with columns
+  mode              rank0, sharded, or pipeline (then `stages`, default: ranks); for one process
+                    any value (or empty)
+  ranks             MPI processes, all on this machine
+  batch             the total batch B
+  tokens_per_ms     the run's measured speed
+and optionally workers, cores_per_worker (default 1 x 1 per rank), sub_batches (per rank, or per
+copy in a pipeline; default one per worker), seq_len (64), model (d12), stages; other columns
+are ignored. Runs of the same configuration (repeats) are put together: their median is
+compared. The prediction uses this machine's calibration (or --calibration).
+
+    .venv/bin/python experiments/ownership_validation.py experiments/results/ownership/runs.csv \\
+        [--calibration FILE] [--csv predictions.csv]
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import sys
+
+from starpu_llm.errors import StarpuLLMError
+from starpu_llm.flow.placement import OWNERSHIPS
+from starpu_llm.perf.predict import Mode, load_calibration, predict
+from starpu_llm.runs import write_csv
+
+KEY = ("model", "seq_len", "batch", "ranks", "workers", "cores_per_worker", "sub_batches",
+       "mode", "stages")
+
+
+def configuration(row: dict, where: str) -> tuple:
+    """The configuration of one CSV row, as KEY's values, defaults filled in."""
+    def number(name, default):
+        text = (row.get(name) or "").strip()
+        try:
+            return int(text) if text else default
+        except ValueError:
+            raise StarpuLLMError(f"{where}: column {name} must be a whole number, got {text!r}")
+    ranks, workers = number("ranks", 1), number("workers", 1)
+    mode = (row.get("mode") or "").strip()
+    stages = number("stages", ranks if mode == "pipeline" else 1)
+    if ranks == 1:
+        mode, stages = "sharded", 1
+    elif mode == "pipeline":
+        mode = "sharded"
+    elif mode not in OWNERSHIPS:
+        raise StarpuLLMError(f"{where}: mode {mode!r}: expected one of "
+                             f"{', '.join(OWNERSHIPS + ('pipeline',))}")
+    return ((row.get("model") or "d12").strip(), number("seq_len", 64), number("batch", 0), ranks,
+            workers, number("cores_per_worker", 1), number("sub_batches", workers), mode, stages)
+
+
+def compare(rows: list, calibration=None) -> list:
+    """One dict per configuration of rows (CSV rows as dicts), in order of first appearance:
+    its KEY values, runs, measured (median tokens/ms), predicted, error (predicted / measured
+    - 1), and the predicted bytes per rank (largest sent and received, MB)."""
+    calibration = calibration or load_calibration()
+    measured = {}
+    for i, row in enumerate(rows):
+        where = f"row {i + 2}"                  # the header is line 1
+        try:
+            speed = float(row["tokens_per_ms"])
+        except (KeyError, TypeError, ValueError):
+            raise StarpuLLMError(f"{where}: no tokens_per_ms number")
+        measured.setdefault(configuration(row, where), []).append(speed)
+    out = []
+    for key, speeds in measured.items():
+        c = dict(zip(KEY, key))
+        p = predict(c["model"], c["batch"], c["seq_len"], c["workers"], c["cores_per_worker"],
+                    ranks=c["ranks"], sub_batches=c["sub_batches"], calibration=calibration,
+                    ranks_per_node=c["ranks"], mode=Mode(c["mode"], c["stages"]))
+        m = statistics.median(speeds)
+        out.append(dict(c, label=p.mode.label(c["ranks"]), runs=len(speeds), measured=m,
+                        predicted=p.tokens_per_ms, error=p.tokens_per_ms / m - 1,
+                        sent_mb=max(p.schedule.sent) / 1e6, received_mb=max(p.schedule.received) / 1e6))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", help="CSV of measured runs (see above for its columns)")
+    ap.add_argument("--calibration", help="this machine's calibration (default: its file)")
+    ap.add_argument("--csv", help="also write the comparison as CSV")
+    args = ap.parse_args(argv)
+    try:
+        calibration = load_calibration(args.calibration)
+    except StarpuLLMError as e:
+        print(e, file=sys.stderr)
+        return 2
+    try:
+        with open(args.runs, newline="", encoding="utf-8") as f:
+            rows = list(csv.DictReader(f))
+        result = compare(rows, calibration)
+    except OSError as e:
+        print(f"{args.runs}: cannot read it ({e.strerror})", file=sys.stderr)
+        return 2
+    except StarpuLLMError as e:
+        print(f"{args.runs}: {e}", file=sys.stderr)
+        return 2
+    print("| B | ranks | partition | mode | runs | measured tok/ms | predicted | error | "
+          "predicted MB sent / received per rank (largest) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in result:
+        print(f"| {r['batch']} | {r['ranks']} | {r['workers']}x{r['cores_per_worker']} | {r['label']} "
+              f"| {r['runs']} | {r['measured']:.4f} | {r['predicted']:.4f} | {r['error']:+.1%} "
+              f"| {r['sent_mb']:.0f} / {r['received_mb']:.0f} |")
+    errors = sorted(abs(r["error"]) for r in result)
+    if errors:
+        print(f"\nabsolute error: median {statistics.median(errors):.1%}, largest {errors[-1]:.1%}")
+    if args.csv:
+        write_csv(args.csv, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
