@@ -21,6 +21,7 @@ import time
 
 from provenance import cpu_kind, machine_info
 from starpu_llm.config import MODELS
+from starpu_llm.flow.engine import default_micro_batches
 from starpu_llm.runs import run_in_subprocess, write_csv
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -48,7 +49,18 @@ def mode_fields(mode: str) -> dict:
 
 
 def row_of(label, B, rnd, r, model_bytes):
-    row = dict(config=label, batch=B, round=rnd, tokens_per_ms=round(r["tokens_per_ms"], 5),
+    """One run's CSV row: its configuration in experiments/ownership_validation.py's columns
+    (mode, ranks, stages, workers, cores_per_worker, sub_batches), then what was measured."""
+    ranks = int(r.get("ranks") or 1)
+    stages = int(r.get("pipeline_stages") or 1)
+    mode = "" if ranks == 1 else "pipeline" if stages > 1 else r.get("ownership") or "sharded"
+    micro = (default_micro_batches(B // (ranks // stages), stages, 1) if stages > 1
+             else r.get("sub_batches") or 1)
+    row = dict(config=label, model=r["model"], seq_len=r["seq_len"], batch=B, round=rnd,
+               mode=mode, ranks=ranks, stages=stages,
+               workers=r["workers"], cores_per_worker=r["cores_per_worker"], sub_batches=micro,
+               transport="tcp" if r.get("mpirun_args") else "default" if ranks > 1 else "",
+               tokens_per_ms=round(r["tokens_per_ms"], 5),
                ms_per_step=round(sum(r["step_ms"]) / len(r["step_ms"]), 1),
                peak_rss_mb=round(r["peak_rss_mb"]))
     if r.get("rank_peak_rss_mb"):

@@ -4,23 +4,21 @@ Every task submission takes a `Where` (rank, worker) as an argument (runtime.sub
 the sites come from this class alone (sub_batch_site, update_site), and so do the owners of
 the handles it registers. Nothing else, in Python or in C, holds placement state.
 
-Every tensor is a StarPU vector handle. The per-layer parameters, gradients and moments are
-one (L, ...) array each, partitioned into a child handle per layer (StarPU data
-partitioning), so each layer's slice has its own dependencies and its own update task.
+Every tensor is a StarPU vector handle; the per-layer parameters, gradients and moments have
+one handle per layer (a view of the state's (L, ...) array), so each layer's slice has its own
+dependencies, owner and update task.
 
 Under StarPU-MPI (a Runtime started on a communicator of R processes) every process registers
 every handle with an owner and a small dense tag and submits the whole graph; a task runs on
-the owner of the data it writes, and StarPU-MPI moves what another rank reads. Rank r owns the
-activations of its sub-batches. The parameters, gradients and moments are owned by
-`--ownership`:
-  - sharded (the default): each slice by one rank, the bytes balanced (shard_owners). Every
-    rank's gradient contributions to a slice are reduced to its owner (StarPU-MPI reduction,
-    a tree on StarPU 1.4), which updates it; the ranks that read the new parameter receive it
-    from its owner. Each rank sends and receives about 2 (R-1)/R x the model's bytes per step.
-  - rank0 (the paper's scheme, for comparison): rank 0 owns them all, receives R-1 copies of
-    every gradient, updates, and sends R-1 copies of every parameter.
-Tags are given in registration order, so every rank registers the same tensors in the same
-order.
+the owner of the data it writes, and StarPU-MPI moves what another rank reads. A Topology says
+who owns what: R = S pipeline stages x D data-parallel copies; a micro-batch's (sub-batch's)
+activations of a layer on the rank of the layer's stage in its copy; each parameter slice, its
+gradient and moments owned by one of its stage's ranks (`--ownership sharded`, bytes
+balanced) or all by rank 0 (`rank0`, the paper's scheme, no pipeline). Each copy adds its
+gradients into its own contribution handles, added into the owners' gradients in a fixed
+order (taskflow.reduce_gradients), then the owner updates and the ranks that read the new
+parameter receive it. docs/design.md, StarPU-MPI internals, says more. Tags are given in
+registration order, so every rank registers the same tensors in the same order.
 """
 from __future__ import annotations
 
