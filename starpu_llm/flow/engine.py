@@ -107,6 +107,8 @@ class StarPUEngine(Engine):
                                ("m", state.m), ("v", state.v)))
         # under MPI each rank adds its sub-batches' gradients into its own contributions
         self.contributions = place.contributions(self.layout, state.grads, self.g)
+        # a pipeline's embedding adds its wte gradient apart from the head (taskflow.backward)
+        self.embedding_wte = place.embedding_wte_grads(config) if place.stages > 1 else None
         self.subs = [place.sub_batch(config, self.Bs, T, i) for i in range(self.sub_batches)]
         self.norm = place.norm_scalars(config)
         place.check_tags()
@@ -124,6 +126,8 @@ class StarPUEngine(Engine):
         for t in (t for copy in self.contributions for t in copy.tensors()):
             if t.name.startswith("grad@"):
                 yield t.name, t
+        for t in self.embedding_wte or []:
+            yield t.name, t
         for i, (a, stages) in enumerate(self.subs):
             for t in a.tensors():
                 yield f"s{i}.{t.name}", t
@@ -146,10 +150,13 @@ class StarPUEngine(Engine):
     def sub_batch_grads(self, i):
         return self.contributions[self.placement.copy(i)]
 
+    def sub_batch_embedding_wte(self, i):
+        return None if self.embedding_wte is None else self.embedding_wte[self.placement.copy(i)]
+
     def _gradients_submitted(self):
         if self.mpi:
             taskflow.reduce_gradients(self.ops.at(self.placement.reduction_site()), self.config,
-                                      self.g, self.contributions)
+                                      self.g, self.contributions, self.embedding_wte)
 
     def wait(self):
         self.runtime.wait()

@@ -288,6 +288,21 @@ class Placement:
             groups.append(ParameterTensors.over(layout, flat, make))
         return groups
 
+    def embedding_wte_grads(self, config: GPTConfig) -> list:
+        """For each copy, the (Vp, C) tensor its embedding adds its wte gradient into, apart
+        from the lm head's (a pipeline's: taskflow.backward says why), owned by the copy's
+        stage 0; zeros to start with, zeroed again after each step's reduction."""
+        out = []
+        for d in range(self.copies):
+            rank = self.topology.rank(0, d)
+            arr = np.zeros((config.Vp, config.C), np.float32) if rank == self.rank else None
+            t = Tensor(f"grad@{rank}.embedding.wte", (config.Vp, config.C),
+                       h=self._register(arr, config.Vp * config.C, owner=rank))
+            if self.redux:
+                lib.sl_set_grad_reduction(t.h)
+            out.append(t)
+        return out
+
     def _slices(self, name, arr, layered):
         """((name, layer or None), view) of each slice of one parameter tensor's buffer."""
         if layered:

@@ -70,6 +70,11 @@ class Engine:
         """The executor of the update tasks."""
         return self.ops
 
+    def sub_batch_embedding_wte(self, i: int):
+        """Where sub-batch i's embedding adds its wte gradient (None: into the head's, the
+        gradients'; a pipeline: its own, taskflow.backward says why)."""
+        return None
+
     def sub_batch_grads(self, i: int):
         """The ParameterTensors sub-batch i's backward tasks add into: the gradients (the
         StarPU engine under MPI: its rank's contributions, added up after the backward)."""
@@ -87,7 +92,8 @@ class Engine:
             ops.load_batch(a.inputs, a.targets, self.tokens_ptr, pos + i * n, n)
             taskflow.forward(ops, self.config, self.p, a, self.Bs, self.T)
             taskflow.backward(ops, self.config, self.p, self.sub_batch_grads(i), a, s, self.Bs,
-                              self.T, dloss, self.redux, self.layer_stage)
+                              self.T, dloss, self.redux, self.layer_stage,
+                              self.sub_batch_embedding_wte(i))
         self._gradients_submitted()
 
     def submit_update(self, lr: float, weight_decay: float, grad_clip: float = 0.0):

@@ -58,14 +58,19 @@ def block_forward(ops, cfg: GPTConfig, p, l: int, x, b, N: int, attention):
 
 
 def backward(ops, cfg: GPTConfig, p, g, a, s, B: int, T: int, dloss: float, redux: int,
-             layer_stage=None):
+             layer_stage=None, embedding_wte=None):
     """Backward pass: accumulates into the parameter gradients g (RW, or REDUX when sub-batches
     add into them through a StarPU reduction: placement.py says when). dloss scales the
     per-token loss gradient (1/(global B*T)). s: the backward scratch of each pipeline stage
     (one without a pipeline); layer_stage[l] the stage of layer l (default: all on stage 0,
     which also runs the head and the embedding). Where the backward moves from one stage to
     the next, the residual stream's gradient is copied into the next stage's scratch: the one
-    tensor that crosses (a transfer between ranks)."""
+    tensor that crosses (a transfer between ranks). embedding_wte: the tensor the embedding
+    adds its wte gradient into (default g.wte, which the lm head adds into first). A pipeline
+    gives it its own, added into g.wte after the backward (reduce_gradients): with one worker
+    the contributions are chained in submission order, and one chain through the head's and
+    the embedding's would keep micro-batch m+1's backward (its head's, first) waiting for m's
+    whole backward (its embedding's, last)."""
     C, NH, L, V, Vp = cfg.C, cfg.NH, cfg.L, cfg.V, cfg.Vp
     BT = B * T
     stage_of = layer_stage or (0,) * L
@@ -99,15 +104,20 @@ def backward(ops, cfg: GPTConfig, p, g, a, s, B: int, T: int, dloss: float, redu
                                a.ln1_mean[l], a.ln1_rstd[l], BT, C, 1, redux=redux)
     if cur is not head:
         ops.copy(head.dres, cur.dres)
-    ops.encoder_backward(g.wte, g.wpe, head.dres, a.inputs, B, T, C, redux=redux)
+    ops.encoder_backward(g.wte if embedding_wte is None else embedding_wte, g.wpe, head.dres,
+                         a.inputs, B, T, C, redux=redux)
 
 
-def reduce_gradients(ops, cfg: GPTConfig, g, contributions):
-    """Data parallelism over processes: after the backward passes, each rank's contribution to
-    a gradient slice (contributions[q], placement.Placement.contributions; the slices q owns
-    are the gradients themselves) is added into the slice, on its owner, in rank order: a
-    fixed sum, the same in every run; then zeroed for the next step. In update order, so the
-    slices final first are reduced first."""
+def reduce_gradients(ops, cfg: GPTConfig, g, contributions, embedding_wte=None):
+    """After the backward passes: each copy's embedding wte gradient (embedding_wte[d], a
+    pipeline's: backward) added into its wte contribution and zeroed; then each copy's
+    contribution to a gradient slice (contributions[d], placement.Placement.contributions; the
+    slices a copy's rank owns are the gradients themselves) added into the slice, on its
+    owner, in copy order: a fixed sum, the same in every run; then zeroed for the next step.
+    In update order, so the slices final first are reduced first."""
+    for c, e in zip(contributions, embedding_wte or []):
+        ops.add(c.wte, e)
+        ops.zero(e)
     for name, l in update_order(cfg):
         gt = _slice(g, name, l)
         for c in contributions:

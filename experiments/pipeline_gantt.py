@@ -1,0 +1,114 @@
+"""One training iteration of a 2-stage pipeline, both ranks, as a Gantt chart (issue 21, item
+5): `mpirun -np 2` ranks of one core each train 3 steps with the task trace on, each writes its
+trace, and the last step is drawn, a row per rank, tasks coloured by phase and micro-batch
+boundaries visible as the gaps a stage waits for the other. Writes pipeline_gantt.png and
+pipeline_gantt.csv (every task of the step: rank, codelet, start and end in ms) into --out.
+
+    .venv/bin/python experiments/pipeline_gantt.py [--batch 8] [--stages 2] [--model d12]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PHASES = {"forward": "#4c72b0", "backward": "#dd8452", "reduction": "#8172b3",
+          "update": "#55a868"}
+
+
+def phase(codelet: str) -> str:
+    if codelet in ("add", "zero"):
+        return "reduction"
+    if codelet in ("adamw", "grad_sumsq", "norm_sum"):
+        return "update"
+    if codelet.endswith("_backward") or codelet == "copy":
+        return "backward"
+    return "forward"
+
+
+def child(args):
+    """Under mpirun: train with the trace on, write this rank's last step."""
+    from starpu_llm.runs import mpi_rank
+    from starpu_llm.trainer import TrainConfig, train
+    r = train(TrainConfig(model=args.model, batch=args.batch, seq_len=args.seq_len, steps=3,
+                          workers=1, cores_per_worker=1, pipeline_stages=args.stages,
+                          trace=True, log=None))
+    events = [(e.codelet, e.start_ns, e.end_ns) for e in r.trace]
+    with open(os.path.join(args.tmp, f"rank{mpi_rank()}.json"), "w") as f:
+        json.dump(dict(step_ms=r.step_ms, events=events, describe=r.engine), f)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="d12")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "ownership"))
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--tmp", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        return child(args)
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        sys.exit("mpirun not found (install openmpi-bin)")
+    from provenance import cpu_kind, git_commit
+    out = os.path.join(args.out, cpu_kind())
+    os.makedirs(out, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        cmd = [mpirun, "--oversubscribe", "--bind-to", "none", "-np", str(args.stages),
+               sys.executable, os.path.abspath(__file__), "--child", "--tmp", tmp,
+               "--model", args.model, "--batch", str(args.batch), "--seq-len", str(args.seq_len),
+               "--stages", str(args.stages)]
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if p.returncode != 0:
+            sys.exit(f"the traced run failed: {p.stderr.strip().splitlines()[-1:]}")
+        ranks = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(args.stages)]
+    # the last step: from rank 0's last batch load (stage 0 starts each step) for its length
+    t0 = max(s for c, s, _ in ranks[0]["events"] if c == "load_batch")
+    t1 = t0 + ranks[0]["step_ms"][-1] * 1e6
+    rows = []
+    for r, d in enumerate(ranks):
+        for c, s, e in d["events"]:
+            if s >= t0 and s < t1:
+                rows.append(dict(rank=r, codelet=c, phase=phase(c), start_ms=round((s - t0) / 1e6, 3),
+                                 end_ms=round((e - t0) / 1e6, 3)))
+    from starpu_llm.runs import write_csv
+    write_csv(os.path.join(out, "pipeline_gantt.csv"), rows)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+    f, ax = plt.subplots(figsize=(12, 1.6 + 0.6 * args.stages))
+    for r in range(args.stages):
+        for ph, colour in PHASES.items():
+            bars = [(x["start_ms"], x["end_ms"] - x["start_ms"]) for x in rows
+                    if x["rank"] == r and x["phase"] == ph]
+            if bars:
+                ax.broken_barh(bars, (r - 0.4, 0.8), facecolors=colour, edgecolor="none")
+    span = (t1 - t0) / 1e6
+    busy = [sum(x["end_ms"] - x["start_ms"] for x in rows if x["rank"] == r) for r in range(args.stages)]
+    ax.set_yticks(range(args.stages))
+    ax.set_yticklabels([f"rank {r} (stage {r}), busy {b / span:.0%}" for r, b in enumerate(busy)])
+    ax.set_xlim(0, span)
+    ax.set_xlabel("ms since the step's first task")
+    ax.set_title(f"One step of a {args.stages}-stage pipeline, {args.model}, B={args.batch}, "
+                 f"T={args.seq_len}, {args.stages} ranks x 1 core ({ranks[0]['describe']}); "
+                 f"commit {git_commit()}", fontsize=8)
+    ax.legend(handles=[Patch(color=c, label=p) for p, c in PHASES.items()], fontsize=7,
+              loc="center left", bbox_to_anchor=(1.005, 0.5))
+    f.tight_layout()
+    png = os.path.join(out, "pipeline_gantt.png")
+    f.savefig(png, dpi=90)
+    print(f"wrote {png}: step {span:.0f} ms, busy " + ", ".join(f"{b:.0f} ms" for b in busy))
+
+
+if __name__ == "__main__":
+    main()
