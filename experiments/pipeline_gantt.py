@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PHASES = {"forward": "#4c72b0", "backward": "#dd8452", "reduction": "#8172b3",
@@ -99,9 +100,10 @@ def main(argv=None):
     ax.set_yticklabels([f"rank {r} (stage {r}), busy {b / span:.0%}" for r, b in enumerate(busy)])
     ax.set_xlim(0, span)
     ax.set_xlabel("ms since the step's first task")
-    ax.set_title(f"One step of a {args.stages}-stage pipeline, {args.model}, B={args.batch}, "
-                 f"T={args.seq_len}, {args.stages} ranks x 1 core ({ranks[0]['describe']}); "
-                 f"commit {git_commit()}", fontsize=8)
+    ax.set_title(textwrap.fill(f"One step of a {args.stages}-stage pipeline, {args.model}, "
+                               f"B={args.batch}, T={args.seq_len}, {args.stages} ranks x 1 core "
+                               f"({ranks[0]['describe']}); commit {git_commit()}", 150),
+                 fontsize=8)
     ax.legend(handles=[Patch(color=c, label=p) for p, c in PHASES.items()], fontsize=7,
               loc="center left", bbox_to_anchor=(1.005, 0.5))
     f.tight_layout()
