@@ -59,7 +59,7 @@ def gradient_mode(workers: int, pinned: bool, subs_per_rank: int) -> int:
 OWNERSHIPS = ("sharded", "rank0")
 
 
-def _slice_sizes(config: GPTConfig) -> list:
+def slice_sizes(config: GPTConfig) -> list:
     """((name, layer or None), elements) of every parameter slice, in llm.c's order."""
     layout = ParamLayout(config)
     out = []
@@ -72,15 +72,14 @@ def _slice_sizes(config: GPTConfig) -> list:
     return out
 
 
-def _balance(slices: list, ranks: list) -> dict:
-    """{key: rank}: the slices ((key, size)), largest first, each to the rank of `ranks` owning
-    the fewest elements so far (ties: the first in `ranks`)."""
-    owned = {r: 0 for r in ranks}
-    owners = {}
+def balance(slices: list, candidates) -> dict:
+    """{key: rank}: the slices ((key, size)), largest first, each to the rank among
+    candidates(key) owning the fewest elements so far (ties: the lowest rank)."""
+    owned, owners = {}, {}
     for key, size in sorted(slices, key=lambda s: -s[1]):    # stable: llm.c's order in a tie
-        r = min(ranks, key=lambda r: (owned[r], ranks.index(r)))
+        r = min(candidates(key), key=lambda r: (owned.get(r, 0), r))
         owners[key] = r
-        owned[r] += size
+        owned[r] = owned.get(r, 0) + size
     return owners
 
 
@@ -157,14 +156,15 @@ class Topology:
         self.ranks, self.stages, self.copies = ranks, stages, ranks // stages
         self.ownership = ownership
         self.layer_stage = stage_layers(config, stages, T or config.maxT, costs)
-        slices = _slice_sizes(config)
+        slices = slice_sizes(config)
         if ownership == "rank0":
             self.owners = {key: 0 for key, _ in slices}
         else:
             self.owners = {}
             for s in range(stages):
-                self.owners.update(_balance([x for x in slices if self.slice_stage(x[0]) == s],
-                                            self.stage_ranks(s)))
+                ranks = self.stage_ranks(s)
+                self.owners.update(balance([x for x in slices if self.slice_stage(x[0]) == s],
+                                           lambda key: ranks))
 
     def rank(self, stage: int, copy: int) -> int:
         return copy * self.stages + stage
@@ -182,7 +182,7 @@ class Topology:
 
     def shares(self, config: GPTConfig) -> list:
         """The fraction of the parameter bytes each rank owns."""
-        sizes = dict(_slice_sizes(config))
+        sizes = dict(slice_sizes(config))
         owned = [0] * self.ranks
         for key, r in self.owners.items():
             owned[r] += sizes[key]

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 from ..config import MODELS, ParamLayout
 from ..errors import StarpuLLMError, opt
-from ..flow.placement import OWNERSHIPS, gradient_mode, owner_map
+from ..flow.placement import OWNERSHIPS, balance, gradient_mode, owner_map, slice_sizes
 from . import graph as graphs
 from .machine import Machine, default_path, load
 from .model import CostModel
@@ -101,30 +101,9 @@ def stage_layers(graph: graphs.TaskGraph, stages: int) -> tuple:
     return tuple(s for s in range(stages) for _ in range(ends[s], ends[s + 1]))
 
 
-def parameter_slices(config) -> list:
-    """((name, layer or None), floats) of every parameter slice: each layer of a block tensor,
-    each other tensor whole (placement.shard_owners' slices)."""
-    layout = ParamLayout(config)
-    out = []
-    for name in layout.names:
-        size = math.prod(layout.shapes[name])
-        if layout.is_layered(name):
-            out += [((name, l), size // config.L) for l in range(config.L)]
-        else:
-            out.append(((name, None), size))
-    return out
-
-
-def balanced_owners(slices: list, candidates) -> dict:
-    """{key: rank} of slices ((key, size), ...): largest first, each to the rank among
-    candidates(key) that owns the fewest bytes so far (ties: the first), as
-    placement.shard_owners balances them over all ranks."""
-    owned, owners = {}, {}
-    for key, size in sorted(slices, key=lambda s: -s[1]):      # stable: llm.c's order in a tie
-        r = min(candidates(key), key=lambda r: (owned.get(r, 0), r))
-        owners[key] = r
-        owned[r] = owned.get(r, 0) + size
-    return owners
+# the parameter slices and their balance over ranks: placement's own (one definition)
+parameter_slices = slice_sizes
+balanced_owners = balance
 
 
 def pipeline_owners(config, layer_stage: tuple, copies: int, ownership: str) -> dict:
