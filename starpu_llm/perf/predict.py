@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ..config import MODELS, ParamLayout
+from ..config import MODELS
 from ..errors import StarpuLLMError, opt
 from ..flow.placement import OWNERSHIPS, balance, gradient_mode, owner_map, slice_sizes
 from . import graph as graphs
