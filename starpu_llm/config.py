@@ -140,3 +140,17 @@ class ParamLayout:
 
     def is_layered(self, name: str) -> bool:
         return PARAMETER_SPECS[name].part == "block"
+
+    def slices(self) -> list:
+        """((name, layer or None), offset, shape) of every slice (a block tensor's layer, or a
+        whole embedding or head tensor), in llm.c's order: the units that have their own
+        StarPU handle, update task and owner (flow/placement.py)."""
+        out = []
+        for name in self.names:
+            shape, off = self.shapes[name], self.offsets[name]
+            if self.is_layered(name):
+                size = math.prod(shape[1:])
+                out += [((name, l), off + l * size, shape[1:]) for l in range(shape[0])]
+            else:
+                out.append(((name, None), off, shape))
+        return out

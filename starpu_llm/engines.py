@@ -32,6 +32,9 @@ def autotuned(cfg, config, comm, runtime, log):
     if comm is not None or runtime is not None or cfg.engine != "starpu":
         raise StarpuLLMError(f"{opt('workers')} auto chooses the partition of a single process "
                              f"starting its own StarPU engine: give {opt('workers')} N there")
+    if cfg.memory_limit is not None:
+        raise StarpuLLMError(f"{opt('workers')} auto tries partitions without a limit; under "
+                             f"{opt('memory_limit')}: give {opt('workers')} N")
     if cfg.cores_per_worker or cfg.sub_batches:
         raise StarpuLLMError(f"{opt('workers')} auto chooses {opt('cores_per_worker')} and "
                              f"{opt('sub_batches')} too: leave them out")
@@ -46,10 +49,11 @@ def autotuned(cfg, config, comm, runtime, log):
                    sub_batches=choice.sub_batches)
 
 
-def start_runtime(cfg, comm=None) -> Runtime:
-    """A StarPU Runtime for cfg's partition (on comm, under StarPU-MPI)."""
+def start_runtime(cfg, comm=None, memory=None) -> Runtime:
+    """A StarPU Runtime for cfg's partition (on comm, under StarPU-MPI), with the memory
+    budget given (runtime.offload.MemoryLimit)."""
     return Runtime(cfg.workers, cfg.cores_per_worker, cfg.sched, cfg.oversubscribe,
-                   comm=comm, kcore=cfg.kcore)
+                   comm=comm, kcore=cfg.kcore, memory=memory)
 
 
 def make_engine(cfg, state, tokens, runtime=None):

@@ -12,7 +12,7 @@ from .engines import partition_given
 from .errors import StarpuLLMError, flag, opt
 from .io import checkpoint, formats
 from .record import Partition, RunRecord, Settings
-from .state import TrainState, random_init
+from .state import RandomInit, TrainState, random_init
 
 DEFAULT_MODEL = "d12"       # GPT-2 124M, when neither --init-from nor --resume gives one
 
@@ -36,18 +36,20 @@ def check_model(model: str | None, config: GPTConfig, path) -> None:
                              f"checkpoint's model, or start a new run without it")
 
 
-def load_model(cfg) -> tuple[TrainState, RunRecord | None]:
+def load_model(cfg, lazy: bool = False) -> tuple[TrainState, RunRecord | None]:
     """The state the run starts from, and the record of the run it continues (None for a
-    new run, or a checkpoint saved before records existed)."""
+    new run, or a checkpoint saved before records existed). lazy: its parameters and moments
+    are not read into memory (state.Slices: the checkpoint's files, checked, or the random
+    init, drawn slice by slice), for an engine to take slice by slice (--memory-limit)."""
     if cfg.resume:
         if cfg.init_from:
             raise StarpuLLMError(f"{opt('resume')} continues a saved run and {opt('init_from')} "
                                  f"starts a new one from given weights; give only one of them")
-        state, record = checkpoint.read_with_record(cfg.resume)
+        state, record = checkpoint.read_with_record(cfg.resume, lazy)
         check_model(cfg.model, state.config, cfg.resume)
         return state, record
     if cfg.init_from:
-        config, params = formats.read_checkpoint(cfg.init_from)
+        config, params = formats.read_checkpoint(cfg.init_from, lazy)
         check_model(cfg.model, config, cfg.init_from)
         return TrainState(config=config, params=params), None
     model = cfg.model or DEFAULT_MODEL
@@ -55,7 +57,8 @@ def load_model(cfg) -> tuple[TrainState, RunRecord | None]:
         raise StarpuLLMError(f"{opt('model')} {model!r} is not a known model; choose one of "
                              f"{', '.join(MODELS)} or give an llm.c checkpoint with {opt('init_from')}")
     config = MODELS[model]
-    return TrainState(config=config, params=random_init(config, cfg.seed)), None
+    params = RandomInit(config, cfg.seed) if lazy else random_init(config, cfg.seed)
+    return TrainState(config=config, params=params), None
 
 
 def on_recorded_partition(cfg, record: RunRecord | None):

@@ -1,24 +1,134 @@
-"""A run's whole state: parameters, AdamW moments, step and data position (save/restore)."""
+"""A run's whole state: parameters, AdamW moments, step and data position (save/restore).
+
+The parameters, the two moments and the gradients are each a buffer of ParamLayout: a flat
+numpy array, or, where a run must not hold them in its own memory (--memory-limit: StarPU
+owns them and evicts them to disk), a `Slices`: values read one slice at a time (a block
+tensor's layer, a whole embedding or head tensor; ParamLayout.slices), in llm.c's order.
+Before an engine takes them those are where the values come from (RandomInit, Zeros,
+io.checkpoint's file regions); then the engine's own (flow/engine.py: its StarPU handles).
+"""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .config import PARAMETERS, GPTConfig, ParamLayout
+from .config import PARAMETER_SPECS, GPTConfig, ParamLayout
+
+_STD = {"normal": 0.02, "residual": None}     # residual: 0.02 / sqrt(2 L)
+_DISCARD_CHUNK = 1 << 22                       # floats drawn at once when skipping a slice
+
+
+class Slices:
+    """A ParamLayout buffer read one slice at a time, in llm.c's order (see the module)."""
+
+    def __init__(self, config: GPTConfig):
+        self.config = config
+        self.layout = ParamLayout(config)
+
+    def read_into(self, key, out: np.ndarray) -> None:
+        """Put slice key's values ((name, layer or None)) into out, a flat float32 array."""
+        raise NotImplementedError
+
+    def chunks(self):
+        """Every slice's values, in llm.c's order, each a flat float32 array valid until the
+        next one is asked for (one buffer of the largest slice, reused)."""
+        slices = self.layout.slices()
+        buf = np.empty(max(math.prod(shape) for _, _, shape in slices), np.float32)
+        for key, _, shape in slices:
+            out = buf[:math.prod(shape)]
+            self.read_into(key, out)
+            yield out
+
+
+def chunks(values, layout: ParamLayout):
+    """A ParamLayout buffer's values in llm.c's order: a numpy array whole (flat), a Slices
+    slice by slice (Slices.chunks)."""
+    if isinstance(values, np.ndarray):
+        yield values.reshape(-1)
+    else:
+        yield from values.chunks()
+
+
+def read_slice_into(values, layout: ParamLayout, key, out: np.ndarray) -> None:
+    """Slice key of a ParamLayout buffer (a numpy array or a Slices) into out (flat)."""
+    if isinstance(values, np.ndarray):
+        _, offset, shape = next(s for s in layout.slices() if s[0] == key)
+        out[...] = values.reshape(-1)[offset:offset + math.prod(shape)]
+    else:
+        values.read_into(key, out)
+
+
+class Zeros(Slices):
+    """A buffer of zeros (fresh moments, gradients)."""
+
+    def read_into(self, key, out):
+        out[...] = 0.0
+
+
+class RandomInit(Slices):
+    """GPT-2's initialisation (random_init), drawn slice by slice: N(0, 0.02) weights,
+    residual projections N(0, 0.02/sqrt(2L)), zero biases, unit layernorm gains, the padded
+    rows of wte 0. One random stream in llm.c's order, so slices are read in that order; one
+    skipped (another rank's) is drawn and thrown away, as the stream must go past it."""
+
+    def __init__(self, config: GPTConfig, seed: int = 1337):
+        super().__init__(config)
+        self.rng = np.random.default_rng(seed)
+        self.keys = [(key, shape) for key, _, shape in self.layout.slices()]
+        self.index = {key: i for i, (key, _) in enumerate(self.keys)}
+        self.next = 0
+
+    def read_into(self, key, out):
+        i = self.index[key]
+        if i < self.next:
+            raise ValueError(f"RandomInit reads its slices in llm.c's order: {key} was passed")
+        for (name, _), shape in self.keys[self.next:i]:
+            self._discard(name, math.prod(shape))
+        self._draw(key[0], out, self.keys[i][1])
+        self.next = i + 1
+
+    def _std(self, name):
+        init = PARAMETER_SPECS[name].init
+        if init not in _STD:
+            return None
+        return np.float32(0.02 / np.sqrt(2 * self.config.L) if init == "residual" else 0.02)
+
+    def _draw(self, name, out, shape):
+        std = self._std(name)
+        if std is not None:
+            self.rng.standard_normal(out=out, dtype=np.float32)
+            out *= std
+        else:
+            out[...] = 1.0 if PARAMETER_SPECS[name].init == "ones" else 0.0
+        if name == "wte":
+            out.reshape(shape)[self.config.V:] = 0.0
+
+    def _discard(self, name, n):
+        if self._std(name) is None:
+            return
+        scratch = np.empty(min(n, _DISCARD_CHUNK), np.float32)
+        for start in range(0, n, scratch.size):
+            self.rng.standard_normal(out=scratch[:min(scratch.size, n - start)], dtype=np.float32)
 
 
 @dataclass
 class TrainState:
     config: GPTConfig
-    params: np.ndarray                  # flat float32, llm.c's layout
-    m: np.ndarray = None                # AdamW first moment
-    v: np.ndarray = None                # AdamW second moment
-    grads: np.ndarray = None            # zero between steps (the update zeroes them)
+    params: np.ndarray | Slices         # flat float32, llm.c's layout
+    m: np.ndarray | Slices = None       # AdamW first moment
+    v: np.ndarray | Slices = None       # AdamW second moment
+    grads: np.ndarray | Slices = None   # zero between steps (the update zeroes them)
     step: int = 0
     data: dict = field(default_factory=dict)   # the loader's state, e.g. {"position": ...}
 
     def __post_init__(self):
+        if isinstance(self.params, Slices):
+            for name in ("m", "v", "grads"):
+                if getattr(self, name) is None:
+                    setattr(self, name, Zeros(self.config))
+            return
         n = ParamLayout(self.config).total
         assert self.params.dtype == np.float32 and self.params.size == n
         for name in ("m", "v", "grads"):
@@ -27,18 +137,10 @@ class TrainState:
 
 
 def random_init(config: GPTConfig, seed: int = 1337) -> np.ndarray:
-    """GPT-2 initialisation: N(0, 0.02) weights, residual projections scaled by 1/sqrt(2L),
-    zero biases, unit layernorm gains; the padded rows of wte stay 0."""
+    """GPT-2 initialisation (RandomInit) into one flat array."""
     layout = ParamLayout(config)
     flat = np.zeros(layout.total, np.float32)
-    views = layout.views(flat)
-    rng = np.random.default_rng(seed)
-    std = {"normal": 0.02, "residual": 0.02 / np.sqrt(2 * config.L)}
-    for p in PARAMETERS:          # the random ones drawn in llm.c's order
-        a = views[p.name]
-        if p.init in std:
-            a[...] = rng.standard_normal(a.shape, dtype=np.float32) * np.float32(std[p.init])
-        elif p.init == "ones":
-            a[...] = 1.0
-    views["wte"][config.V:] = 0.0
+    init = RandomInit(config, seed)
+    for key, offset, shape in layout.slices():
+        init.read_into(key, flat[offset:offset + math.prod(shape)])
     return flat

@@ -9,6 +9,7 @@ file (metrics.py), the checkpoints (checkpointing.py), samples (sampler.py).
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field, fields
 
@@ -26,6 +27,7 @@ from .record import RunRecord, Settings
 from .resume import load_model, on_recorded_partition, warn_changes
 from .runs import peak_rss_mb
 from .runtime import mpi as distributed
+from .runtime.offload import MemoryLimit
 from .sampler import TrainingSampler
 from .schedule import SCHEDULES, check_schedule, learning_rate
 from .state import TrainState
@@ -33,6 +35,7 @@ from .validation import Validation
 
 
 PARALLELISM = "parallelism (StarPU engine)"     # the help group of the partition flags
+MEMORY = "memory budget (StarPU engine)"
 
 
 def setting(default, help: str | None = None, *, short: str | None = None,
@@ -137,6 +140,17 @@ class TrainConfig:
         ranks_agree=True)
     threads: int | None = setting(None, "reference engine: OpenMP/BLAS threads (default: all cores)",
                                   check="positive", group=PARALLELISM)
+    # training under a memory budget (runtime/offload.py, flow/placement.py)
+    memory_limit: str | None = setting(
+        None, "keep the run's main memory under SIZE (e.g. 12G, 800M; powers of 1024): StarPU "
+        "allocates every tensor and evicts those that wait (AdamW moments, activations between "
+        "their forward and backward tasks, gradients, parameters) to --offload-dir, fetching them "
+        "back for the tasks that need them; peak RSS stays under SIZE plus the interpreter and "
+        "libraries; the same results as without it (default: no limit)", metavar="SIZE",
+        group=MEMORY)
+    offload_dir: str | None = setting(
+        None, "where --memory-limit evicts to: a new folder is made there and removed at exit "
+        "(default: the system's temporary folder)", metavar="DIR", group=MEMORY)
     # Python-only settings (no flag)
     untimed_steps: int = 1             # first steps excluded from the tokens/ms metric
     trace: bool = False                # record each task's worker and start/end times
@@ -160,6 +174,8 @@ class TrainResult:
     # statistics (None when off: runtime.mpi.COMM_STATS_ENV), and every rank's peak RSS
     traffic: list | None = None
     rank_peak_rss_mb: list | None = None
+    # under --memory-limit: (bytes read from, bytes written to) the disk per step (this rank)
+    disk_traffic: list | None = None
 
 
 def run_settings(cfg: TrainConfig, config: GPTConfig, loader) -> dict:
@@ -171,6 +187,13 @@ def run_settings(cfg: TrainConfig, config: GPTConfig, loader) -> dict:
             "train_data": (loader.num_tokens, int(toks[:4096].astype(np.int64).sum()),
                            int(toks[-4096:].astype(np.int64).sum())),
             "data_position": loader.position}
+
+
+def _flushed(log):
+    def out(*args, **kwargs):
+        log(*args, **kwargs)
+        sys.stdout.flush()
+    return out
 
 
 def check_outputs(cfg: TrainConfig, comm, rank: int) -> None:
@@ -212,6 +235,13 @@ def _train(cfg: TrainConfig, state: TrainState | None, runtime, ctrl_c: StopOnCt
     comm = distributed.world() if runtime is None else runtime.comm
     rank = comm.Get_rank() if comm is not None else 0
     log = (cfg.log if rank == 0 else None) or (lambda *a, **k: None)
+    memory = MemoryLimit.of(cfg.memory_limit, cfg.offload_dir)
+    if memory is not None:
+        if cfg.engine != "starpu":
+            raise StarpuLLMError(f"{opt('memory_limit')} needs {opt('engine')} starpu (the reference "
+                                 f"engine keeps every tensor in numpy arrays)")
+        # a disk that fills ends the process from inside StarPU: the lines so far are out
+        log = _flushed(log)
     check_outputs(cfg, comm, rank)
     if comm is not None:
         if cfg.engine != "starpu":
@@ -223,8 +253,8 @@ def _train(cfg: TrainConfig, state: TrainState | None, runtime, ctrl_c: StopOnCt
             data.default_dataset()          # tokenize once, then every rank reads the cache
         comm.Barrier()
     saved = None            # the record of the run a --resume continues
-    if state is None:
-        state, saved = load_model(cfg)
+    if state is None:       # under a limit, kept in its files (or drawn) until StarPU has it
+        state, saved = load_model(cfg, lazy=memory is not None)
     if state.step >= cfg.steps:
         raise StarpuLLMError(f"the run is at step {state.step} already and {opt('steps')} counts the "
                              f"steps of the whole run: give {opt('steps')} above {state.step}")
@@ -248,8 +278,16 @@ def _train(cfg: TrainConfig, state: TrainState | None, runtime, ctrl_c: StopOnCt
         cfg = autotuned(cfg, config, comm, runtime, log)
     own_runtime = None
     if runtime is None and cfg.engine == "starpu":
-        runtime = own_runtime = start_runtime(cfg, comm)
-    engine = make_engine(cfg, state, loader.tokens, runtime)
+        runtime = own_runtime = start_runtime(cfg, comm, memory)
+    elif memory is not None and runtime.memory != memory:
+        raise StarpuLLMError(f"{opt('memory_limit')}: the runtime given was started with "
+                             f"{runtime.memory}; start it with the run's (Runtime(memory=...))")
+    try:
+        engine = make_engine(cfg, state, loader.tokens, runtime)
+    except BaseException:       # e.g. a memory limit too small: StarPU stops (and its folder goes)
+        if own_runtime:
+            own_runtime.shutdown()
+        raise
     result = TrainResult(engine=engine.describe())
     record = RunRecord(partition_of(engine), Settings.of(cfg))
     tracing = cfg.trace and runtime is not None   # the reference engine runs no tasks
@@ -274,6 +312,7 @@ def _train(cfg: TrainConfig, state: TrainState | None, runtime, ctrl_c: StopOnCt
         tokens_per_step = cfg.batch * cfg.seq_len
         # --steps counts the whole run (a resumed one too): also the schedule's horizon
         sent = []     # under MPI, the bytes sent so far at each step's start (if counted)
+        disk = [runtime.disk_traffic()] if memory is not None else None
         for i in range(cfg.steps - state.step):
             if comm is not None:
                 sent.append(runtime.bytes_sent())
@@ -287,6 +326,10 @@ def _train(cfg: TrainConfig, state: TrainState | None, runtime, ctrl_c: StopOnCt
             result.step_ms.append(ms)
             tpm = tokens_per_step / ms
             extra = step_extras(cfg, engine, validation, lr, rank, last=state.step == cfg.steps)
+            if disk is not None:
+                disk.append(runtime.disk_traffic())
+                extra.update(disk_read_mb=(disk[-1][0] - disk[-2][0]) / 1e6,
+                             disk_written_mb=(disk[-1][1] - disk[-2][1]) / 1e6)
             if "val_loss" in extra:
                 result.val_losses.append((state.step, extra["val_loss"]))
             log(f"step {state.step:4d}/{cfg.steps}: train loss {loss:.6f} ({ms:.1f} ms, {tpm:.3f} tok/ms)"
@@ -313,8 +356,12 @@ def _train(cfg: TrainConfig, state: TrainState | None, runtime, ctrl_c: StopOnCt
         if cfg.trace:
             result.trace = runtime.trace() if tracing else []
         result.records = engine.submitted()
+        if disk is not None:
+            result.disk_traffic = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(disk, disk[1:])]
         if cfg.save:
             engine.sync()       # under MPI the owners send rank 0 their slices to save
+            if memory is not None and rank == 0:    # the state is in StarPU: saved from there
+                save_model(cfg.save, state, record, log)
     finally:
         if sampler:
             sampler.close()
@@ -331,7 +378,7 @@ def _train(cfg: TrainConfig, state: TrainState | None, runtime, ctrl_c: StopOnCt
     result.state = state
     log(f"tokens/ms over {result.timed_steps} timed step(s): {result.tokens_per_ms:.4f}"
         f"   peak RSS: {result.peak_rss_mb:.0f} MB")
-    if cfg.save and rank == 0:    # rank 0 owns the parameters
+    if cfg.save and rank == 0 and memory is None:    # rank 0 owns the parameters
         save_model(cfg.save, state, record, log)
     if ctrl_c.requested:
         saved = cfg.save or (cfg.checkpoint_dir if cfg.save_every else None)

@@ -2,6 +2,7 @@
  * generated from sl_api.h, sl_codelets.h and kernels.h only). The calls go one way:
  *   runtime.c -> submit.c -> codelets.c -> threads.c, trace.c -> the codelet table
  *   runtime.c, submit.c -> mpi.c
+ *   runtime.c -> ooc.c
  * (a file calls only files to its right or below; none calls back up). */
 #ifndef SL_INTERNAL_H
 #define SL_INTERNAL_H
@@ -17,6 +18,14 @@ int sl_mpi_start(struct starpu_conf *conf, const void *comm);
 int sl_mpi_stop(void);
 /* The communicator StarPU-MPI runs on, or NULL when it does not run. */
 const void *sl_mpi_comm(void);
+
+/* ---- ooc.c: the memory limit and the disk node (sl_set_memory_limit) ---- */
+/* Before starpu_init: sets (or clears) STARPU_LIMIT_CPU_MEM. */
+int sl_ooc_before_init(void);
+/* After starpu_init: registers the disk node when there is a limit. */
+int sl_ooc_after_init(void);
+void sl_ooc_after_shutdown(void);
+int sl_ooc_enabled(void);
 
 /* ---- submit.c ---- */
 /* Frees the task arguments; call once every submitted task has completed. */

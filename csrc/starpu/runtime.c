@@ -29,7 +29,7 @@ static int start(int ncpus, int cores_per_worker, int kcore, const int *cores, c
 {
 	if (initialized)
 		return -EALREADY;
-	if (attach && (comm || !starpu_is_initialized()))
+	if (attach && (comm || !starpu_is_initialized() || sl_ooc_enabled()))
 		return -EINVAL;
 	if (ncpus < 1 || cores_per_worker < 1 || ncpus % cores_per_worker)
 		return -EINVAL;
@@ -52,8 +52,11 @@ static int start(int ncpus, int cores_per_worker, int kcore, const int *cores, c
 		 * they can run the partition: a StarPU worker on each core, each core its own. An
 		 * oversubscribed parallel worker (two StarPU workers on one core) runs no task on
 		 * StarPU 1.4.12: its master spins finding nothing while its other worker, blocked,
-		 * holds the tasks. Same rule as effective_kcore in starpu_llm/runtime/starpu.py. */
-		use_parallel_workers = !getenv("SL_NO_PARALLEL_WORKERS") &&
+		 * holds the tasks. Not under a memory limit either: with a disk node, 1.4.12
+		 * prefetches a task's data when it is pushed and again when a parallel worker
+		 * moves it into its own context, and asserts against the second. Same rule as
+		 * effective_kcore in starpu_llm/runtime/starpu.py. */
+		use_parallel_workers = !getenv("SL_NO_PARALLEL_WORKERS") && !sl_ooc_enabled() &&
 				       ncpus <= STARPU_MAXCPUS && distinct_cores(cores, ncpus);
 #endif
 		use_team = !use_parallel_workers && kcore == SL_KCORE_TEAM;
@@ -81,11 +84,19 @@ static int start(int ncpus, int cores_per_worker, int kcore, const int *cores, c
 	sl_codelets_setup(use_team || use_parallel_workers ? 1 : cores_per_worker);
 
 	if (!attach) {
+		ret = sl_ooc_before_init();
+		if (ret)
+			return ret;
 		ret = comm ? sl_mpi_start(&conf, comm) : starpu_init(&conf);
 		if (ret)
 			return ret;
 	}
 	initialized = attach ? 2 : 1;
+	ret = sl_ooc_after_init();
+	if (ret) {
+		sl_shutdown();
+		return ret;
+	}
 
 #if SL_HAVE_PARALLEL_WORKERS
 	if (use_parallel_workers) {
@@ -169,6 +180,7 @@ int sl_shutdown(void)
 	sl_codelets_set_team_groups(0, 1, NULL);
 	if (initialized == 1 && sl_mpi_stop() != 0)
 		starpu_shutdown(); /* attached (2): the starter shuts StarPU down */
+	sl_ooc_after_shutdown();
 	initialized = 0;
 	return 0;
 }
@@ -208,9 +220,12 @@ sl_handle sl_register_vector(void *ptr, size_t n, size_t elemsize)
 
 void sl_unregister(sl_handle h) { starpu_data_unregister(h); }
 
+void sl_invalidate(sl_handle h) { starpu_data_invalidate_submit(h); }
+
 void *sl_acquire(sl_handle h, int mode)
 {
-	if (starpu_data_acquire(h, mode == 3 ? STARPU_RW : STARPU_R) != 0)
+	enum starpu_data_access_mode m = mode == 3 ? STARPU_RW : mode == 2 ? STARPU_W : STARPU_R;
+	if (starpu_data_acquire(h, m) != 0)
 		return NULL;
 	return starpu_data_get_local_ptr(h);
 }

@@ -40,6 +40,19 @@ int sl_max_cpus(void);		    /* STARPU_MAXCPUS of the StarPU build */
 int sl_have_parallel_workers(void); /* 1.4 parallel workers / 1.3 clusters compiled in */
 void sl_starpu_version(int *major, int *minor, int *release);
 
+/* ---- out of core (ooc.c) ----
+ * Before sl_start: cap the main memory StarPU allocates at `bytes` (0: no cap, the default)
+ * and give it a disk memory node in the folder `dir` (which must exist and hold nothing else:
+ * StarPU's files are created and removed there) to evict the data it allocated itself (handles
+ * registered without memory) when the cap is reached. Returns -EALREADY while StarPU runs. */
+int sl_set_memory_limit(size_t bytes, const char *dir);
+/* The disk memory node of a running StarPU with a memory limit, or -1. */
+int sl_ooc_disk_node(void);
+/* Bytes StarPU has read from and written to the disk node since the start. */
+void sl_ooc_traffic(uint64_t *read, uint64_t *written);
+/* Bytes of main memory StarPU has allocated (counted against the cap) now. */
+size_t sl_memory_used(void);
+
 /* ---- StarPU-MPI (mpi.c; stubs returning -ENOSYS when built without MPI) ---- */
 int sl_mpi_available(void);
 int sl_mpi_rank(void);
@@ -61,9 +74,13 @@ int sl_mpi_bytes_sent(size_t *sent);
  * it lazily; not used with FORKJOIN tasks: StarPU 1.3.10's peager crashes on such buffers). */
 sl_handle sl_register_vector(void *ptr, size_t n, size_t elemsize);
 void sl_unregister(sl_handle h);
+/* Once the tasks submitted so far that use h have run, drop its values (StarPU frees its
+ * copies, writes none back): the next task must write it (STARPU_W) before any reads it. */
+void sl_invalidate(sl_handle h);
 /* Make gradient handle h accept STARPU_REDUX contributions (zero init, add reduction). */
 int sl_set_grad_reduction(sl_handle h);
-/* Acquire for reading (mode 1) or read-write (3); returns the local pointer or NULL. */
+/* Acquire for reading (mode 1), writing (2: the old values are not needed, as for a handle
+ * that has none yet) or read-write (3); returns the local pointer or NULL. */
 void *sl_acquire(sl_handle h, int mode);
 void sl_release(sl_handle h);
 

@@ -6,36 +6,24 @@ without StarPU, is in reference.py.
 """
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 
 from .._clib import ffi, lib
 from ..errors import StarpuLLMError, opt
 from ..io import formats
+from ..runtime.offload import format_size
 from . import taskflow
 from .checkpoint_task import CheckpointTask
-from .placement import Placement, Topology
+from .memory import step_needs
+from .placement import (READ, READ_WRITE, HandleSlices, Placement, Topology, acquired,
+                        gradient_mode)
 from .step import Engine
 from ..runtime.submit import StarPUOps
 
 
-@contextlib.contextmanager
-def _acquired(t, mode):
-    """Tensor t's memory as a flat numpy array, held (StarPU acquire) after the tasks submitted
-    so far that write t (mode 1: to read it) or use it (mode 3: to write it)."""
-    ptr = lib.sl_acquire(t.h, mode)
-    if ptr == ffi.NULL:
-        raise RuntimeError(f"acquiring {t.name} failed")
-    try:
-        yield np.frombuffer(ffi.buffer(ptr, t.size * t.dtype.itemsize), dtype=t.dtype)
-    finally:
-        lib.sl_release(t.h)
-
-
 def read_tensor(t):
     """A copy of tensor t as the tasks submitted so far leave it."""
-    with _acquired(t, 1) as x:
+    with acquired(t, READ) as x:
         return x.reshape(t.shape).copy()
 
 
@@ -43,7 +31,7 @@ def write_tensor(t, values):
     """Write values into the first values.size elements of tensor t, after the tasks submitted
     so far that use it."""
     values = np.asarray(values, t.dtype).reshape(-1)
-    with _acquired(t, 3) as x:
+    with acquired(t, READ_WRITE) as x:
         x[:values.size] = values
 
 
@@ -97,7 +85,11 @@ class StarPUEngine(Engine):
         super().__init__(config, state, B, T, tokens, sub_batches * copies)
         self.runtime = runtime
         self.ops = StarPUOps(record=record)
-        self.placement = place = Placement(runtime, config, topology, self.subs_per_rank)
+        self.memory = runtime.memory
+        if self.memory is not None:
+            self.check_memory()      # before StarPU allocates anything of ours
+        self.placement = place = Placement(runtime, config, topology, self.subs_per_rank,
+                                           self.memory)
         self.layer_stage = place.layer_stage if place.stages > 1 else None
         self.redux = place.redux
         self.rank, self.mpi = place.rank, place.mpi
@@ -113,6 +105,35 @@ class StarPUEngine(Engine):
         self.norm = place.norm_scalars(config)
         place.check_tags()
         self.checkpoints = None     # the starpupy face's checkpoint task, made on first use
+        if place.offload:           # the state's buffers are the handles now (sync())
+            state.params, state.grads, state.m, state.v = (
+                HandleSlices(config, group, place) for group in (self.p, self.g, self.m, self.v))
+
+    def check_memory(self):
+        """Under a memory limit, before the first step: one clear error when the limit cannot
+        hold what the workers' tasks hold at once (each worker's largest task; with a
+        reduction, each worker's copy of every gradient, which StarPU never evicts), or when
+        the offload folder has no room for every tensor StarPU may evict."""
+        needs = step_needs(self.config, self.Bs, self.T, self.subs_per_rank)
+        workers = self.runtime.workers      # a worker (team or parallel) runs a task at a time
+        minimum = workers * needs.largest_task
+        why = (f"{needs.largest_name} holds {format_size(needs.largest_task)} of buffers, "
+               f"x {workers} worker(s)")
+        if gradient_mode(workers, True, self.subs_per_rank):
+            copies = workers * 4 * self.layout.total
+            minimum += copies
+            why += f", and the workers' reduction copies of the gradients, {format_size(copies)}"
+        if self.memory.limit < minimum:
+            raise StarpuLLMError(
+                f"{opt('memory_limit')} {format_size(self.memory.limit)} cannot hold what the "
+                f"tasks need at once ({why}): give at least {-(-minimum // (1 << 20))}M, or a "
+                f"smaller {opt('batch')} (or more {opt('sub_batches')})")
+        free = self.runtime.offload.free_bytes()
+        if free < needs.footprint:
+            raise StarpuLLMError(
+                f"the offload folder {self.runtime.offload.path} has {format_size(free)} free, "
+                f"but StarPU may have to evict up to {format_size(needs.footprint)} there (every "
+                f"tensor of the run): give {opt('offload_dir')} on a disk with that much room")
 
     def submitted(self) -> list | None:
         return None if self.ops.records is None else list(self.ops.records)
@@ -153,6 +174,23 @@ class StarPUEngine(Engine):
     def sub_batch_embedding_wte(self, i):
         return None if self.embedding_wte is None else self.embedding_wte[self.placement.copy(i)]
 
+    def _activations_used(self):
+        """Under a memory limit: each activation and scratch tensor of this process (but the
+        losses, which loss() reads) dropped once the tasks using it have run, so that StarPU
+        frees it then instead of writing it to disk (its next use, the next step's, writes
+        it)."""
+        if self.placement.offload:
+            for a, stages in self.subs:
+                for t in (t for group in (a, *stages) for t in group.tensors()):
+                    if t is not a.losses and self.placement.holds(t):
+                        lib.sl_invalidate(t.h)
+
+    def logits(self):
+        if self.placement.offload:
+            raise StarpuLLMError(f"under {opt('memory_limit')} the logits are dropped once the "
+                                 f"backward has read them")
+        return super().logits()
+
     def _gradients_submitted(self):
         if self.mpi:
             taskflow.reduce_gradients(self.ops.at(self.placement.reduction_site()), self.config,
@@ -184,8 +222,8 @@ class StarPUEngine(Engine):
         # would be added into by its next gradient reduction)
         self.placement.gather_to_root(t for group in (self.p, self.m, self.v)
                                       for t in group.tensors())
-        if self.mpi and self.rank != 0:
-            return
+        if (self.mpi and self.rank != 0) or self.placement.offload:
+            return          # (under a limit the state's buffers are the handles themselves)
         for group in groups:
             for t in group.tensors():
                 if t.name in self.placement.elsewhere:   # another rank's gradient

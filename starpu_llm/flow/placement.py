@@ -22,6 +22,7 @@ registration order, so every rank registers the same tensors in the same order.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import mmap
@@ -32,8 +33,53 @@ from .._clib import ffi, lib
 from ..config import GPTConfig, ParamLayout
 from ..errors import StarpuLLMError, opt
 from ..runtime.submit import ANY, OWNER, Where
+from ..state import Slices, read_slice_into
 from . import taskflow
-from .tensors import ParameterTensors, Tensor, sub_batch_tensors
+from .tensors import ParameterTensors, Tensor, shape_only, sub_batch_tensors
+
+READ, WRITE, READ_WRITE = 1, 2, 3      # sl_acquire's modes
+
+
+@contextlib.contextmanager
+def acquired(t: Tensor, mode: int):
+    """Tensor t's memory as a flat numpy array, held (StarPU acquire, in main memory) after
+    the tasks submitted so far that write t (READ: to read it) or use it (WRITE: to write it
+    anew, READ_WRITE: to change it)."""
+    ptr = lib.sl_acquire(t.h, mode)
+    if ptr == ffi.NULL:
+        raise RuntimeError(f"acquiring {t.name} failed")
+    try:
+        yield np.frombuffer(ffi.buffer(ptr, t.size * t.dtype.itemsize), dtype=t.dtype)
+    finally:
+        lib.sl_release(t.h)
+
+
+class HandleSlices(Slices):
+    """A ParamLayout buffer held by an engine's StarPU handles (under a memory limit, the
+    state's buffers once the engine has them: StarPU may have evicted any slice to disk),
+    read slice by slice through acquire/release, after the tasks submitted so far."""
+
+    def __init__(self, config: GPTConfig, group: ParameterTensors, placement: "Placement"):
+        super().__init__(config)
+        self.tensors = dict(zip((key for key, _, _ in self.layout.slices()), group.tensors()))
+        self.placement = placement
+
+    def _tensor(self, key):
+        if not self.placement.registered:
+            raise StarpuLLMError(
+                f"the run's parameters and moments lived in StarPU under {opt('memory_limit')} "
+                f"and went with its engine: read them before closing it, or save them "
+                f"({opt('save')}, {opt('save_every')})")
+        return self.tensors[key]
+
+    def read_into(self, key, out):
+        with acquired(self._tensor(key), READ) as x:
+            out[...] = x
+
+    def chunks(self):
+        for key in self.tensors:
+            with acquired(self._tensor(key), READ) as x:
+                yield x
 
 
 def gradient_mode(workers: int, pinned: bool, subs_per_rank: int) -> int:
@@ -61,15 +107,7 @@ OWNERSHIPS = ("sharded", "rank0")
 
 def slice_sizes(config: GPTConfig) -> list:
     """((name, layer or None), elements) of every parameter slice, in llm.c's order."""
-    layout = ParamLayout(config)
-    out = []
-    for name in layout.names:
-        size = math.prod(layout.shapes[name])
-        if layout.is_layered(name):
-            out += [((name, l), size // config.L) for l in range(config.L)]
-        else:
-            out.append(((name, None), size))
-    return out
+    return [(key, math.prod(shape)) for key, _, shape in ParamLayout(config).slices()]
 
 
 def balance(slices: list, candidates) -> dict:
@@ -130,6 +168,10 @@ def discard_pages(view: np.ndarray) -> None:
 
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+def _zeros(out):
+    out[...] = 0
 
 
 class Topology:
@@ -215,8 +257,13 @@ class Placement:
     order by unregister_all) and where each task of its step runs."""
 
     def __init__(self, runtime, config: GPTConfig, topology: Topology | None = None,
-                 subs_per_copy: int = 1):
+                 subs_per_copy: int = 1, memory=None):
         self.runtime = runtime
+        # Under a memory limit (memory: runtime.offload.MemoryLimit) StarPU allocates every
+        # tensor itself, so that it can evict any of them to its disk node (it never evicts a
+        # buffer it did not allocate): a handle registered without memory, its initial values
+        # (parameters, moments, zeroed gradients) written in through acquire/release.
+        self.offload = memory is not None
         self.rank, self.nranks = runtime.rank, runtime.size
         self.mpi = self.nranks > 1
         self.layers, self.subs_per_copy = config.L, subs_per_copy
@@ -233,11 +280,12 @@ class Placement:
         self.redux = gradient_mode(runtime.workers, self.pin_sub_batches, subs_per_copy)
         self._registered = []     # handles to unregister, in reverse order
         self._buffers = []
+        self._held = set()        # this process's activation and scratch handles (tensor())
         self._next_tag = 0
         self.elsewhere = set()    # names of the slices this process holds no memory for
 
     # --- the handles ---
-    def parameter_tensors(self, kind: str, layout: ParamLayout, flat: np.ndarray) -> ParameterTensors:
+    def parameter_tensors(self, kind: str, layout: ParamLayout, flat) -> ParameterTensors:
         """The parameters, gradients or moments (kind "param", "grad", "m", "v") over flat, a
         buffer of layout: one handle per slice (a block tensor's layer, or a whole embedding or
         head tensor), owned by self.owners' rank. The ranks of a slice's stage hold its
@@ -247,20 +295,36 @@ class Placement:
         slices only once it has written a checkpoint). Elsewhere a slice's handle has no
         memory and is never used. The pages of flat a rank does not use are given back to the
         system (every rank initialised or loaded the whole model). Gradients accept
-        STARPU_REDUX contributions when self.redux."""
+        STARPU_REDUX contributions when self.redux.
+
+        Under a memory limit every handle is StarPU's (flat may then be a state.Slices, read
+        slice by slice): the slices this rank uses get flat's values (the gradients zeros),
+        the others none."""
+        shapes = flat if isinstance(flat, np.ndarray) else shape_only(layout)
+
         def make(name, arr, layered):
             tensors = []
             for key, view in self._slices(name, arr, layered):
                 owner = self.owners[key]
                 used = owner == self.rank or (kind == "param"
                                               and self.rank in self.topology.readers(key))
-                if not used and kind != "grad":
+                if not used and kind != "grad" and not self.offload:
                     discard_pages(view)    # the initial or loaded values another rank holds
                 memory = used or (self.rank == 0 and kind != "grad")
-                tensors.append(self._slice_tensor(kind, key, view, memory, owner))
+                t = self._slice_tensor(kind, key, view, memory, owner)
+                if used and self.offload:
+                    self._fill(t, _zeros if kind == "grad" else
+                               lambda out, key=key: read_slice_into(flat, layout, key, out))
+                tensors.append(t)
             return tensors if layered else tensors[0]
 
-        return ParameterTensors.over(layout, flat, make)
+        return ParameterTensors.over(layout, shapes, make)
+
+    def _fill(self, t: Tensor, fill):
+        """Under a memory limit: t's initial values, fill(its flat memory), written in before
+        any task uses it (StarPU allocates the memory, evicting to disk when at the limit)."""
+        with acquired(t, WRITE) as x:
+            fill(x)
 
     def contributions(self, layout: ParamLayout, flat: np.ndarray,
                       grads: ParameterTensors) -> list:
@@ -282,10 +346,16 @@ class Placement:
                 tensors = []
                 for g, (key, view) in zip(mine, self._slices(name, arr, layered)):
                     q = topo.rank(topo.slice_stage(key), d)
-                    tensors.append(g if self.owners[key] == q else
-                                   self._slice_tensor(f"grad@{q}", key, view, q == self.rank, q))
+                    if self.owners[key] == q:
+                        tensors.append(g)
+                        continue
+                    t = self._slice_tensor(f"grad@{q}", key, view, q == self.rank, q)
+                    if q == self.rank and self.offload:
+                        self._fill(t, _zeros)
+                    tensors.append(t)
                 return tensors if layered else tensors[0]
-            groups.append(ParameterTensors.over(layout, flat, make))
+            groups.append(ParameterTensors.over(
+                layout, flat if isinstance(flat, np.ndarray) else shape_only(layout), make))
         return groups
 
     def embedding_wte_grads(self, config: GPTConfig) -> list:
@@ -295,9 +365,13 @@ class Placement:
         out = []
         for d in range(self.copies):
             rank = self.topology.rank(0, d)
-            arr = np.zeros((config.Vp, config.C), np.float32) if rank == self.rank else None
+            mine = rank == self.rank
+            arr = (np.zeros((config.Vp, config.C), np.float32) if mine and not self.offload
+                   else None)
             t = Tensor(f"grad@{rank}.embedding.wte", (config.Vp, config.C),
                        h=self._register(arr, config.Vp * config.C, owner=rank))
+            if mine and self.offload:
+                self._fill(t, _zeros)
             if self.redux:
                 lib.sl_set_grad_reduction(t.h)
             out.append(t)
@@ -310,14 +384,14 @@ class Placement:
         return [((name, None), arr)]
 
     def _slice_tensor(self, kind, key, view, memory: bool, owner: int) -> Tensor:
-        """A slice's handle: on view when memory, else allocated by StarPU if ever needed;
-        MPI-registered with its owner; a gradient ("grad...") accepts STARPU_REDUX
-        contributions when self.redux."""
+        """A slice's handle: on view when memory (under a memory limit: StarPU's), else
+        allocated by StarPU if ever needed; MPI-registered with its owner; a gradient
+        ("grad...") accepts STARPU_REDUX contributions when self.redux."""
         name, l = key
         if not memory:
             self.elsewhere.add(f"{kind}.{name}" + ("" if l is None else f"[{l}]"))
         t = Tensor(f"{kind}.{name}" + ("" if l is None else f"[{l}]"), view.shape,
-                   h=self._register(view if memory else None, view.size,
+                   h=self._register(view if memory and not self.offload else None, view.size,
                                     owner=owner if self.mpi else None))
         if kind.startswith("grad") and self.redux:
             lib.sl_set_grad_reduction(t.h)
@@ -331,10 +405,16 @@ class Placement:
         n = taskflow.norm_nodes(cfg)
         owners = [self.owners[key] for key in order] + [0] * (n - len(order))
         arr = np.zeros(n, np.float64)
-        return [Tensor(f"gradnorm[{k}]", (1,), np.float64,
-                       h=self._register(arr[k:k + 1] if owner == self.rank or not self.mpi else None,
+        out = []
+        for k, owner in enumerate(owners):
+            mine = owner == self.rank or not self.mpi
+            t = Tensor(f"gradnorm[{k}]", (1,), np.float64,
+                       h=self._register(arr[k:k + 1] if mine and not self.offload else None,
                                         1, 8, owner=owner if self.mpi else None))
-                for k, owner in enumerate(owners)]
+            if mine and self.offload:
+                self._fill(t, _zeros)
+            out.append(t)
+        return out
 
     def sub_batch(self, config: GPTConfig, B: int, T: int, i: int):
         """(ActivationTensors, [BackwardScratch of each stage]) of sub-batch i: each layer's
@@ -357,10 +437,18 @@ class Placement:
         process's own, not MPI-registered)."""
         # Our memory, not StarPU's (-1): StarPU 1.3.10's peager crashes when a parallel
         # task gets a buffer StarPU allocated itself. np.empty touches no page, so the
-        # first task that writes a tensor places its pages (first touch).
-        arr = np.empty(shape, dtype) if owner in (None, self.rank) else None
+        # first task that writes a tensor places its pages (first touch). Under a memory
+        # limit, StarPU's (the first task writes it: no initial values).
+        mine = owner in (None, self.rank)
+        arr = np.empty(shape, dtype) if mine and not self.offload else None
         h = self._register(arr, int(np.prod(shape)), np.dtype(dtype).itemsize, owner)
+        if mine:
+            self._held.add(h)
         return Tensor(name, shape, dtype, h=h)
+
+    def holds(self, t: Tensor) -> bool:
+        """Whether this process holds t (an activation or scratch tensor of its own)."""
+        return t.h in self._held
 
     def check_tags(self):
         """A clear error when the handles registered need more MPI tags than MPI allows."""
@@ -387,6 +475,11 @@ class Placement:
             if lib.sl_mpi_register(h, self._next_tag, owner) != 0:
                 raise RuntimeError("starpu_mpi_data_register failed")
             self._next_tag += 1
+
+    @property
+    def registered(self) -> bool:
+        """Whether the handles are still registered (until unregister_all)."""
+        return bool(self._registered)
 
     def unregister_all(self):
         """After the pending tasks, unregister every handle, in reverse order (nothing to do

@@ -83,6 +83,10 @@ class Engine:
     def _gradients_submitted(self):
         pass
 
+    def _activations_used(self):
+        """After the tasks that use the activations and the backward scratch: the StarPU
+        engine under a memory limit drops their values (the next step writes them anew)."""
+
     # --- the step ---
     def submit_forward_backward(self, pos: int):
         n = self.Bs * self.T
@@ -95,6 +99,7 @@ class Engine:
                               self.T, dloss, self.redux, self.layer_stage,
                               self.sub_batch_embedding_wte(i))
         self._gradients_submitted()
+        self._activations_used()
 
     def submit_update(self, lr: float, weight_decay: float, grad_clip: float = 0.0):
         """The AdamW tasks; grad_clip > 0 clips the gradients' global norm to it first."""
@@ -132,6 +137,7 @@ class Engine:
                 taskflow.forward(ops, self.config, self.p, a, self.Bs, self.T)
             self.wait()           # the next batch reuses the activations
             losses.append(self.loss())
+            self._activations_used()
         return float(np.mean(losses))
 
     def loss(self) -> float:

@@ -71,6 +71,22 @@ class _ParameterGroup(TensorGroup):
             return Tensor(f"{kind}.{name}", arr.shape, array=arr)
         return cls.over(layout, flat, make)
 
+    @classmethod
+    def of_shapes(cls, kind: str, layout: ParamLayout):
+        """The group's names and shapes alone (Tensors with no data), named as of_arrays."""
+        def make(name, arr, layered):
+            if layered:
+                return [Tensor(f"{kind}.{name}[{l}]", arr[l].shape) for l in range(len(arr))]
+            return Tensor(f"{kind}.{name}", arr.shape)
+        return cls.over(layout, shape_only(layout), make)
+
+
+def shape_only(layout: ParamLayout) -> np.ndarray:
+    """A flat float32 array of layout's size holding no memory (one element, stride 0): its
+    views give the tensors' shapes (ParameterTensors.over) and must never be written."""
+    return np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), (layout.total,), (0,),
+                                           writeable=False)
+
 
 # GPT-2's 16 parameter tensors in llm.c's order (config.PARAMETERS): one group each for the
 # parameters, gradients and AdamW moments. A block's tensor is the list of its L layers' slices.

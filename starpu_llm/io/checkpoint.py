@@ -35,6 +35,7 @@ import zlib
 import numpy as np
 
 from . import atomic, formats
+from ..config import ParamLayout
 from ..errors import StarpuLLMError, opt
 from ..record import RunRecord
 from ..state import TrainState
@@ -79,7 +80,8 @@ def _record_field(record: RunRecord | None) -> np.ndarray:
 
 def write(path, state: TrainState, record: RunRecord | None = None) -> str:
     """Write state as a checkpoint pair: the model at path, then its companion (see the
-    module's docstring for the order), with the run's record. Returns path."""
+    module's docstring for the order), with the run's record. Returns path. The state's
+    buffers may be numpy arrays or state.Slices (written slice by slice)."""
     path = os.fspath(path)
     try:
         os.unlink(companion(path))
@@ -88,19 +90,22 @@ def write(path, state: TrainState, record: RunRecord | None = None) -> str:
     except OSError as e:
         raise StarpuLLMError(f"cannot replace {companion(path)}: {e.strerror}; choose a writable "
                              f"output location") from e
-    formats.write_checkpoint(path, state.config, state.params)
+    _, model_crc = formats.write_checkpoint_crc(path, state.config, state.params)
     header = np.zeros(HEADER_INTS, _I64)
     fields = [MAGIC, VERSION, *_config_fields(state.config), state.step,
-              state.data.get("position", 0), _crc(state.params)]
+              state.data.get("position", 0), model_crc]
     header[:len(fields)] = fields
     header[RECORD_AT - 1:] = _record_field(record)
-    m, v = (np.ascontiguousarray(a, dtype=_F32) for a in (state.m, state.v))
-    header[len(fields)] = _crc(header[:len(fields) - 1], header[RECORD_AT - 1:], m, v)
+    layout = ParamLayout(state.config)
 
     def body(f):
+        f.write(header.tobytes())      # its body checksum follows the moments, written next
+        crc = _crc(header[:len(fields) - 1], header[RECORD_AT - 1:])
+        for a in (state.m, state.v):
+            crc = formats.write_values(f, a, layout, crc)
+        header[len(fields)] = crc
+        f.seek(0)
         f.write(header.tobytes())
-        for a in (m, v):
-            formats._write_array(f, a)
 
     atomic.atomic_write(companion(path), body)
     return path
@@ -113,12 +118,14 @@ def read(path) -> TrainState:
     return read_with_record(path)[0]
 
 
-def read_with_record(path) -> tuple[TrainState, RunRecord | None]:
-    """read(path) and the run record of its companion (None: a version 1 companion)."""
+def read_with_record(path, lazy: bool = False) -> tuple[TrainState, RunRecord | None]:
+    """read(path) and the run record of its companion (None: a version 1 companion). lazy:
+    once every check has passed (the checksums computed reading the files in chunks), the
+    parameters and moments stay in the files (formats.FileSlices, read slice by slice)."""
     path = os.fspath(path)
     if os.path.isdir(path):
         path = latest(path)
-    config, params = formats.read_checkpoint(path)
+    config, params = formats.read_checkpoint(path, lazy)
     comp = companion(path)
     hint = "resume from a checkpoint whose two files were saved together"
     if not os.path.exists(comp):
@@ -149,17 +156,26 @@ def read_with_record(path) -> tuple[TrainState, RunRecord | None]:
         raise StarpuLLMError(f"{comp} has {size} bytes, but a companion of this model has "
                              f"{expected} (the header and two moments of {n} float32); {hint}")
     step, position, model_crc, body_crc = (int(x) for x in header[8:12])
-    if _crc(params.astype(_F32, copy=False)) != model_crc:
+    crc = (formats.file_crc(path, formats.HEADER_BYTES, 4 * n) if lazy
+           else _crc(params.astype(_F32, copy=False)))
+    if crc != model_crc:
         raise StarpuLLMError(f"{comp} does not belong to {path}: it was saved (at step {step}) "
                              f"with other parameters than {path} holds, so the two files come "
                              f"from different saves; {hint}")
-    moments = np.fromfile(comp, dtype=_F32, count=2 * n, offset=HEADER_INTS * 8)
     covered = (header[:10],) if version == 1 else (header[:10], header[RECORD_AT - 1:])
-    if _crc(*covered, moments) != body_crc:
+    if lazy:
+        crc = formats.file_crc(comp, HEADER_INTS * 8, 8 * n, _crc(*covered))
+    else:
+        moments = np.fromfile(comp, dtype=_F32, count=2 * n, offset=HEADER_INTS * 8)
+        crc = _crc(*covered, moments)
+    if crc != body_crc:
         raise StarpuLLMError(f"{comp} is corrupt: its step, data position, run record or "
                              f"moments do not match their checksum; resume from another checkpoint")
     record = _read_record(header, comp) if version >= 2 else None
-    m, v = np.split(moments.astype(np.float32, copy=False), 2)
+    if lazy:
+        m, v = (formats.FileSlices(config, comp, HEADER_INTS * 8 + 4 * n * k) for k in (0, 1))
+    else:
+        m, v = np.split(moments.astype(np.float32, copy=False), 2)
     return TrainState(config=config, params=params, m=m, v=v, step=step,
                       data={"position": position}), record
 

@@ -26,12 +26,15 @@ from __future__ import annotations
 
 import os
 import stat
+import sys
+import zlib
 
 import numpy as np
 
 from .atomic import atomic_write
-from ..config import GPTConfig
+from ..config import GPTConfig, ParamLayout
 from ..errors import StarpuLLMError
+from ..state import Slices, chunks
 from .tokenizer import Tokenizer
 
 HEADER_INTS = 256
@@ -110,8 +113,10 @@ _CKPT_HINT = ("is it an llm.c fp32 checkpoint (like gpt2_124M.bin, written by tr
               "or by this package)? Re-create or re-download it")
 
 
-def read_checkpoint(path) -> tuple[GPTConfig, np.ndarray]:
-    """Read an llm.c fp32 checkpoint; return (config, flat float32 parameters in ParamLayout order)."""
+def read_checkpoint(path, lazy: bool = False) -> tuple[GPTConfig, np.ndarray | Slices]:
+    """Read an llm.c fp32 checkpoint; return (config, flat float32 parameters in ParamLayout
+    order). lazy: the parameters stay in the file (FileSlices, read slice by slice) once the
+    header and the size are checked."""
     path = os.fspath(path)
     f, size = _open(path, "checkpoint")
     with f:
@@ -131,35 +136,101 @@ def read_checkpoint(path) -> tuple[GPTConfig, np.ndarray]:
         n = config.num_parameters
         _check_size(path, size, HEADER_BYTES + 4 * n, "checkpoint",
                     f"a {HEADER_BYTES}-byte header + {n} float32 parameters ({_fmt(dims)})", _CKPT_HINT)
+        if lazy:
+            return config, FileSlices(config, path, HEADER_BYTES)
         flat = np.frombuffer(_read_exact(f, path, 4 * n, "checkpoint"), dtype=_F32)
     # native order (a copy only on a big-endian host)
     return config, flat.astype(np.float32, copy=False)
 
 
-def write_checkpoint(path, config: GPTConfig, flat: np.ndarray) -> str:
-    """Write `flat` (config.num_parameters float32 values, ParamLayout order) as an llm.c checkpoint."""
+def write_checkpoint(path, config: GPTConfig, flat) -> str:
+    """Write `flat` (config.num_parameters float32 values, ParamLayout order: a numpy array or
+    a state.Slices) as an llm.c checkpoint."""
+    return write_checkpoint_crc(path, config, flat, with_crc=False)[0]
+
+
+def write_checkpoint_crc(path, config: GPTConfig, flat, with_crc: bool = True):
+    """write_checkpoint, and the CRC-32 of the parameters' bytes as written (None without
+    with_crc)."""
     path = os.fspath(path)
-    flat = np.asarray(flat)
     n = config.num_parameters
-    if flat.size != n:
-        raise StarpuLLMError(f"cannot write checkpoint {path}: got {flat.size} parameters, but the model "
-                             f"configuration needs {n}")
+    if not isinstance(flat, Slices):
+        flat = np.asarray(flat)
+        if flat.size != n:
+            raise StarpuLLMError(f"cannot write checkpoint {path}: got {flat.size} parameters, but "
+                                 f"the model configuration needs {n}")
+        flat = np.ascontiguousarray(flat.reshape(-1), dtype=_F32)
     header = np.zeros(HEADER_INTS, dtype=_I32)
     header[:8] = [CHECKPOINT_MAGIC, CHECKPOINT_VERSION, config.maxT, config.V, config.L,
                   config.NH, config.C, config.Vp]
-    data = np.ascontiguousarray(flat.reshape(-1), dtype=_F32)
+    crc = 0 if with_crc else None
 
     def write(f):
+        nonlocal crc
         f.write(header.tobytes())
-        _write_array(f, data)
+        crc = write_values(f, flat, ParamLayout(config), crc)
 
-    return atomic_write(path, write)
+    return atomic_write(path, write), crc
 
 
-def _write_array(f, arr: np.ndarray, chunk_bytes: int = 64 << 20):
+def write_values(f, values, layout: ParamLayout, crc: int | None = None):
+    """Write a ParamLayout buffer (a numpy array or a state.Slices) as little-endian float32,
+    in llm.c's order; with crc, returns the CRC-32 of its bytes continuing crc."""
+    for chunk in chunks(values, layout):
+        crc = _write_array(f, np.ascontiguousarray(chunk, dtype=_F32), crc)
+    return crc
+
+
+def _write_array(f, arr: np.ndarray, crc: int | None = None, chunk_bytes: int = 64 << 20):
+    """Write arr's bytes; with crc, returns the CRC-32 of them continuing crc."""
     mv = memoryview(arr).cast("B")
     for i in range(0, len(mv), chunk_bytes):
         f.write(mv[i:i + chunk_bytes])
+        if crc is not None:
+            crc = zlib.crc32(mv[i:i + chunk_bytes], crc)
+    return crc
+
+
+def file_crc(path: str, offset: int, nbytes: int, crc: int = 0, chunk_bytes: int = 64 << 20) -> int:
+    """CRC-32 of nbytes of a file from offset (read in chunks), continuing crc."""
+    buf = bytearray(min(nbytes, chunk_bytes) or 1)
+    with open(path, "rb") as f:
+        f.seek(offset)
+        left = nbytes
+        while left:
+            view = memoryview(buf)[:min(left, len(buf))]
+            got = f.readinto(view)
+            if got != len(view):
+                raise StarpuLLMError(f"{path} changed while being read; wait until whatever "
+                                     f"writes it has finished, then try again")
+            crc = zlib.crc32(view, crc)
+            left -= got
+    return crc
+
+
+class FileSlices(Slices):
+    """A ParamLayout buffer of little-endian float32 stored in a file from `offset` (a
+    checkpoint's parameters, a companion's moments), read slice by slice."""
+
+    def __init__(self, config: GPTConfig, path: str, offset: int):
+        super().__init__(config)
+        self.path, self.offset = path, offset
+        self.offsets = {key: off for key, off, _ in self.layout.slices()}
+
+    def read_into(self, key, out):
+        view = memoryview(out).cast("B")
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset + 4 * self.offsets[key])
+                got = f.readinto(view)
+        except OSError as e:
+            raise StarpuLLMError(f"cannot read {self.path}: {e.strerror}") from None
+        if got != len(view):
+            raise StarpuLLMError(f"{self.path} changed while being read ({got} of {len(view)} "
+                                 f"bytes of a slice); wait until whatever writes it has "
+                                 f"finished, then try again")
+        if sys.byteorder == "big":
+            out.byteswap(inplace=True)
 
 
 def _fmt(d: dict) -> str:

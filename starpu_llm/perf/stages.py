@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import re
 
-import numpy as np
-
 from .._clib import ffi, lib
 from ..codelets import TABLE, add_methods, split_call
 from ..config import GPTConfig, ParamLayout
@@ -60,13 +58,7 @@ def layer_costs(config: GPTConfig, B: int, T: int, cost: CostModel, cores: int =
     """(head seconds, [block l's seconds]) of one micro-batch of B x T tokens, forward and
     backward, each task on a `cores`-core worker."""
     layout = ParamLayout(config)
-    shapes = np.empty(layout.total, np.float32)      # views for the shapes only: never touched
-
-    def group(kind):
-        return ParameterTensors.over(layout, shapes, lambda name, arr, layered: (
-            [Tensor(f"{kind}.{name}[{l}]", arr[l].shape) for l in range(len(arr))] if layered
-            else Tensor(f"{kind}.{name}", arr.shape)))
-    p, g = group("param"), group("grad")
+    p, g = (ParameterTensors.of_shapes(kind, layout) for kind in ("param", "grad"))
     tensor = lambda name, shape, dtype: Tensor(name, shape, dtype)    # noqa: E731
     a = ActivationTensors.create(config, B, T, tensor)
     s = BackwardScratch.create(config, B, T, tensor)

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 from .._clib import ffi, lib
 from ..errors import StarpuLLMError, opt
-from . import starpupy_face
+from . import offload, starpupy_face
 from .submit import StarPUOps
 
 
@@ -44,16 +44,19 @@ MAX_GROUP = lib.SL_MAX_GROUP   # cores of one team worker
 
 
 def effective_kcore(kcore: str, cores_per_worker: int, workers: int = 1,
-                    oversubscribed: bool = False) -> str:
+                    oversubscribed: bool = False, offload: bool = False) -> str:
     """What actually gives a task its cores: 'single' (K = 1), 'parallel-workers' where the
     StarPU build has them and they can run the N x K partition, else the requested 'team' or
     'forkjoin'. Parallel workers need a StarPU worker on each of the N x K cores, so not
     beyond STARPU_MAXCPUS, nor with more cores than the process has (a parallel worker whose
-    StarPU workers share a core runs no task); SL_NO_PARALLEL_WORKERS turns them off.
-    sl_start (csrc/starpu/runtime.c) decides the same way."""
+    StarPU workers share a core runs no task); SL_NO_PARALLEL_WORKERS turns them off, and so
+    does a memory limit (offload): with a disk node StarPU 1.4.12 prefetches a task's data
+    when it is pushed, and again when a parallel worker moves it into its own context, which
+    it asserts against ("Prefetching was already requested for this task"); team workers
+    run the same way. sl_start (csrc/starpu/runtime.c) decides the same way."""
     if cores_per_worker == 1:
         return "single"
-    if (lib.sl_have_parallel_workers() and not oversubscribed
+    if (lib.sl_have_parallel_workers() and not oversubscribed and not offload
             and workers * cores_per_worker <= max_starpu_cpus()
             and not os.environ.get("SL_NO_PARALLEL_WORKERS")):
         return "parallel-workers"
@@ -61,10 +64,10 @@ def effective_kcore(kcore: str, cores_per_worker: int, workers: int = 1,
 
 
 def starpu_worker_count(workers: int, cores_per_worker: int, kcore: str,
-                        oversubscribed: bool = False) -> int:
+                        oversubscribed: bool = False, offload: bool = False) -> int:
     """StarPU CPU workers of an N x K partition: N team workers (their OpenMP teams take the
     other cores), else a worker on every core."""
-    mode = effective_kcore(kcore, cores_per_worker, workers, oversubscribed)
+    mode = effective_kcore(kcore, cores_per_worker, workers, oversubscribed, offload)
     return workers if mode == "team" else workers * cores_per_worker
 
 
@@ -121,13 +124,16 @@ class Runtime:
     face: who starts and stops StarPU: "cffi" (sl_start, the default) or "starpupy" (StarPU's
     own Python interface, where the StarPU build has it; see starpupy_face.py). None: "cffi",
     or $STARPU_LLM_FACE=starpupy where starpupy is importable.
+    memory: an offload.MemoryLimit: StarPU allocates at most that much main memory and evicts
+    to a disk node in a folder of its own (removed at shutdown); None: no limit.
     """
 
     _active: "Runtime | None" = None
 
     def __init__(self, workers: int | None = None, cores_per_worker: int | None = None,
                  sched: str | None = None, oversubscribe: bool = False, comm=None,
-                 kcore: str | None = None, face: str | None = None):
+                 kcore: str | None = None, face: str | None = None,
+                 memory: offload.MemoryLimit | None = None):
         if Runtime._active is not None:
             raise StarpuLLMError("StarPU is already running in this process; "
                                  "shut the other Runtime down first")
@@ -146,7 +152,8 @@ class Runtime:
         check_partition(workers, cores_per_worker, oversubscribe, kcore)
         self.workers, self.cores_per_worker = workers, cores_per_worker
         oversubscribed = workers * cores_per_worker > usable_cores()
-        self.kcore = effective_kcore(kcore, cores_per_worker, workers, oversubscribed)
+        self.kcore = effective_kcore(kcore, cores_per_worker, workers, oversubscribed,
+                                     memory is not None)
         if sched is None:
             sched = os.environ.get("STARPU_SCHED") or ("peager" if self.kcore == "forkjoin" else "lws")
         self.sched = sched
@@ -167,11 +174,23 @@ class Runtime:
             comm_addr = ffi.cast("void *", MPI._addressof(comm))
         explicit = face is not None
         self.face = face = starpupy_face.resolve(face)
-        if face == "starpupy" and comm is not None:
-            if explicit:
-                raise StarpuLLMError("face 'starpupy' cannot start StarPU-MPI (starpu.init() "
-                                     "takes no communicator); use the cffi face under MPI")
-            self.face = face = "cffi"
+        for why, when in (("cannot start StarPU-MPI (starpu.init() takes no communicator); use "
+                           "the cffi face under MPI", comm is not None),
+                          (f"does not run under {opt('memory_limit')} (its checkpoint task copies "
+                           f"every parameter into one numpy array); use the cffi face",
+                           memory is not None)):
+            if face == "starpupy" and when:
+                if explicit:
+                    raise StarpuLLMError(f"face 'starpupy' {why}")
+                self.face = face = "cffi"
+        if memory is not None and self.kcore == "forkjoin":
+            raise StarpuLLMError(
+                f"{opt('memory_limit')} needs tasks on buffers StarPU allocates itself, which "
+                f"StarPU 1.3's FORKJOIN tasks (peager) cannot run: use {opt('kcore')} team (the "
+                f"default) or one core per worker")
+        self.memory = memory
+        self.offload = offload.start(memory)     # the limit, before StarPU starts
+        self.offload_path = self.offload.path if self.offload else None
         if face == "starpupy":
             starpupy_face.start(n, cores_per_worker, self.kcore, KCORE_MODES[kcore], core_ids,
                                 sched)
@@ -179,12 +198,16 @@ class Runtime:
             ret = lib.sl_start(n, cores_per_worker, KCORE_MODES[kcore], ffi.new("int[]", core_ids),
                                sched.encode(), comm_addr)
             if ret != 0:
+                self._stop_offload()
                 raise StarpuLLMError(f"starpu_init failed ({ret}) for {workers} worker(s) x "
-                                     f"{cores_per_worker} core(s) with scheduler {sched!r}")
+                                     f"{cores_per_worker} core(s) with scheduler {sched!r}"
+                                     + (f", or its disk node in {self.offload.path}"
+                                        if self.offload else ""))
         Runtime._active = self
         atexit.register(self.shutdown)
         got = self.starpu_workers = lib.sl_worker_count()
-        expected = starpu_worker_count(workers, cores_per_worker, kcore, oversubscribed)
+        expected = starpu_worker_count(workers, cores_per_worker, kcore, oversubscribed,
+                                       memory is not None)
         if got != expected:
             self.shutdown()
             raise StarpuLLMError(f"StarPU started {got} CPU worker(s) instead of "
@@ -239,8 +262,21 @@ class Runtime:
                 starpupy_face.stop()
             else:
                 lib.sl_shutdown()
+            self._stop_offload()
             Runtime._active = None
             atexit.unregister(self.shutdown)
+
+    def _stop_offload(self) -> None:
+        """No limit for the next start; the offload folder removed (StarPU is stopped)."""
+        if self.offload is not None:
+            lib.sl_set_memory_limit(0, ffi.NULL)
+            self.offload.remove()
+            self.offload = None
+
+    def disk_traffic(self) -> tuple[int, int] | None:
+        """(bytes read, bytes written) between StarPU and its disk node since the start; None
+        without a memory limit."""
+        return offload.traffic() if self.memory is not None else None
 
     def __enter__(self):
         return self
@@ -253,9 +289,11 @@ class Runtime:
         lib.sl_starpu_version(major, minor, release)
         mpi = f", {self.size} MPI processes" if self.comm is not None else ""
         face = ", started by starpupy" if self.face == "starpupy" else ""
+        limit = (f", memory limit {offload.format_size(self.memory.limit)} (evicting to "
+                 f"{self.offload_path})" if self.memory else "")
         return (f"StarPU {major[0]}.{minor[0]}.{release[0]}{face}{mpi}, {self.workers} worker(s) x "
                 f"{self.cores_per_worker} core(s) ({self.kcore}), scheduler {self.sched}, "
-                f"BLAS {ffi.string(lib.blas_name()).decode()}")
+                f"BLAS {ffi.string(lib.blas_name()).decode()}{limit}")
 
     # --- the task trace (one per process; its events stay readable after shutdown) ---
     def start_trace(self, capacity: int = 200_000) -> None:

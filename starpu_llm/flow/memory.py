@@ -1,0 +1,64 @@
+"""What a training step needs in main memory, from the task flow and the tensors' shapes:
+the bytes one task holds at once (its buffers: StarPU fetches all of them into main memory
+before it runs, and can evict none while it runs) and the step's whole footprint (every
+tensor). Under --memory-limit the first bounds the cap from below, the second is what StarPU
+may have to put on disk; the benchmark's caps are fractions of a run's footprint.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from ..codelets import TABLE, add_methods, split_call
+from ..config import GPTConfig, ParamLayout
+from . import taskflow
+from .tensors import ActivationTensors, BackwardScratch, ParameterTensors, Tensor
+
+
+class StepNeeds(NamedTuple):
+    largest_task: int        # bytes of the buffers of the step's largest task
+    largest_name: str        # its codelet (and the tensor it writes first)
+    footprint: int           # bytes of every tensor of a process (one copy of each)
+
+
+def nbytes(t: Tensor) -> int:
+    return t.size * t.dtype.itemsize
+
+
+class _TaskBytes:
+    """taskflow's executor that runs nothing: the largest sum of one task's buffers."""
+
+    def __init__(self):
+        self.largest = (0, "")
+
+    def at(self, where):
+        return self
+
+
+def _account(self, cd, args, kwargs):
+    kwargs.pop("redux", None)
+    buffers, _ = split_call(cd, args, kwargs)
+    distinct = {id(t): t for t in buffers}.values()
+    n = sum(nbytes(t) for t in distinct)
+    if n > self.largest[0]:
+        self.largest = (n, f"{cd.name} ({buffers[0].name})")
+
+
+add_methods(_TaskBytes, TABLE, _account)
+
+
+def step_needs(config: GPTConfig, B: int, T: int, sub_batches: int = 1) -> StepNeeds:
+    """The needs of a step of `sub_batches` sub-batches of B sequences of T tokens each, with
+    gradient clipping (its tasks too), in one process holding every tensor."""
+    layout = ParamLayout(config)
+    p, g, m, v = (ParameterTensors.of_shapes(kind, layout) for kind in ("param", "grad", "m", "v"))
+    tensor = lambda name, shape, dtype: Tensor(name, shape, dtype)    # noqa: E731
+    a = ActivationTensors.create(config, B, T, tensor)
+    s = BackwardScratch.create(config, B, T, tensor)
+    norm = [Tensor(f"gradnorm[{k}]", (1,), "float64") for k in range(taskflow.norm_nodes(config))]
+    ops = _TaskBytes()
+    taskflow.forward(ops, config, p, a, B, T)
+    taskflow.backward(ops, config, p, g, a, [s], B, T, 1.0, 0)
+    taskflow.update(ops, config, p, g, m, v, 1e-4, 0.0, 1, 1.0, norm)
+    state = 4 * 4 * layout.total
+    per_sub = sum(nbytes(t) for group in (a, s) for t in group.tensors())
+    return StepNeeds(ops.largest[0], ops.largest[1], state + sub_batches * per_sub)
