@@ -50,7 +50,9 @@ def run_one(spec: dict) -> dict:
     """Run one configuration in this process and return its result (used by the subprocess).
 
     spec: model, batch, seq_len, steps (timed, after one warm-up) and engine: "starpu"
-    (workers, cores_per_worker, kcore, sub_batches), "reference" (threads), "torch" (the standard eager
+    (workers, cores_per_worker, kcore, sub_batches, memory_limit, offload_dir: then the
+    result's disk_traffic, (bytes read, bytes written) per timed step), "reference" (threads),
+    "torch" (the standard eager
     GPT-2: baselines/torch_sdpa.py) or "torch-readable" (baselines/torch_gpt2.py, the tests' oracle),
     both with threads (default: every usable core). With trace=True (StarPU engine) the result
     also has the task trace of every step: see traced_run."""
@@ -78,9 +80,13 @@ def run_one(spec: dict) -> dict:
                               sub_batches=spec.get("sub_batches"), threads=spec.get("threads"),
                               ownership=spec.get("ownership"),
                               pipeline_stages=spec.get("pipeline_stages"),
-                              oversubscribe=spec.get("oversubscribe", False), log=None))
+                              oversubscribe=spec.get("oversubscribe", False),
+                              memory_limit=spec.get("memory_limit"),
+                              offload_dir=spec.get("offload_dir"), log=None))
         ms = r.step_ms
         spec["describe"] = r.engine
+        if r.disk_traffic is not None:      # under a memory limit: (read, written) per step
+            spec["disk_traffic"] = r.disk_traffic[1:]
         if r.rank_peak_rss_mb is not None:    # under mpirun: every rank's
             spec.update(traffic=r.traffic, rank_peak_rss_mb=r.rank_peak_rss_mb)
     timed = ms[1:]

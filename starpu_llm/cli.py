@@ -14,6 +14,7 @@ from .io import corpus, data
 from .perf.calibrate import calibrate
 from .perf.machine import default_path, load, partitions
 from .perf.predict import load_calibration, modes, predict
+from .runtime.offload import parse_size
 from .trainer import TrainConfig, train
 
 
@@ -137,6 +138,10 @@ def build_parser():
                     help="pipeline stages (R = S x data-parallel copies): a comma-separated list, "
                          "or all (every S dividing R), each with each --ownership (default 1); a "
                          "pipeline wants many micro-batches: --sub-batches (per copy)")
+    pd.add_argument("--memory-limit", metavar="SIZE",
+                    help="one process training under `train --memory-limit SIZE`: the disk "
+                         "traffic of StarPU's eviction and its time at the calibrated disk "
+                         "bandwidth are added")
     pd.add_argument("--calibration", metavar="PATH", help="this machine's calibration file")
     pd.add_argument("--machine", metavar="FILE", help="predict for another machine described "
                                                       "in FILE (TOML, see experiments/machines/)")
@@ -197,13 +202,14 @@ def cmd_predict(args):
     # a described machine runs K-core workers as StarPU 1.4 parallel workers (the clusters')
     pw = True if machine is not None else None
     weak = len(args.ranks) > 1        # --batch per rank; efficiency against one node
+    limit = parse_size(args.memory_limit) if args.memory_limit else None
     print(f"machine: {target.name}")
     for n, cores_per_worker in parts:
         def at(R, mode):
             return predict(args.model, args.batch * R if weak else args.batch, args.seq_len, n,
                            cores_per_worker, ranks=R, sub_batches=args.sub_batches,
                            calibration=calibration, machine=machine, parallel_workers=pw,
-                           mode=mode)
+                           mode=mode, memory_limit=limit)
         one = at(1, modes(1, "sharded", "1", args.model)[0]).tokens_per_ms if weak else None
         for R in args.ranks:
             ranked = sorted((at(R, mode) for mode in modes(R, args.ownership, args.pipeline_stages,

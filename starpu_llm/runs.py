@@ -15,6 +15,7 @@ import resource
 import shutil
 import subprocess
 import sys
+import time
 
 from .io.atomic import atomic_write
 from .runtime.mpi import COMM_STATS_ENV
@@ -25,6 +26,24 @@ CHILD = "starpu_llm.bench"      # the module the child process runs (its __main_
 def peak_rss_mb() -> float:
     """This process's peak resident memory, MB."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def run_sampling_rss(cmd, stdout, stderr, env=None, every: float = 0.005) -> tuple[int, int]:
+    """Run cmd to its end, sampling its resident memory from /proc every `every` seconds:
+    (exit status, peak RSS in bytes), the largest of the VmRSS seen and of the VmHWM last
+    read (the kernel's peak of the process since its exec; its ru_maxrss would also count the
+    pages of the process it was forked from, those of a big parent)."""
+    p = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, env=env)
+    peak = 0
+    while p.poll() is None:
+        try:
+            with open(f"/proc/{p.pid}/status") as f:
+                fields = dict(line.split(":", 1) for line in f)
+            peak = max(peak, *(int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM")))
+        except (OSError, KeyError, ValueError):       # exiting
+            pass
+        time.sleep(every)
+    return p.returncode, peak
 
 
 def write_csv(path: str, rows: list[dict]) -> None:

@@ -17,7 +17,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -26,6 +25,7 @@ from starpu_llm import StarpuLLMError
 from starpu_llm.config import GPTConfig
 from starpu_llm.flow.memory import step_needs
 from starpu_llm.io import checkpoint, formats
+from starpu_llm.runs import run_sampling_rss
 from starpu_llm.runtime import check_partition
 from starpu_llm.runtime.offload import RSS_OVERHEAD, OffloadFolder, parse_size
 from starpu_llm.state import random_init
@@ -133,24 +133,12 @@ def test_capped_resume_equals_uncapped(files, uncapped, tmp_path):
 
 def measured(args, out, env=ENV):
     """(exit status, stderr, peak RSS in bytes) of a python child process, its RSS sampled
-    every 5 ms from /proc: the largest of the resident sizes seen and of the high-water mark
-    last read (VmHWM, the kernel's peak of the process since its exec; ru_maxrss would also
-    count the pages of this process it was forked from)."""
+    every 5 ms from /proc (runs.run_sampling_rss)."""
     out.mkdir(exist_ok=True)
     with open(out / "stderr", "w+") as err:
-        p = subprocess.Popen([sys.executable, *args], stdout=subprocess.DEVNULL, stderr=err,
-                             env=env)
-        peak = 0
-        while p.poll() is None:
-            try:
-                with open(f"/proc/{p.pid}/status") as f:
-                    fields = dict(line.split(":", 1) for line in f)
-                peak = max(peak, *(int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM")))
-            except (OSError, KeyError, ValueError):    # exiting
-                pass
-            time.sleep(0.005)
+        status, peak = run_sampling_rss([sys.executable, *args], subprocess.DEVNULL, err, env)
         err.seek(0)
-        return p.returncode, err.read(), peak
+        return status, err.read(), peak
 
 
 def test_peak_rss_stays_under_the_cap(files, tmp_path):

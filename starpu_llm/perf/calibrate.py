@@ -3,7 +3,8 @@
 1. Rates, from the kernels alone (no StarPU): an sgemm (the matmul kernel at GPT-2's width)
    and a streaming kernel (the residual add) on k = 1 .. cores threads; zeroing and adding a
    gradient-sized buffer on one core (a reduction's init and sum); under mpirun, when there is
-   one, a ping-pong between two processes (the link).
+   one, a ping-pong between two processes (the link); the sequential bandwidth of the disk
+   under the temporary folder, where --memory-limit evicts by default (measure_disk).
 2. Codelet costs: short traced training runs of GPT-2 124M on each partition N x K of the
    machine, at sub-batches of 1, 3 and 6 sequences. Every task of
    the timed steps is a sample (codelet, cores, flops, data size, seconds), and so is every
@@ -79,6 +80,31 @@ def measure_rates(cores: int) -> dict:
     add = 3 * 4 * n / _best(lambda: lib.add_inplace(ptr(z), ptr(x), n)) / 1e9
     lib.kernels_set_threads(cores)
     return dict(sgemm=sgemm, stream=stream, zero=zero, add=add)
+
+
+def measure_disk(folder: str, nbytes: int = 1 << 30, block: int = 64 << 20) -> dict:
+    """The sequential bandwidth of the disk under folder (where --memory-limit evicts): a file
+    of nbytes written in blocks and synced (what the disk takes), its pages then dropped from
+    the page cache and the file read back (what the disk gives). {"write_gbs", "read_gbs"}."""
+    buf = np.random.default_rng(0).integers(0, 255, block, dtype=np.uint8)
+    fd, path = tempfile.mkstemp(prefix="starpu-llm-disk-", dir=folder)
+    try:
+        t0 = time.perf_counter()
+        for _ in range(nbytes // block):
+            os.write(fd, buf)
+        os.fdatasync(fd)
+        write = time.perf_counter() - t0
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.lseek(fd, 0, os.SEEK_SET)
+        t0 = time.perf_counter()
+        while os.readv(fd, [buf]):
+            pass
+        read = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    n = nbytes // block * block
+    return dict(write_gbs=n / write / 1e9, read_gbs=n / read / 1e9)
 
 
 def pingpong() -> None:
@@ -318,8 +344,12 @@ def calibrate(path: str, steps: int = 2, log=print, model: str = "d12") -> Machi
     link = measure_link()
     if link:
         log(f"  MPI link: {link['latency_us']:.1f} us, {link['bandwidth_gbs']:.2f} GB/s")
+    disk = measure_disk(tempfile.gettempdir())
+    log(f"  disk ({tempfile.gettempdir()}): write {disk['write_gbs']:.3f} GB/s, read "
+        f"{disk['read_gbs']:.3f} GB/s")
     m = Machine(name=os.uname().nodename, cores=cores, sgemm_gflops=rates["sgemm"],
                 bandwidth_gbs=rates["stream"], zero_gbs=rates["zero"], add_gbs=rates["add"],
+                disk_write_gbs=disk["write_gbs"], disk_read_gbs=disk["read_gbs"],
                 source=f"starpu-llm calibrate on {cpu_description()}, "
                        f"{time.strftime('%Y-%m-%d %H:%M')}")
     if link:

@@ -10,6 +10,8 @@
             a calibration fits bandwidth_gbs to a StarPU-MPI training run (what StarPU-MPI gets
             of the link during a step) and keeps the raw MPI ping-pong's as pingpong_gbs
 [reduction] zero_gbs, add_gbs: the rate of a reduction's init (zeroing a copy) and sum
+[disk]      write_gbs, read_gbs: the sequential bandwidth of the disk --memory-limit evicts to
+            (the system's temporary folder's; calibrate.measure_disk); 0: not measured
 [codelets.NAME]  the fitted cost of each task type (calibrate.py): per core count k,
             a[k], b[k], c_us[k] in  t = a flops / sgemm(k) + b bytes / bandwidth + c_us
 
@@ -41,6 +43,8 @@ class Machine:
     link_pingpong_gbs: float = 0.0     # the raw MPI ping-pong's (information only)
     zero_gbs: float = 0.0       # 0: the bandwidth of one core
     add_gbs: float = 0.0
+    disk_write_gbs: float = 0.0     # the disk --memory-limit evicts to (0: not measured)
+    disk_read_gbs: float = 0.0
     source: str = ""
     codelets: dict = field(default_factory=dict)   # name -> {"a": {k: ..}, "b": .., "c_us": ..}
 
@@ -94,7 +98,9 @@ def dumps(m: Machine) -> str:
            "", "[link]", f"latency_us = {_fmt(float(m.link_latency_us))}",
            f"bandwidth_gbs = {_fmt(float(m.link_bandwidth_gbs))}",
            *([f"pingpong_gbs = {_fmt(float(m.link_pingpong_gbs))}"] if m.link_pingpong_gbs else []),
-           "", "[reduction]", f"zero_gbs = {_fmt(float(m.zero_gbs))}", f"add_gbs = {_fmt(float(m.add_gbs))}"]
+           "", "[reduction]", f"zero_gbs = {_fmt(float(m.zero_gbs))}", f"add_gbs = {_fmt(float(m.add_gbs))}",
+           "", "[disk]", f"write_gbs = {_fmt(float(m.disk_write_gbs))}",
+           f"read_gbs = {_fmt(float(m.disk_read_gbs))}"]
     for name in sorted(m.codelets):
         c = m.codelets[name]
         out += ["", f"[codelets.{name}]"]
@@ -110,6 +116,7 @@ def loads(text: str, path: str = "<machine>") -> Machine:
         d = tomllib.loads(text)
         mach, rates = d["machine"], d["rates"]
         starpu, link, red = d.get("starpu", {}), d.get("link", {}), d.get("reduction", {})
+        disk = d.get("disk", {})
         codelets = {name: {key: {int(k): float(v) for k, v in table.items()}
                            for key, table in c.items()}
                     for name, c in d.get("codelets", {}).items()}
@@ -121,6 +128,8 @@ def loads(text: str, path: str = "<machine>") -> Machine:
                     link_bandwidth_gbs=float(link.get("bandwidth_gbs", 10.0)),
                     link_pingpong_gbs=float(link.get("pingpong_gbs", 0.0)),
                     zero_gbs=float(red.get("zero_gbs", 0.0)), add_gbs=float(red.get("add_gbs", 0.0)),
+                    disk_write_gbs=float(disk.get("write_gbs", 0.0)),
+                    disk_read_gbs=float(disk.get("read_gbs", 0.0)),
                     source=str(mach.get("source", "")), codelets=codelets)
     except (tomllib.TOMLDecodeError, KeyError, TypeError, ValueError) as e:
         raise StarpuLLMError(f"{path}: not a machine description ({type(e).__name__}: {e}); "

@@ -12,6 +12,7 @@ from ..config import MODELS
 from ..errors import StarpuLLMError, opt
 from ..flow.placement import OWNERSHIPS, balance, gradient_mode, owner_map, slice_sizes
 from . import graph as graphs
+from . import memory
 from .machine import Machine, default_path, load
 from .model import CostModel
 from .simulate import Schedule, simulate
@@ -154,12 +155,15 @@ class Prediction:
         how = "reduction" if self.reduction else ("chained" if self.sub_batches * self.ranks > 1
                                                   else "one sub-batch")
         per = "per rank" if self.mode.stages == 1 else "per copy"
+        disk = (f"; disk {s.notes['disk_read'] / 1e6:.0f} MB read, "
+                f"{s.notes['disk_written'] / 1e6:.0f} MB written per step"
+                if "disk_read" in s.notes else "")
         return (f"{self.model} B={self.B} T={self.T} {part}, {self.sub_batches} sub-batch(es) "
                 f"{per} ({how}): predicted {self.tokens_per_ms:.4f} tok/ms, "
                 f"{s.step_s * 1e3:.1f} ms/step; critical path {s.critical_path_s * 1e3:.1f} ms; "
                 f"idle per worker {idle}" + (f"; per rank up to {max(s.sent) / 1e6:.0f} MB sent, "
                                              f"{max(s.received) / 1e6:.0f} MB received"
-                                             if self.ranks > 1 else ""))
+                                             if self.ranks > 1 else "") + disk)
 
 
 def load_calibration(path: str | None = None) -> Machine:
@@ -177,12 +181,16 @@ def load_calibration(path: str | None = None) -> Machine:
 def predict(model: str, B: int, T: int, workers: int, cores_per_worker: int, ranks: int = 1,
             sub_batches: int | None = None, calibration: Machine | None = None,
             machine: Machine | None = None, parallel_workers: bool | None = None,
-            ranks_per_node: int = 1, mode: Mode = Mode()) -> Prediction:
+            ranks_per_node: int = 1, mode: Mode = Mode(), memory_limit: int | None = None) -> Prediction:
     """Predict one configuration. calibration: this machine's (default: its file);
     machine: another machine's description (what-if), its codelet ratios taken from the
     calibration; parallel_workers: whether the target runs k-core workers as StarPU 1.4
     parallel workers (default: as this build does); mode: how the ranks share the model;
-    sub_batches: per rank, or in a pipeline per data-parallel copy (its micro-batches)."""
+    sub_batches: per rank, or in a pipeline per data-parallel copy (its micro-batches);
+    memory_limit: bytes (one process): the disk traffic StarPU's eviction makes
+    (memory.replay, in the order the tasks run without it), each task also waiting for its
+    bytes at the disk's bandwidth, and the step scheduled again; the schedule's notes then
+    have disk_read and disk_written, bytes per step."""
     calibration = calibration or load_calibration()
     target = machine or calibration
     if workers < 1 or cores_per_worker < 1 or ranks < 1:
@@ -211,7 +219,25 @@ def predict(model: str, B: int, T: int, workers: int, cores_per_worker: int, ran
         owners = pipeline_owners(MODELS[model], layer_stage, copies, mode.ownership)
     else:
         layer_stage, owners = (), owner_map(MODELS[model], ranks, mode.ownership)
-    sched = simulate(g, CostModel(target, calibration), workers, cores_per_worker, ranks, pinned=pinned,
-                     redux=redux, ranks_per_node=ranks_per_node, owners=owners,
-                     layer_stage=layer_stage)
+    cost = CostModel(target, calibration)
+
+    def schedule(extra=None):
+        return simulate(g, cost, workers, cores_per_worker, ranks, pinned=pinned, redux=redux,
+                        ranks_per_node=ranks_per_node, owners=owners, layer_stage=layer_stage,
+                        extra=extra)
+    sched = schedule()
+    if memory_limit is not None:
+        if ranks > 1:
+            raise StarpuLLMError(f"predicting {opt('memory_limit')} under mpirun is not modelled: "
+                                 f"predict one process")
+        if not (target.disk_read_gbs > 0 and target.disk_write_gbs > 0):
+            raise StarpuLLMError(f"{target.name} has no disk bandwidth in its description: run "
+                                 f"`starpu-llm calibrate` again")
+        starts = sched.notes["starts"]
+        order = sorted(range(len(g.tasks)), key=lambda i: (starts[i], i))
+        traffic = memory.replay(g, order, memory_limit >> 20 << 20)   # whole MiB, as StarPU
+        extra = [r / (target.disk_read_gbs * 1e9) + w / (target.disk_write_gbs * 1e9)
+                 for r, w in zip(traffic.read, traffic.written)]
+        sched = schedule(extra)
+        sched.notes["disk_read"], sched.notes["disk_written"] = traffic.step
     return Prediction(model, B, T, workers, cores_per_worker, S, ranks, sched, bool(redux), mode)

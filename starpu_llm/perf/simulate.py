@@ -135,11 +135,13 @@ def homes(graph: TaskGraph, owners: dict) -> list:
 
 def simulate(graph: TaskGraph, cost: CostModel, workers: int, cores: int, ranks: int = 1,
              pinned: bool = True, redux: int = 0, ranks_per_node: int = 1,
-             owners: dict | None = None, layer_stage: tuple = ()) -> Schedule:
+             owners: dict | None = None, layer_stage: tuple = (), extra: list | None = None) -> Schedule:
     """The schedule of one step of graph (recorded with all ranks' sub-batches) on `workers`
     workers of `cores` cores in each of `ranks` processes. owners: {(tensor name, layer or
     None): rank} of every parameter slice (placement.owner_map; default: all on rank 0);
-    layer_stage: the pipeline stage of each layer (default: no pipeline)."""
+    layer_stage: the pipeline stage of each layer (default: no pipeline); extra: seconds added
+    to each task (by index: its worker waits for the disk, memory.py). The schedule's
+    notes["starts"] are the tasks' start times."""
     stages = max(layer_stage, default=0) + 1
     copies = ranks // stages
     S = graph.sub_batches // copies if copies * stages == ranks else 0
@@ -181,6 +183,7 @@ def simulate(graph: TaskGraph, cost: CostModel, workers: int, cores: int, ranks:
     end_all = cp_end_all = 0.0
     notes = {"reduction_s": 0.0, "transfer_s": 0.0,
              "backward_end_s": [0.0] * ranks}     # each rank's last sub-batch task's end
+    starts = notes["starts"] = []
 
     def place(rank, ready, dur, only=None):
         """Start a job of dur on the worker of rank (or `only`) that starts it first."""
@@ -317,6 +320,8 @@ def simulate(graph: TaskGraph, cost: CostModel, workers: int, cores: int, ranks:
         k = 1 if task.codelet in SEQUENTIAL else cores
         dur = cost.task(task.codelet, task.flops, task.nbytes, k,
                         node_workers if task.sub is None else busy_subs)
+        if extra is not None:
+            dur += extra[i]
         accesses = tuple((added_into(h, rank) if h in task.grads else h, mode)
                          for h, mode in task.accesses)
         into = frozenset(v for (v, _), (h, _) in zip(accesses, task.accesses)
@@ -328,6 +333,7 @@ def simulate(graph: TaskGraph, cost: CostModel, workers: int, cores: int, ranks:
                 zeroed.add((v, w_guess))
                 dur += cost.zero(size[v])
         end = run(rank, dur, accesses, only, into)
+        starts.append(end - dur)
         if task.sub is not None:
             notes["backward_end_s"][rank] = max(notes["backward_end_s"][rank], end)
         if i == last_sub and ranks > 1:
