@@ -91,12 +91,21 @@ def main():
                     help="caps as fractions of the uncapped peak RSS (the largest last: it "
                          "waits longest for memory)")
     args, out, log, info = start(ap, wait_minutes=60.0)
+    if os.path.exists(os.path.join(out, "raw.jsonl")):
+        os.unlink(os.path.join(out, "raw.jsonl"))      # this run's results only
     needs = step_needs(MODELS[args.model], args.batch, args.seq_len)
     base = dict(engine="starpu", model=args.model, batch=args.batch, seq_len=args.seq_len,
                 steps=args.steps)
     rows = []
 
+    def save(rows):
+        """runs.csv (every row with every column) and the raw results so far."""
+        cols = list(dict.fromkeys(k for r in rows for k in r))
+        write_csv(os.path.join(out, "runs.csv"), [{k: r.get(k, "") for k in cols} for r in rows])
+
     def record(label, cap, r, estimated=False):
+        with open(os.path.join(out, "raw.jsonl"), "a") as f:
+            f.write(json.dumps(dict(r, config=label)) + "\n")
         steps = len(r["step_ms"])
         traffic = r.get("disk_traffic") or [(0, 0)] * steps
         row = dict(config=label, model=args.model, batch=args.batch, seq_len=args.seq_len,
@@ -107,10 +116,11 @@ def main():
                    disk_read_mb_per_step=round(sum(t[0] for t in traffic) / steps / 1e6, 1),
                    disk_written_mb_per_step=round(sum(t[1] for t in traffic) / steps / 1e6, 1),
                    disk_write_gbs=info["disk_write_gbs"], disk_read_gbs=info["disk_read_gbs"],
-                   footprint_mb=round(needs.footprint / 2**20), commit=info["commit"])
+                   footprint_mb=round(needs.footprint / 2**20), commit=info["commit"],
+                   load_average=" ".join(f"{x:.1f}" for x in os.getloadavg()))
         rows.append(row)
-        write_csv(os.path.join(out, "runs.csv"), rows)
         log(json.dumps(row))
+        save(rows)
 
     estimate = needs.footprint + RSS_OVERHEAD
     if available_bytes() > 1.1 * estimate:
@@ -128,6 +138,7 @@ def main():
                          seq_len=args.seq_len, peak_rss_mb=round(estimate / 2**20),
                          peak_rss_estimated=True, footprint_mb=round(needs.footprint / 2**20),
                          commit=info["commit"]))
+        save(rows)
     for fraction in (float(x) for x in args.fractions.split(",")):
         cap = int(fraction * uncapped)
         label = f"cap {fraction:.0%}"

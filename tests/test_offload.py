@@ -156,10 +156,12 @@ def test_peak_rss_stays_under_the_cap(files, tmp_path):
 
 
 @pytest.mark.skipif(MPIRUN is None, reason="no mpirun")
-def test_capped_mpi_run_equals_uncapped(files, tmp_path):
-    """mpirun -np 2 (sharded ownership): each rank capped, the same losses bitwise."""
+@pytest.mark.parametrize("mode", [[], ["--pipeline-stages", "2"]], ids=["sharded", "pipeline"])
+def test_capped_mpi_run_equals_uncapped(files, tmp_path, mode):
+    """mpirun -np 2, sharded ownership or 2 pipeline stages: each rank capped (its own limit
+    and disk node), the same losses bitwise."""
     runs = {}
-    for name, extra in (("free", []), ("capped", ["--memory-limit", CAP])):
+    for name, extra in (("free", mode), ("capped", mode + ["--memory-limit", CAP])):
         out = tmp_path / name
         out.mkdir()
         p = subprocess.run([MPIRUN, "--oversubscribe", "-np", "2", sys.executable,

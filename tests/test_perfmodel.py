@@ -249,18 +249,20 @@ def calibrated(tmp_path_factory):
     """(STARPU_LLM_HOME, Machine): this machine calibrated on the tiny model."""
     home = tmp_path_factory.mktemp("home")
     path = os.path.join(str(home), os.path.basename(machine.default_path()))
-    return str(home), calibrate(path, steps=2, log=lambda *_: None, model="tiny")
+    return str(home), calibrate(path, steps=2, log=lambda *_: None, model="tiny",
+                                disk_bytes=64 << 20)
 
 
 def test_calibration_describes_every_partition(calibrated):
     """What a calibration writes (its values are measurements: only their presence and sign
     are checked here): rates for each core count, and the codelets' costs at the core count of
-    each partition of this machine, loadable again."""
+    each partition of this machine, loadable again, and the disk's bandwidth."""
     home, cal = calibrated
     back = machine.load(os.path.join(home, os.path.basename(machine.default_path())))
     cores = usable_cores()
     assert back.cores == cores and len(back.sgemm_gflops) == len(back.bandwidth_gbs) == cores
     assert min(back.sgemm_gflops + back.bandwidth_gbs) > 0 and back.task_us >= 0
+    assert back.disk_write_gbs > 0 and back.disk_read_gbs > 0
     ks = {k for _, k in machine.partitions(cores)}
     assert ks <= set(back.codelets["matmul_forward"]["a"]), back.codelets["matmul_forward"]
     for name, c in back.codelets.items():
@@ -583,3 +585,82 @@ def test_ownership_validation_script(tmp_path):
     bad = subprocess.run([sys.executable, script, str(runs), "--calibration", str(cal)],
                          capture_output=True, text=True, cwd=tmp_path)
     assert bad.returncode == 2 and "row 2: mode 'rank2'" in bad.stderr, bad.stderr
+
+
+# ---------------------------------------------------------------- the disk node (--memory-limit)
+
+def test_main_memory_evicts_the_least_recently_used_and_writes_only_dirty_buffers():
+    """perf/memory.py's rules, by hand: three buffers of 10 bytes under a cap of 20."""
+    from starpu_llm.perf.memory import MainMemory
+    W, R = graph.W, graph.R
+    mm = MainMemory([10, 10, 10], 20)
+    assert mm.task(((0, W),)) == (0, 0) and mm.task(((1, W),)) == (0, 0)
+    assert mm.task(((2, W),)) == (0, 10)          # 0, least recently used and dirty, written
+    assert mm.task(((0, R),)) == (10, 10)         # 0 read back; 1 written to make room
+    assert mm.task(((1, R),)) == (10, 10)         # 1 read back; 2 written
+    assert mm.task(((0, R),)) == (0, 0)           # in memory
+    assert mm.task(((2, R),)) == (10, 0)          # 1 evicted: clean (as read), not written
+    assert mm.task(((0, R), (2, W))) == (0, 0)    # 2 changed: dirty again
+    assert mm.task(((1, W), (0, R))) == (0, 10)   # a buffer only written is not read; 2 goes,
+    assert set(mm.lru) == {0, 1} and mm.used == 20    # not 0, which the task holds
+
+
+def test_main_memory_reuses_a_buffer_of_the_same_size_first():
+    """StarPU takes the least recently used buffer of the size it needs before the least
+    recently used of all (memalloc.c: try_to_reuse_potentially_in_use_mc)."""
+    from starpu_llm.perf.memory import MainMemory
+    mm = MainMemory([20, 10, 10], 30)
+    mm.task(((0, graph.W),))
+    mm.task(((1, graph.W),))
+    assert mm.task(((2, graph.W),)) == (0, 10)
+    assert list(mm.lru) == [0, 2]                 # 1 went, not 0 (the least recently used)
+
+
+def test_the_engine_drops_activations_without_writing_them():
+    """An activation's values are dropped after its last task of the step (the engine's
+    invalidation): never written to the disk, and its memory goes back at once."""
+    from starpu_llm.perf.memory import replay
+    W, R = graph.W, graph.R
+    g = graph.TaskGraph("micro", 1, 1, 1, [
+        graph.GraphTask("a", 0.0, 0, 0, ((1, W), (0, R)), frozenset()),
+        graph.GraphTask("b", 0.0, 0, 0, ((2, W), (1, R)), frozenset()),
+    ], [("param.p", 10), ("s0.x", 10), ("s0.y", 10)])
+    steps = replay(g, [0, 1], 20).steps
+    # step 1: the parameter, dirty since its initial fill, makes room for y; then it is read
+    # back each step and evicted clean: only parameter bytes move, never an activation's
+    assert steps == [(0, 10), (10, 0), (10, 0)]
+
+
+def test_predictions_under_a_memory_limit():
+    """Under a cap above the step's peak nothing moves and the prediction is the uncapped
+    one; below it bytes move, more for a smaller cap, and with one worker the step takes the
+    uncapped time plus exactly their time at the disk's bandwidth; a machine without a disk
+    bandwidth is refused."""
+    from starpu_llm.perf.memory import MainMemory
+    m = synthetic(2, [3.0, 5.0], [2.0, 3.0], task_us=5.0)
+    m.disk_read_gbs, m.disk_write_gbs = 0.5, 0.25
+    model, B = "tiny", 2          # StarPU's limit is whole MiB: a model of tens of them
+    g = task_graph(model, B, T, 1)
+    whole = MainMemory([n for _, n in g.handles], 1 << 40)
+    peak = 0
+    for t in g.tasks:
+        whole.task(t.accesses)
+        peak = max(peak, whole.used)
+    free = predict(model, B, T, 1, 2, calibration=m, parallel_workers=False).schedule
+    roomy = predict(model, B, T, 1, 2, calibration=m, parallel_workers=False,
+                    memory_limit=peak + (1 << 20)).schedule
+    assert (roomy.notes["disk_read"], roomy.notes["disk_written"]) == (0, 0)
+    assert roomy.step_s == pytest.approx(free.step_s, rel=1e-12)
+    moved = []
+    for cap in (peak // 2, peak // 4):
+        s = predict(model, B, T, 1, 2, calibration=m, parallel_workers=False,
+                    memory_limit=cap).schedule
+        read, written = s.notes["disk_read"], s.notes["disk_written"]
+        assert read > 0 and written > 0
+        assert s.step_s == pytest.approx(free.step_s + read / 0.5e9 + written / 0.25e9,
+                                         rel=1e-9)
+        moved.append(read + written)
+    assert moved[1] > moved[0]
+    m.disk_read_gbs = 0.0
+    with pytest.raises(StarpuLLMError, match="no disk bandwidth"):
+        predict(model, B, T, 1, 2, calibration=m, parallel_workers=False, memory_limit=peak // 2)

@@ -332,8 +332,10 @@ def traced_runs(cores: int, steps: int, log, model: str = "d12") -> tuple[list, 
     return samples, history, overheads
 
 
-def calibrate(path: str, steps: int = 2, log=print, model: str = "d12") -> Machine:
-    """Calibrate this machine on `model` (GPT-2 124M; the tests use a small one) into path."""
+def calibrate(path: str, steps: int = 2, log=print, model: str = "d12",
+              disk_bytes: int = 1 << 30) -> Machine:
+    """Calibrate this machine on `model` (GPT-2 124M; the tests use a small one) into path;
+    the disk with a file of disk_bytes."""
     from ..runtime.starpu import usable_cores
     cores = usable_cores()
     t0 = time.perf_counter()
@@ -344,7 +346,7 @@ def calibrate(path: str, steps: int = 2, log=print, model: str = "d12") -> Machi
     link = measure_link()
     if link:
         log(f"  MPI link: {link['latency_us']:.1f} us, {link['bandwidth_gbs']:.2f} GB/s")
-    disk = measure_disk(tempfile.gettempdir())
+    disk = measure_disk(tempfile.gettempdir(), disk_bytes)
     log(f"  disk ({tempfile.gettempdir()}): write {disk['write_gbs']:.3f} GB/s, read "
         f"{disk['read_gbs']:.3f} GB/s")
     m = Machine(name=os.uname().nodename, cores=cores, sgemm_gflops=rates["sgemm"],
