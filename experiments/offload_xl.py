@@ -16,6 +16,7 @@ from and written to the disk), their logs and a summary (summary.json, summary.m
 
     .venv/bin/python experiments/offload_xl.py                     # ~1-2 h here (disk-bound)
     .venv/bin/python experiments/offload_xl.py --models d36
+    .venv/bin/python experiments/offload_xl.py --models d48 --caps d48=12G   # a lower cap
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def sampled_run(cmd, log_path):
 def run_model(model, args, out, log):
     config = MODELS[model]
     needs = step_needs(config, args.batch, args.seq_len)
-    cap = parse_size(CAPS.get(model) or f"{needs.footprint // 2 >> 20}M")
+    cap = parse_size(args.caps.get(model) or CAPS.get(model) or f"{needs.footprint // 2 >> 20}M")
     limit = f"{cap >> 20}M"
     log(f"{model}: {config.num_parameters:,} parameters, {needs.footprint / GIB:.1f} GiB of "
         f"tensors at B={args.batch} T={args.seq_len}; --memory-limit {limit}")
@@ -97,7 +98,11 @@ def main():
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--caps", default="", help="model=SIZE,... instead of the defaults (d48: "
+                    "16G, d36: half its footprint), e.g. d48=12G on a machine shared with "
+                    "other work")
     args, out, log, info = start(ap, wait_minutes=120.0)
+    args.caps = dict(c.split("=") for c in args.caps.split(",") if c)
     results = [run_model(m, args, out, log) for m in args.models.split(",")]
     with open(os.path.join(out, "xl_summary.json"), "w") as f:
         json.dump(dict(machine=info, results=results), f, indent=1)
