@@ -27,17 +27,21 @@ from starpu_llm.runs import run_in_subprocess, write_csv
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def configurations(modes, R, transports):
-    """(label, spec fields) of each configuration run at every batch."""
+def configurations(modes, R, transports, polls=("backoff",)):
+    """(label, spec fields) of each configuration run at every batch. polls: how StarPU-MPI's
+    progression thread waits (runtime.mpi.mpi_polling; "spin" labelled, the default not)."""
     out = [("1 process 1x1", dict(workers=1, cores_per_worker=1, cpus=1)),
            (f"1 process 1x{R}", dict(workers=1, cores_per_worker=R, kcore="team", cpus=R))]
-    for transport in transports:
-        mca = ["--mca", "btl", "self,tcp"] if transport == "tcp" else []
-        suffix = " tcp" if transport == "tcp" else ""
-        for mode in modes:
-            fields = dict(workers=1, cores_per_worker=1, cpus=R, ranks=R, mpirun_args=mca)
-            fields.update(mode_fields(mode))
-            out.append((f"{R} ranks {mode}{suffix}", fields))
+    for poll in polls:
+        for transport in transports:
+            args = ["--mca", "btl", "self,tcp"] if transport == "tcp" else []
+            if poll != "backoff":
+                args += ["-x", f"STARPU_LLM_MPI_POLL={poll}"]
+            suffix = (" tcp" if transport == "tcp" else "") + ("" if poll == "backoff" else f" {poll}")
+            for mode in modes:
+                fields = dict(workers=1, cores_per_worker=1, cpus=R, ranks=R, mpirun_args=args)
+                fields.update(mode_fields(mode))
+                out.append((f"{R} ranks {mode}{suffix}", fields))
     return out
 
 
@@ -59,7 +63,11 @@ def row_of(label, B, rnd, r, model_bytes):
     row = dict(config=label, model=r["model"], seq_len=r["seq_len"], batch=B, round=rnd,
                mode=mode, ranks=ranks, stages=stages,
                workers=r["workers"], cores_per_worker=r["cores_per_worker"], sub_batches=micro,
-               transport="tcp" if r.get("mpirun_args") else "default" if ranks > 1 else "",
+               transport=("tcp" if "self,tcp" in r.get("mpirun_args", []) else "default"
+                          if ranks > 1 else ""),
+               mpi_poll=(next((a.split("=")[1] for a in r.get("mpirun_args", [])
+                               if a.startswith("STARPU_LLM_MPI_POLL=")), "backoff")
+                         if ranks > 1 else ""),
                tokens_per_ms=round(r["tokens_per_ms"], 5),
                ms_per_step=round(sum(r["step_ms"]) / len(r["step_ms"]), 1),
                peak_rss_mb=round(r["peak_rss_mb"]))
@@ -92,6 +100,9 @@ def main(argv=None):
     ap.add_argument("--transports", default="default,tcp",
                     help="default (Open MPI's choice: shared memory) and/or tcp (--mca btl "
                          "self,tcp on the loopback, as between nodes)")
+    ap.add_argument("--polls", default="backoff",
+                    help="how StarPU-MPI's thread waits: backoff (the default where it shares "
+                         "a worker's core) and/or spin (StarPU's own polling), e.g. spin,backoff")
     ap.add_argument("--bytes-ranks", default="2,3,4",
                     help="R of the oversubscribed sharded runs that measure bytes only ('' none)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "ownership", cpu_kind()))
@@ -100,7 +111,8 @@ def main(argv=None):
     config = MODELS[args.model]
     model_bytes = 4 * config.num_parameters
     batches = [int(b) for b in args.batches.split(",")]
-    confs = configurations(args.modes.split(","), args.ranks, args.transports.split(","))
+    confs = configurations(args.modes.split(","), args.ranks, args.transports.split(","),
+                           args.polls.split(","))
     base = dict(engine="starpu", model=args.model, seq_len=args.seq_len, steps=args.steps)
     rows, t0 = [], time.time()
     for rnd in range(args.repeat):
@@ -148,8 +160,10 @@ def summarize(rows):
         med.pop("round")
         out.append(med)
     for r in out:
+        parts = r["config"].split(" ", 3)     # "R ranks MODE [tcp] [spin]"
+        suffix = parts[3] if " ranks " in r["config"] and len(parts) > 3 else ""
         ref = next((x for x in out if x["batch"] == r["batch"]
-                    and x["config"].endswith("ranks rank0" + (" tcp" if r["config"].endswith("tcp") else ""))), None)
+                    and x["config"].endswith("ranks rank0" + (f" {suffix}" if suffix else ""))), None)
         r["vs_rank0"] = round(r["tokens_per_ms"] / ref["tokens_per_ms"], 3) if ref and "ranks" in r["config"] else ""
     return out
 

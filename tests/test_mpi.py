@@ -299,3 +299,64 @@ def test_resume_under_another_mode_and_rank_count(shard, single, loss_bounds, tm
         assert "warning: the run continues on" in p.stdout
         err = np.abs(np.array(losses(m)) - np.array(single[2:]))
         assert len(err) == STEPS - 2 and np.all(err <= loss_bounds[2:]), (ranks, err)
+
+
+POLL_CHILD = """
+import json, sys
+if sys.argv[1] == "mpi4py-first":
+    from mpi4py import MPI
+from starpu_llm.runtime import mpi as distributed
+from starpu_llm.runtime.starpu import Runtime
+from starpu_llm.trainer import TrainConfig, train
+comm = distributed.world()
+distributed.pin_rank(comm)
+with Runtime(1, 1, comm=comm) as rt:
+    r = train(TrainConfig(model="micro", train_data=sys.argv[2], batch=4, seq_len=16, steps=3,
+                          log=None), runtime=rt)
+    print(json.dumps(dict(rank=comm.Get_rank(), mode=rt.mpi_poll, stats=rt.mpi_poll_stats(),
+                          losses=r.losses)), flush=True)
+"""
+
+
+def poll_run(shard, how, **env):
+    p = subprocess.run([MPIRUN, "--oversubscribe", "-np", "2", sys.executable, "-c", POLL_CHILD,
+                        how, shard], capture_output=True, text=True, timeout=240,
+                       env=dict(ENV, **env))
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    return sorted((json.loads(l) for l in p.stdout.splitlines() if l.startswith("{")),
+                  key=lambda r: r["rank"])
+
+
+def test_mpi_thread_backs_off_where_it_shares_a_worker_core(shard):
+    """Two ranks of one core each: StarPU-MPI's progression thread shares the worker's core, so
+    it sleeps between polls that find nothing (csrc/starpu/mpi_poll.c): its MPI_Test calls go
+    through ours, and it slept. Spinning (STARPU_LLM_MPI_POLL=spin) calls the real one only.
+    With mpi4py's MPI imported first, StarPU-MPI calls MPI's own MPI_Test: said, and it spins.
+    The losses are the same to the bit whichever way the thread waits."""
+    backoff = poll_run(shard, "default")
+    assert [r["mode"] for r in backoff] == ["backoff"] * 2
+    for r in backoff:
+        assert r["stats"]["polls"] > 0 and r["stats"]["sleeps"] > 0 and r["stats"]["slept_s"] > 0
+    spin = poll_run(shard, "default", STARPU_LLM_MPI_POLL="spin")
+    assert [r["mode"] for r in spin] == ["spin"] * 2
+    assert all(r["stats"] == dict(polls=0, sleeps=0, slept_s=0.0) for r in spin)
+    first = poll_run(shard, "mpi4py-first")
+    assert all(r["mode"].startswith("spin (no backoff: mpi4py's MPI module was imported "
+                                    "before starpu_llm") for r in first)
+    assert all(r["stats"]["polls"] == 0 for r in first)
+    assert backoff[0]["losses"] == spin[0]["losses"] == first[0]["losses"]
+    assert len(backoff[0]["losses"]) == 3
+
+
+def test_mpi_polling_follows_the_threads_core():
+    """Backoff where the progression thread is bound to a worker's core or unbound; spin where
+    it has a core no worker runs on; the environment's choice wins, a wrong one is refused."""
+    from starpu_llm.errors import StarpuLLMError
+    from starpu_llm.runtime.mpi import mpi_polling
+    assert mpi_polling([0], {"STARPU_MPI_THREAD_CPUID": "0"}) == "backoff"
+    assert mpi_polling([0, 1], {}) == "backoff"
+    assert mpi_polling([1, 2, 3], {"STARPU_MPI_THREAD_CPUID": "0"}) == "spin"
+    assert mpi_polling([1], {"STARPU_MPI_THREAD_CPUID": "0", "STARPU_MPI_NOBIND": "1"}) == "backoff"
+    assert mpi_polling([0], {"STARPU_MPI_THREAD_CPUID": "0", "STARPU_LLM_MPI_POLL": "spin"}) == "spin"
+    with pytest.raises(StarpuLLMError, match="STARPU_LLM_MPI_POLL='sleep'"):
+        mpi_polling([0], {"STARPU_LLM_MPI_POLL": "sleep"})

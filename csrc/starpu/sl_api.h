@@ -55,6 +55,12 @@ int sl_mpi_fetch(sl_handle h, int node);
  * since it started: 0, or -ENODATA when its statistics are off (STARPU_COMM_STATS=1 on
  * StarPU 1.3, STARPU_MPI_STATS=1 on 1.4, set before the start). */
 int sl_mpi_bytes_sent(size_t *sent);
+/* How StarPU-MPI's progression thread waits (mpi_poll.c): max_us 0 spins (StarPU's own way),
+ * max_us > 0 sleeps between polls that find nothing, at most max_us each (-EINVAL below 0,
+ * -ENOSYS without MPI, -ENOTSUP when StarPU-MPI does not call this module's MPI_Test:
+ * MPI's library was made global before the module was loaded). Its polls, sleeps and time slept (ns) so far, counted with backoff on. */
+int sl_mpi_poll_backoff(int max_us);
+void sl_mpi_poll_stats(long long *polls, long long *sleeps, long long *slept_ns);
 
 /* ---- data (runtime.c) ---- */
 /* A vector of n elements of elemsize bytes on memory at ptr (ptr NULL lets StarPU allocate
