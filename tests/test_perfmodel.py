@@ -583,3 +583,27 @@ def test_ownership_validation_script(tmp_path):
     bad = subprocess.run([sys.executable, script, str(runs), "--calibration", str(cal)],
                          capture_output=True, text=True, cwd=tmp_path)
     assert bad.returncode == 2 and "row 2: mode 'rank2'" in bad.stderr, bad.stderr
+
+
+def test_autotuner_keeps_each_candidates_best_round(tmp_path, monkeypatch):
+    """choose() measures the model's two best candidates in interleaved rounds and keeps each
+    one's best round: a slow first round of the model's favourite (a busy moment) does not
+    hand the choice to the other; a candidate slower in every round loses. No clock: the
+    trials' speeds are scripted."""
+    m = synthetic(4, [1.0, 2.5, 2.5, 2.5], [1e6] * 4)
+    top, second = [(p.workers, p.cores_per_worker, p.sub_batches)
+                   for p in autotune.rank(MODEL, 8, T, m)[:2]]
+    for script, expect in (({top: [0.10, 0.30], second: [0.20, 0.21]}, top),
+                           ({top: [0.10, 0.12], second: [0.20, 0.19]}, second)):
+        runs, seen = {k: list(v) for k, v in script.items()}, []
+
+        def trial(spec, runs=runs, seen=seen):
+            key = (spec["workers"], spec["cores_per_worker"], spec["sub_batches"])
+            seen.append(key)
+            return dict(tokens_per_ms=runs[key].pop(0))
+        monkeypatch.setattr(autotune, "run_in_subprocess", trial)
+        choice = autotune.choose(MODEL, 8, T, m, cache=str(tmp_path / f"{expect}.json"),
+                                 log=lambda *a: None)
+        assert seen == [top, second, top, second]           # interleaved, two rounds
+        assert (choice.workers, choice.cores_per_worker, choice.sub_batches) == expect
+        assert f"{max(script[expect]):.4f} tok/ms measured (best round)" in choice.why
