@@ -45,10 +45,21 @@ def configurations(modes, R, transports, polls=("backoff",)):
     return out
 
 
+def baseline_configurations(modes, R, python):
+    """(label, spec fields) of each mode run by another installation's interpreter (python:
+    e.g. a build of main's code), labelled "... (baseline)"."""
+    return [(f"{R} ranks {mode} (baseline)", dict(workers=1, cores_per_worker=1, cpus=R, ranks=R,
+                                                  python=python, **mode_fields(mode)))
+            for mode in modes]
+
+
 def mode_fields(mode: str) -> dict:
-    """The run-spec fields of an ownership mode: rank0, sharded, or pipeline<S>."""
+    """The run-spec fields of an ownership mode: rank0, sharded, or pipeline<S>[-<schedule>]
+    (pipeline2-gpipe: 2 stages, --pipeline-schedule gpipe; default 1f1b)."""
     if mode.startswith("pipeline"):
-        return dict(ownership="sharded", pipeline_stages=int(mode[len("pipeline"):] or 2))
+        stages, _, schedule = mode[len("pipeline"):].partition("-")
+        return dict(ownership="sharded", pipeline_stages=int(stages or 2),
+                    pipeline_schedule=schedule or None)
     return dict(ownership=mode)
 
 
@@ -58,10 +69,12 @@ def row_of(label, B, rnd, r, model_bytes):
     ranks = int(r.get("ranks") or 1)
     stages = int(r.get("pipeline_stages") or 1)
     mode = "" if ranks == 1 else "pipeline" if stages > 1 else r.get("ownership") or "sharded"
+    schedule = ("" if stages == 1 else "baseline" if label.endswith("(baseline)")
+                else r.get("pipeline_schedule") or "1f1b")
     micro = (default_micro_batches(B // (ranks // stages), stages, 1) if stages > 1
              else r.get("sub_batches") or 1)
     row = dict(config=label, model=r["model"], seq_len=r["seq_len"], batch=B, round=rnd,
-               mode=mode, ranks=ranks, stages=stages,
+               mode=mode, schedule=schedule, ranks=ranks, stages=stages,
                workers=r["workers"], cores_per_worker=r["cores_per_worker"], sub_batches=micro,
                transport=("tcp" if "self,tcp" in r.get("mpirun_args", []) else "default"
                           if ranks > 1 else ""),
@@ -105,6 +118,11 @@ def main(argv=None):
                          "a worker's core) and/or spin (StarPU's own polling), e.g. spin,backoff")
     ap.add_argument("--bytes-ranks", default="2,3,4",
                     help="R of the oversubscribed sharded runs that measure bytes only ('' none)")
+    ap.add_argument("--baseline-python", default=None,
+                    help="also run --baseline-modes with this interpreter (another venv: e.g. "
+                         "main's code), labelled (baseline), interleaved with the others")
+    ap.add_argument("--baseline-modes", default="pipeline2")
+    ap.add_argument("--no-single", action="store_true", help="skip the one-process runs")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "ownership", cpu_kind()))
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -113,12 +131,19 @@ def main(argv=None):
     batches = [int(b) for b in args.batches.split(",")]
     confs = configurations(args.modes.split(","), args.ranks, args.transports.split(","),
                            args.polls.split(","))
+    if args.no_single:
+        confs = [c for c in confs if c[1].get("ranks")]
+    if args.baseline_python:
+        confs += baseline_configurations(args.baseline_modes.split(","), args.ranks,
+                                         args.baseline_python)
     base = dict(engine="starpu", model=args.model, seq_len=args.seq_len, steps=args.steps)
     rows, t0 = [], time.time()
     for rnd in range(args.repeat):
         for B in batches:
             for label, fields in confs:
-                r = run_in_subprocess(dict(base, batch=B, **fields))
+                fields = dict(fields)
+                python = fields.pop("python", None)
+                r = run_in_subprocess(dict(base, batch=B, **fields), python=python)
                 if "error" in r:
                     print(f"B={B} {label}: failed: {r['error']}", flush=True)
                     continue

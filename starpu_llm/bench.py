@@ -78,6 +78,7 @@ def run_one(spec: dict) -> dict:
                               sub_batches=spec.get("sub_batches"), threads=spec.get("threads"),
                               ownership=spec.get("ownership"),
                               pipeline_stages=spec.get("pipeline_stages"),
+                              pipeline_schedule=spec.get("pipeline_schedule"),
                               oversubscribe=spec.get("oversubscribe", False), log=None))
         ms = r.step_ms
         spec["describe"] = r.engine

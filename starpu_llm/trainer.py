@@ -135,6 +135,11 @@ class TrainConfig:
         "flow through them as micro-batches; R = S x D ranks run D data-parallel copies "
         "(default 1: data parallelism only)", check="positive", metavar="S", group=PARALLELISM,
         ranks_agree=True)
+    pipeline_schedule: str | None = setting(
+        None, "how the micro-batches go through the pipeline's stages: 1f1b (each stage holds "
+        "at most S micro-batches' activations, backward tasks first; the default) or gpipe "
+        "(each micro-batch its own activations, every stage holding all of them); the same "
+        "results bitwise", choices=["1f1b", "gpipe"], group=PARALLELISM, ranks_agree=True)
     threads: int | None = setting(None, "reference engine: OpenMP/BLAS threads (default: all cores)",
                                   check="positive", group=PARALLELISM)
     # Python-only settings (no flag)

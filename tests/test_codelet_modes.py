@@ -130,13 +130,13 @@ def test_submission_checks_the_declaration_and_the_site():
         size = ffi.sizeof(cd.args_type)
         hs = ffi.new("sl_handle[]", h)
         any_, owner = lib.SL_ANY_WORKER, lib.SL_NODE_OWNER
-        assert lib.sl_submit(cd.id, hs, 1, 0, a, size, owner, any_) < 0      # inp missing
-        assert lib.sl_submit(cd.id, hs, 3, 0, a, size, owner, any_) < 0      # one too many
-        assert lib.sl_submit(cd.id, hs, 2, 0, a, size - 1, owner, any_) < 0  # wrong args
-        assert lib.sl_submit(cd.id, hs, 2, 0, a, size, -2, any_) < 0
-        assert lib.sl_submit(cd.id, hs, 2, 0, a, size, owner, -2) < 0
-        assert lib.sl_submit(lib.sl_codelet_count(), hs, 2, 0, a, size, owner, any_) < 0
-        assert lib.sl_submit(cd.id, hs, 2, 0, a, size, owner, any_) == 0
+        assert lib.sl_submit(cd.id, hs, 1, 0, a, size, owner, any_, 0) < 0      # inp missing
+        assert lib.sl_submit(cd.id, hs, 3, 0, a, size, owner, any_, 0) < 0      # one too many
+        assert lib.sl_submit(cd.id, hs, 2, 0, a, size - 1, owner, any_, 0) < 0  # wrong args
+        assert lib.sl_submit(cd.id, hs, 2, 0, a, size, -2, any_, 0) < 0
+        assert lib.sl_submit(cd.id, hs, 2, 0, a, size, owner, -2, 0) < 0
+        assert lib.sl_submit(lib.sl_codelet_count(), hs, 2, 0, a, size, owner, any_, 0) < 0
+        assert lib.sl_submit(cd.id, hs, 2, 0, a, size, owner, any_, 0) == 0
         rt.wait()
         for x in h:
             lib.sl_unregister(x)
@@ -161,6 +161,36 @@ def test_each_task_runs_where_its_submission_says():
     probes = sorted((e.job, e.worker) for e in events if e.codelet == "probe")
     assert len(probes) == 40
     assert [w for _, w in probes] == [(i * 7) % 3 % 2 for i in range(40)]
+
+
+PRIORITIES = [0, 1, 2, 0, 3, 1, 2, 0]
+
+
+def test_tasks_ready_together_run_highest_priority_first():
+    """The priority is an argument of each submission, and the default scheduler honours
+    it: tasks that become ready together on one worker (all reading what one gate task
+    writes) run highest priority first, in submission order within a priority (lws pops its
+    worker's queue by priority, StarPU 1.3 and 1.4 alike). The gate waits for this thread to
+    release its input, so every task is submitted before any can run; the worker running the
+    gate makes them all ready before it takes the next task."""
+    with Runtime(1, 1, sched="lws") as rt:
+        arrays = [np.ones(64, np.float32) for _ in range(2 + len(PRIORITIES))]
+        hs = [lib.sl_register_vector(ffi.from_buffer(x), x.size, 4) for x in arrays]
+        gate_in, gate_out, outs = hs[0], hs[1], hs[2:]
+        rt.start_trace(100)
+        assert lib.sl_acquire(gate_in, 3) != ffi.NULL     # held: the gate waits for it
+        StarPUOps().gelu_forward(gate_out, gate_in, 64)
+        for h, prio in zip(outs, PRIORITIES):
+            StarPUOps(where=Where(priority=prio)).gelu_forward(h, gate_out, 64)
+        lib.sl_release(gate_in)
+        rt.wait()
+        events = rt.trace()
+        rt.stop_trace()
+        for h in hs:
+            lib.sl_unregister(h)
+    ran = [(e.priority, e.job) for e in sorted(events, key=lambda e: e.start_ns)][1:]
+    assert sorted(p for p, _ in ran) == sorted(PRIORITIES)
+    assert ran == sorted(ran, key=lambda pj: (-pj[0], pj[1])), ran
 
 
 def test_a_repeated_buffer_past_the_declared_maximum():

@@ -83,11 +83,14 @@ void sl_release(sl_handle h);
  * the caller's decision, given with every task (starpu_llm/flow/placement.py decides):
  *   node:   the StarPU-MPI rank that runs it, or SL_NODE_OWNER: the owner of the data it
  *           writes (StarPU-MPI's rule); ignored by plain StarPU;
- *   worker: the StarPU worker that runs it, or SL_ANY_WORKER: where the scheduler puts it. */
+ *   worker: the StarPU worker that runs it, or SL_ANY_WORKER: where the scheduler puts it;
+ *   priority: the task's StarPU priority (0: the default; higher runs first among the tasks
+ *           ready on a worker: lws pops its queue highest priority first, 1.3 and 1.4 alike;
+ *           StarPU-MPI also gives it to the task's transfers). A pipeline's (1F1B). */
 #define SL_NODE_OWNER -1
 #define SL_ANY_WORKER -1
 int sl_submit(int codelet, const sl_handle *handles, int n, int redux, const void *args,
-	      size_t args_size, int node, int worker);
+	      size_t args_size, int node, int worker, int priority);
 
 /* ---- task trace (trace.c) ----
  * When enabled, each task records its codelet, worker and start/end time (CLOCK_MONOTONIC ns,
@@ -106,6 +109,7 @@ struct sl_trace_event {
 	sl_handle handles[SL_TRACE_MAXBUF];
 	double flops;	/* the flop count the task was submitted with */
 	uint64_t job;	/* the task's submission number (sl_submit) */
+	int32_t priority; /* the task's priority (sl_submit) */
 };
 int sl_trace_enable(size_t capacity); /* capacity 0 disables and frees */
 /* Dry run (on = 1): every task still runs through StarPU, with its dependencies, placement and

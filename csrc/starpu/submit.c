@@ -79,11 +79,12 @@ static int check_handles(const struct sl_codelet *c, const sl_handle *handles, i
 }
 
 /* Each task carries its submission number as its tag id (STARPU_TAG_ONLY: a label for the
- * trace, no tag dependency). Under StarPU-MPI every process submits every task:
+ * trace, no tag dependency) and the priority it is given (STARPU_PRIORITY). Under StarPU-MPI
+ * every process submits every task:
  * starpu_mpi_task_insert runs it on `node` (or on the owner of what it writes) and posts the
  * transfers its data need. */
 int sl_submit(int codelet, const sl_handle *handles, int n, int redux, const void *args,
-	      size_t args_size, int node, int worker)
+	      size_t args_size, int node, int worker, int priority)
 {
 	static uint64_t submitted;
 	const struct sl_codelet *c = sl_codelet_get(codelet);
@@ -124,12 +125,13 @@ int sl_submit(int codelet, const sl_handle *handles, int n, int redux, const voi
 			*(const MPI_Comm *)comm, cl, STARPU_EXECUTE_ON_NODE, node,
 			STARPU_EXECUTE_ON_WORKER, worker, STARPU_DATA_MODE_ARRAY, buffers, n,
 			STARPU_CL_ARGS_NFREE, a, args_size, STARPU_FLOPS, flops, STARPU_TAG_ONLY, seq,
-			0);
+			STARPU_PRIORITY, priority, 0);
 	else
 #endif
 		ret = starpu_task_insert(cl, STARPU_EXECUTE_ON_WORKER, worker,
 					 STARPU_DATA_MODE_ARRAY, buffers, n, STARPU_CL_ARGS_NFREE,
-					 a, args_size, STARPU_FLOPS, flops, STARPU_TAG_ONLY, seq, 0);
+					 a, args_size, STARPU_FLOPS, flops, STARPU_TAG_ONLY, seq,
+					 STARPU_PRIORITY, priority, 0);
 	if (buffers != stack_buffers) {
 		free(buffers);
 		free(count);

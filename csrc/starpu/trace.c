@@ -81,6 +81,7 @@ static void trace_buffers(struct sl_trace_event *e)
 	e->nbuffers = n;
 	e->flops = task->flops;
 	e->job = task->tag_id; /* sl_submit's submission number */
+	e->priority = task->priority;
 	for (int i = 0; i < n && i < SL_TRACE_MAXBUF; i++) {
 		e->handles[i] = STARPU_TASK_GET_HANDLE(task, i);
 		e->modes[i] = access_bits(STARPU_TASK_GET_MODE(task, i));

@@ -67,7 +67,7 @@ class StarPUEngine(Engine):
 
     def __init__(self, config, state, B, T, tokens, runtime, sub_batches: int | None = None,
                  record: bool = False, ownership: str | None = None, pipeline_stages: int = 1,
-                 stage_costs=None):
+                 stage_costs=None, pipeline_schedule: str | None = None):
         if not runtime.running:
             raise RuntimeError("the StarPU runtime is not running")
         nranks = runtime.size
@@ -97,7 +97,8 @@ class StarPUEngine(Engine):
         super().__init__(config, state, B, T, tokens, sub_batches * copies)
         self.runtime = runtime
         self.ops = StarPUOps(record=record)
-        self.placement = place = Placement(runtime, config, topology, self.subs_per_rank)
+        self.placement = place = Placement(runtime, config, topology, self.subs_per_rank,
+                                           pipeline_schedule or "1f1b")
         self.layer_stage = place.layer_stage if place.stages > 1 else None
         self.redux = place.redux
         self.rank, self.mpi = place.rank, place.mpi
@@ -128,12 +129,15 @@ class StarPUEngine(Engine):
                 yield t.name, t
         for t in self.embedding_wte or []:
             yield t.name, t
+        seen = set()     # a 1f1b pipeline's micro-batches share sets: the first one's name
         for i, (a, stages) in enumerate(self.subs):
-            for t in a.tensors():
-                yield f"s{i}.{t.name}", t
+            named = [(f"s{i}.{t.name}", t) for t in a.tensors()]
             for k, s in enumerate(stages):     # stage k > 0's scratch: "s{i}.stage{k}."
-                for t in s.tensors():
-                    yield f"s{i}.{f'stage{k}.' if k else ''}{t.name}", t
+                named += [(f"s{i}.{f'stage{k}.' if k else ''}{t.name}", t) for t in s.tensors()]
+            for name, t in named:
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    yield name, t
 
     def tensor_names(self) -> dict:
         """{handle address: tensor name} of every tensor of this engine (sub-batch i's
@@ -141,8 +145,8 @@ class StarPUEngine(Engine):
         return {int(ffi.cast("uintptr_t", t.h)): name for name, t in self.named_tensors()}
 
     # --- where tasks run: the placement decides, each submission takes it ---
-    def sub_batch_ops(self, i):
-        return self.ops.at(self.placement.sub_batch_site(i))
+    def sub_batch_ops(self, i, phase="forward"):
+        return self.ops.at(self.placement.sub_batch_site(i, phase))
 
     def update_ops(self):
         return self.ops.at(self.placement.update_site())
@@ -220,7 +224,21 @@ class StarPUEngine(Engine):
         finally:
             self.placement.unregister_all()
 
+    def logits(self) -> np.ndarray:
+        if self.placement.sets < self.subs_per_rank:
+            raise StarpuLLMError(f"a {self.placement.schedule} pipeline keeps no micro-batch's "
+                                 f"logits past its backward; use {opt('pipeline_schedule')} gpipe")
+        return super().logits()
+
     def describe(self):
-        unit = "copy" if self.placement.stages > 1 else "process"
+        place = self.placement
+        unit = "copy" if place.stages > 1 else "process"
         per = f" ({self.subs_per_rank} per {unit})" if self.mpi else ""
-        return f"starpu engine, {self.runtime.describe()}, {self.sub_batches} sub-batch(es){per}"
+        pipe = ""
+        if place.schedule == "1f1b":
+            pipe = (f", schedule 1f1b: each stage holds at most {place.sets} micro-batch(es) "
+                    f"of {self.subs_per_rank}, backward first (priorities)")
+        elif place.schedule:
+            pipe = f", schedule {place.schedule}: each stage holds all {self.subs_per_rank} micro-batches"
+        return (f"starpu engine, {self.runtime.describe()}, {self.sub_batches} sub-batch(es)"
+                f"{per}{pipe}")

@@ -33,7 +33,7 @@ from ..config import GPTConfig, ParamLayout
 from ..errors import StarpuLLMError, opt
 from ..runtime.submit import ANY, OWNER, Where
 from . import taskflow
-from .tensors import ParameterTensors, Tensor, sub_batch_tensors
+from .tensors import PER_MICRO_BATCH, ParameterTensors, Tensor, sub_batch_tensors
 
 
 def gradient_mode(workers: int, pinned: bool, subs_per_rank: int) -> int:
@@ -57,6 +57,15 @@ def gradient_mode(workers: int, pinned: bool, subs_per_rank: int) -> int:
 
 
 OWNERSHIPS = ("sharded", "rank0")
+
+# How a pipeline's micro-batches go through its stages (Placement: sets, sub_batch_site):
+# 1f1b bounds what a stage holds to S micro-batches and prefers backward work; gpipe, every
+# micro-batch its own activations, in the order the tasks become ready.
+PIPELINE_SCHEDULES = ("1f1b", "gpipe")
+# 1f1b's task priorities (runtime.submit.Where.priority): among the tasks ready on a worker,
+# a micro-batch's backward first, then a head (its backward follows at once, on the same
+# rank), then forwards, which under 1f1b run at most `sets` micro-batches ahead anyway.
+PHASE_PRIORITY = {"forward": 0, "head": 1, "backward": 2}
 
 
 def slice_sizes(config: GPTConfig) -> list:
@@ -215,7 +224,10 @@ class Placement:
     order by unregister_all) and where each task of its step runs."""
 
     def __init__(self, runtime, config: GPTConfig, topology: Topology | None = None,
-                 subs_per_copy: int = 1):
+                 subs_per_copy: int = 1, schedule: str = "1f1b"):
+        if schedule not in PIPELINE_SCHEDULES:
+            raise StarpuLLMError(f"{opt('pipeline_schedule')} {schedule!r}: choose one of "
+                                 f"{', '.join(PIPELINE_SCHEDULES)}")
         self.runtime = runtime
         self.rank, self.nranks = runtime.rank, runtime.size
         self.mpi = self.nranks > 1
@@ -225,6 +237,14 @@ class Placement:
         self.topology = topo = topology or Topology(config, self.nranks, 1, "rank0")
         self.ownership, self.owners = topo.ownership, topo.owners
         self.stages, self.copies, self.layer_stage = topo.stages, topo.copies, topo.layer_stage
+        # A pipeline's schedule (docs/design.md, StarPU-MPI internals): under 1f1b each stage
+        # has `sets` activation sets per copy, micro-batch j of a copy using set j mod sets,
+        # and its tasks' priorities put backward before the head before the forward
+        # (PHASE_PRIORITY); gpipe gives every micro-batch its own set, all priorities 0.
+        self.schedule = schedule if self.stages > 1 else None
+        self.sets = (min(self.stages, subs_per_copy) if self.schedule == "1f1b"
+                     else subs_per_copy)
+        self._set_tensors = {}    # (copy, stage, set, name): the tensor micro-batches share
         # Data parallelism: sub-batch i stays on worker i mod N, so every worker always adds
         # into its own reduction copies (StarPU allocates them all in the first step) and two
         # sub-batches never queue behind each other. Only where StarPU's worker ids are the N
@@ -340,17 +360,31 @@ class Placement:
         """(ActivationTensors, [BackwardScratch of each stage]) of sub-batch i: each layer's
         activations owned by the rank running the layer's stage in the sub-batch's copy, the
         embedding's and head's (and the inputs, targets, losses) by its stage 0's, a stage's
-        scratch by the stage's."""
+        scratch by the stage's. In a pipeline, what a stage holds of micro-batch j of a copy
+        is its set j mod self.sets, shared with the copy's micro-batches j +- sets, 2 sets...:
+        StarPU's sequential consistency then makes micro-batch j + sets' first task writing
+        into a set wait until micro-batch j's last task reading it (its backward there) has
+        run, so a stage holds at most self.sets micro-batches' activations. What outlives the
+        step (tensors.PER_MICRO_BATCH: the losses, which loss() reads; the inputs and targets)
+        stays each micro-batch's own."""
         topo, d = self.topology, self.copy(i)
-        home = topo.rank(0, d)
+        j = i % self.subs_per_copy
 
-        def at(rank):
-            return lambda name, shape, dtype: self.tensor(name, shape, dtype, rank)
+        def at(stage):
+            rank = topo.rank(stage, d)
+
+            def make(name, shape, dtype):
+                if name in PER_MICRO_BATCH:
+                    return self.tensor(name, shape, dtype, rank)
+                key = (d, stage, j % self.sets, name)
+                if key not in self._set_tensors:
+                    self._set_tensors[key] = self.tensor(name, shape, dtype, rank)
+                return self._set_tensors[key]
+            return make
         return sub_batch_tensors(
-            config, B, T, at(home),
-            lambda name, shape, dtype, l: self.tensor(name, shape, dtype,
-                                                      topo.rank(self.layer_stage[l], d)),
-            [at(topo.rank(s, d)) for s in range(self.stages)])
+            config, B, T, at(0),
+            lambda name, shape, dtype, l: at(self.layer_stage[l])(name, shape, dtype),
+            [at(s) for s in range(self.stages)])
 
     def tensor(self, name, shape, dtype=np.float32, owner=None) -> Tensor:
         """A new tensor registered as a handle; under MPI owned by rank `owner` (None: this
@@ -409,11 +443,14 @@ class Placement:
         """The rank of sub-batch i's inputs and loss: its copy's stage 0."""
         return self.topology.rank(0, self.copy(i))
 
-    def sub_batch_site(self, i: int) -> Where:
-        """Sub-batch i's tasks: on its rank (in a pipeline: the rank of the stage a task
-        belongs to, the owner of what it writes), and on its worker when pinned."""
+    def sub_batch_site(self, i: int, phase: str = "forward") -> Where:
+        """Sub-batch i's tasks of a phase ("forward": its load and blocks, "head": the final
+        layernorm, lm head and loss, "backward"): on its rank (in a pipeline: the rank of the
+        stage a task belongs to, the owner of what it writes), on its worker when pinned, and
+        in a 1f1b pipeline at the phase's priority (PHASE_PRIORITY)."""
         worker = i % self.subs_per_copy % self.runtime.workers if self.pin_sub_batches else ANY
-        return Where(self.owner(i) if self.stages == 1 else OWNER, worker)
+        return Where(self.owner(i) if self.stages == 1 else OWNER, worker,
+                     PHASE_PRIORITY[phase] if self.schedule == "1f1b" else 0)
 
     def update_site(self) -> Where:
         """The update tasks (AdamW, the gradient norm): on the owner of what they write (each

@@ -23,8 +23,10 @@ from ..config import PARAMETERS, GPTConfig
 ADAM_BETA1, ADAM_BETA2, ADAM_EPS = 0.9, 0.999, 1e-8
 
 
-def forward(ops, cfg: GPTConfig, p, a, B: int, T: int):
-    """Forward pass and loss: p are the parameters, a this batch's activations."""
+def forward(ops, cfg: GPTConfig, p, a, B: int, T: int, head_ops=None):
+    """Forward pass and loss: p are the parameters, a this batch's activations. head_ops
+    (default ops) submits the head: the final layernorm, the lm head and the loss (a
+    pipeline gives it its own priority)."""
     C, NH, L, V, Vp = cfg.C, cfg.NH, cfg.L, cfg.V, cfg.Vp
     BT = B * T
     ops.encoder_forward(a.encoded, a.inputs, p.wte, p.wpe, B, T, C, 0)
@@ -34,9 +36,10 @@ def forward(ops, cfg: GPTConfig, p, a, B: int, T: int):
         block_forward(ops, cfg, p, l, x, b, BT,
                       lambda b: ops.attention_forward(b.atty, b.preatt, b.att, b.qkv, B, T, C, NH))
         x = b.res3
-    ops.layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, x, p.lnfw, p.lnfb, BT, C)
-    ops.matmul_forward(a.logits, a.lnf, p.wte, None, BT, C, Vp)   # lm head, tied to wte
-    ops.crossentropy_forward(a.probs, a.losses, a.logits, a.targets, BT, V, Vp)
+    head = head_ops or ops
+    head.layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, x, p.lnfw, p.lnfb, BT, C)
+    head.matmul_forward(a.logits, a.lnf, p.wte, None, BT, C, Vp)   # lm head, tied to wte
+    head.crossentropy_forward(a.probs, a.losses, a.logits, a.targets, BT, V, Vp)
 
 
 def block_forward(ops, cfg: GPTConfig, p, l: int, x, b, N: int, attention):

@@ -168,6 +168,13 @@ class BackwardScratch(SubBatchGroup):
     att_scratch: Tensor = single(lambda d: (2, d.B, d.NH, d.T, d.T))  # dpreatt, datt
 
 
+# The activations that outlive a step: the losses (the step's loss reads them after it) and
+# the inputs and targets (written by the load task, which may run ahead). Each micro-batch of
+# a pipeline keeps its own; the rest a stage may share between micro-batches
+# (placement.Placement.sub_batch).
+PER_MICRO_BATCH = ("inputs", "targets", "losses")
+
+
 def sub_batch_tensors(cfg: GPTConfig, B: int, T: int, new_tensor, layer_tensor=None,
                       stage_tensors=None):
     """(activations, [backward scratch of each pipeline stage]) of one (sub-)batch, in this

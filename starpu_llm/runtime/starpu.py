@@ -312,6 +312,7 @@ class TraceEvent(NamedTuple):
                             # None for a reduction method StarPU ran inline inside another task
     flops: float            # the flop count the task was submitted with
     job: int                # the task's submission number (process-wide)
+    priority: int           # the priority it was submitted with (runtime.submit.Where)
 
 
 def read_trace() -> list:
@@ -325,5 +326,5 @@ def read_trace() -> list:
         bufs = None if e.nbuffers < 0 else tuple(
             (int(ffi.cast("uintptr_t", e.handles[b])), int(e.modes[b])) for b in range(nb))
         out.append(TraceEvent(names[e.codelet], e.worker, e.ncores, e.start_ns, e.end_ns, bufs,
-                              float(e.flops), int(e.job)))
+                              float(e.flops), int(e.job), int(e.priority)))
     return out
