@@ -123,6 +123,9 @@ def main(argv=None):
                          "main's code), labelled (baseline), interleaved with the others")
     ap.add_argument("--baseline-modes", default="pipeline2")
     ap.add_argument("--no-single", action="store_true", help="skip the one-process runs")
+    ap.add_argument("--single-sub-batches", type=int, default=0,
+                    help="also one process 1x1 with this many sub-batches (a pipeline's "
+                         "micro-batches: what splitting the batch costs on one core)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "ownership", cpu_kind()))
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -133,6 +136,10 @@ def main(argv=None):
                            args.polls.split(","))
     if args.no_single:
         confs = [c for c in confs if c[1].get("ranks")]
+    if args.single_sub_batches:
+        confs.insert(0, (f"1 process 1x1 {args.single_sub_batches} sub-batches",
+                         dict(workers=1, cores_per_worker=1, cpus=1,
+                              sub_batches=args.single_sub_batches)))
     if args.baseline_python:
         confs += baseline_configurations(args.baseline_modes.split(","), args.ranks,
                                          args.baseline_python)

@@ -365,20 +365,22 @@ def test_mpi_polling_follows_the_threads_core():
 @pytest.mark.parametrize("mode", ["pipeline-2", "pipeline-3"])
 def test_pipeline_schedules_give_the_same_bits(shard, tmp_path, mode):
     """1f1b (each stage holds at most S of the M micro-batches: 2 of 3, 3 of 4; backward
-    first) and gpipe (every micro-batch its own activations, no priorities): the same tasks
-    on other buffers, so the same losses and saved model, bitwise."""
+    first), bounded (the same, no priorities) and gpipe (every micro-batch its own
+    activations, no priorities): the same tasks on other buffers, so the same losses and
+    saved model, bitwise."""
     ranks, flags, _ = MODES[mode]
     runs = []
-    for schedule in ("1f1b", "gpipe"):
+    for schedule in ("1f1b", "bounded", "gpipe"):
         m, save = str(tmp_path / f"{schedule}.jsonl"), str(tmp_path / f"{schedule}.bin")
         p = mpirun(ranks, train_args(shard, m) + ["--save", save, "--pipeline-schedule",
                                                   schedule] + flags)
         assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
         micro = int(flags[flags.index("--sub-batches") + 1])
         assert (f"schedule 1f1b: each stage holds at most {ranks} micro-batch(es) of {micro}"
-                if schedule == "1f1b" else f"schedule gpipe") in p.stdout
+                if schedule == "1f1b" else f"schedule {schedule}: each stage holds at most "
+                f"{ranks if schedule == 'bounded' else micro} micro-batch(es)") in p.stdout
         runs.append((losses(m), open(save, "rb").read()))
-    assert len(runs[0][0]) == STEPS and runs[0] == runs[1]
+    assert len(runs[0][0]) == STEPS and runs[0] == runs[1] == runs[2]
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
@@ -386,8 +388,9 @@ def test_pipeline_stage_holds_its_sets(shard, schedule):
     """2 stages, 3 micro-batches: under 1f1b every activation and backward scratch tensor of
     a stage is one of 2 sets, micro-batch j on set j mod 2 (so micro-batch 2's forward waits
     for micro-batch 0's backward there), the losses, inputs and targets each micro-batch's
-    own; backward tasks at priority 2, the head's forward 1, the rest 0. gpipe: 3 sets, all
-    priorities 0."""
+    own; micro-batch j's backward tasks at priority 2 x 3 + 2 - j, its head's forward at
+    3 + 2 - j, its other forwards at 2 - j, the updates at 0. gpipe: 3 sets, all priorities
+    0."""
     p = subprocess.run([MPIRUN, "--oversubscribe", "-np", "2", sys.executable,
                         os.path.join(os.path.dirname(__file__), "pipeline_sets.py"), schedule,
                         "3", shard], capture_output=True, text=True, timeout=240, env=ENV)
@@ -403,9 +406,10 @@ def test_pipeline_stage_holds_its_sets(shard, schedule):
         assert stages == {0, 1}
         prio = d["priorities"]
         backward = [c for c in prio if c.endswith("_backward")]
-        assert backward and all(prio[c] == ([2] if schedule == "1f1b" else [0])
+        assert backward and all(prio[c] == ([6, 7, 8] if schedule == "1f1b" else [0])
                                 for c in backward)
-        assert prio["attention_forward"] == [0] and prio["adamw"] == [0]
-    head = out[0]["priorities"]     # stage 0 runs the head: its forward at 1
-    assert head["crossentropy_forward"] == ([1] if schedule == "1f1b" else [0])
-    assert head["matmul_forward"] == ([0, 1] if schedule == "1f1b" else [0])
+        assert prio["attention_forward"] == ([0, 1, 2] if schedule == "1f1b" else [0])
+        assert prio["adamw"] == [0]
+    head = out[0]["priorities"]     # stage 0 runs the head: its forward at 3 + 2 - j
+    assert head["crossentropy_forward"] == ([3, 4, 5] if schedule == "1f1b" else [0])
+    assert head["matmul_forward"] == ([0, 1, 2, 3, 4, 5] if schedule == "1f1b" else [0])

@@ -235,10 +235,10 @@ class StarPUEngine(Engine):
         unit = "copy" if place.stages > 1 else "process"
         per = f" ({self.subs_per_rank} per {unit})" if self.mpi else ""
         pipe = ""
-        if place.schedule == "1f1b":
-            pipe = (f", schedule 1f1b: each stage holds at most {place.sets} micro-batch(es) "
-                    f"of {self.subs_per_rank}, backward first (priorities)")
-        elif place.schedule:
-            pipe = f", schedule {place.schedule}: each stage holds all {self.subs_per_rank} micro-batches"
+        if place.schedule:
+            pipe = (f", schedule {place.schedule}: each stage holds at most {place.sets} "
+                    f"micro-batch(es) of {self.subs_per_rank}, "
+                    + ("backward first (priorities)" if place.schedule == "1f1b"
+                       else "tasks in the order they become ready"))
         return (f"starpu engine, {self.runtime.describe()}, {self.sub_batches} sub-batch(es)"
                 f"{per}{pipe}")

@@ -59,12 +59,15 @@ def gradient_mode(workers: int, pinned: bool, subs_per_rank: int) -> int:
 OWNERSHIPS = ("sharded", "rank0")
 
 # How a pipeline's micro-batches go through its stages (Placement: sets, sub_batch_site):
-# 1f1b bounds what a stage holds to S micro-batches and prefers backward work; gpipe, every
-# micro-batch its own activations, in the order the tasks become ready.
-PIPELINE_SCHEDULES = ("1f1b", "gpipe")
-# 1f1b's task priorities (runtime.submit.Where.priority): among the tasks ready on a worker,
-# a micro-batch's backward first, then a head (its backward follows at once, on the same
-# rank), then forwards, which under 1f1b run at most `sets` micro-batches ahead anyway.
+# 1f1b bounds what a stage holds to S micro-batches and prefers backward work; bounded, the
+# same bound, tasks in the order they become ready; gpipe, every micro-batch its own
+# activations, in the order the tasks become ready.
+PIPELINE_SCHEDULES = ("1f1b", "bounded", "gpipe")
+# 1f1b's task priorities (runtime.submit.Where.priority, Placement.sub_batch_site): among the
+# tasks ready on a worker, a backward first, then a head (its backward follows at once, on
+# the same rank), then forwards, which under 1f1b run at most `sets` micro-batches ahead
+# anyway; within a phase the earlier micro-batch first (without it a worker alternates
+# between two micro-batches' ready tasks layer by layer, and both reach the next stage late).
 PHASE_PRIORITY = {"forward": 0, "head": 1, "backward": 2}
 
 
@@ -237,12 +240,13 @@ class Placement:
         self.topology = topo = topology or Topology(config, self.nranks, 1, "rank0")
         self.ownership, self.owners = topo.ownership, topo.owners
         self.stages, self.copies, self.layer_stage = topo.stages, topo.copies, topo.layer_stage
-        # A pipeline's schedule (docs/design.md, StarPU-MPI internals): under 1f1b each stage
-        # has `sets` activation sets per copy, micro-batch j of a copy using set j mod sets,
-        # and its tasks' priorities put backward before the head before the forward
-        # (PHASE_PRIORITY); gpipe gives every micro-batch its own set, all priorities 0.
+        # A pipeline's schedule (docs/design.md, StarPU-MPI internals): under 1f1b (and
+        # bounded) each stage has `sets` activation sets per copy, micro-batch j of a copy
+        # using set j mod sets; under 1f1b its tasks' priorities put backward before the head
+        # before the forward (PHASE_PRIORITY); gpipe gives every micro-batch its own set;
+        # bounded and gpipe leave every priority 0.
         self.schedule = schedule if self.stages > 1 else None
-        self.sets = (min(self.stages, subs_per_copy) if self.schedule == "1f1b"
+        self.sets = (min(self.stages, subs_per_copy) if self.schedule in ("1f1b", "bounded")
                      else subs_per_copy)
         self._set_tensors = {}    # (copy, stage, set, name): the tensor micro-batches share
         # Data parallelism: sub-batch i stays on worker i mod N, so every worker always adds
@@ -447,10 +451,12 @@ class Placement:
         """Sub-batch i's tasks of a phase ("forward": its load and blocks, "head": the final
         layernorm, lm head and loss, "backward"): on its rank (in a pipeline: the rank of the
         stage a task belongs to, the owner of what it writes), on its worker when pinned, and
-        in a 1f1b pipeline at the phase's priority (PHASE_PRIORITY)."""
-        worker = i % self.subs_per_copy % self.runtime.workers if self.pin_sub_batches else ANY
+        in a 1f1b pipeline at priority PHASE_PRIORITY[phase] x M + M - 1 - j for micro-batch
+        j of M in its copy (phase first, then the earlier micro-batch; 0 to 3 M - 1)."""
+        M, j = self.subs_per_copy, i % self.subs_per_copy
+        worker = j % self.runtime.workers if self.pin_sub_batches else ANY
         return Where(self.owner(i) if self.stages == 1 else OWNER, worker,
-                     PHASE_PRIORITY[phase] if self.schedule == "1f1b" else 0)
+                     PHASE_PRIORITY[phase] * M + M - 1 - j if self.schedule == "1f1b" else 0)
 
     def update_site(self) -> Where:
         """The update tasks (AdamW, the gradient norm): on the owner of what they write (each
