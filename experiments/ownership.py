@@ -122,7 +122,8 @@ def main(argv=None):
                     help="also run --baseline-modes with this interpreter (another venv: e.g. "
                          "main's code), labelled (baseline), interleaved with the others")
     ap.add_argument("--baseline-modes", default="pipeline2")
-    ap.add_argument("--no-single", action="store_true", help="skip the one-process runs")
+    ap.add_argument("--single", default="1x1,1xR",
+                    help="the one-process runs: 1x1 and/or 1xR ('' none)")
     ap.add_argument("--single-sub-batches", type=int, default=0,
                     help="also one process 1x1 with this many sub-batches (a pipeline's "
                          "micro-batches: what splitting the batch costs on one core)")
@@ -134,8 +135,9 @@ def main(argv=None):
     batches = [int(b) for b in args.batches.split(",")]
     confs = configurations(args.modes.split(","), args.ranks, args.transports.split(","),
                            args.polls.split(","))
-    if args.no_single:
-        confs = [c for c in confs if c[1].get("ranks")]
+    singles = {"1x1": "1 process 1x1", "1xR": f"1 process 1x{args.ranks}"}
+    keep = {singles[x] for x in args.single.split(",") if x}
+    confs = [c for c in confs if c[1].get("ranks") or c[0] in keep]
     if args.single_sub_batches:
         confs.insert(0, (f"1 process 1x1 {args.single_sub_batches} sub-batches",
                          dict(workers=1, cores_per_worker=1, cpus=1,
@@ -154,7 +156,8 @@ def main(argv=None):
                 if "error" in r:
                     print(f"B={B} {label}: failed: {r['error']}", flush=True)
                     continue
-                rows.append(row_of(label, B, rnd, r, model_bytes))
+                rows.append(dict(row_of(label, B, rnd, r, model_bytes),
+                                 loadavg_1m=round(os.getloadavg()[0], 2)))   # others' load too
                 print(json.dumps(rows[-1]), flush=True)
     for R in [int(x) for x in args.bytes_ranks.split(",") if x]:
         # bytes only: oversubscribed, 2 timed steps, one sequence per rank

@@ -1,8 +1,10 @@
 """Where the StarPU engine's tensors live and where its tasks run: the one place that decides.
 
-Every task submission takes a `Where` (rank, worker) as an argument (runtime.submit.StarPUOps.at);
-the sites come from this class alone (sub_batch_site, update_site), and so do the owners of
-the handles it registers. Nothing else, in Python or in C, holds placement state.
+Every task submission takes a `Where` (rank, worker, priority) as an argument
+(runtime.submit.StarPUOps.at); the sites come from this class alone (sub_batch_site,
+update_site), and so do the owners of the handles it registers and which micro-batches of a
+pipeline share activation buffers (sub_batch, `sets`). Nothing else, in Python or in C,
+holds placement state.
 
 Every tensor is a StarPU vector handle; the per-layer parameters, gradients and moments have
 one handle per layer (a view of the state's (L, ...) array), so each layer's slice has its own
