@@ -121,8 +121,9 @@ def traced_run(spec: dict) -> list:
             engine.close()
         events = rt.trace()
         rt.stop_trace()
-    spec["events"] = [[c, w, k, s, e, None if b is None else [list(x) for x in b], f, j]
-                      for c, w, k, s, e, b, f, j in events]
+    spec["events"] = [[e.codelet, e.worker, e.cores, e.start_ns, e.end_ns,
+                       None if e.buffers is None else [list(x) for x in e.buffers], e.flops, e.job]
+                      for e in events]
     spec["names"] = {str(h): n for h, n in names.items()}
     spec["sizes"] = sizes
     spec["steps_ns"] = steps_ns
