@@ -1,7 +1,7 @@
 """Run under mpirun by tests/test_mpi.py: one step of a micro-batched pipeline on the micro
-model under the task trace; prints one JSON line per rank: the activation and scratch handles
-of each stage (which micro-batches share them), and the priorities the traced tasks of each
-codelet ran with.
+model under the task trace; rank 0 prints one JSON line, a list of each rank's: the
+activation and scratch handles of each stage (which micro-batches share them), and the
+priorities the traced tasks of each codelet ran with.
 
     mpirun -np S python tests/pipeline_sets.py SCHEDULE MICRO_BATCHES SHARD
 """
@@ -52,8 +52,11 @@ def main(schedule, micro, shard):
         for e in events:
             priorities.setdefault(e.codelet, set()).add(e.priority)
         eng.close()
-    print(json.dumps(dict(rank=comm.Get_rank(), sets=eng.placement.sets, shared=shared,
-                          priorities={k: sorted(v) for k, v in priorities.items()})), flush=True)
+    mine = dict(rank=comm.Get_rank(), sets=eng.placement.sets, shared=shared,
+                priorities={k: sorted(v) for k, v in priorities.items()})
+    every = comm.gather(mine)     # one line from rank 0: the ranks' lines could interleave
+    if comm.Get_rank() == 0:
+        print(json.dumps(every), flush=True)
 
 
 if __name__ == "__main__":
