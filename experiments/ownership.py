@@ -195,7 +195,7 @@ def summarize(rows):
         med.pop("round")
         out.append(med)
     for r in out:
-        parts = r["config"].split(" ", 3)     # "R ranks MODE [tcp] [spin]"
+        parts = r["config"].removesuffix(" (baseline)").split(" ", 3)  # "R ranks MODE [tcp] [spin]"
         suffix = parts[3] if " ranks " in r["config"] and len(parts) > 3 else ""
         ref = next((x for x in out if x["batch"] == r["batch"]
                     and x["config"].endswith("ranks rank0" + (f" {suffix}" if suffix else ""))), None)
