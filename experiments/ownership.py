@@ -8,20 +8,28 @@ sharded mode at R = 2, 3, 4 (oversubscribed: bytes only, the times mean nothing 
 compare the largest rank's traffic with the 2 (R-1)/R x model-bytes optimum. Writes
 runs.csv (every run), summary.csv, summary.md and machine.json into --out.
 
+A mode's suffix -wteN runs it with wte in N row blocks instead of the placement's (its
+Topology reads placement.WTE_BLOCKS_ENV): sharded-wte1 is sharded with wte whole, as before
+it was split; --bytes-modes measures the bytes of several.
+
     .venv/bin/python experiments/ownership.py                      # ~25 min on 2 cores
     .venv/bin/python experiments/ownership.py --batches 8 --repeat 1 --steps 3   # a trial
+    .venv/bin/python experiments/ownership.py --modes sharded,sharded-wte1 --transports default \
+        --bytes-modes sharded,sharded-wte1 --out .../wte-blocks   # wte in blocks or not
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import statistics
 import time
 
 from provenance import cpu_kind, machine_info
 from starpu_llm.config import MODELS
 from starpu_llm.flow.engine import default_micro_batches
+from starpu_llm.flow.placement import WTE_BLOCKS_ENV
 from starpu_llm.runs import run_in_subprocess, write_csv
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -42,10 +50,20 @@ def configurations(modes, R, transports):
 
 
 def mode_fields(mode: str) -> dict:
-    """The run-spec fields of an ownership mode: rank0, sharded, or pipeline<S>."""
+    """The run-spec fields of an ownership mode: rank0, sharded, or pipeline<S>, each with an
+    optional -wteN (wte in N row blocks: "env", the run's environment)."""
+    mode, _, blocks = mode.partition("-wte")
+    env = {"env": dict(os.environ, **{WTE_BLOCKS_ENV: blocks})} if blocks else {}
     if mode.startswith("pipeline"):
-        return dict(ownership="sharded", pipeline_stages=int(mode[len("pipeline"):] or 2))
-    return dict(ownership=mode)
+        return dict(ownership="sharded", pipeline_stages=int(mode[len("pipeline"):] or 2), **env)
+    return dict(ownership=mode, **env)
+
+
+def run(spec: dict) -> dict:
+    """One configuration in its own process(es), with its own environment if it has one."""
+    spec = dict(spec)
+    env = spec.pop("env", None)
+    return run_in_subprocess(spec, env=env)
 
 
 def row_of(label, B, rnd, r, model_bytes):
@@ -58,6 +76,8 @@ def row_of(label, B, rnd, r, model_bytes):
              else r.get("sub_batches") or 1)
     row = dict(config=label, model=r["model"], seq_len=r["seq_len"], batch=B, round=rnd,
                mode=mode, ranks=ranks, stages=stages,
+               wte_blocks=int(m.group(1)) if (m := re.search(r"wte in (\d+) row blocks",
+                                                             r.get("describe", ""))) else 1,
                workers=r["workers"], cores_per_worker=r["cores_per_worker"], sub_batches=micro,
                transport="tcp" if r.get("mpirun_args") else "default" if ranks > 1 else "",
                tokens_per_ms=round(r["tokens_per_ms"], 5),
@@ -94,6 +114,8 @@ def main(argv=None):
                          "self,tcp on the loopback, as between nodes)")
     ap.add_argument("--bytes-ranks", default="2,3,4",
                     help="R of the oversubscribed sharded runs that measure bytes only ('' none)")
+    ap.add_argument("--bytes-modes", default="sharded",
+                    help="the modes of those runs (sharded, sharded-wteN)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "ownership", cpu_kind()))
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -106,23 +128,24 @@ def main(argv=None):
     for rnd in range(args.repeat):
         for B in batches:
             for label, fields in confs:
-                r = run_in_subprocess(dict(base, batch=B, **fields))
+                r = run(dict(base, batch=B, **fields))
                 if "error" in r:
                     print(f"B={B} {label}: failed: {r['error']}", flush=True)
                     continue
                 rows.append(row_of(label, B, rnd, r, model_bytes))
                 print(json.dumps(rows[-1]), flush=True)
     for R in [int(x) for x in args.bytes_ranks.split(",") if x]:
-        # bytes only: oversubscribed, 2 timed steps, one sequence per rank
-        r = run_in_subprocess(dict(base, batch=R, steps=2, workers=1, cores_per_worker=1,
-                                   ranks=R, ownership="sharded", oversubscribe=True))
-        if "error" in r:
-            print(f"bytes at R={R}: failed: {r['error']}", flush=True)
-            continue
-        row = row_of(f"{R} ranks sharded (bytes only)", R, 0, r, model_bytes)
-        row["optimum_model_bytes"] = round(2 * (R - 1) / R, 4)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        for mode in args.bytes_modes.split(","):
+            # bytes only: oversubscribed, 2 timed steps, one sequence per rank
+            r = run(dict(base, batch=R, steps=2, workers=1, cores_per_worker=1, ranks=R,
+                         oversubscribe=True, **mode_fields(mode)))
+            if "error" in r:
+                print(f"bytes at R={R} {mode}: failed: {r['error']}", flush=True)
+                continue
+            row = row_of(f"{R} ranks {mode} (bytes only)", R, 0, r, model_bytes)
+            row["optimum_model_bytes"] = round(2 * (R - 1) / R, 4)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     rows = uniform(rows)
     write_csv(os.path.join(args.out, "runs.csv"), rows)
     summary = uniform(summarize(rows))

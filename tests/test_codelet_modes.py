@@ -17,32 +17,33 @@ from tracing import traced_step
 
 MICRO = MODELS["micro"]
 TOKENS = np.random.default_rng(0).integers(0, MICRO.V, 4000).astype(np.uint16)
+MAX_REPEATS = 8      # the repeat counts tried by allowed()
 
 
 def declared(codelet, redux, accumulate):
     """The codelet's declared SL_ACCESS_* modes for a task with this redux / accumulate."""
-    modes = ffi.new("int32_t[]", lib.SL_TRACE_MAXBUF)
-    n = lib.sl_codelet_modes(codelet, redux, accumulate, modes, lib.SL_TRACE_MAXBUF)
-    assert 0 <= n <= lib.SL_TRACE_MAXBUF, n
+    modes = ffi.new("int32_t[]", lib.SL_MAX_BUFFERS)
+    n = lib.sl_codelet_modes(codelet, redux, accumulate, modes, lib.SL_MAX_BUFFERS)
+    assert 0 <= n <= lib.SL_MAX_BUFFERS, n
     return [int(m) for m in modes[0:n]]
 
 
 def allowed(codelet, redux):
     """Every mode list a task of the codelet may run with in a step of this redux: either
-    accumulate, with or without its optional trailing buffers (any number of the last), a
-    repeated last buffer any number of times (as many as the trace keeps)."""
+    accumulate, with or without its optional trailing buffers (any number of the last), each
+    repeated buffer k times in its place (k = 1 .. MAX_REPEATS, the same for all)."""
     out = set()
     flags = lib.SL_ACCESS_OPTIONAL | lib.SL_ACCESS_REPEAT | lib.SL_ACCESS_ANY
     for accumulate in (0, 1):
         modes = declared(codelet, redux, accumulate)
-        full = tuple(m & ~flags for m in modes)
-        if modes and modes[-1] & lib.SL_ACCESS_REPEAT:   # the last buffer, once or more
-            out.update(full + full[-1:] * k for k in range(lib.SL_TRACE_MAXBUF - len(full) + 1))
-        out.add(full)
-        n = len(modes)
-        while n and modes[n - 1] & lib.SL_ACCESS_OPTIONAL:
-            n -= 1
-            out.add(full[:n])
+        for k in range(1, MAX_REPEATS + 1):
+            places = [k if m & lib.SL_ACCESS_REPEAT else 1 for m in modes]
+            full = tuple(m & ~flags for m, p in zip(modes, places) for _ in range(p))
+            out.add(full)
+            n = len(modes)
+            while n and modes[n - 1] & lib.SL_ACCESS_OPTIONAL:
+                n -= 1
+                out.add(full[:sum(places[:n])])
     return out
 
 
@@ -54,8 +55,10 @@ def test_declared_table():
     assert declared(ids["grad_sumsq"], 0, 0) == [w, r]
     assert declared(ids["norm_sum"], 0, 0) == [w, r | lib.SL_ACCESS_REPEAT]
     assert declared(ids["gather"], 0, 0) == [w | lib.SL_ACCESS_ANY, r | lib.SL_ACCESS_REPEAT]
-    assert declared(ids["matmul_backward"], 0, 0) == [w, rw, r, r, r, rw | opt]
-    assert declared(ids["matmul_backward"], 1, 0) == [w, redux, r, r, r, redux | opt]
+    rep = lib.SL_ACCESS_REPEAT          # the weight and its gradient: in row blocks (wte)
+    assert declared(ids["matmul_backward"], 0, 0) == [w, rw | rep, r, r, r | rep, rw | opt]
+    assert declared(ids["matmul_backward"], 1, 0) == [w, redux | rep, r, r, r | rep, redux | opt]
+    assert declared(ids["encoder_backward"], 1, 0) == [redux | rep, redux, r, r]
     assert declared(ids["layernorm_backward"], 0, 0)[0] == w
     assert declared(ids["layernorm_backward"], 0, 1)[0] == rw
     assert lib.sl_codelet_modes(lib.sl_codelet_count(), 0, 0, ffi.NULL, 0) < 0
@@ -110,12 +113,16 @@ def test_both_executors_come_from_the_one_table():
 
 
 def test_flops_come_from_the_declaration():
-    """The flop count StarPU gets is the declaration's: 2 N C OC (+ N OC with a bias)."""
+    """The flop count StarPU gets is the declaration's: 2 N C OC (+ N OC with a bias), whether
+    the weight comes whole or in row blocks (the last field, blocks, is the repeat count)."""
     cd = TABLE["matmul_forward"]
-    a = ffi.new(cd.args_type + " *", [3, 4, 5])
+    a = ffi.new(cd.args_type + " *", [3, 4, 5, 1])
     with_bias = ffi.new("size_t[]", [15, 12, 20, 5])
     assert lib.sl_codelet_flops(cd.id, with_bias, 4, a) == 2 * 3 * 4 * 5 + 3 * 5
     assert lib.sl_codelet_flops(cd.id, with_bias, 3, a) == 2 * 3 * 4 * 5
+    two_blocks = ffi.new(cd.args_type + " *", [3, 4, 5, 2])
+    assert lib.sl_codelet_flops(cd.id, ffi.new("size_t[]", [15, 12, 8, 12]), 4,
+                                two_blocks) == 2 * 3 * 4 * 5
     assert lib.sl_codelet_flops(TABLE["gelu_forward"].id, with_bias, 2, ffi.NULL) == 0
 
 

@@ -61,18 +61,20 @@ class StarPUEngine(Engine):
 
     Under StarPU-MPI (a Runtime started on a communicator of R processes) every process
     submits the whole graph; rank r runs its sub-batches (B/R sequences), the owner of each
-    parameter slice its update (`ownership`: placement.py)."""
+    parameter slice its update (`ownership`: placement.py). wte_blocks: wte's row blocks
+    instead of the topology's (the performance model records a rank's graph so, perf/graph.py)."""
 
     name = "starpu"
 
     def __init__(self, config, state, B, T, tokens, runtime, sub_batches: int | None = None,
                  record: bool = False, ownership: str | None = None, pipeline_stages: int = 1,
-                 stage_costs=None):
+                 stage_costs=None, wte_blocks: int | None = None):
         if not runtime.running:
             raise RuntimeError("the StarPU runtime is not running")
         nranks = runtime.size
         topology = Topology(config, nranks, pipeline_stages,
-                            (ownership or "sharded") if nranks > 1 else "rank0", T, stage_costs)
+                            (ownership or "sharded") if nranks > 1 else "rank0", T, stage_costs,
+                            wte_blocks=wte_blocks)
         copies = topology.copies      # data-parallel copies: every rank's without a pipeline
         where = (f"{copies} data-parallel copies of the pipeline" if pipeline_stages > 1
                  else f"{nranks} MPI processes")
@@ -126,7 +128,7 @@ class StarPUEngine(Engine):
         for t in (t for copy in self.contributions for t in copy.tensors()):
             if t.name.startswith("grad@"):
                 yield t.name, t
-        for t in self.embedding_wte or []:
+        for t in (t for blocks in self.embedding_wte or [] for t in blocks):
             yield t.name, t
         for i, (a, stages) in enumerate(self.subs):
             for t in a.tensors():
@@ -223,4 +225,7 @@ class StarPUEngine(Engine):
     def describe(self):
         unit = "copy" if self.placement.stages > 1 else "process"
         per = f" ({self.subs_per_rank} per {unit})" if self.mpi else ""
-        return f"starpu engine, {self.runtime.describe()}, {self.sub_batches} sub-batch(es){per}"
+        nb = self.placement.topology.wte_blocks
+        blocks = f", wte in {nb} row blocks" if nb > 1 else ""
+        return (f"starpu engine, {self.runtime.describe()}, {self.sub_batches} "
+                f"sub-batch(es){per}{blocks}")
