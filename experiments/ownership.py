@@ -182,11 +182,11 @@ def markdown(summary, info) -> str:
              f"StarPU {info['starpu_version']}, commit {info['commit']})", "",
              f"Model bytes: {info['model_bytes'] / 1e6:.1f} MB. Median of the rounds "
              "(all rounds in the last column).", "",
-             "| B | configuration | tok/ms | vs rank0 | ms/step | peak RSS per rank (MB) | "
+             "| B | configuration | wte blocks | tok/ms | vs rank0 | ms/step | peak RSS per rank (MB) | "
              "sent per rank (MB/step) | received per rank (MB/step) | largest / model bytes | rounds |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary:
-        lines.append(f"| {r['batch']} | {r['config']} | {r['tokens_per_ms']:.4f} | {r['vs_rank0']} | "
+        lines.append(f"| {r['batch']} | {r['config']} | {r['wte_blocks']} | {r['tokens_per_ms']:.4f} | {r['vs_rank0']} | "
                      f"{r['ms_per_step']} | {r.get('rank_peak_rss_mb') or r['peak_rss_mb']} | "
                      f"{r.get('sent_mb', '')} | {r.get('received_mb', '')} | "
                      f"{r.get('largest_traffic_model_bytes', '')}"
