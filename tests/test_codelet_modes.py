@@ -95,6 +95,53 @@ def test_traced_modes_are_the_declared_ones(workers, sub_batches, redux, grad_cl
     assert ({"grad_sumsq", "norm_sum"} <= names) == bool(grad_clip)
 
 
+def test_wte_blocks_run_with_every_buffer():
+    """wte in 5 row blocks (the engine's override; under mpirun the placement's), one
+    process: the embedding and the lm head take every block, StarPU runs each task with all
+    its buffers in the declared modes, each repeated one 5 times in its place (the lm head's
+    backward has 3 + 2 x 5 = 13 buffers, past the 8 a task may have on Debian's StarPU 1.3
+    without STARPU_VARIABLE_NBUFFERS), and every block gets its own update."""
+    with Runtime(1, 1) as rt:
+        events, names = traced_step(rt, MICRO, TOKENS, wte_blocks=5)
+    ids = {ffi.string(lib.sl_codelet_name(i)).decode(): i for i in range(lib.sl_codelet_count())}
+    counts = {}
+    for name, _, _, _, _, buffers, *_ in events:
+        if buffers is None:
+            continue
+        assert tuple(m for _, m in buffers) in allowed(ids[name], 0), name
+        wte = [names[h] for h, _ in buffers if ".wte[" in names[h]]
+        counts.setdefault(name, set()).add((len(buffers), len(wte)))
+    assert counts["matmul_backward"] >= {(13, 10), (6, 0)}     # the head, and a layer's
+    assert counts["matmul_forward"] >= {(7, 5), (4, 0)}
+    assert counts["encoder_forward"] == {(8, 5)} and counts["encoder_backward"] == {(8, 5)}
+    assert (4, 4) in counts["adamw"]          # a block's parameter, gradient, m and v
+    updated = [names[e[5][0][0]] for e in events if e[0] == "adamw"]
+    assert sorted(n for n in updated if ".wte" in n) == [f"param.wte[{b}]" for b in range(5)]
+
+
+def test_submission_checks_the_repeat_count():
+    """Every repeated buffer of a call comes as often as the others (split_call), and as often
+    as the task's count says (sl_submit)."""
+    with pytest.raises(TypeError, match="different counts"):
+        DirectOps().matmul_backward(None, [1, 2], None, None, [1, 2, 3], None, 1, 1, 1)
+    with Runtime(1, 1) as rt:
+        arrays = [np.ones(4, np.float32) for _ in range(4)]
+        h = [lib.sl_register_vector(ffi.from_buffer(x), 4, 4) for x in arrays]
+        cd = TABLE["matmul_forward"]
+        hs = ffi.new("sl_handle[]", h)
+        owner, any_ = lib.SL_NODE_OWNER, lib.SL_ANY_WORKER
+        for blocks, n in ((2, 3), (0, 2), (3, 4)):      # 2 blocks, 3 buffers: 1 block missing
+            a = ffi.new(cd.args_type + " *", [1, 2, 4, blocks])
+            assert lib.sl_submit(cd.id, hs, n, 0, a, cd.args_size, owner, any_) < 0
+        # out (N=1, OC=4) = inp (1, C=2) @ weight^T, weight (4, 2) in 2 blocks of 2 rows
+        a = ffi.new(cd.args_type + " *", [1, 2, 4, 2])
+        assert lib.sl_submit(cd.id, hs, 4, 0, a, cd.args_size, owner, any_) == 0
+        rt.wait()
+        for x in h:
+            lib.sl_unregister(x)
+    assert np.array_equal(arrays[0], np.full(4, 2.0, np.float32))
+
+
 def test_both_executors_come_from_the_one_table():
     """The StarPU and the direct executor have a method for every codelet of the table, the
     same table in both binding modules; a call's scalars are the codelet's argument struct."""
