@@ -15,7 +15,7 @@ it was split; --bytes-modes measures the bytes of several.
     .venv/bin/python experiments/ownership.py                      # ~25 min on 2 cores
     .venv/bin/python experiments/ownership.py --batches 8 --repeat 1 --steps 3   # a trial
     .venv/bin/python experiments/ownership.py --modes sharded,sharded-wte1 --transports default \
-        --bytes-modes sharded,sharded-wte1 --out .../wte-blocks   # wte in blocks or not
+        --no-one-process --bytes-modes sharded,sharded-wte1 --out .../wte-blocks   # wte blocked or not
 """
 from __future__ import annotations
 
@@ -35,10 +35,12 @@ from starpu_llm.runs import run_in_subprocess, write_csv
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def configurations(modes, R, transports):
-    """(label, spec fields) of each configuration run at every batch."""
+def configurations(modes, R, transports, one_process=True):
+    """(label, spec fields) of each configuration run at every batch (one_process: also one
+    process on 1 and on R cores)."""
     out = [("1 process 1x1", dict(workers=1, cores_per_worker=1, cpus=1)),
-           (f"1 process 1x{R}", dict(workers=1, cores_per_worker=R, kcore="team", cpus=R))]
+           (f"1 process 1x{R}", dict(workers=1, cores_per_worker=R, kcore="team", cpus=R))
+           ][:2 if one_process else 0]
     for transport in transports:
         mca = ["--mca", "btl", "self,tcp"] if transport == "tcp" else []
         suffix = " tcp" if transport == "tcp" else ""
@@ -114,6 +116,8 @@ def main(argv=None):
                          "self,tcp on the loopback, as between nodes)")
     ap.add_argument("--bytes-ranks", default="2,3,4",
                     help="R of the oversubscribed sharded runs that measure bytes only ('' none)")
+    ap.add_argument("--one-process", action=argparse.BooleanOptionalAction, default=True,
+                    help="also one process on 1 and on R cores (default: yes)")
     ap.add_argument("--bytes-modes", default="sharded",
                     help="the modes of those runs (sharded, sharded-wteN)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "ownership", cpu_kind()))
@@ -122,7 +126,8 @@ def main(argv=None):
     config = MODELS[args.model]
     model_bytes = 4 * config.num_parameters
     batches = [int(b) for b in args.batches.split(",")]
-    confs = configurations(args.modes.split(","), args.ranks, args.transports.split(","))
+    confs = configurations(args.modes.split(","), args.ranks, args.transports.split(","),
+                           args.one_process)
     base = dict(engine="starpu", model=args.model, seq_len=args.seq_len, steps=args.steps)
     rows, t0 = [], time.time()
     for rnd in range(args.repeat):
