@@ -8,20 +8,28 @@ sharded mode at R = 2, 3, 4 (oversubscribed: bytes only, the times mean nothing 
 compare the largest rank's traffic with the 2 (R-1)/R x model-bytes optimum. Writes
 runs.csv (every run), summary.csv, summary.md and machine.json into --out.
 
+A mode's suffix -wteN runs it with wte in N row blocks instead of the placement's (its
+Topology reads placement.WTE_BLOCKS_ENV): sharded-wte1 is sharded with wte whole, as before
+it was split; --bytes-modes measures the bytes of several.
+
     .venv/bin/python experiments/ownership.py                      # ~25 min on 2 cores
     .venv/bin/python experiments/ownership.py --batches 8 --repeat 1 --steps 3   # a trial
+    .venv/bin/python experiments/ownership.py --modes sharded,sharded-wte1 --transports default \
+        --single '' --bytes-modes sharded,sharded-wte1 --out .../wte-blocks   # wte blocked or not
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import statistics
 import time
 
 from provenance import cpu_kind, machine_info
 from starpu_llm.config import MODELS
 from starpu_llm.flow.engine import default_micro_batches
+from starpu_llm.flow.placement import WTE_BLOCKS_ENV
 from starpu_llm.runs import run_in_subprocess, write_csv
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -31,7 +39,8 @@ def configurations(modes, R, transports, polls=("backoff",)):
     """(label, spec fields) of each configuration run at every batch. polls: how StarPU-MPI's
     progression thread waits (runtime.mpi.mpi_polling; "spin" labelled, the default not)."""
     out = [("1 process 1x1", dict(workers=1, cores_per_worker=1, cpus=1)),
-           (f"1 process 1x{R}", dict(workers=1, cores_per_worker=R, kcore="team", cpus=R))]
+           (f"1 process 1x{R}", dict(workers=1, cores_per_worker=R, kcore="team", cpus=R))
+           ]
     for poll in polls:
         for transport in transports:
             args = ["--mca", "btl", "self,tcp"] if transport == "tcp" else []
@@ -55,12 +64,23 @@ def baseline_configurations(modes, R, python):
 
 def mode_fields(mode: str) -> dict:
     """The run-spec fields of an ownership mode: rank0, sharded, or pipeline<S>[-<schedule>]
-    (pipeline2-gpipe: 2 stages, --pipeline-schedule gpipe; default 1f1b)."""
+    (pipeline2-gpipe: 2 stages, --pipeline-schedule gpipe; default 1f1b), each with an optional
+    -wteN (wte in N row blocks: "env", the run's environment)."""
+    mode, _, blocks = mode.partition("-wte")
+    env = {"env": dict(os.environ, **{WTE_BLOCKS_ENV: blocks})} if blocks else {}
     if mode.startswith("pipeline"):
         stages, _, schedule = mode[len("pipeline"):].partition("-")
         return dict(ownership="sharded", pipeline_stages=int(stages or 2),
-                    pipeline_schedule=schedule or None)
-    return dict(ownership=mode)
+                    pipeline_schedule=schedule or None, **env)
+    return dict(ownership=mode, **env)
+
+
+def run(spec: dict) -> dict:
+    """One configuration in its own process(es), with its own environment and interpreter
+    if it has them."""
+    spec = dict(spec)
+    env, python = spec.pop("env", None), spec.pop("python", None)
+    return run_in_subprocess(spec, env=env, python=python)
 
 
 def row_of(label, B, rnd, r, model_bytes):
@@ -75,6 +95,8 @@ def row_of(label, B, rnd, r, model_bytes):
              else r.get("sub_batches") or 1)
     row = dict(config=label, model=r["model"], seq_len=r["seq_len"], batch=B, round=rnd,
                mode=mode, schedule=schedule, ranks=ranks, stages=stages,
+               wte_blocks=int(m.group(1)) if (m := re.search(r"wte in (\d+) row blocks",
+                                                             r.get("describe", ""))) else 1,
                workers=r["workers"], cores_per_worker=r["cores_per_worker"], sub_batches=micro,
                transport=("tcp" if "self,tcp" in r.get("mpirun_args", []) else "default"
                           if ranks > 1 else ""),
@@ -127,6 +149,8 @@ def main(argv=None):
     ap.add_argument("--single-sub-batches", type=int, default=0,
                     help="also one process 1x1 with this many sub-batches (a pipeline's "
                          "micro-batches: what splitting the batch costs on one core)")
+    ap.add_argument("--bytes-modes", default="sharded",
+                    help="the modes of those runs (sharded, sharded-wteN)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "ownership", cpu_kind()))
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -150,9 +174,7 @@ def main(argv=None):
     for rnd in range(args.repeat):
         for B in batches:
             for label, fields in confs:
-                fields = dict(fields)
-                python = fields.pop("python", None)
-                r = run_in_subprocess(dict(base, batch=B, **fields), python=python)
+                r = run(dict(base, batch=B, **fields))
                 if "error" in r:
                     print(f"B={B} {label}: failed: {r['error']}", flush=True)
                     continue
@@ -160,16 +182,17 @@ def main(argv=None):
                                  loadavg_1m=round(os.getloadavg()[0], 2)))   # others' load too
                 print(json.dumps(rows[-1]), flush=True)
     for R in [int(x) for x in args.bytes_ranks.split(",") if x]:
-        # bytes only: oversubscribed, 2 timed steps, one sequence per rank
-        r = run_in_subprocess(dict(base, batch=R, steps=2, workers=1, cores_per_worker=1,
-                                   ranks=R, ownership="sharded", oversubscribe=True))
-        if "error" in r:
-            print(f"bytes at R={R}: failed: {r['error']}", flush=True)
-            continue
-        row = row_of(f"{R} ranks sharded (bytes only)", R, 0, r, model_bytes)
-        row["optimum_model_bytes"] = round(2 * (R - 1) / R, 4)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        for mode in args.bytes_modes.split(","):
+            # bytes only: oversubscribed, 2 timed steps, one sequence per rank
+            r = run(dict(base, batch=R, steps=2, workers=1, cores_per_worker=1, ranks=R,
+                         oversubscribe=True, **mode_fields(mode)))
+            if "error" in r:
+                print(f"bytes at R={R} {mode}: failed: {r['error']}", flush=True)
+                continue
+            row = row_of(f"{R} ranks {mode} (bytes only)", R, 0, r, model_bytes)
+            row["optimum_model_bytes"] = round(2 * (R - 1) / R, 4)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     rows = uniform(rows)
     write_csv(os.path.join(args.out, "runs.csv"), rows)
     summary = uniform(summarize(rows))
@@ -208,11 +231,11 @@ def markdown(summary, info) -> str:
              f"StarPU {info['starpu_version']}, commit {info['commit']})", "",
              f"Model bytes: {info['model_bytes'] / 1e6:.1f} MB. Median of the rounds "
              "(all rounds in the last column).", "",
-             "| B | configuration | tok/ms | vs rank0 | ms/step | peak RSS per rank (MB) | "
+             "| B | configuration | wte blocks | tok/ms | vs rank0 | ms/step | peak RSS per rank (MB) | "
              "sent per rank (MB/step) | received per rank (MB/step) | largest / model bytes | rounds |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary:
-        lines.append(f"| {r['batch']} | {r['config']} | {r['tokens_per_ms']:.4f} | {r['vs_rank0']} | "
+        lines.append(f"| {r['batch']} | {r['config']} | {r['wte_blocks']} | {r['tokens_per_ms']:.4f} | {r['vs_rank0']} | "
                      f"{r['ms_per_step']} | {r.get('rank_peak_rss_mb') or r['peak_rss_mb']} | "
                      f"{r.get('sent_mb', '')} | {r.get('received_mb', '')} | "
                      f"{r.get('largest_traffic_model_bytes', '')}"

@@ -41,6 +41,25 @@ PARAMETERS = (
 )
 PARAMETER_SPECS = {p.name: p for p in PARAMETERS}
 
+# The tensor that may be split in row blocks, each block a slice of its own (owner, gradient,
+# moments, update): the tied embedding and lm head, 31 % of GPT-2 124M. How many blocks is the
+# placement's decision (flow/placement.Topology.wte_blocks): one in a single process.
+ROW_BLOCKED = "wte"
+
+
+def row_blocks(rows: int, nb: int) -> list:
+    """[(first, end)] of nb contiguous blocks of `rows` rows, in order, sizes differing by at
+    most one (block b starts at row b rows // nb)."""
+    if not 1 <= nb <= rows:
+        raise ValueError(f"{nb} row blocks of {rows} rows")
+    return [(b * rows // nb, (b + 1) * rows // nb) for b in range(nb)]
+
+
+def is_sliced(name: str) -> bool:
+    """Whether the named groups (flow/tensors.ParameterTensors) hold a tensor as a list of
+    slices: a block tensor's layers, or ROW_BLOCKED's row blocks (one or more)."""
+    return PARAMETER_SPECS[name].part == "block" or name == ROW_BLOCKED
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -140,3 +159,11 @@ class ParamLayout:
 
     def is_layered(self, name: str) -> bool:
         return PARAMETER_SPECS[name].part == "block"
+
+    def slices(self, name: str, view: np.ndarray, wte_blocks: int = 1):
+        """A tensor's view (views()) as the named groups hold it: ROW_BLOCKED's as the list of
+        its wte_blocks row blocks (views, row_blocks), any other as is (a block tensor's
+        (L, ...) array: its layers)."""
+        if name == ROW_BLOCKED:
+            return [view[a:e] for a, e in row_blocks(len(view), wte_blocks)]
+        return view

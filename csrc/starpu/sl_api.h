@@ -97,16 +97,15 @@ int sl_submit(int codelet, const sl_handle *handles, int n, int redux, const voi
  * the clock of Python's time.monotonic_ns()), and the data handles and access modes StarPU
  * gave it (read back from the running task, not from our own tables). A reduction method
  * StarPU runs inline inside another task records nbuffers = -1. Modes: SL_ACCESS_* bits. */
-#define SL_TRACE_MAXBUF 8 /* buffers recorded per task (STARPU_NMAXBUFS of Debian's 1.3) */
 struct sl_trace_event {
 	int32_t codelet;  /* index into the codelet table */
 	int32_t worker;	  /* StarPU worker id of the task's master thread */
 	int32_t ncores;	  /* cores of the (combined) worker */
-	int32_t nbuffers; /* buffers of the task (only the first SL_TRACE_MAXBUF kept) */
+	int32_t nbuffers; /* buffers of the task */
 	int64_t start_ns;
 	int64_t end_ns;
-	int32_t modes[SL_TRACE_MAXBUF]; /* SL_ACCESS_* bits */
-	sl_handle handles[SL_TRACE_MAXBUF];
+	int32_t *modes;	    /* nbuffers SL_ACCESS_* bits (freed with the trace) */
+	sl_handle *handles; /* nbuffers handles */
 	double flops;	/* the flop count the task was submitted with */
 	uint64_t job;	/* the task's submission number (sl_submit) */
 	int32_t priority; /* the task's priority (sl_submit) */

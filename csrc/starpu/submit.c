@@ -62,16 +62,12 @@ static int check_submit(int ret, const char *what)
 	return ret;
 }
 
-/* The handles against the declaration: every buffer but trailing optional ones given, a
- * repeated last buffer at least once. Returns 0 or -EINVAL. */
-static int check_handles(const struct sl_codelet *c, const sl_handle *handles, int n)
+/* The handles against the declaration (sl_codelet_check_count, for repeat count k): every
+ * buffer but trailing optional ones given, each repeated one k times. Returns 0 or -EINVAL. */
+static int check_handles(const struct sl_codelet *c, const sl_handle *handles, int n, int k)
 {
-	int repeat = c->nbuffers > 0 && (c->modes[c->nbuffers - 1] & SL_REPEAT);
-	if (n < 0 || (!repeat && n > c->nbuffers))
+	if (sl_codelet_check_count(c, n, k) != 0)
 		return -EINVAL;
-	for (int i = n; i < c->nbuffers; i++)
-		if (!(c->modes[i] & SL_OPT))
-			return -EINVAL;
 	for (int i = 0; i < n; i++)
 		if (!handles[i])
 			return -EINVAL;
@@ -91,11 +87,14 @@ int sl_submit(int codelet, const sl_handle *handles, int n, int redux, const voi
 	struct starpu_codelet *cl = sl_starpu_codelet(codelet);
 	if (!c || !cl)
 		return check_submit(-EINVAL, c ? c->name : "an unknown codelet");
-	if (check_handles(c, handles, n) != 0 || args_size != (args ? c->args_size : 0) ||
-	    node < SL_NODE_OWNER || worker < SL_ANY_WORKER)
+	if (args_size != (args ? c->args_size : 0) || node < SL_NODE_OWNER ||
+	    worker < SL_ANY_WORKER)
 		return check_submit(-EINVAL, c->name);
-	/* on the stack up to the declared maximum; only a repeated last buffer goes beyond it
-	 * (the gather of a checkpoint snapshot: every parameter tensor) */
+	int k = sl_codelet_repeats(c, args);
+	if (check_handles(c, handles, n, k) != 0)
+		return check_submit(-EINVAL, c->name);
+	/* on the stack up to the declared maximum; only repeated buffers go beyond it (the gather
+	 * of a checkpoint snapshot: every parameter tensor; wte's row blocks) */
 	struct starpu_data_descr stack_buffers[SL_MAX_BUFFERS], *buffers = stack_buffers;
 	size_t stack_count[SL_MAX_BUFFERS], *count = stack_count;
 	if (n > SL_MAX_BUFFERS) {
@@ -109,7 +108,7 @@ int sl_submit(int codelet, const sl_handle *handles, int n, int redux, const voi
 	}
 	int accumulate = sl_codelet_accumulate(c, args);
 	for (int i = 0; i < n; i++) {
-		int decl = c->modes[i < c->nbuffers ? i : c->nbuffers - 1];
+		int decl = c->modes[sl_codelet_declared(c, k, i)];
 		buffers[i].handle = handles[i];
 		buffers[i].mode = sl_starpu_mode(sl_mode_access(decl, redux, accumulate));
 		count[i] = (decl & SL_ANY) ? 0 : starpu_vector_get_nx(handles[i]);

@@ -61,18 +61,21 @@ class StarPUEngine(Engine):
 
     Under StarPU-MPI (a Runtime started on a communicator of R processes) every process
     submits the whole graph; rank r runs its sub-batches (B/R sequences), the owner of each
-    parameter slice its update (`ownership`: placement.py)."""
+    parameter slice its update (`ownership`: placement.py). wte_blocks: wte's row blocks
+    instead of the topology's (the performance model records a rank's graph so, perf/graph.py)."""
 
     name = "starpu"
 
     def __init__(self, config, state, B, T, tokens, runtime, sub_batches: int | None = None,
                  record: bool = False, ownership: str | None = None, pipeline_stages: int = 1,
-                 stage_costs=None, pipeline_schedule: str | None = None):
+                 stage_costs=None, pipeline_schedule: str | None = None,
+                 wte_blocks: int | None = None):
         if not runtime.running:
             raise RuntimeError("the StarPU runtime is not running")
         nranks = runtime.size
         topology = Topology(config, nranks, pipeline_stages,
-                            (ownership or "sharded") if nranks > 1 else "rank0", T, stage_costs)
+                            (ownership or "sharded") if nranks > 1 else "rank0", T, stage_costs,
+                            wte_blocks=wte_blocks)
         copies = topology.copies      # data-parallel copies: every rank's without a pipeline
         where = (f"{copies} data-parallel copies of the pipeline" if pipeline_stages > 1
                  else f"{nranks} MPI processes")
@@ -127,7 +130,7 @@ class StarPUEngine(Engine):
         for t in (t for copy in self.contributions for t in copy.tensors()):
             if t.name.startswith("grad@"):
                 yield t.name, t
-        for t in self.embedding_wte or []:
+        for t in (t for blocks in self.embedding_wte or [] for t in blocks):
             yield t.name, t
         seen = set()     # a 1f1b pipeline's micro-batches share sets: the first one's name
         for i, (a, stages) in enumerate(self.subs):
@@ -240,5 +243,7 @@ class StarPUEngine(Engine):
                     f"micro-batch(es) of {self.subs_per_rank}, "
                     + ("backward first (priorities)" if place.schedule == "1f1b"
                        else "tasks in the order they become ready"))
+        nb = place.topology.wte_blocks
+        blocks = f", wte in {nb} row blocks" if nb > 1 else ""
         return (f"starpu engine, {self.runtime.describe()}, {self.sub_batches} sub-batch(es)"
-                f"{per}{pipe}")
+                f"{per}{pipe}{blocks}")

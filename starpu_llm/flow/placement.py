@@ -21,17 +21,23 @@ gradients into its own contribution handles, added into the owners' gradients in
 order (taskflow.reduce_gradients), then the owner updates and the ranks that read the new
 parameter receive it. docs/design.md, StarPU-MPI internals, says more. Tags are given in
 registration order, so every rank registers the same tensors in the same order.
+
+wte, the tied embedding and lm head (31 % of GPT-2 124M), is split in row blocks
+(Topology.wte_blocks: one per data-parallel copy of stage 0 when sharded, else one), each block
+a slice with its own handles, owner, reduction and update: contiguous views of the state's
+(Vp, C) arrays, so the checkpoints and the state do not change.
 """
 from __future__ import annotations
 
 import ctypes
 import math
 import mmap
+import os
 
 import numpy as np
 
 from .._clib import ffi, lib
-from ..config import GPTConfig, ParamLayout
+from ..config import PARAMETER_SPECS, ROW_BLOCKED, GPTConfig, ParamLayout, row_blocks
 from ..errors import StarpuLLMError, opt
 from ..runtime.submit import ANY, OWNER, Where
 from . import taskflow
@@ -73,14 +79,32 @@ PIPELINE_SCHEDULES = ("1f1b", "bounded", "gpipe")
 PHASE_PRIORITY = {"forward": 0, "head": 1, "backward": 2}
 
 
-def slice_sizes(config: GPTConfig) -> list:
-    """((name, layer or None), elements) of every parameter slice, in llm.c's order."""
+# Experiments only (experiments/ownership.py measures wte blocked against not): the number of
+# wte's row blocks, instead of wte_block_count's.
+WTE_BLOCKS_ENV = "STARPU_LLM_WTE_BLOCKS"
+
+
+def wte_block_count(config: GPTConfig, ranks: int, stages: int, ownership: str) -> int:
+    """wte's row blocks: sharded, one per data-parallel copy of stage 0 (D = R / S), so that
+    each of those ranks can own one (the other slices balanced around them), and wte's sends,
+    gradient sums and update are spread over D ranks rather than one; rank0 and one process:
+    one block, wte whole (the step computes exactly what it did unblocked)."""
+    return min(ranks // stages, config.Vp) if ownership == "sharded" else 1
+
+
+def slice_sizes(config: GPTConfig, wte_blocks: int = 1) -> list:
+    """((name, layer, wte's row block or None), elements) of every parameter slice, in llm.c's
+    order."""
     layout = ParamLayout(config)
     out = []
     for name in layout.names:
         size = math.prod(layout.shapes[name])
         if layout.is_layered(name):
             out += [((name, l), size // config.L) for l in range(config.L)]
+        elif name == ROW_BLOCKED:
+            rows, cols = layout.shapes[name]
+            out += [((name, b), (e - a) * cols)
+                    for b, (a, e) in enumerate(row_blocks(rows, wte_blocks))]
         else:
             out.append(((name, None), size))
     return out
@@ -148,16 +172,20 @@ _LIBC = ctypes.CDLL(None, use_errno=True)
 
 class Topology:
     """How R ranks share the work: S pipeline stages x D data-parallel copies (rank d S + s
-    runs stage s of copy d; S = 1: plain data parallelism, a copy per rank), and the owner of
-    every parameter slice (a block tensor's layer, or wte, wpe, lnfw, lnfb): a pure function
-    of the model, R, S, the ownership and T. A slice belongs to one stage (its layer's; the
-    embedding and head tensors to stage 0) and is owned by one of that stage's D ranks, the
-    stage's bytes balanced over them (sharded); rank0 puts every slice on rank 0 (no
-    pipeline). The ranks that read a slice and add into its gradient are its stage's. costs:
-    the layers' (stage_layers)."""
+    runs stage s of copy d; S = 1: plain data parallelism, a copy per rank), wte's row blocks
+    (wte_blocks, wte_block_count) and the owner of every parameter slice (a block tensor's
+    layer, a row block of wte, or wpe, lnfw, lnfb): a pure function of the model, R, S, the
+    ownership and T. A slice belongs to one stage (its layer's; the embedding and head tensors
+    to stage 0) and is owned by one of that stage's D ranks, the stage's bytes balanced over
+    them (sharded); rank0 puts every slice on rank 0 (no pipeline). The ranks that read a
+    slice and add into its gradient are its stage's. costs: the layers' (stage_layers);
+    layer_stage: the stage of each layer, when given (the performance model's, from a recorded
+    graph); wte_blocks: instead of wte_block_count's (the performance model records a rank's
+    graph in one process; WTE_BLOCKS_ENV, an experiment's, else)."""
 
     def __init__(self, config: GPTConfig, ranks: int, stages: int = 1,
-                 ownership: str = "sharded", T: int | None = None, costs=None):
+                 ownership: str = "sharded", T: int | None = None, costs=None,
+                 layer_stage: tuple | None = None, wte_blocks: int | None = None):
         if ownership not in OWNERSHIPS:
             raise StarpuLLMError(f"{opt('ownership')} {ownership!r}: choose one of "
                                  f"{', '.join(OWNERSHIPS)}")
@@ -169,8 +197,12 @@ class Topology:
                                  f"which a pipeline cannot: leave {opt('ownership')} out")
         self.ranks, self.stages, self.copies = ranks, stages, ranks // stages
         self.ownership = ownership
-        self.layer_stage = stage_layers(config, stages, T or config.maxT, costs)
-        slices = slice_sizes(config)
+        self.layer_stage = (tuple(layer_stage) if layer_stage is not None
+                            else stage_layers(config, stages, T or config.maxT, costs))
+        if wte_blocks is None and os.environ.get(WTE_BLOCKS_ENV):
+            wte_blocks = int(os.environ[WTE_BLOCKS_ENV])
+        self.wte_blocks = wte_blocks or wte_block_count(config, ranks, stages, ownership)
+        slices = slice_sizes(config, self.wte_blocks)
         if ownership == "rank0":
             self.owners = {key: 0 for key, _ in slices}
         else:
@@ -188,7 +220,8 @@ class Topology:
         return [self.rank(stage, d) for d in range(self.copies)]
 
     def slice_stage(self, key) -> int:
-        return 0 if key[1] is None else self.layer_stage[key[1]]
+        """The stage of a slice: its layer's, stage 0 for the embedding's and head's."""
+        return self.layer_stage[key[1]] if PARAMETER_SPECS[key[0]].part == "block" else 0
 
     def readers(self, key) -> list:
         """The ranks whose tasks read a parameter slice and add into its gradient."""
@@ -196,7 +229,7 @@ class Topology:
 
     def shares(self, config: GPTConfig) -> list:
         """The fraction of the parameter bytes each rank owns."""
-        sizes = dict(slice_sizes(config))
+        sizes = dict(slice_sizes(config, self.wte_blocks))
         owned = [0] * self.ranks
         for key, r in self.owners.items():
             owned[r] += sizes[key]
@@ -206,7 +239,8 @@ class Topology:
 
 def owner_map(config: GPTConfig, nranks: int, ownership: str, stages: int = 1,
               T: int | None = None) -> dict:
-    """{(name, layer or None): rank} under an ownership scheme (OWNERSHIPS) and S stages."""
+    """{(name, layer, wte's row block or None): rank} under an ownership scheme (OWNERSHIPS)
+    and S stages."""
     return Topology(config, nranks, stages, ownership, T).owners
 
 
@@ -218,9 +252,9 @@ def placement_shares(config: GPTConfig, nranks: int, ownership: str = "sharded",
 
 def shard_owners(config: GPTConfig, nranks: int) -> dict:
     """Sharded data parallelism's owners: every slice on one of the R ranks, the owned bytes
-    balanced (largest first to the least loaded). No slice is larger than wte, 31 % of GPT-2
-    124M: up to 3 ranks each owns at most a third plus less than the largest other slice;
-    from 4 ranks on, the rank owning wte owns 31 %."""
+    balanced (largest first to the least loaded), wte in R row blocks: each rank owns at most
+    1/R of the bytes plus the largest slice (the greedy's bound: a rank's last slice went to
+    it when it owned the least, at most the mean)."""
     return owner_map(config, nranks, "sharded")
 
 
@@ -274,9 +308,9 @@ class Placement:
         memory and is never used. The pages of flat a rank does not use are given back to the
         system (every rank initialised or loaded the whole model). Gradients accept
         STARPU_REDUX contributions when self.redux."""
-        def make(name, arr, layered):
+        def make(name, arr, sliced):
             tensors = []
-            for key, view in self._slices(name, arr, layered):
+            for key, view in self._slices(name, arr, sliced):
                 owner = self.owners[key]
                 used = owner == self.rank or (kind == "param"
                                               and self.rank in self.topology.readers(key))
@@ -284,9 +318,9 @@ class Placement:
                     discard_pages(view)    # the initial or loaded values another rank holds
                 memory = used or (self.rank == 0 and kind != "grad")
                 tensors.append(self._slice_tensor(kind, key, view, memory, owner))
-            return tensors if layered else tensors[0]
+            return tensors if sliced else tensors[0]
 
-        return ParameterTensors.over(layout, flat, make)
+        return ParameterTensors.over(layout, flat, make, self.topology.wte_blocks)
 
     def contributions(self, layout: ParamLayout, flat: np.ndarray,
                       grads: ParameterTensors) -> list:
@@ -303,35 +337,41 @@ class Placement:
         topo = self.topology
         groups = []
         for d in range(self.copies):
-            def make(name, arr, layered, d=d):
-                mine = getattr(grads, name) if layered else [getattr(grads, name)]
+            def make(name, arr, sliced, d=d):
+                mine = getattr(grads, name) if sliced else [getattr(grads, name)]
                 tensors = []
-                for g, (key, view) in zip(mine, self._slices(name, arr, layered)):
+                for g, (key, view) in zip(mine, self._slices(name, arr, sliced)):
                     q = topo.rank(topo.slice_stage(key), d)
                     tensors.append(g if self.owners[key] == q else
                                    self._slice_tensor(f"grad@{q}", key, view, q == self.rank, q))
-                return tensors if layered else tensors[0]
-            groups.append(ParameterTensors.over(layout, flat, make))
+                return tensors if sliced else tensors[0]
+            groups.append(ParameterTensors.over(layout, flat, make, topo.wte_blocks))
         return groups
 
     def embedding_wte_grads(self, config: GPTConfig) -> list:
         """For each copy, the (Vp, C) tensor its embedding adds its wte gradient into, apart
-        from the lm head's (a pipeline's: taskflow.backward says why), owned by the copy's
-        stage 0; zeros to start with, zeroed again after each step's reduction."""
+        from the lm head's (a pipeline's: taskflow.backward says why), in wte's row blocks,
+        owned by the copy's stage 0; zeros to start with, zeroed again after each step's
+        reduction."""
         out = []
         for d in range(self.copies):
             rank = self.topology.rank(0, d)
             arr = np.zeros((config.Vp, config.C), np.float32) if rank == self.rank else None
-            t = Tensor(f"grad@{rank}.embedding.wte", (config.Vp, config.C),
-                       h=self._register(arr, config.Vp * config.C, owner=rank))
-            if self.redux:
-                lib.sl_set_grad_reduction(t.h)
-            out.append(t)
+            blocks = []
+            for b, (r0, r1) in enumerate(row_blocks(config.Vp, self.topology.wte_blocks)):
+                t = Tensor(f"grad@{rank}.embedding.wte[{b}]", (r1 - r0, config.C),
+                           h=self._register(None if arr is None else arr[r0:r1],
+                                            (r1 - r0) * config.C, owner=rank))
+                if self.redux:
+                    lib.sl_set_grad_reduction(t.h)
+                blocks.append(t)
+            out.append(blocks)
         return out
 
-    def _slices(self, name, arr, layered):
-        """((name, layer or None), view) of each slice of one parameter tensor's buffer."""
-        if layered:
+    def _slices(self, name, arr, sliced):
+        """((name, layer, row block or None), view) of each slice of one parameter tensor's
+        buffer (arr: its slices when sliced, tensors.ParameterTensors.over)."""
+        if sliced:
             return [((name, l), arr[l]) for l in range(len(arr))]
         return [((name, None), arr)]
 
@@ -353,8 +393,8 @@ class Placement:
         """The gradient norm's float64 scalars (taskflow.norm_nodes): partial k (the sum of
         squares of update_order's k-th gradient) owned by that gradient's owner, so it is
         computed where the gradient is; the sums of the tree owned by rank 0."""
-        order = taskflow.update_order(cfg)
-        n = taskflow.norm_nodes(cfg)
+        order = taskflow.update_order(cfg, self.topology.wte_blocks)
+        n = taskflow.norm_nodes(cfg, self.topology.wte_blocks)
         owners = [self.owners[key] for key in order] + [0] * (n - len(order))
         arr = np.zeros(n, np.float64)
         return [Tensor(f"gradnorm[{k}]", (1,), np.float64,

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .._kernels import ffi
-from ..config import PARAMETERS, GPTConfig, ParamLayout
+from ..config import PARAMETERS, GPTConfig, ParamLayout, is_sliced
 
 
 class Tensor:
@@ -54,18 +54,21 @@ class _ParameterGroup(TensorGroup):
     """What ParameterTensors offers beyond its fields."""
 
     @classmethod
-    def over(cls, layout: ParamLayout, flat: np.ndarray, make):
+    def over(cls, layout: ParamLayout, flat: np.ndarray, make, wte_blocks: int = 1):
         """The group over flat, a buffer of layout (parameters, gradients, m or v): each field
-        is make(name, view of flat, layered), which returns a Tensor, or for a per-layer
-        tensor the list of its layers' Tensors. Called in llm.c's order."""
-        return cls(**{name: make(name, view, layout.is_layered(name))
+        is make(name, view, sliced), which returns a Tensor, or for a sliced tensor
+        (config.is_sliced) the list of its slices' Tensors: view then holds the slices (a
+        block tensor's (L, ...) view of flat, or wte's list of wte_blocks row-block views).
+        Called in llm.c's order."""
+        return cls(**{name: make(name, layout.slices(name, view, wte_blocks), is_sliced(name))
                       for name, view in layout.views(flat).items()})
 
     @classmethod
     def of_arrays(cls, kind: str, layout: ParamLayout, flat: np.ndarray):
-        """The group of numpy views into flat, named "{kind}.{name}" ("{kind}.{name}[l]")."""
-        def make(name, arr, layered):
-            if layered:
+        """The group of numpy views into flat, named "{kind}.{name}" ("{kind}.{name}[l]"; wte
+        in one row block)."""
+        def make(name, arr, sliced):
+            if sliced:
                 return [Tensor(f"{kind}.{name}[{l}]", arr[l].shape, array=arr[l])
                         for l in range(len(arr))]
             return Tensor(f"{kind}.{name}", arr.shape, array=arr)
@@ -73,9 +76,10 @@ class _ParameterGroup(TensorGroup):
 
 
 # GPT-2's 16 parameter tensors in llm.c's order (config.PARAMETERS): one group each for the
-# parameters, gradients and AdamW moments. A block's tensor is the list of its L layers' slices.
+# parameters, gradients and AdamW moments. A block's tensor is the list of its L layers' slices,
+# wte the list of its row blocks (placement.Topology.wte_blocks; one in a single process).
 ParameterTensors = make_dataclass(
-    "ParameterTensors", [(p.name, list if p.part == "block" else Tensor) for p in PARAMETERS],
+    "ParameterTensors", [(p.name, list if is_sliced(p.name) else Tensor) for p in PARAMETERS],
     bases=(_ParameterGroup,))
 
 

@@ -322,9 +322,8 @@ def read_trace() -> list:
     names = [ffi.string(lib.sl_codelet_name(i)).decode() for i in range(lib.sl_codelet_count())]
     out = []
     for e in (ev[i] for i in range(n)):
-        nb = min(e.nbuffers, lib.SL_TRACE_MAXBUF)
         bufs = None if e.nbuffers < 0 else tuple(
-            (int(ffi.cast("uintptr_t", e.handles[b])), int(e.modes[b])) for b in range(nb))
+            (int(ffi.cast("uintptr_t", e.handles[b])), int(e.modes[b])) for b in range(e.nbuffers))
         out.append(TraceEvent(names[e.codelet], e.worker, e.ncores, e.start_ns, e.end_ns, bufs,
                               float(e.flops), int(e.job), int(e.priority)))
     return out

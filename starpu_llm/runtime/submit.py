@@ -42,7 +42,8 @@ class _Buffers(threading.local):
 
     def __init__(self):
         self.handles = ffi.new("sl_handle[]", lib.SL_MAX_BUFFERS)
-        self.args = {name: ffi.new(cd.args_type + " *") for name, cd in TABLE.items() if cd.fields}
+        self.args = {name: ffi.new(cd.args_type + " *") for name, cd in TABLE.items()
+                     if cd.has_args}
 
 
 _BUFFERS = _Buffers()
@@ -52,10 +53,10 @@ def _submit(self, cd: Codelet, args, kwargs):
     redux = kwargs.pop("redux", 0)
     buffers, scalars = split_call(cd, args, kwargs)
     n, mine = len(buffers), _BUFFERS
-    if n > len(mine.handles):       # a repeated last buffer past the declared maximum
+    if n > len(mine.handles):       # repeated buffers past the declared maximum
         mine.handles = ffi.new("sl_handle[]", n)
     mine.handles[0:n] = [_handle(t) for t in buffers]
-    if cd.fields:
+    if cd.has_args:
         a, size = mine.args[cd.name], cd.args_size
         a[0] = scalars              # every field: split_call refuses a call missing one
     else:
