@@ -317,34 +317,36 @@ distributed.pin_rank(comm)
 with Runtime(1, 1, comm=comm) as rt:
     r = train(TrainConfig(model="micro", train_data=sys.argv[2], batch=4, seq_len=16, steps=3,
                           log=None), runtime=rt)
-    print(json.dumps(dict(rank=comm.Get_rank(), mode=rt.mpi_poll, stats=rt.mpi_poll_stats(),
-                          losses=r.losses)), flush=True)
+    # a file per rank: mpirun may interleave the ranks' stdout within a line
+    with open(f"{sys.argv[3]}.{comm.Get_rank()}", "w") as f:
+        json.dump(dict(rank=comm.Get_rank(), mode=rt.mpi_poll, stats=rt.mpi_poll_stats(),
+                       losses=r.losses), f)
 """
 
 
-def poll_run(shard, how, **env):
+def poll_run(shard, how, tmp_path, **env):
+    out = str(tmp_path / f"poll-{how}-{len(env)}")
     p = subprocess.run([MPIRUN, "--oversubscribe", "-np", "2", sys.executable, "-c", POLL_CHILD,
-                        how, shard], capture_output=True, text=True, timeout=240,
+                        how, shard, out], capture_output=True, text=True, timeout=240,
                        env=dict(ENV, **env))
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
-    return sorted((json.loads(l) for l in p.stdout.splitlines() if l.startswith("{")),
-                  key=lambda r: r["rank"])
+    return [json.load(open(f"{out}.{rank}")) for rank in range(2)]
 
 
-def test_mpi_thread_backs_off_where_it_shares_a_worker_core(shard):
+def test_mpi_thread_backs_off_where_it_shares_a_worker_core(shard, tmp_path):
     """Two ranks of one core each: StarPU-MPI's progression thread shares the worker's core, so
     it sleeps between polls that find nothing (csrc/starpu/mpi_poll.c): its MPI_Test calls go
     through ours, and it slept. Spinning (STARPU_LLM_MPI_POLL=spin) calls the real one only.
     With mpi4py's MPI imported first, StarPU-MPI calls MPI's own MPI_Test: said, and it spins.
     The losses are the same to the bit whichever way the thread waits."""
-    backoff = poll_run(shard, "default")
+    backoff = poll_run(shard, "default", tmp_path)
     assert [r["mode"] for r in backoff] == ["backoff"] * 2
     for r in backoff:
         assert r["stats"]["polls"] > 0 and r["stats"]["sleeps"] > 0 and r["stats"]["slept_s"] > 0
-    spin = poll_run(shard, "default", STARPU_LLM_MPI_POLL="spin")
+    spin = poll_run(shard, "default", tmp_path, STARPU_LLM_MPI_POLL="spin")
     assert [r["mode"] for r in spin] == ["spin"] * 2
     assert all(r["stats"] == dict(polls=0, sleeps=0, slept_s=0.0) for r in spin)
-    first = poll_run(shard, "mpi4py-first")
+    first = poll_run(shard, "mpi4py-first", tmp_path)
     assert all(r["mode"].startswith("spin (no backoff: mpi4py's MPI module was imported "
                                     "before starpu_llm") for r in first)
     assert all(r["stats"]["polls"] == 0 for r in first)
