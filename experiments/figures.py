@@ -38,16 +38,19 @@ import time
 
 from starpu_llm.runs import run_in_subprocess, write_csv
 from starpu_llm.config import MODELS
+from starpu_llm.perf.machine import default_path, load
+from starpu_llm.perf.predict import Mode, predict
 from starpu_llm.runtime import partitions_that_fit, usable_cores
 
 import taskgraph
-from provenance import machine_info, reusable
-from series import CONFIG_FIELDS, SERIES, config_key
+from provenance import cpu_kind, machine_info, reusable
+from series import CONFIG_FIELDS, FIG4_MODES, SERIES, config_key
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 FIGURES = ("fig1", "fig2a", "fig2b", "fig3", "fig4", "trace")
 REPLOT = False        # --replot: draw from the caches only
+PAPER_NODE_FILE = os.path.join(HERE, "machines", "paper-node-xeon-gold-6240.toml")
 
 
 # --------------------------------------------------------------------------- the machine
@@ -144,13 +147,57 @@ def plan(S, args, only) -> list[dict]:
                     points.append(dict(figure="fig3", series=f"B={B}", x=label,
                                        spec=spec_of("starpu", B, S, S["cores"], n, k, mode)))
     if "fig4" in only:
+        # one process, then each ownership mode at every R > 1 (a pipeline: a stage per rank)
         mw, mk = S["mpi_workers"], S["mpi_cores"]
         for R in S["ranks"]:
-            points.append(dict(figure="fig4", series=f"{mw}x{mk} per rank", x=R,
-                               spec=spec_of("starpu", R * S["mpi_batch_per_rank"], S,
-                                            R * mw * mk, mw, mk, "team", ranks=R,
-                                            mpirun_args=S["mpirun_args"])))
+            for mode, fields in (FIG4_MODES.items() if R > 1 else [("one process", {})]):
+                spec = spec_of("starpu", R * S["mpi_batch_per_rank"], S, R * mw * mk, mw, mk,
+                               "team", ranks=R, mpirun_args=S["mpirun_args"])
+                spec.update({k: R if v == "R" else v for k, v in fields.items()})
+                points.append(dict(figure="fig4", series=mode, x=R, spec=spec))
     return points
+
+
+def predicted_fig4(S, machine_file, calibration_file, log) -> list[dict]:
+    """Figure 4's prediction for the paper's node (perf/predict.py, the task graph replayed on
+    machine_file's description with this machine's calibrated codelet ratios): per-node
+    tokens/ms of each mode at 1 to 16 nodes, 4 workers x 8 cores and 72 sequences per node;
+    [] without a calibration."""
+    if not calibration_file:
+        log("  fig4: no calibration of this machine (starpu-llm calibrate, or "
+            "experiments/results/perfmodel/<cpu kind>/calibration.toml): no predicted panel")
+        return []
+    calibration, target = load(calibration_file), load(machine_file)
+    rows = []
+    for R in (1, 2, 4, 8, 16):
+        modes = ([("one process", Mode())] if R == 1 else
+                 [("rank0", Mode("rank0")), ("sharded", Mode("sharded")),
+                  (f"pipeline 2 stages x {R // 2}", Mode("sharded", 2))])
+        for label, mode in modes:
+            p = predict(S["model"], 72 * R, S["T"], 4, 8, ranks=R, calibration=calibration,
+                        machine=target, parallel_workers=True, mode=mode)
+            rows.append(dict(figure="fig4-predicted", series=label.split(" x ")[0], x=R,
+                             mode=label, tokens_per_ms=round(p.tokens_per_ms, 5),
+                             tokens_per_ms_per_node=round(p.tokens_per_ms / R, 5),
+                             ms_per_step=round(p.schedule.step_s * 1e3, 1),
+                             max_sent_mb=round(max(p.schedule.sent) / 1e6, 1) if R > 1 else 0,
+                             machine=target.name, calibration=calibration_file))
+    one = rows[0]["tokens_per_ms_per_node"]
+    for r in rows:
+        r["efficiency"] = round(r["tokens_per_ms_per_node"] / one, 4)
+    log("  fig4 predicted for the paper's node, per-node efficiency at 16 nodes: " + ", ".join(
+        f"{r['mode']} {r['efficiency']:.0%}" for r in rows if r["x"] == 16))
+    return rows
+
+
+def calibration_file() -> str | None:
+    """This machine's calibration (starpu-llm calibrate), else the committed one of its CPU
+    kind (make perfmodel's), else None."""
+    for path in (default_path(), os.path.join(HERE, "results", "perfmodel", cpu_kind(),
+                                              "calibration.toml")):
+        if os.path.exists(path):
+            return path
+    return None
 
 
 # --------------------------------------------------------------------------- the runs
@@ -213,6 +260,10 @@ def describe_point(p) -> str:
         what = f"starpu {s['workers']}x{s['cores_per_worker']}" + (f" {s['kcore']}" if s.get("kcore") else "")
         if s.get("ranks"):
             what = f"mpirun -np {s['ranks']} " + what
+            if s.get("pipeline_stages"):
+                what += f" {s['pipeline_stages']} stages"
+            elif s.get("ownership"):
+                what += f" {s['ownership']}"
     return f"{what}, B={s['batch']}"
 
 
@@ -426,16 +477,22 @@ def results_markdown(S, machine, made, peaks, minutes, load_before, load_after, 
             L.append(f"| {series} | " + " | ".join(cell(row[x]) if x in row else "-" for x in parts) + " |")
         L.append("")
     if made.get("fig4"):
-        table = sorted(made["fig4"]["table"], key=lambda t: t["x"])
-        base = table[0]["ms_per_step"] if table and table[0]["x"] == 1 else None
+        table = sorted(made["fig4"]["table"], key=lambda t: (t["x"], t["series"]))
+        base = next((t["ms_per_step"] for t in table if t["x"] == 1), None)
         L += ["## Figure 4, MPI weak scaling", "",
-              "| processes | global batch | tokens/ms (all) | tokens/ms per process | ms/step | above 1 process |",
-              "|---|---|---|---|---|---|"]
+              "| processes | who owns the parameters | global batch | tokens/ms (all) | "
+              "tokens/ms per process | ms/step | above 1 process |",
+              "|---|---|---|---|---|---|---|"]
         for t in table:
             R = int(t["x"])
             above = "" if base is None else f"{t['ms_per_step'] - base:+.0f} ms"
-            L.append(f"| {R} | {t['batch']} | {cell(t)} | {t['median'] / R:.4f} | "
+            L.append(f"| {R} | {t['series']} | {t['batch']} | {cell(t)} | {t['median'] / R:.4f} | "
                      f"{t['ms_per_step']:.0f} | {above} |")
+        eff = made["fig4"]["headline"].get("predicted_efficiency_16")
+        if eff:
+            L += ["", "Predicted for the paper's node at 16 nodes, per-node efficiency: "
+                  + ", ".join(f"{m} {e:.0%}" for m, e in eff.items())
+                  + " (fig4_predicted.csv)."]
         L.append("")
     if made.get("trace"):
         L += ["## Traced iterations", "",
@@ -566,10 +623,15 @@ def main(argv=None):
         cache = RunCache(os.path.join(args.out, "runs.csv"), machine)
         run_points(points, cache, args.repeat, only if args.force else set(), log, args.replot)
         import plots
+        predicted = []
+        if "fig4" in only:
+            predicted = predicted_fig4(S, PAPER_NODE_FILE, calibration_file(), log)
+            if predicted:
+                write_csv(os.path.join(args.out, "fig4_predicted.csv"), predicted)
         for fig in ("fig2a", "fig2b", "fig3", "fig4"):
             if fig in only:
                 made[fig] = plots.figure(fig, points, cache, S, machine, peaks, args.out,
-                                         args.repeat, log)
+                                         args.repeat, log, predicted=predicted)
     if args.png_dir:
         os.makedirs(args.png_dir, exist_ok=True)
         import plots

@@ -1,10 +1,12 @@
 """One training iteration of a 2-stage pipeline, both ranks, as a Gantt chart (issue 21, item
 5): `mpirun -np 2` ranks of one core each train 3 steps with the task trace on, each writes its
-trace, and the last step is drawn, a row per rank, tasks coloured by phase and micro-batch
-boundaries visible as the gaps a stage waits for the other. Writes pipeline_gantt.png and
-pipeline_gantt.csv (every task of the step: rank, codelet, start and end in ms) into --out.
+trace, and the last step is drawn, a row per rank, tasks coloured by phase, each run of one
+micro-batch's forward or backward labelled with its number (the order the stages took them
+in: all forwards first under --schedule gpipe, forwards and backwards alternating under
+1f1b). Writes pipeline_gantt.png and pipeline_gantt.csv (every task of the step: rank,
+codelet, phase, micro-batch, start and end in ms) into --out.
 
-    .venv/bin/python experiments/pipeline_gantt.py [--batch 8] [--stages 2] [--model d12]
+    .venv/bin/python experiments/pipeline_gantt.py [--batch 8] [--stages 2] [--model d12] [--schedule 1f1b]
 """
 from __future__ import annotations
 
@@ -38,8 +40,8 @@ def child(args):
     from starpu_llm.trainer import TrainConfig, train
     r = train(TrainConfig(model=args.model, batch=args.batch, seq_len=args.seq_len, steps=3,
                           workers=1, cores_per_worker=1, pipeline_stages=args.stages,
-                          trace=True, log=None))
-    events = [(e.codelet, e.start_ns, e.end_ns) for e in r.trace]
+                          pipeline_schedule=args.schedule, trace=True, log=None))
+    events = [(e.codelet, e.start_ns, e.end_ns, e.job) for e in r.trace]
     with open(os.path.join(args.tmp, f"rank{mpi_rank()}.json"), "w") as f:
         json.dump(dict(step_ms=r.step_ms, events=events, describe=r.engine), f)
 
@@ -50,7 +52,9 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "bounded", "gpipe"])
     ap.add_argument("--out", default=os.path.join(HERE, "results", "ownership"))
+    ap.add_argument("--subdir", default="", help="write into --out/<cpu kind>/SUBDIR")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tmp", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -60,27 +64,35 @@ def main(argv=None):
     if mpirun is None:
         sys.exit("mpirun not found (install openmpi-bin)")
     from provenance import cpu_kind, git_commit
-    out = os.path.join(args.out, cpu_kind())
+    out = os.path.join(args.out, cpu_kind(), args.subdir)
     os.makedirs(out, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
         cmd = [mpirun, "--oversubscribe", "--bind-to", "none", "-np", str(args.stages),
                sys.executable, os.path.abspath(__file__), "--child", "--tmp", tmp,
                "--model", args.model, "--batch", str(args.batch), "--seq-len", str(args.seq_len),
-               "--stages", str(args.stages)]
+               "--stages", str(args.stages), "--schedule", args.schedule]
         p = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if p.returncode != 0:
             sys.exit(f"the traced run failed: {p.stderr.strip().splitlines()[-1:]}")
         ranks = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(args.stages)]
-    # the last step: from rank 0's last batch load (stage 0 starts each step) for its length
-    t0 = max(s for c, s, _ in ranks[0]["events"] if c == "load_batch")
+    # the last step: its micro-batches' loads are the last third of the 3 steps' (rank 0:
+    # stage 0 loads); the first of them is the step's first task (each step waits for the
+    # one before). Micro-batch m's tasks are submitted after its load, before m + 1's; every
+    # rank submits every task, so the submission numbers are the same on every rank.
+    loads = sorted((j, s) for c, s, _, j in ranks[0]["events"] if c == "load_batch")
+    loads = loads[len(loads) - len(loads) // 3:]
+    starts = [j for j, _ in loads]
+    t0 = loads[0][1]
     t1 = t0 + ranks[0]["step_ms"][-1] * 1e6
     rows = []
     for r, d in enumerate(ranks):
-        for c, s, e in d["events"]:
+        for c, s, e, j in d["events"]:
             if s >= t0 and s < t1:
-                rows.append(dict(rank=r, codelet=c, phase=phase(c), start_ms=round((s - t0) / 1e6, 3),
-                                 end_ms=round((e - t0) / 1e6, 3)))
+                ph = phase(c)
+                mb = (sum(x <= j for x in starts) - 1) if ph in ("forward", "backward") else ""
+                rows.append(dict(rank=r, codelet=c, phase=ph, micro_batch=mb,
+                                 start_ms=round((s - t0) / 1e6, 3), end_ms=round((e - t0) / 1e6, 3)))
     from starpu_llm.runs import write_csv
     write_csv(os.path.join(out, "pipeline_gantt.csv"), rows)
     import matplotlib
@@ -94,6 +106,13 @@ def main(argv=None):
                     if x["rank"] == r and x["phase"] == ph]
             if bars:
                 ax.broken_barh(bars, (r - 0.4, 0.8), facecolors=colour, edgecolor="none")
+    for r in range(args.stages):     # label each run of one micro-batch's forward or backward
+        mine = sorted((x for x in rows if x["rank"] == r), key=lambda x: x["start_ms"])
+        for k, x in enumerate(mine):
+            if x["micro_batch"] != "" and (k == 0 or (mine[k - 1]["micro_batch"], mine[k - 1]["phase"])
+                                           != (x["micro_batch"], x["phase"])):
+                ax.text(x["start_ms"], r + (0.25 if x["phase"] == "forward" else -0.25),
+                        str(x["micro_batch"]), fontsize=6, va="center")
     span = (t1 - t0) / 1e6
     busy = [sum(x["end_ms"] - x["start_ms"] for x in rows if x["rank"] == r) for r in range(args.stages)]
     ax.set_yticks(range(args.stages))
@@ -110,6 +129,12 @@ def main(argv=None):
     png = os.path.join(out, "pipeline_gantt.png")
     f.savefig(png, dpi=90)
     print(f"wrote {png}: step {span:.0f} ms, busy " + ", ".join(f"{b:.0f} ms" for b in busy))
+    for r in range(args.stages):    # where each rank's step went
+        mine = [x for x in rows if x["rank"] == r]
+        by = {ph: sum(x["end_ms"] - x["start_ms"] for x in mine if x["phase"] == ph) for ph in PHASES}
+        first = min(x["start_ms"] for x in mine)
+        print(f"rank {r}: " + ", ".join(f"{ph} {ms:.0f}" for ph, ms in by.items())
+              + f" ms; idle {span - busy[r]:.0f} ms, of which {first:.0f} before its first task")
 
 
 if __name__ == "__main__":

@@ -124,7 +124,13 @@ def _annotate_paper(ax, pts, colour_of, xkey=float):
                     fontsize=7, color=c)
 
 
-def figure(fig, points, cache, S, machine, peaks, out, repeat, log):
+FIG4_COLOURS = {"one process": "k", "rank0": "#1f77b4", "sharded": "#2ca02c",
+                "pipeline": "#ff7f0e"}
+FIG4_LABELS = {"rank0": "rank 0 owns all (the paper's)", "sharded": "sharded data parallelism",
+               "pipeline": "pipeline, a stage per rank"}
+
+
+def figure(fig, points, cache, S, machine, peaks, out, repeat, log, predicted=None):
     pts = [p for p in points if p["figure"] == fig]
     if not pts:
         return None
@@ -244,61 +250,102 @@ def figure(fig, points, cache, S, machine, peaks, out, repeat, log):
         ap.set_ylabel("tokens / ms")
         ap.grid(alpha=0.3, axis="y")
     elif fig == "fig4":
-        base_ms = None
-        if (pts[0]["series"], 1) in runs:
-            r1 = runs[(pts[0]["series"], 1)][1]
-            base_ms = statistics.median(float(r["ms_per_step"]) for r in r1) if r1 else None
+        one = ("one process", 1)
+        base_ms = (statistics.median(float(r["ms_per_step"]) for r in runs[one][1])
+                   if one in runs and runs[one][1] else None)
 
         def extra(p, r):
             R = int(p["x"])
             return dict(tokens_per_ms_per_rank=round(float(r["tokens_per_ms"]) / R, 5),
                         overhead_ms_vs_1_rank=(round(float(r["ms_per_step"]) - base_ms, 1)
-                                               if base_ms else ""))
+                                               if base_ms else ""),
+                        ownership=p["spec"].get("ownership", ""),
+                        pipeline_stages=p["spec"].get("pipeline_stages", ""))
         _write_fig_csv(csv_path, fig, runs, S, machine, peaks, extra)
         paper = paper_points("fig4")
-        f, (ax, ao) = plt.subplots(2, 1, figsize=(8.5, 7.5), sharex=True,
-                                   gridspec_kw=dict(height_ratios=[3, 1.5]))
-        s = pts[0]["series"]
-        xs = sorted(x for (ss, x) in stat if ss == s)
-        med = [stat[(s, x)][0] / x for x in xs]
-        lo = [m - stat[(s, x)][1] / x for m, x in zip(med, xs)]
-        hi = [stat[(s, x)][2] / x - m for m, x in zip(med, xs)]
-        ax.errorbar(xs, med, yerr=[lo, hi], marker="o", capsize=4, color="#1f77b4",
-                    label=f"StarPU-MPI, {s}, {S['mpi_batch_per_rank']} sequences/rank (per rank)")
-        _annotate_paper(ax, paper, lambda q: "k")
-        ax.plot([], [], marker="*", ms=11, mfc="none", mec="k", ls="none",
-                label=f"quoted in the paper (per node, 4x8 per node; {PAPER_NODE})")
-        ticks = sorted(set(xs) | {int(float(q["x"])) for q in paper})
+        f, (ax, ao, ap) = plt.subplots(3, 1, figsize=(8.5, 10.5),
+                                       gridspec_kw=dict(height_ratios=[3, 1.5, 3]))
+        modes = [m for m in FIG4_COLOURS if m != "one process" and any(p["series"] == m for p in pts)]
+        xs_all = sorted({int(p["x"]) for p in pts})
+        for m in modes:
+            xs = [x for x in xs_all if (m, x) in stat or (x == 1 and one in stat)]
+            key = [one if x == 1 else (m, x) for x in xs]
+            med = [stat[k][0] / x for k, x in zip(key, xs)]
+            lo = [md - stat[k][1] / x for md, k, x in zip(med, key, xs)]
+            hi = [stat[k][2] / x - md for md, k, x in zip(med, key, xs)]
+            ax.errorbar(xs, med, yerr=[lo, hi], marker="o", capsize=4, color=FIG4_COLOURS[m],
+                        label=f"{FIG4_LABELS[m]} ({S['mpi_workers']}x{S['mpi_cores']} per rank)")
+            headline[m] = {x: round(stat[k][0] / x, 4) for k, x in zip(key, xs)}
         ax.set_xscale("log", base=2)
-        _logy(ax)
-        ax.set_xticks(ticks)
-        ax.set_xticklabels([str(t) for t in ticks])
+        ax.set_xticks(xs_all)
+        ax.set_xticklabels([str(t) for t in xs_all])
         ax.set_ylabel("tokens / ms per process")
         ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7.5, loc="center right")
+        ax.legend(fontsize=7.5, loc="best")
         one_node = not S["mpirun_args"]
         note = ("ALL RANKS ON THIS ONE MACHINE (each pinned to its own cores): measures the "
                 "StarPU-MPI path, not a cluster" if one_node else "")
         scale_note = (f"QUICK SCALE: {S['mpi_batch_per_rank']} sequences per rank" if S["scale"] == "quick" else "")
-        ax.set_title(_wrap(f"Figure 4: weak scaling over MPI processes (mpirun -np R), {_model(S)}\n"
+        ax.set_title(_wrap(f"Figure 4: weak scaling over MPI processes (mpirun -np R), {_model(S)}, "
+                           "by who owns the parameters\n"
                            + _subtitle(S, machine, "; ".join(x for x in (note, scale_note, stats_note) if x)),
                            115), fontsize=8)
         if base_ms:
-            ov = []
-            for x in xs:
-                ms = statistics.median(float(r["ms_per_step"]) for r in runs[(s, x)][1])
-                ov.append(ms - base_ms)
-            ao.bar(xs, ov, width=[0.3 * x for x in xs], color="#9e9ac8", edgecolor="k")
-            for x, o in zip(xs, ov):
-                ao.text(x, o, f"{o:+.0f} ms", ha="center", va="bottom", fontsize=8)
-            headline["overhead_ms"] = {x: round(o) for x, o in zip(xs, ov)}
+            width = 0.8 / max(1, len(modes))
+            overhead = {}
+            for i, m in enumerate(modes):
+                xs = [x for x in xs_all if x > 1 and (m, x) in runs and runs[(m, x)][1]]
+                ov = [statistics.median(float(r["ms_per_step"]) for r in runs[(m, x)][1]) - base_ms
+                      for x in xs]
+                pos = [xs_all.index(x) + (i - (len(modes) - 1) / 2) * width for x in xs]
+                ao.bar(pos, ov, width=width, color=FIG4_COLOURS[m], edgecolor="k",
+                       label=FIG4_LABELS[m])
+                for x, o, q in zip(xs, ov, pos):
+                    ao.text(q, o, f"{o:+.0f}", ha="center", va="bottom", fontsize=7)
+                overhead[m] = {x: round(o) for x, o in zip(xs, ov)}
+            headline["overhead_ms"] = overhead
+            ao.set_xticks(range(len(xs_all)))
+            ao.set_xticklabels([f"R={x}" for x in xs_all])
+            ao.axhline(0, color="k", lw=0.6)
+            ao.margins(y=0.25)
         ao.set_ylabel("ms per iteration\nabove 1 process")
-        ao.set_xlabel("MPI processes R")
-        ao.set_title("cost of the gradient reduction + parameter broadcast per iteration "
-                     "(step time minus the 1-process step time, same work per process)", fontsize=7.5)
+        ao.set_title("what sharing the model across ranks costs per iteration (step time minus the "
+                     "1-process step time, same work per process)", fontsize=7.5)
         ao.grid(alpha=0.3, axis="y")
-        headline[s] = {x: round(stat[(s, x)][0] / x, 4) for x in xs}
-        headline["total"] = {x: round(stat[(s, x)][0], 4) for x in xs}
+        headline["total"] = {f"{s} {x}": round(stat[(s, x)][0], 4) for (s, x) in stat}
+        if predicted:
+            for m in dict.fromkeys(r["series"] for r in predicted if r["series"] != "one process"):
+                rows = [r for r in predicted if r["series"] in (m, "one process")]
+                xs = [int(r["x"]) for r in rows]
+                ys = [float(r["tokens_per_ms_per_node"]) for r in rows]
+                colour = FIG4_COLOURS.get(m.split(" ")[0], "#9467bd")
+                ap.plot(xs, ys, marker="o", color=colour, label=f"{m} (predicted)")
+                last = rows[-1]
+                ap.annotate(f"{float(last['efficiency']):.0%}", (xs[-1], ys[-1]),
+                            textcoords="offset points", xytext=(6, 0), fontsize=7, color=colour,
+                            va="center")
+            _annotate_paper(ap, paper, lambda q: "k")
+            ap.plot([], [], marker="*", ms=11, mfc="none", mec="k", ls="none",
+                    label=f"measured in the paper (rank0, StarPU 1.4's tree reduction)")
+            ap.set_xscale("log", base=2)
+            ticks = sorted({int(r["x"]) for r in predicted})
+            ap.set_xticks(ticks)
+            ap.set_xticklabels([str(t) for t in ticks])
+            ap.set_xlim(0.8, 24)
+            ap.set_xlabel("MPI processes R (one per node)")
+            ap.set_ylabel("tokens / ms per node")
+            ap.grid(alpha=0.3, which="both")
+            ap.legend(fontsize=7, loc="best")
+            ap.set_title(_wrap(f"Predicted for the paper's node ({predicted[0]['machine']}; 4 workers "
+                               f"x 8 cores, 72 sequences per node) by the task-graph model "
+                               f"(starpu-llm predict), per-node efficiency at 16 nodes labelled", 115),
+                         fontsize=7.5)
+            headline["predicted_efficiency_16"] = {r["mode"]: r["efficiency"] for r in predicted
+                                                   if int(r["x"]) == 16}
+        else:
+            ap.set_axis_off()
+            ap.text(0.5, 0.5, "no prediction: this machine has no calibration", ha="center",
+                    transform=ap.transAxes)
     f.tight_layout()
     f.savefig(png, dpi=90)
     plt.close(f)

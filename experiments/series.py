@@ -8,7 +8,13 @@ from starpu_llm.config import MODELS
 
 # the configuration fields of a run (its cache key, with the machine and the commit)
 CONFIG_FIELDS = ("engine", "model", "batch", "seq_len", "steps", "workers", "cores_per_worker", "kcore",
-                 "sub_batches", "threads", "cpus", "ranks", "mpirun_args")
+                 "sub_batches", "threads", "cpus", "ranks", "mpirun_args", "ownership",
+                 "pipeline_stages")
+FIG4_MODES = {   # figure 4's series under mpirun: label -> run-spec fields (README, Scaling out)
+    "rank0": dict(ownership="rank0"),
+    "sharded": dict(ownership="sharded"),
+    "pipeline": dict(ownership="sharded", pipeline_stages="R"),   # one stage per rank
+}
 SERIES = {   # figure 2's series: label, colour, marker
     "reference": ("reference engine (paper: Karpathy's llm.c)", "#444444", "s"),
     "tensor": ("StarPU 1 x k (one k-core worker: tensor parallelism)", "#1f77b4", "o"),

@@ -187,7 +187,7 @@ def _layer_of(e: Event, names) -> str:
     layers = set()
     for h, _ in (e.buffers or []):
         n = names.get(h) or ""
-        if n.startswith(("m.", "v.")):
+        if n.startswith(("m.", "v.")) or ".wte[" in n:     # wte's row blocks are no layer
             continue
         m = re.search(r"\[(\d+)\]", n)
         if m and not n.split(".")[-1].startswith(("res3", "encoded")):
@@ -198,7 +198,7 @@ def _layer_of(e: Event, names) -> str:
         return "embedding"
     if e.codelet == "adamw":
         n = names.get(e.buffers[0][0], "")
-        return "embedding" if n.endswith(("wte", "wpe")) else "head"
+        return "embedding" if re.sub(r"\[\d+\]$", "", n).endswith(("wte", "wpe")) else "head"
     return "head"
 
 

@@ -3,18 +3,16 @@ the paper quotes: its Figure 3 (every N x K = 36 partition at a total batch of 3
 Figure 4 (1 to 16 nodes, 32 cores each as 4 parallel workers of 8, one MPI process per node),
 for each way of sharing the model over the nodes (--modes: the ownership, rank0 or sharded,
 and pipelines of S stages as "pipeline S", with --micro-batches per data-parallel copy), with
-each node count's per-node efficiency against one node. --wte-blocks N adds a what-if of a
-design the code does not have: sharded ownership with wte (its parameters, gradient and
-moments) in N row blocks, each a slice of its own, so that its reduction and its sends are
-spread over N owners (the recorded graph's wte handles split in N, each task reading or
-writing wte then using every block, its AdamW task split in N).
+each node count's per-node efficiency against one node (one process, as it runs: wte whole).
+Each mode is predicted as main submits it (starpu-llm predict): the graph recorded with the
+placement's wte row blocks (sharded: one per data-parallel copy of stage 0) and its owners.
 
 The codelets' ratios to the machine's rates come from this machine's calibration
 (`starpu-llm calibrate`); the node's rates from its description. The paper gives Figure 4's
 batch only as "4 sequences executed in parallel" per node: the batch per node is a flag.
 
     .venv/bin/python experiments/whatif_paper_node.py [--per-node-batch 72] [--csv out.csv]
-        [--modes rank0,sharded,"pipeline 2"] [--micro-batches 16] [--wte-blocks 16]
+        [--modes rank0,sharded,"pipeline 2"] [--micro-batches 16]
 """
 from __future__ import annotations
 
@@ -23,14 +21,9 @@ import ctypes
 import os
 import sys
 
-from starpu_llm.config import MODELS
 from starpu_llm.runs import write_csv
-from starpu_llm.perf.graph import GraphTask, TaskGraph
 from starpu_llm.perf.machine import load, partitions
-from starpu_llm.perf.model import CostModel
-from starpu_llm.perf.predict import (Mode, balanced_owners, load_calibration, parameter_slices,
-                                     predict, task_graph)
-from starpu_llm.perf.simulate import simulate
+from starpu_llm.perf.predict import Mode, load_calibration, predict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PAPER_FIG3 = {(12, 3): 2.70, (3, 12): 2.53}          # tok/ms at B=360 (section 3)
@@ -48,38 +41,6 @@ def fixed_mmap_threshold():
         pass
 
 
-def wte_in_blocks(graph: TaskGraph, n: int) -> TaskGraph:
-    """graph with param.wte, grad.wte, m.wte and v.wte each in n row blocks ("grad.wte[b]"):
-    a task using wte uses every block (same flops and bytes), wte's AdamW task is n tasks."""
-    handles, blocks = list(graph.handles), {}
-    for h, (name, size) in enumerate(graph.handles):
-        if name.split(".")[0] in ("param", "grad", "m", "v") and name.endswith(".wte"):
-            blocks[h] = list(range(len(handles), len(handles) + n))
-            handles += [(f"{name}[{b}]", size // n) for b in range(n)]
-    tasks = []
-    for t in graph.tasks:
-        if t.codelet == "adamw" and any(h in blocks for h, _ in t.accesses):
-            tasks += [GraphTask(t.codelet, t.flops / n, t.nbytes // n, t.sub,
-                                tuple((blocks[h][b], m) for h, m in t.accesses), t.grads)
-                      for b in range(n)]
-            continue
-        tasks.append(GraphTask(t.codelet, t.flops, t.nbytes, t.sub,
-                               tuple((b, m) for h, m in t.accesses for b in blocks.get(h, [h])),
-                               frozenset(b for h in t.grads for b in blocks.get(h, [h]))))
-    return TaskGraph(graph.model, graph.B, graph.T, graph.sub_batches, tasks, handles)
-
-
-def blocked_wte_speed(per_node_batch: int, R: int, n: int, cost: CostModel) -> float:
-    """tokens/ms of sharded ownership over R nodes (4 parallel workers x 8 cores, 4
-    sub-batches each) with wte in n blocks, each block a slice (bytes balanced)."""
-    config = MODELS["d12"]
-    slices = [s for s in parameter_slices(config) if s[0][0] != "wte"]
-    slices += [(("wte", b), config.Vp * config.C // n) for b in range(n)]
-    g = wte_in_blocks(task_graph("d12", per_node_batch * R, 64, 4 * R), n)
-    return simulate(g, cost, 4, 8, R, pinned=False, redux=1,
-                    owners=balanced_owners(slices, lambda key: range(R))).tokens_per_ms
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--machine", default=os.path.join(HERE, "machines",
@@ -93,8 +54,6 @@ def main(argv=None) -> int:
                          "over the copies of each stage)")
     ap.add_argument("--micro-batches", type=int, default=16,
                     help="a pipeline's micro-batches per data-parallel copy (default 16)")
-    ap.add_argument("--wte-blocks", type=int, default=0,
-                    help="also the what-if of sharded ownership with wte in this many row blocks")
     ap.add_argument("--csv")
     args = ap.parse_args(argv)
     fixed_mmap_threshold()
@@ -112,14 +71,15 @@ def main(argv=None) -> int:
         err = f"  paper {paper:.2f}, error {p.tokens_per_ms / paper - 1:+.0%}" if paper else ""
         print(f"  {n:>2}x{k:<2} predicted {p.tokens_per_ms:.3f} tok/ms{err}", flush=True)
         rows.append(dict(figure=3, partition=f"{n}x{k}", nodes=1, batch=args.batch, mode="",
-                         predicted=p.tokens_per_ms, efficiency="", paper=paper or ""))
+                         wte_blocks=1, predicted=p.tokens_per_ms, efficiency="",
+                         paper=paper or ""))
     print(f"\nFigure 4: 4 parallel workers x 8 cores per node, B={args.per_node_batch} per node")
     one = predict("d12", args.per_node_batch, 64, 4, 8, calibration=cal, machine=node,
                   parallel_workers=True).tokens_per_ms
     print(f"  {'one process':>28},  1 node:   predicted {one:.3f} tok/ms  paper "
           f"{PAPER_FIG4[1]:.2f}, error {one / PAPER_FIG4[1] - 1:+.0%}")
     rows.append(dict(figure=4, partition="4x8", nodes=1, batch=args.per_node_batch, mode="",
-                     predicted=one, efficiency=1.0, paper=PAPER_FIG4[1]))
+                     wte_blocks=1, predicted=one, efficiency=1.0, paper=PAPER_FIG4[1]))
     for text in args.modes.split(","):
         stages = int(text.split()[1]) if text.startswith("pipeline") else 1
         mode = Mode("sharded" if stages > 1 else text, stages)
@@ -134,25 +94,11 @@ def main(argv=None) -> int:
             err = f"  paper {paper:.2f}, error {per_node / paper - 1:+.0%}" if paper else ""
             print(f"  {mode.label(R):>28}, {R:>2} nodes: predicted {per_node:.3f} tok/ms per "
                   f"node, {per_node / one:.0%} of one node's; per node up to "
-                  f"{max(p.schedule.sent) / 1e6:.0f} MB sent{err}", flush=True)
+                  f"{max(p.schedule.sent) / 1e6:.0f} MB sent; wte in {p.wte_blocks} "
+                  f"block(s){err}", flush=True)
             rows.append(dict(figure=4, partition="4x8", nodes=R, batch=args.per_node_batch * R,
-                             mode=mode.label(R), predicted=per_node, efficiency=per_node / one,
-                             paper=paper or ""))
-    if args.wte_blocks:
-        # pipelines and k-core workers as above: 4 parallel workers, 4 sub-batches, reduction
-        cost = CostModel(node, cal)
-        one_blocked = blocked_wte_speed(args.per_node_batch, 1, args.wte_blocks, cost)
-        print(f"\nWhat-if: sharded, wte in {args.wte_blocks} row blocks (one node: "
-              f"{one_blocked:.3f} tok/ms)")
-        for R in (int(x) for x in args.nodes.split(",")):
-            if R > 1:
-                per_node = blocked_wte_speed(args.per_node_batch, R, args.wte_blocks, cost) / R
-                print(f"  {R:>2} nodes: predicted {per_node:.3f} tok/ms per node, "
-                      f"{per_node / one_blocked:.0%} of one node's with the same blocks, "
-                      f"{per_node / one:.0%} of one node's today", flush=True)
-                rows.append(dict(figure=4, partition="4x8", nodes=R, batch=args.per_node_batch * R,
-                                 mode=f"sharded, wte in {args.wte_blocks} blocks (what-if)",
-                                 predicted=per_node, efficiency=per_node / one_blocked, paper=""))
+                             mode=mode.label(R), wte_blocks=p.wte_blocks, predicted=per_node,
+                             efficiency=per_node / one, paper=paper or ""))
     if args.csv:
         write_csv(args.csv, rows)
     return 0

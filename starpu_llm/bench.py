@@ -80,6 +80,7 @@ def run_one(spec: dict) -> dict:
                               sub_batches=spec.get("sub_batches"), threads=spec.get("threads"),
                               ownership=spec.get("ownership"),
                               pipeline_stages=spec.get("pipeline_stages"),
+                              pipeline_schedule=spec.get("pipeline_schedule"),
                               oversubscribe=spec.get("oversubscribe", False),
                               memory_limit=spec.get("memory_limit"),
                               offload_dir=spec.get("offload_dir"), log=None))
@@ -126,8 +127,9 @@ def traced_run(spec: dict) -> list:
             engine.close()
         events = rt.trace()
         rt.stop_trace()
-    spec["events"] = [[c, w, k, s, e, None if b is None else [list(x) for x in b], f, j]
-                      for c, w, k, s, e, b, f, j in events]
+    spec["events"] = [[e.codelet, e.worker, e.cores, e.start_ns, e.end_ns,
+                       None if e.buffers is None else [list(x) for x in e.buffers], e.flops, e.job]
+                      for e in events]
     spec["names"] = {str(h): n for h, n in names.items()}
     spec["sizes"] = sizes
     spec["steps_ns"] = steps_ns

@@ -6,11 +6,13 @@ reads that table and gives each executor one method per codelet, called as
 
     ops.matmul_forward(out, inp, weight, bias, N, C, OC)
 
-the buffers in declared order (None for an optional buffer left out, a list for a repeated
-last one), then the fields of the codelet's argument struct in order (or by name), and
-`redux=1` where parameter gradients take StarPU reduction contributions. The mode of an
-SL_ACC buffer (W, or RW when adding) follows the field its declaration names
-(SL_CODELET_ACC), read by the C side from the arguments.
+the buffers in declared order (None for an optional buffer left out; for a repeated one
+(SL_REPEAT), a list of its k repeats, e.g. a matrix's row blocks, or one tensor: k = 1),
+then the fields of the codelet's argument struct in order (or by name) but its repeat count,
+which is filled from the lists (SL_CODELET_REPEAT names it), and `redux=1` where parameter
+gradients take StarPU reduction contributions. The mode of an SL_ACC buffer (W, or RW when
+adding) follows the field its declaration names (SL_CODELET_ACC), read by the C side from
+the arguments.
 
   - DirectOps (here) runs the codelet's body at once in the calling thread (the reference
     engine; only the _kernels binding is loaded, no StarPU);
@@ -37,9 +39,15 @@ class Codelet(NamedTuple):
     name: str
     args_type: str          # "struct sl_..._args"
     args_size: int          # its size in bytes
-    fields: tuple           # the argument struct's field names, in order
-    nbuffers: int           # declared buffers (the last one repeated when `repeat`)
-    repeat: bool
+    fields: tuple           # the argument struct's field names a call gives, in order
+    nbuffers: int           # declared buffers
+    repeat: tuple           # the declared buffers that come k >= 1 times (SL_REPEAT)
+    count: str              # the argument field holding k, filled from the call ("" without)
+
+    @property
+    def has_args(self) -> bool:
+        """Whether a task carries an argument struct."""
+        return bool(self.fields or self.count)
 
 
 def read_table(ffi_, lib_) -> dict:
@@ -48,22 +56,30 @@ def read_table(ffi_, lib_) -> dict:
     for i in range(lib_.sl_codelet_count()):
         name = ffi_.string(lib_.sl_codelet_name(i)).decode()
         args_type = ffi_.string(lib_.sl_codelet_args_type(i)).decode()
+        count = ffi_.string(lib_.sl_codelet_repeat_field(i)).decode()
         fields = () if args_type == "struct sl_no_args" else tuple(
-            f for f, _ in ffi_.typeof(args_type).fields)
+            f for f, _ in ffi_.typeof(args_type).fields if f != count)
         modes = ffi_.new("int32_t[]", lib_.SL_MAX_BUFFERS)
         n = lib_.sl_codelet_modes(i, 0, 0, modes, lib_.SL_MAX_BUFFERS)
         out[name] = Codelet(i, name, args_type, ffi_.sizeof(args_type), fields, n,
-                            bool(n and modes[n - 1] & lib_.SL_ACCESS_REPEAT))
+                            tuple(j for j in range(n) if modes[j] & lib_.SL_ACCESS_REPEAT),
+                            count)
     return out
 
 
 def split_call(cd: Codelet, args: tuple, kwargs: dict):
     """(buffers, scalars) of a call: the buffers in declared order without trailing Nones,
-    a repeated last buffer's list flattened; the struct's fields by position, then by name."""
+    each repeated buffer's list in its place (all of the same length k, the repeat count);
+    the struct's fields by position, then by name, and the repeat count."""
     nb = cd.nbuffers
-    buffers = list(args[:nb])
-    if cd.repeat and len(buffers) == nb:
-        buffers = buffers[:-1] + list(buffers[-1])
+    given = list(args[:nb])
+    lengths = {len(given[j]) if isinstance(given[j], (list, tuple)) else 1
+               for j in cd.repeat if j < len(given) and given[j] is not None}
+    if len(lengths) > 1:
+        raise TypeError(f"{cd.name}: repeated buffers of different counts {sorted(lengths)}")
+    buffers = []
+    for j, t in enumerate(given):
+        buffers += list(t) if j in cd.repeat and isinstance(t, (list, tuple)) else [t]
     while buffers and buffers[-1] is None:
         buffers.pop()
     scalars = dict(zip(cd.fields, args[nb:]))
@@ -74,6 +90,8 @@ def split_call(cd: Codelet, args: tuple, kwargs: dict):
     missing = [f for f in cd.fields if f not in scalars]
     if missing:
         raise TypeError(f"{cd.name}: missing arguments {missing}")
+    if cd.count:
+        scalars[cd.count] = lengths.pop() if lengths else 0
     return buffers, scalars
 
 
@@ -100,7 +118,7 @@ def _run(self, cd: Codelet, args, kwargs):
     ptrs = ffi.new("void *[]", [ffi.cast("void *", t.ptr) for t in buffers] or 1)
     counts = ffi.new("size_t[]", [t.size for t in buffers] or 1)
     sizes = ffi.new("size_t[]", [t.dtype.itemsize for t in buffers] or 1)
-    a = ffi.new(cd.args_type + " *", scalars) if cd.fields else ffi.NULL
+    a = ffi.new(cd.args_type + " *", scalars) if cd.has_args else ffi.NULL
     if lib.sl_codelet_run(cd.id, ptrs, counts, sizes, n, a) != 0:
         raise SubmitError(f"running {cd.name} failed")
 

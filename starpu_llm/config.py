@@ -41,6 +41,25 @@ PARAMETERS = (
 )
 PARAMETER_SPECS = {p.name: p for p in PARAMETERS}
 
+# The tensor that may be split in row blocks, each block a slice of its own (owner, gradient,
+# moments, update): the tied embedding and lm head, 31 % of GPT-2 124M. How many blocks is the
+# placement's decision (flow/placement.Topology.wte_blocks): one in a single process.
+ROW_BLOCKED = "wte"
+
+
+def row_blocks(rows: int, nb: int) -> list:
+    """[(first, end)] of nb contiguous blocks of `rows` rows, in order, sizes differing by at
+    most one (block b starts at row b rows // nb)."""
+    if not 1 <= nb <= rows:
+        raise ValueError(f"{nb} row blocks of {rows} rows")
+    return [(b * rows // nb, (b + 1) * rows // nb) for b in range(nb)]
+
+
+def is_sliced(name: str) -> bool:
+    """Whether the named groups (flow/tensors.ParameterTensors) hold a tensor as a list of
+    slices: a block tensor's layers, or ROW_BLOCKED's row blocks (one or more)."""
+    return PARAMETER_SPECS[name].part == "block" or name == ROW_BLOCKED
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -141,16 +160,29 @@ class ParamLayout:
     def is_layered(self, name: str) -> bool:
         return PARAMETER_SPECS[name].part == "block"
 
-    def slices(self) -> list:
-        """((name, layer or None), offset, shape) of every slice (a block tensor's layer, or a
-        whole embedding or head tensor), in llm.c's order: the units that have their own
-        StarPU handle, update task and owner (flow/placement.py)."""
+    def slices(self, name: str, view: np.ndarray, wte_blocks: int = 1):
+        """A tensor's view (views()) as the named groups hold it: ROW_BLOCKED's as the list of
+        its wte_blocks row blocks (views, row_blocks), any other as is (a block tensor's
+        (L, ...) array: its layers)."""
+        if name == ROW_BLOCKED:
+            return [view[a:e] for a, e in row_blocks(len(view), wte_blocks)]
+        return view
+
+    def slice_list(self, wte_blocks: int = 1) -> list:
+        """((name, layer, wte's row block or None), offset, shape) of every slice (a block
+        tensor's layer, one of wte's wte_blocks row blocks, or a whole wpe, lnfw or lnfb), in
+        llm.c's order: the units that have their own StarPU handle, update task and owner
+        (flow/placement.py: the keys of its owners); consecutive, they cover the buffer."""
         out = []
         for name in self.names:
             shape, off = self.shapes[name], self.offsets[name]
             if self.is_layered(name):
                 size = math.prod(shape[1:])
                 out += [((name, l), off + l * size, shape[1:]) for l in range(shape[0])]
+            elif name == ROW_BLOCKED:
+                rows, cols = shape
+                out += [((name, b), off + a * cols, (e - a, cols))
+                        for b, (a, e) in enumerate(row_blocks(rows, wte_blocks))]
             else:
                 out.append(((name, None), off, shape))
         return out

@@ -66,7 +66,7 @@ def make_engine(cfg, state, tokens, runtime=None):
     S = cfg.pipeline_stages or 1
     return StarPUEngine(state.config, state, cfg.batch, cfg.seq_len, tokens, runtime,
                         sub_batches=cfg.sub_batches, record=cfg.record, ownership=cfg.ownership,
-                        pipeline_stages=S,
+                        pipeline_stages=S, pipeline_schedule=cfg.pipeline_schedule,
                         stage_costs=stage_costs(cfg, state.config, runtime) if S > 1 else None)
 
 

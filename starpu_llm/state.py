@@ -3,7 +3,8 @@
 The parameters, the two moments and the gradients are each a buffer of ParamLayout: a flat
 numpy array, or, where a run must not hold them in its own memory (--memory-limit: StarPU
 owns them and evicts them to disk), a `Slices`: values read one slice at a time (a block
-tensor's layer, a whole embedding or head tensor; ParamLayout.slices), in llm.c's order.
+tensor's layer, a row block of wte, a whole wpe, lnfw or lnfb; ParamLayout.slice_list), in
+llm.c's order.
 Before an engine takes them those are where the values come from (RandomInit, Zeros,
 io.checkpoint's file regions); then the engine's own (flow/engine.py: its StarPU handles).
 """
@@ -27,18 +28,19 @@ class Slices:
         self.config = config
         self.layout = ParamLayout(config)
 
-    def read_into(self, key, out: np.ndarray) -> None:
-        """Put slice key's values ((name, layer or None)) into out, a flat float32 array."""
+    def read_range(self, offset: int, out: np.ndarray) -> None:
+        """Put the buffer's elements [offset, offset + out.size), a slice's (inside one tensor;
+        ParamLayout.slice_list's), into out, a flat float32 array."""
         raise NotImplementedError
 
     def chunks(self):
         """Every slice's values, in llm.c's order, each a flat float32 array valid until the
         next one is asked for (one buffer of the largest slice, reused)."""
-        slices = self.layout.slices()
+        slices = self.layout.slice_list()
         buf = np.empty(max(math.prod(shape) for _, _, shape in slices), np.float32)
-        for key, _, shape in slices:
+        for _, offset, shape in slices:
             out = buf[:math.prod(shape)]
-            self.read_into(key, out)
+            self.read_range(offset, out)
             yield out
 
 
@@ -51,43 +53,48 @@ def chunks(values, layout: ParamLayout):
         yield from values.chunks()
 
 
-def read_slice_into(values, layout: ParamLayout, key, out: np.ndarray) -> None:
-    """Slice key of a ParamLayout buffer (a numpy array or a Slices) into out (flat)."""
+def read_slice_into(values, offset: int, out: np.ndarray) -> None:
+    """The slice at offset of a ParamLayout buffer (a numpy array or a Slices; its size out's,
+    ParamLayout.slice_list) into out (flat)."""
     if isinstance(values, np.ndarray):
-        _, offset, shape = next(s for s in layout.slices() if s[0] == key)
-        out[...] = values.reshape(-1)[offset:offset + math.prod(shape)]
+        out[...] = values.reshape(-1)[offset:offset + out.size]
     else:
-        values.read_into(key, out)
+        values.read_range(offset, out)
 
 
 class Zeros(Slices):
     """A buffer of zeros (fresh moments, gradients)."""
 
-    def read_into(self, key, out):
+    def read_range(self, offset, out):
         out[...] = 0.0
 
 
 class RandomInit(Slices):
     """GPT-2's initialisation (random_init), drawn slice by slice: N(0, 0.02) weights,
     residual projections N(0, 0.02/sqrt(2L)), zero biases, unit layernorm gains, the padded
-    rows of wte 0. One random stream in llm.c's order, so slices are read in that order; one
-    skipped (another rank's) is drawn and thrown away, as the stream must go past it."""
+    rows of wte 0. One random stream in llm.c's order (a random tensor's elements drawn in
+    turn), so slices are read in that order; what lies between two slices read (another
+    rank's) is drawn and thrown away, as the stream must go past it."""
 
     def __init__(self, config: GPTConfig, seed: int = 1337):
         super().__init__(config)
         self.rng = np.random.default_rng(seed)
-        self.keys = [(key, shape) for key, _, shape in self.layout.slices()]
-        self.index = {key: i for i, (key, _) in enumerate(self.keys)}
-        self.next = 0
+        self.next = 0                   # the first element not drawn yet
 
-    def read_into(self, key, out):
-        i = self.index[key]
-        if i < self.next:
-            raise ValueError(f"RandomInit reads its slices in llm.c's order: {key} was passed")
-        for (name, _), shape in self.keys[self.next:i]:
-            self._discard(name, math.prod(shape))
-        self._draw(key[0], out, self.keys[i][1])
-        self.next = i + 1
+    def read_range(self, offset, out):
+        if offset < self.next:
+            raise ValueError(f"RandomInit reads its slices in llm.c's order: element {offset} "
+                             f"was passed")
+        layout = self.layout
+        for name in layout.names:        # the tensors between, drawn and thrown away
+            start = layout.offsets[name]
+            a, e = max(start, self.next), min(start + math.prod(layout.shapes[name]), offset)
+            if a < e:
+                self._discard(name, e - a)
+        name = next(n for n in layout.names
+                    if layout.offsets[n] <= offset < layout.offsets[n] + math.prod(layout.shapes[n]))
+        self._draw(name, out, offset - layout.offsets[name])
+        self.next = offset + out.size
 
     def _std(self, name):
         init = PARAMETER_SPECS[name].init
@@ -95,15 +102,17 @@ class RandomInit(Slices):
             return None
         return np.float32(0.02 / np.sqrt(2 * self.config.L) if init == "residual" else 0.02)
 
-    def _draw(self, name, out, shape):
+    def _draw(self, name, out, at):
+        """out: name's elements from its at-th on."""
         std = self._std(name)
         if std is not None:
             self.rng.standard_normal(out=out, dtype=np.float32)
             out *= std
         else:
             out[...] = 1.0 if PARAMETER_SPECS[name].init == "ones" else 0.0
-        if name == "wte":
-            out.reshape(shape)[self.config.V:] = 0.0
+        if name == "wte":               # the padded rows (from row V on) in this range
+            C = self.config.C
+            out[max(self.config.V * C - at, 0):] = 0.0
 
     def _discard(self, name, n):
         if self._std(name) is None:
@@ -141,6 +150,6 @@ def random_init(config: GPTConfig, seed: int = 1337) -> np.ndarray:
     layout = ParamLayout(config)
     flat = np.zeros(layout.total, np.float32)
     init = RandomInit(config, seed)
-    for key, offset, shape in layout.slices():
-        init.read_into(key, flat[offset:offset + math.prod(shape)])
+    for _, offset, shape in layout.slice_list():
+        init.read_range(offset, flat[offset:offset + math.prod(shape)])
     return flat

@@ -20,6 +20,7 @@ from .config import MODELS, GPTConfig, check_batch_shape
 from .ctrl_c import StopOnCtrlC
 from .engines import autotuned, make_engine, partition_of, start_runtime
 from .errors import StarpuLLMError, opt
+from .flow.placement import PIPELINE_SCHEDULES
 from .io import checkpoint, data
 from .io.atomic import check_writable
 from .metrics import Metrics, step_extras
@@ -138,6 +139,12 @@ class TrainConfig:
         "flow through them as micro-batches; R = S x D ranks run D data-parallel copies "
         "(default 1: data parallelism only)", check="positive", metavar="S", group=PARALLELISM,
         ranks_agree=True)
+    pipeline_schedule: str | None = setting(
+        None, "how the micro-batches go through the pipeline's stages: 1f1b (each stage holds "
+        "at most S micro-batches' activations, backward tasks first; the default), bounded "
+        "(the same bound, tasks in the order they become ready) or gpipe (each micro-batch its "
+        "own activations, every stage holding all of them); the same results bitwise",
+        choices=list(PIPELINE_SCHEDULES), group=PARALLELISM, ranks_agree=True)
     threads: int | None = setting(None, "reference engine: OpenMP/BLAS threads (default: all cores)",
                                   check="positive", group=PARALLELISM)
     # training under a memory budget (runtime/offload.py, flow/placement.py)

@@ -17,32 +17,33 @@ from tracing import traced_step
 
 MICRO = MODELS["micro"]
 TOKENS = np.random.default_rng(0).integers(0, MICRO.V, 4000).astype(np.uint16)
+MAX_REPEATS = 8      # the repeat counts tried by allowed()
 
 
 def declared(codelet, redux, accumulate):
     """The codelet's declared SL_ACCESS_* modes for a task with this redux / accumulate."""
-    modes = ffi.new("int32_t[]", lib.SL_TRACE_MAXBUF)
-    n = lib.sl_codelet_modes(codelet, redux, accumulate, modes, lib.SL_TRACE_MAXBUF)
-    assert 0 <= n <= lib.SL_TRACE_MAXBUF, n
+    modes = ffi.new("int32_t[]", lib.SL_MAX_BUFFERS)
+    n = lib.sl_codelet_modes(codelet, redux, accumulate, modes, lib.SL_MAX_BUFFERS)
+    assert 0 <= n <= lib.SL_MAX_BUFFERS, n
     return [int(m) for m in modes[0:n]]
 
 
 def allowed(codelet, redux):
     """Every mode list a task of the codelet may run with in a step of this redux: either
-    accumulate, with or without its optional trailing buffers (any number of the last), a
-    repeated last buffer any number of times (as many as the trace keeps)."""
+    accumulate, with or without its optional trailing buffers (any number of the last), each
+    repeated buffer k times in its place (k = 1 .. MAX_REPEATS, the same for all)."""
     out = set()
     flags = lib.SL_ACCESS_OPTIONAL | lib.SL_ACCESS_REPEAT | lib.SL_ACCESS_ANY
     for accumulate in (0, 1):
         modes = declared(codelet, redux, accumulate)
-        full = tuple(m & ~flags for m in modes)
-        if modes and modes[-1] & lib.SL_ACCESS_REPEAT:   # the last buffer, once or more
-            out.update(full + full[-1:] * k for k in range(lib.SL_TRACE_MAXBUF - len(full) + 1))
-        out.add(full)
-        n = len(modes)
-        while n and modes[n - 1] & lib.SL_ACCESS_OPTIONAL:
-            n -= 1
-            out.add(full[:n])
+        for k in range(1, MAX_REPEATS + 1):
+            places = [k if m & lib.SL_ACCESS_REPEAT else 1 for m in modes]
+            full = tuple(m & ~flags for m, p in zip(modes, places) for _ in range(p))
+            out.add(full)
+            n = len(modes)
+            while n and modes[n - 1] & lib.SL_ACCESS_OPTIONAL:
+                n -= 1
+                out.add(full[:sum(places[:n])])
     return out
 
 
@@ -54,8 +55,10 @@ def test_declared_table():
     assert declared(ids["grad_sumsq"], 0, 0) == [w, r]
     assert declared(ids["norm_sum"], 0, 0) == [w, r | lib.SL_ACCESS_REPEAT]
     assert declared(ids["gather"], 0, 0) == [w | lib.SL_ACCESS_ANY, r | lib.SL_ACCESS_REPEAT]
-    assert declared(ids["matmul_backward"], 0, 0) == [w, rw, r, r, r, rw | opt]
-    assert declared(ids["matmul_backward"], 1, 0) == [w, redux, r, r, r, redux | opt]
+    rep = lib.SL_ACCESS_REPEAT          # the weight and its gradient: in row blocks (wte)
+    assert declared(ids["matmul_backward"], 0, 0) == [w, rw | rep, r, r, r | rep, rw | opt]
+    assert declared(ids["matmul_backward"], 1, 0) == [w, redux | rep, r, r, r | rep, redux | opt]
+    assert declared(ids["encoder_backward"], 1, 0) == [redux | rep, redux, r, r]
     assert declared(ids["layernorm_backward"], 0, 0)[0] == w
     assert declared(ids["layernorm_backward"], 0, 1)[0] == rw
     assert lib.sl_codelet_modes(lib.sl_codelet_count(), 0, 0, ffi.NULL, 0) < 0
@@ -92,6 +95,53 @@ def test_traced_modes_are_the_declared_ones(workers, sub_batches, redux, grad_cl
     assert ({"grad_sumsq", "norm_sum"} <= names) == bool(grad_clip)
 
 
+def test_wte_blocks_run_with_every_buffer():
+    """wte in 5 row blocks (the engine's override; under mpirun the placement's), one
+    process: the embedding and the lm head take every block, StarPU runs each task with all
+    its buffers in the declared modes, each repeated one 5 times in its place (the lm head's
+    backward has 3 + 2 x 5 = 13 buffers, past the 8 a task may have on Debian's StarPU 1.3
+    without STARPU_VARIABLE_NBUFFERS), and every block gets its own update."""
+    with Runtime(1, 1) as rt:
+        events, names = traced_step(rt, MICRO, TOKENS, wte_blocks=5)
+    ids = {ffi.string(lib.sl_codelet_name(i)).decode(): i for i in range(lib.sl_codelet_count())}
+    counts = {}
+    for name, _, _, _, _, buffers, *_ in events:
+        if buffers is None:
+            continue
+        assert tuple(m for _, m in buffers) in allowed(ids[name], 0), name
+        wte = [names[h] for h, _ in buffers if ".wte[" in names[h]]
+        counts.setdefault(name, set()).add((len(buffers), len(wte)))
+    assert counts["matmul_backward"] >= {(13, 10), (6, 0)}     # the head, and a layer's
+    assert counts["matmul_forward"] >= {(7, 5), (4, 0)}
+    assert counts["encoder_forward"] == {(8, 5)} and counts["encoder_backward"] == {(8, 5)}
+    assert (4, 4) in counts["adamw"]          # a block's parameter, gradient, m and v
+    updated = [names[e[5][0][0]] for e in events if e[0] == "adamw"]
+    assert sorted(n for n in updated if ".wte" in n) == [f"param.wte[{b}]" for b in range(5)]
+
+
+def test_submission_checks_the_repeat_count():
+    """Every repeated buffer of a call comes as often as the others (split_call), and as often
+    as the task's count says (sl_submit)."""
+    with pytest.raises(TypeError, match="different counts"):
+        DirectOps().matmul_backward(None, [1, 2], None, None, [1, 2, 3], None, 1, 1, 1)
+    with Runtime(1, 1) as rt:
+        arrays = [np.ones(4, np.float32) for _ in range(4)]
+        h = [lib.sl_register_vector(ffi.from_buffer(x), 4, 4) for x in arrays]
+        cd = TABLE["matmul_forward"]
+        hs = ffi.new("sl_handle[]", h)
+        owner, any_ = lib.SL_NODE_OWNER, lib.SL_ANY_WORKER
+        for blocks, n in ((2, 3), (0, 2), (3, 4)):      # 2 blocks, 3 buffers: 1 block missing
+            a = ffi.new(cd.args_type + " *", [1, 2, 4, blocks])
+            assert lib.sl_submit(cd.id, hs, n, 0, a, cd.args_size, owner, any_) < 0
+        # out (N=1, OC=4) = inp (1, C=2) @ weight^T, weight (4, 2) in 2 blocks of 2 rows
+        a = ffi.new(cd.args_type + " *", [1, 2, 4, 2])
+        assert lib.sl_submit(cd.id, hs, 4, 0, a, cd.args_size, owner, any_) == 0
+        rt.wait()
+        for x in h:
+            lib.sl_unregister(x)
+    assert np.array_equal(arrays[0], np.full(4, 2.0, np.float32))
+
+
 def test_both_executors_come_from_the_one_table():
     """The StarPU and the direct executor have a method for every codelet of the table, the
     same table in both binding modules; a call's scalars are the codelet's argument struct."""
@@ -110,12 +160,16 @@ def test_both_executors_come_from_the_one_table():
 
 
 def test_flops_come_from_the_declaration():
-    """The flop count StarPU gets is the declaration's: 2 N C OC (+ N OC with a bias)."""
+    """The flop count StarPU gets is the declaration's: 2 N C OC (+ N OC with a bias), whether
+    the weight comes whole or in row blocks (the last field, blocks, is the repeat count)."""
     cd = TABLE["matmul_forward"]
-    a = ffi.new(cd.args_type + " *", [3, 4, 5])
+    a = ffi.new(cd.args_type + " *", [3, 4, 5, 1])
     with_bias = ffi.new("size_t[]", [15, 12, 20, 5])
     assert lib.sl_codelet_flops(cd.id, with_bias, 4, a) == 2 * 3 * 4 * 5 + 3 * 5
     assert lib.sl_codelet_flops(cd.id, with_bias, 3, a) == 2 * 3 * 4 * 5
+    two_blocks = ffi.new(cd.args_type + " *", [3, 4, 5, 2])
+    assert lib.sl_codelet_flops(cd.id, ffi.new("size_t[]", [15, 12, 8, 12]), 4,
+                                two_blocks) == 2 * 3 * 4 * 5
     assert lib.sl_codelet_flops(TABLE["gelu_forward"].id, with_bias, 2, ffi.NULL) == 0
 
 
@@ -130,13 +184,13 @@ def test_submission_checks_the_declaration_and_the_site():
         size = ffi.sizeof(cd.args_type)
         hs = ffi.new("sl_handle[]", h)
         any_, owner = lib.SL_ANY_WORKER, lib.SL_NODE_OWNER
-        assert lib.sl_submit(cd.id, hs, 1, 0, a, size, owner, any_) < 0      # inp missing
-        assert lib.sl_submit(cd.id, hs, 3, 0, a, size, owner, any_) < 0      # one too many
-        assert lib.sl_submit(cd.id, hs, 2, 0, a, size - 1, owner, any_) < 0  # wrong args
-        assert lib.sl_submit(cd.id, hs, 2, 0, a, size, -2, any_) < 0
-        assert lib.sl_submit(cd.id, hs, 2, 0, a, size, owner, -2) < 0
-        assert lib.sl_submit(lib.sl_codelet_count(), hs, 2, 0, a, size, owner, any_) < 0
-        assert lib.sl_submit(cd.id, hs, 2, 0, a, size, owner, any_) == 0
+        assert lib.sl_submit(cd.id, hs, 1, 0, a, size, owner, any_, 0) < 0      # inp missing
+        assert lib.sl_submit(cd.id, hs, 3, 0, a, size, owner, any_, 0) < 0      # one too many
+        assert lib.sl_submit(cd.id, hs, 2, 0, a, size - 1, owner, any_, 0) < 0  # wrong args
+        assert lib.sl_submit(cd.id, hs, 2, 0, a, size, -2, any_, 0) < 0
+        assert lib.sl_submit(cd.id, hs, 2, 0, a, size, owner, -2, 0) < 0
+        assert lib.sl_submit(lib.sl_codelet_count(), hs, 2, 0, a, size, owner, any_, 0) < 0
+        assert lib.sl_submit(cd.id, hs, 2, 0, a, size, owner, any_, 0) == 0
         rt.wait()
         for x in h:
             lib.sl_unregister(x)
@@ -161,6 +215,36 @@ def test_each_task_runs_where_its_submission_says():
     probes = sorted((e.job, e.worker) for e in events if e.codelet == "probe")
     assert len(probes) == 40
     assert [w for _, w in probes] == [(i * 7) % 3 % 2 for i in range(40)]
+
+
+PRIORITIES = [0, 1, 2, 0, 3, 1, 2, 0]
+
+
+def test_tasks_ready_together_run_highest_priority_first():
+    """The priority is an argument of each submission, and the default scheduler honours
+    it: tasks that become ready together on one worker (all reading what one gate task
+    writes) run highest priority first, in submission order within a priority (lws pops its
+    worker's queue by priority, StarPU 1.3 and 1.4 alike). The gate waits for this thread to
+    release its input, so every task is submitted before any can run; the worker running the
+    gate makes them all ready before it takes the next task."""
+    with Runtime(1, 1, sched="lws") as rt:
+        arrays = [np.ones(64, np.float32) for _ in range(2 + len(PRIORITIES))]
+        hs = [lib.sl_register_vector(ffi.from_buffer(x), x.size, 4) for x in arrays]
+        gate_in, gate_out, outs = hs[0], hs[1], hs[2:]
+        rt.start_trace(100)
+        assert lib.sl_acquire(gate_in, 3) != ffi.NULL     # held: the gate waits for it
+        StarPUOps().gelu_forward(gate_out, gate_in, 64)
+        for h, prio in zip(outs, PRIORITIES):
+            StarPUOps(where=Where(priority=prio)).gelu_forward(h, gate_out, 64)
+        lib.sl_release(gate_in)
+        rt.wait()
+        events = rt.trace()
+        rt.stop_trace()
+        for h in hs:
+            lib.sl_unregister(h)
+    ran = [(e.priority, e.job) for e in sorted(events, key=lambda e: e.start_ns)][1:]
+    assert sorted(p for p, _ in ran) == sorted(PRIORITIES)
+    assert ran == sorted(ran, key=lambda pj: (-pj[0], pj[1])), ran
 
 
 def test_a_repeated_buffer_past_the_declared_maximum():

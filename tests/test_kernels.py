@@ -299,6 +299,70 @@ def test_matmul_gpt2_width(rng, C, OC):
     _matmul_case(rng, N=64, C=C, OC=OC, use_bias=True)
 
 
+# ---------------------------------------------------------------- wte in row blocks
+
+
+@pytest.mark.parametrize("nb", [2, 3, 7])
+def test_row_blocks_agree_with_one_block(rng, nb):
+    """The codelets that use the tied wte given it in nb row blocks (the embedding, the lm
+    head's matmul forward and backward: codelets.DirectOps, i.e. the codelet bodies on their
+    buffers) against the same codelets given it whole. Vp = 203 rows in blocks of unequal
+    sizes (config.row_blocks), tokens on the blocks' edges and repeated.
+      - embedding, forward and backward: the same additions in the same order whatever the
+        blocks, so equal to the bit (bound 0);
+      - logits: each entry is the same C-term dot product in both (a block's sgemm writes its
+        columns): each within gamma(C) sum|terms| of the exact value, so 2 gamma(C) apart;
+      - dlnf = sum over the blocks of dlogits[:, block] @ wte_block, the blocks' sgemms added
+        in order: a sum of the same Vp products in another order. Along any product's path
+        at most Vp roundings (its product, rows_b - 1 additions in its block, nb - 1 of the
+        blocks' partial sums; rows_b + nb - 1 <= Vp), so gamma(Vp) for each, 2 gamma(Vp)
+        apart;
+      - dwte: each row block's rows are the same N-term sums plus the old value, gamma(N + 1)
+        each."""
+    from starpu_llm.codelets import DirectOps
+    from starpu_llm.config import row_blocks
+    from starpu_llm.flow.tensors import Tensor
+    B, T, C, Vp, maxT = 3, 8, 40, 203, 16
+    N = B * T
+    edges = [e for a, e in row_blocks(Vp, nb)][:-1]
+    inp = rng.integers(0, Vp, size=(B, T)).astype(np.int32)
+    inp.reshape(-1)[:2 * len(edges)] = [v for e in edges for v in (e - 1, e)]
+    inp[2, :3] = inp[0, 0]                                  # repeated ids
+    wte, wpe = randn(rng, Vp, C, scale=1 / math.sqrt(C)), randn(rng, maxT, C)
+    lnf, dlogits = randn(rng, N, C), randn(rng, N, Vp)
+    dwte0, dwpe0 = randn(rng, Vp, C), randn(rng, maxT, C)
+
+    def t(name, a):
+        return Tensor(name, a.shape, a.dtype, array=a)
+
+    def run(blocks):
+        """(encoded, dwte, dwpe, logits, dlnf, dwte after the head) with wte in `blocks`."""
+        w, dw = wte.copy(), dwte0.copy()
+        wb = [t(f"wte[{b}]", w[a:e]) for b, (a, e) in enumerate(blocks)]
+        dwb = [t(f"dwte[{b}]", dw[a:e]) for b, (a, e) in enumerate(blocks)]
+        out = {k: np.full(shape, np.nan, np.float32) for k, shape in
+               (("encoded", (B, T, C)), ("logits", (N, Vp)), ("dlnf", (N, C)))}
+        dwpe = dwpe0.copy()
+        ops = DirectOps()
+        ops.encoder_forward(t("encoded", out["encoded"]), t("inp", inp), wb, t("wpe", wpe),
+                            B, T, C, 0)
+        ops.matmul_forward(t("logits", out["logits"]), t("lnf", lnf), wb, None, N, C, Vp)
+        ops.encoder_backward(dwb, t("dwpe", dwpe), t("dout", out["encoded"]), t("inp", inp),
+                             B, T, C)
+        encoder_dwte = dw.copy()
+        ops.matmul_backward(t("dlnf", out["dlnf"]), dwb, t("dlogits", dlogits), t("lnf", lnf),
+                            wb, None, N, C, Vp)
+        return out["encoded"], encoder_dwte, dwpe, out["logits"], out["dlnf"], dw
+
+    one, blocked = run([(0, Vp)]), run(row_blocks(Vp, nb))
+    for what, a, b in zip(("encoded", "encoder dwte", "dwpe"), one[:3], blocked[:3]):
+        assert np.array_equal(a, b), what
+    aw, al, ad = np.abs(f64(wte)), np.abs(f64(lnf)), np.abs(f64(dlogits))
+    close(blocked[3], one[3], 2 * dot_bound(C, al @ aw.T), "logits")
+    close(blocked[4], one[4], 2 * dot_bound(Vp, ad @ aw), "dlnf")
+    close(blocked[5], one[5], 2 * dot_bound(N + 1, np.abs(f64(one[1])) + ad.T @ al), "dwte")
+
+
 # ---------------------------------------------------------------- attention
 
 

@@ -22,13 +22,13 @@ import numpy as np
 import pytest
 
 from starpu_llm import StarpuLLMError
-from starpu_llm.config import GPTConfig
+from starpu_llm.config import GPTConfig, ParamLayout
 from starpu_llm.flow.memory import step_needs
 from starpu_llm.io import checkpoint, formats
 from starpu_llm.runs import run_sampling_rss
 from starpu_llm.runtime import check_partition
 from starpu_llm.runtime.offload import RSS_OVERHEAD, OffloadFolder, parse_size
-from starpu_llm.state import random_init
+from starpu_llm.state import RandomInit, random_init
 from starpu_llm.trainer import TrainConfig, train
 
 MODEL = GPTConfig(max_seq_len=128, vocab_size=512, padded_vocab_size=512, num_layers=12,
@@ -93,6 +93,20 @@ def uncapped(files, tmp_path_factory):
     out = tmp_path_factory.mktemp("uncapped")
     return train(TrainConfig(**settings(files, out, save_every=1, checkpoint_dir=str(out / "ck"),
                                         keep_checkpoints=STEPS))), out
+
+
+def test_random_init_read_from_any_slice_on():
+    """Under a limit each rank draws only its slices (state.RandomInit): read from a later
+    slice on (a rank owning wte's second row block of three, then the rest), the values are
+    random_init's, which draws the whole model."""
+    whole = random_init(MODEL, 5)
+    init = RandomInit(MODEL, 5)
+    for _, offset, shape in ParamLayout(MODEL).slice_list(3)[1:]:
+        out = np.empty(int(np.prod(shape)), np.float32)
+        init.read_range(offset, out)
+        assert np.array_equal(out, whole[offset:offset + out.size])
+    with pytest.raises(ValueError, match="llm.c's order"):
+        init.read_range(0, out)
 
 
 def test_the_model_needs_far_more_than_the_cap():

@@ -3,12 +3,15 @@ from starpu_llm.flow.engine import StarPUEngine
 from starpu_llm.state import TrainState, random_init
 
 
-def traced_step(runtime, config, tokens, B=4, T=16, sub_batches=None, grad_clip=0.0):
-    """One training step under a task trace: (events, {handle address: tensor name})."""
+def traced_step(runtime, config, tokens, B=4, T=16, sub_batches=None, grad_clip=0.0,
+                wte_blocks=None):
+    """One training step under a task trace: (events, {handle address: tensor name}); wte in
+    wte_blocks row blocks when given (else the placement's: one in one process)."""
     state = TrainState(config=config, params=random_init(config))
     runtime.start_trace(100_000)
     try:
-        eng = StarPUEngine(config, state, B, T, tokens, runtime, sub_batches=sub_batches)
+        eng = StarPUEngine(config, state, B, T, tokens, runtime, sub_batches=sub_batches,
+                           wte_blocks=wte_blocks)
         try:
             eng.step(0, 1e-3, 0.0, grad_clip)
             names = eng.tensor_names()

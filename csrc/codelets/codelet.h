@@ -27,7 +27,9 @@ enum sl_mode {
 		  * arguments that SL_CODELET_ACC names says which */
 	/* flags */
 	SL_OPT = 16,	/* a trailing buffer a task may leave out (several: the last ones) */
-	SL_REPEAT = 32, /* the last declared buffer may come any number of times (>= 1) */
+	SL_REPEAT = 32, /* the buffer comes k >= 1 times in its place (k the same for every
+			 * SL_REPEAT buffer of a task: the int field of the arguments that
+			 * SL_CODELET_REPEAT names), e.g. a matrix in k row blocks */
 	SL_ANY = 64,	/* any data interface, not only a vector: the body gets no pointer */
 };
 #define SL_MODE_KIND(m) ((m) & 15)
@@ -45,6 +47,8 @@ struct sl_codelet {
 	int nbuffers; /* declared */
 	int modes[SL_MAX_BUFFERS];
 	ptrdiff_t accumulate_at; /* offset in args of the int selecting an SL_ACC buffer's mode; -1 */
+	ptrdiff_t repeat_at;	 /* offset in args of the int counting the SL_REPEAT buffers; -1 */
+	const char *repeat_field; /* that field's name ("" without) */
 	/* the body on plain buffers, and the flop count (StarPU's statistics, the perf model) */
 	void (*run)(const struct sl_buf *b, int n, const void *args);
 	double (*flops)(const struct sl_buf *b, int n, const void *args);
@@ -61,6 +65,14 @@ const struct sl_codelet *sl_codelet_get(int codelet);
 int32_t sl_mode_access(int mode, int redux, int accumulate);
 /* The accumulate of a task of c with these arguments (0 for a codelet without SL_ACC). */
 int sl_codelet_accumulate(const struct sl_codelet *c, const void *args);
+/* The repeat count k of a task of c with these arguments (1 for a codelet without SL_REPEAT). */
+int sl_codelet_repeats(const struct sl_codelet *c, const void *args);
+/* The declared buffer that buffer i of a task with repeat count k is (each SL_REPEAT buffer
+ * taking k places); -1 past the declaration. */
+int sl_codelet_declared(const struct sl_codelet *c, int k, int i);
+/* 0 when n buffers fit the declaration with repeat count k (k >= 1; every buffer but trailing
+ * optional ones given), else -EINVAL. */
+int sl_codelet_check_count(const struct sl_codelet *c, int n, int k);
 /* What StarPU's CPU function of every codelet calls: set by the StarPU layer
  * (csrc/starpu/codelets.c) before the first task; NULL in the reference binding. */
 extern void (*sl_codelet_cpu)(const struct sl_codelet *c, void *buffers[], void *cl_arg);
@@ -71,6 +83,17 @@ extern void (*sl_codelet_cpu)(const struct sl_codelet *c, void *buffers[], void 
 #define SL_D(i) ((double *)b[i].ptr)
 #define SL_N(i) (b[i].n)
 
+/* The k row blocks of a matrix of C columns, buffers first .. first + k - 1 of the body's b:
+ * their memory and row counts, for the kernels' *_blocks (kernels.h, Row blocks). */
+static inline void sl_row_blocks(const struct sl_buf *b, int first, int k, int C, float **ptr,
+				 int *rows)
+{
+	for (int i = 0; i < k; i++) {
+		ptr[i] = (float *)b[first + i].ptr;
+		rows[i] = (int)(b[first + i].n / (size_t)C);
+	}
+}
+
 /* Declares codelet `cname`, registered at library load, in one place:
  *   args_t   its scalar arguments (a struct of sl_codelets.h), seen by the body as `a`;
  *   flags    SL_SEQUENTIAL, SL_NO_PERFMODEL or 0;
@@ -78,17 +101,27 @@ extern void (*sl_codelet_cpu)(const struct sl_codelet *c, void *buffers[], void 
  *   ...      the declared mode of each buffer (enum sl_mode), in order.
  * The body follows the macro as a block; it sees b (struct sl_buf[n]), n and a. */
 #define SL_CODELET(cname, args_t, cflags, flops_expr, ...)                                         \
-	SL_CODELET_DECLARE(cname, args_t, -1, cflags, flops_expr, __VA_ARGS__)
+	SL_CODELET_DECLARE(cname, args_t, -1, -1, "", cflags, flops_expr, __VA_ARGS__)
 
 /* The same for a codelet with an SL_ACC buffer (and only for one): acc_field, an int field of
  * args_t, is the task's accumulate (nonzero: the buffer is RW, else W). */
 #define SL_CODELET_ACC(cname, args_t, acc_field, cflags, flops_expr, ...)                          \
 	_Static_assert(sizeof(((args_t *)0)->acc_field) == sizeof(int),                            \
 		       #args_t "." #acc_field " must be an int");                                  \
-	SL_CODELET_DECLARE(cname, args_t, (ptrdiff_t)offsetof(args_t, acc_field), cflags,          \
+	SL_CODELET_DECLARE(cname, args_t, (ptrdiff_t)offsetof(args_t, acc_field), -1, "", cflags,  \
 			   flops_expr, __VA_ARGS__)
 
-#define SL_CODELET_DECLARE(cname, args_t, acc_at, cflags, flops_expr, ...)                         \
+/* The same for a codelet with SL_REPEAT buffers: count_field, an int field of args_t, is the
+ * task's repeat count k (each SL_REPEAT buffer comes k times in its place; Python fills it
+ * from the lists a call gives for those buffers). The body finds buffer j's i-th repeat
+ * at index j + i when no repeated buffer precedes it (j + (k - 1) r + i after r of them). */
+#define SL_CODELET_REPEAT(cname, args_t, count_field, cflags, flops_expr, ...)                     \
+	_Static_assert(sizeof(((args_t *)0)->count_field) == sizeof(int),                          \
+		       #args_t "." #count_field " must be an int");                                \
+	SL_CODELET_DECLARE(cname, args_t, -1, (ptrdiff_t)offsetof(args_t, count_field),            \
+			   #count_field, cflags, flops_expr, __VA_ARGS__)
+
+#define SL_CODELET_DECLARE(cname, args_t, acc_at, rep_at, rep_field, cflags, flops_expr, ...)      \
 	static void cname##_body(const struct sl_buf *b SL_UNUSED, int n SL_UNUSED,                \
 				 const args_t *a SL_UNUSED);                                       \
 	static void cname##_run(const struct sl_buf *b, int n, const void *args)                   \
@@ -116,6 +149,8 @@ extern void (*sl_codelet_cpu)(const struct sl_codelet *c, void *buffers[], void 
 		.nbuffers = sizeof((const int[]){ __VA_ARGS__ }) / sizeof(int),                    \
 		.modes = { __VA_ARGS__ },                                                          \
 		.accumulate_at = (acc_at),                                                         \
+		.repeat_at = (rep_at),                                                             \
+		.repeat_field = (rep_field),                                                       \
 		.run = cname##_run,                                                                \
 		.flops = cname##_flops,                                                            \
 		.cpu = cname##_cpu,                                                                \

@@ -35,7 +35,8 @@ SL_CODELET(copy, struct sl_no_args, SL_SEQUENTIAL, 0.0, SL_W, SL_R)
 
 /* dst (any interface: e.g. a starpupy handle, whose memory is a->dst), src_1 .. src_k vectors:
  * the sources one after the other into dst (the starpupy face's checkpoint snapshot). */
-SL_CODELET(gather, struct sl_gather_args, SL_SEQUENTIAL, 0.0, SL_W | SL_ANY, SL_R | SL_REPEAT)
+SL_CODELET_REPEAT(gather, struct sl_gather_args, count, SL_SEQUENTIAL, 0.0, SL_W | SL_ANY,
+		  SL_R | SL_REPEAT)
 {
 	char *out = a->dst;
 	for (int i = 1; i < n; i++) {

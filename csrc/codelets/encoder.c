@@ -1,15 +1,26 @@
 /* Codelets: encoder (token + position embedding) forward and backward. */
 #include "codelet.h"
 
-/* out (B,T,C), inp (B,T), wte (Vp,C), wpe (maxT,C): positions pos..pos+T-1 */
-SL_CODELET(encoder_forward, struct sl_encoder_args, 0, 0.0, SL_W, SL_R, SL_R, SL_R)
+/* out (B,T,C), inp (B,T), wte (Vp,C) in k = a->blocks row blocks, wpe (maxT,C): positions
+ * pos..pos+T-1 */
+SL_CODELET_REPEAT(encoder_forward, struct sl_encoder_args, blocks, 0, 0.0, SL_W, SL_R,
+		  SL_R | SL_REPEAT, SL_R)
 {
-	encoder_forward(SL_F(0), SL_I(1), SL_F(2), SL_F(3) + (size_t)a->pos * a->C, a->B, a->T,
-			a->C);
+	int k = a->blocks;
+	float *wte[k];
+	int rows[k];
+	sl_row_blocks(b, 2, k, a->C, wte, rows);
+	encoder_forward_blocks(SL_F(0), SL_I(1), (const float *const *)wte, rows, k,
+			       SL_F(2 + k) + (size_t)a->pos * a->C, a->B, a->T, a->C);
 }
 
-/* dwte, dwpe, dout (B,T,C), inp (B,T) */
-SL_CODELET(encoder_backward, struct sl_encoder_backward_args, 0, 0.0, SL_GRAD, SL_GRAD, SL_R, SL_R)
+/* dwte (Vp,C) in k row blocks, dwpe, dout (B,T,C), inp (B,T) */
+SL_CODELET_REPEAT(encoder_backward, struct sl_encoder_backward_args, blocks, 0, 0.0,
+		  SL_GRAD | SL_REPEAT, SL_GRAD, SL_R, SL_R)
 {
-	encoder_backward(SL_F(0), SL_F(1), SL_F(2), SL_I(3), a->B, a->T, a->C);
+	int k = a->blocks;
+	float *dwte[k];
+	int rows[k];
+	sl_row_blocks(b, 0, k, a->C, dwte, rows);
+	encoder_backward_blocks(dwte, rows, k, SL_F(k), SL_F(k + 1), SL_I(k + 2), a->B, a->T, a->C);
 }

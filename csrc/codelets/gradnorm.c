@@ -11,7 +11,8 @@ SL_CODELET(grad_sumsq, struct sl_no_args, 0, 0.0, SL_W, SL_R)
 }
 
 /* out (1 double), in_1 .. in_k (1 double each): a few additions, always on one core */
-SL_CODELET(norm_sum, struct sl_no_args, SL_SEQUENTIAL, 0.0, SL_W, SL_R | SL_REPEAT)
+SL_CODELET_REPEAT(norm_sum, struct sl_norm_sum_args, count, SL_SEQUENTIAL, 0.0, SL_W,
+		  SL_R | SL_REPEAT)
 {
 	int k = n - 1;
 	double in[k > 0 ? k : 1];

@@ -6,7 +6,7 @@
  *     sl_submit in sl_api.h inserts the task);
  *   - the reference engine calls its body at once (sl_codelet_run), with no StarPU loaded.
  * Python reads the table (names, modes, argument struct) and builds one method per codelet
- * (starpu_llm/flow/ops.py). No StarPU type appears here. */
+ * (starpu_llm/codelets.py). No StarPU type appears here. */
 #ifndef SL_CODELETS_H
 #define SL_CODELETS_H
 #include <stddef.h>
@@ -18,10 +18,12 @@ struct sl_no_args {
 };
 struct sl_encoder_args {
 	int B, T, C;
-	int pos; /* position of the first token (generation; 0 in training) */
+	int pos;    /* position of the first token (generation; 0 in training) */
+	int blocks; /* wte's row blocks (the repeat count: Python fills it from the call) */
 };
 struct sl_encoder_backward_args {
 	int B, T, C;
+	int blocks; /* dwte's row blocks */
 };
 struct sl_layernorm_args {
 	int N, C;
@@ -32,6 +34,7 @@ struct sl_layernorm_backward_args {
 };
 struct sl_matmul_args {
 	int N, C, OC;
+	int blocks; /* the weight's row blocks (the tied lm head's wte: its blocks; else 1) */
 };
 struct sl_attention_args {
 	int B, T, C, NH;
@@ -60,6 +63,10 @@ struct sl_load_args {
 };
 struct sl_gather_args {
 	char *dst; /* the memory of the first buffer (any data interface), its sources' total */
+	int count; /* the sources */
+};
+struct sl_norm_sum_args {
+	int count; /* the inputs */
 };
 struct sl_probe_args {
 	uint64_t *out;
@@ -72,13 +79,15 @@ struct sl_probe_args {
 #define SL_ACCESS_W	   2  /* writes (W, RW, SCRATCH) */
 #define SL_ACCESS_REDUX	   4  /* contributes to a reduction (STARPU_REDUX) */
 #define SL_ACCESS_OPTIONAL 8  /* a trailing buffer a task may leave out (matmul's bias) */
-#define SL_ACCESS_REPEAT   16 /* the last buffer: any number of them (norm_sum's inputs) */
+#define SL_ACCESS_REPEAT   16 /* k >= 1 of them in its place (norm_sum's inputs, wte's blocks) */
 #define SL_ACCESS_ANY	   32 /* any data interface: the body gets no pointer (gather's target) */
 #define SL_MAX_BUFFERS	   8  /* declared buffers of a codelet (STARPU_NMAXBUFS of Debian's 1.3) */
 
 int sl_codelet_count(void);
 const char *sl_codelet_name(int codelet);      /* "?" for no such codelet */
 const char *sl_codelet_args_type(int codelet); /* e.g. "struct sl_matmul_args" */
+/* The int field of the arguments counting the repeated buffers ("blocks"; "" without). */
+const char *sl_codelet_repeat_field(int codelet);
 int sl_codelet_sequential(int codelet);	       /* 1: always on one core; -1: no such codelet */
 /* modes[i] (i < max): the SL_ACCESS_* bits of buffer i of a task of codelet submitted with this
  * redux (gradients: STARPU_REDUX instead of RW) and accumulate (W becomes RW), plus

@@ -19,6 +19,14 @@ static int has_acc_buffer(const struct sl_codelet *c)
 	return 0;
 }
 
+static int has_repeat_buffer(const struct sl_codelet *c)
+{
+	for (int i = 0; i < c->nbuffers; i++)
+		if (c->modes[i] & SL_REPEAT)
+			return 1;
+	return 0;
+}
+
 void sl_codelet_register(struct sl_codelet *c)
 {
 	if (count == SL_MAX_CODELETS || c->nbuffers > SL_MAX_BUFFERS) {
@@ -28,6 +36,11 @@ void sl_codelet_register(struct sl_codelet *c)
 	if (has_acc_buffer(c) != (c->accumulate_at >= 0)) {
 		fprintf(stderr, "starpu_llm: codelet %s: an SL_ACC buffer needs SL_CODELET_ACC "
 				"(naming the accumulate field) and SL_CODELET_ACC an SL_ACC buffer\n", c->name);
+		abort();
+	}
+	if (has_repeat_buffer(c) != (c->repeat_at >= 0)) {
+		fprintf(stderr, "starpu_llm: codelet %s: SL_REPEAT buffers need SL_CODELET_REPEAT "
+				"(naming the count field) and SL_CODELET_REPEAT an SL_REPEAT buffer\n", c->name);
 		abort();
 	}
 	c->id = count;
@@ -51,6 +64,12 @@ const char *sl_codelet_args_type(int codelet)
 {
 	const struct sl_codelet *c = sl_codelet_get(codelet);
 	return c ? c->args_type : "?";
+}
+
+const char *sl_codelet_repeat_field(int codelet)
+{
+	const struct sl_codelet *c = sl_codelet_get(codelet);
+	return c ? c->repeat_field : "";
 }
 
 int sl_codelet_sequential(int codelet)
@@ -83,6 +102,47 @@ int sl_codelet_accumulate(const struct sl_codelet *c, const void *args)
 	return accumulate;
 }
 
+int sl_codelet_repeats(const struct sl_codelet *c, const void *args)
+{
+	int k = 1;
+	if (c->repeat_at >= 0)
+		k = 0;
+	if (c->repeat_at >= 0 && args)
+		memcpy(&k, (const char *)args + c->repeat_at, sizeof k);
+	return k;
+}
+
+/* the places declared buffer j takes in a task of repeat count k */
+static int places(const struct sl_codelet *c, int j, int k)
+{
+	return (c->modes[j] & SL_REPEAT) ? k : 1;
+}
+
+int sl_codelet_declared(const struct sl_codelet *c, int k, int i)
+{
+	for (int j = 0, pos = 0; j < c->nbuffers; pos += places(c, j, k), j++)
+		if (i < pos + places(c, j, k))
+			return j;
+	return -1;
+}
+
+int sl_codelet_check_count(const struct sl_codelet *c, int n, int k)
+{
+	if (k < 1 || n < 0)
+		return -EINVAL;
+	int total = 0;
+	for (int j = 0; j < c->nbuffers; j++)
+		total += places(c, j, k);
+	if (n == total)
+		return 0;
+	for (int j = c->nbuffers - 1; j >= 0 && (c->modes[j] & SL_OPT); j--) {
+		total -= places(c, j, k);
+		if (n == total)
+			return 0;
+	}
+	return -EINVAL;
+}
+
 int sl_codelet_modes(int codelet, int redux, int accumulate, int32_t *modes, int max)
 {
 	const struct sl_codelet *c = sl_codelet_get(codelet);
@@ -101,9 +161,10 @@ int sl_codelet_modes(int codelet, int redux, int accumulate, int32_t *modes, int
 double sl_codelet_flops(int codelet, const size_t *count_, int n, const void *args)
 {
 	const struct sl_codelet *c = sl_codelet_get(codelet);
-	if (!c || n < 0 || n > SL_MAX_BUFFERS)
+	if (!c || n < 0)
 		return 0.0;
-	struct sl_buf b[SL_MAX_BUFFERS] = { { 0 } };
+	struct sl_buf b[n > 0 ? n : 1];
+	memset(b, 0, sizeof b);
 	for (int i = 0; i < n; i++)
 		b[i] = (struct sl_buf){ .ptr = NULL, .n = count_[i] };
 	return c->flops(b, n, args);
@@ -113,7 +174,7 @@ int sl_codelet_run(int codelet, void *const *ptr, const size_t *count_, const si
 		   int n, const void *args)
 {
 	const struct sl_codelet *c = sl_codelet_get(codelet);
-	if (!c || n < 0)
+	if (!c || sl_codelet_check_count(c, n, sl_codelet_repeats(c, args)) != 0)
 		return -EINVAL;
 	struct sl_buf *b = calloc((size_t)(n ? n : 1), sizeof *b);
 	if (!b)

@@ -18,12 +18,22 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* Row blocks: a (rows, C) matrix may be given as nb contiguous blocks of its rows, block b
+ * holding rows[b] rows at blk[b] (the rows sum to the matrix's); nb = 1 is the whole matrix
+ * (blk[0], rows[0] = its rows). The tied wte is split so across ranks, each block owned by one. */
+
 /* out (B,T,C) = wte[inp[b,t]] + wpe[t];  inp (B,T) int32, wte (Vp,C), wpe (maxT,C) */
 void encoder_forward(float *out, const int32_t *inp, const float *wte, const float *wpe, int B,
 		     int T, int C);
+/* The same with wte (Vp,C) in nb row blocks: the same additions, whatever the blocks. */
+void encoder_forward_blocks(float *out, const int32_t *inp, const float *const *wte,
+			    const int *rows, int nb, const float *wpe, int B, int T, int C);
 /* dwte += scatter of dout by token id, dwpe[t] += sum_b dout[b,t] */
 void encoder_backward(float *dwte, float *dwpe, const float *dout, const int32_t *inp, int B, int T,
 		      int C);
+/* The same with dwte (Vp,C) in nb row blocks: the same additions in the same order. */
+void encoder_backward_blocks(float *const *dwte, const int *rows, int nb, float *dwpe,
+			     const float *dout, const int32_t *inp, int B, int T, int C);
 
 /* out (N,C) = (inp - mean) * rstd * weight + bias, eps 1e-5; mean, rstd (N) are saved.
  * N = B*T rows. */
@@ -37,10 +47,20 @@ void layernorm_backward(float *dinp, float *dweight, float *dbias, const float *
 /* out (N,OC) = inp (N,C) @ weight(OC,C)^T + bias (OC); bias may be NULL. cblas_sgemm. */
 void matmul_forward(float *out, const float *inp, const float *weight, const float *bias, int N,
 		    int C, int OC);
+/* The same with weight in nb row blocks: out's columns of block b (leading dimension OC) =
+ * inp @ weight_b^T, one sgemm per block (nb = 1: matmul_forward's). */
+void matmul_forward_blocks(float *out, const float *inp, const float *const *weight,
+			   const int *rows, int nb, const float *bias, int N, int C, int OC);
 /* dinp (N,C) = dout @ weight (written, not accumulated);
  * dweight (OC,C) += dout^T @ inp;  dbias (OC) += column sums of dout (dbias may be NULL). */
 void matmul_backward(float *dinp, float *dweight, float *dbias, const float *dout, const float *inp,
 		     const float *weight, int N, int C, int OC);
+/* The same with weight and dweight in the same nb row blocks: dinp = the sum over the blocks
+ * of dout's columns of block b @ weight_b (the blocks' sgemms added in block order), dweight_b
+ * += (dout's columns of block b)^T @ inp (nb = 1: matmul_backward's sgemms). */
+void matmul_backward_blocks(float *dinp, float *const *dweight, float *dbias, const float *dout,
+			    const float *inp, const float *const *weight, const int *rows, int nb,
+			    int N, int C, int OC);
 
 /* Causal self-attention over qkv (B,T,3C) laid out [q | k | v] per token, heads of size
  * hs = C/NH. preatt, att (B,NH,T,T): scores scaled by 1/sqrt(hs) and their softmax

@@ -24,12 +24,13 @@ enum starpu_data_access_mode sl_starpu_mode(int32_t access)
 	return (access & SL_ACCESS_W) ? STARPU_W : STARPU_R;
 }
 
-/* The buffers of the running task as the body sees them. A buffer of mode SL_ANY may have any
- * interface: no pointer. */
-static void task_buffers(const struct sl_codelet *c, void *buffers[], int n, struct sl_buf *b)
+/* The buffers of the running task as the body sees them (k: its repeat count). A buffer of
+ * mode SL_ANY may have any interface: no pointer. */
+static void task_buffers(const struct sl_codelet *c, int k, void *buffers[], int n,
+			 struct sl_buf *b)
 {
 	for (int i = 0; i < n; i++) {
-		int decl = c->modes[i < c->nbuffers ? i : c->nbuffers - 1];
+		int decl = c->modes[sl_codelet_declared(c, k, i)];
 		if (decl & SL_ANY) {
 			b[i] = (struct sl_buf){ NULL, 0, 0 };
 			continue;
@@ -52,7 +53,7 @@ static void codelet_cpu(const struct sl_codelet *c, void *buffers[], void *cl_ar
 				cl->nbuffers :
 				(int)STARPU_TASK_GET_NBUFFERS(starpu_task_get_current());
 		struct sl_buf b[n > 0 ? n : 1];
-		task_buffers(c, buffers, n, b);
+		task_buffers(c, sl_codelet_repeats(c, cl_arg), buffers, n, b);
 		c->run(b, n, cl_arg);
 	}
 	sl_trace_end(slot);

@@ -68,6 +68,12 @@ int sl_mpi_fetch(sl_handle h, int node);
  * since it started: 0, or -ENODATA when its statistics are off (STARPU_COMM_STATS=1 on
  * StarPU 1.3, STARPU_MPI_STATS=1 on 1.4, set before the start). */
 int sl_mpi_bytes_sent(size_t *sent);
+/* How StarPU-MPI's progression thread waits (mpi_poll.c): max_us 0 spins (StarPU's own way),
+ * max_us > 0 sleeps between polls that find nothing, at most max_us each (-EINVAL below 0,
+ * -ENOSYS without MPI, -ENOTSUP when StarPU-MPI does not call this module's MPI_Test:
+ * MPI's library was made global before the module was loaded). Its polls, sleeps and time slept (ns) so far, counted with backoff on. */
+int sl_mpi_poll_backoff(int max_us);
+void sl_mpi_poll_stats(long long *polls, long long *sleeps, long long *slept_ns);
 
 /* ---- data (runtime.c) ---- */
 /* A vector of n elements of elemsize bytes on memory at ptr (ptr NULL lets StarPU allocate
@@ -94,29 +100,32 @@ void sl_release(sl_handle h);
  * the caller's decision, given with every task (starpu_llm/flow/placement.py decides):
  *   node:   the StarPU-MPI rank that runs it, or SL_NODE_OWNER: the owner of the data it
  *           writes (StarPU-MPI's rule); ignored by plain StarPU;
- *   worker: the StarPU worker that runs it, or SL_ANY_WORKER: where the scheduler puts it. */
+ *   worker: the StarPU worker that runs it, or SL_ANY_WORKER: where the scheduler puts it;
+ *   priority: the task's StarPU priority (0: the default; higher runs first among the tasks
+ *           ready on a worker: lws pops its queue highest priority first, 1.3 and 1.4 alike;
+ *           StarPU-MPI also gives it to the task's transfers). A pipeline's (1F1B). */
 #define SL_NODE_OWNER -1
 #define SL_ANY_WORKER -1
 int sl_submit(int codelet, const sl_handle *handles, int n, int redux, const void *args,
-	      size_t args_size, int node, int worker);
+	      size_t args_size, int node, int worker, int priority);
 
 /* ---- task trace (trace.c) ----
  * When enabled, each task records its codelet, worker and start/end time (CLOCK_MONOTONIC ns,
  * the clock of Python's time.monotonic_ns()), and the data handles and access modes StarPU
  * gave it (read back from the running task, not from our own tables). A reduction method
  * StarPU runs inline inside another task records nbuffers = -1. Modes: SL_ACCESS_* bits. */
-#define SL_TRACE_MAXBUF 8 /* buffers recorded per task (STARPU_NMAXBUFS of Debian's 1.3) */
 struct sl_trace_event {
 	int32_t codelet;  /* index into the codelet table */
 	int32_t worker;	  /* StarPU worker id of the task's master thread */
 	int32_t ncores;	  /* cores of the (combined) worker */
-	int32_t nbuffers; /* buffers of the task (only the first SL_TRACE_MAXBUF kept) */
+	int32_t nbuffers; /* buffers of the task */
 	int64_t start_ns;
 	int64_t end_ns;
-	int32_t modes[SL_TRACE_MAXBUF]; /* SL_ACCESS_* bits */
-	sl_handle handles[SL_TRACE_MAXBUF];
+	int32_t *modes;	    /* nbuffers SL_ACCESS_* bits (freed with the trace) */
+	sl_handle *handles; /* nbuffers handles */
 	double flops;	/* the flop count the task was submitted with */
 	uint64_t job;	/* the task's submission number (sl_submit) */
+	int32_t priority; /* the task's priority (sl_submit) */
 };
 int sl_trace_enable(size_t capacity); /* capacity 0 disables and frees */
 /* Dry run (on = 1): every task still runs through StarPU, with its dependencies, placement and

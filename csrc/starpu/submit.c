@@ -62,16 +62,12 @@ static int check_submit(int ret, const char *what)
 	return ret;
 }
 
-/* The handles against the declaration: every buffer but trailing optional ones given, a
- * repeated last buffer at least once. Returns 0 or -EINVAL. */
-static int check_handles(const struct sl_codelet *c, const sl_handle *handles, int n)
+/* The handles against the declaration (sl_codelet_check_count, for repeat count k): every
+ * buffer but trailing optional ones given, each repeated one k times. Returns 0 or -EINVAL. */
+static int check_handles(const struct sl_codelet *c, const sl_handle *handles, int n, int k)
 {
-	int repeat = c->nbuffers > 0 && (c->modes[c->nbuffers - 1] & SL_REPEAT);
-	if (n < 0 || (!repeat && n > c->nbuffers))
+	if (sl_codelet_check_count(c, n, k) != 0)
 		return -EINVAL;
-	for (int i = n; i < c->nbuffers; i++)
-		if (!(c->modes[i] & SL_OPT))
-			return -EINVAL;
 	for (int i = 0; i < n; i++)
 		if (!handles[i])
 			return -EINVAL;
@@ -79,22 +75,26 @@ static int check_handles(const struct sl_codelet *c, const sl_handle *handles, i
 }
 
 /* Each task carries its submission number as its tag id (STARPU_TAG_ONLY: a label for the
- * trace, no tag dependency). Under StarPU-MPI every process submits every task:
+ * trace, no tag dependency) and the priority it is given (STARPU_PRIORITY). Under StarPU-MPI
+ * every process submits every task:
  * starpu_mpi_task_insert runs it on `node` (or on the owner of what it writes) and posts the
  * transfers its data need. */
 int sl_submit(int codelet, const sl_handle *handles, int n, int redux, const void *args,
-	      size_t args_size, int node, int worker)
+	      size_t args_size, int node, int worker, int priority)
 {
 	static uint64_t submitted;
 	const struct sl_codelet *c = sl_codelet_get(codelet);
 	struct starpu_codelet *cl = sl_starpu_codelet(codelet);
 	if (!c || !cl)
 		return check_submit(-EINVAL, c ? c->name : "an unknown codelet");
-	if (check_handles(c, handles, n) != 0 || args_size != (args ? c->args_size : 0) ||
-	    node < SL_NODE_OWNER || worker < SL_ANY_WORKER)
+	if (args_size != (args ? c->args_size : 0) || node < SL_NODE_OWNER ||
+	    worker < SL_ANY_WORKER)
 		return check_submit(-EINVAL, c->name);
-	/* on the stack up to the declared maximum; only a repeated last buffer goes beyond it
-	 * (the gather of a checkpoint snapshot: every parameter tensor) */
+	int k = sl_codelet_repeats(c, args);
+	if (check_handles(c, handles, n, k) != 0)
+		return check_submit(-EINVAL, c->name);
+	/* on the stack up to the declared maximum; only repeated buffers go beyond it (the gather
+	 * of a checkpoint snapshot: every parameter tensor; wte's row blocks) */
 	struct starpu_data_descr stack_buffers[SL_MAX_BUFFERS], *buffers = stack_buffers;
 	size_t stack_count[SL_MAX_BUFFERS], *count = stack_count;
 	if (n > SL_MAX_BUFFERS) {
@@ -108,7 +108,7 @@ int sl_submit(int codelet, const sl_handle *handles, int n, int redux, const voi
 	}
 	int accumulate = sl_codelet_accumulate(c, args);
 	for (int i = 0; i < n; i++) {
-		int decl = c->modes[i < c->nbuffers ? i : c->nbuffers - 1];
+		int decl = c->modes[sl_codelet_declared(c, k, i)];
 		buffers[i].handle = handles[i];
 		buffers[i].mode = sl_starpu_mode(sl_mode_access(decl, redux, accumulate));
 		count[i] = (decl & SL_ANY) ? 0 : starpu_vector_get_nx(handles[i]);
@@ -124,12 +124,13 @@ int sl_submit(int codelet, const sl_handle *handles, int n, int redux, const voi
 			*(const MPI_Comm *)comm, cl, STARPU_EXECUTE_ON_NODE, node,
 			STARPU_EXECUTE_ON_WORKER, worker, STARPU_DATA_MODE_ARRAY, buffers, n,
 			STARPU_CL_ARGS_NFREE, a, args_size, STARPU_FLOPS, flops, STARPU_TAG_ONLY, seq,
-			0);
+			STARPU_PRIORITY, priority, 0);
 	else
 #endif
 		ret = starpu_task_insert(cl, STARPU_EXECUTE_ON_WORKER, worker,
 					 STARPU_DATA_MODE_ARRAY, buffers, n, STARPU_CL_ARGS_NFREE,
-					 a, args_size, STARPU_FLOPS, flops, STARPU_TAG_ONLY, seq, 0);
+					 a, args_size, STARPU_FLOPS, flops, STARPU_TAG_ONLY, seq,
+					 STARPU_PRIORITY, priority, 0);
 	if (buffers != stack_buffers) {
 		free(buffers);
 		free(count);

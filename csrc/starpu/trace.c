@@ -1,5 +1,7 @@
 /* The task trace: a buffer of events, one per task run, each with its codelet, worker, cores,
  * times and the handles and access modes StarPU gave the task. */
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include "internal.h"
@@ -20,8 +22,18 @@ static int64_t now_ns(void)
 	return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
+/* Frees the recorded events' buffer lists (no task records while this runs). */
+static void free_buffer_lists(void)
+{
+	size_t n = sl_trace_count();
+	for (size_t i = 0; i < n; i++)
+		free(trace_buf[i].handles); /* one allocation with the modes */
+}
+
 int sl_trace_enable(size_t capacity)
 {
+	if (trace_buf)
+		free_buffer_lists();
 	free(trace_buf);
 	trace_buf = NULL;
 	trace_cap = 0;
@@ -78,10 +90,19 @@ static void trace_buffers(struct sl_trace_event *e)
 	    strcmp(task->cl->name, sl_codelet_name(e->codelet)) != 0)
 		return;
 	int n = STARPU_TASK_GET_NBUFFERS(task);
+	/* the handles first: they are the larger-aligned */
+	sl_handle *handles = malloc((size_t)(n > 0 ? n : 1) * (sizeof *handles + sizeof(int32_t)));
+	if (!handles) {
+		fprintf(stderr, "starpu_llm: out of memory for the task trace\n");
+		abort();
+	}
+	e->handles = handles;
+	e->modes = (int32_t *)(handles + n);
 	e->nbuffers = n;
 	e->flops = task->flops;
 	e->job = task->tag_id; /* sl_submit's submission number */
-	for (int i = 0; i < n && i < SL_TRACE_MAXBUF; i++) {
+	e->priority = task->priority;
+	for (int i = 0; i < n; i++) {
 		e->handles[i] = STARPU_TASK_GET_HANDLE(task, i);
 		e->modes[i] = access_bits(STARPU_TASK_GET_MODE(task, i));
 	}

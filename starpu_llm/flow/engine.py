@@ -49,18 +49,21 @@ class StarPUEngine(Engine):
 
     Under StarPU-MPI (a Runtime started on a communicator of R processes) every process
     submits the whole graph; rank r runs its sub-batches (B/R sequences), the owner of each
-    parameter slice its update (`ownership`: placement.py)."""
+    parameter slice its update (`ownership`: placement.py). wte_blocks: wte's row blocks
+    instead of the topology's (the performance model records a rank's graph so, perf/graph.py)."""
 
     name = "starpu"
 
     def __init__(self, config, state, B, T, tokens, runtime, sub_batches: int | None = None,
                  record: bool = False, ownership: str | None = None, pipeline_stages: int = 1,
-                 stage_costs=None):
+                 stage_costs=None, pipeline_schedule: str | None = None,
+                 wte_blocks: int | None = None):
         if not runtime.running:
             raise RuntimeError("the StarPU runtime is not running")
         nranks = runtime.size
         topology = Topology(config, nranks, pipeline_stages,
-                            (ownership or "sharded") if nranks > 1 else "rank0", T, stage_costs)
+                            (ownership or "sharded") if nranks > 1 else "rank0", T, stage_costs,
+                            wte_blocks=wte_blocks)
         copies = topology.copies      # data-parallel copies: every rank's without a pipeline
         where = (f"{copies} data-parallel copies of the pipeline" if pipeline_stages > 1
                  else f"{nranks} MPI processes")
@@ -89,7 +92,7 @@ class StarPUEngine(Engine):
         if self.memory is not None:
             self.check_memory()      # before StarPU allocates anything of ours
         self.placement = place = Placement(runtime, config, topology, self.subs_per_rank,
-                                           self.memory)
+                                           pipeline_schedule or "1f1b", self.memory)
         self.layer_stage = place.layer_stage if place.stages > 1 else None
         self.redux = place.redux
         self.rank, self.mpi = place.rank, place.mpi
@@ -147,14 +150,17 @@ class StarPUEngine(Engine):
         for t in (t for copy in self.contributions for t in copy.tensors()):
             if t.name.startswith("grad@"):
                 yield t.name, t
-        for t in self.embedding_wte or []:
+        for t in (t for blocks in self.embedding_wte or [] for t in blocks):
             yield t.name, t
+        seen = set()     # a 1f1b pipeline's micro-batches share sets: the first one's name
         for i, (a, stages) in enumerate(self.subs):
-            for t in a.tensors():
-                yield f"s{i}.{t.name}", t
+            named = [(f"s{i}.{t.name}", t) for t in a.tensors()]
             for k, s in enumerate(stages):     # stage k > 0's scratch: "s{i}.stage{k}."
-                for t in s.tensors():
-                    yield f"s{i}.{f'stage{k}.' if k else ''}{t.name}", t
+                named += [(f"s{i}.{f'stage{k}.' if k else ''}{t.name}", t) for t in s.tensors()]
+            for name, t in named:
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    yield name, t
 
     def tensor_names(self) -> dict:
         """{handle address: tensor name} of every tensor of this engine (sub-batch i's
@@ -162,8 +168,8 @@ class StarPUEngine(Engine):
         return {int(ffi.cast("uintptr_t", t.h)): name for name, t in self.named_tensors()}
 
     # --- where tasks run: the placement decides, each submission takes it ---
-    def sub_batch_ops(self, i):
-        return self.ops.at(self.placement.sub_batch_site(i))
+    def sub_batch_ops(self, i, phase="forward"):
+        return self.ops.at(self.placement.sub_batch_site(i, phase))
 
     def update_ops(self):
         return self.ops.at(self.placement.update_site())
@@ -184,12 +190,6 @@ class StarPUEngine(Engine):
                 for t in (t for group in (a, *stages) for t in group.tensors()):
                     if t is not a.losses and self.placement.holds(t):
                         lib.sl_invalidate(t.h)
-
-    def logits(self):
-        if self.placement.offload:
-            raise StarpuLLMError(f"under {opt('memory_limit')} the logits are dropped once the "
-                                 f"backward has read them")
-        return super().logits()
 
     def _gradients_submitted(self):
         if self.mpi:
@@ -258,7 +258,26 @@ class StarPUEngine(Engine):
         finally:
             self.placement.unregister_all()
 
+    def logits(self) -> np.ndarray:
+        if self.placement.offload:
+            raise StarpuLLMError(f"under {opt('memory_limit')} the logits are dropped once the "
+                                 f"backward has read them")
+        if self.placement.sets < self.subs_per_rank:
+            raise StarpuLLMError(f"a {self.placement.schedule} pipeline keeps no micro-batch's "
+                                 f"logits past its backward; use {opt('pipeline_schedule')} gpipe")
+        return super().logits()
+
     def describe(self):
-        unit = "copy" if self.placement.stages > 1 else "process"
+        place = self.placement
+        unit = "copy" if place.stages > 1 else "process"
         per = f" ({self.subs_per_rank} per {unit})" if self.mpi else ""
-        return f"starpu engine, {self.runtime.describe()}, {self.sub_batches} sub-batch(es){per}"
+        pipe = ""
+        if place.schedule:
+            pipe = (f", schedule {place.schedule}: each stage holds at most {place.sets} "
+                    f"micro-batch(es) of {self.subs_per_rank}, "
+                    + ("backward first (priorities)" if place.schedule == "1f1b"
+                       else "tasks in the order they become ready"))
+        nb = place.topology.wte_blocks
+        blocks = f", wte in {nb} row blocks" if nb > 1 else ""
+        return (f"starpu engine, {self.runtime.describe()}, {self.sub_batches} sub-batch(es)"
+                f"{per}{pipe}{blocks}")

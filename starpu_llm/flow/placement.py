@@ -1,8 +1,10 @@
 """Where the StarPU engine's tensors live and where its tasks run: the one place that decides.
 
-Every task submission takes a `Where` (rank, worker) as an argument (runtime.submit.StarPUOps.at);
-the sites come from this class alone (sub_batch_site, update_site), and so do the owners of
-the handles it registers. Nothing else, in Python or in C, holds placement state.
+Every task submission takes a `Where` (rank, worker, priority) as an argument
+(runtime.submit.StarPUOps.at); the sites come from this class alone (sub_batch_site,
+update_site), and so do the owners of the handles it registers and which micro-batches of a
+pipeline share activation buffers (sub_batch, `sets`). Nothing else, in Python or in C,
+holds placement state.
 
 Every tensor is a StarPU vector handle; the per-layer parameters, gradients and moments have
 one handle per layer (a view of the state's (L, ...) array), so each layer's slice has its own
@@ -19,6 +21,11 @@ gradients into its own contribution handles, added into the owners' gradients in
 order (taskflow.reduce_gradients), then the owner updates and the ranks that read the new
 parameter receive it. docs/design.md, StarPU-MPI internals, says more. Tags are given in
 registration order, so every rank registers the same tensors in the same order.
+
+wte, the tied embedding and lm head (31 % of GPT-2 124M), is split in row blocks
+(Topology.wte_blocks: one per data-parallel copy of stage 0 when sharded, else one), each block
+a slice with its own handles, owner, reduction and update: contiguous views of the state's
+(Vp, C) arrays, so the checkpoints and the state do not change.
 """
 from __future__ import annotations
 
@@ -26,16 +33,17 @@ import contextlib
 import ctypes
 import math
 import mmap
+import os
 
 import numpy as np
 
 from .._clib import ffi, lib
-from ..config import GPTConfig, ParamLayout
+from ..config import PARAMETER_SPECS, GPTConfig, ParamLayout, row_blocks
 from ..errors import StarpuLLMError, opt
 from ..runtime.submit import ANY, OWNER, Where
 from ..state import Slices, read_slice_into
 from . import taskflow
-from .tensors import ParameterTensors, Tensor, shape_only, sub_batch_tensors
+from .tensors import PER_MICRO_BATCH, ParameterTensors, Tensor, shape_only, sub_batch_tensors
 
 READ, WRITE, READ_WRITE = 1, 2, 3      # sl_acquire's modes
 
@@ -61,24 +69,27 @@ class HandleSlices(Slices):
 
     def __init__(self, config: GPTConfig, group: ParameterTensors, placement: "Placement"):
         super().__init__(config)
-        self.tensors = dict(zip((key for key, _, _ in self.layout.slices()), group.tensors()))
+        # the group's slices by their offset in the buffer (wte in the placement's row blocks)
+        self.tensors = dict(zip((offset for _, offset, _ in
+                                 self.layout.slice_list(placement.topology.wte_blocks)),
+                                group.tensors()))
         self.placement = placement
 
-    def _tensor(self, key):
+    def _tensor(self, offset):
         if not self.placement.registered:
             raise StarpuLLMError(
                 f"the run's parameters and moments lived in StarPU under {opt('memory_limit')} "
                 f"and went with its engine: read them before closing it, or save them "
                 f"({opt('save')}, {opt('save_every')})")
-        return self.tensors[key]
+        return self.tensors[offset]
 
-    def read_into(self, key, out):
-        with acquired(self._tensor(key), READ) as x:
+    def read_range(self, offset, out):
+        with acquired(self._tensor(offset), READ) as x:
             out[...] = x
 
     def chunks(self):
-        for key in self.tensors:
-            with acquired(self._tensor(key), READ) as x:
+        for offset in self.tensors:
+            with acquired(self._tensor(offset), READ) as x:
                 yield x
 
 
@@ -104,10 +115,37 @@ def gradient_mode(workers: int, pinned: bool, subs_per_rank: int) -> int:
 
 OWNERSHIPS = ("sharded", "rank0")
 
+# How a pipeline's micro-batches go through its stages (Placement: sets, sub_batch_site):
+# 1f1b bounds what a stage holds to S micro-batches and prefers backward work; bounded, the
+# same bound, tasks in the order they become ready; gpipe, every micro-batch its own
+# activations, in the order the tasks become ready.
+PIPELINE_SCHEDULES = ("1f1b", "bounded", "gpipe")
+# 1f1b's task priorities (runtime.submit.Where.priority, Placement.sub_batch_site): among the
+# tasks ready on a worker, a backward first, then a head (its backward follows at once, on
+# the same rank), then forwards, which under 1f1b run at most `sets` micro-batches ahead
+# anyway; within a phase the earlier micro-batch first (without it a worker alternates
+# between two micro-batches' ready tasks layer by layer, and both reach the next stage late).
+PHASE_PRIORITY = {"forward": 0, "head": 1, "backward": 2}
 
-def slice_sizes(config: GPTConfig) -> list:
-    """((name, layer or None), elements) of every parameter slice, in llm.c's order."""
-    return [(key, math.prod(shape)) for key, _, shape in ParamLayout(config).slices()]
+
+# Experiments only (experiments/ownership.py measures wte blocked against not): the number of
+# wte's row blocks, instead of wte_block_count's.
+WTE_BLOCKS_ENV = "STARPU_LLM_WTE_BLOCKS"
+
+
+def wte_block_count(config: GPTConfig, ranks: int, stages: int, ownership: str) -> int:
+    """wte's row blocks: sharded, one per data-parallel copy of stage 0 (D = R / S), so that
+    each of those ranks can own one (the other slices balanced around them), and wte's sends,
+    gradient sums and update are spread over D ranks rather than one; rank0 and one process:
+    one block, wte whole (the step computes exactly what it did unblocked)."""
+    return min(ranks // stages, config.Vp) if ownership == "sharded" else 1
+
+
+def slice_sizes(config: GPTConfig, wte_blocks: int = 1) -> list:
+    """((name, layer, wte's row block or None), elements) of every parameter slice, in llm.c's
+    order."""
+    return [(key, math.prod(shape))
+            for key, _, shape in ParamLayout(config).slice_list(wte_blocks)]
 
 
 def balance(slices: list, candidates) -> dict:
@@ -176,16 +214,20 @@ def _zeros(out):
 
 class Topology:
     """How R ranks share the work: S pipeline stages x D data-parallel copies (rank d S + s
-    runs stage s of copy d; S = 1: plain data parallelism, a copy per rank), and the owner of
-    every parameter slice (a block tensor's layer, or wte, wpe, lnfw, lnfb): a pure function
-    of the model, R, S, the ownership and T. A slice belongs to one stage (its layer's; the
-    embedding and head tensors to stage 0) and is owned by one of that stage's D ranks, the
-    stage's bytes balanced over them (sharded); rank0 puts every slice on rank 0 (no
-    pipeline). The ranks that read a slice and add into its gradient are its stage's. costs:
-    the layers' (stage_layers)."""
+    runs stage s of copy d; S = 1: plain data parallelism, a copy per rank), wte's row blocks
+    (wte_blocks, wte_block_count) and the owner of every parameter slice (a block tensor's
+    layer, a row block of wte, or wpe, lnfw, lnfb): a pure function of the model, R, S, the
+    ownership and T. A slice belongs to one stage (its layer's; the embedding and head tensors
+    to stage 0) and is owned by one of that stage's D ranks, the stage's bytes balanced over
+    them (sharded); rank0 puts every slice on rank 0 (no pipeline). The ranks that read a
+    slice and add into its gradient are its stage's. costs: the layers' (stage_layers);
+    layer_stage: the stage of each layer, when given (the performance model's, from a recorded
+    graph); wte_blocks: instead of wte_block_count's (the performance model records a rank's
+    graph in one process; WTE_BLOCKS_ENV, an experiment's, else)."""
 
     def __init__(self, config: GPTConfig, ranks: int, stages: int = 1,
-                 ownership: str = "sharded", T: int | None = None, costs=None):
+                 ownership: str = "sharded", T: int | None = None, costs=None,
+                 layer_stage: tuple | None = None, wte_blocks: int | None = None):
         if ownership not in OWNERSHIPS:
             raise StarpuLLMError(f"{opt('ownership')} {ownership!r}: choose one of "
                                  f"{', '.join(OWNERSHIPS)}")
@@ -197,8 +239,12 @@ class Topology:
                                  f"which a pipeline cannot: leave {opt('ownership')} out")
         self.ranks, self.stages, self.copies = ranks, stages, ranks // stages
         self.ownership = ownership
-        self.layer_stage = stage_layers(config, stages, T or config.maxT, costs)
-        slices = slice_sizes(config)
+        self.layer_stage = (tuple(layer_stage) if layer_stage is not None
+                            else stage_layers(config, stages, T or config.maxT, costs))
+        if wte_blocks is None and os.environ.get(WTE_BLOCKS_ENV):
+            wte_blocks = int(os.environ[WTE_BLOCKS_ENV])
+        self.wte_blocks = wte_blocks or wte_block_count(config, ranks, stages, ownership)
+        slices = slice_sizes(config, self.wte_blocks)
         if ownership == "rank0":
             self.owners = {key: 0 for key, _ in slices}
         else:
@@ -216,7 +262,8 @@ class Topology:
         return [self.rank(stage, d) for d in range(self.copies)]
 
     def slice_stage(self, key) -> int:
-        return 0 if key[1] is None else self.layer_stage[key[1]]
+        """The stage of a slice: its layer's, stage 0 for the embedding's and head's."""
+        return self.layer_stage[key[1]] if PARAMETER_SPECS[key[0]].part == "block" else 0
 
     def readers(self, key) -> list:
         """The ranks whose tasks read a parameter slice and add into its gradient."""
@@ -224,7 +271,7 @@ class Topology:
 
     def shares(self, config: GPTConfig) -> list:
         """The fraction of the parameter bytes each rank owns."""
-        sizes = dict(slice_sizes(config))
+        sizes = dict(slice_sizes(config, self.wte_blocks))
         owned = [0] * self.ranks
         for key, r in self.owners.items():
             owned[r] += sizes[key]
@@ -234,7 +281,8 @@ class Topology:
 
 def owner_map(config: GPTConfig, nranks: int, ownership: str, stages: int = 1,
               T: int | None = None) -> dict:
-    """{(name, layer or None): rank} under an ownership scheme (OWNERSHIPS) and S stages."""
+    """{(name, layer, wte's row block or None): rank} under an ownership scheme (OWNERSHIPS)
+    and S stages."""
     return Topology(config, nranks, stages, ownership, T).owners
 
 
@@ -246,9 +294,9 @@ def placement_shares(config: GPTConfig, nranks: int, ownership: str = "sharded",
 
 def shard_owners(config: GPTConfig, nranks: int) -> dict:
     """Sharded data parallelism's owners: every slice on one of the R ranks, the owned bytes
-    balanced (largest first to the least loaded). No slice is larger than wte, 31 % of GPT-2
-    124M: up to 3 ranks each owns at most a third plus less than the largest other slice;
-    from 4 ranks on, the rank owning wte owns 31 %."""
+    balanced (largest first to the least loaded), wte in R row blocks: each rank owns at most
+    1/R of the bytes plus the largest slice (the greedy's bound: a rank's last slice went to
+    it when it owned the least, at most the mean)."""
     return owner_map(config, nranks, "sharded")
 
 
@@ -257,7 +305,10 @@ class Placement:
     order by unregister_all) and where each task of its step runs."""
 
     def __init__(self, runtime, config: GPTConfig, topology: Topology | None = None,
-                 subs_per_copy: int = 1, memory=None):
+                 subs_per_copy: int = 1, schedule: str = "1f1b", memory=None):
+        if schedule not in PIPELINE_SCHEDULES:
+            raise StarpuLLMError(f"{opt('pipeline_schedule')} {schedule!r}: choose one of "
+                                 f"{', '.join(PIPELINE_SCHEDULES)}")
         self.runtime = runtime
         # Under a memory limit (memory: runtime.offload.MemoryLimit) StarPU allocates every
         # tensor itself, so that it can evict any of them to its disk node (it never evicts a
@@ -272,6 +323,15 @@ class Placement:
         self.topology = topo = topology or Topology(config, self.nranks, 1, "rank0")
         self.ownership, self.owners = topo.ownership, topo.owners
         self.stages, self.copies, self.layer_stage = topo.stages, topo.copies, topo.layer_stage
+        # A pipeline's schedule (docs/design.md, StarPU-MPI internals): under 1f1b (and
+        # bounded) each stage has `sets` activation sets per copy, micro-batch j of a copy
+        # using set j mod sets; under 1f1b its tasks' priorities put backward before the head
+        # before the forward (PHASE_PRIORITY); gpipe gives every micro-batch its own set;
+        # bounded and gpipe leave every priority 0.
+        self.schedule = schedule if self.stages > 1 else None
+        self.sets = (min(self.stages, subs_per_copy) if self.schedule in ("1f1b", "bounded")
+                     else subs_per_copy)
+        self._set_tensors = {}    # (copy, stage, set, name): the tensor micro-batches share
         # Data parallelism: sub-batch i stays on worker i mod N, so every worker always adds
         # into its own reduction copies (StarPU allocates them all in the first step) and two
         # sub-batches never queue behind each other. Only where StarPU's worker ids are the N
@@ -301,10 +361,11 @@ class Placement:
         slice by slice): the slices this rank uses get flat's values (the gradients zeros),
         the others none."""
         shapes = flat if isinstance(flat, np.ndarray) else shape_only(layout)
+        offsets = {key: off for key, off, _ in layout.slice_list(self.topology.wte_blocks)}
 
-        def make(name, arr, layered):
+        def make(name, arr, sliced):
             tensors = []
-            for key, view in self._slices(name, arr, layered):
+            for key, view in self._slices(name, arr, sliced):
                 owner = self.owners[key]
                 used = owner == self.rank or (kind == "param"
                                               and self.rank in self.topology.readers(key))
@@ -314,11 +375,11 @@ class Placement:
                 t = self._slice_tensor(kind, key, view, memory, owner)
                 if used and self.offload:
                     self._fill(t, _zeros if kind == "grad" else
-                               lambda out, key=key: read_slice_into(flat, layout, key, out))
+                               lambda out, key=key: read_slice_into(flat, offsets[key], out))
                 tensors.append(t)
-            return tensors if layered else tensors[0]
+            return tensors if sliced else tensors[0]
 
-        return ParameterTensors.over(layout, shapes, make)
+        return ParameterTensors.over(layout, shapes, make, self.topology.wte_blocks)
 
     def _fill(self, t: Tensor, fill):
         """Under a memory limit: t's initial values, fill(its flat memory), written in before
@@ -341,10 +402,10 @@ class Placement:
         topo = self.topology
         groups = []
         for d in range(self.copies):
-            def make(name, arr, layered, d=d):
-                mine = getattr(grads, name) if layered else [getattr(grads, name)]
+            def make(name, arr, sliced, d=d):
+                mine = getattr(grads, name) if sliced else [getattr(grads, name)]
                 tensors = []
-                for g, (key, view) in zip(mine, self._slices(name, arr, layered)):
+                for g, (key, view) in zip(mine, self._slices(name, arr, sliced)):
                     q = topo.rank(topo.slice_stage(key), d)
                     if self.owners[key] == q:
                         tensors.append(g)
@@ -353,33 +414,40 @@ class Placement:
                     if q == self.rank and self.offload:
                         self._fill(t, _zeros)
                     tensors.append(t)
-                return tensors if layered else tensors[0]
+                return tensors if sliced else tensors[0]
             groups.append(ParameterTensors.over(
-                layout, flat if isinstance(flat, np.ndarray) else shape_only(layout), make))
+                layout, flat if isinstance(flat, np.ndarray) else shape_only(layout), make,
+                topo.wte_blocks))
         return groups
 
     def embedding_wte_grads(self, config: GPTConfig) -> list:
         """For each copy, the (Vp, C) tensor its embedding adds its wte gradient into, apart
-        from the lm head's (a pipeline's: taskflow.backward says why), owned by the copy's
-        stage 0; zeros to start with, zeroed again after each step's reduction."""
+        from the lm head's (a pipeline's: taskflow.backward says why), in wte's row blocks,
+        owned by the copy's stage 0; zeros to start with, zeroed again after each step's
+        reduction."""
         out = []
         for d in range(self.copies):
             rank = self.topology.rank(0, d)
             mine = rank == self.rank
             arr = (np.zeros((config.Vp, config.C), np.float32) if mine and not self.offload
                    else None)
-            t = Tensor(f"grad@{rank}.embedding.wte", (config.Vp, config.C),
-                       h=self._register(arr, config.Vp * config.C, owner=rank))
-            if mine and self.offload:
-                self._fill(t, _zeros)
-            if self.redux:
-                lib.sl_set_grad_reduction(t.h)
-            out.append(t)
+            blocks = []
+            for b, (r0, r1) in enumerate(row_blocks(config.Vp, self.topology.wte_blocks)):
+                t = Tensor(f"grad@{rank}.embedding.wte[{b}]", (r1 - r0, config.C),
+                           h=self._register(None if arr is None else arr[r0:r1],
+                                            (r1 - r0) * config.C, owner=rank))
+                if mine and self.offload:
+                    self._fill(t, _zeros)
+                if self.redux:
+                    lib.sl_set_grad_reduction(t.h)
+                blocks.append(t)
+            out.append(blocks)
         return out
 
-    def _slices(self, name, arr, layered):
-        """((name, layer or None), view) of each slice of one parameter tensor's buffer."""
-        if layered:
+    def _slices(self, name, arr, sliced):
+        """((name, layer, row block or None), view) of each slice of one parameter tensor's
+        buffer (arr: its slices when sliced, tensors.ParameterTensors.over)."""
+        if sliced:
             return [((name, l), arr[l]) for l in range(len(arr))]
         return [((name, None), arr)]
 
@@ -401,8 +469,8 @@ class Placement:
         """The gradient norm's float64 scalars (taskflow.norm_nodes): partial k (the sum of
         squares of update_order's k-th gradient) owned by that gradient's owner, so it is
         computed where the gradient is; the sums of the tree owned by rank 0."""
-        order = taskflow.update_order(cfg)
-        n = taskflow.norm_nodes(cfg)
+        order = taskflow.update_order(cfg, self.topology.wte_blocks)
+        n = taskflow.norm_nodes(cfg, self.topology.wte_blocks)
         owners = [self.owners[key] for key in order] + [0] * (n - len(order))
         arr = np.zeros(n, np.float64)
         out = []
@@ -420,17 +488,31 @@ class Placement:
         """(ActivationTensors, [BackwardScratch of each stage]) of sub-batch i: each layer's
         activations owned by the rank running the layer's stage in the sub-batch's copy, the
         embedding's and head's (and the inputs, targets, losses) by its stage 0's, a stage's
-        scratch by the stage's."""
+        scratch by the stage's. In a pipeline, what a stage holds of micro-batch j of a copy
+        is its set j mod self.sets, shared with the copy's micro-batches j +- sets, 2 sets...:
+        StarPU's sequential consistency then makes micro-batch j + sets' first task writing
+        into a set wait until micro-batch j's last task reading it (its backward there) has
+        run, so a stage holds at most self.sets micro-batches' activations. What outlives the
+        step (tensors.PER_MICRO_BATCH: the losses, which loss() reads; the inputs and targets)
+        stays each micro-batch's own."""
         topo, d = self.topology, self.copy(i)
-        home = topo.rank(0, d)
+        j = i % self.subs_per_copy
 
-        def at(rank):
-            return lambda name, shape, dtype: self.tensor(name, shape, dtype, rank)
+        def at(stage):
+            rank = topo.rank(stage, d)
+
+            def make(name, shape, dtype):
+                if name in PER_MICRO_BATCH:
+                    return self.tensor(name, shape, dtype, rank)
+                key = (d, stage, j % self.sets, name)
+                if key not in self._set_tensors:
+                    self._set_tensors[key] = self.tensor(name, shape, dtype, rank)
+                return self._set_tensors[key]
+            return make
         return sub_batch_tensors(
-            config, B, T, at(home),
-            lambda name, shape, dtype, l: self.tensor(name, shape, dtype,
-                                                      topo.rank(self.layer_stage[l], d)),
-            [at(topo.rank(s, d)) for s in range(self.stages)])
+            config, B, T, at(0),
+            lambda name, shape, dtype, l: at(self.layer_stage[l])(name, shape, dtype),
+            [at(s) for s in range(self.stages)])
 
     def tensor(self, name, shape, dtype=np.float32, owner=None) -> Tensor:
         """A new tensor registered as a handle; under MPI owned by rank `owner` (None: this
@@ -502,11 +584,16 @@ class Placement:
         """The rank of sub-batch i's inputs and loss: its copy's stage 0."""
         return self.topology.rank(0, self.copy(i))
 
-    def sub_batch_site(self, i: int) -> Where:
-        """Sub-batch i's tasks: on its rank (in a pipeline: the rank of the stage a task
-        belongs to, the owner of what it writes), and on its worker when pinned."""
-        worker = i % self.subs_per_copy % self.runtime.workers if self.pin_sub_batches else ANY
-        return Where(self.owner(i) if self.stages == 1 else OWNER, worker)
+    def sub_batch_site(self, i: int, phase: str = "forward") -> Where:
+        """Sub-batch i's tasks of a phase ("forward": its load and blocks, "head": the final
+        layernorm, lm head and loss, "backward"): on its rank (in a pipeline: the rank of the
+        stage a task belongs to, the owner of what it writes), on its worker when pinned, and
+        in a 1f1b pipeline at priority PHASE_PRIORITY[phase] x M + M - 1 - j for micro-batch
+        j of M in its copy (phase first, then the earlier micro-batch; 0 to 3 M - 1)."""
+        M, j = self.subs_per_copy, i % self.subs_per_copy
+        worker = j % self.runtime.workers if self.pin_sub_batches else ANY
+        return Where(self.owner(i) if self.stages == 1 else OWNER, worker,
+                     PHASE_PRIORITY[phase] * M + M - 1 - j if self.schedule == "1f1b" else 0)
 
     def update_site(self) -> Where:
         """The update tasks (AdamW, the gradient norm): on the owner of what they write (each

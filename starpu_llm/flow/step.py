@@ -62,8 +62,9 @@ class Engine:
         return None
 
     # where tasks run: the StarPU engine's placement decides; the reference runs them here
-    def sub_batch_ops(self, i: int):
-        """The executor of sub-batch i's tasks."""
+    def sub_batch_ops(self, i: int, phase: str = "forward"):
+        """The executor of sub-batch i's tasks of a phase: "forward" (its load and blocks),
+        "head" (final layernorm, lm head, loss) or "backward"."""
         return self.ops
 
     def update_ops(self):
@@ -94,10 +95,11 @@ class Engine:
         for i, (a, s) in enumerate(self.subs):
             ops = self.sub_batch_ops(i)
             ops.load_batch(a.inputs, a.targets, self.tokens_ptr, pos + i * n, n)
-            taskflow.forward(ops, self.config, self.p, a, self.Bs, self.T)
-            taskflow.backward(ops, self.config, self.p, self.sub_batch_grads(i), a, s, self.Bs,
-                              self.T, dloss, self.redux, self.layer_stage,
-                              self.sub_batch_embedding_wte(i))
+            taskflow.forward(ops, self.config, self.p, a, self.Bs, self.T,
+                             self.sub_batch_ops(i, "head"))
+            taskflow.backward(self.sub_batch_ops(i, "backward"), self.config, self.p,
+                              self.sub_batch_grads(i), a, s, self.Bs, self.T, dloss, self.redux,
+                              self.layer_stage, self.sub_batch_embedding_wte(i))
         self._gradients_submitted()
         self._activations_used()
 
@@ -134,7 +136,8 @@ class Engine:
             for i, (a, _) in enumerate(self.subs):
                 ops = self.sub_batch_ops(i)
                 ops.load_batch(a.inputs, a.targets, ptr, pos + i * n, n)
-                taskflow.forward(ops, self.config, self.p, a, self.Bs, self.T)
+                taskflow.forward(ops, self.config, self.p, a, self.Bs, self.T,
+                                 self.sub_batch_ops(i, "head"))
             self.wait()           # the next batch reuses the activations
             losses.append(self.loss())
             self._activations_used()

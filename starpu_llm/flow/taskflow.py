@@ -14,17 +14,21 @@ description of the graph (paper section 2, Figure 1):
 Activation, input and target handles are created once and reused by every iteration (paper
 section 2.3), so memory does not grow with the number of steps; the backward pass reuses one
 set of scratch gradient buffers for all layers. The tensors are the named groups of
-tensors.py: p, g, m, v ParameterTensors, a ActivationTensors, s BackwardScratch.
+tensors.py: p, g, m, v ParameterTensors, a ActivationTensors, s BackwardScratch. wte (p.wte,
+g.wte, ...) is the list of its row blocks, each a slice with its own update: the tasks that
+use wte (the embedding, the lm head) take every block (one in a single process).
 """
 from __future__ import annotations
 
-from ..config import PARAMETERS, GPTConfig
+from ..config import PARAMETERS, ROW_BLOCKED, GPTConfig
 
 ADAM_BETA1, ADAM_BETA2, ADAM_EPS = 0.9, 0.999, 1e-8
 
 
-def forward(ops, cfg: GPTConfig, p, a, B: int, T: int):
-    """Forward pass and loss: p are the parameters, a this batch's activations."""
+def forward(ops, cfg: GPTConfig, p, a, B: int, T: int, head_ops=None):
+    """Forward pass and loss: p are the parameters, a this batch's activations. head_ops
+    (default ops) submits the head: the final layernorm, the lm head and the loss (a
+    pipeline gives it its own priority)."""
     C, NH, L, V, Vp = cfg.C, cfg.NH, cfg.L, cfg.V, cfg.Vp
     BT = B * T
     ops.encoder_forward(a.encoded, a.inputs, p.wte, p.wpe, B, T, C, 0)
@@ -34,9 +38,10 @@ def forward(ops, cfg: GPTConfig, p, a, B: int, T: int):
         block_forward(ops, cfg, p, l, x, b, BT,
                       lambda b: ops.attention_forward(b.atty, b.preatt, b.att, b.qkv, B, T, C, NH))
         x = b.res3
-    ops.layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, x, p.lnfw, p.lnfb, BT, C)
-    ops.matmul_forward(a.logits, a.lnf, p.wte, None, BT, C, Vp)   # lm head, tied to wte
-    ops.crossentropy_forward(a.probs, a.losses, a.logits, a.targets, BT, V, Vp)
+    head = head_ops or ops
+    head.layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, x, p.lnfw, p.lnfb, BT, C)
+    head.matmul_forward(a.logits, a.lnf, p.wte, None, BT, C, Vp)   # lm head, tied to wte
+    head.crossentropy_forward(a.probs, a.losses, a.logits, a.targets, BT, V, Vp)
 
 
 def block_forward(ops, cfg: GPTConfig, p, l: int, x, b, N: int, attention):
@@ -65,8 +70,8 @@ def backward(ops, cfg: GPTConfig, p, g, a, s, B: int, T: int, dloss: float, redu
     (one without a pipeline); layer_stage[l] the stage of layer l (default: all on stage 0,
     which also runs the head and the embedding). Where the backward moves from one stage to
     the next, the residual stream's gradient is copied into the next stage's scratch: the one
-    tensor that crosses (a transfer between ranks). embedding_wte: the tensor the embedding
-    adds its wte gradient into (default g.wte, which the lm head adds into first). A pipeline
+    tensor that crosses (a transfer between ranks). embedding_wte: the tensor (its row blocks) the
+    embedding adds its wte gradient into (default g.wte, which the lm head adds into first). A pipeline
     gives it its own, added into g.wte after the backward (reduce_gradients): with one worker
     the contributions are chained in submission order, and one chain through the head's and
     the embedding's would keep micro-batch m+1's backward (its head's, first) waiting for m's
@@ -110,15 +115,16 @@ def backward(ops, cfg: GPTConfig, p, g, a, s, B: int, T: int, dloss: float, redu
 
 def reduce_gradients(ops, cfg: GPTConfig, g, contributions, embedding_wte=None):
     """After the backward passes: each copy's embedding wte gradient (embedding_wte[d], a
-    pipeline's: backward) added into its wte contribution and zeroed; then each copy's
+    pipeline's: backward) added into its wte contribution and zeroed, block by block; then each copy's
     contribution to a gradient slice (contributions[d], placement.Placement.contributions; the
     slices a copy's rank owns are the gradients themselves) added into the slice, on its
     owner, in copy order: a fixed sum, the same in every run; then zeroed for the next step.
     In update order, so the slices final first are reduced first."""
     for c, e in zip(contributions, embedding_wte or []):
-        ops.add(c.wte, e)
-        ops.zero(e)
-    for name, l in update_order(cfg):
+        for ct, et in zip(c.wte, e):
+            ops.add(ct, et)
+            ops.zero(et)
+    for name, l in update_order(cfg, len(g.wte)):
         gt = _slice(g, name, l)
         for c in contributions:
             ct = _slice(c, name, l)
@@ -128,19 +134,22 @@ def reduce_gradients(ops, cfg: GPTConfig, g, contributions, embedding_wte=None):
 
 
 def _slice(group, name, l):
-    """Tensor `name` of a ParameterTensors group, layer l's for a block tensor (l not None)."""
+    """Slice (name, l) of a ParameterTensors group: layer l's of a block tensor, wte's row
+    block l, or the tensor (l None)."""
     t = getattr(group, name)
     return t if l is None else t[l]
 
 
-def update_order(cfg: GPTConfig):
-    """(tensor name, layer or None) in the order their gradients become final in backward:
-    config.PARAMETERS backwards (head, blocks from the last layer to the first, embedding)."""
+def update_order(cfg: GPTConfig, wte_blocks: int = 1):
+    """The parameter slices, (tensor name, layer or wte's row block, else None), in the order
+    their gradients become final in backward: config.PARAMETERS backwards (head, blocks from
+    the last layer to the first, embedding: wte's wte_blocks row blocks in order)."""
     def part(name):
         return [p.name for p in reversed(PARAMETERS) if p.part == name]
     return ([(name, None) for name in part("head")]
             + [(name, l) for l in reversed(range(cfg.L)) for name in part("block")]
-            + [(name, None) for name in part("embedding")])
+            + [(name, b) for name in part("embedding")
+               for b in (range(wte_blocks) if name == ROW_BLOCKED else [None])])
 
 
 NORM_FANIN = 7   # inputs of one norm_sum task: a task has at most 8 buffers (Debian's StarPU 1.3)
@@ -165,9 +174,9 @@ def norm_tree(n: int, fanin: int = NORM_FANIN):
     return sums
 
 
-def norm_nodes(cfg: GPTConfig) -> int:
+def norm_nodes(cfg: GPTConfig, wte_blocks: int = 1) -> int:
     """Scalars of the gradient norm's tree: one partial per update, the sums' outputs."""
-    n = len(update_order(cfg))
+    n = len(update_order(cfg, wte_blocks))
     return n + len(norm_tree(n))
 
 
@@ -180,7 +189,8 @@ def update(ops, cfg: GPTConfig, p, g, m, v, lr: float, weight_decay: float, t: i
     scalars (float64); a grad_sumsq task per tensor writes its partial sum of squares as soon
     as its gradient is final, norm_sum tasks add them up (norm_tree), and every AdamW task
     reads the root. Without clipping an update depends on its own gradient only."""
-    order = [tuple(_slice(ns, name, l) for ns in (p, g, m, v)) for name, l in update_order(cfg)]
+    order = [tuple(_slice(ns, name, l) for ns in (p, g, m, v))
+             for name, l in update_order(cfg, len(p.wte))]
     root = None
     if grad_clip > 0:
         for k, (_, gt, _, _) in enumerate(order):

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .._kernels import ffi
-from ..config import PARAMETERS, GPTConfig, ParamLayout
+from ..config import PARAMETERS, GPTConfig, ParamLayout, is_sliced
 
 
 class Tensor:
@@ -54,18 +54,21 @@ class _ParameterGroup(TensorGroup):
     """What ParameterTensors offers beyond its fields."""
 
     @classmethod
-    def over(cls, layout: ParamLayout, flat: np.ndarray, make):
+    def over(cls, layout: ParamLayout, flat: np.ndarray, make, wte_blocks: int = 1):
         """The group over flat, a buffer of layout (parameters, gradients, m or v): each field
-        is make(name, view of flat, layered), which returns a Tensor, or for a per-layer
-        tensor the list of its layers' Tensors. Called in llm.c's order."""
-        return cls(**{name: make(name, view, layout.is_layered(name))
+        is make(name, view, sliced), which returns a Tensor, or for a sliced tensor
+        (config.is_sliced) the list of its slices' Tensors: view then holds the slices (a
+        block tensor's (L, ...) view of flat, or wte's list of wte_blocks row-block views).
+        Called in llm.c's order."""
+        return cls(**{name: make(name, layout.slices(name, view, wte_blocks), is_sliced(name))
                       for name, view in layout.views(flat).items()})
 
     @classmethod
     def of_arrays(cls, kind: str, layout: ParamLayout, flat: np.ndarray):
-        """The group of numpy views into flat, named "{kind}.{name}" ("{kind}.{name}[l]")."""
-        def make(name, arr, layered):
-            if layered:
+        """The group of numpy views into flat, named "{kind}.{name}" ("{kind}.{name}[l]"; wte
+        in one row block)."""
+        def make(name, arr, sliced):
+            if sliced:
                 return [Tensor(f"{kind}.{name}[{l}]", arr[l].shape, array=arr[l])
                         for l in range(len(arr))]
             return Tensor(f"{kind}.{name}", arr.shape, array=arr)
@@ -74,8 +77,8 @@ class _ParameterGroup(TensorGroup):
     @classmethod
     def of_shapes(cls, kind: str, layout: ParamLayout):
         """The group's names and shapes alone (Tensors with no data), named as of_arrays."""
-        def make(name, arr, layered):
-            if layered:
+        def make(name, arr, sliced):
+            if sliced:
                 return [Tensor(f"{kind}.{name}[{l}]", arr[l].shape) for l in range(len(arr))]
             return Tensor(f"{kind}.{name}", arr.shape)
         return cls.over(layout, shape_only(layout), make)
@@ -89,9 +92,10 @@ def shape_only(layout: ParamLayout) -> np.ndarray:
 
 
 # GPT-2's 16 parameter tensors in llm.c's order (config.PARAMETERS): one group each for the
-# parameters, gradients and AdamW moments. A block's tensor is the list of its L layers' slices.
+# parameters, gradients and AdamW moments. A block's tensor is the list of its L layers' slices,
+# wte the list of its row blocks (placement.Topology.wte_blocks; one in a single process).
 ParameterTensors = make_dataclass(
-    "ParameterTensors", [(p.name, list if p.part == "block" else Tensor) for p in PARAMETERS],
+    "ParameterTensors", [(p.name, list if is_sliced(p.name) else Tensor) for p in PARAMETERS],
     bases=(_ParameterGroup,))
 
 
@@ -182,6 +186,13 @@ class BackwardScratch(SubBatchGroup):
     dfch: Tensor = single(lambda d: (d.B, d.T, 4 * d.C))
     dqkv: Tensor = single(lambda d: (d.B, d.T, 3 * d.C))
     att_scratch: Tensor = single(lambda d: (2, d.B, d.NH, d.T, d.T))  # dpreatt, datt
+
+
+# The activations that outlive a step: the losses (the step's loss reads them after it) and
+# the inputs and targets (written by the load task, which may run ahead). Each micro-batch of
+# a pipeline keeps its own; the rest a stage may share between micro-batches
+# (placement.Placement.sub_batch).
+PER_MICRO_BATCH = ("inputs", "targets", "losses")
 
 
 def sub_batch_tensors(cfg: GPTConfig, B: int, T: int, new_tensor, layer_tensor=None,

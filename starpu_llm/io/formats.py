@@ -215,13 +215,12 @@ class FileSlices(Slices):
     def __init__(self, config: GPTConfig, path: str, offset: int):
         super().__init__(config)
         self.path, self.offset = path, offset
-        self.offsets = {key: off for key, off, _ in self.layout.slices()}
 
-    def read_into(self, key, out):
+    def read_range(self, offset, out):
         view = memoryview(out).cast("B")
         try:
             with open(self.path, "rb") as f:
-                f.seek(self.offset + 4 * self.offsets[key])
+                f.seek(self.offset + 4 * offset)
                 got = f.readinto(view)
         except OSError as e:
             raise StarpuLLMError(f"cannot read {self.path}: {e.strerror}") from None

@@ -11,6 +11,7 @@ import json
 import os
 from dataclasses import dataclass
 
+from ..io.atomic import atomic_write
 from ..runs import run_in_subprocess
 from .machine import Machine, default_path, partitions
 from .predict import predict
@@ -52,10 +53,12 @@ def cache_path(calibration_path: str | None = None) -> str:
     return os.path.join(os.path.dirname(calibration_path or default_path()), "autotune.json")
 
 
-def choose(model: str, B: int, T: int, calibration: Machine, trial_steps: int = 2,
-           cache: str | None = None, log=print) -> Choice:
+def choose(model: str, B: int, T: int, calibration: Machine, trial_steps: int = 3,
+           rounds: int = 2, cache: str | None = None, log=print) -> Choice:
     """The partition for (model, B, T) on this machine: ranked by the model (rank), the two best
-    measured (trial_steps timed steps each, in a subprocess), the faster kept and cached."""
+    measured (trial_steps steps each, the first a warm-up, in a subprocess; `rounds` rounds,
+    the two interleaved, each kept at its best round: one slow round, a busy moment of the
+    machine, then decides nothing), the faster kept and cached."""
     cache = cache or cache_path()
     key = f"{calibration.name}:{calibration.source}:{model}:B{B}:T{T}"   # a new calibration: new choices
     try:
@@ -67,21 +70,24 @@ def choose(model: str, B: int, T: int, calibration: Machine, trial_steps: int = 
         c = known[key]
         return Choice(c["workers"], c["cores_per_worker"], c["sub_batches"], c["why"] + " (cached)")
     ranked = rank(model, B, T, calibration)
-    trials = []
-    for p in ranked[:2]:
-        n, k, s = p.workers, p.cores_per_worker, p.sub_batches
-        r = run_in_subprocess(dict(engine="starpu", model=model, batch=B, seq_len=T,
-                                   steps=trial_steps, workers=n, cores_per_worker=k, sub_batches=s))
-        measured = r.get("tokens_per_ms", 0.0)
-        trials.append((measured, p, (n, k, s)))
-        log(f"autotune: {n}x{k}, {s} sub-batch(es): predicted {p.tokens_per_ms:.4f}, "
-            f"measured {measured:.4f} tok/ms")
+    best = {}
+    for _ in range(rounds):
+        for p in ranked[:2]:
+            n, k, s = p.workers, p.cores_per_worker, p.sub_batches
+            r = run_in_subprocess(dict(engine="starpu", model=model, batch=B, seq_len=T,
+                                       steps=trial_steps, workers=n, cores_per_worker=k,
+                                       sub_batches=s))
+            measured = r.get("tokens_per_ms", 0.0)
+            log(f"autotune: {n}x{k}, {s} sub-batch(es): predicted {p.tokens_per_ms:.4f}, "
+                f"measured {measured:.4f} tok/ms")
+            if measured > best.get((n, k, s), (0.0,))[0]:
+                best[(n, k, s)] = (measured, p)
+    trials = [(m, p, nks) for nks, (m, p) in best.items()]
     measured, p, (n, k, s) = max(trials, key=lambda t: t[0])
-    why = (f"best of the model's ranking of {len(ranked)} partitions, confirmed by a "
-           f"{trial_steps}-step trial of the top {len(trials)}: {measured:.4f} tok/ms measured, "
-           f"{p.tokens_per_ms:.4f} predicted")
+    why = (f"best of the model's ranking of {len(ranked)} partitions, confirmed by "
+           f"{rounds} interleaved {trial_steps}-step trials of the top {len(trials)}: "
+           f"{measured:.4f} tok/ms measured (best round), {p.tokens_per_ms:.4f} predicted")
     known[key] = dict(workers=n, cores_per_worker=k, sub_batches=s, why=why)
-    from ..io.atomic import atomic_write
     os.makedirs(os.path.dirname(os.path.abspath(cache)), exist_ok=True)
     atomic_write(cache, lambda f: json.dump(known, f, indent=1), text=True)
     return Choice(n, k, s, why)

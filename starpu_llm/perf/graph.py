@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._clib import ffi, lib
-from ..config import PARAMETER_SPECS
+from ..config import PARAMETER_SPECS, ROW_BLOCKED
 
 # access bits of the trace (csrc/sl_api.h)
 R, W, REDUX = lib.SL_ACCESS_R, lib.SL_ACCESS_W, lib.SL_ACCESS_REDUX
@@ -45,6 +45,11 @@ class TaskGraph:
 
     def is_gradient(self, h: int) -> bool:
         return self.handles[h][0].startswith("grad.")
+
+    @property
+    def wte_blocks(self) -> int:
+        """wte's row blocks in this graph ("param.wte[b]")."""
+        return sum(1 for name, _ in self.handles if name.startswith(f"param.{ROW_BLOCKED}["))
 
 
 def handle_layer(name: str) -> int | None:
@@ -102,10 +107,12 @@ def graph_from_events(events, table, model, B, T, sub_batches) -> TaskGraph:
     return TaskGraph(model, B, T, sub_batches, tasks, handles)
 
 
-def record(model: str, B: int, T: int, sub_batches: int = 1, grad_clip: float = 0.0) -> TaskGraph:
+def record(model: str, B: int, T: int, sub_batches: int = 1, grad_clip: float = 0.0,
+           wte_blocks: int = 1) -> TaskGraph:
     """Record the task graph of one training step of `model` (a MODELS name) at batch B (split
-    into sub_batches), sequence length T: a dry-run step on a fresh one-worker runtime (no
-    runtime may be running in this process)."""
+    into sub_batches), sequence length T, wte in wte_blocks row blocks (what the placement
+    gives the ranks: flow/placement.Topology.wte_blocks): a dry-run step on a fresh one-worker
+    runtime (no runtime may be running in this process)."""
     from ..config import MODELS, ParamLayout
     from ..flow.engine import StarPUEngine
     from ..runtime.starpu import Runtime
@@ -117,7 +124,8 @@ def record(model: str, B: int, T: int, sub_batches: int = 1, grad_clip: float = 
     state = TrainState(config=config, params=np.zeros(layout.total, np.float32))
     tokens = np.zeros(B * T + 1, np.uint16)
     with Runtime(1, 1) as rt:
-        eng = StarPUEngine(config, state, B, T, tokens, rt, sub_batches=sub_batches)
+        eng = StarPUEngine(config, state, B, T, tokens, rt, sub_batches=sub_batches,
+                           wte_blocks=wte_blocks)
         try:
             table = {int(ffi.cast("uintptr_t", t.h)): (name, t.size * t.dtype.itemsize)
                      for name, t in eng.named_tensors()}

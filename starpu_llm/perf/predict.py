@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 from ..config import MODELS
 from ..errors import StarpuLLMError, opt
-from ..flow.placement import OWNERSHIPS, balance, gradient_mode, owner_map, slice_sizes
+from ..flow.placement import OWNERSHIPS, Topology, gradient_mode
 from . import graph as graphs
 from . import memory
 from .machine import Machine, default_path, load
@@ -20,11 +20,13 @@ from .simulate import Schedule, simulate
 _GRAPHS: dict = {}
 
 
-def task_graph(model: str, B: int, T: int, sub_batches: int) -> graphs.TaskGraph:
-    """The recorded graph of (model, B, T, sub-batches), recorded once per process."""
-    key = (model, B, T, sub_batches)
+def task_graph(model: str, B: int, T: int, sub_batches: int,
+               wte_blocks: int = 1) -> graphs.TaskGraph:
+    """The recorded graph of (model, B, T, sub-batches, wte's row blocks), recorded once per
+    process."""
+    key = (model, B, T, sub_batches, wte_blocks)
     if key not in _GRAPHS:
-        _GRAPHS[key] = graphs.record(model, B, T, sub_batches)
+        _GRAPHS[key] = graphs.record(model, B, T, sub_batches, wte_blocks=wte_blocks)
     return _GRAPHS[key]
 
 
@@ -49,7 +51,8 @@ def modes(ranks: int, ownership: str = "sharded", stages: str = "1", model: str 
     """The distinct Modes of `ranks` ranks for an ownership and a stages text (predict's
     --ownership and --pipeline-stages: comma-separated, or all): each ownership with each
     number of stages that divides the ranks (a pipeline of one rank per stage is one mode
-    whatever the ownership; one rank is one mode)."""
+    whatever the ownership; a pipeline's copies are sharded, as placement.Topology has them;
+    one rank is one mode)."""
     owns = list(OWNERSHIPS) if ownership == "all" else ownership.split(",")
     for o in owns:
         if o not in OWNERSHIPS:
@@ -68,7 +71,7 @@ def modes(ranks: int, ownership: str = "sharded", stages: str = "1", model: str 
                                  "separated by commas, or all")
     if ranks == 1:
         return [Mode()]
-    found = [Mode("sharded" if s == ranks else o, s) for s in counts if ranks % s == 0
+    found = [Mode("sharded" if s > 1 else o, s) for s in counts if ranks % s == 0
              and s <= L + 1 for o in owns]
     return list(dict.fromkeys(found))
 
@@ -102,23 +105,6 @@ def stage_layers(graph: graphs.TaskGraph, stages: int) -> tuple:
     return tuple(s for s in range(stages) for _ in range(ends[s], ends[s + 1]))
 
 
-# the parameter slices and their balance over ranks: placement's own (one definition)
-parameter_slices = slice_sizes
-balanced_owners = balance
-
-
-def pipeline_owners(config, layer_stage: tuple, copies: int, ownership: str) -> dict:
-    """{(name, layer or None): rank} for a pipeline: a stage's slices (stage 0: also the
-    embedding and the head) owned by the ranks of its copies, sharded (bytes balanced) or
-    all by copy 0's (rank0)."""
-    stages = max(layer_stage) + 1
-
-    def ranks(key):
-        stage = 0 if key[1] is None else layer_stage[key[1]]
-        return [d * stages + stage for d in range(copies if ownership == "sharded" else 1)]
-    return balanced_owners(parameter_slices(config), ranks)
-
-
 def pins_sub_batches(workers: int, cores_per_worker: int, parallel_workers: bool | None = None) -> bool:
     """Whether the placement pins sub-batch i to worker i mod N here: where StarPU's workers
     are the partition's (one-core workers, or team workers; not parallel workers)."""
@@ -142,6 +128,7 @@ class Prediction:
     schedule: Schedule
     reduction: bool
     mode: Mode = Mode()
+    wte_blocks: int = 1     # wte's row blocks (placement.Topology's)
 
     @property
     def tokens_per_ms(self) -> float:
@@ -150,7 +137,8 @@ class Prediction:
     def describe(self) -> str:
         s = self.schedule
         part = f"{self.workers}x{self.cores_per_worker}" + (
-            f" x {self.ranks} ranks, {self.mode.label(self.ranks)}" if self.ranks > 1 else "")
+            f" x {self.ranks} ranks, {self.mode.label(self.ranks)}" if self.ranks > 1 else "") + (
+            f", wte in {self.wte_blocks} row blocks" if self.wte_blocks > 1 else "")
         idle = ", ".join(f"{x:.0%}" for x in s.idle[:16]) + (" ..." if len(s.idle) > 16 else "")
         how = "reduction" if self.reduction else ("chained" if self.sub_batches * self.ranks > 1
                                                   else "one sub-batch")
@@ -211,14 +199,16 @@ def predict(model: str, B: int, T: int, workers: int, cores_per_worker: int, ran
                              f"choose a {opt('batch')} divisible by {S * copies}")
     if T > MODELS[model].max_seq_len:
         raise StarpuLLMError(f"{opt('seq_len')} {T} is above the model's {MODELS[model].max_seq_len}")
-    g = task_graph(model, B, T, S * copies)
+    config = MODELS[model]
+    # the placement's topology: wte's row blocks (the graph is recorded with them) and the
+    # owners; a pipeline's stages from this graph's flops
+    nb = Topology(config, ranks, mode.stages, mode.ownership, T).wte_blocks
+    g = task_graph(model, B, T, S * copies, nb)
     pinned = pins_sub_batches(workers, cores_per_worker, parallel_workers)
     redux = gradient_mode(workers, pinned, S)
-    if mode.stages > 1:
-        layer_stage = stage_layers(g, mode.stages)
-        owners = pipeline_owners(MODELS[model], layer_stage, copies, mode.ownership)
-    else:
-        layer_stage, owners = (), owner_map(MODELS[model], ranks, mode.ownership)
+    layer_stage = stage_layers(g, mode.stages) if mode.stages > 1 else ()
+    owners = Topology(config, ranks, mode.stages, mode.ownership, T,
+                      layer_stage=layer_stage or None).owners
     cost = CostModel(target, calibration)
 
     def schedule(extra=None):
@@ -240,4 +230,5 @@ def predict(model: str, B: int, T: int, workers: int, cores_per_worker: int, ran
                  for r, w in zip(traffic.read, traffic.written)]
         sched = schedule(extra)
         sched.notes["disk_read"], sched.notes["disk_written"] = traffic.step
-    return Prediction(model, B, T, workers, cores_per_worker, S, ranks, sched, bool(redux), mode)
+    return Prediction(model, B, T, workers, cores_per_worker, S, ranks, sched, bool(redux), mode,
+                      nb)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from .._clib import ffi, lib
 from ..config import MODELS
 from ..flow.taskflow import update_order
-from .graph import R, REDUX, W, TaskGraph, handle_layer, task_layer
+from .graph import R, REDUX, W, TaskGraph, task_layer
 from .model import CostModel
 
 
@@ -106,8 +106,9 @@ class Schedule:
 
 
 def slice_of(name: str):
-    """(tensor name, layer or None) of a parameter, gradient or moment handle's name
-    ("grad.qkvw[3]" -> ("qkvw", 3)), None for any other handle."""
+    """(tensor name, layer, wte's row block or None) of a parameter, gradient or moment
+    handle's name ("grad.qkvw[3]" -> ("qkvw", 3), "m.wte[1]" -> ("wte", 1)), None for any
+    other handle."""
     kind, _, rest = name.partition(".")
     if kind not in ("param", "grad", "m", "v"):
         return None
@@ -119,7 +120,7 @@ def homes(graph: TaskGraph, owners: dict) -> list:
     """The rank holding each handle of graph at the step's start (None: none yet): a
     parameter slice's, its gradient's and moments' owner; a gradient norm partial's (k-th
     of update order) its gradient's owner, the norm's sums rank 0."""
-    order = update_order(MODELS[graph.model])
+    order = update_order(MODELS[graph.model], graph.wte_blocks)
     out = []
     for name, _ in graph.handles:
         key = slice_of(name)
@@ -137,11 +138,11 @@ def simulate(graph: TaskGraph, cost: CostModel, workers: int, cores: int, ranks:
              pinned: bool = True, redux: int = 0, ranks_per_node: int = 1,
              owners: dict | None = None, layer_stage: tuple = (), extra: list | None = None) -> Schedule:
     """The schedule of one step of graph (recorded with all ranks' sub-batches) on `workers`
-    workers of `cores` cores in each of `ranks` processes. owners: {(tensor name, layer or
-    None): rank} of every parameter slice (placement.owner_map; default: all on rank 0);
-    layer_stage: the pipeline stage of each layer (default: no pipeline); extra: seconds added
-    to each task (by index: its worker waits for the disk, memory.py). The schedule's
-    notes["starts"] are the tasks' start times."""
+    workers of `cores` cores in each of `ranks` processes. owners: {(tensor name, layer, wte's
+    row block or None): rank} of every parameter slice (placement.Topology's, for the graph's
+    wte blocks; default: all on rank 0); layer_stage: the pipeline stage of each layer
+    (default: no pipeline); extra: seconds added to each task (by index: its worker waits for
+    the disk, memory.py). The schedule's notes["starts"] are the tasks' start times."""
     stages = max(layer_stage, default=0) + 1
     copies = ranks // stages
     S = graph.sub_batches // copies if copies * stages == ranks else 0
@@ -299,20 +300,16 @@ def simulate(graph: TaskGraph, cost: CostModel, workers: int, cores: int, ranks:
     def reduce_gradients():
         """taskflow.reduce_gradients: each other contributor's copy of a slice added into
         it on its owner, in rank order, then zeroed on the contributor; slice by slice in
-        update order (the blocks of a tensor split in blocks in their order)."""
-        grads = {}
-        for h, (name, _) in enumerate(graph.handles):
-            if name.startswith("grad."):
-                base, index = slice_of(name)
-                layered = handle_layer(name) is not None
-                grads.setdefault((base, index if layered else None), []).append(h)
-        for key in update_order(MODELS[graph.model]):
-            for h in grads[key]:
-                for q in sorted(q for g, q in contribution if g == h):
-                    v = contribution[(h, q)]
-                    run(home[h], cost.add(size[h]), ((h, R | W), (v, R)))
-                    run(q, cost.zero(size[h], task=True), ((v, W),))
-                    notes["reduction_s"] += cost.add(size[h])
+        update order (wte's row blocks in their order)."""
+        grads = {slice_of(name): h for h, (name, _) in enumerate(graph.handles)
+                 if name.startswith("grad.")}
+        for key in update_order(MODELS[graph.model], graph.wte_blocks):
+            h = grads[key]
+            for q in sorted(q for g, q in contribution if g == h):
+                v = contribution[(h, q)]
+                run(home[h], cost.add(size[h]), ((h, R | W), (v, R)))
+                run(q, cost.zero(size[h], task=True), ((v, W),))
+                notes["reduction_s"] += cost.add(size[h])
 
     for i, task in enumerate(graph.tasks):
         rank = rank_of[i]

@@ -40,7 +40,7 @@ def _account(self, cd, args, kwargs):
     kwargs.pop("redux", None)
     buffers, scalars = split_call(cd, args, kwargs)
     counts = ffi.new("size_t[]", [t.size for t in buffers] or 1)
-    a = ffi.new(cd.args_type + " *", scalars) if cd.fields else ffi.NULL
+    a = ffi.new(cd.args_type + " *", scalars) if cd.has_args else ffi.NULL
     flops = lib.sl_codelet_flops(cd.id, counts, len(buffers), a)
     nbytes = sum(t.size * t.dtype.itemsize for t in buffers)
     names = [t.name for t in buffers]

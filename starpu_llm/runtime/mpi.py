@@ -99,6 +99,30 @@ def pin_rank(comm) -> list[int]:
     return mine
 
 
+# How StarPU-MPI's progression thread waits for its requests (csrc/starpu/mpi_poll.c says why
+# and how): "spin" (StarPU's own loop) where it has a core of its own, "backoff" (sleeps of at
+# most BACKOFF_MAX_US between polls that find nothing) where it shares a worker's core.
+# $STARPU_LLM_MPI_POLL=spin|backoff chooses instead.
+MPI_POLLING = ("spin", "backoff")
+BACKOFF_MAX_US = 200
+
+
+def mpi_polling(worker_cores, env=os.environ) -> str:
+    """How the progression thread of a rank whose workers run on worker_cores waits: "spin"
+    when it is bound to a core no worker runs on (STARPU_MPI_THREAD_CPUID, set by pin_rank or
+    by the user), else "backoff"; $STARPU_LLM_MPI_POLL overrides."""
+    forced = env.get("STARPU_LLM_MPI_POLL")
+    if forced:
+        if forced not in MPI_POLLING:
+            raise StarpuLLMError(f"STARPU_LLM_MPI_POLL={forced!r}: choose one of "
+                                 f"{', '.join(MPI_POLLING)}")
+        return forced
+    cpu = env.get("STARPU_MPI_THREAD_CPUID", "")
+    own_core = (cpu.lstrip("-").isdigit() and int(cpu) >= 0 and int(cpu) not in worker_cores
+                and not int(env.get("STARPU_MPI_NOBIND", "0") or 0))
+    return "spin" if own_core else "backoff"
+
+
 def check_same_settings(comm, settings: dict) -> None:
     """Fail on every rank, before training, when ranks were started with different settings."""
     blob = json.dumps(settings, sort_keys=True, default=str)

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import os
 from typing import NamedTuple
 
 from .._clib import ffi, lib
 from ..errors import StarpuLLMError, opt
 from . import offload, starpupy_face
+from .mpi import BACKOFF_MAX_US, mpi_polling
 from .submit import StarPUOps
 
 
@@ -205,6 +207,16 @@ class Runtime:
                                         if self.offload else ""))
         Runtime._active = self
         atexit.register(self.shutdown)
+        self.mpi_poll = None
+        if comm is not None:
+            self.mpi_poll = mpi_polling(core_ids)
+            ret = lib.sl_mpi_poll_backoff(BACKOFF_MAX_US if self.mpi_poll == "backoff" else 0)
+            if ret == -errno.ENOTSUP:
+                self.mpi_poll = ("spin (no backoff: mpi4py's MPI module was imported before "
+                                 "starpu_llm; import starpu_llm first)")
+            elif ret != 0:
+                self.shutdown()
+                raise RuntimeError(f"sl_mpi_poll_backoff failed ({ret})")
         got = self.starpu_workers = lib.sl_worker_count()
         expected = starpu_worker_count(workers, cores_per_worker, kcore, oversubscribed,
                                        memory is not None)
@@ -236,6 +248,14 @@ class Runtime:
             return None
         sent = ffi.new("size_t[]", self.size)
         return list(sent) if lib.sl_mpi_bytes_sent(sent) == 0 else None
+
+    def mpi_poll_stats(self) -> dict:
+        """What StarPU-MPI's progression thread did with backoff on (mpi_polling): its polls,
+        its sleeps and the seconds slept since the start (zeros when it spins, or outside
+        MPI)."""
+        polls, sleeps, slept = ffi.new("long long *"), ffi.new("long long *"), ffi.new("long long *")
+        lib.sl_mpi_poll_stats(polls, sleeps, slept)
+        return dict(polls=polls[0], sleeps=sleeps[0], slept_s=slept[0] / 1e9)
 
     @property
     def running(self) -> bool:
@@ -287,7 +307,8 @@ class Runtime:
     def describe(self) -> str:
         major, minor, release = ffi.new("int *"), ffi.new("int *"), ffi.new("int *")
         lib.sl_starpu_version(major, minor, release)
-        mpi = f", {self.size} MPI processes" if self.comm is not None else ""
+        mpi = (f", {self.size} MPI processes (MPI thread: {self.mpi_poll})"
+               if self.comm is not None else "")
         face = ", started by starpupy" if self.face == "starpupy" else ""
         limit = (f", memory limit {offload.format_size(self.memory.limit)} (evicting to "
                  f"{self.offload_path})" if self.memory else "")
@@ -329,6 +350,7 @@ class TraceEvent(NamedTuple):
                             # None for a reduction method StarPU ran inline inside another task
     flops: float            # the flop count the task was submitted with
     job: int                # the task's submission number (process-wide)
+    priority: int           # the priority it was submitted with (runtime.submit.Where)
 
 
 def read_trace() -> list:
@@ -338,9 +360,8 @@ def read_trace() -> list:
     names = [ffi.string(lib.sl_codelet_name(i)).decode() for i in range(lib.sl_codelet_count())]
     out = []
     for e in (ev[i] for i in range(n)):
-        nb = min(e.nbuffers, lib.SL_TRACE_MAXBUF)
         bufs = None if e.nbuffers < 0 else tuple(
-            (int(ffi.cast("uintptr_t", e.handles[b])), int(e.modes[b])) for b in range(nb))
+            (int(ffi.cast("uintptr_t", e.handles[b])), int(e.modes[b])) for b in range(e.nbuffers))
         out.append(TraceEvent(names[e.codelet], e.worker, e.ncores, e.start_ns, e.end_ns, bufs,
-                              float(e.flops), int(e.job)))
+                              float(e.flops), int(e.job), int(e.priority)))
     return out

@@ -15,10 +15,13 @@ from ..codelets import Codelet, SubmitError, add_methods, read_table, split_call
 
 
 class Where(NamedTuple):
-    """Where a task runs: the StarPU-MPI rank (OWNER: the owner of the data it writes) and the
-    StarPU worker (ANY: the scheduler's choice). Decided by placement.Placement only."""
+    """Where and when a task runs: the StarPU-MPI rank (OWNER: the owner of the data it
+    writes), the StarPU worker (ANY: the scheduler's choice) and its StarPU priority (higher
+    first among the tasks ready on a worker; 0 the default). Decided by placement.Placement
+    only."""
     node: int = lib.SL_NODE_OWNER
     worker: int = lib.SL_ANY_WORKER
+    priority: int = 0
 
 
 OWNER, ANY = lib.SL_NODE_OWNER, lib.SL_ANY_WORKER
@@ -39,7 +42,8 @@ class _Buffers(threading.local):
 
     def __init__(self):
         self.handles = ffi.new("sl_handle[]", lib.SL_MAX_BUFFERS)
-        self.args = {name: ffi.new(cd.args_type + " *") for name, cd in TABLE.items() if cd.fields}
+        self.args = {name: ffi.new(cd.args_type + " *") for name, cd in TABLE.items()
+                     if cd.has_args}
 
 
 _BUFFERS = _Buffers()
@@ -49,16 +53,15 @@ def _submit(self, cd: Codelet, args, kwargs):
     redux = kwargs.pop("redux", 0)
     buffers, scalars = split_call(cd, args, kwargs)
     n, mine = len(buffers), _BUFFERS
-    if n > len(mine.handles):       # a repeated last buffer past the declared maximum
+    if n > len(mine.handles):       # repeated buffers past the declared maximum
         mine.handles = ffi.new("sl_handle[]", n)
     mine.handles[0:n] = [_handle(t) for t in buffers]
-    if cd.fields:
+    if cd.has_args:
         a, size = mine.args[cd.name], cd.args_size
         a[0] = scalars              # every field: split_call refuses a call missing one
     else:
         a, size = ffi.NULL, 0
-    ret = lib.sl_submit(cd.id, mine.handles, n, redux, a, size, self.where.node,
-                        self.where.worker)
+    ret = lib.sl_submit(cd.id, mine.handles, n, redux, a, size, *self.where)
     if ret != 0:
         raise SubmitError(f"submitting {cd.name} failed ({ret})")
     if self.records is not None:
