@@ -132,10 +132,10 @@ def test_submission_checks_the_repeat_count():
         owner, any_ = lib.SL_NODE_OWNER, lib.SL_ANY_WORKER
         for blocks, n in ((2, 3), (0, 2), (3, 4)):      # 2 blocks, 3 buffers: 1 block missing
             a = ffi.new(cd.args_type + " *", [1, 2, 4, blocks])
-            assert lib.sl_submit(cd.id, hs, n, 0, a, cd.args_size, owner, any_) < 0
+            assert lib.sl_submit(cd.id, hs, n, 0, a, cd.args_size, owner, any_, 0) < 0
         # out (N=1, OC=4) = inp (1, C=2) @ weight^T, weight (4, 2) in 2 blocks of 2 rows
         a = ffi.new(cd.args_type + " *", [1, 2, 4, 2])
-        assert lib.sl_submit(cd.id, hs, 4, 0, a, cd.args_size, owner, any_) == 0
+        assert lib.sl_submit(cd.id, hs, 4, 0, a, cd.args_size, owner, any_, 0) == 0
         rt.wait()
         for x in h:
             lib.sl_unregister(x)
