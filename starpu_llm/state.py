@@ -17,7 +17,6 @@ import numpy as np
 
 from .config import PARAMETER_SPECS, GPTConfig, ParamLayout
 
-_STD = {"normal": 0.02, "residual": None}     # residual: 0.02 / sqrt(2 L)
 _DISCARD_CHUNK = 1 << 22                       # floats drawn at once when skipping a slice
 
 
@@ -97,10 +96,11 @@ class RandomInit(Slices):
         self.next = offset + out.size
 
     def _std(self, name):
+        """The standard deviation of a random tensor's elements; None for a constant one."""
         init = PARAMETER_SPECS[name].init
-        if init not in _STD:
-            return None
-        return np.float32(0.02 / np.sqrt(2 * self.config.L) if init == "residual" else 0.02)
+        if init == "residual":
+            return np.float32(0.02 / np.sqrt(2 * self.config.L))
+        return np.float32(0.02) if init == "normal" else None
 
     def _draw(self, name, out, at):
         """out: name's elements from its at-th on."""

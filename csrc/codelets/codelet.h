@@ -32,7 +32,8 @@ enum sl_mode {
 			 * SL_CODELET_REPEAT names), e.g. a matrix in k row blocks */
 	SL_ANY = 64,	/* any data interface, not only a vector: the body gets no pointer */
 };
-#define SL_MODE_KIND(m) ((m) & 15)
+#define SL_MODE_KIND_MASK 15 /* the bits of a mode that give its kind (the flags: the bits above) */
+#define SL_MODE_KIND(m) ((m) & SL_MODE_KIND_MASK)
 #define SL_UNUSED __attribute__((unused))
 
 /* Codelet flags */

@@ -11,38 +11,34 @@ static int count;
 
 void (*sl_codelet_cpu)(const struct sl_codelet *c, void *buffers[], void *cl_arg);
 
-static int has_acc_buffer(const struct sl_codelet *c)
+/* Whether a buffer of c is declared with (mode & mask) == value. */
+static int has_buffer(const struct sl_codelet *c, int mask, int value)
 {
 	for (int i = 0; i < c->nbuffers; i++)
-		if (SL_MODE_KIND(c->modes[i]) == SL_ACC)
+		if ((c->modes[i] & mask) == value)
 			return 1;
 	return 0;
 }
 
-static int has_repeat_buffer(const struct sl_codelet *c)
+/* A declaration that contradicts itself ends the program at library load. */
+static void require(int ok, const struct sl_codelet *c, const char *what)
 {
-	for (int i = 0; i < c->nbuffers; i++)
-		if (c->modes[i] & SL_REPEAT)
-			return 1;
-	return 0;
+	if (!ok) {
+		fprintf(stderr, "starpu_llm: codelet %s: %s\n", c->name, what);
+		abort();
+	}
 }
 
 void sl_codelet_register(struct sl_codelet *c)
 {
-	if (count == SL_MAX_CODELETS || c->nbuffers > SL_MAX_BUFFERS) {
-		fprintf(stderr, "starpu_llm: cannot register codelet %s\n", c->name);
-		abort();
-	}
-	if (has_acc_buffer(c) != (c->accumulate_at >= 0)) {
-		fprintf(stderr, "starpu_llm: codelet %s: an SL_ACC buffer needs SL_CODELET_ACC "
-				"(naming the accumulate field) and SL_CODELET_ACC an SL_ACC buffer\n", c->name);
-		abort();
-	}
-	if (has_repeat_buffer(c) != (c->repeat_at >= 0)) {
-		fprintf(stderr, "starpu_llm: codelet %s: SL_REPEAT buffers need SL_CODELET_REPEAT "
-				"(naming the count field) and SL_CODELET_REPEAT an SL_REPEAT buffer\n", c->name);
-		abort();
-	}
+	require(count < SL_MAX_CODELETS && c->nbuffers <= SL_MAX_BUFFERS, c,
+		"cannot be registered (too many codelets or buffers)");
+	require(has_buffer(c, SL_MODE_KIND_MASK, SL_ACC) == (c->accumulate_at >= 0), c,
+		"an SL_ACC buffer needs SL_CODELET_ACC (naming the accumulate field) and "
+		"SL_CODELET_ACC an SL_ACC buffer");
+	require(has_buffer(c, SL_REPEAT, SL_REPEAT) == (c->repeat_at >= 0), c,
+		"SL_REPEAT buffers need SL_CODELET_REPEAT (naming the count field) and "
+		"SL_CODELET_REPEAT an SL_REPEAT buffer");
 	c->id = count;
 	table[count++] = c;
 }
@@ -104,10 +100,10 @@ int sl_codelet_accumulate(const struct sl_codelet *c, const void *args)
 
 int sl_codelet_repeats(const struct sl_codelet *c, const void *args)
 {
-	int k = 1;
-	if (c->repeat_at >= 0)
-		k = 0;
-	if (c->repeat_at >= 0 && args)
+	if (c->repeat_at < 0)
+		return 1;
+	int k = 0; /* no arguments: no count, refused by sl_codelet_check_count */
+	if (args)
 		memcpy(&k, (const char *)args + c->repeat_at, sizeof k);
 	return k;
 }

@@ -208,6 +208,12 @@ def discard_pages(view: np.ndarray) -> None:
 _LIBC = ctypes.CDLL(None, use_errno=True)
 
 
+def _arrays(flat, layout: ParamLayout):
+    """What ParameterTensors.over splits: flat itself (a numpy buffer of layout), or for a
+    state.Slices, shapes only (under a memory limit the handles have no memory of ours)."""
+    return flat if isinstance(flat, np.ndarray) else shape_only(layout)
+
+
 def _zeros(out):
     out[...] = 0
 
@@ -360,7 +366,6 @@ class Placement:
         Under a memory limit every handle is StarPU's (flat may then be a state.Slices, read
         slice by slice): the slices this rank uses get flat's values (the gradients zeros),
         the others none."""
-        shapes = flat if isinstance(flat, np.ndarray) else shape_only(layout)
         offsets = {key: off for key, off, _ in layout.slice_list(self.topology.wte_blocks)}
 
         def make(name, arr, sliced):
@@ -379,7 +384,8 @@ class Placement:
                 tensors.append(t)
             return tensors if sliced else tensors[0]
 
-        return ParameterTensors.over(layout, shapes, make, self.topology.wte_blocks)
+        return ParameterTensors.over(layout, _arrays(flat, layout), make,
+                                     self.topology.wte_blocks)
 
     def _fill(self, t: Tensor, fill):
         """Under a memory limit: t's initial values, fill(its flat memory), written in before
@@ -415,9 +421,8 @@ class Placement:
                         self._fill(t, _zeros)
                     tensors.append(t)
                 return tensors if sliced else tensors[0]
-            groups.append(ParameterTensors.over(
-                layout, flat if isinstance(flat, np.ndarray) else shape_only(layout), make,
-                topo.wte_blocks))
+            groups.append(ParameterTensors.over(layout, _arrays(flat, layout), make,
+                                                topo.wte_blocks))
         return groups
 
     def embedding_wte_grads(self, config: GPTConfig) -> list:
@@ -445,7 +450,7 @@ class Placement:
         return out
 
     def _slices(self, name, arr, sliced):
-        """((name, layer, row block or None), view) of each slice of one parameter tensor's
+        """((name, layer or row block, or None), view) of each slice of one parameter tensor's
         buffer (arr: its slices when sliced, tensors.ParameterTensors.over)."""
         if sliced:
             return [((name, l), arr[l]) for l in range(len(arr))]
