@@ -65,14 +65,18 @@ def baseline_configurations(modes, R, python):
 def mode_fields(mode: str) -> dict:
     """The run-spec fields of an ownership mode: rank0, sharded, or pipeline<S>[-<schedule>]
     (pipeline2-gpipe: 2 stages, --pipeline-schedule gpipe; default 1f1b), each with an optional
-    -wteN (wte in N row blocks: "env", the run's environment)."""
-    mode, _, blocks = mode.partition("-wte")
-    env = {"env": dict(os.environ, **{WTE_BLOCKS_ENV: blocks})} if blocks else {}
+    -wteN (wte in N row blocks: "env", the run's environment) and -mbN (N sub-batches per
+    copy, a pipeline's micro-batches; default engine.default_micro_batches)."""
+    opts = dict(re.findall(r"-(wte|mb)(\d+)", mode))
+    mode = re.sub(r"-(wte|mb)\d+", "", mode)
+    extra = {"env": dict(os.environ, **{WTE_BLOCKS_ENV: opts["wte"]})} if "wte" in opts else {}
+    if "mb" in opts:
+        extra["sub_batches"] = int(opts["mb"])
     if mode.startswith("pipeline"):
         stages, _, schedule = mode[len("pipeline"):].partition("-")
         return dict(ownership="sharded", pipeline_stages=int(stages or 2),
-                    pipeline_schedule=schedule or None, **env)
-    return dict(ownership=mode, **env)
+                    pipeline_schedule=schedule or None, **extra)
+    return dict(ownership=mode, **extra)
 
 
 def run(spec: dict) -> dict:
@@ -91,8 +95,8 @@ def row_of(label, B, rnd, r, model_bytes):
     mode = "" if ranks == 1 else "pipeline" if stages > 1 else r.get("ownership") or "sharded"
     schedule = ("" if stages == 1 else "baseline" if label.endswith("(baseline)")
                 else r.get("pipeline_schedule") or "1f1b")
-    micro = (default_micro_batches(B // (ranks // stages), stages, 1) if stages > 1
-             else r.get("sub_batches") or 1)
+    micro = r.get("sub_batches") or (default_micro_batches(B // (ranks // stages), stages, 1)
+                                     if stages > 1 else 1)
     row = dict(config=label, model=r["model"], seq_len=r["seq_len"], batch=B, round=rnd,
                mode=mode, schedule=schedule, ranks=ranks, stages=stages,
                wte_blocks=int(m.group(1)) if (m := re.search(r"wte in (\d+) row blocks",

@@ -8,8 +8,10 @@ The CSV (e.g. experiments/results/ownership/runs.csv) has one row per run, with 
   batch             the total batch B
   tokens_per_ms     the run's measured speed
 and optionally workers, cores_per_worker (default 1 x 1 per rank), sub_batches (per rank, or per
-copy in a pipeline; default one per worker), seq_len (64), model (d12), stages; other columns
-are ignored. Runs of the same configuration (repeats) are put together: their median is
+copy in a pipeline; default one per worker), seq_len (64), model (d12), stages, transport;
+other columns are ignored. Runs over another transport than Open MPI's default (transport
+`tcp`, experiments/ownership.py's loopback runs) are left out and counted: the calibration's
+link is fitted over the default one (calibrate.fit_link). Runs of the same configuration (repeats) are put together: their median is
 compared. The prediction uses this machine's calibration (or --calibration).
 
     .venv/bin/python experiments/ownership_validation.py experiments/results/ownership/runs.csv \\
@@ -61,6 +63,8 @@ def compare(rows: list, calibration=None) -> list:
     measured = {}
     for i, row in enumerate(rows):
         where = f"row {i + 2}"                  # the header is line 1
+        if (row.get("transport") or "default").strip() not in ("default", ""):
+            continue
         try:
             speed = float(row["tokens_per_ms"])
         except (KeyError, TypeError, ValueError):
@@ -107,6 +111,10 @@ def main(argv=None) -> int:
         print(f"| {r['batch']} | {r['ranks']} | {r['workers']}x{r['cores_per_worker']} | {r['label']} "
               f"| {r['runs']} | {r['measured']:.4f} | {r['predicted']:.4f} | {r['error']:+.1%} "
               f"| {r['sent_mb']:.0f} / {r['received_mb']:.0f} |")
+    other = sum((r.get("transport") or "default").strip() not in ("default", "") for r in rows)
+    if other:
+        print(f"\n{other} runs over another transport than the default left out (the link "
+              "is calibrated over the default)")
     errors = sorted(abs(r["error"]) for r in result)
     if errors:
         print(f"\nabsolute error: median {statistics.median(errors):.1%}, largest {errors[-1]:.1%}")

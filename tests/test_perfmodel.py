@@ -582,9 +582,10 @@ def test_ownership_validation_script(tmp_path):
     cal = tmp_path / "calibration.toml"
     machine.save(linear(usable_cores()), str(cal))
     runs = tmp_path / "runs.csv"
-    runs.write_text("mode,ranks,batch,tokens_per_ms,model,seq_len,note\n"
-                    "rank0,2,4,1.0,tiny,16,a\nrank0,2,4,3.0,tiny,16,b\nrank0,2,4,2.0,tiny,16,c\n"
-                    "sharded,2,4,2.5,tiny,16,\n,1,4,1.5,tiny,16,\n")
+    runs.write_text("mode,ranks,batch,tokens_per_ms,model,seq_len,note,transport\n"
+                    "rank0,2,4,1.0,tiny,16,a,default\nrank0,2,4,3.0,tiny,16,b,default\n"
+                    "rank0,2,4,2.0,tiny,16,c,\nrank0,2,4,9.0,tiny,16,d,tcp\n"
+                    "sharded,2,4,2.5,tiny,16,,\n,1,4,1.5,tiny,16,,\n")
     out = tmp_path / "out.csv"
     script = os.path.join(os.path.dirname(__file__), "..", "experiments", "ownership_validation.py")
     r = subprocess.run([sys.executable, script, str(runs), "--calibration", str(cal), "--csv", str(out)],
@@ -600,6 +601,7 @@ def test_ownership_validation_script(tmp_path):
                     ranks_per_node=int(x["ranks"]), mode=Mode(x["mode"]))
         assert float(x["predicted"]) == pytest.approx(p.tokens_per_ms, rel=1e-9)
     assert "| rank0 | 3 |" in r.stdout.replace("1x1 ", "")
+    assert "1 runs over another transport than the default left out" in r.stdout
     runs.write_text("mode,ranks,batch,tokens_per_ms\nrank2,2,4,1.0\n")
     bad = subprocess.run([sys.executable, script, str(runs), "--calibration", str(cal)],
                          capture_output=True, text=True, cwd=tmp_path)
