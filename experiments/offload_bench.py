@@ -89,7 +89,10 @@ def main():
     ap.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up")
     ap.add_argument("--fractions", default="0.25,0.5,0.75",
                     help="caps as fractions of the uncapped peak RSS (the largest last: it "
-                         "waits longest for memory)")
+                         "waits longest for memory; '' none)")
+    ap.add_argument("--uncapped-margin", type=float, default=None,
+                    help="GiB that must be available beyond the uncapped run's estimated peak "
+                         "for it to run (default: 10 %% of the estimate)")
     args, out, log, info = start(ap, wait_minutes=60.0)
     if os.path.exists(os.path.join(out, "raw.jsonl")):
         os.unlink(os.path.join(out, "raw.jsonl"))      # this run's results only
@@ -123,7 +126,8 @@ def main():
         save(rows)
 
     estimate = needs.footprint + RSS_OVERHEAD
-    if available_bytes() > 1.1 * estimate:
+    margin = 0.1 * estimate if args.uncapped_margin is None else args.uncapped_margin * GIB
+    if available_bytes() > estimate + margin:
         log(f"uncapped: {needs.footprint / GIB:.1f} GiB of tensors")
         r = run_in_subprocess(dict(base))
         if "error" in r:
@@ -139,7 +143,7 @@ def main():
                          peak_rss_estimated=True, footprint_mb=round(needs.footprint / 2**20),
                          commit=info["commit"]))
         save(rows)
-    for fraction in (float(x) for x in args.fractions.split(",")):
+    for fraction in (float(x) for x in args.fractions.split(",") if x.strip()):
         cap = int(fraction * uncapped)
         label = f"cap {fraction:.0%}"
         if not wait_for_memory(cap + GIB, args.wait_minutes, log):
