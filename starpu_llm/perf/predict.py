@@ -5,6 +5,11 @@ pipeline stages)."""
 from __future__ import annotations
 
 import math
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -26,8 +31,28 @@ def task_graph(model: str, B: int, T: int, sub_batches: int,
     process."""
     key = (model, B, T, sub_batches, wte_blocks)
     if key not in _GRAPHS:
-        _GRAPHS[key] = graphs.record(model, B, T, sub_batches, wte_blocks=wte_blocks)
+        _GRAPHS[key] = _record_apart(model, B, T, sub_batches, wte_blocks)
     return _GRAPHS[key]
+
+
+def _record_apart(model: str, B: int, T: int, sub_batches: int, wte_blocks: int):
+    """graphs.record in a fresh Python process of its own, only the graph coming back
+    (pickled): each dry-run step starts a StarPU runtime and registers every tensor of the
+    batch, and in one process their memory added up from one recording to the next (14 GB
+    resident by the eighth of Figure 4's predictions for the paper's nodes, where the machine
+    killed it). A new interpreter, not multiprocessing: a fork would inherit OpenMP and BLAS
+    threads, and a spawn re-runs the caller's script when it has no __main__ guard."""
+    with tempfile.TemporaryDirectory(prefix="starpu-llm-graph-") as tmp:
+        path = os.path.join(tmp, "graph.pickle")
+        code = ("import pickle; from starpu_llm.perf.graph import record; "
+                f"g = record({model!r}, {B}, {T}, {sub_batches}, wte_blocks={wte_blocks}); "
+                f"pickle.dump(g, open({path!r}, 'wb'))")
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        if p.returncode != 0:
+            raise RuntimeError("recording the task graph failed: "
+                               + (p.stderr.strip().splitlines() or ["?"])[-1])
+        with open(path, "rb") as f:
+            return pickle.load(f)
 
 
 class Mode(NamedTuple):
