@@ -37,14 +37,12 @@ def main():
     calibration = load_calibration(args.calibration)
     with open(os.path.join(args.results, "runs.csv")) as f:
         runs = [r for r in csv.DictReader(f) if r.get("tokens_per_ms")]
+    with open(os.path.join(args.results, "machine.json")) as f:
+        info = json.load(f)
     rows = []
     for r in runs:
         # the disk as measured beside this run (its row), else beside the benchmark
-        disk = {k: float(r[k]) for k in ("disk_write_gbs", "disk_read_gbs") if r.get(k)}
-        if len(disk) < 2:
-            with open(os.path.join(args.results, "machine.json")) as f:
-                info = json.load(f)
-            disk = {k: info[k] for k in ("disk_write_gbs", "disk_read_gbs")}
+        disk = {k: float(r.get(k) or info[k]) for k in ("disk_write_gbs", "disk_read_gbs")}
         limit = parse_size(f"{r['memory_limit_mb']}M") if r["memory_limit_mb"] else None
         p = predict(r["model"], int(r["batch"]), int(r["seq_len"]), 1, usable_cores(),
                     calibration=replace(calibration, **disk), memory_limit=limit)

@@ -11,8 +11,8 @@ and optionally workers, cores_per_worker (default 1 x 1 per rank), sub_batches (
 copy in a pipeline; default one per worker), seq_len (64), model (d12), stages, transport;
 other columns are ignored. Runs over another transport than Open MPI's default (transport
 `tcp`, experiments/ownership.py's loopback runs) are left out and counted: the calibration's
-link is fitted over the default one (calibrate.fit_link). Runs of the same configuration (repeats) are put together: their median is
-compared. The prediction uses this machine's calibration (or --calibration).
+link is fitted over the default one (calibrate.fit_link). Runs of the same configuration
+(repeats) are put together: their median is compared. The prediction uses this machine's calibration (or --calibration).
 
     .venv/bin/python experiments/ownership_validation.py experiments/results/ownership/runs.csv \\
         [--calibration FILE] [--csv predictions.csv]
@@ -55,6 +55,11 @@ def configuration(row: dict, where: str) -> tuple:
             workers, number("cores_per_worker", 1), number("sub_batches", workers), mode, stages)
 
 
+def other_transport(row: dict) -> bool:
+    """Whether the run went over another transport than Open MPI's default."""
+    return (row.get("transport") or "default").strip() not in ("default", "")
+
+
 def compare(rows: list, calibration=None) -> list:
     """One dict per configuration of rows (CSV rows as dicts), in order of first appearance:
     its KEY values, runs, measured (median tokens/ms), predicted, error (predicted / measured
@@ -63,7 +68,7 @@ def compare(rows: list, calibration=None) -> list:
     measured = {}
     for i, row in enumerate(rows):
         where = f"row {i + 2}"                  # the header is line 1
-        if (row.get("transport") or "default").strip() not in ("default", ""):
+        if other_transport(row):
             continue
         try:
             speed = float(row["tokens_per_ms"])
@@ -111,7 +116,7 @@ def main(argv=None) -> int:
         print(f"| {r['batch']} | {r['ranks']} | {r['workers']}x{r['cores_per_worker']} | {r['label']} "
               f"| {r['runs']} | {r['measured']:.4f} | {r['predicted']:.4f} | {r['error']:+.1%} "
               f"| {r['sent_mb']:.0f} / {r['received_mb']:.0f} |")
-    other = sum((r.get("transport") or "default").strip() not in ("default", "") for r in rows)
+    other = sum(map(other_transport, rows))
     if other:
         print(f"\n{other} runs over another transport than the default left out (the link "
               "is calibrated over the default)")
