@@ -173,6 +173,19 @@ def test_flops_come_from_the_declaration():
     assert lib.sl_codelet_flops(TABLE["gelu_forward"].id, with_bias, 2, ffi.NULL) == 0
 
 
+def test_attention_flops_count_the_causal_pairs():
+    """The attention's flops: B NH T(T+1)/2 (query, key) pairs of hs-long products, two per
+    pair forward (q.k, a v) and four backward, counted by brute force over the pairs."""
+    B, T, C, NH = 2, 5, 12, 3
+    hs = C // NH
+    pairs = sum(1 for _ in range(B) for _ in range(NH) for t in range(T) for _ in range(t + 1))
+    for name, products in (("attention_forward", 2), ("attention_backward", 4)):
+        cd = TABLE[name]
+        a = ffi.new(cd.args_type + " *", dict(B=B, T=T, C=C, NH=NH))
+        counts = ffi.new("size_t[]", [1] * cd.nbuffers)
+        assert lib.sl_codelet_flops(cd.id, counts, cd.nbuffers, a) == pairs * products * 2 * hs
+
+
 def test_submission_checks_the_declaration_and_the_site():
     """sl_submit refuses a task that does not match the declaration (a missing buffer, too
     many, arguments of the wrong size) or a site that cannot be (node or worker below -1)."""

@@ -1,8 +1,17 @@
 /* Codelets: causal multi-head self-attention forward and backward. */
 #include "codelet.h"
 
+/* The flops: query t of a head meets keys 0..t, so B NH T(T+1)/2 (query, key) pairs, each a
+ * dot product q.k and an update o += a v of hs multiply-adds: 2 B T(T+1) C flops forward
+ * (NH hs = C); the backward's four products per pair (datt, dv, dq, dk) twice that; the
+ * softmax's few operations per pair are not counted. Counted, not 0: the scores grow as T^2
+ * and the inputs as T, so the cost model needs the flops to carry the attention from the
+ * calibration's T to another. */
+#define SL_ATTENTION_FLOPS(a) (2.0 * (a)->B * (a)->T * ((a)->T + 1.0) * (a)->C)
+
 /* out (B,T,C), preatt (B,NH,T,T), att (B,NH,T,T), qkv (B,T,3C) */
-SL_CODELET(attention_forward, struct sl_attention_args, 0, 0.0, SL_W, SL_W, SL_W, SL_R)
+SL_CODELET(attention_forward, struct sl_attention_args, 0, SL_ATTENTION_FLOPS(a), SL_W, SL_W,
+	   SL_W, SL_R)
 {
 	attention_forward(SL_F(0), SL_F(1), SL_F(2), SL_F(3), a->B, a->T, a->C, a->NH);
 }
@@ -11,7 +20,8 @@ SL_CODELET(attention_forward, struct sl_attention_args, 0, 0.0, SL_W, SL_W, SL_W
  * dpreatt and datt only live inside the task. STARPU_SCRATCH would fit, but StarPU 1.3.10
  * crashes when a FORKJOIN task under peager gets a buffer StarPU allocated itself, so the
  * scratch is an ordinary handle on our memory, written by every attention_backward. */
-SL_CODELET(attention_backward, struct sl_attention_args, 0, 0.0, SL_W, SL_W, SL_R, SL_R, SL_R)
+SL_CODELET(attention_backward, struct sl_attention_args, 0, 2.0 * SL_ATTENTION_FLOPS(a), SL_W,
+	   SL_W, SL_R, SL_R, SL_R)
 {
 	float *dpreatt = SL_F(1);
 	float *datt = dpreatt + (size_t)a->B * a->NH * a->T * a->T;

@@ -6,7 +6,8 @@
    one, a ping-pong between two processes (the link); the sequential bandwidth of the disk
    under the temporary folder, where --memory-limit evicts by default (measure_disk).
 2. Codelet costs: short traced training runs of GPT-2 124M on each partition N x K of the
-   machine, at sub-batches of 1, 3 and 6 sequences. Every task of
+   machine, at sub-batches of 1, 3 and 6 sequences of 64 tokens, and with one sequence of the
+   model's full length per sub-batch (1024; LONG_SEQ_STEPS timed steps). Every task of
    the timed steps is a sample (codelet, cores, flops, data size, seconds), and so is every
    entry of StarPU's own history-based perf models written by those runs (STARPU_CALIBRATE=1,
    their mean per data size; only for one-core workers, the only case where StarPU's record
@@ -32,10 +33,19 @@ import time
 
 import numpy as np
 
+from ..config import MODELS
 from ..runs import cpu_description, run_in_subprocess
 from .machine import Machine, partitions, save
 
-FIT_SUB_BATCH = (1, 3, 6)   # sequences per sub-batch of the calibration runs
+FIT_SUB_BATCH = (1, 3, 6)   # sequences per sub-batch of the calibration runs (T = 64)
+# Why a run at the model's full length too: at T = 64 alone, an attention task's flops and bytes
+# both grow with the batch only, in a fixed ratio, so the fit cannot tell them apart, yet its
+# scores grow as T^2 and its inputs as T, and its rate per flop falls at long sequences (the
+# kernel alone, one core: ~9 GFLOP/s at T = 256-512, 5-7 at 1024). Fitted at T = 64 alone (its
+# flops declared or not), a 124M step at T = 1024, B = 8 on 1 x 2 was predicted at 0.165 tok/ms
+# against 0.111-0.114 measured, the attention 4.4 x too fast; with this run, 0.115.
+# One sequence of full length per sub-batch, one timed step (~80 s on 2 cores).
+LONG_SEQ_STEPS = 1
 
 
 # ---------------------------------------------------------------- rates
@@ -289,20 +299,27 @@ def total_error(samples: list, m: Machine) -> dict:
 # ---------------------------------------------------------------- the runs
 
 def traced_runs(cores: int, steps: int, log, model: str = "d12") -> tuple[list, list, list]:
-    """Traced runs of each partition at each FIT_SUB_BATCH; (task samples, StarPU history
-    samples, [(one-worker run, per-task overhead s, step fixed cost s)])."""
+    """Traced runs of each partition at each FIT_SUB_BATCH (T = 64), and with one sequence of
+    the model's full length per sub-batch; (task samples, StarPU history samples, [(one-worker
+    run, per-task overhead s, step fixed cost s)] of the T = 64 runs)."""
     samples, history, overheads = [], [], []
-    for (N, K), per_sub in itertools.product(partitions(cores), FIT_SUB_BATCH):
+    long_T = MODELS[model].maxT
+    runs = [(N, K, per_sub, 64, steps)
+            for (N, K), per_sub in itertools.product(partitions(cores), FIT_SUB_BATCH)]
+    if long_T > 64:
+        runs += [(N, K, 1, long_T, LONG_SEQ_STEPS) for N, K in partitions(cores)]
+    for N, K, per_sub, T, nsteps in runs:
         home = tempfile.mkdtemp(prefix="starpu-llm-calib-")
         env = dict(os.environ, STARPU_HOME=home, STARPU_CALIBRATE="1")
-        spec = dict(engine="starpu", model=model, batch=N * per_sub, seq_len=64, steps=steps,
+        spec = dict(engine="starpu", model=model, batch=N * per_sub, seq_len=T, steps=nsteps,
                     workers=N, cores_per_worker=K, trace=True)
         t0 = time.perf_counter()
         r = run_in_subprocess(spec, env=env)
         if "error" in r:
             shutil.rmtree(home, ignore_errors=True)
-            raise RuntimeError(f"calibration run {N}x{K} B={N * per_sub} failed: {r['error']}")
-        log(f"  {N}x{K} B={N * per_sub}: {len(r['events'])} tasks traced, "
+            raise RuntimeError(f"calibration run {N}x{K} B={N * per_sub} T={T} failed: "
+                               f"{r['error']}")
+        log(f"  {N}x{K} B={N * per_sub} T={T}: {len(r['events'])} tasks traced, "
             f"{time.perf_counter() - t0:.0f} s")
         sizes = {int(h): n for h, n in r["sizes"].items()}
         steps_ns = r["steps_ns"][1:]            # the warm-up step is not a sample
@@ -312,7 +329,7 @@ def traced_runs(cores: int, steps: int, log, model: str = "d12") -> tuple[list, 
                 continue
             size = sum(sizes.get(int(h), 0) for h, _ in bufs)
             samples.append((c, k, N, flops, size, (e - s) * 1e-9, 1.0))
-        for t0_ns, t1_ns in steps_ns:
+        for t0_ns, t1_ns in steps_ns if T == 64 else ():
             ev = [(s, e) for _, _, _, s, e, b, _, _ in r["events"] if t0_ns <= s <= t1_ns]
             if not ev:
                 continue
