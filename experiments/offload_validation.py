@@ -2,9 +2,10 @@
 22, item 3): for each run of its runs.csv, predict (perf/predict.py, --memory-limit: StarPU's
 eviction replayed over the recorded step, its bytes at the disk's bandwidth) the tokens/ms
 and the bytes read and written per step, and compare. The disk's bandwidth is the one the
-benchmark measured beside its runs (machine.json), the compute the machine's calibration
-(starpu-llm calibrate; --calibration FILE). Writes validation.csv and validation.md beside
-runs.csv.
+benchmark measured beside its runs (machine.json; --disk calibration: the calibration's
+own), the compute the machine's calibration (starpu-llm calibrate; --calibration FILE).
+Writes validation.csv and validation.md beside runs.csv (validation-calibration-disk.* with
+--disk calibration).
 
     .venv/bin/python experiments/offload_validation.py [--results DIR] [--calibration FILE]
 """
@@ -33,6 +34,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--results", default=os.path.join(HERE, "results", "offload", cpu_kind()))
     ap.add_argument("--calibration", default=None)
+    ap.add_argument("--disk", choices=("beside", "calibration"), default="beside",
+                    help="the disk's bandwidth: as measured beside each run (default) or the "
+                         "calibration's own (writes validation-calibration-disk.csv/.md)")
     args = ap.parse_args()
     calibration = load_calibration(args.calibration)
     with open(os.path.join(args.results, "runs.csv")) as f:
@@ -42,7 +46,8 @@ def main():
     rows = []
     for r in runs:
         # the disk as measured beside this run (its row), else beside the benchmark
-        disk = {k: float(r.get(k) or info[k]) for k in ("disk_write_gbs", "disk_read_gbs")}
+        disk = {k: float(r.get(k) or info[k]) if args.disk == "beside" else getattr(calibration, k)
+                for k in ("disk_write_gbs", "disk_read_gbs")}
         limit = parse_size(f"{r['memory_limit_mb']}M") if r["memory_limit_mb"] else None
         p = predict(r["model"], int(r["batch"]), int(r["seq_len"]), 1, usable_cores(),
                     calibration=replace(calibration, **disk), memory_limit=limit)
@@ -60,9 +65,11 @@ def main():
                                            row["measured_written_mb"]), 4)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    write_csv(os.path.join(args.results, "validation.csv"), rows)
-    lines = [f"calibration: {calibration.source}; each run's disk bandwidth as measured "
-             "beside it (write / read GB/s)", "",
+    name = "validation" if args.disk == "beside" else "validation-calibration-disk"
+    write_csv(os.path.join(args.results, name + ".csv"), rows)
+    disk_from = ("each run's disk bandwidth as measured beside it" if args.disk == "beside"
+                 else "the calibration's disk bandwidth")
+    lines = [f"calibration: {calibration.source}; {disk_from} (write / read GB/s)", "",
              "| run | disk GB/s | tok/ms measured | predicted | error | read MB measured / "
              "predicted | written MB measured / predicted |", "|---|---|---|---|---|---|---|"]
     for row in rows:
@@ -71,7 +78,7 @@ def main():
                      f"{row['predicted_tokens_per_ms']} | {row['tokens_per_ms_error']:+.1%} | "
                      f"{row['measured_read_mb']} / {row['predicted_read_mb']} | "
                      f"{row['measured_written_mb']} / {row['predicted_written_mb']} |")
-    with open(os.path.join(args.results, "validation.md"), "w") as f:
+    with open(os.path.join(args.results, name + ".md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
 

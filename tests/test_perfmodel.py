@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from starpu_llm.perf import autotune, graph, machine
+from starpu_llm.perf import autotune, graph, machine, memory
 from starpu_llm.perf.calibrate import calibrate, fit_codelets, nnls3, read_starpu_history, total_error
 from starpu_llm.config import MODELS, PARAMETER_SPECS, ParamLayout
 from starpu_llm.flow.placement import Topology, placement_shares
@@ -71,6 +71,10 @@ def test_machine_file_round_trip_and_errors(tmp_path):
     assert back.sgemm(2) == 19e9 and back.sgemm(4) == 37e9      # extrapolated per core
     assert back.codelets["adamw"]["b"][1] == 1.5
     assert (back.link_bandwidth_gbs, back.link_pingpong_gbs) == (0.75, 12.0)
+    assert back.first_touch_gbs == [] and back.first_touch(2) == 0.0     # not measured
+    m.first_touch_gbs = [1.5, 2.5]
+    machine.save(m, str(path))
+    assert machine.load(str(path)).first_touch(2) == 2.5e9
     path.write_text("[machine]\nname = 'y'\n")
     with pytest.raises(StarpuLLMError, match="m.toml: not a machine description"):
         machine.load(str(path))
@@ -674,6 +678,44 @@ def test_the_engine_drops_activations_without_writing_them():
     # step 1: the parameter, dirty since its initial fill, makes room for y; then it is read
     # back each step and evicted clean: only parameter bytes move, never an activation's
     assert steps == [(0, 10), (10, 0), (10, 0)]
+
+
+def test_main_memory_counts_new_memory_but_not_a_reused_buffer():
+    """Every allocation above glibc's mmap threshold is new memory (pages the kernel maps
+    and zeroes) but the reuse of a same-size buffer; a dropped buffer's next allocation is new
+    again; a buffer below the threshold comes from the heap, already mapped."""
+    from starpu_llm.perf.memory import MMAP_MAX, MainMemory
+    big = MMAP_MAX + 4096
+    mm = MainMemory([2 * big, big, big, MMAP_MAX], 3 * big + MMAP_MAX)
+    mm.task(((0, graph.W),))
+    mm.task(((1, graph.W),))
+    assert mm.allocated == 3 * big
+    mm.task(((3, graph.W),))                      # from the heap
+    assert mm.allocated == 3 * big
+    mm.task(((2, graph.W),))                      # takes 1's memory: nothing new
+    assert mm.allocated == 3 * big
+    mm.drop(0)
+    mm.task(((0, graph.W),))
+    assert mm.allocated == 5 * big
+
+
+def test_predictions_under_a_memory_limit_wait_for_new_memory():
+    """With the machine's first-touch rate, a cap with room for everything still costs the
+    step its activations' new memory (the engine drops them each step, StarPU frees them, the
+    next step maps them again): with one worker, exactly their bytes at that rate."""
+    m = synthetic(2, [3.0, 5.0], [2.0, 3.0], task_us=5.0)
+    m.disk_read_gbs, m.disk_write_gbs = 0.5, 0.25
+    model, B, T64 = "tiny", 4, 64      # its logits and probabilities above MMAP_MAX
+    free = predict(model, B, T64, 1, 2, calibration=m, parallel_workers=False).schedule
+    m.first_touch_gbs = [1.0, 1.5]
+    g = task_graph(model, B, T64, 1)
+    dropped = sum(n for name, n in g.handles
+                  if memory.dropped_after_use(name) and n > memory.MMAP_MAX)
+    roomy = predict(model, B, T64, 1, 2, calibration=m, parallel_workers=False,
+                    memory_limit=1 << 40).schedule
+    assert (roomy.notes["disk_read"], roomy.notes["disk_written"]) == (0, 0)
+    assert dropped > 0
+    assert roomy.step_s == pytest.approx(free.step_s + dropped / 1.5e9, rel=1e-9)
 
 
 def test_predictions_under_a_memory_limit():

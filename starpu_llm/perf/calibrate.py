@@ -1,7 +1,9 @@
 """starpu-llm calibrate: measure this machine's cost model (machine.py's file), in minutes.
 
 1. Rates, from the kernels alone (no StarPU): an sgemm (the matmul kernel at GPT-2's width)
-   and a streaming kernel (the residual add) on k = 1 .. cores threads; zeroing and adding a
+   and a streaming kernel (the residual add) on k = 1 .. cores threads, and the same threads
+   writing memory just given by malloc (first touch: what --memory-limit's buffers cost each
+   step, memory.py); zeroing and adding a
    gradient-sized buffer on one core (a reduction's init and sum); under mpirun, when there is
    one, a ping-pong between two processes (the link); the sequential bandwidth of the disk
    under the temporary folder, where --memory-limit evicts by default (measure_disk).
@@ -20,6 +22,7 @@
 """
 from __future__ import annotations
 
+import ctypes
 import glob
 import itertools
 import json
@@ -66,7 +69,8 @@ def _best(f, reps=5, seconds=0.5):
 
 
 def measure_rates(cores: int) -> dict:
-    """sgemm GFLOP/s and stream GB/s per core count, zero and add GB/s on one core."""
+    """sgemm GFLOP/s, stream GB/s and first-touch GB/s per core count, zero and add GB/s on
+    one core."""
     from .._kernels import ffi, lib
 
     def ptr(a):
@@ -78,18 +82,32 @@ def measure_rates(cores: int) -> dict:
     out = np.empty((N, OC), np.float32)
     n = 1 << 24                         # 64 MB per array: well beyond the caches
     x, y, z = (np.ones(n, np.float32) for _ in range(3))
-    sgemm, stream = [], []
+
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+
+    def touch_new():
+        # 256 MB from malloc, as StarPU allocates its buffers: above glibc's largest mmap
+        # threshold (32 MiB), so new pages at each call, unmapped by free. Not numpy: it asks
+        # the kernel for huge pages (madvise), which made this 5 x faster than StarPU gets.
+        a = libc.malloc(4 << 26)
+        if not a:
+            raise MemoryError("256 MB for the first-touch rate")
+        lib.fill_zero(ffi.cast("float *", a), 1 << 26)
+        libc.free(a)
+    sgemm, stream, touch = [], [], []
     for k in range(1, cores + 1):
         lib.kernels_set_threads(k)
         t = _best(lambda: lib.matmul_forward(ptr(out), ptr(inp), ptr(w), ffi.NULL, N, C, OC))
         sgemm.append(2.0 * N * C * OC / t / 1e9)
         t = _best(lambda: lib.residual_forward(ptr(z), ptr(x), ptr(y), n))
         stream.append(3 * 4 * n / t / 1e9)
+        touch.append(4 * (1 << 26) / _best(touch_new, reps=3) / 1e9)
     lib.kernels_set_threads(1)
     zero = 4 * n / _best(lambda: lib.fill_zero(ptr(z), n)) / 1e9
     add = 3 * 4 * n / _best(lambda: lib.add_inplace(ptr(z), ptr(x), n)) / 1e9
     lib.kernels_set_threads(cores)
-    return dict(sgemm=sgemm, stream=stream, zero=zero, add=add)
+    return dict(sgemm=sgemm, stream=stream, touch=touch, zero=zero, add=add)
 
 
 def measure_disk(folder: str, nbytes: int = 1 << 30, block: int = 64 << 20) -> dict:
@@ -360,6 +378,7 @@ def calibrate(path: str, steps: int = 2, log=print, model: str = "d12",
     rates = measure_rates(cores)
     log("  sgemm GFLOP/s per core count: " + ", ".join(f"{x:.1f}" for x in rates["sgemm"]))
     log("  stream GB/s per core count:   " + ", ".join(f"{x:.1f}" for x in rates["stream"]))
+    log("  first touch GB/s per core count: " + ", ".join(f"{x:.1f}" for x in rates["touch"]))
     link = measure_link()
     if link:
         log(f"  MPI link: {link['latency_us']:.1f} us, {link['bandwidth_gbs']:.2f} GB/s")
@@ -367,7 +386,7 @@ def calibrate(path: str, steps: int = 2, log=print, model: str = "d12",
     log(f"  disk ({tempfile.gettempdir()}): write {disk['write_gbs']:.3f} GB/s, read "
         f"{disk['read_gbs']:.3f} GB/s")
     m = Machine(name=os.uname().nodename, cores=cores, sgemm_gflops=rates["sgemm"],
-                bandwidth_gbs=rates["stream"], zero_gbs=rates["zero"], add_gbs=rates["add"],
+                bandwidth_gbs=rates["stream"], first_touch_gbs=rates["touch"], zero_gbs=rates["zero"], add_gbs=rates["add"],
                 disk_write_gbs=disk["write_gbs"], disk_read_gbs=disk["read_gbs"],
                 source=f"starpu-llm calibrate on {cpu_description()}, "
                        f"{time.strftime('%Y-%m-%d %H:%M')}")

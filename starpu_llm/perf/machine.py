@@ -3,7 +3,9 @@
 [machine]   what it is: name, cores (usable by one process), source (where the figures come from)
 [rates]     sgemm_gflops: GFLOP/s of one sgemm on k cores, for k = 1, 2, ... (a list; entry
             k-1 is k cores; missing k are extrapolated from the last one, linearly per core);
-            bandwidth_gbs: GB/s that k cores together stream (same layout)
+            bandwidth_gbs: GB/s that k cores together stream (same layout);
+            first_touch_gbs: GB/s at which k cores write memory the process was just given
+            (the kernel maps and zeroes each page; same layout; optional, [] if unmeasured)
 [starpu]    task_us: StarPU's cost per task (submission to start, µs); step_ms: a step's fixed
             cost outside the tasks (the Python driver's submission and wait)
 [link]      latency_us, bandwidth_gbs: one MPI message between two processes (two nodes);
@@ -36,6 +38,7 @@ class Machine:
     cores: int
     sgemm_gflops: list          # entry k-1: k cores
     bandwidth_gbs: list         # entry k-1: k cores streaming together
+    first_touch_gbs: list = field(default_factory=list)   # entry k-1: k cores; [] unmeasured
     task_us: float = 5.0
     step_ms: float = 0.0
     link_latency_us: float = 2.0
@@ -67,6 +70,10 @@ class Machine:
         shared = self._per_core(self.bandwidth_gbs, min(k * workers, max(self.cores, k))) / workers
         return min(alone, shared) * 1e9
 
+    def first_touch(self, k: int) -> float:
+        """Bytes/s at which a k-core task writes new memory (0: not measured)."""
+        return self._per_core(self.first_touch_gbs, k) * 1e9 if self.first_touch_gbs else 0.0
+
     def zero_rate(self) -> float:
         return (self.zero_gbs or self._per_core(self.bandwidth_gbs, 1)) * 1e9
 
@@ -94,6 +101,8 @@ def dumps(m: Machine) -> str:
            "[machine]", f"name = {_fmt(m.name)}", f"cores = {m.cores}", f"source = {_fmt(m.source)}",
            "", "[rates]", f"sgemm_gflops = {_fmt([float(x) for x in m.sgemm_gflops])}",
            f"bandwidth_gbs = {_fmt([float(x) for x in m.bandwidth_gbs])}",
+           *([f"first_touch_gbs = {_fmt([float(x) for x in m.first_touch_gbs])}"]
+             if m.first_touch_gbs else []),
            "", "[starpu]", f"task_us = {_fmt(float(m.task_us))}", f"step_ms = {_fmt(float(m.step_ms))}",
            "", "[link]", f"latency_us = {_fmt(float(m.link_latency_us))}",
            f"bandwidth_gbs = {_fmt(float(m.link_bandwidth_gbs))}",
@@ -123,6 +132,7 @@ def loads(text: str, path: str = "<machine>") -> Machine:
         m = Machine(name=str(mach["name"]), cores=int(mach["cores"]),
                     sgemm_gflops=[float(x) for x in rates["sgemm_gflops"]],
                     bandwidth_gbs=[float(x) for x in rates["bandwidth_gbs"]],
+                    first_touch_gbs=[float(x) for x in rates.get("first_touch_gbs", [])],
                     task_us=float(starpu.get("task_us", 5.0)), step_ms=float(starpu.get("step_ms", 0.0)),
                     link_latency_us=float(link.get("latency_us", 2.0)),
                     link_bandwidth_gbs=float(link.get("bandwidth_gbs", 10.0)),

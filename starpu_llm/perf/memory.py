@@ -15,7 +15,13 @@ The rules are StarPU 1.3's (src/datawizard/memalloc.c) as far as they decide the
     written to the disk when it was changed since the disk last got it (dirty), else dropped;
   - after the backward the engine drops every activation and scratch buffer but the losses
     (StarPUEngine._activations_used: starpu_data_invalidate_submit), which StarPU does once
-    its last task has run: it frees it, writes nothing.
+    its last task has run: it frees it, writes nothing;
+  - StarPU frees a main-memory buffer at once (memalloc.c keeps no cache of them without
+    pinned memory), and glibc gives one above its largest mmap threshold (MMAP_MAX) back to
+    the system, so each allocation of such a buffer, but the reuse of a same-size one, is
+    new memory: the task that first writes it also waits for the kernel to map and zero its
+    pages (the bytes `allocated` before each task, which predict.py charges at the machine's
+    first-touch rate). Smaller buffers come from glibc's heap, whose pages stay mapped.
 Not modelled: prefetches (StarPU does not evict for one, so under a full cap they rarely find
 room: they change when a read happens, not the bytes), and the asynchronous write-back of
 dirty buffers when fewer than 5 % are clean (starpu_memchunk_tidy).
@@ -28,6 +34,7 @@ from dataclasses import dataclass
 from .graph import R, REDUX, W, TaskGraph
 
 RECLAIM = 2         # StarPU frees this many times the size it needs (memalloc.c)
+MMAP_MAX = 32 << 20  # glibc's largest mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
 
 
 def dropped_after_use(name: str) -> bool:
@@ -41,6 +48,7 @@ def dropped_after_use(name: str) -> bool:
 class DiskTraffic:
     read: list          # bytes read from the disk before each task of the last step
     written: list       # bytes written to it to make room for each task
+    allocated: list     # bytes of new memory allocated for each task
     steps: list         # (read, written) of each simulated step
 
     @property
@@ -59,7 +67,7 @@ class MainMemory:
         self.dirty = set()              # resident handles the disk does not have as they are
         self.on_disk = set()            # handles whose values the disk holds
         self.valid = set()              # handles with values (written at least once)
-        self.read = self.written = 0
+        self.read = self.written = self.allocated = 0
 
     def _free(self, h: int) -> None:
         if h in self.dirty:
@@ -71,10 +79,12 @@ class MainMemory:
 
     def _allocate(self, h: int, held: set) -> None:
         n = self.size[h]
+        fresh = True
         if self.used + n > self.cap:
             same = next((v for v in self.lru if v not in held and self.size[v] == n), None)
             if same is not None:
                 self._free(same)
+                fresh = False           # its memory, already mapped, is reused
             else:
                 freed = 0
                 for v in [v for v in self.lru if v not in held]:
@@ -84,6 +94,8 @@ class MainMemory:
                     self._free(v)
         self.used += n
         self.lru[h] = None
+        if fresh and n > MMAP_MAX:
+            self.allocated += n
 
     def task(self, accesses) -> tuple:
         """Run one task (its ((handle, access bits), ...)): (bytes read, bytes written) for it."""
@@ -131,13 +143,16 @@ def replay(graph: TaskGraph, order: list, cap: int, steps: int = 3) -> DiskTraff
     for h, i in last_use.items():
         if dropped_after_use(graph.handles[h][0]):
             dropped.setdefault(i, []).append(h)
-    per_step, read, written = [], [], []
+    per_step, read, written, allocated = [], [], [], []
     for _ in range(steps):
         read, written = [0] * len(graph.tasks), [0] * len(graph.tasks)
+        allocated = [0] * len(graph.tasks)
         r0, w0 = memory.read, memory.written
         for i in order:
+            a0 = memory.allocated
             read[i], written[i] = memory.task(graph.tasks[i].accesses)
+            allocated[i] = memory.allocated - a0
             for h in dropped.get(i, ()):
                 memory.drop(h)
         per_step.append((memory.read - r0, memory.written - w0))
-    return DiskTraffic(read, written, per_step)
+    return DiskTraffic(read, written, allocated, per_step)

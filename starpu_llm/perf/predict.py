@@ -251,8 +251,10 @@ def predict(model: str, B: int, T: int, workers: int, cores_per_worker: int, ran
         starts = sched.notes["starts"]
         order = sorted(range(len(g.tasks)), key=lambda i: (starts[i], i))
         traffic = memory.replay(g, order, memory_limit >> 20 << 20)   # whole MiB, as StarPU
+        touch = target.first_touch(cores_per_worker)
         extra = [r / (target.disk_read_gbs * 1e9) + w / (target.disk_write_gbs * 1e9)
-                 for r, w in zip(traffic.read, traffic.written)]
+                 + (a / touch if touch else 0.0)
+                 for r, w, a in zip(traffic.read, traffic.written, traffic.allocated)]
         sched = schedule(extra)
         sched.notes["disk_read"], sched.notes["disk_written"] = traffic.step
     return Prediction(model, B, T, workers, cores_per_worker, S, ranks, sched, bool(redux), mode,
