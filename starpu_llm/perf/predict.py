@@ -202,7 +202,8 @@ def predict(model: str, B: int, T: int, workers: int, cores_per_worker: int, ran
     sub_batches: per rank, or in a pipeline per data-parallel copy (its micro-batches);
     memory_limit: bytes (one process): the disk traffic StarPU's eviction makes
     (memory.replay, in the order the tasks run without it), each task also waiting for its
-    bytes at the disk's bandwidth, and the step scheduled again; the schedule's notes then
+    bytes at the disk's bandwidth and for its new memory at the machine's first-touch rate,
+    and the step scheduled again; the schedule's notes then
     have disk_read and disk_written, bytes per step."""
     calibration = calibration or load_calibration()
     target = machine or calibration
