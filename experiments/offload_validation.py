@@ -45,7 +45,8 @@ def main():
         info = json.load(f)
     rows = []
     for r in runs:
-        # the disk as measured beside this run (its row), else beside the benchmark
+        # the disk as measured beside this run (its row), else beside the benchmark; or the
+        # calibration's own
         disk = {k: float(r.get(k) or info[k]) if args.disk == "beside" else getattr(calibration, k)
                 for k in ("disk_write_gbs", "disk_read_gbs")}
         limit = parse_size(f"{r['memory_limit_mb']}M") if r["memory_limit_mb"] else None

@@ -12,7 +12,8 @@ copy in a pipeline; default one per worker), seq_len (64), model (d12), stages, 
 other columns are ignored. Runs over another transport than Open MPI's default (transport
 `tcp`, experiments/ownership.py's loopback runs) are left out and counted: the calibration's
 link is fitted over the default one (calibrate.fit_link). Runs of the same configuration
-(repeats) are put together: their median is compared. The prediction uses this machine's calibration (or --calibration).
+(repeats) are put together: their median is compared. The prediction uses this machine's
+calibration (or --calibration).
 
     .venv/bin/python experiments/ownership_validation.py experiments/results/ownership/runs.csv \\
         [--calibration FILE] [--csv predictions.csv]

@@ -40,7 +40,8 @@ from ..config import MODELS
 from ..runs import cpu_description, run_in_subprocess
 from .machine import Machine, partitions, save
 
-FIT_SUB_BATCH = (1, 3, 6)   # sequences per sub-batch of the calibration runs (T = 64)
+FIT_SEQ_LEN = 64            # tokens per sequence of the calibration runs
+FIT_SUB_BATCH = (1, 3, 6)   # sequences per sub-batch of those runs
 # Why a run at the model's full length too: at T = 64 alone, an attention task's flops and bytes
 # both grow with the batch only, in a fixed ratio, so the fit cannot tell them apart, yet its
 # scores grow as T^2 and its inputs as T, and its rate per flop falls at long sequences (the
@@ -86,14 +87,16 @@ def measure_rates(cores: int) -> dict:
     libc = ctypes.CDLL(None)
     libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
 
+    fresh = 1 << 26                     # floats: 256 MB
+
     def touch_new():
-        # 256 MB from malloc, as StarPU allocates its buffers: above glibc's largest mmap
-        # threshold (32 MiB), so new pages at each call, unmapped by free. Not numpy: it asks
-        # the kernel for huge pages (madvise), which made this 5 x faster than StarPU gets.
-        a = libc.malloc(4 << 26)
+        # from malloc, as StarPU allocates its buffers: above glibc's largest mmap threshold
+        # (32 MiB), so new pages at each call, unmapped by free. Not numpy: it asks the
+        # kernel for huge pages (madvise), which made this 5 x faster than StarPU gets.
+        a = libc.malloc(4 * fresh)
         if not a:
             raise MemoryError("256 MB for the first-touch rate")
-        lib.fill_zero(ffi.cast("float *", a), 1 << 26)
+        lib.fill_zero(ffi.cast("float *", a), fresh)
         libc.free(a)
     sgemm, stream, touch = [], [], []
     for k in range(1, cores + 1):
@@ -102,7 +105,7 @@ def measure_rates(cores: int) -> dict:
         sgemm.append(2.0 * N * C * OC / t / 1e9)
         t = _best(lambda: lib.residual_forward(ptr(z), ptr(x), ptr(y), n))
         stream.append(3 * 4 * n / t / 1e9)
-        touch.append(4 * (1 << 26) / _best(touch_new, reps=3) / 1e9)
+        touch.append(4 * fresh / _best(touch_new, reps=3) / 1e9)
     lib.kernels_set_threads(1)
     zero = 4 * n / _best(lambda: lib.fill_zero(ptr(z), n)) / 1e9
     add = 3 * 4 * n / _best(lambda: lib.add_inplace(ptr(z), ptr(x), n)) / 1e9
@@ -188,7 +191,7 @@ def fit_link(m: Machine, model: str, steps: int, log) -> None:
     from .predict import Mode, predict
     k = max(1, m.cores // 2)
     B = 2 * MPI_FIT_SUB_BATCH
-    r = run_in_subprocess(dict(engine="starpu", model=model, batch=B, seq_len=64,
+    r = run_in_subprocess(dict(engine="starpu", model=model, batch=B, seq_len=FIT_SEQ_LEN,
                                steps=max(steps, 4),     # one sample for one number: a few steps
                                workers=1, cores_per_worker=k, sub_batches=1, ranks=2,
                                ownership="sharded"))
@@ -199,7 +202,7 @@ def fit_link(m: Machine, model: str, steps: int, log) -> None:
 
     def step_at(gbs):
         m.link_bandwidth_gbs = gbs
-        return predict(model, B, 64, 1, k, ranks=2, sub_batches=1, calibration=m,
+        return predict(model, B, FIT_SEQ_LEN, 1, k, ranks=2, sub_batches=1, calibration=m,
                        ranks_per_node=2, mode=Mode("sharded")).schedule.step_s
     lo, hi = 0.01, 1000.0
     if step_at(hi) > measured:          # slower than measured even with an infinite link
@@ -317,14 +320,14 @@ def total_error(samples: list, m: Machine) -> dict:
 # ---------------------------------------------------------------- the runs
 
 def traced_runs(cores: int, steps: int, log, model: str = "d12") -> tuple[list, list, list]:
-    """Traced runs of each partition at each FIT_SUB_BATCH (T = 64), and with one sequence of
+    """Traced runs of each partition at each FIT_SUB_BATCH (FIT_SEQ_LEN), and with one sequence of
     the model's full length per sub-batch; (task samples, StarPU history samples, [(one-worker
-    run, per-task overhead s, step fixed cost s)] of the T = 64 runs)."""
+    run, per-task overhead s, step fixed cost s)] of the FIT_SEQ_LEN runs)."""
     samples, history, overheads = [], [], []
     long_T = MODELS[model].maxT
-    runs = [(N, K, per_sub, 64, steps)
+    runs = [(N, K, per_sub, FIT_SEQ_LEN, steps)
             for (N, K), per_sub in itertools.product(partitions(cores), FIT_SUB_BATCH)]
-    if long_T > 64:
+    if long_T > FIT_SEQ_LEN:
         runs += [(N, K, 1, long_T, LONG_SEQ_STEPS) for N, K in partitions(cores)]
     for N, K, per_sub, T, nsteps in runs:
         home = tempfile.mkdtemp(prefix="starpu-llm-calib-")
@@ -347,7 +350,7 @@ def traced_runs(cores: int, steps: int, log, model: str = "d12") -> tuple[list, 
                 continue
             size = sum(sizes.get(int(h), 0) for h, _ in bufs)
             samples.append((c, k, N, flops, size, (e - s) * 1e-9, 1.0))
-        for t0_ns, t1_ns in steps_ns if T == 64 else ():
+        for t0_ns, t1_ns in steps_ns if T == FIT_SEQ_LEN else ():
             ev = [(s, e) for _, _, _, s, e, b, _, _ in r["events"] if t0_ns <= s <= t1_ns]
             if not ev:
                 continue
@@ -386,7 +389,8 @@ def calibrate(path: str, steps: int = 2, log=print, model: str = "d12",
     log(f"  disk ({tempfile.gettempdir()}): write {disk['write_gbs']:.3f} GB/s, read "
         f"{disk['read_gbs']:.3f} GB/s")
     m = Machine(name=os.uname().nodename, cores=cores, sgemm_gflops=rates["sgemm"],
-                bandwidth_gbs=rates["stream"], first_touch_gbs=rates["touch"], zero_gbs=rates["zero"], add_gbs=rates["add"],
+                bandwidth_gbs=rates["stream"], first_touch_gbs=rates["touch"],
+                zero_gbs=rates["zero"], add_gbs=rates["add"],
                 disk_write_gbs=disk["write_gbs"], disk_read_gbs=disk["read_gbs"],
                 source=f"starpu-llm calibrate on {cpu_description()}, "
                        f"{time.strftime('%Y-%m-%d %H:%M')}")
