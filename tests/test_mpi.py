@@ -389,6 +389,26 @@ def test_pipeline_schedules_give_the_same_bits(shard, tmp_path, mode):
     assert len(runs[0][0]) == STEPS and runs[0] == runs[1] == runs[2]
 
 
+@pytest.mark.parametrize("ownership", ["rank0", "sharded"])
+def test_owner_receives_contributions_into_memory_of_its_own(shard, ownership):
+    """2 ranks: every other rank's contribution to a gradient slice a rank owns is received
+    into memory of that rank's own, there before the first step and the same after each step
+    (placement.contributions: left to StarPU, it was freed and mapped again every step). At
+    R = 2 each slice has one contribution received: rank0's rank 0 receives them all."""
+    p = subprocess.run([MPIRUN, "--oversubscribe", "-np", "2", sys.executable,
+                        os.path.join(os.path.dirname(__file__), "received_contributions.py"),
+                        ownership, shard], capture_output=True, text=True, timeout=240, env=ENV)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    slices = sum(d["owned"] for d in out)
+    assert [d["received"] for d in out] == ([slices, 0] if ownership == "rank0"
+                                            else [d["owned"] for d in out])
+    for d in out:
+        before, *after = d["where"]
+        assert all(before), f"rank {d['rank']}: a received contribution has no memory"
+        assert after == [before, before]
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_pipeline_stage_holds_its_sets(shard, schedule):
     """2 stages, 3 micro-batches: under 1f1b every activation and backward scratch tensor of

@@ -232,6 +232,8 @@ void *sl_acquire(sl_handle h, int mode)
 
 void sl_release(sl_handle h) { starpu_data_release(h); }
 
+void *sl_home_ptr(sl_handle h) { return starpu_data_handle_to_pointer(h, STARPU_MAIN_RAM); }
+
 /* StarPU 1.4.12 keeps the operations of the data interfaces registered at run time (starpupy
  * registers 3 at each starpu.init()) in a table indexed by id - STARPU_MAX_INTERFACE_ID that
  * it frees at shutdown (size 0), while the ids keep growing from one init to the next; and

@@ -89,6 +89,9 @@ int sl_set_grad_reduction(sl_handle h);
  * that has none yet) or read-write (3); returns the local pointer or NULL. */
 void *sl_acquire(sl_handle h, int mode);
 void sl_release(sl_handle h);
+/* Where h's values live in main memory (the memory it was registered on, or StarPU's copy),
+ * NULL when it has none there; for tests, which check where received data lands. */
+void *sl_home_ptr(sl_handle h);
 
 /* ---- task submission (submit.c): the one insert path of every task ----
  * A task of codelet (an index of the codelet table, sl_codelets.h) on the n handles given in
