@@ -439,3 +439,26 @@ def test_pipeline_stage_holds_its_sets(shard, schedule):
     head = out[0]["priorities"]     # stage 0 runs the head: its forward at 3 + 2 - j
     assert head["crossentropy_forward"] == ([3, 4, 5] if schedule == "1f1b" else [0])
     assert head["matmul_forward"] == ([0, 1, 2, 3, 4, 5] if schedule == "1f1b" else [0])
+
+
+def test_mpi_thread_polls_briefly_between_sleeps_once_quiet():
+    """The progression thread's backoff decision (csrc/starpu/mpi_poll.c), driven by polls
+    100 ns apart: polls without news for 20 us, then sleeps 5 us, doubled after each sleep up
+    to the cap; between two sleeps only 5 us of polls (a whole 20 us after every sleep kept
+    the thread busy 9-10 % of a worker's core); news starts it over."""
+    from starpu_llm._clib import ffi, lib
+    st = ffi.new("struct sl_poll_state *")
+    lib.sl_mpi_poll_reset(st)
+
+    def polls_then_sleep():
+        for n in range(1, 10_000):
+            s = lib.sl_mpi_poll_next(st, 0, 100, 200_000)
+            if s:
+                return n, s
+        raise AssertionError("never slept")
+
+    first = [polls_then_sleep() for _ in range(9)]
+    assert first == [(201, 5000), (51, 10000), (51, 20000), (51, 40000), (51, 80000),
+                     (51, 160000), (51, 200000), (51, 200000), (51, 200000)]
+    assert lib.sl_mpi_poll_next(st, 1, 100, 200_000) == 0      # news
+    assert polls_then_sleep() == (201, 5000)
