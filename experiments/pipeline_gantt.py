@@ -4,9 +4,15 @@ trace, and the last step is drawn, a row per rank, tasks coloured by phase, each
 micro-batch's forward or backward labelled with its number (the order the stages took them
 in: all forwards first under --schedule gpipe, forwards and backwards alternating under
 1f1b). Writes pipeline_gantt.png and pipeline_gantt.csv (every task of the step: rank,
-codelet, phase, micro-batch, start and end in ms) into --out.
+codelet, phase, micro-batch, start and end in ms) into --out. Prints where each rank's step
+went, and the step's tail: from the last backward task of any rank to the step's end (the
+last gradient sums, updates and messages, which the ranks wait for).
+
+--stages 1 --ranks R --ownership sharded|rank0 draws data parallelism instead (files named
+<ownership>_gantt.*).
 
     .venv/bin/python experiments/pipeline_gantt.py [--batch 8] [--stages 2] [--model d12] [--schedule 1f1b]
+    .venv/bin/python experiments/pipeline_gantt.py --stages 1 --ranks 2 --ownership sharded
 """
 from __future__ import annotations
 
@@ -40,7 +46,8 @@ def child(args):
     from starpu_llm.trainer import TrainConfig, train
     r = train(TrainConfig(model=args.model, batch=args.batch, seq_len=args.seq_len, steps=3,
                           workers=1, cores_per_worker=1, pipeline_stages=args.stages,
-                          pipeline_schedule=args.schedule, trace=True, log=None))
+                          pipeline_schedule=args.schedule if args.stages > 1 else None,
+                          ownership=args.ownership, trace=True, log=None))
     events = [(e.codelet, e.start_ns, e.end_ns, e.job) for e in r.trace]
     with open(os.path.join(args.tmp, f"rank{mpi_rank()}.json"), "w") as f:
         json.dump(dict(step_ms=r.step_ms, events=events, describe=r.engine), f)
@@ -53,11 +60,14 @@ def main(argv=None):
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "bounded", "gpipe"])
+    ap.add_argument("--ranks", type=int, default=None, help="MPI processes (default: --stages)")
+    ap.add_argument("--ownership", default="sharded", choices=["sharded", "rank0"])
     ap.add_argument("--out", default=os.path.join(HERE, "results", "ownership"))
     ap.add_argument("--subdir", default="", help="write into --out/<cpu kind>/SUBDIR")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tmp", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    args.ranks = args.ranks or args.stages
     if args.child:
         return child(args)
     mpirun = shutil.which("mpirun")
@@ -68,14 +78,15 @@ def main(argv=None):
     os.makedirs(out, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-        cmd = [mpirun, "--oversubscribe", "--bind-to", "none", "-np", str(args.stages),
+        cmd = [mpirun, "--oversubscribe", "--bind-to", "none", "-np", str(args.ranks),
                sys.executable, os.path.abspath(__file__), "--child", "--tmp", tmp,
                "--model", args.model, "--batch", str(args.batch), "--seq-len", str(args.seq_len),
-               "--stages", str(args.stages), "--schedule", args.schedule]
+               "--stages", str(args.stages), "--schedule", args.schedule,
+               "--ownership", args.ownership]
         p = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if p.returncode != 0:
             sys.exit(f"the traced run failed: {p.stderr.strip().splitlines()[-1:]}")
-        ranks = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(args.stages)]
+        ranks = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(args.ranks)]
     # the last step: its micro-batches' loads are the last third of the 3 steps' (rank 0:
     # stage 0 loads); the first of them is the step's first task (each step waits for the
     # one before). Micro-batch m's tasks are submitted after its load, before m + 1's; every
@@ -94,19 +105,20 @@ def main(argv=None):
                 rows.append(dict(rank=r, codelet=c, phase=ph, micro_batch=mb,
                                  start_ms=round((s - t0) / 1e6, 3), end_ms=round((e - t0) / 1e6, 3)))
     from starpu_llm.runs import write_csv
-    write_csv(os.path.join(out, "pipeline_gantt.csv"), rows)
+    name = "pipeline" if args.stages > 1 else args.ownership
+    write_csv(os.path.join(out, f"{name}_gantt.csv"), rows)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
-    f, ax = plt.subplots(figsize=(12, 1.6 + 0.6 * args.stages))
-    for r in range(args.stages):
+    f, ax = plt.subplots(figsize=(12, 1.6 + 0.6 * args.ranks))
+    for r in range(args.ranks):
         for ph, colour in PHASES.items():
             bars = [(x["start_ms"], x["end_ms"] - x["start_ms"]) for x in rows
                     if x["rank"] == r and x["phase"] == ph]
             if bars:
                 ax.broken_barh(bars, (r - 0.4, 0.8), facecolors=colour, edgecolor="none")
-    for r in range(args.stages):     # label each run of one micro-batch's forward or backward
+    for r in range(args.ranks):     # label each run of one micro-batch's forward or backward
         mine = sorted((x for x in rows if x["rank"] == r), key=lambda x: x["start_ms"])
         for k, x in enumerate(mine):
             if x["micro_batch"] != "" and (k == 0 or (mine[k - 1]["micro_batch"], mine[k - 1]["phase"])
@@ -114,27 +126,32 @@ def main(argv=None):
                 ax.text(x["start_ms"], r + (0.25 if x["phase"] == "forward" else -0.25),
                         str(x["micro_batch"]), fontsize=6, va="center")
     span = (t1 - t0) / 1e6
-    busy = [sum(x["end_ms"] - x["start_ms"] for x in rows if x["rank"] == r) for r in range(args.stages)]
-    ax.set_yticks(range(args.stages))
-    ax.set_yticklabels([f"rank {r} (stage {r}), busy {b / span:.0%}" for r, b in enumerate(busy)])
+    busy = [sum(x["end_ms"] - x["start_ms"] for x in rows if x["rank"] == r) for r in range(args.ranks)]
+    ax.set_yticks(range(args.ranks))
+    ax.set_yticklabels([f"rank {r}{f' (stage {r})' if args.stages > 1 else ''}, busy {b / span:.0%}"
+                        for r, b in enumerate(busy)])
     ax.set_xlim(0, span)
     ax.set_xlabel("ms since the step's first task")
-    ax.set_title(textwrap.fill(f"One step of a {args.stages}-stage pipeline, {args.model}, "
-                               f"B={args.batch}, T={args.seq_len}, {args.stages} ranks x 1 core "
+    what = (f"a {args.stages}-stage pipeline" if args.stages > 1
+            else f"data parallelism, {args.ownership} ownership")
+    ax.set_title(textwrap.fill(f"One step of {what}, {args.model}, "
+                               f"B={args.batch}, T={args.seq_len}, {args.ranks} ranks x 1 core "
                                f"({ranks[0]['describe']}); commit {git_commit()}", 150),
                  fontsize=8)
     ax.legend(handles=[Patch(color=c, label=p) for p, c in PHASES.items()], fontsize=7,
               loc="center left", bbox_to_anchor=(1.005, 0.5))
     f.tight_layout()
-    png = os.path.join(out, "pipeline_gantt.png")
+    png = os.path.join(out, f"{name}_gantt.png")
     f.savefig(png, dpi=90)
     print(f"wrote {png}: step {span:.0f} ms, busy " + ", ".join(f"{b:.0f} ms" for b in busy))
-    for r in range(args.stages):    # where each rank's step went
+    for r in range(args.ranks):    # where each rank's step went
         mine = [x for x in rows if x["rank"] == r]
         by = {ph: sum(x["end_ms"] - x["start_ms"] for x in mine if x["phase"] == ph) for ph in PHASES}
         first = min(x["start_ms"] for x in mine)
         print(f"rank {r}: " + ", ".join(f"{ph} {ms:.0f}" for ph, ms in by.items())
               + f" ms; idle {span - busy[r]:.0f} ms, of which {first:.0f} before its first task")
+    last_backward = max(x["end_ms"] for x in rows if x["phase"] == "backward")
+    print(f"tail: {span - last_backward:.0f} ms from the last backward task to the step's end")
 
 
 if __name__ == "__main__":
