@@ -73,13 +73,13 @@ int sl_mpi_bytes_sent(size_t *sent);
  * -ENOSYS without MPI, -ENOTSUP when StarPU-MPI does not call this module's MPI_Test:
  * MPI's library was made global before the module was loaded). Its polls, sleeps and time slept (ns) so far, counted with backoff on. */
 int sl_mpi_poll_backoff(int max_us);
+void sl_mpi_poll_stats(long long *polls, long long *sleeps, long long *slept_ns);
 /* The backoff's decision (mpi_poll.c), a pure function for tests: after a poll that ended
  * elapsed_ns after the previous one ended (news: it completed a request or moved data), the
  * ns to sleep (0: poll again), at most max_ns; st starts from sl_mpi_poll_reset. */
 struct sl_poll_state { long quiet_ns, spin_ns, backoff_ns; };
 void sl_mpi_poll_reset(struct sl_poll_state *st);
 long sl_mpi_poll_next(struct sl_poll_state *st, int news, long elapsed_ns, long max_ns);
-void sl_mpi_poll_stats(long long *polls, long long *sleeps, long long *slept_ns);
 
 /* ---- data (runtime.c) ---- */
 /* A vector of n elements of elemsize bytes on memory at ptr (ptr NULL lets StarPU allocate
