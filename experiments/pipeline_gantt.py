@@ -1,18 +1,19 @@
 """One training iteration of a 2-stage pipeline, both ranks, as a Gantt chart (issue 21, item
-5): `mpirun -np 2` ranks of one core each train 3 steps with the task trace on, each writes its
-trace, and the last step is drawn, a row per rank, tasks coloured by phase, each run of one
+5): `mpirun -np 2` ranks of one core each train --steps steps (3) with the task trace on, each
+writes its trace, and the last step is drawn, a row per rank, tasks coloured by phase, each run of one
 micro-batch's forward or backward labelled with its number (the order the stages took them
 in: all forwards first under --schedule gpipe, forwards and backwards alternating under
 1f1b). Writes pipeline_gantt.png and pipeline_gantt.csv (every task of the step: rank,
 codelet, phase, micro-batch, start and end in ms) into --out. Prints where each rank's step
 went, and the step's tail: from the last backward task of any rank to the step's end (the
-last gradient sums, updates and messages, which the ranks wait for).
+last gradient sums, updates and messages, which the ranks wait for), and for every step but
+the first each rank's forward and backward busy time (which rank was the slower, step by step).
 
 --stages 1 --ranks R --ownership sharded|rank0 draws data parallelism instead (files named
 <ownership>_gantt.*).
 
     .venv/bin/python experiments/pipeline_gantt.py [--batch 8] [--stages 2] [--model d12] [--schedule 1f1b]
-    .venv/bin/python experiments/pipeline_gantt.py --stages 1 --ranks 2 --ownership sharded
+    .venv/bin/python experiments/pipeline_gantt.py --stages 1 --ranks 2 --ownership sharded --steps 7
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def child(args):
     """Under mpirun: train with the trace on, write this rank's last step."""
     from starpu_llm.runs import mpi_rank
     from starpu_llm.trainer import TrainConfig, train
-    r = train(TrainConfig(model=args.model, batch=args.batch, seq_len=args.seq_len, steps=3,
+    r = train(TrainConfig(model=args.model, batch=args.batch, seq_len=args.seq_len, steps=args.steps,
                           workers=1, cores_per_worker=1, pipeline_stages=args.stages,
                           pipeline_schedule=args.schedule if args.stages > 1 else None,
                           ownership=args.ownership, trace=True, log=None))
@@ -62,12 +63,15 @@ def main(argv=None):
     ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "bounded", "gpipe"])
     ap.add_argument("--ranks", type=int, default=None, help="MPI processes (default: --stages)")
     ap.add_argument("--ownership", default="sharded", choices=["sharded", "rank0"])
+    ap.add_argument("--steps", type=int, default=3, help="traced steps (the last is drawn)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "ownership"))
     ap.add_argument("--subdir", default="", help="write into --out/<cpu kind>/SUBDIR")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tmp", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.ranks = args.ranks or args.stages
+    if args.steps < 2:
+        ap.error("--steps must be at least 2 (the first warms up)")
     if args.child:
         return child(args)
     mpirun = shutil.which("mpirun")
@@ -82,17 +86,19 @@ def main(argv=None):
                sys.executable, os.path.abspath(__file__), "--child", "--tmp", tmp,
                "--model", args.model, "--batch", str(args.batch), "--seq-len", str(args.seq_len),
                "--stages", str(args.stages), "--schedule", args.schedule,
-               "--ownership", args.ownership]
+               "--ownership", args.ownership, "--steps", str(args.steps)]
         p = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if p.returncode != 0:
             sys.exit(f"the traced run failed: {p.stderr.strip().splitlines()[-1:]}")
         ranks = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(args.ranks)]
-    # the last step: its micro-batches' loads are the last third of the 3 steps' (rank 0:
-    # stage 0 loads); the first of them is the step's first task (each step waits for the
-    # one before). Micro-batch m's tasks are submitted after its load, before m + 1's; every
+    # step k's micro-batches' loads are the k-th of --steps equal groups of rank 0's (stage 0
+    # loads); the first of them is the step's first task (each step waits for the one
+    # before). Micro-batch m's tasks are submitted after its load, before m + 1's; every
     # rank submits every task, so the submission numbers are the same on every rank.
-    loads = sorted((j, s) for c, s, _, j in ranks[0]["events"] if c == "load_batch")
-    loads = loads[len(loads) - len(loads) // 3:]
+    all_loads = sorted((j, s) for c, s, _, j in ranks[0]["events"] if c == "load_batch")
+    per = len(all_loads) // args.steps
+    step_starts = [all_loads[k * per][1] for k in range(args.steps)]
+    loads = all_loads[len(all_loads) - per:]
     starts = [j for j, _ in loads]
     t0 = loads[0][1]
     t1 = t0 + ranks[0]["step_ms"][-1] * 1e6
@@ -152,6 +158,14 @@ def main(argv=None):
               + f" ms; idle {span - busy[r]:.0f} ms, of which {first:.0f} before its first task")
     last_backward = max(x["end_ms"] for x in rows if x["phase"] == "backward")
     print(f"tail: {span - last_backward:.0f} ms from the last backward task to the step's end")
+    ends = step_starts[1:] + [t1]
+    for k in range(1, args.steps):     # the slower rank, step by step
+        fb = [sum(e - s for c, s, e, _ in d["events"]
+                  if step_starts[k] <= s < ends[k] and phase(c) in ("forward", "backward")) / 1e6
+              for d in ranks]
+        print(f"step {k} ({ranks[0]['step_ms'][k]:.0f} ms): forward and backward busy "
+              + ", ".join(f"rank {r} {b:.0f}" for r, b in enumerate(fb))
+              + f" ms; slowest rank {max(range(len(fb)), key=fb.__getitem__)}")
 
 
 if __name__ == "__main__":
