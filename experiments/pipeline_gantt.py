@@ -1,9 +1,9 @@
 """One training iteration of a 2-stage pipeline, both ranks, as a Gantt chart (issue 21, item
 5): `mpirun -np 2` ranks of one core each train --steps steps (3) with the task trace on, each
-writes its trace, and the last step is drawn, a row per rank, tasks coloured by phase, each run of one
-micro-batch's forward or backward labelled with its number (the order the stages took them
-in: all forwards first under --schedule gpipe, forwards and backwards alternating under
-1f1b). Writes pipeline_gantt.png and pipeline_gantt.csv (every task of the step: rank,
+writes its trace, and the last step is drawn, a row per rank, tasks coloured by phase, each
+run of one micro-batch's forward or backward labelled with its number (the order the stages
+took them in: all forwards first under --schedule gpipe, forwards and backwards alternating
+under 1f1b). Writes pipeline_gantt.png and pipeline_gantt.csv (every task of the step: rank,
 codelet, phase, micro-batch, start and end in ms) into --out. Prints where each rank's step
 went, and the step's tail: from the last backward task of any rank to the step's end (the
 last gradient sums, updates and messages, which the ranks wait for), and for every step but
@@ -45,8 +45,9 @@ def child(args):
     """Under mpirun: train with the trace on, write this rank's last step."""
     from starpu_llm.runs import mpi_rank
     from starpu_llm.trainer import TrainConfig, train
-    r = train(TrainConfig(model=args.model, batch=args.batch, seq_len=args.seq_len, steps=args.steps,
-                          workers=1, cores_per_worker=1, pipeline_stages=args.stages,
+    r = train(TrainConfig(model=args.model, batch=args.batch, seq_len=args.seq_len,
+                          steps=args.steps, workers=1, cores_per_worker=1,
+                          pipeline_stages=args.stages,
                           pipeline_schedule=args.schedule if args.stages > 1 else None,
                           ownership=args.ownership, trace=True, log=None))
     events = [(e.codelet, e.start_ns, e.end_ns, e.job) for e in r.trace]
