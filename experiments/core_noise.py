@@ -27,27 +27,21 @@ import time
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 N, K, OC = 256, 768, 4 * 768
 
 
 def child(core: int, seconds: float, window: float, start: float) -> list:
     """GFLOP/s of core's matmul loop in each window, from the wall-clock time start on."""
-    from starpu_llm._kernels import ffi, lib
+    from sgemm_peak import lib, matmul_call
     os.sched_setaffinity(0, {core})
     lib.kernels_set_threads(1)
-    rng = np.random.default_rng(core)
-    inp = rng.standard_normal((N, K), dtype=np.float32)
-    w = rng.standard_normal((OC, K), dtype=np.float32)
-    out = np.empty((N, OC), np.float32)
-    pi, pw, po = (ffi.cast("float *", ffi.from_buffer(a)) for a in (inp, w, out))
-    lib.matmul_forward(po, pi, pw, ffi.NULL, N, K, OC)       # warm-up
+    matmul = matmul_call(N, K, OC, seed=core)
     time.sleep(max(0.0, start - time.time()))                # every core starts together
     rates = []
     for _ in range(int(seconds / window + 1e-9)):     # (0.6 // 0.2 is 2.0)
         t0, calls = time.perf_counter(), 0
         while time.perf_counter() - t0 < window:
-            lib.matmul_forward(po, pi, pw, ffi.NULL, N, K, OC)
+            matmul()
             calls += 1
         rates.append(2.0 * N * K * OC * calls / (time.perf_counter() - t0) / 1e9)
     return rates
@@ -94,7 +88,6 @@ def main(argv=None):
     rep = dict(report(rates), window_s=args.window, seconds=args.seconds, core_ids=cores)
     print(json.dumps(rep))
     if args.out:
-        sys.path.insert(0, HERE)
         from provenance import machine_info
         from starpu_llm.io.atomic import atomic_write_text
         os.makedirs(args.out, exist_ok=True)

@@ -24,18 +24,28 @@ SHAPES = [(256, C, 3 * C), (256, C, 4 * C), (256, 4 * C, C), (1024, C, 3 * C),
           (1024, C, 4 * C), (1024, 4 * C, C), (2048, 2048, 2048)]
 
 
+def matmul_call(N, K, OC, seed=0):
+    """A call of the matmul kernel, out (N, OC) = inp (N, K) @ w (OC, K)^T on random operands
+    it keeps alive; called once here (warm-up)."""
+    rng = np.random.default_rng(seed)
+    arrays = (rng.standard_normal((N, K), dtype=np.float32),
+              rng.standard_normal((OC, K), dtype=np.float32), np.empty((N, OC), np.float32))
+    pi, pw, po = (ffi.cast("float *", ffi.from_buffer(a)) for a in arrays)
+
+    def call():
+        lib.matmul_forward(po, pi, pw, ffi.NULL, N, K, OC)
+    call.arrays = arrays
+    call()
+    return call
+
+
 def gflops(N, K, OC, seconds_per_shape=1.0):
-    rng = np.random.default_rng(0)
-    inp = rng.standard_normal((N, K), dtype=np.float32)
-    w = rng.standard_normal((OC, K), dtype=np.float32)
-    out = np.empty((N, OC), np.float32)
-    pi, pw, po = (ffi.cast("float *", ffi.from_buffer(a)) for a in (inp, w, out))
-    lib.matmul_forward(po, pi, pw, ffi.NULL, N, K, OC)          # warm-up
+    matmul = matmul_call(N, K, OC)
     best, t_end = float("inf"), time.perf_counter() + seconds_per_shape
     calls = 0
     while calls < 3 or time.perf_counter() < t_end:
         t0 = time.perf_counter()
-        lib.matmul_forward(po, pi, pw, ffi.NULL, N, K, OC)
+        matmul()
         best = min(best, time.perf_counter() - t0)
         calls += 1
     return 2.0 * N * K * OC / best / 1e9
