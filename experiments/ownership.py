@@ -64,7 +64,7 @@ def baseline_configurations(modes, R, python):
 
 def mode_fields(mode: str) -> dict:
     """The run-spec fields of an ownership mode: rank0, sharded, or pipeline<S>[-<schedule>]
-    (pipeline2-gpipe: 2 stages, --pipeline-schedule gpipe; default 1f1b), each with an optional
+    (pipeline2-gpipe: 2 stages, --pipeline-schedule gpipe; default eager), each with an optional
     -wteN (wte in N row blocks: "env", the run's environment) and -mbN (N sub-batches per
     copy, a pipeline's micro-batches; default engine.default_micro_batches)."""
     opts = dict(re.findall(r"-(wte|mb)(\d+)", mode))
@@ -94,7 +94,7 @@ def row_of(label, B, rnd, r, model_bytes):
     stages = int(r.get("pipeline_stages") or 1)
     mode = "" if ranks == 1 else "pipeline" if stages > 1 else r.get("ownership") or "sharded"
     schedule = ("" if stages == 1 else "baseline" if label.endswith("(baseline)")
-                else r.get("pipeline_schedule") or "1f1b")
+                else r.get("pipeline_schedule") or "eager")
     micro = r.get("sub_batches") or (default_micro_batches(B // (ranks // stages), stages, 1)
                                      if stages > 1 else 1)
     row = dict(config=label, model=r["model"], seq_len=r["seq_len"], batch=B, round=rnd,

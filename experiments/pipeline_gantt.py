@@ -2,8 +2,8 @@
 5): `mpirun -np 2` ranks of one core each train --steps steps (3) with the task trace on, each
 writes its trace, and the last step is drawn, a row per rank, tasks coloured by phase, each
 run of one micro-batch's forward or backward labelled with its number (the order the stages
-took them in: all forwards first under --schedule gpipe, forwards and backwards alternating
-under 1f1b). Writes pipeline_gantt.png and pipeline_gantt.csv (every task of the step: rank,
+took them in: forwards first under --schedule eager (the default) and gpipe, forwards and
+backwards alternating under 1f1b). Writes pipeline_gantt.png and pipeline_gantt.csv (every task of the step: rank,
 codelet, phase, micro-batch, start and end in ms) into --out. Prints where each rank's step
 went, and the step's tail: from the last backward task of any rank to the step's end (the
 last gradient sums, updates and messages, which the ranks wait for), and for every step but
@@ -12,7 +12,7 @@ the first each rank's forward and backward busy time (which rank was the slower,
 --stages 1 --ranks R --ownership sharded|rank0 draws data parallelism instead (files named
 <ownership>_gantt.*).
 
-    .venv/bin/python experiments/pipeline_gantt.py [--batch 8] [--stages 2] [--model d12] [--schedule 1f1b]
+    .venv/bin/python experiments/pipeline_gantt.py [--batch 8] [--stages 2] [--model d12] [--schedule eager]
     .venv/bin/python experiments/pipeline_gantt.py --stages 1 --ranks 2 --ownership sharded --steps 7
 """
 from __future__ import annotations
@@ -61,7 +61,8 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--stages", type=int, default=2)
-    ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "bounded", "gpipe"])
+    from starpu_llm.flow.placement import PIPELINE_SCHEDULES
+    ap.add_argument("--schedule", default="eager", choices=PIPELINE_SCHEDULES)
     ap.add_argument("--ranks", type=int, default=None, help="MPI processes (default: --stages)")
     ap.add_argument("--ownership", default="sharded", choices=["sharded", "rank0"])
     ap.add_argument("--steps", type=int, default=3, help="traced steps (the last is drawn)")

@@ -140,10 +140,11 @@ class TrainConfig:
         "(default 1: data parallelism only)", check="positive", metavar="S", group=PARALLELISM,
         ranks_agree=True)
     pipeline_schedule: str | None = setting(
-        None, "how the micro-batches go through the pipeline's stages: 1f1b (each stage holds "
-        "at most S micro-batches' activations, backward tasks first; the default), bounded "
-        "(the same bound, tasks in the order they become ready) or gpipe (each micro-batch its "
-        "own activations, every stage holding all of them); the same results bitwise",
+        None, "how the micro-batches go through the pipeline's stages: eager (each stage holds "
+        "at most 2 S micro-batches' activations, forward tasks first; the default), 1f1b (at "
+        "most S, backward tasks first: the least memory), bounded (S, tasks in the order they "
+        "become ready) or gpipe (forwards first, every stage holding all the micro-batches); "
+        "the same results bitwise",
         choices=list(PIPELINE_SCHEDULES), group=PARALLELISM, ranks_agree=True)
     threads: int | None = setting(None, "reference engine: OpenMP/BLAS threads (default: all cores)",
                                   check="positive", group=PARALLELISM)

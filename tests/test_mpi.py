@@ -370,23 +370,24 @@ def test_mpi_polling_follows_the_threads_core():
 
 @pytest.mark.parametrize("mode", ["pipeline-2", "pipeline-3"])
 def test_pipeline_schedules_give_the_same_bits(shard, tmp_path, mode):
-    """1f1b (each stage holds at most S of the M micro-batches: 2 of 3, 3 of 4; backward
-    first), bounded (the same, no priorities) and gpipe (every micro-batch its own
-    activations, no priorities): the same tasks on other buffers, so the same losses and
-    saved model, bitwise."""
+    """eager (each stage holds at most 2 S of the M micro-batches: all 3, all 4; forwards
+    first), 1f1b (at most S: 2 of 3, 3 of 4; backward first), bounded (the same, no
+    priorities) and gpipe (every micro-batch its own activations, forwards first): the same
+    tasks on other buffers, so the same losses and saved model, bitwise."""
     ranks, flags, _ = MODES[mode]
     runs = []
-    for schedule in ("1f1b", "bounded", "gpipe"):
+    for schedule in ("eager", "1f1b", "bounded", "gpipe"):
         m, save = str(tmp_path / f"{schedule}.jsonl"), str(tmp_path / f"{schedule}.bin")
         p = mpirun(ranks, train_args(shard, m) + ["--save", save, "--pipeline-schedule",
                                                   schedule] + flags)
         assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
         micro = int(flags[flags.index("--sub-batches") + 1])
-        assert (f"schedule 1f1b: each stage holds at most {ranks} micro-batch(es) of {micro}"
-                if schedule == "1f1b" else f"schedule {schedule}: each stage holds at most "
-                f"{ranks if schedule == 'bounded' else micro} micro-batch(es)") in p.stdout
+        held = ranks if schedule in ("1f1b", "bounded") else micro
+        assert (f"schedule {schedule}: each stage holds at most {held} micro-batch(es) of "
+                f"{micro}, " + ("backward first" if schedule == "1f1b" else "tasks in the order"
+                                if schedule == "bounded" else "forwards first")) in p.stdout
         runs.append((losses(m), open(save, "rb").read()))
-    assert len(runs[0][0]) == STEPS and runs[0] == runs[1] == runs[2]
+    assert len(runs[0][0]) == STEPS and all(r == runs[0] for r in runs[1:])
 
 
 @pytest.mark.parametrize("ownership", ["rank0", "sharded"])
@@ -409,36 +410,41 @@ def test_owner_receives_contributions_into_memory_of_its_own(shard, ownership):
         assert after == [before, before]
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_pipeline_stage_holds_its_sets(shard, schedule):
-    """2 stages, 3 micro-batches: under 1f1b every activation and backward scratch tensor of
-    a stage is one of 2 sets, micro-batch j on set j mod 2 (so micro-batch 2's forward waits
-    for micro-batch 0's backward there), the losses, inputs and targets each micro-batch's
-    own; micro-batch j's backward tasks at priority 2 x 3 + 2 - j, its head's forward at
-    3 + 2 - j, its other forwards at 2 - j, the updates at 0. gpipe: 3 sets, all priorities
-    0."""
+@pytest.mark.parametrize("schedule,micro", [("1f1b", 3), ("gpipe", 3), ("eager", 5)])
+def test_pipeline_stage_holds_its_sets(shard, schedule, micro):
+    """2 stages, M micro-batches: every activation and backward scratch tensor of a stage is
+    one of its sets, micro-batch j on set j mod sets (so micro-batch j + sets' forward waits
+    for micro-batch j's backward there): 2 sets under 1f1b (S), all 3 under gpipe, 4 of 5
+    under eager (2 S); the losses, inputs and targets each micro-batch's own. Micro-batch j's
+    tasks at priority p x M + M - 1 - j, p by phase: under 1f1b backward 2, the head's forward
+    1, other forwards 0; under gpipe and eager forwards 2, the head 1, backward 0; the updates
+    at 0."""
     p = subprocess.run([MPIRUN, "--oversubscribe", "-np", "2", sys.executable,
                         os.path.join(os.path.dirname(__file__), "pipeline_sets.py"), schedule,
-                        "3", shard], capture_output=True, text=True, timeout=240, env=ENV)
+                        str(micro), shard], capture_output=True, text=True, timeout=240, env=ENV)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     out = {d["rank"]: d for d in json.loads(p.stdout.strip().splitlines()[-1])}
     assert set(out) == {0, 1}
+    sets = {"1f1b": 2, "gpipe": micro, "eager": 4}[schedule]
+    order = (dict(forward=0, head=1, backward=2) if schedule == "1f1b"
+             else dict(forward=2, head=1, backward=0))
+    at = {ph: sorted(p * micro + micro - 1 - j for j in range(micro)) for ph, p in order.items()}
     for rank, d in out.items():
-        assert d["sets"] == (2 if schedule == "1f1b" else 3)
+        assert d["sets"] == sets
         for key, firsts in d["shared"].items():
             own = key.split(":")[1] in ("inputs", "targets", "losses")
-            assert firsts == ([0, 1, 2] if own or schedule == "gpipe" else [0, 1, 0]), key
+            assert firsts == (list(range(micro)) if own
+                              else [j % sets for j in range(micro)]), key
         stages = {int(k.split(":")[0]) for k in d["shared"]}
         assert stages == {0, 1}
         prio = d["priorities"]
         backward = [c for c in prio if c.endswith("_backward")]
-        assert backward and all(prio[c] == ([6, 7, 8] if schedule == "1f1b" else [0])
-                                for c in backward)
-        assert prio["attention_forward"] == ([0, 1, 2] if schedule == "1f1b" else [0])
+        assert backward and all(prio[c] == at["backward"] for c in backward)
+        assert prio["attention_forward"] == at["forward"]
         assert prio["adamw"] == [0]
-    head = out[0]["priorities"]     # stage 0 runs the head: its forward at 3 + 2 - j
-    assert head["crossentropy_forward"] == ([3, 4, 5] if schedule == "1f1b" else [0])
-    assert head["matmul_forward"] == ([0, 1, 2, 3, 4, 5] if schedule == "1f1b" else [0])
+    head = out[0]["priorities"]     # stage 0 runs the head and its first blocks
+    assert head["crossentropy_forward"] == at["head"]
+    assert head["matmul_forward"] == sorted(at["forward"] + at["head"])
 
 
 def test_mpi_thread_polls_briefly_between_sleeps_once_quiet():

@@ -92,7 +92,7 @@ class StarPUEngine(Engine):
         if self.memory is not None:
             self.check_memory()      # before StarPU allocates anything of ours
         self.placement = place = Placement(runtime, config, topology, self.subs_per_rank,
-                                           pipeline_schedule or "1f1b", self.memory)
+                                           pipeline_schedule or "eager", self.memory)
         self.layer_stage = place.layer_stage if place.stages > 1 else None
         self.redux = place.redux
         self.rank, self.mpi = place.rank, place.mpi
@@ -275,8 +275,9 @@ class StarPUEngine(Engine):
         if place.schedule:
             pipe = (f", schedule {place.schedule}: each stage holds at most {place.sets} "
                     f"micro-batch(es) of {self.subs_per_rank}, "
-                    + ("backward first (priorities)" if place.schedule == "1f1b"
-                       else "tasks in the order they become ready"))
+                    + {"1f1b": "backward first (priorities)",
+                       "bounded": "tasks in the order they become ready"}.get(
+                           place.schedule, "forwards first (priorities)"))
         nb = place.topology.wte_blocks
         blocks = f", wte in {nb} row blocks" if nb > 1 else ""
         return (f"starpu engine, {self.runtime.describe()}, {self.sub_batches} sub-batch(es)"

@@ -116,16 +116,33 @@ def gradient_mode(workers: int, pinned: bool, subs_per_rank: int) -> int:
 OWNERSHIPS = ("sharded", "rank0")
 
 # How a pipeline's micro-batches go through its stages (Placement: sets, sub_batch_site):
-# 1f1b bounds what a stage holds to S micro-batches and prefers backward work; bounded, the
-# same bound, tasks in the order they become ready; gpipe, every micro-batch its own
-# activations, in the order the tasks become ready.
-PIPELINE_SCHEDULES = ("1f1b", "bounded", "gpipe")
-# 1f1b's task priorities (runtime.submit.Where.priority, Placement.sub_batch_site): among the
-# tasks ready on a worker, a backward first, then a head (its backward follows at once, on
-# the same rank), then forwards, which under 1f1b run at most `sets` micro-batches ahead
-# anyway; within a phase the earlier micro-batch first (without it a worker alternates
-# between two micro-batches' ready tasks layer by layer, and both reach the next stage late).
-PHASE_PRIORITY = {"forward": 0, "head": 1, "backward": 2}
+# eager (the default) runs forwards first and lets a stage hold 2 S micro-batches; 1f1b
+# bounds what a stage holds to S micro-batches and prefers backward work; bounded, the same
+# bound, tasks in the order they become ready; gpipe, every micro-batch its own activations,
+# all forwards before the backwards.
+PIPELINE_SCHEDULES = ("eager", "1f1b", "bounded", "gpipe")
+# The task priorities of a schedule's phases (runtime.submit.Where.priority,
+# Placement.sub_batch_site); a schedule without an entry leaves every priority 0.
+# 1f1b: among the tasks ready on a worker, a backward first, then a head (its backward
+# follows at once, on the same rank), then forwards, which under 1f1b run at most `sets`
+# micro-batches ahead anyway. eager and gpipe: the forwards first, then the heads, then the
+# backwards: stage 0, which also runs the head, runs its blocks of every micro-batch it may
+# hold before a head, so the next stage never waits for a forward while stage 0 is busy with
+# a head (docs/design.md, Schedule). In all, within a phase the earlier micro-batch first
+# (without it a worker alternates between two micro-batches' ready tasks layer by layer, and
+# both reach the next stage late).
+FORWARD_FIRST = {"forward": 2, "head": 1, "backward": 0}
+PHASE_PRIORITY = {"1f1b": {"forward": 0, "head": 1, "backward": 2},
+                  "eager": FORWARD_FIRST, "gpipe": FORWARD_FIRST}
+
+
+def schedule_sets(schedule: str, stages: int, micro_batches: int) -> int:
+    """How many micro-batches' activations a stage of a pipeline holds at most: S under 1f1b
+    and bounded, 2 S under eager (a micro-batch's route visits stage 0 twice, its blocks and
+    then the head, so stage 0 needs more in flight than 1F1B's S to keep the next stage
+    busy), all M under gpipe; never more than M."""
+    per = {"1f1b": stages, "bounded": stages, "eager": 2 * stages}.get(schedule, micro_batches)
+    return min(per, micro_batches)
 
 
 # Experiments only (experiments/ownership.py measures wte blocked against not): the number of
@@ -311,7 +328,7 @@ class Placement:
     order by unregister_all) and where each task of its step runs."""
 
     def __init__(self, runtime, config: GPTConfig, topology: Topology | None = None,
-                 subs_per_copy: int = 1, schedule: str = "1f1b", memory=None):
+                 subs_per_copy: int = 1, schedule: str = "eager", memory=None):
         if schedule not in PIPELINE_SCHEDULES:
             raise StarpuLLMError(f"{opt('pipeline_schedule')} {schedule!r}: choose one of "
                                  f"{', '.join(PIPELINE_SCHEDULES)}")
@@ -329,13 +346,12 @@ class Placement:
         self.topology = topo = topology or Topology(config, self.nranks, 1, "rank0")
         self.ownership, self.owners = topo.ownership, topo.owners
         self.stages, self.copies, self.layer_stage = topo.stages, topo.copies, topo.layer_stage
-        # A pipeline's schedule (docs/design.md, StarPU-MPI internals): under 1f1b (and
-        # bounded) each stage has `sets` activation sets per copy, micro-batch j of a copy
-        # using set j mod sets; under 1f1b its tasks' priorities put backward before the head
-        # before the forward (PHASE_PRIORITY); gpipe gives every micro-batch its own set;
-        # bounded and gpipe leave every priority 0.
+        # A pipeline's schedule (docs/design.md, StarPU-MPI internals): each stage has `sets`
+        # activation sets per copy (schedule_sets), micro-batch j of a copy using set
+        # j mod sets; the tasks' priorities (PHASE_PRIORITY): under eager and gpipe forward
+        # before the head before the backward, under 1f1b the reverse, bounded all 0.
         self.schedule = schedule if self.stages > 1 else None
-        self.sets = (min(self.stages, subs_per_copy) if self.schedule in ("1f1b", "bounded")
+        self.sets = (schedule_sets(schedule, self.stages, subs_per_copy) if self.schedule
                      else subs_per_copy)
         self._set_tensors = {}    # (copy, stage, set, name): the tensor micro-batches share
         # Data parallelism: sub-batch i stays on worker i mod N, so every worker always adds
@@ -603,12 +619,14 @@ class Placement:
         """Sub-batch i's tasks of a phase ("forward": its load and blocks, "head": the final
         layernorm, lm head and loss, "backward"): on its rank (in a pipeline: the rank of the
         stage a task belongs to, the owner of what it writes), on its worker when pinned, and
-        in a 1f1b pipeline at priority PHASE_PRIORITY[phase] x M + M - 1 - j for micro-batch
-        j of M in its copy (phase first, then the earlier micro-batch; 0 to 3 M - 1)."""
+        in a pipeline at priority PHASE_PRIORITY[schedule][phase] x M + M - 1 - j
+        for micro-batch j of M in its copy (phase first, then the earlier micro-batch; 0 to
+        3 M - 1)."""
         M, j = self.subs_per_copy, i % self.subs_per_copy
         worker = j % self.runtime.workers if self.pin_sub_batches else ANY
+        order = PHASE_PRIORITY.get(self.schedule)
         return Where(self.owner(i) if self.stages == 1 else OWNER, worker,
-                     PHASE_PRIORITY[phase] * M + M - 1 - j if self.schedule == "1f1b" else 0)
+                     order[phase] * M + M - 1 - j if order else 0)
 
     def update_site(self) -> Where:
         """The update tasks (AdamW, the gradient norm): on the owner of what they write (each
