@@ -6,7 +6,8 @@ backward and the embedding's); a micro-batch's H, B1 and B0 follow the previous 
 gradient chains); with K0 / K1 sets on stage 0 / 1, F0 of micro-batch m waits for B0 of
 m - K0 and F1 of m for B1 of m - K1 (the write-after-read of a shared set). Each stage runs
 one task at a time, choosing among the ready ones by a policy: ready (first ready first:
-lws without priorities), bwd (backward, then head, then forward: 1f1b's priorities), fwd.
+lws without priorities), bwd (backward, then head, then forward: 1f1b's priorities), fwd
+(forward, then head, then backward: eager's and gpipe's).
 Prints the step length and each stage's busy fraction for M micro-batches and each (K0, K1).
 
     python3 experiments/pipeline_schedule_sim.py [--costs F0,F1,H,B1,B0] [--micro 4,8]
@@ -57,16 +58,18 @@ def simulate(M, K0, K1, policy, cost):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--costs", default="170,555,575,635,210",
+    ap.add_argument("--costs", default="85,246,410,440,155",
                     help="ms per micro-batch of F0,F1,H,B1,B0 (default: the 2-stage GPT-2 124M "
-                         "Gantt chart of experiments/results/ownership/amd-epyc-avx2, B=8)")
+                         "Gantt chart of experiments/results/ownership/amd-epyc-avx2/"
+                         "gpipe-priorities, B=8, 4 micro-batches; the earlier chart's, with "
+                         "stage 1 the slower: 170,555,575,635,210)")
     ap.add_argument("--micro", default="4,8")
     args = ap.parse_args()
     cost = dict(zip(["F0", "F1", "H", "B1", "B0"], map(float, args.costs.split(","))))
     print("M policy K0 K1 step_ms busy0 busy1")
     for M in map(int, args.micro.split(",")):
         for policy in ("ready", "bwd", "fwd"):
-            for K0, K1 in [(M, M), (2, 2), (3, 2), (3, 3)]:
+            for K0, K1 in [(M, M), (2, 2), (3, 2), (3, 3), (4, 4)]:
                 if K0 <= M and K1 <= M:
                     span, busy = simulate(M, K0, K1, policy, cost)
                     print(M, policy, K0, K1, round(span), *(f"{b:.2f}" for b in busy))

@@ -416,9 +416,9 @@ def test_pipeline_stage_holds_its_sets(shard, schedule, micro):
     one of its sets, micro-batch j on set j mod sets (so micro-batch j + sets' forward waits
     for micro-batch j's backward there): 2 sets under 1f1b (S), all 3 under gpipe, 4 of 5
     under eager (2 S); the losses, inputs and targets each micro-batch's own. Micro-batch j's
-    tasks at priority p x M + M - 1 - j, p by phase: under 1f1b backward 2, the head's forward
-    1, other forwards 0; under gpipe and eager forwards 2, the head 1, backward 0; the updates
-    at 0."""
+    tasks at priority p x M + M - 1 - j, p by phase: under 1f1b backward (the head's too) 2,
+    the head's forward 1, other forwards 0; under gpipe and eager forwards 2, the head's
+    forward and backward 1, other backward 0; the updates at 0."""
     p = subprocess.run([MPIRUN, "--oversubscribe", "-np", "2", sys.executable,
                         os.path.join(os.path.dirname(__file__), "pipeline_sets.py"), schedule,
                         str(micro), shard], capture_output=True, text=True, timeout=240, env=ENV)
@@ -426,8 +426,8 @@ def test_pipeline_stage_holds_its_sets(shard, schedule, micro):
     out = {d["rank"]: d for d in json.loads(p.stdout.strip().splitlines()[-1])}
     assert set(out) == {0, 1}
     sets = {"1f1b": 2, "gpipe": micro, "eager": 4}[schedule]
-    order = (dict(forward=0, head=1, backward=2) if schedule == "1f1b"
-             else dict(forward=2, head=1, backward=0))
+    order = (dict(forward=0, head=1, head_backward=2, backward=2) if schedule == "1f1b"
+             else dict(forward=2, head=1, head_backward=1, backward=0))
     at = {ph: sorted(p * micro + micro - 1 - j for j in range(micro)) for ph, p in order.items()}
     for rank, d in out.items():
         assert d["sets"] == sets
@@ -438,13 +438,17 @@ def test_pipeline_stage_holds_its_sets(shard, schedule, micro):
         stages = {int(k.split(":")[0]) for k in d["shared"]}
         assert stages == {0, 1}
         prio = d["priorities"]
-        backward = [c for c in prio if c.endswith("_backward")]
-        assert backward and all(prio[c] == at["backward"] for c in backward)
         assert prio["attention_forward"] == at["forward"]
+        assert prio["attention_backward"] == at["backward"]
         assert prio["adamw"] == [0]
-    head = out[0]["priorities"]     # stage 0 runs the head and its first blocks
+    # stage 1 runs blocks only; stage 0 its first blocks and the head, forward and backward
+    assert all(p == at["backward"] for c, p in out[1]["priorities"].items()
+               if c.endswith("_backward"))
+    head = out[0]["priorities"]
     assert head["crossentropy_forward"] == at["head"]
+    assert head["crossentropy_backward"] == at["head_backward"]
     assert head["matmul_forward"] == sorted(at["forward"] + at["head"])
+    assert head["matmul_backward"] == sorted(set(at["backward"] + at["head_backward"]))
 
 
 def test_mpi_thread_polls_briefly_between_sleeps_once_quiet():

@@ -152,7 +152,7 @@ class StarPUEngine(Engine):
                 yield t.name, t
         for t in (t for blocks in self.embedding_wte or [] for t in blocks):
             yield t.name, t
-        seen = set()     # a 1f1b pipeline's micro-batches share sets: the first one's name
+        seen = set()     # a pipeline's micro-batches may share sets: the first one's name
         for i, (a, stages) in enumerate(self.subs):
             named = [(f"s{i}.{t.name}", t) for t in a.tensors()]
             for k, s in enumerate(stages):     # stage k > 0's scratch: "s{i}.stage{k}."

@@ -131,8 +131,11 @@ PIPELINE_SCHEDULES = ("eager", "1f1b", "bounded", "gpipe")
 # a head (docs/design.md, Schedule). In all, within a phase the earlier micro-batch first
 # (without it a worker alternates between two micro-batches' ready tasks layer by layer, and
 # both reach the next stage late).
-FORWARD_FIRST = {"forward": 2, "head": 1, "backward": 0}
-PHASE_PRIORITY = {"1f1b": {"forward": 0, "head": 1, "backward": 2},
+# The head's backward (phase head_backward) goes with the backward under 1f1b and with the
+# head under eager and gpipe: either way it follows its forward at once, so the stage before
+# gets its gradient without waiting for the other micro-batches' heads.
+FORWARD_FIRST = {"forward": 2, "head": 1, "head_backward": 1, "backward": 0}
+PHASE_PRIORITY = {"1f1b": {"forward": 0, "head": 1, "head_backward": 2, "backward": 2},
                   "eager": FORWARD_FIRST, "gpipe": FORWARD_FIRST}
 
 
@@ -617,7 +620,8 @@ class Placement:
 
     def sub_batch_site(self, i: int, phase: str = "forward") -> Where:
         """Sub-batch i's tasks of a phase ("forward": its load and blocks, "head": the final
-        layernorm, lm head and loss, "backward"): on its rank (in a pipeline: the rank of the
+        layernorm, lm head and loss, "head_backward": their backward, "backward": the rest of
+        it): on its rank (in a pipeline: the rank of the
         stage a task belongs to, the owner of what it writes), on its worker when pinned, and
         in a pipeline at priority PHASE_PRIORITY[schedule][phase] x M + M - 1 - j
         for micro-batch j of M in its copy (phase first, then the earlier micro-batch; 0 to

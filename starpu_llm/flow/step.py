@@ -64,7 +64,7 @@ class Engine:
     # where tasks run: the StarPU engine's placement decides; the reference runs them here
     def sub_batch_ops(self, i: int, phase: str = "forward"):
         """The executor of sub-batch i's tasks of a phase: "forward" (its load and blocks),
-        "head" (final layernorm, lm head, loss) or "backward"."""
+        "head" (final layernorm, lm head, loss), "head_backward" (theirs) or "backward"."""
         return self.ops
 
     def update_ops(self):
@@ -99,7 +99,8 @@ class Engine:
                              self.sub_batch_ops(i, "head"))
             taskflow.backward(self.sub_batch_ops(i, "backward"), self.config, self.p,
                               self.sub_batch_grads(i), a, s, self.Bs, self.T, dloss, self.redux,
-                              self.layer_stage, self.sub_batch_embedding_wte(i))
+                              self.layer_stage, self.sub_batch_embedding_wte(i),
+                              self.sub_batch_ops(i, "head_backward"))
         self._gradients_submitted()
         self._activations_used()
 

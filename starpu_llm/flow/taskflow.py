@@ -63,7 +63,7 @@ def block_forward(ops, cfg: GPTConfig, p, l: int, x, b, N: int, attention):
 
 
 def backward(ops, cfg: GPTConfig, p, g, a, s, B: int, T: int, dloss: float, redux: int,
-             layer_stage=None, embedding_wte=None):
+             layer_stage=None, embedding_wte=None, head_ops=None):
     """Backward pass: accumulates into the parameter gradients g (RW, or REDUX when sub-batches
     add into them through a StarPU reduction: placement.py says when). dloss scales the
     per-token loss gradient (1/(global B*T)). s: the backward scratch of each pipeline stage
@@ -75,21 +75,25 @@ def backward(ops, cfg: GPTConfig, p, g, a, s, B: int, T: int, dloss: float, redu
     gives it its own, added into g.wte after the backward (reduce_gradients): with one worker
     the contributions are chained in submission order, and one chain through the head's and
     the embedding's would keep micro-batch m+1's backward (its head's, first) waiting for m's
-    whole backward (its embedding's, last)."""
+    whole backward (its embedding's, last). head_ops (default ops) submits the head's backward:
+    the loss, the lm head and the final layernorm (a pipeline gives it its own priority)."""
     C, NH, L, V, Vp = cfg.C, cfg.NH, cfg.L, cfg.V, cfg.Vp
     BT = B * T
     stage_of = layer_stage or (0,) * L
     head = cur = s[0]
-    ops.crossentropy_backward(head.dlogits, a.probs, a.targets, BT, V, Vp, dloss)
-    ops.matmul_backward(head.dln, g.wte, head.dlogits, a.lnf, p.wte, None, BT, C, Vp, redux=redux)
-    ops.layernorm_backward(head.dres, g.lnfw, g.lnfb, head.dln, a.res3[L - 1], p.lnfw,
-                           a.lnf_mean, a.lnf_rstd, BT, C, 0, redux=redux)
+    hops = head_ops or ops
+    hops.crossentropy_backward(head.dlogits, a.probs, a.targets, BT, V, Vp, dloss)
+    hops.matmul_backward(head.dln, g.wte, head.dlogits, a.lnf, p.wte, None, BT, C, Vp,
+                         redux=redux)
+    hops.layernorm_backward(head.dres, g.lnfw, g.lnfb, head.dln, a.res3[L - 1], p.lnfw,
+                            a.lnf_mean, a.lnf_rstd, BT, C, 0, redux=redux)
     # s.dres holds the gradient of the residual stream. A residual add passes its gradient
     # unchanged to both inputs, so the branch (fcproj, attproj) reads s.dres directly and the
     # layernorm of the other branch adds into it: no residual_backward copies.
     for l in reversed(range(L)):
         if s[stage_of[l]] is not cur:
-            ops.copy(s[stage_of[l]].dres, cur.dres)
+            # the head's gradient handed to the last stage goes with the head's backward
+            (hops if cur is head else ops).copy(s[stage_of[l]].dres, cur.dres)
             cur = s[stage_of[l]]
         x = a.res3[l - 1] if l > 0 else a.encoded
         ops.matmul_backward(cur.dfch_gelu, g.fcprojw[l], cur.dres, a.fch_gelu[l], p.fcprojw[l],
