@@ -11,7 +11,10 @@ and optionally workers, cores_per_worker (default 1 x 1 per rank), sub_batches (
 copy in a pipeline; default one per worker), seq_len (64), model (d12), stages, transport;
 other columns are ignored. Runs over another transport than Open MPI's default (transport
 `tcp`, experiments/ownership.py's loopback runs) are left out and counted: the calibration's
-link is fitted over the default one (calibrate.fit_link). Runs of the same configuration
+link is fitted over the default one (calibrate.fit_link). Pipeline runs of another schedule
+than the default, eager (a `schedule` column naming 1f1b, bounded, gpipe or a baseline), are
+left out and counted too: the model's list scheduler starts every task as soon as it can,
+which is what eager's forwards first comes to on this route. Runs of the same configuration
 (repeats) are put together: their median is compared. The prediction uses this machine's
 calibration (or --calibration).
 
@@ -61,6 +64,11 @@ def other_transport(row: dict) -> bool:
     return (row.get("transport") or "default").strip() not in ("default", "")
 
 
+def other_schedule(row: dict) -> bool:
+    """Whether the run is a pipeline's under another schedule than the default, eager."""
+    return (row.get("schedule") or "eager").strip() not in ("eager", "")
+
+
 def compare(rows: list, calibration=None) -> list:
     """One dict per configuration of rows (CSV rows as dicts), in order of first appearance:
     its KEY values, runs, measured (median tokens/ms), predicted, error (predicted / measured
@@ -69,7 +77,7 @@ def compare(rows: list, calibration=None) -> list:
     measured = {}
     for i, row in enumerate(rows):
         where = f"row {i + 2}"                  # the header is line 1
-        if other_transport(row):
+        if other_transport(row) or other_schedule(row):
             continue
         try:
             speed = float(row["tokens_per_ms"])
@@ -121,6 +129,10 @@ def main(argv=None) -> int:
     if other:
         print(f"\n{other} runs over another transport than the default left out (the link "
               "is calibrated over the default)")
+    other = sum(other_schedule(r) and not other_transport(r) for r in rows)
+    if other:
+        print(f"\n{other} pipeline runs under another schedule than eager left out (the model "
+              "replays eager's)")
     errors = sorted(abs(r["error"]) for r in result)
     if errors:
         print(f"\nabsolute error: median {statistics.median(errors):.1%}, largest {errors[-1]:.1%}")

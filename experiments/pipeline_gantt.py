@@ -3,11 +3,12 @@
 writes its trace, and the last step is drawn, a row per rank, tasks coloured by phase, each
 run of one micro-batch's forward or backward labelled with its number (the order the stages
 took them in: forwards first under --schedule eager (the default) and gpipe, forwards and
-backwards alternating under 1f1b). Writes pipeline_gantt.png and pipeline_gantt.csv (every task of the step: rank,
-codelet, phase, micro-batch, start and end in ms) into --out. Prints where each rank's step
-went, and the step's tail: from the last backward task of any rank to the step's end (the
-last gradient sums, updates and messages, which the ranks wait for), and for every step but
-the first each rank's forward and backward busy time (which rank was the slower, step by step).
+backwards alternating under 1f1b). Writes pipeline_gantt.png and pipeline_gantt.csv (every
+task of the step: rank, codelet, phase, micro-batch, start and end in ms) into --out. Prints
+where each rank's step went, and the step's tail: from the last backward task of any rank to
+the step's end (the last gradient sums, updates and messages, which the ranks wait for), and
+for every step but the first each rank's forward and backward busy time (which rank was the
+slower, step by step).
 
 --stages 1 --ranks R --ownership sharded|rank0 draws data parallelism instead (files named
 <ownership>_gantt.*).

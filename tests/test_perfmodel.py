@@ -438,6 +438,32 @@ def test_pipeline_moves_only_activations():
     assert s.sent == s.received == [2 * B * T * C * 4] * 2
 
 
+def test_pipeline_embedding_adds_its_wte_gradient_apart():
+    """In a pipeline the model gives the embedding its own wte gradient, added into the
+    head's after the backward (as flow/placement.embedding_wte_grads and
+    taskflow.reduce_gradients do): GPT-2 124M in 2 stages, 4 micro-batches, micro-batch 1's
+    head backward (its lm head adding into the wte gradient) starts before micro-batch 0's
+    embedding backward. With one chain through both (one process, no pipeline) it cannot:
+    it writes after it."""
+    from starpu_llm.perf.model import CostModel
+    from starpu_llm.perf.simulate import simulate
+    g = task_graph("d12", 8, 64, 4, 1)
+    stages = stage_layers(g, 2)
+    topo = Topology(MODELS["d12"], 2, 2, layer_stage=stages)
+
+    def start(sched, codelet, sub):
+        return next(sched.notes["starts"][i] for i, t in enumerate(g.tasks)
+                    if t.codelet == codelet and t.sub == sub
+                    and any(g.handles[h][0].startswith("grad.wte") for h, _ in t.accesses))
+    m = CostModel(linear(2))
+    pipe = simulate(g, m, 1, 1, 2, owners=topo.owners, layer_stage=stages)
+    assert start(pipe, "matmul_backward", 1) < start(pipe, "encoder_backward", 0)
+    one = simulate(g, m, 1, 1, 1)
+    assert start(one, "matmul_backward", 1) > start(one, "encoder_backward", 0)
+    # the embedding's own gradient stays on stage 0: only activations cross
+    assert pipe.sent == pipe.received == [2 * 8 * 64 * MODELS["d12"].C * 4] * 2
+
+
 def test_owner_maps():
     """The model takes its owners and wte's row blocks from the placement's Topology: a
     pipeline's slices are owned within their stage (with one copy, by the stage's rank; with
@@ -586,10 +612,11 @@ def test_ownership_validation_script(tmp_path):
     cal = tmp_path / "calibration.toml"
     machine.save(linear(usable_cores()), str(cal))
     runs = tmp_path / "runs.csv"
-    runs.write_text("mode,ranks,batch,tokens_per_ms,model,seq_len,note,transport\n"
-                    "rank0,2,4,1.0,tiny,16,a,default\nrank0,2,4,3.0,tiny,16,b,default\n"
-                    "rank0,2,4,2.0,tiny,16,c,\nrank0,2,4,9.0,tiny,16,d,tcp\n"
-                    "sharded,2,4,2.5,tiny,16,,\n,1,4,1.5,tiny,16,,\n")
+    runs.write_text("mode,ranks,batch,tokens_per_ms,model,seq_len,note,transport,schedule\n"
+                    "rank0,2,4,1.0,tiny,16,a,default,\nrank0,2,4,3.0,tiny,16,b,default,\n"
+                    "rank0,2,4,2.0,tiny,16,c,,\nrank0,2,4,9.0,tiny,16,d,tcp,\n"
+                    "sharded,2,4,2.5,tiny,16,,,\n,1,4,1.5,tiny,16,,,\n"
+                    "pipeline,2,4,7.0,tiny,16,,,1f1b\n")
     out = tmp_path / "out.csv"
     script = os.path.join(os.path.dirname(__file__), "..", "experiments", "ownership_validation.py")
     r = subprocess.run([sys.executable, script, str(runs), "--calibration", str(cal), "--csv", str(out)],
@@ -606,6 +633,8 @@ def test_ownership_validation_script(tmp_path):
         assert float(x["predicted"]) == pytest.approx(p.tokens_per_ms, rel=1e-9)
     assert "| rank0 | 3 |" in r.stdout.replace("1x1 ", "")
     assert "1 runs over another transport than the default left out" in r.stdout
+    # the model replays eager's schedule: a pipeline run of another one is left out
+    assert "1 pipeline runs under another schedule than eager left out" in r.stdout
     runs.write_text("mode,ranks,batch,tokens_per_ms\nrank2,2,4,1.0\n")
     bad = subprocess.run([sys.executable, script, str(runs), "--calibration", str(cal)],
                          capture_output=True, text=True, cwd=tmp_path)

@@ -621,11 +621,10 @@ class Placement:
     def sub_batch_site(self, i: int, phase: str = "forward") -> Where:
         """Sub-batch i's tasks of a phase ("forward": its load and blocks, "head": the final
         layernorm, lm head and loss, "head_backward": their backward, "backward": the rest of
-        it): on its rank (in a pipeline: the rank of the
-        stage a task belongs to, the owner of what it writes), on its worker when pinned, and
-        in a pipeline at priority PHASE_PRIORITY[schedule][phase] x M + M - 1 - j
-        for micro-batch j of M in its copy (phase first, then the earlier micro-batch; 0 to
-        3 M - 1)."""
+        it): on its rank (in a pipeline: the rank of the stage a task belongs to, the owner of
+        what it writes), on its worker when pinned, and in a pipeline at priority
+        PHASE_PRIORITY[schedule][phase] x M + M - 1 - j for micro-batch j of M in its copy
+        (phase first, then the earlier micro-batch; 0 to 3 M - 1)."""
         M, j = self.subs_per_copy, i % self.subs_per_copy
         worker = j % self.runtime.workers if self.pin_sub_batches else ANY
         order = PHASE_PRIORITY.get(self.schedule)

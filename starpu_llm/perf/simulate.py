@@ -13,10 +13,11 @@ the gradient before it is read; a chain needs nothing more than the dependencies
 Across R processes (StarPU-MPI) the step is spread as flow/placement.py spreads it: every
 parameter slice has an owner (`owners`), which updates it; rank r runs its sub-batches' tasks,
 or in a pipeline (`layer_stage`) stage s of data-parallel copy d (rank d * stages + s) runs
-its layers' tasks of copy d's sub-batches (the embedding and the head are stage 0's). Data
-lives where it was last written; a task reading it elsewhere waits for a message. Each rank
-has a full-duplex link: a message takes the sender's outgoing and the receiver's incoming
-side at once. Each rank adds its sub-batches' gradient contributions into its own copy of a
+its layers' tasks of copy d's sub-batches (the embedding and the head are stage 0's; the
+embedding adds its wte gradient into a tensor of its own, added into the head's after the
+backward, as the engine does). Data lives where it was last written; a task reading it
+elsewhere waits for a message. Each rank has a full-duplex link: a message takes the
+sender's outgoing and the receiver's incoming side at once. Each rank adds its sub-batches' gradient contributions into its own copy of a
 slice (the slices it owns: the gradient itself); after the backward, slice by slice in update
 order, the owner receives each other contributor's copy in rank order and adds it (one core),
 and the contributor zeroes its copy (one core): taskflow.reduce_gradients. At the step's
@@ -235,6 +236,17 @@ def simulate(graph: TaskGraph, cost: CostModel, workers: int, cores: int, ranks:
             lst.append(v)
         return len(size) - 1
 
+    # A pipeline's embedding adds its wte gradient into a tensor of its own per copy
+    # (placement.embedding_wte_grads), added into the wte gradient after the backward
+    # (taskflow.reduce_gradients): one chain through the head's additions and the
+    # embedding's would hold each micro-batch's backward until the one before had finished.
+    embedding_wte = {}          # (wte gradient block, rank) -> the rank's embedding's own
+
+    def embedding_own(h, rank):
+        if (h, rank) not in embedding_wte:
+            embedding_wte[(h, rank)] = new_handle(size[h], rank)
+        return embedding_wte[(h, rank)]
+
     def added_into(h, rank):
         """The handle rank's contributions to gradient h go into: h on its owner, else the
         rank's own copy."""
@@ -303,6 +315,10 @@ def simulate(graph: TaskGraph, cost: CostModel, workers: int, cores: int, ranks:
         update order (wte's row blocks in their order)."""
         grads = {slice_of(name): h for h, (name, _) in enumerate(graph.handles)
                  if name.startswith("grad.")}
+        for (h, q), e in sorted(embedding_wte.items()):
+            run(q, cost.add(size[h]), ((added_into(h, q), R | W), (e, R)))
+            run(q, cost.zero(size[h], task=True), ((e, W),))
+            notes["reduction_s"] += cost.add(size[h])
         for key in update_order(MODELS[graph.model], graph.wte_blocks):
             h = grads[key]
             for q in sorted(q for g, q in contribution if g == h):
@@ -319,10 +335,12 @@ def simulate(graph: TaskGraph, cost: CostModel, workers: int, cores: int, ranks:
                         node_workers if task.sub is None else busy_subs)
         if extra is not None:
             dur += extra[i]
-        accesses = tuple((added_into(h, rank) if h in task.grads else h, mode)
-                         for h, mode in task.accesses)
+        apart = stages > 1 and task.codelet == "encoder_backward"
+        accesses = tuple((h if h not in task.grads else embedding_own(h, rank)
+                          if apart and slice_of(graph.handles[h][0])[0] == "wte"
+                          else added_into(h, rank), mode) for h, mode in task.accesses)
         into = frozenset(v for (v, _), (h, _) in zip(accesses, task.accesses)
-                         if redux and h in task.grads)
+                         if redux and h in task.grads and v not in embedding_wte.values())
         # a worker's first contribution to a gradient zeroes its copy (inline init)
         w_guess = only if only is not None else 0
         for v in sorted(into):
