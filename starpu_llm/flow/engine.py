@@ -16,7 +16,7 @@ from . import taskflow
 from .checkpoint_task import CheckpointTask
 from .memory import step_needs
 from .placement import (READ, READ_WRITE, HandleSlices, Placement, Topology, acquired,
-                        gradient_mode)
+                        gradient_mode, schedule_order)
 from .step import Engine
 from ..runtime.submit import StarPUOps
 
@@ -275,9 +275,7 @@ class StarPUEngine(Engine):
         if place.schedule:
             pipe = (f", schedule {place.schedule}: each stage holds at most {place.sets} "
                     f"micro-batch(es) of {self.subs_per_rank}, "
-                    + {"1f1b": "backward first (priorities)",
-                       "bounded": "tasks in the order they become ready"}.get(
-                           place.schedule, "forwards first (priorities)"))
+                    + schedule_order(place.schedule))
         nb = place.topology.wte_blocks
         blocks = f", wte in {nb} row blocks" if nb > 1 else ""
         return (f"starpu engine, {self.runtime.describe()}, {self.sub_batches} sub-batch(es)"

@@ -139,6 +139,15 @@ PHASE_PRIORITY = {"1f1b": {"forward": 0, "head": 1, "head_backward": 2, "backwar
                   "eager": FORWARD_FIRST, "gpipe": FORWARD_FIRST}
 
 
+def schedule_order(schedule: str) -> str:
+    """In words, the order PHASE_PRIORITY gives a schedule's ready tasks."""
+    order = PHASE_PRIORITY.get(schedule)
+    if order is None:
+        return "tasks in the order they become ready"
+    first = "backward" if order["backward"] > order["forward"] else "forwards"
+    return f"{first} first (priorities)"
+
+
 def schedule_sets(schedule: str, stages: int, micro_batches: int) -> int:
     """How many micro-batches' activations a stage of a pipeline holds at most: S under 1f1b
     and bounded, 2 S under eager (a micro-batch's route visits stage 0 twice, its blocks and

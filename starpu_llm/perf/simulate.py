@@ -17,13 +17,14 @@ its layers' tasks of copy d's sub-batches (the embedding and the head are stage 
 embedding adds its wte gradient into a tensor of its own, added into the head's after the
 backward, as the engine does). Data lives where it was last written; a task reading it
 elsewhere waits for a message. Each rank has a full-duplex link: a message takes the
-sender's outgoing and the receiver's incoming side at once. Each rank adds its sub-batches' gradient contributions into its own copy of a
-slice (the slices it owns: the gradient itself); after the backward, slice by slice in update
-order, the owner receives each other contributor's copy in rank order and adds it (one core),
-and the contributor zeroes its copy (one core): taskflow.reduce_gradients. At the step's
-start the owners send the parameters (their previous update) to the ranks that read them:
-slice by slice in the order the step first reads them, each slice to the ranks in rank order
-(MPI progresses the posted sends together; a slice at a time approximates that fair share).
+sender's outgoing and the receiver's incoming side at once. Each rank adds its sub-batches'
+gradient contributions into its own copy of a slice (the slices it owns: the gradient
+itself); after the backward, slice by slice in update order, the owner receives each other
+contributor's copy in rank order and adds it (one core), and the contributor zeroes its copy
+(one core): taskflow.reduce_gradients. At the step's start the owners send the parameters
+(their previous update) to the ranks that read them: slice by slice in the order the step
+first reads them, each slice to the ranks in rank order (MPI progresses the posted sends
+together; a slice at a time approximates that fair share).
 """
 from __future__ import annotations
 
