@@ -8,12 +8,12 @@ formats and data tools work without it.
 """
 import importlib
 
-from .config import MODELS, GPTConfig, ParamLayout
 from .errors import StarpuLLMError
 
 __version__ = "0.1.0"
 
-_LAZY = {
+_LAZY = {   # imported on first use: `import starpu_llm` loads no numpy (signals.py says why)
+    "MODELS": "config", "GPTConfig": "config", "ParamLayout": "config",
     "TrainConfig": "trainer", "TrainResult": "trainer", "train": "trainer",
     "TrainState": "state", "Runtime": "runtime",
     "StarPUEngine": "flow.engine", "ReferenceEngine": "flow.reference",
@@ -26,4 +26,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'starpu_llm' has no attribute {name!r}")
 
 
-__all__ = ["GPTConfig", "MODELS", "ParamLayout", "StarpuLLMError", *_LAZY]
+__all__ = ["StarpuLLMError", *_LAZY]

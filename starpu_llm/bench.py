@@ -140,7 +140,7 @@ def traced_run(spec: dict) -> list:
 def run_bench(args):
     cores = len(os.sched_getaffinity(0))
     partitions = parse_partitions(args.partitions, cores)
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = args.batches
     print(f"machine: {cpu_description()}")
     print(f"model {args.model}, T={args.seq_len}, 1 warm-up + {args.steps} timed steps per row")
     rows = []

@@ -1,18 +1,125 @@
-"""When a run saves: every --save-every steps into --checkpoint-dir (the newest
---keep-checkpoints kept, io/checkpoint.save_step), and --save at the end, with a fallback file
-when that fails. Each save carries the run's record (partition and settings)."""
+"""The files a run writes, and when: every N steps a checkpoint into --checkpoint-dir (the
+newest --keep-checkpoints kept, io/checkpoint.save_step), and --save at the end, with a
+fallback file when that fails; --metrics-jsonl as it goes (metrics.py). Each save carries the
+run's record (partition, settings, run identity).
+
+Before the first step, check_outputs refuses what would lose data: an output that could not
+be written, one that is the training or validation data or another output, an existing file
+that is not what the output would replace (a --save onto something other than a checkpoint, a
+--metrics-jsonl onto something other than a metrics file); check_checkpoint_dir refuses a
+--checkpoint-dir that holds another run's checkpoints (this run would delete them, and a
+--resume of the folder would take them)."""
 from __future__ import annotations
 
+import json
 import os
 
-from .errors import StarpuLLMError
-from .io import checkpoint
+from .errors import StarpuLLMError, opt
+from .io import atomic, checkpoint, formats
 from .record import RunRecord
 from .state import TrainState
 
 
+def check_outputs(cfg) -> None:
+    """Fail now, not after the training, when an output of cfg could not be written or would
+    overwrite data (see the module)."""
+    inputs = {"train_data": cfg.train_data, "val_data": cfg.val_data,
+              "init_from": cfg.init_from, "resume": cfg.resume}
+    outputs = {k: v for k, v in (("save", cfg.save), ("metrics_jsonl", cfg.metrics_jsonl)) if v}
+    for out, path in outputs.items():
+        files = [path] + ([checkpoint.companion(path)] if out == "save" else [])
+        for other, given in list(inputs.items()) + list(outputs.items()):
+            if given is None or other == out or (out == "save" and other in ("init_from", "resume")):
+                continue     # a model saved over the one it started from is what was asked
+            for f in files:
+                if _same_file(f, given):
+                    raise StarpuLLMError(
+                        f"{opt(out)} {path} would overwrite {opt(other)} {given}"
+                        + ("" if f == path else f" (with {f})")
+                        + f"; give {opt(out)} another path")
+    if cfg.save:
+        for p in (cfg.save, checkpoint.companion(cfg.save)):
+            _check_replaceable(p, "save", _is_checkpoint_file)
+            atomic.check_writable(p)
+    if cfg.metrics_jsonl:
+        _check_replaceable(cfg.metrics_jsonl, "metrics_jsonl", _is_metrics_file)
+        atomic.check_writable(cfg.metrics_jsonl)
+    if cfg.save_every:
+        if os.path.exists(cfg.checkpoint_dir) and not os.path.isdir(cfg.checkpoint_dir):
+            raise StarpuLLMError(f"{opt('checkpoint_dir')} {cfg.checkpoint_dir} is a file; give a "
+                                 f"folder (made if missing)")
+        checkpoint.check_writable(checkpoint.step_path(cfg.checkpoint_dir, 0))
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:          # one of them does not exist (yet): the same path?
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _check_replaceable(path: str, setting: str, is_kind) -> None:
+    """An existing file at path that is not of the kind the output writes is not replaced."""
+    if not os.path.lexists(path) or os.path.isdir(path):
+        return               # a folder: check_writable says so
+    if not is_kind(path):
+        raise StarpuLLMError(f"{opt(setting)} {path}: a file is there that this output would "
+                             f"replace, and it is not {is_kind.__doc__}; remove it, or give "
+                             f"another path")
+
+
+def _is_checkpoint_file(path: str) -> bool:
+    """a checkpoint (an llm.c model or its .state companion)"""
+    try:
+        f, size = formats.open_regular(path, "checkpoint")
+        with f:
+            magic = int.from_bytes(f.read(4), "little")
+    except StarpuLLMError:
+        return False
+    return magic in (formats.CHECKPOINT_MAGIC, checkpoint.MAGIC)
+
+
+def _is_metrics_file(path: str) -> bool:
+    """a metrics file (one JSON object with a "step" per line)"""
+    try:
+        f, size = formats.open_regular(path, "metrics")
+        with f:
+            first = f.readline(1 << 16)
+    except StarpuLLMError:
+        return False
+    if not first.strip():
+        return size == 0 or not first
+    try:
+        row = json.loads(first)
+    except ValueError:
+        return False
+    return isinstance(row, dict) and "step" in row
+
+
+def check_checkpoint_dir(directory: str, run: str | None, legacy: bool = False) -> None:
+    """Refuse a --checkpoint-dir holding checkpoints of another run than this one (identity
+    `run`, record.run_identity): this run would delete its older ones and a --resume of the
+    folder would take its newer ones. legacy: this run resumes a checkpoint saved before runs
+    had an identity (run None); checkpoints without one are then taken as its own."""
+    others = []
+    for s, path in sorted(checkpoint.saved_steps(directory).items()):
+        record = checkpoint.read_record(path)
+        owner = record.run if record is not None else None
+        if owner is None and legacy:
+            continue
+        if owner is None or owner != run:
+            others.append(s)
+    if others:
+        steps = ", ".join(map(str, others[:5])) + (", ..." if len(others) > 5 else "")
+        raise StarpuLLMError(
+            f"{opt('checkpoint_dir')} {directory} holds checkpoints of another run (of step(s) "
+            f"{steps}), which this run would delete or be confused with: give another "
+            f"{opt('checkpoint_dir')}, continue that run with {opt('resume')} {directory}, or "
+            f"remove them")
+
+
 def checkpoint_step(cfg, engine, state: TrainState, loader, rank: int, record: RunRecord,
-                    log) -> None:
+                    log, warn) -> None:
     """--save-every's checkpoint of the step just done (every rank syncs; rank 0 writes). A
     failed save does not end the run: the next one, or --save at the end, may succeed."""
     engine.sync()
@@ -22,7 +129,7 @@ def checkpoint_step(cfg, engine, state: TrainState, loader, rank: int, record: R
     try:
         log(f"checkpoint {checkpoint.save_step(cfg.checkpoint_dir, state, cfg.keep_checkpoints, record)}")
     except StarpuLLMError as e:
-        log(f"warning: the checkpoint of step {state.step} was not written: {e}; training goes on")
+        warn(f"the checkpoint of step {state.step} was not written: {e}; training goes on")
 
 
 def save_model(path, state: TrainState, record: RunRecord, log) -> None:

@@ -1,21 +1,33 @@
 """Command line: starpu-llm train | prepare | bench | calibrate | predict | generate (also
-python -m starpu_llm)."""
+python -m starpu_llm).
+
+Errors end the command with one message and status 2; under mpirun rank 0 reports an error
+that every rank knows (runtime/mpi.agree: a bad flag, a file missing on one node, settings
+that differ), and an error that only one rank has in the middle of the run (after the ranks
+last met) ends the whole job through MPI_Abort, so that no rank is left waiting. A signal ends
+it as signals.py says (130 for Ctrl-C, 143 for SIGTERM, 138 for SIGUSR1)."""
 from __future__ import annotations
 
 import argparse
+import math
+import signal
 import sys
+import traceback
 from dataclasses import fields
 
-from .bench import run_bench
-from .cli_generate import run_generate
-from .config import MODELS
+# Only what a signal during start-up needs is imported here: the rest is imported by the
+# commands, once main() handles signals (a Ctrl-C while numpy loads is no traceback).
+from . import signals
 from .errors import StarpuLLMError, flag as flag_of
-from .io import corpus, data
-from .perf.calibrate import calibrate
-from .perf.machine import default_path, load, partitions
-from .perf.predict import load_calibration, modes, predict
-from .runtime.offload import parse_size
-from .trainer import TrainConfig, train
+
+
+class UsageError(StarpuLLMError):
+    """A command line argparse cannot parse: the usage line and the message."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(f"{self.format_usage()}{self.prog}: error: {message}")
 
 
 def _checked(parse, kind: str, ok, rule: str):
@@ -42,6 +54,11 @@ def _int_list(s):
     return [int(x) for x in s.split(",")]
 
 
+def _train_settings():
+    from .trainer import TrainConfig
+    return [f for f in fields(TrainConfig) if "help" in f.metadata]
+
+
 _CHECKS = {"positive": _checked(int, "a whole number", lambda v: v >= 1, "at least 1"),
            "positive_or_auto": _checked(_int_or("auto"), "a whole number or auto",
                                         lambda v: v == "auto" or v >= 1, "at least 1, or auto"),
@@ -49,12 +66,14 @@ _CHECKS = {"positive": _checked(int, "a whole number", lambda v: v >= 1, "at lea
                                        lambda v: v == "all" or v >= 1, "at least 1, or all"),
            "positive_list": _checked(_int_list, "whole numbers separated by commas",
                                      lambda v: min(v) >= 1, "at least 1 each"),
-           "nonneg": _checked(float, "a number", lambda v: v >= 0, ">= 0")}
+           "nonneg": _checked(float, "a number", lambda v: math.isfinite(v) and v >= 0,
+                              "a finite number >= 0"),
+           "nonneg_int": _checked(int, "a whole number", lambda v: v >= 0, ">= 0")}
 
 
 def train_settings():
     """The TrainConfig fields that are `starpu-llm train` flags (those with help)."""
-    return [f for f in fields(TrainConfig) if "help" in f.metadata]
+    return _train_settings()
 
 
 def add_train_args(p):
@@ -82,8 +101,9 @@ def add_train_args(p):
 
 
 def build_parser():
-    ap = argparse.ArgumentParser(prog="starpu-llm", description=__doc__)
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    from .config import MODELS
+    ap = _Parser(prog="starpu-llm", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
 
     t = sub.add_parser("train", help="train GPT-2 (default: 124M on the bundled Shakespeare)")
     add_train_args(t)
@@ -95,7 +115,8 @@ def build_parser():
 
     b = sub.add_parser("bench", help="tokens/ms of the engines (and PyTorch eager) side by side")
     b.add_argument("--model", default="d12", choices=sorted(MODELS))
-    b.add_argument("--batches", default="1,4,8", help="comma-separated B values (default 1,4,8)")
+    b.add_argument("--batches", default=[1, 4, 8], type=_CHECKS["positive_list"]("--batches"),
+                   help="comma-separated B values (default 1,4,8)")
     b.add_argument("--seq-len", type=_CHECKS["positive"]("--seq-len"), default=64)
     b.add_argument("--steps", type=_CHECKS["positive"]("--steps"), default=10, help="timed steps (default 10)")
     b.add_argument("--partitions", default="default",
@@ -155,9 +176,10 @@ def build_parser():
                    help="tokens to generate (default 64); prompt + new tokens <= the model's maxT")
     g.add_argument("--temperature", type=_CHECKS["nonneg"]("--temperature"), default=1.0,
                    help="softmax temperature (default 1; 0: greedy)")
-    g.add_argument("--top-k", type=int, default=0, metavar="K",
+    g.add_argument("--top-k", type=_CHECKS["nonneg_int"]("--top-k"), default=0, metavar="K",
                    help="sample among the K most likely tokens (default 0: all; 1: greedy)")
-    g.add_argument("--seed", type=int, default=1337, help="seed of the sampling (default 1337)")
+    g.add_argument("--seed", type=_CHECKS["nonneg_int"]("--seed"), default=1337,
+                   help="seed of the sampling (default 1337)")
     g.add_argument("--engine", default="starpu", choices=["starpu", "reference"],
                    help="starpu: the task graph with a key/value cache; reference: the same "
                         "kernels in a plain loop")
@@ -165,12 +187,13 @@ def build_parser():
 
 
 def cmd_train(args):
-    cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in train_settings()})
-    train(cfg)
+    from .trainer import TrainConfig, train
+    train(TrainConfig(**{f.name: getattr(args, f.name) for f in train_settings()}))
     return 0
 
 
 def cmd_prepare(args):
+    from .io import corpus, data
     source = args.text if args.text else corpus.shakespeare_text()
     train_path, val_path = data.prepare(source, args.out_dir, val_tokens=args.val_tokens,
                                         name=None if args.text else "shakespeare")
@@ -179,19 +202,29 @@ def cmd_prepare(args):
 
 
 def cmd_bench(args):
+    from .bench import run_bench
     run_bench(args)
     return 0
 
 
 def cmd_calibrate(args):
-    calibrate(args.out or default_path(), steps=args.steps)
+    from .io.atomic import check_writable
+    from .perf.calibrate import calibrate
+    from .perf.machine import default_path
+    out = args.out or default_path()
+    check_writable(out)            # before minutes of measuring
+    calibrate(out, steps=args.steps)
     return 0
 
 
 def cmd_predict(args):
-    calibration = load_calibration(args.calibration)
-    machine = load(args.machine) if args.machine else None
+    from .perf.machine import load, partitions
+    from .perf.predict import calibration_for, modes, predict
+    from .runtime.offload import parse_size
+    machine = load(args.machine) if args.machine else None      # its errors name the file
+    calibration, note = calibration_for(args.calibration, machine)
     target = machine or calibration
+    limit = parse_size(args.memory_limit) if args.memory_limit else None
     if args.workers == "all":
         if args.cores_per_worker:
             raise StarpuLLMError("--workers all takes every N x K of the machine's cores: "
@@ -199,11 +232,19 @@ def cmd_predict(args):
         parts = [p for p in partitions(target.cores) if args.batch % p[0] == 0]
     else:
         parts = [(args.workers, args.cores_per_worker or max(1, target.cores // args.workers))]
+    layouts = {R: modes(R, args.ownership, args.pipeline_stages, args.model) for R in args.ranks}
+    for R, found in layouts.items():
+        if not found:
+            raise StarpuLLMError(
+                f"--pipeline-stages {args.pipeline_stages} with --ranks {R}: no pipeline of "
+                f"that many stages runs on {R} rank(s) (the stages must divide the ranks, at "
+                f"most {args.model}'s layers + 1); give stages that divide {R}, or all")
     # a described machine runs K-core workers as StarPU 1.4 parallel workers (the clusters')
     pw = True if machine is not None else None
     weak = len(args.ranks) > 1        # --batch per rank; efficiency against one node
-    limit = parse_size(args.memory_limit) if args.memory_limit else None
     print(f"machine: {target.name}")
+    if note:
+        print(note, file=sys.stderr)
     for n, cores_per_worker in parts:
         def at(R, mode):
             return predict(args.model, args.batch * R if weak else args.batch, args.seq_len, n,
@@ -212,9 +253,7 @@ def cmd_predict(args):
                            mode=mode, memory_limit=limit)
         one = at(1, modes(1, "sharded", "1", args.model)[0]).tokens_per_ms if weak else None
         for R in args.ranks:
-            ranked = sorted((at(R, mode) for mode in modes(R, args.ownership, args.pipeline_stages,
-                                                           args.model)),
-                            key=lambda p: -p.tokens_per_ms)
+            ranked = sorted((at(R, mode) for mode in layouts[R]), key=lambda p: -p.tokens_per_ms)
             for p in ranked:
                 per_node = (f" ({p.tokens_per_ms / R:.4f} tok/ms per node"
                             + (f", {p.tokens_per_ms / R / one:.0%} of one node's" if weak else "")
@@ -224,23 +263,63 @@ def cmd_predict(args):
 
 
 def cmd_generate(args):
+    from .cli_generate import run_generate
     run_generate(args.init_from, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
                  args.seed, args.engine)
     return 0
 
 
+COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "bench": cmd_bench,
+            "calibrate": cmd_calibrate, "predict": cmd_predict, "generate": cmd_generate}
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    job = {"comm": None}           # the MPI communicator, once MPI runs
     try:
-        return {"train": cmd_train, "prepare": cmd_prepare, "bench": cmd_bench,
-                "calibrate": cmd_calibrate, "predict": cmd_predict,
-                "generate": cmd_generate}[args.cmd](args)
+        with signals.stop_on_signal():
+            parser = build_parser()        # the compiled modules load before MPI (runtime/mpi.py)
+            from .runtime import mpi as distributed
+            comm = job["comm"] = distributed.world()
+            args = distributed.agree(comm, parser.parse_args, argv)
+            return COMMANDS[args.cmd](args)
     except StarpuLLMError as e:
-        print(f"starpu-llm: error: {e.render(flag_of)}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("starpu-llm: interrupted", file=sys.stderr)
-        return 130
+        return _failed(e, job["comm"], 2)
+    except KeyboardInterrupt as e:       # signals.Interrupted, or Python's own
+        status = e.exit_status if isinstance(e, signals.Interrupted) else 130
+        if not isinstance(e, signals.Interrupted) or e.signum == signal.SIGINT:
+            print("starpu-llm: interrupted", file=sys.stderr)
+        else:
+            print(f"starpu-llm: stopped by {signals.name(e.signum)}", file=sys.stderr)
+        return _end_job(job["comm"], status, getattr(e, "agreed", False))
+    except Exception:
+        if job["comm"] is None:
+            raise
+        traceback.print_exc()
+        return _end_job(job["comm"], 1, False)
+
+
+def _failed(e: StarpuLLMError, comm, status: int) -> int:
+    """Report e once (see the module) and end with status."""
+    agreed = getattr(e, "agreed", False)
+    if isinstance(e, UsageError):
+        text = e.args[0]
+    else:
+        where = f"rank {comm.Get_rank()}: " if comm is not None and not agreed else ""
+        text = f"starpu-llm: error: {where}{e.render(flag_of)}"
+    from .runtime.mpi import PeerFailed
+    if not isinstance(e, PeerFailed):
+        print(text, file=sys.stderr, flush=True)
+    return _end_job(comm, status, agreed)
+
+
+def _end_job(comm, status: int, agreed: bool) -> int:
+    """Under mpirun, an end that only this rank knows of ends every rank (MPI_Abort): the
+    others may be waiting for it."""
+    if comm is not None and not agreed:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        comm.Abort(status)
+    return status
 
 
 if __name__ == "__main__":

@@ -10,12 +10,14 @@ from dataclasses import replace
 from .config import MODELS
 from .errors import StarpuLLMError, opt
 from .flow.engine import StarPUEngine, default_micro_batches
+from .flow.memory import footprint
 from .flow.reference import ReferenceEngine
 from .perf import autotune
 from .perf.model import CostModel
 from .perf.predict import load_calibration
 from .perf.stages import layer_costs
 from .record import Partition
+from .runtime.offload import available_memory, format_size
 from .runtime.starpu import Runtime
 
 PARTITION_SETTINGS = ("workers", "cores_per_worker", "sub_batches", "kcore", "threads",
@@ -56,8 +58,34 @@ def start_runtime(cfg, comm=None, memory=None) -> Runtime:
                    comm=comm, kcore=cfg.kcore, memory=memory)
 
 
+def check_memory(cfg, config, ranks: int = 1) -> None:
+    """Refuse, before allocating it, a run whose tensors (flow/memory.footprint: one process's
+    share of the batch, its parameters, gradients and moments) do not fit the memory this
+    machine has available now; --memory-limit is the way to train it."""
+    B = max(1, cfg.batch // ranks)
+    need = footprint(config, B, cfg.seq_len, 1, state_copies=4 if ranks == 1 else 2)
+    have = available_memory()
+    if need > have:
+        raise StarpuLLMError(
+            f"{opt('batch')} {cfg.batch} x {opt('seq_len')} {cfg.seq_len} needs about "
+            f"{format_size(need)} of memory{' per process' if ranks > 1 else ''} (the model's "
+            f"parameters, gradients and AdamW moments and the batch's activations), but this "
+            f"machine has {format_size(have)} available: give a smaller {opt('batch')} or "
+            f"{opt('seq_len')}, or train under {opt('memory_limit')} (StarPU then keeps what does "
+            f"not fit on disk)")
+
+
 def make_engine(cfg, state, tokens, runtime=None):
     """The engine of cfg.engine over state; the StarPU engine runs on `runtime`."""
+    try:
+        return _make_engine(cfg, state, tokens, runtime)
+    except MemoryError as e:
+        raise StarpuLLMError(f"out of memory while allocating the run's tensors ({e}): give a "
+                             f"smaller {opt('batch')} or {opt('seq_len')}, or train under "
+                             f"{opt('memory_limit')}") from None
+
+
+def _make_engine(cfg, state, tokens, runtime=None):
     if cfg.engine == "reference":
         return ReferenceEngine(state.config, state, cfg.batch, cfg.seq_len, tokens,
                                threads=cfg.threads, sub_batches=cfg.sub_batches or 1)

@@ -1,4 +1,5 @@
-"""--metrics-jsonl: one JSON object per step, written as the run goes.
+"""--metrics-jsonl: one JSON object per step, written as the run goes (Metrics says how it
+survives a killed run and continues a resumed one).
 
 Each record has the step, its loss, its time (ms, tokens_per_ms), the partition the step ran
 on ("partition": record.Partition's fields) and, when they apply, the scheduled learning rate
@@ -10,37 +11,77 @@ import json
 import os
 from dataclasses import asdict
 
-from .io.atomic import AtomicFile
+from .errors import StarpuLLMError
+from .io.atomic import atomic_write
 from .record import Partition
 
 
 class Metrics:
-    """The metrics file, written under a temporary name as the run goes and under its own at
-    commit() (also for a failed run). A run resumed at `step` keeps the records up to that
-    step from the file it replaces, so the file covers the whole run (the records of steps
-    the resumed run redoes are dropped)."""
+    """The metrics file, written row by row under its own name as the run goes: each row is
+    handed to the operating system when written (a killed run leaves every row of the steps
+    it finished), and fsync'ed at each checkpoint and at the end (the rows of a checkpoint's
+    steps are on disk with it). A run resumed at `step` keeps the file's rows up to that step
+    and appends its own (the rows of steps it redoes are dropped: it writes them again); a
+    new run starts the file anew, saying so when it replaces rows."""
 
-    def __init__(self, path, step: int, partition: Partition):
-        self.out = AtomicFile(path, text=True)
+    def __init__(self, path, step: int, partition: Partition, warn):
+        self.path = os.fspath(path)
         self.partition = asdict(partition)
-        if step and os.path.exists(path):
-            with open(path, encoding="utf-8", errors="replace") as f:
-                for line in f:
-                    try:
-                        row = json.loads(line)
-                    except ValueError:
-                        continue
-                    if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
-                        self.out.file.write(line)
+        kept, dropped = _rows_up_to(self.path, step) if step else ([], _count_rows(self.path))
+        if dropped and not step:
+            warn(f"{self.path}: its {dropped} row(s) of an earlier run are replaced by this "
+                 f"run's")
+        atomic_write(self.path, lambda f: f.writelines(kept), text=True)
+        try:
+            self.file = open(self.path, "a", encoding="utf-8")
+        except OSError as e:
+            raise StarpuLLMError(f"cannot write {self.path}: {e.strerror}; choose a writable "
+                                 f"output location") from e
 
     def write(self, step: int, loss: float, ms: float, tokens_per_ms: float, extra: dict) -> None:
-        self.out.file.write(json.dumps({"step": step, "loss": loss, "ms": ms,
-                                        "tokens_per_ms": tokens_per_ms, **extra,
-                                        "partition": self.partition}) + "\n")
-        self.out.file.flush()
+        self.file.write(json.dumps({"step": step, "loss": loss, "ms": ms,
+                                    "tokens_per_ms": tokens_per_ms, **extra,
+                                    "partition": self.partition}) + "\n")
+        self.file.flush()
 
-    def commit(self) -> None:
-        self.out.commit()
+    def sync(self) -> None:
+        """The rows written so far on disk."""
+        try:
+            self.file.flush()
+            os.fsync(self.file.fileno())
+        except OSError:       # a metrics file that cannot be synced does not stop the run
+            pass
+
+    def close(self) -> None:
+        self.sync()
+        self.file.close()
+
+
+def _rows_up_to(path: str, step: int) -> tuple[list, int]:
+    """The lines of the metrics file at path whose step is at most `step` (a missing file:
+    none), and how many others it has."""
+    kept, others = [], 0
+    for line in _lines(path):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+        else:
+            others += 1
+    return kept, others
+
+
+def _count_rows(path: str) -> int:
+    return sum(1 for line in _lines(path) if line.strip())
+
+
+def _lines(path: str):
+    if not os.path.isfile(path):      # not there yet (a FIFO or a folder: refused before)
+        return []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.readlines()
 
 
 def step_extras(cfg, engine, validation, lr: float, rank: int, last: bool) -> dict:

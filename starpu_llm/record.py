@@ -3,8 +3,11 @@ checkpoint companion: the partition it ran on and the settings that shape its nu
 resumed run compares them with its own (resume.py)."""
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass, fields
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -66,17 +69,37 @@ class Settings:
         return out
 
 
+def run_identity(settings: Settings, config, start: str, data: list) -> str:
+    """The identity of a new run, which its resumed parts keep (checkpoints tell runs apart):
+    a digest of what decides its numbers (settings, model, what it starts from, e.g. "seed
+    1337", and its data_fingerprint), so that the same run started again is the same run
+    (its checkpoints are the same) and its files stay bitwise the same."""
+    blob = json.dumps([asdict(settings), str(config), start, data], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def data_fingerprint(tokens) -> list:
+    """What tells two token shards apart cheaply: [their length, the sums of their first and
+    of their last 4096 tokens]."""
+    return [int(tokens.size), int(tokens[:4096].astype(np.int64).sum()),
+            int(tokens[-4096:].astype(np.int64).sum())]
+
+
 @dataclass(frozen=True)
 class RunRecord:
     partition: Partition
     settings: Settings
+    run: str | None = None      # run_identity(): None in checkpoints saved before it was kept
+    data: list | None = None    # data_fingerprint() of the training data
 
     def to_json(self) -> str:
-        return json.dumps({"partition": asdict(self.partition), "settings": asdict(self.settings)},
-                          separators=(",", ":"))
+        d = {"partition": asdict(self.partition), "settings": asdict(self.settings)}
+        d.update({k: v for k, v in (("run", self.run), ("data", self.data)) if v is not None})
+        return json.dumps(d, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> "RunRecord":
         """The record of to_json; ValueError (KeyError, TypeError) when text is not one."""
         d = json.loads(text)
-        return cls(Partition(**d["partition"]), Settings(**d["settings"]))
+        return cls(Partition(**d["partition"]), Settings(**d["settings"]), d.get("run"),
+                   d.get("data"))

@@ -1,8 +1,10 @@
 """What a run starts from: a random init of --model (default d12), the weights of
 --init-from, or the run saved at --resume with its record (record.RunRecord). And what a
 resumed run keeps: the model (a contradicting --model is refused), the recorded partition
-unless one is given (another is accepted with a warning: roundings will differ), the settings
-(a changed one is named in a warning: the run is no longer the uninterrupted one)."""
+unless one is given or it cannot run here (another is accepted with a warning: roundings will
+differ), the settings and the training data (a change is named in a warning: the run is no
+longer the uninterrupted one). The checkpoint resumed is named, and so is any newer one that
+could not be read (io/checkpoint.load)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -11,7 +13,8 @@ from .config import MODELS, GPTConfig
 from .engines import partition_given
 from .errors import StarpuLLMError, flag, opt
 from .io import checkpoint, formats
-from .record import Partition, RunRecord, Settings
+from .record import RunRecord
+from .runtime.starpu import DEFAULT_KCORE, check_partition
 from .state import RandomInit, TrainState, random_init
 
 DEFAULT_MODEL = "d12"       # GPT-2 124M, when neither --init-from nor --resume gives one
@@ -36,18 +39,19 @@ def check_model(model: str | None, config: GPTConfig, path) -> None:
                              f"checkpoint's model, or start a new run without it")
 
 
-def load_model(cfg, lazy: bool = False) -> tuple[TrainState, RunRecord | None]:
-    """The state the run starts from, and the record of the run it continues (None for a
-    new run, or a checkpoint saved before records existed). lazy: its parameters and moments
-    are not read into memory (state.Slices: the checkpoint's files, checked, or the random
-    init, drawn slice by slice), for an engine to take slice by slice (--memory-limit)."""
+def load_model(cfg, lazy: bool = False) -> tuple[TrainState, checkpoint.Saved | None]:
+    """The state the run starts from, and the checkpoint it resumes (checkpoint.Saved: its
+    record is None for a checkpoint saved before records existed), None for a new run. lazy:
+    its parameters and moments are not read into memory (state.Slices: the checkpoint's files,
+    checked, or the random init, drawn slice by slice), for an engine to take slice by slice
+    (--memory-limit)."""
     if cfg.resume:
         if cfg.init_from:
             raise StarpuLLMError(f"{opt('resume')} continues a saved run and {opt('init_from')} "
                                  f"starts a new one from given weights; give only one of them")
-        state, record = checkpoint.read_with_record(cfg.resume, lazy)
-        check_model(cfg.model, state.config, cfg.resume)
-        return state, record
+        saved = checkpoint.load(cfg.resume, lazy)
+        check_model(cfg.model, saved.state.config, cfg.resume)
+        return saved.state, saved
     if cfg.init_from:
         config, params = formats.read_checkpoint(cfg.init_from, lazy)
         check_model(cfg.model, config, cfg.init_from)
@@ -61,32 +65,56 @@ def load_model(cfg, lazy: bool = False) -> tuple[TrainState, RunRecord | None]:
     return TrainState(config=config, params=params), None
 
 
-def on_recorded_partition(cfg, record: RunRecord | None):
-    """cfg set to the recorded partition, when it gives none and runs the recorded engine."""
+def on_recorded_partition(cfg, record: RunRecord | None, ranks: int, warn):
+    """cfg set to the recorded partition, when it gives none, runs the recorded engine on as
+    many processes, and the recorded partition fits this process's cores; else cfg as it is
+    (the default partition then), with a warning where the record could not be followed."""
     if record is None or partition_given(cfg) or record.partition.engine != cfg.engine:
         return cfg
     p = record.partition
+    if p.ranks != ranks:
+        warn(f"the checkpoint was saved by {p.ranks} process(es) and this run has {ranks}: it "
+             f"runs on the default partition, not on the recorded one ({p.describe()})")
+        return cfg
     if p.engine == "reference":
         return replace(cfg, threads=p.cores_per_worker, sub_batches=p.sub_batches)
     # team and forkjoin are asked for; single (K = 1) and parallel-workers follow from N x K
     kcore = p.kcore if p.kcore in ("team", "forkjoin") else None
+    try:
+        check_partition(p.workers, p.cores_per_worker, cfg.oversubscribe, kcore or DEFAULT_KCORE)
+    except StarpuLLMError as e:
+        warn(f"the recorded partition ({p.describe()}) cannot run here ({e.render(flag)}): the "
+             f"run goes on on the default partition")
+        return cfg
     return replace(cfg, workers=p.workers, cores_per_worker=p.cores_per_worker,
                    sub_batches=p.sub_batches, kcore=kcore,
                    ownership=p.ownership if p.ranks > 1 else None,
                    pipeline_stages=p.stages if p.ranks > 1 else None)
 
 
-def warn_changes(record: RunRecord | None, partition: Partition, settings: Settings, log) -> None:
-    """One warning line for another partition, one for changed settings, against the record."""
-    if record is None:
-        log("warning: the checkpoint records no partition or settings (saved by an older "
-            "starpu-llm): whether this run continues the saved one unchanged is not checked")
+def say_resumed(saved: checkpoint.Saved, log, warn) -> None:
+    """The line naming the checkpoint resumed, and a warning for each newer one skipped."""
+    for path, why in saved.skipped:
+        warn(f"{path} cannot be resumed ({why}); resuming from {saved.path} instead")
+    log(f"resuming: {saved.path} (step {saved.state.step})")
+
+
+def warn_changes(saved: RunRecord | None, now: RunRecord, warn) -> None:
+    """One warning each for another partition, changed settings, other training data,
+    against the record of the checkpoint resumed."""
+    if saved is None:
+        warn("the checkpoint records no partition or settings (saved by an older starpu-llm): "
+             "whether this run continues the saved one unchanged is not checked")
         return
-    if record.partition != partition:
-        log(f"warning: the run continues on {partition.describe()}, it was saved on "
-            f"{record.partition.describe()}: roundings will differ from the uninterrupted run")
-    changed = record.settings.changed(settings)
+    if saved.partition != now.partition:
+        warn(f"the run continues on {now.partition.describe()}, it was saved on "
+             f"{saved.partition.describe()}: roundings will differ from the uninterrupted run")
+    changed = saved.settings.changed(now.settings)
     if changed:
-        log("warning: " + ", ".join(f"{flag(name)} {now} (saved with {was})"
-                                    for name, was, now in changed)
-            + ": the run is no longer the uninterrupted one")
+        warn(", ".join(f"{flag(name)} {new} (saved with {was})" for name, was, new in changed)
+             + ": the run is no longer the uninterrupted one")
+    if saved.data is not None and saved.data != now.data:
+        detail = (f"{saved.data[0]:,} tokens then, {now.data[0]:,} now"
+                  if saved.data[0] != now.data[0] else "as many, but others")
+        warn(f"{flag('train_data')}: these are not the tokens the run was saved with "
+             f"({detail}): the run is no longer the uninterrupted one")

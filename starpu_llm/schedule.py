@@ -29,12 +29,17 @@ def learning_rate(step: int, total: int, lr: float, schedule: str = "constant",
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * decay)) * (lr - min_lr)
 
 
-def check_schedule(schedule: str, lr: float, warmup: int, min_lr: float) -> None:
-    """A clear error for settings the schedule cannot follow."""
+def check_schedule(schedule: str, lr: float, warmup: int, min_lr: float,
+                   steps: int | None = None) -> None:
+    """A clear error for settings the schedule cannot follow (steps: the run's, when known)."""
     if schedule not in SCHEDULES:
         raise StarpuLLMError(f"{opt('lr_schedule')} {schedule!r}: choose one of {', '.join(SCHEDULES)}")
     if warmup < 0:
         raise StarpuLLMError(f"{opt('warmup_steps')} must be >= 0, got {warmup}")
+    if steps is not None and warmup > steps:
+        raise StarpuLLMError(f"{opt('warmup_steps')} {warmup} is above {opt('steps')} {steps}: the "
+                             f"run would end inside its warmup, below the learning rate asked "
+                             f"for; give {opt('warmup_steps')} at most {steps}")
     if schedule == "cosine" and not 0 <= min_lr <= lr:
         raise StarpuLLMError(f"{opt('min_lr')} {min_lr} must be between 0 and {opt('lr')} {lr}: "
                              "the cosine schedule decays from the one to the other")

@@ -1,7 +1,9 @@
 """Training from Python: TrainConfig + train(), the same as `starpu-llm train`: the run's
 settings and the training loop. Around it: what the run starts from and what a resumed run
-keeps (resume.py), its engine and partition (engines.py), Ctrl-C (ctrl_c.py), the metrics
-file (metrics.py), the checkpoints (checkpointing.py), samples (sampler.py).
+keeps (resume.py), its engine and partition (engines.py), signals (signals.py), the metrics
+file (metrics.py), the checkpoints and the other files it writes (checkpointing.py), samples
+(sampler.py). Under mpirun every rank runs the same set-up in phases that end together
+(runtime/mpi.agree): an error on one rank ends every rank at once, reported by rank 0.
 
     from starpu_llm import TrainConfig, train
     result = train(TrainConfig(model="d12", batch=4, seq_len=64, steps=10))
@@ -9,23 +11,24 @@ file (metrics.py), the checkpoints (checkpointing.py), samples (sampler.py).
 """
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from .checkpointing import checkpoint_step, save_model
+from . import signals
+from .checkpointing import check_outputs, check_checkpoint_dir, checkpoint_step, save_model
 from .config import MODELS, GPTConfig, check_batch_shape
-from .ctrl_c import StopOnCtrlC
-from .engines import autotuned, make_engine, partition_of, start_runtime
+from .engines import autotuned, check_memory, make_engine, partition_of, start_runtime
 from .errors import StarpuLLMError, opt
 from .flow.placement import PIPELINE_SCHEDULES
-from .io import checkpoint, data
-from .io.atomic import check_writable
+from .io import data
+from .io.formats import params_crc
 from .metrics import Metrics, step_extras
-from .record import RunRecord, Settings
-from .resume import load_model, on_recorded_partition, warn_changes
+from .record import RunRecord, Settings, data_fingerprint, run_identity
+from .resume import load_model, on_recorded_partition, say_resumed, warn_changes
 from .runs import peak_rss_mb
 from .runtime import mpi as distributed
 from .runtime.offload import MemoryLimit
@@ -74,7 +77,8 @@ class TrainConfig:
                                   ranks_agree=True)
     engine: str = setting("starpu", "starpu: the task graph; reference: the same kernels in a "
                           "plain loop", choices=["starpu", "reference"])
-    seed: int = setting(1337, "seed of the random init", ranks_agree=True)
+    seed: int = setting(1337, "seed of the random init (default 1337)", check="nonneg_int",
+                        ranks_agree=True)
     save: str | None = setting(None, "write the trained model (llm.c format) and its PATH.state "
                                "(to --resume from), also when Ctrl-C stops the run", metavar="PATH")
     save_every: int | None = setting(None, "write a checkpoint every N steps into "
@@ -164,6 +168,7 @@ class TrainConfig:
     trace: bool = False                # record each task's worker and start/end times
     record: bool = False               # record each submitted task (name, writes, reads)
     log: callable = print              # where step lines go (None: silent)
+    warn: callable = None              # where warnings go (None: stderr, "warning: ...")
 
 
 @dataclass
@@ -189,11 +194,8 @@ class TrainResult:
 def run_settings(cfg: TrainConfig, config: GPTConfig, loader) -> dict:
     """What every MPI rank must agree on (compared before training): the TrainConfig fields
     marked ranks_agree, the model's shape, and the training data (its content, not its path)."""
-    toks = loader.tokens
     settings = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.metadata.get("ranks_agree")}
-    return {**settings, "model": str(config),
-            "train_data": (loader.num_tokens, int(toks[:4096].astype(np.int64).sum()),
-                           int(toks[-4096:].astype(np.int64).sum())),
+    return {**settings, "model": str(config), "train_data": data_fingerprint(loader.tokens),
             "data_position": loader.position}
 
 
@@ -204,24 +206,8 @@ def _flushed(log):
     return out
 
 
-def check_outputs(cfg: TrainConfig, comm, rank: int) -> None:
-    """Fail before the first step, on every rank, when rank 0 (which writes them all) could
-    not write an output, instead of losing the trained model after the run."""
-    problem = None
-    if rank == 0:
-        try:
-            if cfg.save:
-                checkpoint.check_writable(cfg.save)
-            if cfg.save_every:
-                checkpoint.check_writable(checkpoint.step_path(cfg.checkpoint_dir, 0))
-            if cfg.metrics_jsonl:
-                check_writable(cfg.metrics_jsonl)
-        except StarpuLLMError as e:
-            problem = e.args[0]
-    if comm is not None:
-        problem = comm.bcast(problem, root=0)
-    if problem:
-        raise StarpuLLMError(problem)
+def _to_stderr(text: str) -> None:
+    print(f"warning: {text}", file=sys.stderr, flush=True)
 
 
 def train(cfg: TrainConfig, state: TrainState | None = None, runtime=None) -> TrainResult:
@@ -229,61 +215,52 @@ def train(cfg: TrainConfig, state: TrainState | None = None, runtime=None) -> Tr
     timings and the final state.
 
     A running `runtime` is used (and left running); otherwise the StarPU engine starts one
-    for cfg's partition and shuts it down at the end. Ctrl-C stops after the current step,
-    saves as at the end (--save, and a checkpoint with --save-every), then raises
-    KeyboardInterrupt (StopOnCtrlC)."""
-    with StopOnCtrlC() as ctrl_c:
-        return _train(cfg, state, runtime, ctrl_c)
+    for cfg's partition and shuts it down at the end. SIGINT (Ctrl-C), SIGTERM or SIGUSR1
+    stop it after the current step, saving as at the end (--save, and a checkpoint with
+    --save-every), then raise signals.Interrupted (a KeyboardInterrupt); a second signal ends
+    the process at once (signals.py)."""
+    with signals.stop_on_signal() as stop:
+        run = _set_up(cfg, state, runtime)
+        with stop.deferred():
+            return _run(run, stop)
 
 
-def _train(cfg: TrainConfig, state: TrainState | None, runtime, ctrl_c: StopOnCtrlC) -> TrainResult:
-    if cfg.steps < 1:
-        raise StarpuLLMError(f"{opt('steps')} must be at least 1, got {cfg.steps}")
-    check_schedule(cfg.lr_schedule, cfg.lr, cfg.warmup_steps, cfg.min_lr)
+@dataclass
+class Run:
+    """A run set up: everything the training loop needs, made once."""
+    cfg: TrainConfig
+    comm: object
+    rank: int
+    log: callable
+    warn: callable
+    memory: MemoryLimit | None
+    state: TrainState
+    loader: data.DataLoader
+    validation: Validation | None
+    runtime: object
+    own_runtime: object
+    engine: object
+    record: RunRecord
+
+
+def _set_up(cfg: TrainConfig, state: TrainState | None, runtime) -> Run:
+    """Check the settings and files, read the model and data, start StarPU and make the
+    engine: under mpirun in phases that every rank ends together (distributed.agree)."""
     comm = distributed.world() if runtime is None else runtime.comm
     rank = comm.Get_rank() if comm is not None else 0
     log = (cfg.log if rank == 0 else None) or (lambda *a, **k: None)
-    memory = MemoryLimit.of(cfg.memory_limit, cfg.offload_dir)
+    warn = (cfg.warn or _to_stderr) if rank == 0 else (lambda *a, **k: None)
+    memory = distributed.agree(comm, _check_settings, cfg, comm, rank)
     if memory is not None:
-        if cfg.engine != "starpu":
-            raise StarpuLLMError(f"{opt('memory_limit')} needs {opt('engine')} starpu (the reference "
-                                 f"engine keeps every tensor in numpy arrays)")
-        # a disk that fills ends the process from inside StarPU: the lines so far are out
-        log = _flushed(log)
-    check_outputs(cfg, comm, rank)
+        log = _flushed(log)   # a disk that fills ends the process from inside StarPU
+    if comm is not None and runtime is None:
+        distributed.pin_rank(comm)
+    cfg, state, saved, loader, validation, run_id = distributed.agree(
+        comm, _read_inputs, cfg, state, memory, comm, runtime, log, warn)
     if comm is not None:
-        if cfg.engine != "starpu":
-            raise StarpuLLMError(f"under mpirun only {opt('engine')} starpu runs (the reference engine "
-                                 "is a single process)")
-        if runtime is None:
-            distributed.pin_rank(comm)
-        if rank == 0 and not (cfg.train_data and (cfg.val_data or not cfg.val_every)):
-            data.default_dataset()          # tokenize once, then every rank reads the cache
-        comm.Barrier()
-    saved = None            # the record of the run a --resume continues
-    if state is None:       # under a limit, kept in its files (or drawn) until StarPU has it
-        state, saved = load_model(cfg, lazy=memory is not None)
-    if state.step >= cfg.steps:
-        raise StarpuLLMError(f"the run is at step {state.step} already and {opt('steps')} counts the "
-                             f"steps of the whole run: give {opt('steps')} above {state.step}")
-    config = state.config
-    check_batch_shape(config, cfg.batch, cfg.seq_len)
-    path = cfg.train_data or data.default_dataset()[0]
-    loader = data.DataLoader(path, cfg.batch, cfg.seq_len, vocab_size=config.V)
-    if state.data:
-        loader.load_state(state.data)
-    if comm is not None:
-        distributed.check_same_settings(comm, run_settings(cfg, config, loader))
-    validation = None
-    if cfg.val_every:
-        validation = Validation(cfg.val_data or data.default_dataset()[1], cfg.batch,
-                                cfg.seq_len, config.V, cfg.val_every, cfg.val_batches)
-
-    # the partition: the default, or --workers auto's, or a --resume's recorded one
-    if cfg.resume:
-        cfg = on_recorded_partition(cfg, saved)
-    if cfg.workers == "auto":
-        cfg = autotuned(cfg, config, comm, runtime, log)
+        problem = distributed.differences(comm.allgather(run_settings(cfg, state.config, loader)))
+        if problem:
+            distributed.fail_together(comm, problem)
     own_runtime = None
     if runtime is None and cfg.engine == "starpu":
         runtime = own_runtime = start_runtime(cfg, comm, memory)
@@ -291,36 +268,114 @@ def _train(cfg: TrainConfig, state: TrainState | None, runtime, ctrl_c: StopOnCt
         raise StarpuLLMError(f"{opt('memory_limit')}: the runtime given was started with "
                              f"{runtime.memory}; start it with the run's (Runtime(memory=...))")
     try:
-        engine = make_engine(cfg, state, loader.tokens, runtime)
+        engine = distributed.agree(comm, make_engine, cfg, state, loader.tokens, runtime)
     except BaseException:       # e.g. a memory limit too small: StarPU stops (and its folder goes)
         if own_runtime:
             own_runtime.shutdown()
         raise
+    record = RunRecord(partition_of(engine), Settings.of(cfg), run=run_id,
+                       data=data_fingerprint(loader.tokens))
+    log(f"model: L={state.config.L} NH={state.config.NH} C={state.config.C} V={state.config.V} "
+        f"Vp={state.config.Vp} maxT={state.config.maxT}, {state.config.num_parameters:,} parameters")
+    log(f"data: {loader.path} ({loader.num_tokens:,} tokens), B={cfg.batch} T={cfg.seq_len}")
+    log(f"engine: {engine.describe()}")
+    log(f"partition: {record.partition.describe()}")
+    if saved is not None:
+        say_resumed(saved, log, warn)
+        warn_changes(saved.record, record, warn)
+    if validation:
+        log(validation.describe())
+    return Run(cfg, comm, rank, log, warn, memory, state, loader, validation, runtime,
+               own_runtime, engine, record)
+
+
+def _check_settings(cfg: TrainConfig, comm, rank: int) -> MemoryLimit | None:
+    """The settings alone, and the files rank 0 will write: a clear error now rather than
+    after the training. The memory budget of the settings."""
+    if cfg.steps < 1:
+        raise StarpuLLMError(f"{opt('steps')} must be at least 1, got {cfg.steps}")
+    if not isinstance(cfg.seed, int) or cfg.seed < 0:
+        raise StarpuLLMError(f"{opt('seed')} {cfg.seed}: give a whole number >= 0")
+    for name in ("lr", "weight_decay", "min_lr", "grad_clip"):
+        value = getattr(cfg, name)
+        if not math.isfinite(value) or value < 0:
+            raise StarpuLLMError(f"{opt(name)} {value}: give a finite number >= 0")
+    check_schedule(cfg.lr_schedule, cfg.lr, cfg.warmup_steps, cfg.min_lr, cfg.steps)
+    memory = MemoryLimit.of(cfg.memory_limit, cfg.offload_dir)
+    if memory is not None and cfg.engine != "starpu":
+        raise StarpuLLMError(f"{opt('memory_limit')} needs {opt('engine')} starpu (the reference "
+                             f"engine keeps every tensor in numpy arrays)")
+    if comm is not None and cfg.engine != "starpu":
+        raise StarpuLLMError(f"under mpirun only {opt('engine')} starpu runs (the reference engine "
+                             "is a single process)")
+    if rank == 0:
+        check_outputs(cfg)
+        if comm is not None and not (cfg.train_data and (cfg.val_data or not cfg.val_every)):
+            data.default_dataset()          # tokenized once, then every rank reads the cache
+    return memory
+
+
+def _read_inputs(cfg: TrainConfig, state, memory, comm, runtime, log, warn):
+    """The model, the data and the partition the run starts from: (cfg with the partition
+    settled, the state, the checkpoint resumed (checkpoint.Saved) or None, the loader, the
+    validation or None, the run's identity)."""
+    saved = None            # the checkpoint a --resume continues
+    given = state is not None
+    if state is None:       # under a limit, kept in its files (or drawn) until StarPU has it
+        state, saved = load_model(cfg, lazy=memory is not None)
+    if state.step >= cfg.steps:
+        raise StarpuLLMError(f"the run is at step {state.step} already and {opt('steps')} counts the "
+                             f"steps of the whole run: give {opt('steps')} above {state.step}")
+    config = state.config
+    check_batch_shape(config, cfg.batch, cfg.seq_len)
+    loader = data.DataLoader(cfg.train_data or data.default_dataset()[0], cfg.batch,
+                             cfg.seq_len, vocab_size=config.V)
+    if state.data:
+        loader.load_state(state.data)
+    validation = None
+    if cfg.val_every:
+        validation = Validation(cfg.val_data or data.default_dataset()[1], cfg.batch,
+                                cfg.seq_len, config.V, cfg.val_every, cfg.val_batches)
+    # the partition: the default, or --workers auto's, or a --resume's recorded one
+    if saved is not None:
+        cfg = on_recorded_partition(cfg, saved.record, comm.Get_size() if comm else 1, warn)
+    if cfg.workers == "auto":
+        cfg = autotuned(cfg, config, comm, runtime, log)
+    if memory is None:
+        check_memory(cfg, config, comm.Get_size() if comm else 1)
+    # the run's identity (record.run_identity), kept by its resumed parts; None for one
+    # resumed from a checkpoint saved before identities were kept
+    if saved is None:
+        start = (f"weights {params_crc(state.params)}" if given or cfg.init_from
+                 else f"seed {cfg.seed}")
+        run = run_identity(Settings.of(cfg), config, start, data_fingerprint(loader.tokens))
+    else:
+        run = saved.record.run if saved.record else None
+    if cfg.save_every and (comm is None or comm.Get_rank() == 0):
+        check_checkpoint_dir(cfg.checkpoint_dir, run, legacy=saved is not None and run is None)
+    return cfg, state, saved, loader, validation, run
+
+
+def _run(run: Run, stop: signals.StopOnSignal) -> TrainResult:
+    """The training loop, then the end of the run (saves, StarPU stopped); raises
+    signals.Interrupted after saving when a signal stopped it."""
+    cfg, engine, state, runtime, log = run.cfg, run.engine, run.state, run.runtime, run.log
+    comm, rank, loader = run.comm, run.rank, run.loader
     result = TrainResult(engine=engine.describe())
-    record = RunRecord(partition_of(engine), Settings.of(cfg))
     tracing = cfg.trace and runtime is not None   # the reference engine runs no tasks
     if tracing:
         runtime.start_trace(200_000)
-    # written as the run goes, under its final name at the end (also of a failed run)
-    metrics = (Metrics(cfg.metrics_jsonl, state.step, record.partition)
-               if cfg.metrics_jsonl and rank == 0 else None)
-    log(f"model: L={config.L} NH={config.NH} C={config.C} V={config.V} Vp={config.Vp} "
-        f"maxT={config.maxT}, {config.num_parameters:,} parameters")
-    log(f"data: {path} ({loader.num_tokens:,} tokens), B={cfg.batch} T={cfg.seq_len}")
-    log(f"engine: {result.engine}")
-    log(f"partition: {record.partition.describe()}")
-    if cfg.resume:
-        warn_changes(saved, record.partition, record.settings, log)
-    if validation:
-        log(validation.describe())
-    sampler = None
+    metrics = sampler = None
     try:
+        # rows written as the run goes, under the file's own name (metrics.py)
+        if cfg.metrics_jsonl and rank == 0:
+            metrics = Metrics(cfg.metrics_jsonl, state.step, run.record.partition, run.warn)
         if cfg.sample_every:
             sampler = TrainingSampler(engine, cfg.seed)
         tokens_per_step = cfg.batch * cfg.seq_len
         # --steps counts the whole run (a resumed one too): also the schedule's horizon
         sent = []     # under MPI, the bytes sent so far at each step's start (if counted)
-        disk = [runtime.disk_traffic()] if memory is not None else None
+        disk = [runtime.disk_traffic()] if run.memory is not None else None
         for i in range(cfg.steps - state.step):
             if comm is not None:
                 sent.append(runtime.bytes_sent())
@@ -333,7 +388,7 @@ def _train(cfg: TrainConfig, state: TrainState | None, runtime, ctrl_c: StopOnCt
             result.losses.append(loss)
             result.step_ms.append(ms)
             tpm = tokens_per_step / ms
-            extra = step_extras(cfg, engine, validation, lr, rank, last=state.step == cfg.steps)
+            extra = step_extras(cfg, engine, run.validation, lr, rank, last=state.step == cfg.steps)
             if disk is not None:
                 disk.append(runtime.disk_traffic())
                 extra.update(disk_read_mb=(disk[-1][0] - disk[-2][0]) / 1e6,
@@ -349,10 +404,12 @@ def _train(cfg: TrainConfig, state: TrainState | None, runtime, ctrl_c: StopOnCt
                                      f"lower {opt('lr')}")
             if sampler and state.step % cfg.sample_every == 0:
                 log(f"sample at step {state.step}: {sampler.sample()!r}")
-            stop = ctrl_c.stop(comm)
-            if cfg.save_every and (state.step % cfg.save_every == 0 or stop):
-                checkpoint_step(cfg, engine, state, loader, rank, record, log)
-            if stop:
+            stopping = stop.stop(comm)
+            if cfg.save_every and (state.step % cfg.save_every == 0 or stopping):
+                checkpoint_step(cfg, engine, state, loader, rank, run.record, log, run.warn)
+                if metrics:
+                    metrics.sync()      # the rows up to the checkpoint are on disk with it
+            if stopping:
                 break
         state.data = loader.state()
         timed = result.step_ms[cfg.untimed_steps:] or result.step_ms
@@ -368,29 +425,31 @@ def _train(cfg: TrainConfig, state: TrainState | None, runtime, ctrl_c: StopOnCt
             result.disk_traffic = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(disk, disk[1:])]
         if cfg.save:
             engine.sync()       # under MPI the owners send rank 0 their slices to save
-            if memory is not None and rank == 0:    # the state is in StarPU: saved from there
-                save_model(cfg.save, state, record, log)
+            if run.memory is not None and rank == 0:    # the state is in StarPU: saved from there
+                save_model(cfg.save, state, run.record, log)
     finally:
         if sampler:
             sampler.close()
         engine.close()
         if tracing:
             runtime.stop_trace()
-        if own_runtime:
-            own_runtime.shutdown()
+        if run.own_runtime:
+            run.own_runtime.shutdown()
         if metrics:
-            metrics.commit()
+            metrics.close()
     result.peak_rss_mb = peak_rss_mb()
     if comm is not None:
         result.rank_peak_rss_mb = comm.allgather(result.peak_rss_mb)
     result.state = state
     log(f"tokens/ms over {result.timed_steps} timed step(s): {result.tokens_per_ms:.4f}"
         f"   peak RSS: {result.peak_rss_mb:.0f} MB")
-    if cfg.save and rank == 0 and memory is None:    # rank 0 owns the parameters
-        save_model(cfg.save, state, record, log)
-    if ctrl_c.requested:
+    if cfg.save and rank == 0 and run.memory is None:    # rank 0 owns the parameters
+        save_model(cfg.save, state, run.record, log)
+    if stop.requested:
         saved = cfg.save or (cfg.checkpoint_dir if cfg.save_every else None)
-        log(f"stopped by Ctrl-C after step {state.step}"
+        log(f"stopped by {signals.name(stop.signum)} after step {state.step}"
             + (f"; continue with --resume {saved} --steps {cfg.steps}" if saved else ""))
-        raise KeyboardInterrupt
+        stopped = signals.Interrupted(stop.signum)
+        stopped.agreed = True      # every rank stops after the same step (stop.stop)
+        raise stopped
     return result

@@ -194,8 +194,11 @@ def test_resume_from_a_checkpoint_directory(shard, tmp_path):
     rc, out, err = run("train", "--train-data", shard, "--batch", "4", "--seq-len", "16",
                        "--steps", "5", "--resume", ck)
     assert rc == 0, err
-    assert [l for l in out.splitlines() if l.startswith("warning")] == [
-        "warning: --batch 4 (saved with 2): the run is no longer the uninterrupted one"], out
+    # warnings go to stderr, one line each; the checkpoint resumed is named
+    assert [l for l in err.splitlines() if l.startswith("warning")] == [
+        "warning: --batch 4 (saved with 2): the run is no longer the uninterrupted one"], err
+    assert "warning" not in out
+    assert f"resuming: {checkpoint.step_path(ck, 2)} (step 2)" in out
 
 
 def test_unwritable_save_is_reported_before_training(shard, tmp_path):
@@ -222,3 +225,220 @@ def test_ctrl_c_saves_a_checkpoint_to_resume_from(shard, tmp_path):
     rc, out, err = run("train", *args, "--resume", save, "--steps", str(last + 1))
     assert rc == 0, err
     assert f"step {last + 1:4d}/{last + 1}" in out
+
+
+# --------------------------------------------------------------------------- signals
+
+def running(*args, cwd=None):
+    """`starpu-llm train *args` started, its output merged into one stream."""
+    return subprocess.Popen([sys.executable, "-u", "-m", "starpu_llm", "train", *args], cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def handles_stop_signals(pid: int) -> bool:
+    """Whether the process catches SIGUSR1 (Python's defaults do not): starpu-llm's handlers
+    are installed, so main() runs."""
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) & (1 << (signal.SIGUSR1 - 1)))
+    return False
+
+
+@pytest.mark.parametrize("sig, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_during_start_up_ends_cleanly(shard, sig, status):
+    """A signal from the moment starpu-llm's handlers are in place (before numpy and StarPU are
+    loaded): the command ends at once with 128 + the signal's number, one line, no
+    traceback."""
+    p = running("--model", "micro", "--train-data", shard, "--batch", "2", "--seq-len", "16",
+                "--steps", "100000")
+    try:
+        while not handles_stop_signals(p.pid):
+            time.sleep(0.001)
+        p.send_signal(sig)
+        out, _ = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == status, out
+    assert "Traceback" not in out and "step " not in out
+    assert out.strip().splitlines()[-1] in ("starpu-llm: interrupted",
+                                            "starpu-llm: stopped by SIGTERM"), out
+
+
+@pytest.mark.parametrize("sig, status, name", [(signal.SIGTERM, 143, "SIGTERM"),
+                                               (signal.SIGUSR1, 138, "SIGUSR1")])
+def test_sigterm_and_sigusr1_stop_after_the_step_and_save(shard, tmp_path, sig, status, name):
+    """SIGTERM (Slurm, timeout, container stops) and SIGUSR1 (mpirun forwards it) stop the run
+    as Ctrl-C does: after the step under way, saving the model and a checkpoint, the metrics
+    up to that step written; exit 128 + the signal's number."""
+    save, ck, metrics = tmp_path / "model.bin", tmp_path / "ck", tmp_path / "m.jsonl"
+    p = running("--model", "micro", "--train-data", shard, "--batch", "2", "--seq-len", "16",
+                "--steps", "100000", "--save", str(save), "--save-every", "1000",
+                "--checkpoint-dir", str(ck), "--metrics-jsonl", str(metrics))
+    lines = []
+    try:
+        for line in p.stdout:
+            lines.append(line)
+            if line.startswith("step    3/"):
+                p.send_signal(sig)
+                break
+        out = "".join(lines) + p.communicate(timeout=60)[0]
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == status, out
+    last = max(int(l.split()[1].split("/")[0]) for l in out.splitlines() if l.startswith("step"))
+    assert f"{name}: stopping after the step under way" in out
+    assert f"stopped by {name} after step {last}" in out and "Traceback" not in out
+    assert checkpoint.read(save).step == last == checkpoint.read(ck).step
+    assert [json.loads(l)["step"] for l in open(metrics)] == list(range(1, last + 1))
+
+
+def test_metrics_survive_a_kill_and_a_resumed_run_appends(shard, tmp_path):
+    """kill -9 mid-run: the metrics file has a row for every step printed (under its own name,
+    no hidden temporary left); the run resumed from its last checkpoint keeps the rows up to
+    it and appends its own."""
+    ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    args = ["--model", "micro", "--train-data", shard, "--batch", "2", "--seq-len", "16",
+            "--save-every", "4", "--checkpoint-dir", str(ck), "--metrics-jsonl", str(metrics)]
+    p = running(*args, "--steps", "100000", cwd=tmp_path)
+    printed = 0
+    try:
+        for line in p.stdout:
+            if line.startswith("step"):
+                printed = int(line.split()[1].split("/")[0])
+                if printed == 10:
+                    p.kill()
+                    break
+        p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    steps = [json.loads(l)["step"] for l in open(metrics)]
+    assert steps[:10] == list(range(1, 11))
+    assert [n for n in os.listdir(tmp_path) if n.startswith(".")] == []
+    rc, out, err = run("train", *args, "--steps", "12", "--resume", str(ck))
+    assert rc == 0, err
+    resumed = checkpoint.read(checkpoint.step_path(ck, 12))
+    assert resumed.step == 12
+    assert [json.loads(l)["step"] for l in open(metrics)] == list(range(1, 13))
+
+
+# --------------------------------------------------------------------------- data kept
+
+def test_outputs_never_overwrite_data(shard, tmp_path):
+    """--save or --metrics-jsonl onto the training or validation data, onto each other or
+    onto a file that is not what they write: refused before the first step, the file
+    untouched."""
+    other = tmp_path / "notes.txt"
+    other.write_text("my notes\n")
+    before = open(shard, "rb").read()
+    base = ["train", "--model", "micro", "--train-data", shard, "--batch", "2", "--seq-len", "16",
+            "--steps", "2"]
+    save, val = str(tmp_path / "model.bin"), str(tmp_path / "val.bin")
+    open(val, "wb").write(before)
+    for extra, says in ((["--save", shard], "would overwrite --train-data"),
+                        (["--metrics-jsonl", shard], "would overwrite --train-data"),
+                        (["--save", save, "--metrics-jsonl", save], "would overwrite --metrics-jsonl"),
+                        (["--save", save, "--metrics-jsonl", save + ".state"], "would overwrite"),
+                        (["--val-data", val, "--val-every", "1", "--save", val],
+                         "would overwrite --val-data"),
+                        (["--save", str(other)], "it is not a checkpoint"),
+                        (["--metrics-jsonl", str(other)], "it is not a metrics file")):
+        rc, out, err = run(*base, *extra)
+        assert_clean_error(rc, err, says)
+        assert "step" not in out
+    assert open(shard, "rb").read() == open(val, "rb").read() == before
+    assert other.read_text() == "my notes\n"
+    # a checkpoint saved over the one the run resumes, and metrics over a metrics file: fine
+    rc, _, err = run(*base, "--save", save, "--metrics-jsonl", str(tmp_path / "m.jsonl"))
+    assert rc == 0, err
+    rc, _, err = run(*base[:-1], "3", "--resume", save, "--save", save, "--metrics-jsonl",
+                     str(tmp_path / "m.jsonl"))
+    assert rc == 0, err
+    assert checkpoint.read(save).step == 3
+
+
+def test_a_checkpoint_dir_of_another_run_is_refused(shard, tmp_path):
+    """A new run writing into a --checkpoint-dir that holds another run's checkpoints would
+    delete them (and a --resume of the folder would take them): refused, saying what to do.
+    The same run started again (same settings and seed), or resumed, writes there."""
+    ck = str(tmp_path / "ck")
+    base = ["train", "--model", "micro", "--train-data", shard, "--batch", "2", "--seq-len", "16",
+            "--save-every", "2", "--checkpoint-dir", ck]
+    rc, _, err = run(*base, "--steps", "4")
+    assert rc == 0, err
+    rc, out, err = run(*base, "--steps", "4", "--seed", "7")
+    assert_clean_error(rc, err, f"--checkpoint-dir {ck} holds checkpoints of another run",
+                       f"--resume {ck}")
+    assert "step" not in out
+    rc, _, err = run(*base, "--steps", "4")
+    assert rc == 0, err
+    rc, _, err = run(*base, "--steps", "6", "--resume", ck)
+    assert rc == 0, err
+    assert checkpoint.read(ck).step == 6
+
+
+# --------------------------------------------------------------------------- clear errors
+
+@pytest.mark.parametrize("args, says", [
+    (["train", "--seed", "-5"], "--seed"),
+    (["generate", "--init-from", "x.bin", "--seed", "-1"], "--seed"),
+    (["bench", "--batches", "a,b"], "--batches"),
+    (["train", "--lr", "inf"], "--lr must be a finite number >= 0, got inf"),
+    (["train", "--lr", "nan"], "--lr must be a finite number >= 0, got nan"),
+    (["train", "--steps", "2", "--warmup-steps", "5"], "--warmup-steps 5 is above --steps 2"),
+    (["train", "--memory-limit", "1T"], "above this machine's memory"),
+    (["train", "--sched", "nosuch"], "--sched nosuch"),
+    (["predict", "--machine", "nope.toml"], "nope.toml"),
+])
+def test_bad_settings_get_one_clear_error(shard, args, says):
+    extra = (["--model", "micro", "--train-data", shard, "--seq-len", "16"]
+             if args[0] == "train" else [])
+    rc, out, err = run(*args, *extra)
+    assert_clean_error(rc, err, says)
+    assert "step" not in out
+
+
+def test_a_batch_too_large_for_memory_says_how_much(tmp_path):
+    path = str(tmp_path / "big.bin")
+    formats.write_shard(path, np.zeros(4096 * 1024 + 1, np.uint16))
+    rc, out, err = run("train", "--model", "d12", "--train-data", path, "--batch", "4096",
+                       "--seq-len", "1024", "--steps", "1")
+    assert_clean_error(rc, err, "--batch 4096 x --seq-len 1024 needs about", "available",
+                       "--memory-limit")
+
+
+def test_calibrate_checks_its_output_before_measuring(tmp_path):
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    rc, out, err = run("calibrate", "--out", str(folder), timeout=60)
+    assert_clean_error(rc, err, str(folder), "is a directory")
+    assert "calibrating" not in out
+
+
+def test_a_fifo_or_folder_companion_is_an_error_not_a_hang(shard, tmp_path):
+    save = str(tmp_path / "m.bin")
+    rc, _, err = run("train", "--model", "micro", "--train-data", shard, "--batch", "2",
+                     "--seq-len", "16", "--steps", "2", "--save", save)
+    assert rc == 0, err
+    os.unlink(checkpoint.companion(save))
+    for make in (os.mkfifo, os.mkdir):
+        make(checkpoint.companion(save))
+        rc, _, err = run("train", "--train-data", shard, "--batch", "2", "--seq-len", "16",
+                         "--steps", "4", "--resume", save, timeout=60)
+        assert_clean_error(rc, err, "m.bin.state", "not a regular file")
+        (os.rmdir if make is os.mkdir else os.unlink)(checkpoint.companion(save))
+
+
+def test_predict_a_described_machine_without_a_calibration(tmp_path):
+    """The README's what-if for the paper's node, on a machine never calibrated: the bundled
+    calibration's codelet costs, said in a note; an impossible pipeline is an error."""
+    paper = os.path.join(os.path.dirname(__file__), "..", "experiments", "machines",
+                         "paper-node-xeon-gold-6240.toml")
+    rc, out, err = run("predict", "--machine", paper, "--batch", "36", "--workers", "2")
+    assert rc == 0, err
+    assert "paper node" in out and "tok/ms" in out
+    assert "no calibration" in err and "bundled" in err
+    rc, out, err = run("predict", "--machine", paper, "--ranks", "2", "--pipeline-stages", "3")
+    assert_clean_error(rc, err, "--pipeline-stages 3", "--ranks 2")

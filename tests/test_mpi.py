@@ -204,15 +204,53 @@ def test_batch_must_split_over_ranks(shard, tmp_path):
     assert "--batch 3" in p.stderr and "Traceback" not in p.stderr
 
 
+def mpmd(*commands, timeout=240):
+    """One rank per command (each a list of arguments to the Python interpreter)."""
+    line = [MPIRUN, "--oversubscribe"]
+    for i, args in enumerate(commands):
+        line += ([":"] if i else []) + ["-np", "1", sys.executable, *args]
+    return subprocess.run(line, capture_output=True, text=True, timeout=timeout, env=ENV)
+
+
 def test_mismatched_settings_detected_before_training(shard, tmp_path):
     m = str(tmp_path / "m.jsonl")
-    a = train_args(shard, m, batch=4)
-    b = train_args(shard, m, batch=8)
-    p = subprocess.run([MPIRUN, "--oversubscribe", "-np", "1", sys.executable, *a, ":",
-                        "-np", "1", sys.executable, *b], capture_output=True, text=True,
-                       timeout=240, env=ENV)
+    p = mpmd(train_args(shard, m, batch=4), train_args(shard, m, batch=8))
     assert p.returncode != 0
     assert "different settings" in p.stderr and "batch" in p.stderr, p.stderr[-3000:]
+
+
+DIES_AFTER_MPI_INIT = ("-c", "import os, signal; from starpu_llm.runtime import mpi; mpi.world(); "
+                       "os.kill(os.getpid(), signal.SIGKILL)")
+
+
+@pytest.mark.parametrize("case", ["missing shard", "missing checkpoint", "another batch",
+                                  "a bad flag", "dies"])
+def test_an_error_on_one_rank_ends_every_rank_with_its_message_once(shard, tmp_path, case):
+    """Rank 1 alone fails before the first step (a file missing on its node, other settings,
+    a flag only it has wrong, or it dies): the whole job ends (no rank left waiting: the
+    timeout would fire), non-zero, rank 0 printing rank 1's message once, no traceback,
+    nothing trained."""
+    good = train_args(shard, str(tmp_path / "m.jsonl"))
+    bad, says = {"missing shard": (train_args(str(tmp_path / "nope.bin"), str(tmp_path / "m.jsonl")),
+                                   "rank 1: token shard file"),
+                 "missing checkpoint": (good + ["--resume", str(tmp_path / "nope.bin")],
+                                        "rank 1: checkpoint file"),
+                 "another batch": (train_args(shard, str(tmp_path / "m.jsonl"), batch=8),
+                                   "batch: rank 0 has 12, rank 1 has 8"),
+                 "a bad flag": (good + ["--lr", "fast"], "rank 1: usage"),
+                 "dies": (DIES_AFTER_MPI_INIT, None)}[case]
+    p = mpmd(good, bad, timeout=180)
+    assert p.returncode != 0
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert "step " not in p.stdout
+    if says:
+        assert p.stderr.count(says) == 1 and p.stderr.count("error:") == 1, p.stderr[-3000:]
+
+
+def test_the_same_error_on_every_rank_is_printed_once(shard, tmp_path):
+    p = mpirun(2, train_args(shard, str(tmp_path / "m.jsonl")) + ["--resume", str(tmp_path / "no")])
+    assert p.returncode == 2
+    assert p.stderr.count("error:") == 1 and "rank" not in p.stderr.split("error:")[1].split("\n")[0]
     assert "step    1" not in p.stdout                    # nothing trained
 
 
@@ -300,7 +338,7 @@ def test_resume_under_another_mode_and_rank_count(shard, single, loss_bounds, tm
         p = (mpirun(ranks, args) if ranks > 1 else
              subprocess.run([sys.executable, *args], capture_output=True, text=True, env=ENV))
         assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
-        assert "warning: the run continues on" in p.stdout
+        assert "warning: the run continues on" in p.stderr
         err = np.abs(np.array(losses(m)) - np.array(single[2:]))
         assert len(err) == STEPS - 2 and np.all(err <= loss_bounds[2:]), (ranks, err)
 
@@ -472,3 +510,18 @@ def test_mpi_thread_polls_briefly_between_sleeps_once_quiet():
                      (51, 160000), (51, 200000), (51, 200000), (51, 200000)]
     assert lib.sl_mpi_poll_next(st, 1, 100, 200_000) == 0      # news
     assert polls_then_sleep() == (201, 5000)
+
+
+def test_a_one_process_checkpoint_resumes_under_mpirun(shard, tmp_path):
+    """A checkpoint of one process on all its cores, resumed by 2 ranks with fewer cores each:
+    the ranks run their default partition with one warning (not an error naming flags the
+    user never passed)."""
+    save = str(tmp_path / "one.bin")
+    p = subprocess.run([sys.executable, *train_args(shard, str(tmp_path / "a.jsonl"), steps=2),
+                        "--save", save], capture_output=True, text=True, env=ENV)
+    assert p.returncode == 0, p.stderr
+    p = mpirun(2, train_args(shard, str(tmp_path / "b.jsonl"), steps=3) + ["--resume", save])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stderr.count("warning: the checkpoint was saved by 1 process(es) and this run has "
+                          "2") == 1
+    assert "--workers" not in p.stderr and losses(str(tmp_path / "b.jsonl"))

@@ -260,7 +260,9 @@ def test_a_disk_that_fills_mid_run_ends_it_cleanly(files, uncapped, tmp_path):
     assert os.listdir(off) == []
 
 
-def test_ctrl_c_removes_the_offload_folder(files, tmp_path):
+@pytest.mark.parametrize("sig, status, name", [(signal.SIGINT, 130, "Ctrl-C"),
+                                               (signal.SIGTERM, 143, "SIGTERM")])
+def test_a_signal_saves_and_removes_the_offload_folder(files, tmp_path, sig, status, name):
     off = tmp_path / "off"
     off.mkdir()
     p = subprocess.Popen([sys.executable, *cli(files, tmp_path, "--memory-limit", CAP,
@@ -270,9 +272,32 @@ def test_ctrl_c_removes_the_offload_folder(files, tmp_path):
     for line in p.stdout:
         if line.startswith("step"):
             assert len(os.listdir(off)) == 1        # the run's folder, while it runs
-            p.send_signal(signal.SIGINT)
+            p.send_signal(sig)
             break
     rest, err = p.communicate(timeout=300)
-    assert p.returncode == 130, err
-    assert "stopped by Ctrl-C" in rest and os.listdir(off) == []
+    assert p.returncode == status, err
+    assert f"stopped by {name}" in rest and os.listdir(off) == []
     assert checkpoint.read(tmp_path / "model.bin").step >= 1
+
+
+def test_a_second_signal_ends_the_run_at_once(files, tmp_path):
+    """SIGTERM, then Ctrl-C while the step under way runs (the main thread inside StarPU):
+    the process ends at once with 130, without saving, its offload folder removed."""
+    off = tmp_path / "off"
+    off.mkdir()
+    p = subprocess.Popen([sys.executable, "-u", *cli(files, tmp_path, "--memory-limit", CAP,
+                                                     "--offload-dir", str(off), "--steps", "50",
+                                                     "--save", str(tmp_path / "model.bin"))],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+    out = []
+    for line in p.stdout:
+        out.append(line)
+        if line.startswith("step"):
+            p.send_signal(signal.SIGTERM)
+        if "SIGTERM: stopping after the step under way" in line:
+            p.send_signal(signal.SIGINT)
+            break
+    out = "".join(out) + p.communicate(timeout=300)[0]
+    assert p.returncode == 130, out
+    assert "Ctrl-C again: stopped at once, without saving" in out and "Traceback" not in out
+    assert os.listdir(off) == [] and not os.path.exists(tmp_path / "model.bin")

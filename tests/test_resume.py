@@ -132,21 +132,100 @@ def test_missing_truncated_or_corrupt_companion(tmp_path):
         checkpoint.read(path)
 
 
-def test_a_save_failing_midway_leaves_no_mixed_pair(tmp_path, monkeypatch):
-    """Re-saving over a pair: the old companion goes first, so a save that stops after the
-    model leaves an incomplete checkpoint, not the new model beside the old companion."""
+def test_a_save_failing_midway_leaves_the_old_pair(tmp_path, monkeypatch):
+    """Re-saving over a pair when the disk fills while the companion is written: an error
+    naming the file, the old pair whole and nothing else left behind."""
     path = str(tmp_path / "model.bin")
     checkpoint.write(path, state_at(5))
+    write_values = formats.write_values
 
-    def fail(target, write, text=False):
-        raise StarpuLLMError(f"writing {target} failed")
-    monkeypatch.setattr(checkpoint.atomic, "atomic_write", fail)
-    with pytest.raises(StarpuLLMError):
-        checkpoint.write(path, state_at(6))
+    def full(f, values, layout, crc=None):
+        if values is not None and values is SAVING.m:
+            raise OSError(28, "No space left on device")
+        return write_values(f, values, layout, crc)
+    SAVING = state_at(6)
+    monkeypatch.setattr(formats, "write_values", full)
+    with pytest.raises(StarpuLLMError, match=r"model\.bin\.state failed: No space left"):
+        checkpoint.write(path, SAVING)
     monkeypatch.undo()
-    assert np.array_equal(formats.read_checkpoint(path)[1], state_at(6).params)
-    with pytest.raises(StarpuLLMError, match="no companion file"):
-        checkpoint.read(path)
+    assert_same_state(checkpoint.read(path), state_at(5))
+    assert sorted(os.listdir(tmp_path)) == ["model.bin", "model.bin.state"]
+
+
+KILLED_AT = textwrap.dedent("""
+    import os, signal, sys
+    import numpy as np
+    from starpu_llm.config import MODELS
+    from starpu_llm.io import checkpoint
+    from starpu_llm.state import TrainState, random_init
+
+    path, step, point = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    checkpoint._after = lambda at: at == point and os.kill(os.getpid(), signal.SIGKILL)
+    n = MODELS["micro"].num_parameters
+    checkpoint.write(path, TrainState(config=MODELS["micro"], params=random_init(MODELS["micro"], step),
+                                      m=np.full(n, step, np.float32), v=np.full(n, step, np.float32),
+                                      step=step, data={"position": step}))
+""")
+SAVE_POINTS = ("written", "kept", "model", "state", "done")
+
+
+def save_killed_at(path, step, point):
+    p = subprocess.run([sys.executable, "-c", KILLED_AT, str(path), str(step), point],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == (0 if point == "never" else -signal.SIGKILL), p.stderr
+
+
+@pytest.mark.parametrize("first", SAVE_POINTS)
+def test_a_save_killed_at_any_point_leaves_one_complete_pair(tmp_path, first):
+    """`--save` over an existing checkpoint killed (SIGKILL) at each point of the save, then
+    again by the next save at each point: the path always resumes, as the old or the new
+    checkpoint, and says which pair it took; a save that completes leaves the pair alone."""
+    path = tmp_path / "model.bin"
+    save_killed_at(path, 5, "never")         # the old checkpoint, saved whole
+    save_killed_at(path, 6, first)
+    saved = checkpoint.load(path)
+    assert saved.state.step == (5 if first in ("written", "kept", "model") else 6)
+    assert saved.path == str(path) + (".prev" if first == "model" else "")
+    assert bool(saved.skipped) == (first == "model")
+    for second in SAVE_POINTS:
+        save_killed_at(path, 7, second)
+        assert checkpoint.load(path).state.step in (5, 6, 7)
+    assert checkpoint.load(path).state.step == 7
+    save_killed_at(path, 8, "never")
+    saved = checkpoint.load(path)
+    assert (saved.state.step, saved.path, saved.skipped) == (8, str(path), [])
+    assert sorted(os.listdir(tmp_path)) == ["model.bin", "model.bin.state"]
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_that_reads(tmp_path):
+    """A directory whose newest companion is damaged (or not a regular file): the newest
+    checkpoint that reads, with the one skipped and why; none that reads: every one named."""
+    d = tmp_path / "ck"
+    for step in (4, 5, 6):
+        checkpoint.save_step(d, state_at(step), keep=3)
+    comp = checkpoint.companion(checkpoint.step_path(d, 6))
+    good = open(comp, "rb").read()
+    open(comp, "wb").write(good[:-1] + bytes([good[-1] ^ 1]))
+    saved = checkpoint.load(d)
+    assert_same_state(saved.state, state_at(5))
+    assert [(m, "corrupt" in why) for m, why in saved.skipped] == [
+        (checkpoint.step_path(d, 6), True)]
+    os.unlink(comp)
+    os.mkfifo(comp)                    # opening it for reading would block forever
+    assert checkpoint.load(d).state.step == 5
+    with pytest.raises(StarpuLLMError, match="not a regular file"):
+        checkpoint.load(checkpoint.step_path(d, 6))
+    os.unlink(comp)
+    os.mkdir(comp)
+    with pytest.raises(StarpuLLMError, match="not a regular file"):
+        checkpoint.load(checkpoint.step_path(d, 6))
+    for step in (4, 5):
+        os.unlink(checkpoint.step_path(d, step))
+        formats.write_checkpoint(checkpoint.step_path(d, step), MICRO, random_init(MICRO))
+    with pytest.raises(StarpuLLMError, match="step_00000006.bin.state is not a regular file.*"
+                                             "step_00000005.bin.state does not belong.*cannot be "
+                                             "read either.*step_00000004"):
+        checkpoint.load(d)
 
 
 def test_directory_keeps_the_newest_complete(tmp_path):
@@ -353,15 +432,15 @@ def test_resume_continues_on_the_recorded_partition(shard, tmp_path):
                  **kw))
     p = checkpoint.read_with_record(ck)[1].partition
     assert (p.engine, p.workers, p.cores_per_worker, p.sub_batches) == ("starpu", 2, 1, 2)
-    lines, metrics = [], str(tmp_path / "m.jsonl")
-    rest = train(config(shard, steps=4, resume=ck, metrics_jsonl=metrics, log=lines.append, **kw))
+    warnings, metrics = [], str(tmp_path / "m.jsonl")
+    rest = train(config(shard, steps=4, resume=ck, metrics_jsonl=metrics, warn=warnings.append,
+                        **kw))
     assert rest.losses == whole.losses[2:]
     assert {(r["partition"]["workers"], r["partition"]["cores_per_worker"]) for r in rows(metrics)} \
         == {(2, 1)}
-    assert not any("warning" in line for line in lines), lines
-    lines = []
-    train(config(shard, steps=4, resume=ck, workers=1, cores_per_worker=1, log=lines.append, **kw))
-    warnings = [line for line in lines if line.startswith("warning")]
+    assert warnings == []
+    train(config(shard, steps=4, resume=ck, workers=1, cores_per_worker=1, warn=warnings.append,
+                 **kw))
     assert len(warnings) == 1 and "1 worker(s) x 1 core(s)" in warnings[0] \
         and "2 worker(s) x 1 core(s)" in warnings[0] and "roundings will differ" in warnings[0]
 
@@ -374,12 +453,16 @@ def test_resume_refuses_another_model_and_warns_on_changed_settings(shard, tmp_p
     with pytest.raises(StarpuLLMError, match="model tiny contradicts .*the micro model"):
         train(config(shard, steps=3, engine="reference", init_from=checkpoint.latest(ck),
                      model="tiny"))
-    lines = []
-    train(config(shard, steps=3, engine="reference", resume=ck, log=lines.append))
-    assert not any(line.startswith("warning") for line in lines), lines
-    lines = []
+    warnings = []
+    train(config(shard, steps=3, engine="reference", resume=ck, warn=warnings.append))
+    assert warnings == []
     train(config(shard, steps=3, engine="reference", resume=ck, batch=2, lr=1e-3,
-                 log=lines.append))
-    warnings = [line for line in lines if line.startswith("warning")]
-    assert warnings == ["warning: --batch 2 (saved with 4), --lr 0.001 (saved with 0.01): the "
-                        "run is no longer the uninterrupted one"], lines
+                 warn=warnings.append))
+    assert warnings == ["--batch 2 (saved with 4), --lr 0.001 (saved with 0.01): the "
+                        "run is no longer the uninterrupted one"]
+    other = str(tmp_path / "other.bin")
+    formats.write_shard(other, np.arange(300, dtype=np.uint16) % MICRO.V)
+    warnings = []
+    train(config(other, steps=3, engine="reference", resume=ck, warn=warnings.append))
+    assert warnings == ["--train-data: these are not the tokens the run was saved with (200 "
+                        "tokens then, 300 now): the run is no longer the uninterrupted one"]

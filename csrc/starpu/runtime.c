@@ -113,6 +113,15 @@ static int start(int ncpus, int cores_per_worker, int kcore, const int *cores, c
 	return 0;
 }
 
+const char *sl_sched_policy_name(int i)
+{
+	struct starpu_sched_policy **policies = starpu_sched_get_predefined_policies();
+	for (int k = 0; policies[k]; k++)
+		if (k == i)
+			return policies[k]->policy_name;
+	return NULL;
+}
+
 int sl_start(int ncpus, int cores_per_worker, int kcore, const int *cores, const char *sched,
 	     const void *comm)
 {

@@ -37,6 +37,9 @@ void sl_pause(void);
 void sl_resume(void);
 int sl_worker_count(void);
 int sl_max_cpus(void);		    /* STARPU_MAXCPUS of the StarPU build */
+/* The name of the i-th scheduling policy this StarPU build has, NULL past the last (callable
+ * before sl_start: a --sched that names none of them is refused before StarPU starts). */
+const char *sl_sched_policy_name(int i);
 int sl_have_parallel_workers(void); /* 1.4 parallel workers / 1.3 clusters compiled in */
 void sl_starpu_version(int *major, int *minor, int *release);
 

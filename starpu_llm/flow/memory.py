@@ -59,6 +59,15 @@ def step_needs(config: GPTConfig, B: int, T: int, sub_batches: int = 1) -> StepN
     taskflow.forward(ops, config, p, a, B, T)
     taskflow.backward(ops, config, p, g, a, [s], B, T, 1.0, 0)
     taskflow.update(ops, config, p, g, m, v, 1e-4, 0.0, 1, 1.0, norm)
-    state = 4 * 4 * layout.total
-    per_sub = sum(nbytes(t) for group in (a, s) for t in group.tensors())
-    return StepNeeds(ops.largest[0], ops.largest[1], state + sub_batches * per_sub)
+    return StepNeeds(ops.largest[0], ops.largest[1], footprint(config, B, T, sub_batches))
+
+
+def footprint(config: GPTConfig, B: int, T: int, sub_batches: int = 1, state_copies: int = 4) -> int:
+    """Bytes of every tensor of a process running `sub_batches` sub-batches of B sequences of
+    T tokens: state_copies of the parameters (parameters, gradients, two AdamW moments), and
+    each sub-batch's activations and backward scratch."""
+    tensor = lambda name, shape, dtype: Tensor(name, shape, dtype)    # noqa: E731
+    per_sub = sum(nbytes(t) for group in (ActivationTensors.create(config, B, T, tensor),
+                                          BackwardScratch.create(config, B, T, tensor))
+                  for t in group.tensors())
+    return 4 * state_copies * ParamLayout(config).total + sub_batches * per_sub

@@ -9,10 +9,14 @@ itself survives a crash. Failures raise StarpuLLMError naming the file and what 
     check_writable(path)                                  # fail early, before the work
     out = AtomicFile(path, text=True)                     # progressively, renamed at the end
     out.file.write(line); ...; out.commit()               # (or out.discard())
+
+The temporary file is named .<name>.<host>.<pid>.<random>.tmp: the next AtomicFile of the same
+path removes those that a process of this host killed midway left behind (its pid is gone).
 """
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
 from typing import Callable
 
@@ -32,9 +36,11 @@ class AtomicFile:
         except OSError as e:
             raise StarpuLLMError(f"cannot create directory {self._dir} for {self.path}: "
                                  f"{e.strerror}; choose a writable output location") from e
+        base = os.path.basename(self.path)
+        remove_stale_temporaries(self._dir, keep=lambda name: name != base)
         try:
             fd, self._tmp = tempfile.mkstemp(dir=self._dir, suffix=".tmp",
-                                             prefix="." + os.path.basename(self.path) + ".")
+                                             prefix=_temporary_prefix(self.path) + f"{os.getpid()}.")
         except OSError as e:
             raise StarpuLLMError(f"cannot write {self.path}: {e.strerror}; choose a writable "
                                  f"output location") from e
@@ -42,22 +48,37 @@ class AtomicFile:
         self.file = (os.fdopen(fd, "w", encoding="utf-8", newline="") if text
                      else os.fdopen(fd, "wb"))
 
+    def finish(self) -> None:
+        """Make the written data complete on disk under the temporary name (flushed, fsync'ed,
+        closed); commit() then only renames. Used to write two files before either replaces
+        what is there (io/checkpoint.py)."""
+        if not self.file.closed:
+            self._or_discard(self._complete)
+
+    def _complete(self) -> None:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        os.chmod(self._tmp, 0o644 & ~_umask())    # mkstemp made it 0600
+
     def commit(self) -> str:
         """Make the written data the file at `path`; returns `path`."""
+        self.finish()
+        self._or_discard(os.replace, self._tmp, self.path)
+        _fsync_dir(self._dir)
+        return self.path
+
+    def _or_discard(self, step, *args) -> None:
+        """step(*args); should it fail, what was written is dropped (an OSError reported as
+        a StarpuLLMError naming the file)."""
         try:
-            self.file.flush()
-            os.fsync(self.file.fileno())
-            self.file.close()
-            os.chmod(self._tmp, 0o644 & ~_umask())    # mkstemp made it 0600
-            os.replace(self._tmp, self.path)
+            step(*args)
         except OSError as e:
             self.discard()
             raise _write_error(self.path, e) from e
         except BaseException:
             self.discard()
             raise
-        _fsync_dir(self._dir)
-        return self.path
 
     def discard(self) -> None:
         """Drop what was written; `path` is left as it was."""
@@ -103,6 +124,43 @@ def check_writable(path) -> None:
     if os.path.isdir(path):
         raise StarpuLLMError(f"{os.fspath(path)} is a directory; give the path of a file to write")
     AtomicFile(path).discard()
+
+
+def _temporary_prefix(path: str) -> str:
+    return f".{os.path.basename(path)}.{socket.gethostname()}."
+
+
+def remove_stale_temporaries(directory, keep=lambda name: False) -> None:
+    """Remove the temporary files in `directory` that writers of this host killed midway left
+    behind (their process is gone), but those whose target's name keep(name) accepts; the
+    temporary files of live processes and of other hosts stay."""
+    host = "." + socket.gethostname()
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        parts = name.rsplit(".", 3)
+        if len(parts) != 4 or parts[3] != "tmp" or not name.startswith("."):
+            continue
+        rest, pid = parts[0], parts[1]
+        if not (rest.endswith(host) and pid.isdigit()) or keep(rest[1:-len(host)]):
+            continue
+        if not _alive(int(pid)):
+            try:
+                os.unlink(os.path.join(directory, name))
+            except OSError:
+                pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:            # another user's process: alive
+        return True
+    return True
 
 
 def _write_error(path: str, e: OSError) -> StarpuLLMError:

@@ -55,8 +55,9 @@ _U16 = np.dtype("<u2")
 
 # --------------------------------------------------------------------------- helpers
 
-def _open(path: str, what: str):
-    """(the file opened for binary reading, its size in bytes)."""
+def open_regular(path: str, what: str):
+    """(the file opened for binary reading, its size in bytes); a clear error when path is
+    missing, unreadable, or not a regular file (a directory, a FIFO, a device)."""
     try:
         # stat before open(): opening a FIFO would block until something writes to it
         if not stat.S_ISREG(os.stat(path).st_mode):
@@ -118,7 +119,7 @@ def read_checkpoint(path, lazy: bool = False) -> tuple[GPTConfig, np.ndarray | S
     order). lazy: the parameters stay in the file (FileSlices, read slice by slice) once the
     header and the size are checked."""
     path = os.fspath(path)
-    f, size = _open(path, "checkpoint")
+    f, size = open_regular(path, "checkpoint")
     with f:
         header = _read_header(f, path, size, _I32, "checkpoint", _CKPT_HINT)
         _check_magic(path, header, CHECKPOINT_MAGIC, CHECKPOINT_VERSION, "llm.c fp32 checkpoint", _CKPT_HINT)
@@ -153,24 +154,30 @@ def write_checkpoint_crc(path, config: GPTConfig, flat, with_crc: bool = True):
     """write_checkpoint, and the CRC-32 of the parameters' bytes as written (None without
     with_crc)."""
     path = os.fspath(path)
-    n = config.num_parameters
+    crc = None
+
+    def write(f):
+        nonlocal crc
+        crc = write_checkpoint_into(f, config, flat, 0 if with_crc else None, path)
+
+    return atomic_write(path, write), crc
+
+
+def write_checkpoint_into(f, config: GPTConfig, flat, crc: int | None = 0, path: str = ""):
+    """The llm.c checkpoint of `flat` (a numpy array or a state.Slices) into the open binary
+    file f, the checkpoint to be at `path` (for the messages); with crc, returns the CRC-32 of
+    the parameters' bytes continuing crc."""
     if not isinstance(flat, Slices):
         flat = np.asarray(flat)
-        if flat.size != n:
-            raise StarpuLLMError(f"cannot write checkpoint {path}: got {flat.size} parameters, but "
-                                 f"the model configuration needs {n}")
+        if flat.size != config.num_parameters:
+            raise StarpuLLMError(f"cannot write checkpoint {path}: got {flat.size} parameters, "
+                                 f"but the model configuration needs {config.num_parameters}")
         flat = np.ascontiguousarray(flat.reshape(-1), dtype=_F32)
     header = np.zeros(HEADER_INTS, dtype=_I32)
     header[:8] = [CHECKPOINT_MAGIC, CHECKPOINT_VERSION, config.maxT, config.V, config.L,
                   config.NH, config.C, config.Vp]
-    crc = 0 if with_crc else None
-
-    def write(f):
-        nonlocal crc
-        f.write(header.tobytes())
-        crc = write_values(f, flat, ParamLayout(config), crc)
-
-    return atomic_write(path, write), crc
+    f.write(header.tobytes())
+    return write_values(f, flat, ParamLayout(config), crc)
 
 
 def write_values(f, values, layout: ParamLayout, crc: int | None = None):
@@ -188,6 +195,17 @@ def _write_array(f, arr: np.ndarray, crc: int | None = None, chunk_bytes: int = 
         f.write(mv[i:i + chunk_bytes])
         if crc is not None:
             crc = zlib.crc32(mv[i:i + chunk_bytes], crc)
+    return crc
+
+
+def params_crc(params) -> int:
+    """CRC-32 of a ParamLayout buffer's values as a checkpoint holds them (a numpy array, a
+    FileSlices read from its file, or any state.Slices read slice by slice)."""
+    if isinstance(params, FileSlices):
+        return file_crc(params.path, params.offset, 4 * params.layout.total)
+    crc = 0
+    for chunk in chunks(params, None if isinstance(params, np.ndarray) else params.layout):
+        crc = zlib.crc32(memoryview(np.ascontiguousarray(chunk, dtype=_F32)).cast("B"), crc)
     return crc
 
 
@@ -248,7 +266,7 @@ def read_shard(path, vocab_size: int | None = None) -> np.ndarray:
     If vocab_size is given, every token must be < vocab_size.
     """
     path = os.fspath(path)
-    f, size = _open(path, "token shard")
+    f, size = open_regular(path, "token shard")
     with f:
         header = _read_header(f, path, size, _I32, "token shard", _SHARD_HINT)
         _check_magic(path, header, SHARD_MAGIC, SHARD_VERSION, "token shard", _SHARD_HINT)
@@ -306,7 +324,7 @@ _TOK_HINT = ("is it an llm.c tokenizer file (gpt2_tokenizer.bin)? Re-create it w
 def read_tokenizer(path) -> Tokenizer:
     """Read an llm.c tokenizer file (version 2) into a Tokenizer."""
     path = os.fspath(path)
-    f, size = _open(path, "tokenizer")
+    f, size = open_regular(path, "tokenizer")
     with f:
         header = _read_header(f, path, size, _U32, "tokenizer", _TOK_HINT)
         _check_magic(path, header, TOKENIZER_MAGIC, TOKENIZER_VERSION, "tokenizer", _TOK_HINT)

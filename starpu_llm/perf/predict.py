@@ -179,6 +179,24 @@ class Prediction:
                                              if self.ranks > 1 else "") + disk)
 
 
+# The calibration predict falls back on for another machine's what-if (--machine) where this
+# one has none: a 2-core AMD EPYC Zen 3 VM's (experiments/results/perfmodel/amd-epyc-avx2/),
+# whose codelets' relative costs the described machine's rates then scale.
+BUNDLED_CALIBRATION = os.path.join(os.path.dirname(__file__), "reference-calibration.toml")
+
+
+def calibration_for(path: str | None, machine: Machine | None) -> tuple[Machine, str | None]:
+    """The calibration a prediction uses: `path`'s, else this machine's; for a what-if of
+    another machine (`machine` given) without either, the bundled one, with a note saying so
+    (else None)."""
+    if path or machine is None or os.path.exists(default_path()):
+        return load_calibration(path), None
+    bundled = load(BUNDLED_CALIBRATION)
+    return bundled, (f"note: this machine has no calibration ({default_path()}): the codelets' "
+                     f"relative costs come from the one bundled with starpu-llm ({bundled.source}); "
+                     f"`starpu-llm calibrate` measures this machine's")
+
+
 def load_calibration(path: str | None = None) -> Machine:
     path = path or default_path()
     try:

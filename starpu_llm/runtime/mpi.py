@@ -9,9 +9,8 @@ parameters through the graph's dependencies.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import os
+import sys
 
 from ..errors import StarpuLLMError
 
@@ -123,16 +122,69 @@ def mpi_polling(worker_cores, env=os.environ) -> str:
     return "spin" if own_core else "backoff"
 
 
-def check_same_settings(comm, settings: dict) -> None:
-    """Fail on every rank, before training, when ranks were started with different settings."""
-    blob = json.dumps(settings, sort_keys=True, default=str)
-    digest = hashlib.sha256(blob.encode()).hexdigest()
-    all_settings = comm.allgather((digest, settings))
-    ref_digest, ref = all_settings[0]
-    for r, (d, s) in enumerate(all_settings):
-        if d != ref_digest:
+class PeerFailed(StarpuLLMError):
+    """Another rank failed before training; rank 0 reports its error (agree()), this rank
+    ends quietly with the same exit status."""
+
+
+def agree(comm, work, *args):
+    """Run work(*args) on every rank, then meet: its result (this rank's) when every rank
+    succeeded; else, on every rank, the error of the lowest failing rank (fail_together). So
+    an error on one rank (a file missing on one node) ends every rank at once with one
+    message, instead of leaving the others waiting in their next collective call. An error of
+    another kind than StarpuLLMError is a bug: the rank that has it prints its traceback and
+    the others are told. comm None: work(*args)."""
+    if comm is None:
+        return work(*args)
+    error = result = None
+    try:
+        result = work(*args)
+    except StarpuLLMError as e:
+        error = (type(e), e.args[0])
+    except Exception as e:
+        import traceback
+        traceback.print_exc()
+        error = (StarpuLLMError, f"unexpected {type(e).__name__}: {e} (its traceback is above; "
+                                 f"please report it)")
+    failed = [(r, e) for r, e in enumerate(comm.allgather(error)) if e is not None]
+    if failed:
+        rank, (kind, message) = failed[0]
+        if len(failed) == 1:
+            where = f"rank {rank}: " if rank else ""
+        elif len(failed) == comm.Get_size() and all(e[1] == message for _, e in failed):
+            where = ""                                  # the same error everywhere
+        else:
+            where = f"rank {rank} (and {len(failed) - 1} more of the ranks that failed): "
+        fail_together(comm, where + message, kind)
+    return result
+
+
+def fail_together(comm, message: str, kind=StarpuLLMError):
+    """Raise the error that every rank knows of: a `kind` (a StarpuLLMError) on rank 0, which
+    the CLI prints, PeerFailed on the others, which end quietly; both marked agreed, so that
+    the CLI ends every rank normally rather than aborting the job."""
+    e = kind(message) if comm.Get_rank() == 0 else PeerFailed(message)
+    e.agreed = True
+    raise e
+
+
+def differences(all_settings: list) -> str | None:
+    """The settings (run_settings, one dict per rank) that differ from rank 0's, in words;
+    None when every rank has rank 0's."""
+    ref = all_settings[0]
+    for r, s in enumerate(all_settings):
+        if s != ref:
             diffs = [f"{k}: rank 0 has {ref.get(k)!r}, rank {r} has {s.get(k)!r}"
-                     for k in sorted(set(ref) | set(s)) if ref.get(k) != s.get(k)]
-            raise StarpuLLMError("the MPI ranks were started with different settings ("
-                                 + "; ".join(diffs) + "); start every rank with the same "
-                                 "arguments and files")
+                     for k in sorted(set(ref) | set(s), key=str) if ref.get(k) != s.get(k)]
+            return ("the MPI ranks were started with different settings (" + "; ".join(diffs)
+                    + "); start every rank with the same arguments and files")
+    return None
+
+
+def in_mpi_job():
+    """COMM_WORLD when this process is one of several ranks of a running MPI job (MPI
+    initialised by world(), not finalised), else None."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
+        return None
+    return mpi.COMM_WORLD if mpi.COMM_WORLD.Get_size() > 1 else None

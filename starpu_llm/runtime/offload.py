@@ -14,6 +14,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 
+from .. import signals
 from .._clib import ffi, lib
 from ..errors import StarpuLLMError, opt
 
@@ -36,6 +37,24 @@ def parse_size(text) -> int:
         raise StarpuLLMError(f"{opt('memory_limit')} {text!r}: give a size such as 12G, 1.5G or "
                              f"800M (powers of 1024)")
     return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def physical_memory() -> int:
+    """Bytes of main memory of this machine."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def available_memory() -> int:
+    """Bytes of main memory available to a new allocation now (MemAvailable), or the
+    physical memory where the kernel does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return physical_memory()
 
 
 def format_size(n: float) -> str:
@@ -61,6 +80,10 @@ class MemoryLimit:
         limit = parse_size(memory_limit)
         if limit < 1 << 20:
             raise StarpuLLMError(f"{opt('memory_limit')} {memory_limit}: give at least 1M")
+        if limit > physical_memory():
+            raise StarpuLLMError(f"{opt('memory_limit')} {memory_limit} is above this machine's "
+                                 f"memory ({format_size(physical_memory())}): a limit only helps "
+                                 f"below it; give less, or leave it out")
         return cls(limit, offload_dir)
 
 
@@ -78,6 +101,7 @@ class OffloadFolder:
         except OSError as e:
             raise StarpuLLMError(f"cannot write in {what}: {e.strerror}; give a writable "
                                  f"folder") from None
+        signals.remove_if_killed(self.path)
 
     def free_bytes(self) -> int:
         st = os.statvfs(self.path)
@@ -85,6 +109,7 @@ class OffloadFolder:
 
     def remove(self):
         shutil.rmtree(self.path, ignore_errors=True)
+        signals.forget(self.path)
 
 
 def start(memory: MemoryLimit | None) -> OffloadFolder | None:

@@ -15,7 +15,7 @@ from typing import NamedTuple
 from .._clib import ffi, lib
 from ..errors import StarpuLLMError, opt
 from . import offload, starpupy_face
-from .mpi import BACKOFF_MAX_US, mpi_polling
+from .mpi import BACKOFF_MAX_US, agree, mpi_polling
 from .submit import StarPUOps
 
 
@@ -35,6 +35,14 @@ def usable_cores() -> int:
 def max_starpu_cpus() -> int:
     """CPU workers the StarPU build supports (STARPU_MAXCPUS; 4 in Debian's 1.3)."""
     return lib.sl_max_cpus()
+
+
+def sched_policies() -> list[str]:
+    """The scheduling policies of this StarPU build, by name."""
+    names = []
+    while (p := lib.sl_sched_policy_name(len(names))) != ffi.NULL:
+        names.append(ffi.string(p).decode())
+    return names
 
 
 def default_partition(cores: int | None = None) -> tuple[int, int]:
@@ -139,6 +147,52 @@ class Runtime:
         if Runtime._active is not None:
             raise StarpuLLMError("StarPU is already running in this process; "
                                  "shut the other Runtime down first")
+        # every rank checks its partition before any starts StarPU-MPI (mpi.agree)
+        core_ids, kcore = agree(comm, self._plan, workers, cores_per_worker, sched,
+                                oversubscribe, comm, kcore, face, memory)
+        n = self.workers * self.cores_per_worker
+        self.offload = offload.start(memory)     # the limit, before StarPU starts
+        self.offload_path = self.offload.path if self.offload else None
+        if self.face == "starpupy":
+            starpupy_face.start(n, self.cores_per_worker, self.kcore, KCORE_MODES[kcore],
+                                core_ids, self.sched)
+        else:
+            comm_addr = ffi.NULL
+            if comm is not None:
+                from mpi4py import MPI
+                comm_addr = ffi.cast("void *", MPI._addressof(comm))
+            ret = lib.sl_start(n, self.cores_per_worker, KCORE_MODES[kcore],
+                               ffi.new("int[]", core_ids), self.sched.encode(), comm_addr)
+            if ret != 0:
+                self._stop_offload()
+                raise StarpuLLMError(f"starpu_init failed ({ret}) for {self.workers} worker(s) x "
+                                     f"{self.cores_per_worker} core(s) with scheduler "
+                                     f"{self.sched!r}" + (f", or its disk node in {self.offload_path}"
+                                                          if self.offload_path else ""))
+        Runtime._active = self
+        atexit.register(self.shutdown)
+        self.mpi_poll = None
+        if comm is not None:
+            self.mpi_poll = mpi_polling(core_ids)
+            ret = lib.sl_mpi_poll_backoff(BACKOFF_MAX_US if self.mpi_poll == "backoff" else 0)
+            if ret == -errno.ENOTSUP:
+                self.mpi_poll = ("spin (no backoff: mpi4py's MPI module was imported before "
+                                 "starpu_llm; import starpu_llm first)")
+            elif ret != 0:
+                self.shutdown()
+                raise RuntimeError(f"sl_mpi_poll_backoff failed ({ret})")
+        got = self.starpu_workers = lib.sl_worker_count()
+        expected = starpu_worker_count(self.workers, self.cores_per_worker, kcore,
+                                       n > usable_cores(), memory is not None)
+        if got != expected:
+            self.shutdown()
+            raise StarpuLLMError(f"StarPU started {got} CPU worker(s) instead of "
+                                 f"{expected} (STARPU_NCPU or "
+                                 "STARPU_WORKERS_CPUID in the environment?)")
+
+    def _plan(self, workers, cores_per_worker, sched, oversubscribe, comm, kcore, face, memory):
+        """Check the partition and settle what the start needs (no side effect on StarPU):
+        (the cores of the workers, the k-core mode asked for)."""
         kcore = kcore or DEFAULT_KCORE
         if kcore not in KCORE_MODES:
             raise StarpuLLMError(f"{opt('kcore')} {kcore!r}: choose one of {', '.join(KCORE_MODES)}")
@@ -158,6 +212,12 @@ class Runtime:
                                      memory is not None)
         if sched is None:
             sched = os.environ.get("STARPU_SCHED") or ("peager" if self.kcore == "forkjoin" else "lws")
+        policies = sched_policies()
+        if sched not in policies:
+            given = f"{opt('sched')} {sched}" if sched != os.environ.get("STARPU_SCHED") else \
+                f"STARPU_SCHED={sched} (in the environment)"
+            raise StarpuLLMError(f"{given}: this StarPU has no such scheduler; choose one of "
+                                 f"{', '.join(policies)}")
         self.sched = sched
         os.environ.setdefault("STARPU_SILENT", "1")
         # Only CPU workers: never probe for accelerators.
@@ -167,13 +227,9 @@ class Runtime:
         core_ids = sorted(os.sched_getaffinity(0))
         core_ids = (core_ids * (n // len(core_ids) + 1))[:n]    # oversubscribed: cores are reused
         self.comm = comm
-        comm_addr = ffi.NULL
-        if comm is not None:
-            if not lib.sl_mpi_available():
-                raise StarpuLLMError("this build has no StarPU-MPI support (rebuild with "
-                                     "libstarpumpi and an MPI installed)")
-            from mpi4py import MPI
-            comm_addr = ffi.cast("void *", MPI._addressof(comm))
+        if comm is not None and not lib.sl_mpi_available():
+            raise StarpuLLMError("this build has no StarPU-MPI support (rebuild with "
+                                 "libstarpumpi and an MPI installed)")
         explicit = face is not None
         self.face = face = starpupy_face.resolve(face)
         for why, when in (("cannot start StarPU-MPI (starpu.init() takes no communicator); use "
@@ -191,40 +247,7 @@ class Runtime:
                 f"StarPU 1.3's FORKJOIN tasks (peager) cannot run: use {opt('kcore')} team (the "
                 f"default) or one core per worker")
         self.memory = memory
-        self.offload = offload.start(memory)     # the limit, before StarPU starts
-        self.offload_path = self.offload.path if self.offload else None
-        if face == "starpupy":
-            starpupy_face.start(n, cores_per_worker, self.kcore, KCORE_MODES[kcore], core_ids,
-                                sched)
-        else:
-            ret = lib.sl_start(n, cores_per_worker, KCORE_MODES[kcore], ffi.new("int[]", core_ids),
-                               sched.encode(), comm_addr)
-            if ret != 0:
-                self._stop_offload()
-                raise StarpuLLMError(f"starpu_init failed ({ret}) for {workers} worker(s) x "
-                                     f"{cores_per_worker} core(s) with scheduler {sched!r}"
-                                     + (f", or its disk node in {self.offload.path}"
-                                        if self.offload else ""))
-        Runtime._active = self
-        atexit.register(self.shutdown)
-        self.mpi_poll = None
-        if comm is not None:
-            self.mpi_poll = mpi_polling(core_ids)
-            ret = lib.sl_mpi_poll_backoff(BACKOFF_MAX_US if self.mpi_poll == "backoff" else 0)
-            if ret == -errno.ENOTSUP:
-                self.mpi_poll = ("spin (no backoff: mpi4py's MPI module was imported before "
-                                 "starpu_llm; import starpu_llm first)")
-            elif ret != 0:
-                self.shutdown()
-                raise RuntimeError(f"sl_mpi_poll_backoff failed ({ret})")
-        got = self.starpu_workers = lib.sl_worker_count()
-        expected = starpu_worker_count(workers, cores_per_worker, kcore, oversubscribed,
-                                       memory is not None)
-        if got != expected:
-            self.shutdown()
-            raise StarpuLLMError(f"StarPU started {got} CPU worker(s) instead of "
-                                 f"{expected} (STARPU_NCPU or "
-                                 "STARPU_WORKERS_CPUID in the environment?)")
+        return core_ids, kcore
 
     @property
     def workers_are_starpu_workers(self) -> bool:
