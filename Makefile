@@ -46,7 +46,7 @@ $(VENV)/.test-deps: Makefile | $(VENV)/.installed
 
 # StarPU 1.4, as on the clusters: built from the vendored source into .deps/starpu-1.4 (about 2
 # minutes on 2 cores, once), and the project built against it in its own venv and build
-# directory, beside the default (Debian 1.3) one. Against a cluster's module instead, see README.
+# directory, beside the default (Debian 1.3) one. Against a cluster's module instead: docs/clusters.md.
 S14_TARBALL ?= ../shared/vendor/starpu-1.4.12.tar.gz
 S14_PREFIX  := $(CURDIR)/.deps/starpu-1.4
 VENV14      := .venv-1.4

@@ -10,7 +10,7 @@ from starpu_llm.config import MODELS
 CONFIG_FIELDS = ("engine", "model", "batch", "seq_len", "steps", "workers", "cores_per_worker", "kcore",
                  "sub_batches", "threads", "cpus", "ranks", "mpirun_args", "ownership",
                  "pipeline_stages")
-FIG4_MODES = {   # figure 4's series under mpirun: label -> run-spec fields (README, Scaling out)
+FIG4_MODES = {   # figure 4's series under mpirun: label -> run-spec fields (docs/scaling.md)
     "rank0": dict(ownership="rank0"),
     "sharded": dict(ownership="sharded"),
     "pipeline": dict(ownership="sharded", pipeline_stages="R"),   # one stage per rank

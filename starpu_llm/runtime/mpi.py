@@ -90,7 +90,7 @@ def pin_rank(comm) -> list[int]:
             mine = [mine[lrank % len(mine)]]
         os.sched_setaffinity(0, mine)
     # Workers on this rank's cores; the communication thread on the first of them unless the
-    # user chose (a reserved core on a cluster node: see the README).
+    # user chose (a reserved core on a cluster node: docs/clusters.md).
     os.environ.setdefault("STARPU_WORKERS_CPUID", " ".join(map(str, mine)))
     os.environ.setdefault("STARPU_MPI_THREAD_CPUID", str(mine[0]))
     # starpu_mpi_init_conf would otherwise keep one core out of the workers for that thread

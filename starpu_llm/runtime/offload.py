@@ -23,7 +23,7 @@ _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 # What a run's peak RSS may exceed its memory limit by: what is not StarPU's data, the
 # interpreter, numpy, the compiled modules, StarPU's and MPI's own state, OpenBLAS's buffers,
 # the tokenizer, the token shard's pages read so far; measured 60-100 MiB here for every model
-# (tests/test_offload.py checks it, README "Bigger than memory" gives the measurements).
+# (tests/test_offload.py checks it, docs/offload.md gives the measurements).
 RSS_OVERHEAD = 150 << 20
 
 
