@@ -28,8 +28,8 @@ import time
 
 from provenance import cpu_kind, machine_info
 from starpu_llm.config import MODELS
-from starpu_llm.flow.engine import default_micro_batches
-from starpu_llm.flow.placement import WTE_BLOCKS_ENV
+from starpu_llm.flow.sites import default_micro_batches
+from starpu_llm.flow.topology import WTE_BLOCKS_ENV
 from starpu_llm.runs import run_in_subprocess, write_csv
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -66,7 +66,7 @@ def mode_fields(mode: str) -> dict:
     """The run-spec fields of an ownership mode: rank0, sharded, or pipeline<S>[-<schedule>]
     (pipeline2-gpipe: 2 stages, --pipeline-schedule gpipe; default eager), each with an optional
     -wteN (wte in N row blocks: "env", the run's environment) and -mbN (N sub-batches per
-    copy, a pipeline's micro-batches; default engine.default_micro_batches)."""
+    copy, a pipeline's micro-batches; default sites.default_micro_batches)."""
     opts = dict(re.findall(r"-(wte|mb)(\d+)", mode))
     mode = re.sub(r"-(wte|mb)\d+", "", mode)
     extra = {"env": dict(os.environ, **{WTE_BLOCKS_ENV: opts["wte"]})} if "wte" in opts else {}

@@ -29,7 +29,7 @@ import statistics
 import sys
 
 from starpu_llm.errors import StarpuLLMError
-from starpu_llm.flow.placement import OWNERSHIPS
+from starpu_llm.flow.topology import OWNERSHIPS
 from starpu_llm.perf.predict import Mode, load_calibration, predict
 from starpu_llm.runs import write_csv
 

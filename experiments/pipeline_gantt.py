@@ -62,7 +62,7 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--stages", type=int, default=2)
-    from starpu_llm.flow.placement import PIPELINE_SCHEDULES
+    from starpu_llm.flow.topology import PIPELINE_SCHEDULES
     ap.add_argument("--schedule", default="eager", choices=PIPELINE_SCHEDULES)
     ap.add_argument("--ranks", type=int, default=None, help="MPI processes (default: --stages)")
     ap.add_argument("--ownership", default="sharded", choices=["sharded", "rank0"])

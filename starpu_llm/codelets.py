@@ -17,7 +17,7 @@ the arguments.
   - DirectOps (here) runs the codelet's body at once in the calling thread (the reference
     engine; only the _kernels binding is loaded, no StarPU);
   - runtime.submit.StarPUOps submits one StarPU task per call (lib.sl_submit, never running Python
-    inside a task), at the `Where` it was made for: the placement passes it with every task.
+    inside a task), at the `Where` it was made for: flow/sites.py gives it with every task.
 
 flow/taskflow.py is written against these methods only, so both engines run exactly the same
 sequence of layers.

@@ -9,7 +9,8 @@ from dataclasses import replace
 
 from .config import MODELS
 from .errors import StarpuLLMError, opt
-from .flow.engine import StarPUEngine, default_micro_batches
+from .flow.engine import StarPUEngine
+from .flow.sites import default_micro_batches
 from .flow.memory import footprint
 from .flow.reference import ReferenceEngine
 from .perf import autotune
@@ -122,4 +123,4 @@ def partition_of(engine) -> Partition:
         return Partition("reference", 1, engine.threads, engine.sub_batches, "openmp", 1)
     rt = engine.runtime
     return Partition("starpu", rt.workers, rt.cores_per_worker, engine.subs_per_rank, rt.kcore,
-                     rt.size, engine.placement.ownership, engine.placement.stages)
+                     rt.size, engine.sites.topology.ownership, engine.sites.topology.stages)

@@ -21,7 +21,7 @@ class Partition:
                             # forkjoin or parallel-workers (runtime.effective_kcore); the
                             # reference engine: openmp
     ranks: int = 1          # MPI processes
-    ownership: str = "rank0"  # who owns parameters, gradients, moments (flow/placement.py):
+    ownership: str = "rank0"  # who owns parameters, gradients, moments (flow/topology.py):
                               # sharded or rank0 (a single process: rank0)
     stages: int = 1         # pipeline stages (ranks = stages x data-parallel copies)
 

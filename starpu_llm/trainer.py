@@ -23,7 +23,7 @@ from .checkpointing import check_outputs, check_checkpoint_dir, checkpoint_step,
 from .config import MODELS, GPTConfig, check_batch_shape
 from .engines import autotuned, check_memory, make_engine, partition_of, start_runtime
 from .errors import StarpuLLMError, opt
-from .flow.placement import PIPELINE_SCHEDULES
+from .flow.topology import PIPELINE_SCHEDULES
 from .io import data
 from .io.formats import params_crc
 from .metrics import Metrics, step_extras
@@ -152,7 +152,7 @@ class TrainConfig:
         choices=list(PIPELINE_SCHEDULES), group=PARALLELISM, ranks_agree=True)
     threads: int | None = setting(None, "reference engine: OpenMP/BLAS threads (default: all cores)",
                                   check="positive", group=PARALLELISM)
-    # training under a memory budget (runtime/offload.py, flow/placement.py)
+    # training under a memory budget (runtime/offload.py, flow/handles.py)
     memory_limit: str | None = setting(
         None, "keep the run's main memory under SIZE (e.g. 12G, 800M; powers of 1024): StarPU "
         "allocates every tensor and evicts those that wait (AdamW moments, activations between "

@@ -35,7 +35,7 @@ def main(schedule, micro, shard):
             names = eng.tensor_names()
         # which micro-batches share each tensor: per (stage, tensor name), the first
         # micro-batch holding the same tensor as micro-batch j, for every j
-        layer_stage = eng.placement.layer_stage
+        layer_stage = eng.sites.topology.layer_stage
         shared = {}
         for j, (a, stages) in enumerate(eng.subs):
             named = [(0 if "[" not in t.name else layer_stage[int(t.name.split("[")[1][:-1])],
@@ -52,7 +52,7 @@ def main(schedule, micro, shard):
         for e in events:
             priorities.setdefault(e.codelet, set()).add(e.priority)
         eng.close()
-    mine = dict(rank=comm.Get_rank(), sets=eng.placement.sets, shared=shared,
+    mine = dict(rank=comm.Get_rank(), sets=eng.sites.sets, shared=shared,
                 priorities={k: sorted(v) for k, v in priorities.items()})
     every = comm.gather(mine)     # one line from rank 0: the ranks' lines could interleave
     if comm.Get_rank() == 0:

@@ -24,8 +24,8 @@ def main(ownership, shard):
     with Runtime(1, 1, comm=comm, oversubscribe=True) as rt:
         eng = StarPUEngine(cfg, TrainState(config=cfg, params=random_init(cfg)), 2 * R, 16,
                            tokens, rt, ownership=ownership)
-        mine = {key for key, owner in eng.placement.owners.items() if owner == rank}
-        keys = [key for key, _, _ in eng.layout.slice_list(eng.placement.topology.wte_blocks)]
+        mine = {key for key, owner in eng.sites.topology.owners.items() if owner == rank}
+        keys = [key for key, _, _ in eng.layout.slice_list(eng.sites.topology.wte_blocks)]
         received = [t for d, group in enumerate(eng.contributions) if d != rank
                     for key, t in zip(keys, group.tensors())
                     if key in mine]

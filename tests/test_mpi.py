@@ -144,7 +144,7 @@ def test_shard_owners_balance_the_bytes():
     more than its share 1/R plus the largest slice (the greedy's bound: a rank's last slice
     went to it when it owned the least, at most the mean), where before wte (31 % of GPT-2
     124M) alone was the bound from 4 ranks on; rank0 and one process keep wte whole."""
-    from starpu_llm.flow.placement import Topology, placement_shares, shard_owners, slice_sizes
+    from starpu_llm.flow.topology import Topology, placement_shares, shard_owners, slice_sizes
     from starpu_llm.config import ParamLayout
     for name in ("micro", "d12"):
         cfg = MODELS[name]
@@ -167,7 +167,7 @@ def test_pipeline_stages_balance_the_flops():
     """Stage 0 runs the embedding, its layers and the head; the boundaries minimise the
     busiest stage's flops (checked against every split), so GPT-2 124M's head (5.4 blocks'
     worth) leaves stage 0 fewer blocks; every stage's slices are owned by its ranks."""
-    from starpu_llm.flow.placement import Topology, stage_layers
+    from starpu_llm.flow.topology import Topology, stage_layers
     cfg, T = MODELS["d12"], 64
     block, head = 72 * cfg.C ** 2 + 12 * T * cfg.C, 6 * cfg.Vp * cfg.C
     for S in (2, 3, 4):

@@ -18,8 +18,8 @@ import pytest
 from starpu_llm.perf import autotune, graph, machine, memory
 from starpu_llm.perf.calibrate import calibrate, fit_codelets, nnls3, read_starpu_history, total_error
 from starpu_llm.config import MODELS, PARAMETER_SPECS, ParamLayout
-from starpu_llm.flow.placement import Topology, placement_shares
-from starpu_llm.perf.predict import Mode, predict, stage_layers, task_graph
+from starpu_llm.flow.topology import Topology, placement_shares
+from starpu_llm.perf.predict import Mode, predict, sites_of, task_graph
 from starpu_llm.perf.simulate import SEQUENTIAL
 from starpu_llm.runtime import usable_cores
 from starpu_llm.errors import StarpuLLMError
@@ -31,7 +31,7 @@ def test_recorded_graph_is_the_traced_step():
     from starpu_llm import Runtime
     from tracing import traced_step
     from starpu_llm.config import MODELS
-    g = graph.record("micro", 4, 16, 2)
+    g = graph.record("micro", 4, 16, sites_of("micro", 4, 16, sub_batches=2))
     tokens = np.random.default_rng(0).integers(0, MODELS["micro"].V, 4000).astype(np.uint16)
     with Runtime(1, 1) as rt:
         events, _ = traced_step(rt, MODELS["micro"], tokens, B=4, T=16, sub_batches=2)
@@ -96,7 +96,7 @@ def synthetic(cores, sgemm, bandwidth, task_us=0.0, team_us=0.0, reduction_gbs=1
     """sgemm, bandwidth: GFLOP/s and GB/s per core count (machine.py's lists).
     free_sequential: the one-core codelets (the reductions' add, zero, norm_sum) cost nothing,
     so that no partition is favoured by where they run."""
-    names = {t.codelet for t in task_graph(MODEL, 8, T, 1).tasks} | SEQUENTIAL
+    names = {t.codelet for t in task_graph(MODEL, 8, T, sites_of(MODEL, 8, T)).tasks} | SEQUENTIAL
     ks = sorted({1, *range(2, cores + 1)})
     codelets = {}
     for name in names:
@@ -119,7 +119,7 @@ def step_by_hand(m, B, k):
     """One worker of k cores, one sub-batch: the tasks run one after another, so the step is
     the sum of their costs (sequential codelets on one core), plus the step's fixed cost."""
     total = 0.0
-    for t in task_graph(MODEL, B, T, 1).tasks:
+    for t in task_graph(MODEL, B, T, sites_of(MODEL, B, T)).tasks:
         kk = 1 if t.codelet in SEQUENTIAL else k
         a, b = (0.0, 0.0) if (t.codelet in SEQUENTIAL) else (1.0, 1.0)
         c = m.codelets[t.codelet]["c_us"][kk] * 1e-6
@@ -154,7 +154,8 @@ def test_predictions_move_the_right_way():
         for s in runs.values():
             assert s.critical_path_s <= s.step_s + 1e-12
             assert len(s.idle) == n and all(0 <= x <= 1 for x in s.idle)
-            assert s.tasks == len(task_graph(MODEL, 8, T, n).tasks)
+            assert s.tasks == len(task_graph(MODEL, 8, T, sites_of(
+                MODEL, 8, T, n, k, sub_batches=n, parallel_workers=False)).tasks)
     one = [predict(MODEL, 8, T, 1, k, sub_batches=1, calibration=base,
                    parallel_workers=False).schedule.step_s for k in (1, 2, 4)]
     assert one[0] > one[1] > one[2], one
@@ -439,27 +440,27 @@ def test_pipeline_moves_only_activations():
 
 
 def test_pipeline_embedding_adds_its_wte_gradient_apart():
-    """In a pipeline the model gives the embedding its own wte gradient, added into the
-    head's after the backward (as flow/placement.embedding_wte_grads and
-    taskflow.reduce_gradients do): GPT-2 124M in 2 stages, 4 micro-batches, micro-batch 1's
+    """In a pipeline the engine gives the embedding its own wte gradient, added into the
+    head's after the backward (handles.embedding_wte_grads, taskflow.reduce_gradients), and
+    the model replays it as recorded: GPT-2 124M in 2 stages, 4 micro-batches, micro-batch 1's
     head backward (its lm head adding into the wte gradient) starts before micro-batch 0's
     embedding backward. With one chain through both (one process, no pipeline) it cannot:
     it writes after it."""
     from starpu_llm.perf.model import CostModel
     from starpu_llm.perf.simulate import simulate
-    g = task_graph("d12", 8, 64, 4, 1)
-    stages = stage_layers(g, 2)
-    topo = Topology(MODELS["d12"], 2, 2, layer_stage=stages)
+    m = CostModel(linear(2))
+    pipe_g = task_graph("d12", 8, 64, sites_of("d12", 8, 64, ranks=2, sub_batches=4,
+                                                mode=Mode("sharded", 2)))
+    one_g = task_graph("d12", 8, 64, sites_of("d12", 8, 64, sub_batches=4))
 
-    def start(sched, codelet, sub):
+    def start(g, sched, codelet, sub):
         return next(sched.notes["starts"][i] for i, t in enumerate(g.tasks)
                     if t.codelet == codelet and t.sub == sub
-                    and any(g.handles[h][0].startswith("grad.wte") for h, _ in t.accesses))
-    m = CostModel(linear(2))
-    pipe = simulate(g, m, 1, 1, 2, owners=topo.owners, layer_stage=stages)
-    assert start(pipe, "matmul_backward", 1) < start(pipe, "encoder_backward", 0)
-    one = simulate(g, m, 1, 1, 1)
-    assert start(one, "matmul_backward", 1) > start(one, "encoder_backward", 0)
+                    and any(g.handles[h][0].startswith(("grad.wte", "grad@0.embedding.wte"))
+                            for h, _ in t.accesses))
+    pipe, one = simulate(pipe_g, m, 1), simulate(one_g, m, 1)
+    assert start(pipe_g, pipe, "matmul_backward", 1) < start(pipe_g, pipe, "encoder_backward", 0)
+    assert start(one_g, one, "matmul_backward", 1) > start(one_g, one, "encoder_backward", 0)
     # the embedding's own gradient stays on stage 0: only activations cross
     assert pipe.sent == pipe.received == [2 * 8 * 64 * MODELS["d12"].C * 4] * 2
 
@@ -485,8 +486,9 @@ def test_owner_maps():
         p = predict(MODEL, 12 if R == 3 else 8, T, 1, 1, ranks=R, calibration=m,
                     parallel_workers=False, mode=mode)
         nb = Topology(MODELS[MODEL], R, mode.stages, mode.ownership).wte_blocks
-        assert nb == (1 if mode.ownership == "rank0" else R // mode.stages)
-        g = task_graph(MODEL, p.B, T, p.sub_batches * R // mode.stages, nb)
+        assert nb == (1 if mode.ownership == "rank0" else R // mode.stages) == p.wte_blocks
+        g = task_graph(MODEL, p.B, T, sites_of(MODEL, p.B, T, 1, 1, R, p.sub_batches, mode,
+                                               parallel_workers=False))
         assert g.wte_blocks == nb
         # the embedding and the lm head take every block; wte's updates are one per block
         heads = [t for t in g.tasks if t.sub == 0 and t.codelet in ("encoder_forward",
@@ -519,57 +521,21 @@ def test_mode_predictions_are_deterministic():
     from starpu_llm.perf.simulate import simulate
     m = linear(2, reduction_gbs=2.0)
     m.link_bandwidth_gbs = 0.01
-    topo = {o: Topology(MODELS[MODEL], 4, 1, o) for o in ("rank0", "sharded")}
-    pipe = Topology(MODELS[MODEL], 4, 2, layer_stage=(0, 1))
+    modes = (Mode("rank0"), Mode("sharded"), Mode("sharded", 2))
     runs = []
     for cal in (m, machine.loads(machine.dumps(m))):
         runs.append([(s.step_s, s.critical_path_s, s.busy_s, s.sent, s.received)
-                     for s in (simulate(graph.record(MODEL, 16, T, 8,
-                                                     wte_blocks=topo[o].wte_blocks),
-                                        CostModel(cal), 2, 1, 4, pinned=True, redux=1,
-                                        owners=topo[o].owners) for o in ("rank0", "sharded"))]
-                    + [simulate(graph.record(MODEL, 16, T, 8, wte_blocks=pipe.wte_blocks),
-                                CostModel(cal), 2, 1, 4, pinned=True, redux=1,
-                                owners=pipe.owners, layer_stage=(0, 1)).step_s])
+                     for s in (simulate(graph.record(MODEL, 16, T, sites_of(
+                         MODEL, 16, T, 2, 1, 4, 2 if mode.stages == 1 else 4, mode,
+                         parallel_workers=False)), CostModel(cal), 1) for mode in modes)])
     assert runs[0] == runs[1]
-
-
-def test_pipeline_stages_balance_the_flops():
-    """stage_layers: contiguous stages, stage 0 first (it holds the embedding and the head),
-    every other stage with a layer, and no other split of the layers has a smaller largest
-    stage (all splits tried)."""
-    import itertools
-    g = task_graph("d6", 1, T, 1)
-    L = MODELS["d6"].L
-    flops = [0.0] * L
-    head = 0.0
-    for t in g.tasks:
-        layer = graph.task_layer(g, t)
-        if layer is None:
-            head += t.flops
-        else:
-            flops[layer] += t.flops
-    assert len(set(flops)) == 1 and head > 0     # every block the same, the head apart
-
-    def largest(ends):
-        bounds = (0,) + ends + (L,)
-        return max([head + sum(flops[:bounds[1]])] +
-                   [sum(flops[a:b]) for a, b in zip(bounds[1:], bounds[2:])])
-    for stages in (2, 3, 4, L + 1):
-        got = stage_layers(g, stages)
-        assert list(got) == sorted(got) and set(got) >= set(range(1, stages)), got
-        ends = tuple(got.index(s) for s in range(1, stages))
-        best = min(largest(c) for c in itertools.combinations(range(L), stages - 1))
-        assert largest(ends) == pytest.approx(best), (stages, got)
-    with pytest.raises(StarpuLLMError, match="at most 7 stages"):
-        stage_layers(g, L + 2)
 
 
 def test_task_layer():
     """Every transformer block's tasks, and only they, belong to their layer: one
     sub-batch's step has as many tasks in each layer, the rest (embedding, head, loss,
     updates of wte, wpe, lnf) in none."""
-    g = task_graph(MODEL, 4, T, 1)
+    g = task_graph(MODEL, 4, T, sites_of(MODEL, 4, T))
     layers = [graph.task_layer(g, t) for t in g.tasks if t.sub is not None]
     counts = [layers.count(l) for l in range(MODELS[MODEL].L)]
     assert counts == [10 + 8] * MODELS[MODEL].L         # a block's forward and backward tasks
@@ -737,7 +703,7 @@ def test_predictions_under_a_memory_limit_wait_for_new_memory():
     model, B, T64 = "tiny", 4, 64      # its logits and probabilities above MMAP_MAX
     free = predict(model, B, T64, 1, 2, calibration=m, parallel_workers=False).schedule
     m.first_touch_gbs = [1.0, 1.5]
-    g = task_graph(model, B, T64, 1)
+    g = task_graph(model, B, T64, sites_of(model, B, T64))
     dropped = sum(n for name, n in g.handles
                   if memory.dropped_after_use(name) and n > memory.MMAP_MAX)
     roomy = predict(model, B, T64, 1, 2, calibration=m, parallel_workers=False,
@@ -756,7 +722,7 @@ def test_predictions_under_a_memory_limit():
     m = synthetic(2, [3.0, 5.0], [2.0, 3.0], task_us=5.0)
     m.disk_read_gbs, m.disk_write_gbs = 0.5, 0.25
     model, B = "tiny", 2          # StarPU's limit is whole MiB: a model of tens of them
-    g = task_graph(model, B, T, 1)
+    g = task_graph(model, B, T, sites_of(model, B, T))
     whole = MainMemory([n for _, n in g.handles], 1 << 40)
     peak = 0
     for t in g.tasks:

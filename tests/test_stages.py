@@ -1,12 +1,12 @@
 """The pipeline's stage boundaries: the layers' costs (perf/stages.py) and the split
-(flow/placement.stage_layers). No timing: costs on synthetic machines."""
+(flow/topology.stage_layers). No timing: costs on synthetic machines."""
 import pytest
 
 from starpu_llm.config import MODELS
-from starpu_llm.flow.placement import stage_layers
+from starpu_llm.flow.topology import stage_layers
 from starpu_llm.perf import machine
 from starpu_llm.perf.model import CostModel
-from starpu_llm.perf.predict import task_graph
+from starpu_llm.perf.predict import sites_of, task_graph
 from starpu_llm.perf.stages import layer_costs
 
 MODEL, B, T = "micro", 2, 16
@@ -15,7 +15,7 @@ NOT_IN_A_LAYER = ("load_batch", "adamw", "grad_sumsq", "norm_sum")   # the step'
 
 def synthetic(a, b, c_us=0.0, task_us=1.0):
     """A one-core machine on which codelet x costs a[x] * flops + b[x] * bytes + c."""
-    names = {t.codelet for t in task_graph(MODEL, B, T, 1).tasks}
+    names = {t.codelet for t in task_graph(MODEL, B, T, sites_of(MODEL, B, T)).tasks}
     codelets = {n: {"a": {1: a.get(n, 1.0)}, "b": {1: b.get(n, 1.0)}, "c_us": {1: c_us}}
                 for n in names}
     return machine.Machine("synthetic", 1, [1.0], [1.0], task_us=task_us, codelets=codelets)
@@ -28,7 +28,7 @@ def test_layer_costs_account_for_every_task_of_the_recorded_step():
     cost = CostModel(m)
     head, blocks = layer_costs(MODELS[MODEL], B, T, cost)
     want = sum(cost.task(t.codelet, t.flops, t.nbytes, 1, 1)
-               for t in task_graph(MODEL, B, T, 1).tasks if t.codelet not in NOT_IN_A_LAYER)
+               for t in task_graph(MODEL, B, T, sites_of(MODEL, B, T)).tasks if t.codelet not in NOT_IN_A_LAYER)
     assert head + sum(blocks) == pytest.approx(want, rel=1e-9)
     assert head > 0 and len(blocks) == MODELS[MODEL].L
     assert all(x == pytest.approx(blocks[0], rel=1e-12) for x in blocks)

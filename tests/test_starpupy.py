@@ -127,8 +127,8 @@ def test_starpupy_handle_pointer_is_a_starpu_handle():
     """The raw handle of a starpupy Handle (its capsule) is the StarPU handle C code orders
     on: a C task writing it (the snapshot copy) runs before the starpupy task reading it."""
     with Runtime(1, 1, face="starpupy") as rt:
-        from starpu_llm.flow.placement import Placement
-        place = Placement(rt, MODELS["micro"])
+        from starpu_llm.flow.handles import Handles
+        place = Handles(rt, MODELS["micro"])
         src = [np.arange(5, dtype=np.float32), np.arange(5, 8, dtype=np.float32)]
         handles = [place._register(a) for a in src]
         dst = np.zeros(8, np.float32)

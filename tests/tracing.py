@@ -1,5 +1,7 @@
 """Test helpers: run one training step under the task trace and name its handles."""
 from starpu_llm.flow.engine import StarPUEngine
+from starpu_llm.flow.sites import Sites
+from starpu_llm.flow.topology import Topology
 from starpu_llm.state import TrainState, random_init
 
 
@@ -10,8 +12,13 @@ def traced_step(runtime, config, tokens, B=4, T=16, sub_batches=None, grad_clip=
     state = TrainState(config=config, params=random_init(config))
     runtime.start_trace(100_000)
     try:
+        # wte's blocks: the sites of a topology with that many (as the performance model
+        # records a partition's step), else the engine's own
+        sites = (Sites(Topology(config, 1, wte_blocks=wte_blocks), sub_batches or 1,
+                       runtime.workers, runtime.workers_are_starpu_workers)
+                 if wte_blocks else None)
         eng = StarPUEngine(config, state, B, T, tokens, runtime, sub_batches=sub_batches,
-                           wte_blocks=wte_blocks)
+                           sites=sites)
         try:
             eng.step(0, 1e-3, 0.0, grad_clip)
             names = eng.tensor_names()

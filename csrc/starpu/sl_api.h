@@ -109,7 +109,7 @@ void *sl_home_ptr(sl_handle h);
  * gradients as STARPU_REDUX contributions) and for the accumulate field of args the
  * declaration names (SL_CODELET_ACC), a copy of args (args_size bytes, the codelet's argument
  * struct) and its flop count from the declaration. Where it runs is
- * the caller's decision, given with every task (starpu_llm/flow/placement.py decides):
+ * the caller's decision, given with every task (starpu_llm/flow/sites.py decides):
  *   node:   the StarPU-MPI rank that runs it, or SL_NODE_OWNER: the owner of the data it
  *           writes (StarPU-MPI's rule); ignored by plain StarPU;
  *   worker: the StarPU worker that runs it, or SL_ANY_WORKER: where the scheduler puts it;
@@ -120,6 +120,9 @@ void *sl_home_ptr(sl_handle h);
 #define SL_ANY_WORKER -1
 int sl_submit(int codelet, const sl_handle *handles, int n, int redux, const void *args,
 	      size_t args_size, int node, int worker, int priority);
+/* How many tasks sl_submit has submitted in this process: the next one's submission number
+ * (its trace's job; perf/graph.py matches a recorded task with its site by it). */
+long long sl_submitted(void);
 
 /* ---- task trace (trace.c) ----
  * When enabled, each task records its codelet, worker and start/end time (CLOCK_MONOTONIC ns,

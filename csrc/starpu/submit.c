@@ -79,10 +79,13 @@ static int check_handles(const struct sl_codelet *c, const sl_handle *handles, i
  * every process submits every task:
  * starpu_mpi_task_insert runs it on `node` (or on the owner of what it writes) and posts the
  * transfers its data need. */
+static uint64_t submitted;
+
+long long sl_submitted(void) { return (long long)__atomic_load_n(&submitted, __ATOMIC_RELAXED); }
+
 int sl_submit(int codelet, const sl_handle *handles, int n, int redux, const void *args,
 	      size_t args_size, int node, int worker, int priority)
 {
-	static uint64_t submitted;
 	const struct sl_codelet *c = sl_codelet_get(codelet);
 	struct starpu_codelet *cl = sl_starpu_codelet(codelet);
 	if (!c || !cl)

@@ -1,8 +1,8 @@
 """The StarPU engine: every tensor a StarPU data handle, every layer a task.
 
-The step (step.py) submits the task flow; the placement (placement.py) registers the handles
-and decides where tasks run, also across MPI processes. The reference engine, the same step
-without StarPU, is in reference.py.
+The step (step.py) submits the task flow; handles.py registers the data handles, sites.py
+decides where each task runs (also across MPI processes: who owns what is topology.py's). The
+reference engine, the same step without StarPU, is in reference.py.
 """
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ from ..runtime.offload import format_size
 from . import taskflow
 from .checkpoint_task import CheckpointTask
 from .memory import step_needs
-from .placement import (READ, READ_WRITE, HandleSlices, Placement, Topology, acquired,
-                        gradient_mode, schedule_order)
+from .handles import READ, READ_WRITE, HandleSlices, Handles, acquired
+from .sites import Sites, default_sub_batches
 from .step import Engine
+from .topology import Topology, gradient_mode, schedule_order
 from ..runtime.submit import StarPUOps
 
 
@@ -35,35 +36,33 @@ def write_tensor(t, values):
         x[:values.size] = values
 
 
-def default_micro_batches(per_copy: int, stages: int, workers: int) -> int:
-    """A pipeline's sub-batches (micro-batches) per copy when not given: the fewest that
-    divide the copy's batch and give each stage's workers two each in flight (2 S N), so
-    that a stage has the next micro-batch while the others hold theirs; at most one sequence
-    each."""
-    return next((m for m in range(2 * stages * workers, per_copy + 1) if per_copy % m == 0),
-                per_copy)
-
-
 class StarPUEngine(Engine):
     """Every tensor a StarPU data handle; every layer a task (needs a running Runtime).
 
     Under StarPU-MPI (a Runtime started on a communicator of R processes) every process
     submits the whole graph; rank r runs its sub-batches (B/R sequences), the owner of each
-    parameter slice its update (`ownership`: placement.py). wte_blocks: wte's row blocks
-    instead of the topology's (the performance model records a rank's graph so, perf/graph.py)."""
+    parameter slice its update (`ownership`: topology.py).
+
+    sites (a sites.Sites, instead of the partition of the runtime and the settings): the
+    performance model's recording of another partition's step (perf/graph.py): this process
+    plays every rank of the sites' topology, registers every rank's handles (with their
+    owners, Handles.owner_of) and submits every task anywhere here, the site it would run at
+    there recorded (ops.sites); its tasks are meant to run dry (sl_set_dry_run)."""
 
     name = "starpu"
 
     def __init__(self, config, state, B, T, tokens, runtime, sub_batches: int | None = None,
                  record: bool = False, ownership: str | None = None, pipeline_stages: int = 1,
                  stage_costs=None, pipeline_schedule: str | None = None,
-                 wte_blocks: int | None = None):
+                 sites: Sites | None = None):
         if not runtime.running:
             raise RuntimeError("the StarPU runtime is not running")
         nranks = runtime.size
-        topology = Topology(config, nranks, pipeline_stages,
-                            (ownership or "sharded") if nranks > 1 else "rank0", T, stage_costs,
-                            wte_blocks=wte_blocks)
+        if sites is not None:
+            topology, sub_batches = sites.topology, sites.subs_per_copy
+            pipeline_stages = topology.stages
+        else:
+            topology = Topology.of(config, nranks, pipeline_stages, ownership, T, stage_costs)
         copies = topology.copies      # data-parallel copies: every rank's without a pipeline
         where = (f"{copies} data-parallel copies of the pipeline" if pipeline_stages > 1
                  else f"{nranks} MPI processes")
@@ -71,10 +70,8 @@ class StarPUEngine(Engine):
             raise StarpuLLMError(f"{opt('batch')} {B} cannot be split over {where}; "
                                  f"use a {opt('batch')} divisible by {copies}")
         per_copy = B // copies
-        if sub_batches is None and pipeline_stages > 1:
-            sub_batches = default_micro_batches(per_copy, pipeline_stages, runtime.workers)
-        if sub_batches is None:   # data parallelism: one sub-batch per worker by default
-            sub_batches = runtime.workers
+        if sub_batches is None:
+            sub_batches = default_sub_batches(per_copy, pipeline_stages, runtime.workers)
             if per_copy % sub_batches:
                 raise StarpuLLMError(
                     f"{opt('batch')} {B} cannot be split over {sub_batches} workers (one sub-batch "
@@ -87,15 +84,19 @@ class StarPUEngine(Engine):
         self.subs_per_rank = sub_batches     # per data-parallel copy (a rank's, or a pipeline's)
         super().__init__(config, state, B, T, tokens, sub_batches * copies)
         self.runtime = runtime
-        self.ops = StarPUOps(record=record)
+        self.ops = StarPUOps(record=record, sites={} if sites is not None else None)
         self.memory = runtime.memory
         if self.memory is not None:
             self.check_memory()      # before StarPU allocates anything of ours
-        self.placement = place = Placement(runtime, config, topology, self.subs_per_rank,
-                                           pipeline_schedule or "eager", self.memory)
+        self.sites = sites or Sites(topology, self.subs_per_rank, runtime.workers,
+                                    runtime.workers_are_starpu_workers,
+                                    pipeline_schedule or "eager")
+        self.handles = place = Handles(runtime, config, self.sites, self.memory,
+                                       everywhere=sites is not None)
         self.layer_stage = place.layer_stage if place.stages > 1 else None
         self.redux = place.redux
-        self.rank, self.mpi = place.rank, place.mpi
+        # mpi: the step spans ranks (the recording of another partition's too)
+        self.rank, self.mpi = place.rank, topology.ranks > 1
         self.p, self.g, self.m, self.v = (
             place.parameter_tensors(kind, self.layout, flat)
             for kind, flat in (("param", state.params), ("grad", state.grads),
@@ -167,33 +168,33 @@ class StarPUEngine(Engine):
         activations prefixed "s{i}."), to read the handles of a task trace."""
         return {int(ffi.cast("uintptr_t", t.h)): name for name, t in self.named_tensors()}
 
-    # --- where tasks run: the placement decides, each submission takes it ---
+    # --- where tasks run: the sites decide, each submission takes one ---
     def sub_batch_ops(self, i, phase="forward"):
-        return self.ops.at(self.placement.sub_batch_site(i, phase))
+        return self.ops.at(self.sites.sub_batch_site(i, phase))
 
     def update_ops(self):
-        return self.ops.at(self.placement.update_site())
+        return self.ops.at(self.sites.update_site())
 
     def sub_batch_grads(self, i):
-        return self.contributions[self.placement.copy(i)]
+        return self.contributions[self.sites.copy(i)]
 
     def sub_batch_embedding_wte(self, i):
-        return None if self.embedding_wte is None else self.embedding_wte[self.placement.copy(i)]
+        return None if self.embedding_wte is None else self.embedding_wte[self.sites.copy(i)]
 
     def _activations_used(self):
         """Under a memory limit: each activation and scratch tensor of this process (but the
         losses, which loss() reads) dropped once the tasks using it have run, so that StarPU
         frees it then instead of writing it to disk (its next use, the next step's, writes
         it)."""
-        if self.placement.offload:
+        if self.handles.offload:
             for a, stages in self.subs:
                 for t in (t for group in (a, *stages) for t in group.tensors()):
-                    if t is not a.losses and self.placement.holds(t):
+                    if t is not a.losses and self.handles.holds(t):
                         lib.sl_invalidate(t.h)
 
     def _gradients_submitted(self):
         if self.mpi:
-            taskflow.reduce_gradients(self.ops.at(self.placement.reduction_site()), self.config,
+            taskflow.reduce_gradients(self.ops.at(self.sites.reduction_site()), self.config,
                                       self.g, self.contributions, self.embedding_wte)
 
     def wait(self):
@@ -208,7 +209,7 @@ class StarPUEngine(Engine):
         if not self.mpi:
             return super().loss()
         mine = [self.read(a.losses).mean(dtype=np.float64)
-                for i, (a, _) in enumerate(self.subs) if self.placement.owner(i) == self.rank]
+                for i, (a, _) in enumerate(self.subs) if self.sites.owner(i) == self.rank]
         return float(sum(self.runtime.comm.allreduce(mine)) / self.sub_batches)
 
     def sync(self):
@@ -220,13 +221,13 @@ class StarPUEngine(Engine):
         self.wait()
         # not the gradients (each update leaves them zero; a received copy on a non-owner
         # would be added into by its next gradient reduction)
-        self.placement.gather_to_root(t for group in (self.p, self.m, self.v)
+        self.handles.gather_to_root(t for group in (self.p, self.m, self.v)
                                       for t in group.tensors())
-        if (self.mpi and self.rank != 0) or self.placement.offload:
+        if (self.mpi and self.rank != 0) or self.handles.offload:
             return          # (under a limit the state's buffers are the handles themselves)
         for group in groups:
             for t in group.tensors():
-                if t.name in self.placement.elsewhere:   # another rank's gradient
+                if t.name in self.handles.elsewhere:   # another rank's gradient
                     continue
                 if lib.sl_acquire(t.h, 1) == ffi.NULL:
                     raise RuntimeError(f"acquiring {t.name} failed")
@@ -256,27 +257,27 @@ class StarPUEngine(Engine):
                 checkpoints.close()
                 checkpoints.check()
         finally:
-            self.placement.unregister_all()
+            self.handles.unregister_all()
 
     def logits(self) -> np.ndarray:
-        if self.placement.offload:
+        if self.handles.offload:
             raise StarpuLLMError(f"under {opt('memory_limit')} the logits are dropped once the "
                                  f"backward has read them")
-        if self.placement.sets < self.subs_per_rank:
-            raise StarpuLLMError(f"a {self.placement.schedule} pipeline keeps no micro-batch's "
+        if self.sites.sets < self.subs_per_rank:
+            raise StarpuLLMError(f"a {self.sites.schedule} pipeline keeps no micro-batch's "
                                  f"logits past its backward; use {opt('pipeline_schedule')} gpipe")
         return super().logits()
 
     def describe(self):
-        place = self.placement
-        unit = "copy" if place.stages > 1 else "process"
+        sites = self.sites
+        unit = "copy" if sites.topology.stages > 1 else "process"
         per = f" ({self.subs_per_rank} per {unit})" if self.mpi else ""
         pipe = ""
-        if place.schedule:
-            pipe = (f", schedule {place.schedule}: each stage holds at most {place.sets} "
+        if sites.schedule:
+            pipe = (f", schedule {sites.schedule}: each stage holds at most {sites.sets} "
                     f"micro-batch(es) of {self.subs_per_rank}, "
-                    + schedule_order(place.schedule))
-        nb = place.topology.wte_blocks
+                    + schedule_order(sites.schedule))
+        nb = sites.topology.wte_blocks
         blocks = f", wte in {nb} row blocks" if nb > 1 else ""
         return (f"starpu engine, {self.runtime.describe()}, {self.sub_batches} sub-batch(es)"
                 f"{per}{pipe}{blocks}")

@@ -30,7 +30,7 @@ from ..errors import StarpuLLMError, opt
 from ..runtime.submit import StarPUOps
 from . import taskflow
 from .engine import read_tensor, write_tensor
-from .placement import Placement
+from .handles import Handles
 from .tensors import ActivationTensors, DecodeTensors, KVCache, ParameterTensors, Tensor
 
 DEFAULT_CHUNK = 64     # prompt positions per prefill step
@@ -71,7 +71,7 @@ class DirectBackend:
 
 class StarPUBackend:
     """The StarPU engine's side of generation: every tensor a StarPU handle on our memory,
-    registered once (its own Placement), every layer a task (runtime.submit.StarPUOps). Parameters:
+    registered once (its own Handles), every layer a task (runtime.submit.StarPUOps). Parameters:
     `params` (registered here) or the training engine's ParameterTensors `p`."""
 
     def __init__(self, runtime, config, params=None, p=None):
@@ -80,13 +80,13 @@ class StarPUBackend:
         if runtime.size > 1:
             raise StarpuLLMError("generation runs in one process: it is not available under mpirun")
         self.runtime, self.config, self.ops = runtime, config, StarPUOps()
-        self.placement = Placement(runtime, config)
-        self.p = p if p is not None else self.placement.parameter_tensors(
+        self.handles = Handles(runtime, config)
+        self.p = p if p is not None else self.handles.parameter_tensors(
             "param", ParamLayout(config), params)
         self.write = write_tensor
 
     def tensor(self, name, shape, dtype=np.float32) -> Tensor:
-        return self.placement.tensor(name, shape, dtype)
+        return self.handles.tensor(name, shape, dtype)
 
     def read(self, t) -> np.ndarray:
         self.runtime.wait()     # the whole step, which also frees its tasks' arguments
@@ -97,7 +97,7 @@ class StarPUBackend:
         return StarPUBackend(self.runtime, self.config, p=self.p)
 
     def close(self):
-        self.placement.unregister_all()
+        self.handles.unregister_all()
 
 
 # ---- the decode flow

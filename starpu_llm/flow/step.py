@@ -37,9 +37,9 @@ class Engine:
         self.config, self.state, self.B, self.T = config, state, B, T
         self.sub_batches, self.Bs = sub_batches, B // sub_batches
         # how sub-batches add their gradients (StarPU engine: a reduction or a chain, its
-        # placement decides); the reference engine adds them in order
+        # sites decide); the reference engine adds them in order
         self.redux = 0
-        # the pipeline stage of each layer (the StarPU engine's placement; here one stage)
+        # the pipeline stage of each layer (the StarPU engine's topology; here one stage)
         self.layer_stage = None
         self.layout = ParamLayout(config)
         self.tokens = tokens   # keep the shard alive: load tasks read it
@@ -61,7 +61,7 @@ class Engine:
         """The names of the tasks submitted so far, in order, when recording; else None."""
         return None
 
-    # where tasks run: the StarPU engine's placement decides; the reference runs them here
+    # where tasks run: the StarPU engine's sites decide; the reference runs them here
     def sub_batch_ops(self, i: int, phase: str = "forward"):
         """The executor of sub-batch i's tasks of a phase: "forward" (its load and blocks),
         "head" (final layernorm, lm head, loss), "head_backward" (theirs) or "backward"."""

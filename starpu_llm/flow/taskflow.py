@@ -65,7 +65,7 @@ def block_forward(ops, cfg: GPTConfig, p, l: int, x, b, N: int, attention):
 def backward(ops, cfg: GPTConfig, p, g, a, s, B: int, T: int, dloss: float, redux: int,
              layer_stage=None, embedding_wte=None, head_ops=None):
     """Backward pass: accumulates into the parameter gradients g (RW, or REDUX when sub-batches
-    add into them through a StarPU reduction: placement.py says when). dloss scales the
+    add into them through a StarPU reduction: topology.gradient_mode says when). dloss scales the
     per-token loss gradient (1/(global B*T)). s: the backward scratch of each pipeline stage
     (one without a pipeline); layer_stage[l] the stage of layer l (default: all on stage 0,
     which also runs the head and the embedding). Where the backward moves from one stage to
@@ -120,7 +120,7 @@ def backward(ops, cfg: GPTConfig, p, g, a, s, B: int, T: int, dloss: float, redu
 def reduce_gradients(ops, cfg: GPTConfig, g, contributions, embedding_wte=None):
     """After the backward passes: each copy's embedding wte gradient (embedding_wte[d], a
     pipeline's: backward) added into its wte contribution and zeroed, block by block; then each copy's
-    contribution to a gradient slice (contributions[d], placement.Placement.contributions; the
+    contribution to a gradient slice (contributions[d], handles.Handles.contributions; the
     slices a copy's rank owns are the gradients themselves) added into the slice, on its
     owner, in copy order: a fixed sum, the same in every run; then zeroed for the next step.
     In update order, so the slices final first are reduced first."""

@@ -93,7 +93,7 @@ def shape_only(layout: ParamLayout) -> np.ndarray:
 
 # GPT-2's 16 parameter tensors in llm.c's order (config.PARAMETERS): one group each for the
 # parameters, gradients and AdamW moments. A block's tensor is the list of its L layers' slices,
-# wte the list of its row blocks (placement.Topology.wte_blocks; one in a single process).
+# wte the list of its row blocks (topology.Topology.wte_blocks; one in a single process).
 ParameterTensors = make_dataclass(
     "ParameterTensors", [(p.name, list if is_sliced(p.name) else Tensor) for p in PARAMETERS],
     bases=(_ParameterGroup,))
@@ -191,7 +191,7 @@ class BackwardScratch(SubBatchGroup):
 # The activations that outlive a step: the losses (the step's loss reads them after it) and
 # the inputs and targets (written by the load task, which may run ahead). Each micro-batch of
 # a pipeline keeps its own; the rest a stage may share between micro-batches
-# (placement.Placement.sub_batch).
+# (handles.Handles.sub_batch).
 PER_MICRO_BATCH = ("inputs", "targets", "losses")
 
 

@@ -1,12 +1,16 @@
-"""The task graph of one training step, exactly as the driver submits it.
+"""The task graph of one training step, exactly as the driver submits it, and where each task
+runs, as the engine places it.
 
 A real StarPU engine runs one step in dry-run mode (sl_set_dry_run: every task goes through
 StarPU, with its data handles, access modes and dependencies, and is traced, but its kernel is
 skipped), so the graph holds the tasks, shapes and accesses of the real code path, in
 submission order, in a fraction of a step's time (GPT-2 124M: ~5 ms of tasks plus the
-engine's set-up). It is recorded on one one-core worker; the sub-batches' placement and the
-gradients' reduction of a given partition are applied by the simulator (simulate.py) with the
-placement's own rule (flow/placement.py, gradient_mode).
+engine's set-up). The engine is made for the partition predicted (a flow/sites.Sites: R ranks,
+pipeline stages, owners, N workers, pinning, schedule) in this one process, which plays every
+rank (StarPUEngine's `sites`): it registers every rank's handles with their owners and submits
+the whole step, the cross-rank gradient reduction included, each task with the site the
+engine gives it there. The simulator (simulate.py) replays it as it is; it decides nothing
+the engine decides.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import numpy as np
 
 from .._clib import ffi, lib
 from ..config import PARAMETER_SPECS, ROW_BLOCKED
+from ..flow.sites import ANY, OWNER, Sites
 
 # access bits of the trace (csrc/sl_api.h)
 R, W, REDUX = lib.SL_ACCESS_R, lib.SL_ACCESS_W, lib.SL_ACCESS_REDUX
@@ -29,6 +34,9 @@ class GraphTask:
     sub: int | None         # the sub-batch whose activations it uses (None: updates, norm)
     accesses: tuple         # ((handle index, access bits), ...) in buffer order
     grads: frozenset        # handle indexes it adds a gradient contribution into
+    rank: int | None = None     # the rank the engine gave it (None: the owner of what it writes)
+    worker: int | None = None   # the worker it gave it (None: the scheduler's choice)
+    priority: int = 0
 
 
 @dataclass
@@ -36,9 +44,13 @@ class TaskGraph:
     model: str
     B: int
     T: int
-    sub_batches: int
+    sub_batches: int        # of all ranks
     tasks: list             # GraphTask, in submission order
     handles: list           # (name, nbytes) by handle index
+    owners: list | None = None  # the rank owning each handle (None: the rank writing it)
+    ranks: int = 1
+    workers: int = 1        # per rank
+    subs_per_copy: int | None = None   # sub-batches (micro-batches) per data-parallel copy
 
     def bytes_of(self, h: int) -> int:
         return self.handles[h][1]
@@ -87,9 +99,13 @@ def task_bytes(accesses, sizes) -> int:
     return sum(sizes[h] for h, _ in accesses)
 
 
-def graph_from_events(events, table, model, B, T, sub_batches) -> TaskGraph:
+def graph_from_events(events, table, model, B, T, sub_batches, sites=None, owners=None,
+                      where=None) -> TaskGraph:
     """The TaskGraph of traced events (TraceEvent with buffers), table: {handle address:
-    (name, nbytes)}. Events are put back in submission order (their job numbers)."""
+    (name, nbytes)}. Events are put back in submission order (their job numbers). With a
+    recorded partition: sites (its Sites), owners ({handle address: rank}) and where
+    ({submission number: (codelet, the Where of that task)}): the graph keeps those submissions' events
+    alone (not the tasks StarPU makes for its reductions), each with its site."""
     index, handles = {}, []
     for addr, (name, nbytes) in table.items():
         index[addr] = len(handles)
@@ -97,22 +113,36 @@ def graph_from_events(events, table, model, B, T, sub_batches) -> TaskGraph:
     sizes = [n for _, n in handles]
     tasks = []
     for e in sorted((e for e in events if e.buffers is not None), key=lambda e: e.job):
+        site = None
+        if where is not None:   # one of the engine's submissions (not StarPU's own tasks)
+            codelet, site = where.get(e.job, (None, None))
+            if codelet != e.codelet:
+                continue
         acc = tuple((index[h], mode) for h, mode in e.buffers)
         subs = {handles[h][0].split(".", 1)[0] for h, _ in acc}
         subs = {int(s[1:]) for s in subs if s[:1] == "s" and s[1:].isdigit()}
         sub = subs.pop() if len(subs) == 1 else None
         grads = frozenset(h for h, mode in acc if mode & (W | REDUX) and e.codelet != "adamw"
-                          and handles[h][0].startswith("grad."))
-        tasks.append(GraphTask(e.codelet, e.flops, task_bytes(acc, sizes), sub, acc, grads))
-    return TaskGraph(model, B, T, sub_batches, tasks, handles)
+                          and handles[h][0].startswith(("grad.", "grad@")))
+        rank = worker = None
+        if site is not None:
+            rank = None if site.node == OWNER else site.node
+            worker = None if site.worker == ANY else site.worker
+        tasks.append(GraphTask(e.codelet, e.flops, task_bytes(acc, sizes), sub, acc, grads,
+                               rank, worker, e.priority))
+    graph = TaskGraph(model, B, T, sub_batches, tasks, handles)
+    if sites is not None:
+        graph.owners = [owners.get(addr) for addr in table]
+        graph.ranks, graph.workers = sites.topology.ranks, sites.workers
+        graph.subs_per_copy = sites.subs_per_copy
+    return graph
 
 
-def record(model: str, B: int, T: int, sub_batches: int = 1, grad_clip: float = 0.0,
-           wte_blocks: int = 1) -> TaskGraph:
-    """Record the task graph of one training step of `model` (a MODELS name) at batch B (split
-    into sub_batches), sequence length T, wte in wte_blocks row blocks (what the placement
-    gives the ranks: flow/placement.Topology.wte_blocks): a dry-run step on a fresh one-worker
-    runtime (no runtime may be running in this process)."""
+def record(model: str, B: int, T: int, sites: Sites, grad_clip: float = 0.0) -> TaskGraph:
+    """Record the task graph of one training step of `model` (a MODELS name) at batch B (all
+    ranks'), sequence length T, on the partition of `sites` (its ranks, owners, workers,
+    sub-batches per copy): a dry-run step of an engine made for those sites in this process
+    (on a fresh one-worker runtime: no runtime may be running in this process)."""
     from ..config import MODELS, ParamLayout
     from ..flow.engine import StarPUEngine
     from ..runtime.starpu import Runtime
@@ -123,24 +153,27 @@ def record(model: str, B: int, T: int, sub_batches: int = 1, grad_clip: float = 
     # the dry run reads nothing: zero pages, never touched
     state = TrainState(config=config, params=np.zeros(layout.total, np.float32))
     tokens = np.zeros(B * T + 1, np.uint16)
+    subs = sites.subs_per_copy * sites.topology.copies
+    capacity = 64 + 600 * config.L * subs
     with Runtime(1, 1) as rt:
-        eng = StarPUEngine(config, state, B, T, tokens, rt, sub_batches=sub_batches,
-                           wte_blocks=wte_blocks)
+        eng = StarPUEngine(config, state, B, T, tokens, rt, sites=sites)
         try:
             table = {int(ffi.cast("uintptr_t", t.h)): (name, t.size * t.dtype.itemsize)
                      for name, t in eng.named_tensors()}
             lib.sl_set_dry_run(1)
-            rt.start_trace(64 + 400 * config.L * sub_batches)
+            rt.start_trace(capacity)
             try:
-                with np.errstate(all="ignore"):     # the step's loss is of skipped kernels
-                    eng.step(0, 0.0, 0.0, grad_clip)
+                with np.errstate(all="ignore"):     # the step's values are of skipped kernels
+                    eng.submit_forward_backward(0)
+                    eng.submit_update(0.0, 0.0, grad_clip)
+                    eng.wait()
                 events = rt.trace()
             finally:
                 rt.stop_trace()
                 lib.sl_set_dry_run(0)
         finally:
             eng.close()
-    graph = graph_from_events(events, table, model, B, T, sub_batches)
-    if len(events) >= 64 + 400 * config.L * sub_batches:
+    if len(events) >= capacity:
         raise RuntimeError("the dry-run trace overflowed its buffer")
-    return graph
+    return graph_from_events(events, table, model, B, T, subs, sites, eng.handles.owner_of,
+                             eng.ops.sites)

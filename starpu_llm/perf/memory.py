@@ -4,7 +4,7 @@ which tensors StarPU evicts to the disk and which it reads back, so the bytes ea
 for (predict.py adds their time at the disk's calibrated bandwidth).
 
 The rules are StarPU 1.3's (src/datawizard/memalloc.c) as far as they decide the bytes moved:
-  - every tensor is StarPU's (flow/placement.py under a limit), allocated when a task (or the
+  - every tensor is StarPU's (flow/handles.py under a limit), allocated when a task (or the
     initial fill) first uses it; StarPU counts each buffer's size against the limit;
   - a task's buffers are fetched into main memory before it runs: allocated, and read from
     the disk when their values are there and not in memory (a buffer it only writes is not

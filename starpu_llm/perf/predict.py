@@ -1,6 +1,6 @@
 """starpu-llm predict: the step time of a configuration, from the recorded task graph
 (graph.py), the cost model (model.py) and the list scheduler (simulate.py); across ranks
-under each way of spreading the model over them (a Mode: flow/placement.py's ownership, and
+under each way of spreading the model over them (a Mode: flow/topology.py's ownership, and
 pipeline stages)."""
 from __future__ import annotations
 
@@ -15,27 +15,28 @@ from typing import NamedTuple
 
 from ..config import MODELS
 from ..errors import StarpuLLMError, opt
-from ..flow.placement import OWNERSHIPS, Topology, gradient_mode
+from ..flow.sites import Sites, default_sub_batches
+from ..flow.topology import OWNERSHIPS, Topology
 from . import graph as graphs
 from . import memory
 from .machine import Machine, default_path, load
 from .model import CostModel
 from .simulate import Schedule, simulate
+from .stages import layer_costs
 
 _GRAPHS: dict = {}
 
 
-def task_graph(model: str, B: int, T: int, sub_batches: int,
-               wte_blocks: int = 1) -> graphs.TaskGraph:
-    """The recorded graph of (model, B, T, sub-batches, wte's row blocks), recorded once per
-    process."""
-    key = (model, B, T, sub_batches, wte_blocks)
+def task_graph(model: str, B: int, T: int, sites: Sites) -> graphs.TaskGraph:
+    """The recorded graph of (model, B, T) on the partition of `sites` (graph.record),
+    recorded once per process."""
+    key = (model, B, T, sites.key())
     if key not in _GRAPHS:
-        _GRAPHS[key] = _record_apart(model, B, T, sub_batches, wte_blocks)
+        _GRAPHS[key] = _record_apart(model, B, T, sites)
     return _GRAPHS[key]
 
 
-def _record_apart(model: str, B: int, T: int, sub_batches: int, wte_blocks: int):
+def _record_apart(model: str, B: int, T: int, sites: Sites):
     """graphs.record in a fresh Python process of its own, only the graph coming back
     (pickled): each dry-run step starts a StarPU runtime and registers every tensor of the
     batch, and in one process their memory added up from one recording to the next (14 GB
@@ -44,10 +45,12 @@ def _record_apart(model: str, B: int, T: int, sub_batches: int, wte_blocks: int)
     threads, and a spawn re-runs the caller's script when it has no __main__ guard."""
     with tempfile.TemporaryDirectory(prefix="starpu-llm-graph-") as tmp:
         path = os.path.join(tmp, "graph.pickle")
-        code = ("import pickle; from starpu_llm.perf.graph import record; "
-                f"g = record({model!r}, {B}, {T}, {sub_batches}, wte_blocks={wte_blocks}); "
-                f"pickle.dump(g, open({path!r}, 'wb'))")
-        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        with open(path, "wb") as f:
+            pickle.dump((model, B, T, sites), f)
+        code = ("import pickle, sys; from starpu_llm.perf.graph import record; "
+                "path = sys.argv[1]; args = pickle.load(open(path, 'rb')); "
+                "pickle.dump(record(*args), open(path, 'wb'))")
+        p = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True)
         if p.returncode != 0:
             raise RuntimeError("recording the task graph failed: "
                                + (p.stderr.strip().splitlines() or ["?"])[-1])
@@ -56,7 +59,7 @@ def _record_apart(model: str, B: int, T: int, sub_batches: int, wte_blocks: int)
 
 
 class Mode(NamedTuple):
-    """How R ranks share the model: `ownership` (placement.OWNERSHIPS) of the parameter
+    """How R ranks share the model: `ownership` (topology.OWNERSHIPS) of the parameter
     slices, over all ranks, or with `stages` > 1 over the R / stages data-parallel copies of
     each pipeline stage (stage s of copy d is rank d * stages + s)."""
     ownership: str = "sharded"
@@ -101,35 +104,6 @@ def modes(ranks: int, ownership: str = "sharded", stages: str = "1", model: str 
     return list(dict.fromkeys(found))
 
 
-def stage_layers(graph: graphs.TaskGraph, stages: int) -> tuple:
-    """The stage of each layer for a pipeline of `stages`: contiguous layers, stage 0 with
-    the embedding and the head (the tied wte) and possibly no layer, every other stage with
-    at least one; the stages' flops (one sub-batch's tasks) balanced: the boundaries that
-    make the largest stage smallest, then the sum of the squares of the stages' flops."""
-    L = MODELS[graph.model].L
-    if not 1 <= stages <= L + 1:
-        raise StarpuLLMError(f"{stages} pipeline stages: {graph.model} has {L} layers; choose "
-                             f"at most {L + 1} stages (stage 0 may hold the embedding and head alone)")
-    flops = [0.0] * L
-    head = 0.0
-    for task in graph.tasks:
-        if task.sub == 0:
-            layer = graphs.task_layer(graph, task)
-            if layer is None:
-                head += task.flops
-            else:
-                flops[layer] += task.flops
-    # best[n]: (largest stage, sum of squares, ends of the stages) of layers 0..n-1 over the
-    # stages so far
-    best = [(head + sum(flops[:n]), (head + sum(flops[:n])) ** 2, (n,)) for n in range(L + 1)]
-    for _ in range(1, stages):
-        best = [min(((max(best[m][0], sum(flops[m:n])), best[m][1] + sum(flops[m:n]) ** 2,
-                      best[m][2] + (n,)) for m in range(n)), default=(math.inf, math.inf, ()))
-                for n in range(L + 1)]
-    ends = (0,) + best[L][2]
-    return tuple(s for s in range(stages) for _ in range(ends[s], ends[s + 1]))
-
-
 def pins_sub_batches(workers: int, cores_per_worker: int, parallel_workers: bool | None = None) -> bool:
     """Whether the placement pins sub-batch i to worker i mod N here: where StarPU's workers
     are the partition's (one-core workers, or team workers; not parallel workers)."""
@@ -139,6 +113,27 @@ def pins_sub_batches(workers: int, cores_per_worker: int, parallel_workers: bool
     if parallel_workers is None:
         return starpu_worker_count(workers, cores_per_worker, DEFAULT_KCORE) == workers
     return cores_per_worker == 1 or not parallel_workers
+
+
+def sites_of(model: str, B: int, T: int, workers: int = 1, cores_per_worker: int = 1,
+             ranks: int = 1, sub_batches: int | None = None, mode: Mode = Mode(),
+             parallel_workers: bool | None = None, cost: CostModel | None = None) -> Sites:
+    """The engine's placement of (model, B, T) on that partition (flow/topology.py,
+    flow/sites.py), as the engine makes it: the default sub-batches, a pipeline's stages
+    balanced on the layers' predicted costs (on `cost`'s machine; by flops without one), as
+    the engine balances them with the calibration (engines.stage_costs)."""
+    copies = ranks // mode.stages
+    config = MODELS[model]
+    S = sub_batches or default_sub_batches(max(1, B // copies), mode.stages, workers)
+    if B % (S * copies):
+        over = f"{ranks} rank(s)" if mode.stages == 1 else f"{copies} pipeline cop(ies)"
+        raise StarpuLLMError(f"{opt('batch')} {B} does not split into {S} sub-batch(es) x {over}; "
+                             f"choose a {opt('batch')} divisible by {S * copies}")
+    costs = (layer_costs(config, B // copies // S, T, cost, cores_per_worker)
+             if mode.stages > 1 and cost is not None else None)
+    topology = Topology.of(config, ranks, mode.stages, mode.ownership, T, costs)
+    return Sites(topology, S, workers,
+                 pins_sub_batches(workers, cores_per_worker, parallel_workers))
 
 
 @dataclass
@@ -235,30 +230,16 @@ def predict(model: str, B: int, T: int, workers: int, cores_per_worker: int, ran
     if mode.stages < 1 or ranks % mode.stages:
         raise StarpuLLMError(f"{mode.stages} pipeline stages do not divide {ranks} rank(s); choose "
                              f"a number of stages dividing the ranks")
-    copies = ranks // mode.stages
-    S = sub_batches or workers
-    if B % (S * copies):
-        over = f"{ranks} rank(s)" if mode.stages == 1 else f"{copies} pipeline cop(ies)"
-        raise StarpuLLMError(f"{opt('batch')} {B} does not split into {S} sub-batch(es) x {over}; "
-                             f"choose a {opt('batch')} divisible by {S * copies}")
     if T > MODELS[model].max_seq_len:
         raise StarpuLLMError(f"{opt('seq_len')} {T} is above the model's {MODELS[model].max_seq_len}")
-    config = MODELS[model]
-    # the placement's topology: wte's row blocks (the graph is recorded with them) and the
-    # owners; a pipeline's stages from this graph's flops
-    nb = Topology(config, ranks, mode.stages, mode.ownership, T).wte_blocks
-    g = task_graph(model, B, T, S * copies, nb)
-    pinned = pins_sub_batches(workers, cores_per_worker, parallel_workers)
-    redux = gradient_mode(workers, pinned, S)
-    layer_stage = stage_layers(g, mode.stages) if mode.stages > 1 else ()
-    owners = Topology(config, ranks, mode.stages, mode.ownership, T,
-                      layer_stage=layer_stage or None).owners
     cost = CostModel(target, calibration)
+    sites = sites_of(model, B, T, workers, cores_per_worker, ranks, sub_batches, mode,
+                     parallel_workers, cost)
+    S, topology = sites.subs_per_copy, sites.topology
+    g = task_graph(model, B, T, sites)
 
     def schedule(extra=None):
-        return simulate(g, cost, workers, cores_per_worker, ranks, pinned=pinned, redux=redux,
-                        ranks_per_node=ranks_per_node, owners=owners, layer_stage=layer_stage,
-                        extra=extra)
+        return simulate(g, cost, cores_per_worker, ranks_per_node=ranks_per_node, extra=extra)
     sched = schedule()
     if memory_limit is not None:
         if ranks > 1:
@@ -276,5 +257,5 @@ def predict(model: str, B: int, T: int, workers: int, cores_per_worker: int, ran
                  for r, w, a in zip(traffic.read, traffic.written, traffic.allocated)]
         sched = schedule(extra)
         sched.notes["disk_read"], sched.notes["disk_written"] = traffic.step
-    return Prediction(model, B, T, workers, cores_per_worker, S, ranks, sched, bool(redux), mode,
-                      nb)
+    return Prediction(model, B, T, workers, cores_per_worker, S, ranks, sched, bool(sites.redux),
+                      mode, topology.wte_blocks)

@@ -1,5 +1,5 @@
 """What each layer of one micro-batch costs, for the pipeline's stage boundaries
-(flow/placement.stage_layers): the training step's task flow (flow/taskflow.py) walked with
+(flow/topology.stage_layers): the training step's task flow (flow/taskflow.py) walked with
 an executor that runs nothing and adds up each task's predicted time (model.CostModel, from
 the codelet's declared flop count and its buffers' bytes) under the layer it belongs to.
 

@@ -4,7 +4,7 @@ StarPU caps the main memory it allocates at the limit and evicts what it allocat
 memory node in a folder of our own (csrc/starpu/ooc.c): a new folder under --offload-dir
 (default: the system's temporary folder), removed when StarPU stops, also after Ctrl-C or an
 error (the Runtime stops StarPU then; and at exit). Which tensors StarPU allocates, and so may
-evict, the placement decides (flow/placement.py: all of them under a limit).
+evict, flow/handles.py decides (all of them under a limit).
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ registers a numpy array with its own data interface (STARPUPY_BUFFER_INTERFACE, 
 field is a PyObject pointer, NULL for numpy, where a vector has its data pointer), so a C codelet
 reading STARPU_VECTOR_GET_PTR gets NULL and crashes; and a starpupy task given a vector handle
 aborts ("unexpected object": starpupy_codelet_func converts only its own interfaces). So the
-model's tensors stay vector handles registered by placement.py, and the raw
+model's tensors stay vector handles registered by flow/handles.py, and the raw
 starpu_data_handle_t of a starpupy handle (handle_pointer, from its "Handle" capsule) goes to C
 helpers that only order on it or copy into its memory, never to a codelet reading it.
 

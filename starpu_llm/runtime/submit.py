@@ -2,30 +2,20 @@
 
 StarPUOps has one method per codelet of the table (codelets.py gives the calling convention);
 each submits a task through the one insert path, lib.sl_submit, with the `Where` of the
-executor: where a task runs is an argument of every submission, decided by
-flow/placement.Placement and nowhere else.
+executor: where a task runs is an argument of every submission, decided by flow/sites.Sites
+and nowhere else.
 """
 from __future__ import annotations
 
 import threading
-from typing import NamedTuple
 
 from .._clib import ffi, lib
 from ..codelets import Codelet, SubmitError, add_methods, read_table, split_call
+from ..flow.sites import ANY, ANYWHERE, OWNER, Where
 
 
-class Where(NamedTuple):
-    """Where and when a task runs: the StarPU-MPI rank (OWNER: the owner of the data it
-    writes), the StarPU worker (ANY: the scheduler's choice) and its StarPU priority (higher
-    first among the tasks ready on a worker; 0 the default). Decided by placement.Placement
-    only."""
-    node: int = lib.SL_NODE_OWNER
-    worker: int = lib.SL_ANY_WORKER
-    priority: int = 0
-
-
-OWNER, ANY = lib.SL_NODE_OWNER, lib.SL_ANY_WORKER
-ANYWHERE = Where()
+# where a task runs is data of its own (flow/sites.py); its constants are the C layer's
+assert (OWNER, ANY) == (lib.SL_NODE_OWNER, lib.SL_ANY_WORKER)
 TABLE = read_table(ffi, lib)
 
 
@@ -61,24 +51,32 @@ def _submit(self, cd: Codelet, args, kwargs):
         a[0] = scalars              # every field: split_call refuses a call missing one
     else:
         a, size = ffi.NULL, 0
-    ret = lib.sl_submit(cd.id, mine.handles, n, redux, a, size, *self.where)
+    where = ANYWHERE if self.sites is not None else self.where
+    ret = lib.sl_submit(cd.id, mine.handles, n, redux, a, size, *where)
     if ret != 0:
         raise SubmitError(f"submitting {cd.name} failed ({ret})")
     if self.records is not None:
         self.records.append(cd.name)
+    if self.sites is not None:
+        self.sites[lib.sl_submitted() - 1] = (cd.name, self.where)
 
 
 class StarPUOps:
     """Submits each codelet as a StarPU task at `where`. With record=True, keeps the name of
-    every submission, in order, in .records (shared by the executors made by at())."""
+    every submission, in order, in .records (shared by the executors made by at()).
 
-    def __init__(self, record: bool = False, where: Where = ANYWHERE, records=None):
+    sites (a dict): the performance model's recording of another machine's step (perf/graph.py):
+    each task is submitted anywhere in this process, and its submission number is mapped to
+    (its codelet, the Where it was given: the site it would run at there)."""
+
+    def __init__(self, record: bool = False, where: Where = ANYWHERE, records=None, sites=None):
         self.records = records if records is not None else ([] if record else None)
         self.where = where
+        self.sites = sites
 
     def at(self, where: Where) -> "StarPUOps":
         """The same executor submitting its tasks at `where`."""
-        return StarPUOps(where=where, records=self.records)
+        return StarPUOps(where=where, records=self.records, sites=self.sites)
 
 
 add_methods(StarPUOps, TABLE, _submit)
