@@ -29,13 +29,5 @@ def config_key(spec: dict) -> str:
 
 
 def flops_per_token(model: str, T: int) -> float:
-    """Model FLOPs per trained token, counted from the shapes of the task graph's matmuls:
-    forward per token L (24 C^2 + 2 C (T + 1)) + 2 C Vp, that is the four GEMMs of a block
-    (qkv 3C^2, attproj C^2, fc 4C^2, fcproj 4C^2 multiply-adds), causal attention
-    (q.k and att.v over (T + 1) / 2 positions on average: 2 C (T + 1) flops) and the lm head
-    over the padded vocabulary; backward twice the forward (the gradient of the input and of
-    the weight); so 3x in all. Layernorm, GeLU, softmax, cross-entropy and AdamW are left out
-    (memory-bound, < 2 % of the flops). GPT-2 124M at T=64: 745 MFLOP/token (6 N = 747 M)."""
-    c = MODELS[model]
-    fwd = c.L * (24 * c.C ** 2 + 2 * c.C * (T + 1)) + 2 * c.C * c.Vp
-    return 3.0 * fwd
+    """Model FLOPs per trained token (GPTConfig.flops_per_token)."""
+    return MODELS[model].flops_per_token(T)

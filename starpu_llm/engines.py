@@ -5,6 +5,7 @@ autotuner's choice only with --workers auto (perf/autotune.py); on --resume, the
 partition unless one is given (resume.py)."""
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 from .config import MODELS
@@ -15,6 +16,7 @@ from .flow.memory import footprint
 from .flow.reference import ReferenceEngine
 from .perf import autotune
 from .perf.model import CostModel
+from .perf.machine import default_path, load
 from .perf.predict import load_calibration
 from .perf.stages import layer_costs
 from .record import Partition
@@ -114,6 +116,21 @@ def stage_costs(cfg, config, runtime):
         return None          # the engine says what is wrong
     return layer_costs(config, per_copy // micro, cfg.seq_len, CostModel(calibration),
                        runtime.cores_per_worker)
+
+
+def calibrated_peak(partition: Partition) -> float | None:
+    """The sgemm FLOP/s of the cores a run uses (per rank, times the ranks) on this machine's
+    calibration: what a step's model FLOPs per second are compared with (its "mfu"); None
+    without a calibration."""
+    path = default_path()
+    if not os.path.exists(path):
+        return None
+    try:
+        machine = load(path)
+    except StarpuLLMError:
+        return None
+    cores = min(machine.cores, partition.workers * partition.cores_per_worker)
+    return machine.sgemm(cores) * partition.ranks
 
 
 def partition_of(engine) -> Partition:

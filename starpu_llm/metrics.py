@@ -3,8 +3,10 @@ survives a killed run and continues a resumed one).
 
 Each record has the step, its loss, its time (ms, tokens_per_ms), the partition the step ran
 on ("partition": record.Partition's fields) and, when they apply, the scheduled learning rate
-("lr"), the gradients' norm before clipping ("grad_norm") and the validation loss
-("val_loss")."""
+("lr"), the gradients' norm before clipping ("grad_norm"), the validation loss
+("val_loss"), the disk traffic under a memory limit ("disk_read_mb", "disk_written_mb") and,
+where the machine is calibrated, the model FLOPs per second over the sgemm peak of the cores
+used ("mfu", as nanoGPT's)."""
 from __future__ import annotations
 
 import json
@@ -43,6 +45,10 @@ class Metrics:
                                     "tokens_per_ms": tokens_per_ms, **extra,
                                     "partition": self.partition}) + "\n")
         self.file.flush()
+
+    def after_step(self, done) -> None:
+        """The row of a step (trainer.StepDone)."""
+        self.write(done.step, done.loss, done.ms, done.tokens_per_ms, done.extra)
 
     def sync(self) -> None:
         """The rows written so far on disk."""

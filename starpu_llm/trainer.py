@@ -1,9 +1,10 @@
 """Training from Python: TrainConfig + train(), the same as `starpu-llm train`: the run's
 settings and the training loop. Around it: what the run starts from and what a resumed run
-keeps (resume.py), its engine and partition (engines.py), signals (signals.py), the metrics
-file (metrics.py), the checkpoints and the other files it writes (checkpointing.py), samples
-(sampler.py). Under mpirun every rank runs the same set-up in phases that end together
-(runtime/mpi.agree): an error on one rank ends every rank at once, reported by rank 0.
+keeps (resume.py), its engine and partition (engines.py), signals (signals.py), what watches
+each step (watchers.py: the metrics file, metrics.py; the line; samples, sampler.py;
+checkpoints and the other files a run writes, checkpointing.py). Under mpirun every rank
+runs the same set-up in phases that end together (runtime/mpi.agree): an error on one rank
+ends every rank at once, reported by rank 0.
 
     from starpu_llm import TrainConfig, train
     result = train(TrainConfig(model="d12", batch=4, seq_len=64, steps=10))
@@ -19,9 +20,10 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from . import signals
-from .checkpointing import check_outputs, check_checkpoint_dir, checkpoint_step, save_model
+from .checkpointing import check_outputs, check_checkpoint_dir, save_model
 from .config import MODELS, GPTConfig, check_batch_shape
-from .engines import autotuned, check_memory, make_engine, partition_of, start_runtime
+from .engines import (autotuned, calibrated_peak, check_memory, make_engine, partition_of,
+                      start_runtime)
 from .errors import StarpuLLMError, opt
 from .flow.topology import PIPELINE_SCHEDULES
 from .io import data
@@ -32,10 +34,10 @@ from .resume import load_model, on_recorded_partition, say_resumed, warn_changes
 from .runs import peak_rss_mb
 from .runtime import mpi as distributed
 from .runtime.offload import MemoryLimit
-from .sampler import TrainingSampler
 from .schedule import SCHEDULES, check_schedule, learning_rate
 from .state import TrainState
 from .validation import Validation
+from .watchers import Checkpoints, Counters, Divergence, Samples, StepDone, StepLine, Trace
 
 
 PARALLELISM = "parallelism (StarPU engine)"     # the help group of the partition flags
@@ -241,6 +243,8 @@ class Run:
     own_runtime: object
     engine: object
     record: RunRecord
+    counters: Counters
+    peak: float | None       # FLOP/s of the cores used, calibrated (None: no calibration)
 
 
 def _set_up(cfg: TrainConfig, state: TrainState | None, runtime) -> Run:
@@ -286,7 +290,8 @@ def _set_up(cfg: TrainConfig, state: TrainState | None, runtime) -> Run:
     if validation:
         log(validation.describe())
     return Run(cfg, comm, rank, log, warn, memory, state, loader, validation, runtime,
-               own_runtime, engine, record)
+               own_runtime, engine, record, Counters(comm, runtime, memory),
+               calibrated_peak(record.partition))
 
 
 def _check_settings(cfg: TrainConfig, comm, rank: int) -> MemoryLimit | None:
@@ -357,93 +362,98 @@ def _read_inputs(cfg: TrainConfig, state, memory, comm, runtime, log, warn):
 
 
 def _run(run: Run, stop: signals.StopOnSignal) -> TrainResult:
-    """The training loop, then the end of the run (saves, StarPU stopped); raises
-    signals.Interrupted after saving when a signal stopped it."""
-    cfg, engine, state, runtime, log = run.cfg, run.engine, run.state, run.runtime, run.log
-    comm, rank, loader = run.comm, run.rank, run.loader
-    result = TrainResult(engine=engine.describe())
-    tracing = cfg.trace and runtime is not None   # the reference engine runs no tasks
-    if tracing:
-        runtime.start_trace(200_000)
-    metrics = sampler = None
+    """The training loop: each step, then what watches it; then the run's end (saves, StarPU
+    stopped). Raises signals.Interrupted after saving when a signal stopped it."""
+    cfg, state = run.cfg, run.state
+    result = TrainResult(engine=run.engine.describe())
+    watchers = []
     try:
-        # rows written as the run goes, under the file's own name (metrics.py)
-        if cfg.metrics_jsonl and rank == 0:
-            metrics = Metrics(cfg.metrics_jsonl, state.step, run.record.partition, run.warn)
-        if cfg.sample_every:
-            sampler = TrainingSampler(engine, cfg.seed)
-        tokens_per_step = cfg.batch * cfg.seq_len
-        # --steps counts the whole run (a resumed one too): also the schedule's horizon
-        sent = []     # under MPI, the bytes sent so far at each step's start (if counted)
-        disk = [runtime.disk_traffic()] if run.memory is not None else None
-        for i in range(cfg.steps - state.step):
-            if comm is not None:
-                sent.append(runtime.bytes_sent())
-            pos = loader.next_position()
-            lr = learning_rate(state.step, cfg.steps, cfg.lr, cfg.lr_schedule, cfg.warmup_steps,
-                               cfg.min_lr)
-            t0 = time.perf_counter()
-            loss = engine.step(pos, lr, cfg.weight_decay, cfg.grad_clip)
-            ms = (time.perf_counter() - t0) * 1e3
-            result.losses.append(loss)
-            result.step_ms.append(ms)
-            tpm = tokens_per_step / ms
-            extra = step_extras(cfg, engine, run.validation, lr, rank, last=state.step == cfg.steps)
-            if disk is not None:
-                disk.append(runtime.disk_traffic())
-                extra.update(disk_read_mb=(disk[-1][0] - disk[-2][0]) / 1e6,
-                             disk_written_mb=(disk[-1][1] - disk[-2][1]) / 1e6)
-            if "val_loss" in extra:
-                result.val_losses.append((state.step, extra["val_loss"]))
-            log(f"step {state.step:4d}/{cfg.steps}: train loss {loss:.6f} ({ms:.1f} ms, {tpm:.3f} tok/ms)"
-                + "".join(f", {k.replace('_', ' ')} {v:.6g}" for k, v in extra.items()))
-            if metrics:
-                metrics.write(state.step, loss, ms, tpm, extra)
-            if not np.isfinite(loss):
-                raise StarpuLLMError(f"the loss diverged at step {state.step} ({loss}); "
-                                     f"lower {opt('lr')}")
-            if sampler and state.step % cfg.sample_every == 0:
-                log(f"sample at step {state.step}: {sampler.sample()!r}")
-            stopping = stop.stop(comm)
-            if cfg.save_every and (state.step % cfg.save_every == 0 or stopping):
-                checkpoint_step(cfg, engine, state, loader, rank, run.record, log, run.warn)
-                if metrics:
-                    metrics.sync()      # the rows up to the checkpoint are on disk with it
-            if stopping:
+        _watchers(run, result, watchers)
+        for _ in range(cfg.steps - state.step):   # --steps counts the whole run
+            done = _step(run, stop, result)
+            for watch in watchers:
+                watch.after_step(done)
+            if done.stopping:
                 break
-        state.data = loader.state()
-        timed = result.step_ms[cfg.untimed_steps:] or result.step_ms
-        result.timed_steps = len(timed)
-        if comm is not None and sent:
-            result.traffic = distributed.traffic(comm, sent[len(result.step_ms) - len(timed)],
-                                                 runtime.bytes_sent(), len(timed))
-        result.tokens_per_ms = tokens_per_step * len(timed) / sum(timed)
-        if cfg.trace:
-            result.trace = runtime.trace() if tracing else []
-        result.records = engine.submitted()
-        if disk is not None:
-            result.disk_traffic = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(disk, disk[1:])]
-        if cfg.save:
-            engine.sync()       # under MPI the owners send rank 0 their slices to save
-            if run.memory is not None and rank == 0:    # the state is in StarPU: saved from there
-                save_model(cfg.save, state, run.record, log)
+        _finish(run, result)
     finally:
-        if sampler:
-            sampler.close()
-        engine.close()
-        if tracing:
-            runtime.stop_trace()
+        for watch in reversed(watchers):
+            watch.close()
+        run.engine.close()
         if run.own_runtime:
             run.own_runtime.shutdown()
-        if metrics:
-            metrics.close()
+    return _end(run, stop, result)
+
+
+def _step(run: Run, stop, result: TrainResult) -> StepDone:
+    """One training step, timed, with its extras."""
+    cfg, state = run.cfg, run.state
+    run.counters.before_step()
+    lr = learning_rate(state.step, cfg.steps, cfg.lr, cfg.lr_schedule, cfg.warmup_steps,
+                       cfg.min_lr)
+    t0 = time.perf_counter()
+    loss = run.engine.step(run.loader.next_position(), lr, cfg.weight_decay, cfg.grad_clip)
+    ms = (time.perf_counter() - t0) * 1e3
+    result.losses.append(loss)
+    result.step_ms.append(ms)
+    tokens_per_ms = cfg.batch * cfg.seq_len / ms
+    extra = step_extras(cfg, run.engine, run.validation, lr, run.rank,
+                        last=state.step == cfg.steps)
+    run.counters.after_step(extra)
+    if run.peak:
+        extra["mfu"] = state.config.flops_per_token(cfg.seq_len) * tokens_per_ms * 1e3 / run.peak
+    if "val_loss" in extra:
+        result.val_losses.append((state.step, extra["val_loss"]))
+    return StepDone(state.step, loss, ms, tokens_per_ms, extra, stop.stop(run.comm))
+
+
+def _watchers(run: Run, result: TrainResult, out: list) -> None:
+    """What watches each step, in order (into out, as each is made): the task trace, its
+    metrics row (before its line: a step printed is a step in the file), its line, the
+    divergence check, a sample, a checkpoint."""
+    cfg = run.cfg
+    if cfg.trace and run.runtime is not None:     # the reference engine runs no tasks
+        out.append(Trace(run.runtime, result))
+    metrics = None
+    if cfg.metrics_jsonl and run.rank == 0:
+        out.append(metrics := Metrics(cfg.metrics_jsonl, run.state.step, run.record.partition,
+                                      run.warn))
+    out += [StepLine(run.log, cfg.steps), Divergence()]
+    if cfg.sample_every:
+        out.append(Samples(run))
+    if cfg.save_every:
+        out.append(Checkpoints(run, metrics))
+
+
+def _finish(run: Run, result: TrainResult) -> None:
+    """After the last step, StarPU still running: the timings and counters, and under a
+    memory limit the model saved from StarPU."""
+    cfg = run.cfg
+    run.state.data = run.loader.state()
+    timed = result.step_ms[cfg.untimed_steps:] or result.step_ms
+    result.timed_steps = len(timed)
+    run.counters.results(result, len(timed))
+    result.tokens_per_ms = cfg.batch * cfg.seq_len * len(timed) / sum(timed)
+    if cfg.trace and run.runtime is None:
+        result.trace = []
+    result.records = run.engine.submitted()
+    if cfg.save:
+        run.engine.sync()       # under MPI the owners send rank 0 their slices to save
+        if run.memory is not None and run.rank == 0:    # the state is in StarPU: saved from there
+            save_model(cfg.save, run.state, run.record, run.log)
+
+
+def _end(run: Run, stop, result: TrainResult) -> TrainResult:
+    """StarPU stopped: the peak memory, the last lines, --save (from the state), and the
+    signal that stopped the run, raised."""
+    cfg, state, log = run.cfg, run.state, run.log
     result.peak_rss_mb = peak_rss_mb()
-    if comm is not None:
-        result.rank_peak_rss_mb = comm.allgather(result.peak_rss_mb)
+    if run.comm is not None:
+        result.rank_peak_rss_mb = run.comm.allgather(result.peak_rss_mb)
     result.state = state
     log(f"tokens/ms over {result.timed_steps} timed step(s): {result.tokens_per_ms:.4f}"
         f"   peak RSS: {result.peak_rss_mb:.0f} MB")
-    if cfg.save and rank == 0 and run.memory is None:    # rank 0 owns the parameters
+    if cfg.save and run.rank == 0 and run.memory is None:    # rank 0 owns the parameters
         save_model(cfg.save, state, run.record, log)
     if stop.requested:
         saved = cfg.save or (cfg.checkpoint_dir if cfg.save_every else None)

@@ -325,3 +325,32 @@ def test_train_flags_and_metrics(tmp_path, engine):
 def test_bad_schedule_and_clip_flags(args, flag):
     rc, _, err = run_cli("train", "--model", "micro", "--steps", "1", *args)
     assert rc == 2 and "Traceback" not in err and flag in err, err
+
+
+def test_each_step_reports_its_share_of_the_calibrated_peak(tmp_path, monkeypatch):
+    """Where this machine is calibrated, each step's line and metrics row carry "mfu": the
+    model FLOPs per second over the calibrated sgemm rate of the cores used; without a
+    calibration, neither does."""
+    from starpu_llm.perf import machine as machines
+    from starpu_llm.trainer import TrainConfig, train
+    shard = str(tmp_path / "s.bin")
+    formats.write_shard(shard, np.arange(4000, dtype=np.uint16) % MODELS["micro"].V)
+
+    def run(name):
+        lines, metrics = [], str(tmp_path / f"{name}.jsonl")
+        train(TrainConfig(model="micro", train_data=shard, batch=2, seq_len=16, steps=2,
+                          engine="reference", threads=1, metrics_jsonl=metrics,
+                          log=lines.append))
+        return lines, [json.loads(line) for line in open(metrics)]
+    lines, rows = run("plain")
+    assert not any("mfu" in line for line in lines) and all("mfu" not in r for r in rows)
+    home = tmp_path / "home"
+    monkeypatch.setenv("STARPU_LLM_HOME", str(home))
+    cal = machines.load(machines.__file__.replace("machine.py", "reference-calibration.toml"))
+    machines.save(cal, machines.default_path())
+    lines, rows = run("calibrated")
+    fpt = MODELS["micro"].flops_per_token(16)
+    for r in rows:
+        assert r["mfu"] == pytest.approx(fpt * r["tokens_per_ms"] * 1e3 / cal.sgemm(1), rel=1e-12)
+    assert all(f"mfu {r['mfu']:.1%}" in line for r, line in
+               zip(rows, [l for l in lines if l.startswith("step")]))
