@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import re
-import statistics
 import time
 
 from provenance import cpu_kind, machine_info

@@ -326,7 +326,7 @@ def figure(fig, points, cache, S, machine, peaks, out, repeat, log, predicted=No
                             va="center")
             _annotate_paper(ap, paper, lambda q: "k")
             ap.plot([], [], marker="*", ms=11, mfc="none", mec="k", ls="none",
-                    label=f"measured in the paper (rank0, StarPU 1.4's tree reduction)")
+                    label="measured in the paper (rank0, StarPU 1.4's tree reduction)")
             ap.set_xscale("log", base=2)
             ticks = sorted({int(r["x"]) for r in predicted})
             ap.set_xticks(ticks)

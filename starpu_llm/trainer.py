@@ -17,7 +17,6 @@ import sys
 import time
 from dataclasses import dataclass, field, fields
 
-import numpy as np
 
 from . import signals
 from .checkpointing import check_outputs, check_checkpoint_dir, save_model

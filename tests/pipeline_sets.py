@@ -8,7 +8,6 @@ priorities the traced tasks of each codelet ran with.
 import json
 import sys
 
-import numpy as np
 
 from starpu_llm.config import MODELS
 from starpu_llm.flow.engine import StarPUEngine

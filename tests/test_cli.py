@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from starpu_llm.io import checkpoint, formats
-from starpu_llm.config import MODELS, ParamLayout
+from starpu_llm.config import MODELS
 from starpu_llm.runtime import usable_cores
 from starpu_llm.state import random_init
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from starpu_llm import Runtime
-from starpu_llm._clib import ffi, lib
+from starpu_llm._clib import ffi
 from starpu_llm.config import MODELS, GPTConfig
 from starpu_llm.flow.engine import StarPUEngine
 from starpu_llm.runtime import usable_cores

@@ -4,7 +4,6 @@ under each way of spreading the model over them (a Mode: flow/topology.py's owne
 pipeline stages)."""
 from __future__ import annotations
 
-import math
 import os
 import pickle
 import subprocess
