@@ -223,7 +223,7 @@ PY
     log "WARNING: the BLAS is not OpenBLAS's OpenMP build: k-core tasks will not get their cores"
   local only=${EVAL_ONLY:-fig3,fig4,fig2a,fig2b}
   if timeout 120 env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun \
-       --oversubscribe --bind-to none -np 2 $PY -m starpu_llm train --model micro --batch 4 \
+       --oversubscribe --bind-to none -np 2 $PY -m starpu_llm train --model tiny --batch 4 \
        --seq-len 16 --steps 1 >"$W/mpi-smoke.log" 2>&1; then
     log "mpirun smoke run: ok"
   else
