@@ -41,8 +41,9 @@
 # starting then), EVAL_MODEL (d12), EVAL_CORE_COUNTS (1,2,4,8,16), EVAL_WEAK (sequences per
 # core, 1), EVAL_STRONG (16), EVAL_FIG3 (16,32,64,96), EVAL_RANKS (1,2,4), EVAL_RESERVE (1),
 # EVAL_MPI_BATCH (per rank, 8), EVAL_POINT_SECONDS (3), EVAL_MAX_STEPS (10), EVAL_ONLY
-# (fig3,fig4,fig2a,fig2b), EVAL_WORK (/tmp/eval16), EVAL_STARPU_PREFIX (an existing StarPU 1.4
-# build to use instead of building one), PYTHON (python3).
+# (fig3,fig4,fig2a,fig2b), EVAL_NODE_CORES (16: more CPUs are cut to the first 16), EVAL_WORK
+# (/tmp/eval16), EVAL_STARPU_PREFIX (an existing StarPU 1.4 build to use instead of building
+# one), EVAL_CAL_SECONDS (200), PYTHON (python3).
 set -uo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -232,9 +233,16 @@ PY
     only=$(echo "$only" | tr ',' '\n' | grep -v fig4 | paste -sd,)
   fi
 
+  # the node's cores only (a machine showing more, e.g. SMT siblings, is cut to them)
+  local cores=${EVAL_NODE_CORES:-16} pin=()
+  if [ "$(nproc)" -gt "$cores" ]; then
+    pin=(taskset -c "0-$((cores - 1))")
+    log "$(nproc) CPUs here: calibration and runs on CPUs 0-$((cores - 1))"
+  fi
+
   # ---- 3. the calibration
   local cal=()
-  if timeout "${EVAL_CAL_SECONDS:-200}" $PY -m starpu_llm calibrate --quick --model "$model" \
+  if timeout "${EVAL_CAL_SECONDS:-200}" "${pin[@]}" $PY -m starpu_llm calibrate --quick --model "$model" \
        --out "$W/calibration.toml" >"$W/calibrate.log" 2>&1; then
     cal=(--calibration "$W/calibration.toml" --point-seconds "${EVAL_POINT_SECONDS:-3}")
     log "calibrated: $(tail -n 2 "$W/calibrate.log" | head -n 1)"
@@ -247,7 +255,7 @@ PY
   local series=tensor,data
   [ $llmc_ok = 1 ] && series=$series,llmc
   log "figures.py: $only; $(( deadline - $(date +%s) )) s left for them"
-  PYTHONUNBUFFERED=1 $PY "$REPO/experiments/figures.py" --model "$model" --only "$only" \
+  PYTHONUNBUFFERED=1 "${pin[@]}" $PY "$REPO/experiments/figures.py" --model "$model" --only "$only" \
     --cores "${EVAL_CORE_COUNTS:-1,2,4,8,16}" --weak-per-core "${EVAL_WEAK:-1}" \
     --strong-batch "${EVAL_STRONG:-16}" --fig3-batches "${EVAL_FIG3:-16,32,64,96}" \
     --fig3-kcore team --series "$series" --llmc "$W/llmc" --ranks "${EVAL_RANKS:-1,2,4}" \
@@ -269,6 +277,7 @@ case "${1:-}" in
     export EVAL_RANKS=${EVAL_RANKS:-1,2} EVAL_RESERVE=${EVAL_RESERVE:-0}
     export EVAL_MPI_BATCH=${EVAL_MPI_BATCH:-2} EVAL_POINT_SECONDS=${EVAL_POINT_SECONDS:-1}
     export EVAL_MAX_STEPS=${EVAL_MAX_STEPS:-3} EVAL_SECONDS=${EVAL_SECONDS:-900}
+    export EVAL_NODE_CORES=${EVAL_NODE_CORES:-$(nproc)}
     export EVAL_WORK=${EVAL_WORK:-/tmp/eval16-small} OUT=${OUT:-/tmp/eval16-small-out}
     device ;;
   *) sed -n '2,12p' "$0"; exit 2 ;;
