@@ -234,3 +234,36 @@ def test_deadline_passed_runs_nothing(tmp_path):
     runs = rows(out / "runs.csv")
     assert runs and all(r["error"].startswith("not run:") and not r["tokens_per_ms"]
                         for r in runs)
+
+
+PIN_CHILD = """
+import json, os
+from starpu_llm.runtime import mpi
+
+class Node:                 # one rank on this node, as mpirun -np R on R nodes
+    def Get_rank(self): return 0
+    def Get_size(self): return 1
+    def Free(self): pass
+
+class Comm:
+    def Split_type(self, kind): return Node()
+    def allgather(self, x): return [x]
+
+mine = mpi.pin_rank(Comm())
+print(json.dumps(dict(mine=mine, thread=int(os.environ["STARPU_MPI_THREAD_CPUID"]),
+                      spare=mpi.mpi_polling(mine[:-1]), full=mpi.mpi_polling(mine))))
+"""
+
+
+@pytest.mark.skipif(usable_cores() < 2, reason="a spare core needs 2 cores")
+def test_a_partition_smaller_than_the_rank_leaves_its_last_core_to_the_mpi_thread():
+    """Figure 4's reserved core: StarPU-MPI's thread on the rank's last core, where a
+    partition of one core fewer than the rank has leaves it alone (the thread then spins);
+    with every core working it shares a worker's and backs off."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STARPU_", "OMPI_", "PMI"))}
+    p = subprocess.run([sys.executable, "-c", PIN_CHILD], capture_output=True, text=True,
+                       env=env)
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["thread"] == r["mine"][-1] and len(r["mine"]) == usable_cores()
+    assert r["spare"] == "spin" and r["full"] == "backoff"
