@@ -246,7 +246,8 @@ def summary(machine, S, rows, choices, runs: Runs, fig4, out_dir) -> str:
          f"commit {machine['commit']}, host {machine['host']}",
          f"- GPT-2 model {S['model']}, T={S['T']}; one run a point, 1 warm-up step then the "
          f"timed steps of the `steps` column (sized to the device minutes from the prediction)",
-         f"- files in `{os.path.relpath(out_dir, ROOT)}/`", ""]
+         f"- files in `{os.path.relpath(out_dir, ROOT) if os.path.abspath(out_dir).startswith(ROOT) else out_dir}/`",
+         ""]
     if errs:
         med, worst = statistics.median(errs), max(errs)
         L += [f"**The model** (calibrate --quick on the node, every point predicted before it "
@@ -285,8 +286,10 @@ def summary(machine, S, rows, choices, runs: Runs, fig4, out_dir) -> str:
     if missing:
         L += [f"**Not measured** ({len(missing)}):", ""]
         L += [f"- {r['engine']} {r.get('workers') or ''}x{r.get('cores_per_worker') or ''} "
-              f"threads={r.get('threads') or ''} B={r['batch']} ranks={r.get('ranks') or 1}: "
-              f"{r['error']}" for r in missing]
+              f"threads={r.get('threads') or ''} B={r['batch']} ranks={r.get('ranks') or 1}"
+              + (f" {r.get('ownership') or ''}" if r.get("ranks") else "")
+              + (f" {r['pipeline_stages']} stages" if r.get("pipeline_stages") else "")
+              + f": {r['error']}" for r in missing]
         L.append("")
     return "\n".join(L)
 
