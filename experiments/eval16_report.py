@@ -241,13 +241,14 @@ def fig4_plot(points, runs: Runs, preds, S, machine, out) -> list[dict]:
 
 def summary(machine, S, rows, choices, runs: Runs, fig4, out_dir) -> str:
     errs = [abs(r["error"]) for r in rows]
+    shown = (os.path.relpath(out_dir, ROOT) if os.path.abspath(out_dir).startswith(ROOT + os.sep)
+             else out_dir)
     L = [f"# The paper's evaluation on {machine['cores']} cores: {machine['cpu_model']}", "",
          f"- {machine['cpu']}; StarPU {machine['starpu_version']}, BLAS {machine['blas']}, "
          f"commit {machine['commit']}, host {machine['host']}",
          f"- GPT-2 model {S['model']}, T={S['T']}; one run a point, 1 warm-up step then the "
          f"timed steps of the `steps` column (sized to the device minutes from the prediction)",
-         f"- files in `{os.path.relpath(out_dir, ROOT) if os.path.abspath(out_dir).startswith(ROOT) else out_dir}/`",
-         ""]
+         f"- files in `{shown}/`", ""]
     if errs:
         med, worst = statistics.median(errs), max(errs)
         L += [f"**The model** (calibrate --quick on the node, every point predicted before it "

@@ -230,7 +230,7 @@ def calibration_file() -> str | None:
     return None
 
 
-# --------------------------------------------------------------------------- a node lent for minutes
+# ----------------------------------------------------------------- a node lent for minutes
 # --calibration: every StarPU point predicted (starpu-llm predict's model, that calibration)
 # before any is measured; --point-seconds: each point's timed steps sized from its predicted
 # step; --deadline: no run started that its estimate says ends after it. docs/figures.md,
@@ -473,9 +473,9 @@ def run_points(points, cache, repeat, force_figs, log, replot=False, deadline=No
         if deadline is not None:
             left, est = deadline - time.time(), p.get("estimate_s")
             if left <= 0 or (est is not None and est > left):
-                cache.add(p["spec"], r, dict(error=f"not run: estimated {est or 0:.0f} s, "
-                                                   f"{max(0, left):.0f} s left before the deadline"),
-                          0.0)
+                why = (f"not run: estimated {est or 0:.0f} s, {max(0, left):.0f} s left before "
+                       "the deadline")
+                cache.add(p["spec"], r, dict(error=why), 0.0)
                 log(f"[{i:3d}/{len(todo)}] {figs:<11} {describe_point(p):<34} NOT RUN: estimated "
                     f"{est or 0:.0f} s, {max(0, left):.0f} s left before the deadline")
                 continue
@@ -729,7 +729,8 @@ def main(argv=None):
                     "smaller ones only to test this pipeline)")
     ap.add_argument("--seq-len", type=int, default=64, help="T (default 64, the paper's)")
     ap.add_argument("--steps", type=int, default=10, help="timed steps per run (default 10, the paper's)")
-    node = ap.add_argument_group("a node lent for minutes (docs/figures.md; tools/device-eval16.sh)")
+    node = ap.add_argument_group("a node lent for minutes (docs/figures.md; "
+                                 "tools/device-eval16.sh)")
     node.add_argument("--series", help="figure 2's series, comma-separated, from "
                       f"{','.join(SERIES)} (default reference,tensor,data,torch)")
     node.add_argument("--llmc", metavar="DIR", help="llm.c's build folder (experiments/llmc.py), "

@@ -199,7 +199,8 @@ def run(spec: dict, folder: str, timeout: float | None = None) -> dict:
     except (OSError, ValueError, KeyError):
         return dict(spec, error=f"{folder}: no model.json (run `experiments/llmc.py checkpoint`)")
     if model != spec["model"]:
-        return dict(spec, error=f"{folder} holds a {model} checkpoint, the point wants {spec['model']}")
+        return dict(spec, error=f"{folder} holds a {model} checkpoint, the point wants "
+                                f"{spec['model']}")
     if not os.access(binary, os.X_OK):
         return dict(spec, error=f"{binary}: not built (experiments/llmc.py build)")
     cores = sorted(os.sched_getaffinity(0))[:int(spec.get("cpus") or len(os.sched_getaffinity(0)))]

