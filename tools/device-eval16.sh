@@ -276,13 +276,14 @@ PY
   fi
 
   # ---- 3. the calibration
-  local cal=()
+  local cal=() steps=${EVAL_MAX_STEPS:-10}
   if timeout "${EVAL_CAL_SECONDS:-200}" "${pin[@]}" $PY -m starpu_llm calibrate --quick --model "$model" \
        --out "$W/calibration.toml" >"$W/calibrate.log" 2>&1; then
     cal=(--calibration "$W/calibration.toml" --point-seconds "${EVAL_POINT_SECONDS:-2}")
     log "calibrated: $(tail -n 2 "$W/calibrate.log" | head -n 1)"
   else
     log "FAILED: the calibration (calibrate.log): no predictions, 2 timed steps a point"
+    steps=2
     tail -n 5 "$W/calibrate.log" >>"$W/log.txt"
   fi
 
@@ -295,7 +296,7 @@ PY
     --strong-batch "${EVAL_STRONG:-16}" --fig3-batches "${EVAL_FIG3:-16,32,64,96}" \
     --fig3-kcore team --series "$series" --llmc "$W/llmc" --ranks "${EVAL_RANKS:-1,2,4}" \
     --mpi-split --mpi-reserve "${EVAL_RESERVE:-1}" --mpi-batch-per-rank "${EVAL_MPI_BATCH:-8}" \
-    "${cal[@]}" --steps "${EVAL_MAX_STEPS:-10}" --order cheap --deadline-at "$deadline" \
+    "${cal[@]}" --steps "$steps" --order cheap --deadline-at "$deadline" \
     --repeat 1 --no-plots --no-sgemm-peak --allow-dirty --out "$W/fig" 2>&1 |
     tee -a "$W/log.txt" | grep -E "NOT RUN|FAILED|predicted|sized|done in|--no-plots"
   log "done"
