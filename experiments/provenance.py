@@ -20,13 +20,16 @@ ISA_FLAGS = ("avx512f", "avx2", "fma")
 
 def git_commit() -> str:
     """`git describe --always --dirty` of the source tree: "<hash>", "<hash>-dirty", or
-    "unknown" outside a git checkout."""
+    outside a git checkout $STARPU_LLM_COMMIT (what tools/device-eval16.sh --prepare recorded
+    of the tree it copies to a machine without git), else "unknown"."""
     try:
         p = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=10"],
                            cwd=ROOT, capture_output=True, text=True, timeout=30)
-        return p.stdout.strip() or "unknown"
+        if p.returncode == 0 and p.stdout.strip():
+            return p.stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
+        pass
+    return os.environ.get("STARPU_LLM_COMMIT") or "unknown"
 
 
 def reusable(commit: str) -> bool:
@@ -66,7 +69,11 @@ def cpuinfo() -> tuple[str, list]:
 def cpu_kind() -> str:
     """A folder name for this kind of CPU: its model name and widest vector ISA, e.g.
     amd-epyc-avx2 (the results of two CPU kinds must not overwrite each other)."""
-    model, flags = cpuinfo()
+    return kind_of(*cpuinfo())
+
+
+def kind_of(model: str, flags) -> str:
+    """cpu_kind of a CPU model name and its ISA_FLAGS (as machine_info records them)."""
     slug = "".join(c if c.isalnum() else "-" for c in model.lower()).strip("-")
     while "--" in slug:
         slug = slug.replace("--", "-")

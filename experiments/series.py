@@ -21,6 +21,8 @@ SERIES = {   # figure 2's series: label, colour, marker
     "data": ("StarPU k x 1 (k one-core workers, k sub-batches: data parallelism)", "#2ca02c", "^"),
     "torch": ("PyTorch eager, SDPA + fused AdamW, k threads", "#d62728", "D"),
     "torch-readable": ("PyTorch eager, readable model (tests' oracle)", "#ff9896", "d"),
+    "llmc": ("llm.c train_gpt2.c + OpenBLAS sgemm, k OpenMP threads (the paper's baseline)",
+             "#000000", "P"),
 }
 
 

