@@ -248,17 +248,14 @@ def _predict_one(job):
     """One point's prediction, in a worker process: job = (config key, spec, calibration
     path); (key, {predicted_tokens_per_ms, predicted_ms_per_step, ...} or {error})."""
     key, spec, cal_path = job
-    from starpu_llm.flow.engine import default_micro_batches
     from starpu_llm.perf.predict import Mode, load_calibration, predict
     try:
         R = int(spec.get("ranks") or 1)
         stages = int(spec.get("pipeline_stages") or 1)
         n, k = int(spec["workers"]), int(spec["cores_per_worker"])
-        subs = spec.get("sub_batches")
-        if stages > 1 and not subs:        # the trainer's default micro-batches
-            subs = default_micro_batches(spec["batch"] // (R // stages), stages, n)
+        # no sub-batches given: predict takes the engine's default, as the run does
         p = predict(spec["model"], spec["batch"], spec["seq_len"], n, k, ranks=R,
-                    sub_batches=subs, calibration=load_calibration(cal_path), ranks_per_node=R,
+                    sub_batches=spec.get("sub_batches"), calibration=load_calibration(cal_path), ranks_per_node=R,
                     mode=Mode(spec.get("ownership") or "sharded", stages))
         return key, dict(predicted_tokens_per_ms=round(p.tokens_per_ms, 5),
                          predicted_ms_per_step=round(p.schedule.step_s * 1e3, 1),
