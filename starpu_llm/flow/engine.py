@@ -74,7 +74,8 @@ class StarPUEngine(Engine):
         if sub_batches is None and pipeline_stages > 1:
             sub_batches = default_micro_batches(per_copy, pipeline_stages, runtime.workers)
         if sub_batches is None:   # data parallelism: one sub-batch per worker by default
-            sub_batches = runtime.workers
+            # (per GPU with GPUs: they run nearly every task)
+            sub_batches = getattr(runtime, "gpus", 0) or runtime.workers
             if per_copy % sub_batches:
                 raise StarpuLLMError(
                     f"{opt('batch')} {B} cannot be split over {sub_batches} workers (one sub-batch "

@@ -371,7 +371,8 @@ class Placement:
         # sub-batches never queue behind each other. Only where StarPU's worker ids are the N
         # workers of the partition.
         self.pin_sub_batches = runtime.workers > 1 and runtime.workers_are_starpu_workers
-        self.redux = gradient_mode(runtime.workers, self.pin_sub_batches, subs_per_copy)
+        self.redux = gradient_mode(runtime.workers + getattr(runtime, "gpus", 0),
+                                   self.pin_sub_batches, subs_per_copy)
         self._registered = []     # handles to unregister, in reverse order
         self._buffers = []
         self._held = set()        # this process's activation and scratch handles (tensor())
