@@ -33,6 +33,7 @@
 #                   default is the build machine's core count rounded up to a power of two (2 on
 #                   a 2-core VM), too small for the nodes it runs on.
 #   JOBS            make -j (default: nproc)
+#   SL_SKIP_DEPS    1: do not check the Debian packages (see below)
 #
 # Idempotent: a prefix whose stamp records the same tarball and options is left as it is.
 set -euo pipefail
@@ -143,7 +144,9 @@ fi
 pkgs=(autoconf automake libtool-bin make gcc pkg-config libhwloc-dev libopenmpi-dev openmpi-bin)
 # Debian's python3 needs its -dev package for Python.h; another Python (venv, pyenv) has its own.
 [ $mode = cpu ] && case "$(realpath "$python")" in /usr/bin/*) pkgs+=(python3-dev python3-setuptools) ;; esac
-"$tools/install-system-deps.sh" "${pkgs[@]}"
+# SL_SKIP_DEPS=1: no package check (a machine whose packages dpkg does not list, e.g. the GPU
+# machine building a tree made by --autogen: configure says what is missing)
+[ -n "${SL_SKIP_DEPS:-}" ] || "$tools/install-system-deps.sh" "${pkgs[@]}"
 [ $mode = cuda ] || "$python" -c 'import setuptools' 2>/dev/null ||
   { echo "$0: $python has no setuptools (starpupy's install needs it)" >&2; exit 1; }
 
@@ -187,6 +190,8 @@ fi
 make -j"$jobs" >"$work/make.log" 2>&1 || { tail -n 40 "$work/make.log" >&2; exit 1; }
 make install >"$work/install.log" 2>&1 || { tail -n 40 "$work/install.log" >&2; exit 1; }
 
+# the configure-time link folder is gone after the build: not in the installed .pc files
+[ $mode = cuda ] && sed -i "s| -L$work/links||" "$prefix"/lib/pkgconfig/*.pc
 if [ $mode = cuda ] && [ -n "$stubs" ]; then
   # starpu.h includes the stubs' headers too: the installed .pc files name them
   mkdir -p "$prefix/include/cuda-stubs"
