@@ -38,7 +38,10 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SYSTEMS = ("starpu-llm", "pytorch", "llm.c")
+# starpu-llm-wait: the same engine stepping with Engine.step, which waits for the whole step
+# before reading its loss (the trainer's loop today): its gap to starpu-llm is what
+# submitting ahead saves, the GPU's idle time while Python submits the next step
+SYSTEMS = ("starpu-llm", "pytorch", "llm.c", "starpu-llm-wait")
 
 
 def shapes_of(text: str) -> list[tuple[int, int]]:
@@ -47,7 +50,7 @@ def shapes_of(text: str) -> list[tuple[int, int]]:
 
 # ---------------------------------------------------------------- one system, one shape
 
-def run_starpu(B: int, T: int, steps: int, warmup: int, out: str) -> dict:
+def run_starpu(B: int, T: int, steps: int, warmup: int, out: str, ahead: bool = True) -> dict:
     import numpy as np
     from starpu_llm.config import MODELS
     from starpu_llm.flow.engine import StarPUEngine
@@ -62,13 +65,14 @@ def run_starpu(B: int, T: int, steps: int, warmup: int, out: str) -> dict:
     state = TrainState(config=config, params=random_init(config))
     with Runtime(gpus=1, gpu_matmul="tf32", cpu_layers=False) as rt:
         engine = StarPUEngine(config, state, B, T, tokens, rt)
-        losses = [engine.step_ahead(loader.next_position(), 1e-4, 0.0) for _ in range(warmup)]
+        step = engine.step_ahead if ahead else engine.step
+        losses = [step(loader.next_position(), 1e-4, 0.0) for _ in range(warmup)]
         engine.wait()
         rt.start_trace(200_000)
         t0 = time.perf_counter()
         marks = []
         for _ in range(steps):
-            losses.append(engine.step_ahead(loader.next_position(), 1e-4, 0.0))
+            losses.append(step(loader.next_position(), 1e-4, 0.0))
             marks.append(time.perf_counter())
         engine.wait()
         t1 = time.perf_counter()
@@ -76,7 +80,8 @@ def run_starpu(B: int, T: int, steps: int, warmup: int, out: str) -> dict:
         rt.stop_trace()
         describe = rt.describe()
         engine.close()
-    with open(os.path.join(out, f"trace_{B}x{T}.csv"), "w", newline="") as f:
+    with open(os.path.join(out, f"trace_{B}x{T}{'' if ahead else '_wait'}.csv"), "w",
+              newline="") as f:
         w = csv.writer(f)
         w.writerow(["job", "codelet", "worker", "start_ns", "end_ns"])
         w.writerows((e.job, e.codelet, e.worker, e.start_ns, e.end_ns) for e in trace)
@@ -152,8 +157,8 @@ def run_llmc(B: int, T: int, steps: int, warmup: int, out: str, binary: str) -> 
 
 def child(args) -> None:
     B, T = shapes_of(args.shape)[0]
-    if args.system == "starpu-llm":
-        r = run_starpu(B, T, args.steps, args.warmup, args.out)
+    if args.system in ("starpu-llm", "starpu-llm-wait"):
+        r = run_starpu(B, T, args.steps, args.warmup, args.out, args.system == "starpu-llm")
     elif args.system == "pytorch":
         r = run_pytorch(B, T, args.steps, args.warmup, args.out)
     else:
@@ -214,9 +219,16 @@ def main():
             table[(system, B, T)] = r
             for i, ms in enumerate(r.get("step_ms", [])):
                 rows.append(dict(system=system, precision="tf32", B=B, T=T, step=i + 1, ms=ms))
-            print(f"{system:11s} {B:4d} x {T:4d}: " + (f"{r['tok_per_ms']:.1f} tok/ms"
+            print(f"{system:15s} {B:4d} x {T:4d}: " + (f"{r['tok_per_ms']:.1f} tok/ms"
                   if "tok_per_ms" in r else f"failed: {r['error'][:300]}")
                   + f"  ({r['wall_s']:.0f} s)", flush=True)
+            # after every run: a run stopped from outside keeps what was measured
+            write_report(args, systems, table, rows, notes)
+    print(open(os.path.join(args.out, "gpu_bench.md")).read())
+
+
+def write_report(args, systems, table, rows, notes):
+    """DIR/gpu_bench.csv (every step) and DIR/gpu_bench.md (the table) of the runs so far."""
     with open(os.path.join(args.out, "gpu_bench.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, ["system", "precision", "B", "T", "step", "ms"])
         w.writeheader()
@@ -226,24 +238,27 @@ def main():
                               "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
     except OSError:
         gpu = "? (no nvidia-smi)"
+    others = [s for s in systems if s != "starpu-llm"]
     lines = [f"GPU: {gpu}; {os.cpu_count()} CPU cores; {args.warmup} warm-up + {args.steps} "
              "timed steps each; tok/ms (starpu-llm: over the timed steps; the others: B T / "
              "median step)", "",
-             "| B x T | " + " | ".join(systems) + " | starpu-llm / " + " | starpu-llm / ".join(
-                 s for s in systems if s != "starpu-llm") + " |",
-             "|---" * (1 + 2 * len(systems) - 1) + "|"]
+             "| B x T | " + " | ".join(systems) + " | " + " | ".join(
+                 f"starpu-llm / {s}" for s in others) + " |",
+             "|---" * (1 + len(systems) + len(others)) + "|"]
     for B, T in shapes_of(args.shapes):
-        vals = [table[(s, B, T)].get("tok_per_ms") for s in systems]
+        if not any((s, B, T) in table for s in systems):
+            continue
+        vals = [table.get((s, B, T), {}).get("tok_per_ms") for s in systems]
         ours = table.get(("starpu-llm", B, T), {}).get("tok_per_ms")
-        ratios = [f"{ours / v:.2f}" if ours and v else "-"
-                  for s, v in zip(systems, vals) if s != "starpu-llm"]
-        lines.append(f"| {B} x {T} | " + " | ".join(f"{v:.1f}" if v else "failed" for v in vals)
-                     + " | " + " | ".join(ratios) + " |")
+        ratios = [f"{ours / table[(s, B, T)]['tok_per_ms']:.2f}"
+                  if ours and table.get((s, B, T), {}).get("tok_per_ms") else "-" for s in others]
+        lines.append(f"| {B} x {T} | " + " | ".join(
+            f"{v:.1f}" if v else ("failed" if (s, B, T) in table else "-")
+            for s, v in zip(systems, vals)) + " | " + " | ".join(ratios) + " |")
     lines += [""] + notes + [f"{s} {B}x{T}: {r.get('describe', r.get('error'))}"
                              for (s, B, T), r in table.items()]
     with open(os.path.join(args.out, "gpu_bench.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
 
 
 if __name__ == "__main__":
