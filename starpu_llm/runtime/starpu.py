@@ -26,11 +26,11 @@ from .submit import StarPUOps
 KCORE_MODES = {"team": lib.SL_KCORE_TEAM, "forkjoin": lib.SL_KCORE_FORKJOIN}
 DEFAULT_KCORE = "team"
 
-# With GPUs: the precision of the CUDA tasks' matmuls (TF32 on tensor cores, as llm.c and
-# PyTorch default to, or fp32), and the scheduler, a history-model one by default (dmdas:
-# dmda with its queues sorted by priority), which weighs a task's time on a CPU against a
-# GPU and the transfers; never lws, whose idle CPU workers steal GPU tasks (measured: 1.8 ms
-# per GPU-only task, against 15-30 us under dmda/dmdas).
+# With GPUs: the precision of the CUDA tasks' matmuls (TF32 on tensor cores, as llm.c's fp32
+# trainer does and PyTorch with allow_tf32, or fp32), and the scheduler, a history-model one
+# by default (dmdas: dmda with its queues sorted by priority), which weighs a task's time on a
+# CPU against a GPU and the transfers; never lws, whose idle CPU workers steal GPU tasks
+# (measured: 1.8 ms per GPU-only task, against 15-30 us under dmda/dmdas).
 GPU_MATMUL = ("tf32", "fp32")
 GPU_SCHED = "dmdas"
 NOT_WITH_GPUS = ("lws", "ws")
