@@ -53,47 +53,6 @@ def gpu_runtime(matmul: str) -> Runtime:
     return Runtime(gpus=1, gpu_matmul=matmul)
 
 
-@pytest.fixture(scope="module", params=[("tiny", "fp32"), ("tiny", "tf32"), ("d12", "fp32"),
-                                        ("d12", "tf32")], ids=lambda p: "-".join(p))
-def gpu_run(request):
-    """(case, errors against torch, bounds, tasks per (codelet, worker kind)) of one model
-    trained on the GPU engine at one matmul precision."""
-    name, matmul = request.param
-    case = replace(make_case(name), tf32=matmul == "tf32")
-    out = oracle(case)
-    with gpu_runtime(matmul) as rt:
-        rt.start_trace(400_000)
-        fb, trained = run_engine("starpu", case, rt)
-        cuda_workers = set(range(lib.sl_cuda_worker_count()))   # StarPU numbers them first
-        where = Counter((e.codelet, "gpu" if e.worker in cuda_workers else "cpu")
-                        for e in rt.trace())
-        rt.stop_trace()
-    errors = compare(ParamLayout(case.config), fb, trained,
-                     (out["logits"], out["loss"], out["grads"]), (out["losses"], out["params"]),
-                     out["bounds"].params)
-    report(f"{name}] [gpu {matmul}", errors, case, out["bounds"])
-    print(f"[{name}] [gpu {matmul}] tasks on the GPU / on CPUs: " + ", ".join(
-        f"{c} {where[(c, 'gpu')]}/{where[(c, 'cpu')]}" for c in sorted({c for c, _ in where})))
-    return case, errors, out["bounds"], where
-
-
-def test_gpu_matches_torch(gpu_run):
-    case, errors, bounds, _ = gpu_run
-    ratios = errors.ratios(case, bounds)
-    # logits, loss and gradients of the first batch, the 10 losses, the final parameters:
-    # each within its bound (test_model.py; TF32: bounds.py)
-    assert all(r <= 1.0 for r in ratios.values()), \
-        f"{case.name} ({'tf32' if case.tf32 else 'fp32'}): error / bound {ratios}"
-
-
-def test_the_gpu_ran_the_layers(gpu_run):
-    _, _, _, where = gpu_run
-    on_gpu = sum(n for (c, kind), n in where.items() if kind == "gpu")
-    assert on_gpu > 0, f"no task ran on the GPU: {dict(where)}"
-    # the batch loads read the token shard in host memory: CPU only
-    assert where[("load_batch", "gpu")] == 0
-
-
 def test_cpu_and_gpu_losses_side_by_side(runtime):
     """tiny, 10 steps, fp32 matmuls: the CPU engine (this file's CPU runtime) and the GPU
     engine from the same parameters, their losses printed side by side; each within the
@@ -133,3 +92,45 @@ def test_checkpoint_resumes_on_the_other_engine(tmp_path, first, then):
     ratios = {n: r for n, (_, r) in param_errors(ParamLayout(case.config), b.state.params,
                                                   out["params"], out["bounds"].params).items()}
     assert max(ratios.values()) <= 1.0, ratios
+
+
+# tiny first, d12 last (its oracle takes the longest): what a time limit cuts is d12
+@pytest.fixture(scope="module", params=[("tiny", "fp32"), ("tiny", "tf32"), ("d12", "fp32"),
+                                        ("d12", "tf32")], ids=lambda p: "-".join(p))
+def gpu_run(request):
+    """(case, errors against torch, bounds, tasks per (codelet, worker kind)) of one model
+    trained on the GPU engine at one matmul precision."""
+    name, matmul = request.param
+    case = replace(make_case(name), tf32=matmul == "tf32")
+    out = oracle(case)
+    with gpu_runtime(matmul) as rt:
+        rt.start_trace(400_000)
+        fb, trained = run_engine("starpu", case, rt)
+        cuda_workers = set(range(lib.sl_cuda_worker_count()))   # StarPU numbers them first
+        where = Counter((e.codelet, "gpu" if e.worker in cuda_workers else "cpu")
+                        for e in rt.trace())
+        rt.stop_trace()
+    errors = compare(ParamLayout(case.config), fb, trained,
+                     (out["logits"], out["loss"], out["grads"]), (out["losses"], out["params"]),
+                     out["bounds"].params)
+    report(f"{name}] [gpu {matmul}", errors, case, out["bounds"])
+    print(f"[{name}] [gpu {matmul}] tasks on the GPU / on CPUs: " + ", ".join(
+        f"{c} {where[(c, 'gpu')]}/{where[(c, 'cpu')]}" for c in sorted({c for c, _ in where})))
+    return case, errors, out["bounds"], where
+
+
+def test_gpu_matches_torch(gpu_run):
+    case, errors, bounds, _ = gpu_run
+    ratios = errors.ratios(case, bounds)
+    # logits, loss and gradients of the first batch, the 10 losses, the final parameters:
+    # each within its bound (test_model.py; TF32: bounds.py)
+    assert all(r <= 1.0 for r in ratios.values()), \
+        f"{case.name} ({'tf32' if case.tf32 else 'fp32'}): error / bound {ratios}"
+
+
+def test_the_gpu_ran_the_layers(gpu_run):
+    _, _, _, where = gpu_run
+    on_gpu = sum(n for (c, kind), n in where.items() if kind == "gpu")
+    assert on_gpu > 0, f"no task ran on the GPU: {dict(where)}"
+    # the batch loads read the token shard in host memory: CPU only
+    assert where[("load_batch", "gpu")] == 0
