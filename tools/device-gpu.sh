@@ -94,8 +94,13 @@ deadline=${SL_DEADLINE:-570}
 limit() { local l=$((deadline - SECONDS - $2)); [ "$l" -lt "$1" ] && echo $((l > 10 ? l : 10)) || echo "$1"; }
 
 stage_smoke() {
-  (cd "$work" && timeout "$(limit 90 420)" python3 -m starpu_llm train --model tiny --gpus 1 \
-       --steps 4 --batch 4 --seq-len 64)
+  # StarPU's view of the machine (its first start with CUDA also measures the bus, once per
+  # STARPU_HOME), then a short run with StarPU's own messages on
+  timeout 60 "$work/starpu/bin/starpu_machine_display" >"$details/machine_display.txt" 2>&1 ||
+      say "starpu_machine_display failed (details/machine_display.txt)"
+  grep -E "STARPU_CUDA_WORKER|CUDA 0" "$details/machine_display.txt" | head -n 3
+  (cd "$work" && STARPU_SILENT=0 timeout "$(limit 90 420)" python3 -m starpu_llm train \
+       --model tiny --gpus 1 --steps 4 --batch 4 --seq-len 64)
 }
 
 stage_tests() {
