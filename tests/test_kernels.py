@@ -1,4 +1,13 @@
-"""Every C kernel (csrc/kernels) against PyTorch autograd computed in float64.
+"""Every C kernel (csrc/kernels) and GPU kernel (csrc/cuda) against PyTorch autograd
+computed in float64.
+
+Each test runs twice (the `kern` fixture, tests/kernel_impls.py): on the CPU kernels, and on
+the GPU kernels through each codelet's CUDA body, which a CUDA build runs on its GPU (skipped,
+naming why, without one) and the CPU build in its CPU emulation of CUDA and cuBLAS
+(csrc/cuda/emulate.h: the kernels' indexing, barriers, warp shuffles and cuBLAS arguments).
+The GPU kernels compute the same formulas as the CPU ones in another order (blocks of a
+reduction, cuBLAS's GEMMs with the matmuls in fp32; CUDA's expf is documented to 2 ulp as
+vexpf), so the same bounds hold for them: one bound per output, whichever computed it.
 
 The kernels compute in float32. Each numerical comparison uses a bound derived from fp32
 arithmetic (tests/bounds.py: u = 2^-24, gamma(n) = n u / (1 - n u)), stated next to it:
@@ -31,6 +40,7 @@ import torch.nn.functional as F
 
 from bounds import (EXP_FLOOR, U, U64, assert_within, dot_bound, exp_rel, gamma, gamma64,
                     gamma_n, softmax_bound)
+from kernel_impls import CPUKernels, GPUKernels, gpu_available
 from starpu_llm._kernels import ffi, lib
 
 
@@ -74,6 +84,17 @@ def close(actual, expected, bound, what):
     assert_within(actual, f64(expected), bound, what)
 
 
+@pytest.fixture(params=["cpu", "gpu"])
+def kern(request):
+    """The kernels under test: the CPU ones, then the GPU ones (kernel_impls.py)."""
+    if request.param == "gpu":
+        why = gpu_available()
+        if why:
+            pytest.skip(why)
+        return GPUKernels()
+    return CPUKernels()
+
+
 @pytest.fixture
 def rng(request):
     # a fixed seed per test: reproducible failures
@@ -98,13 +119,13 @@ def _encoder_backward_bounds(dwte0, dwpe0, dout, inp):
     return b_wte, b_wpe
 
 
-def test_encoder_forward_backward_repeated_tokens(rng):
+def test_encoder_forward_backward_repeated_tokens(kern, rng):
     B, T, C, Vp, maxT = 2, 7, 24, 40, 10
     inp = rng.integers(0, 4, size=(B, T)).astype(np.int32)  # ids repeat within and across rows
     inp[0, 0] = inp[0, 1] = inp[1, 1] = 3
     wte, wpe = randn(rng, Vp, C), randn(rng, maxT, C)
     out = np.full((B, T, C), np.nan, np.float32)
-    lib.encoder_forward(fp(out), ip(inp), fp(wte), fp(wpe), B, T, C)
+    kern.encoder_forward(out, inp, wte, wpe, B, T, C)
 
     wte_t, wpe_t = t64(wte, True), t64(wpe, True)
     ref = wte_t[torch.from_numpy(inp).long()] + wpe_t[:T]
@@ -115,7 +136,7 @@ def test_encoder_forward_backward_repeated_tokens(rng):
     ref.backward(t64(dout))
     dwte0, dwpe0 = randn(rng, Vp, C), randn(rng, maxT, C)  # backward accumulates into these
     dwte, dwpe = dwte0.copy(), dwpe0.copy()
-    lib.encoder_backward(fp(dwte), fp(dwpe), fp(dout), ip(inp), B, T, C)
+    kern.encoder_backward(dwte, dwpe, dout, inp, B, T, C)
     b_wte, b_wpe = _encoder_backward_bounds(dwte0, dwpe0, dout, inp)
     close(dwte, f64(dwte0) + f64(wte_t.grad), b_wte, "encoder dwte")
     close(dwpe, f64(dwpe0) + f64(wpe_t.grad), b_wpe, "encoder dwpe")
@@ -124,14 +145,14 @@ def test_encoder_forward_backward_repeated_tokens(rng):
     assert np.array_equal(dwpe[T:], dwpe0[T:])
 
 
-def test_encoder_backward_gpt2_width_many_repeats(rng):
+def test_encoder_backward_gpt2_width_many_repeats(kern, rng):
     # wide enough that every thread owns several channel blocks, all tokens the same id
     B, T, C, Vp = 4, 64, 768, 50
     inp = np.full((B, T), 7, np.int32)
     inp[1] = rng.integers(0, Vp, size=T)
     dout = randn(rng, B, T, C)
     dwte, dwpe = np.zeros((Vp, C), np.float32), np.zeros((T, C), np.float32)
-    lib.encoder_backward(fp(dwte), fp(dwpe), fp(dout), ip(inp), B, T, C)
+    kern.encoder_backward(dwte, dwpe, dout, inp, B, T, C)
     ref_wte = np.zeros((Vp, C))
     np.add.at(ref_wte, inp.reshape(-1), f64(dout).reshape(-1, C))
     # gamma(k_v) (sum|dout|): up to k = 193 additions for id 7, gamma(B) for dwpe
@@ -201,7 +222,7 @@ def _layernorm_bounds(inp, w, b, dout, dinp0, dw0, db0, accumulate):
     return bd
 
 
-def _layernorm_case(rng, N, C):
+def _layernorm_case(kern, rng, N, C):
     # a non-zero mean and a spread of scales per row: the two-pass variance must cope
     inp = (randn(rng, N, C) * rng.uniform(0.1, 5, (N, 1)) + rng.uniform(-3, 3, (N, 1))).astype(
         np.float32
@@ -210,7 +231,7 @@ def _layernorm_case(rng, N, C):
     out = np.full((N, C), np.nan, np.float32)
     mean = np.full(N, np.nan, np.float32)
     rstd = np.full(N, np.nan, np.float32)
-    lib.layernorm_forward(fp(out), fp(mean), fp(rstd), fp(inp), fp(w), fp(b), N, C)
+    kern.layernorm_forward(out, mean, rstd, inp, w, b, N, C)
 
     x_t, w_t, b_t = t64(inp, True), t64(w, True), t64(b, True)
     ref = F.layer_norm(x_t, (C,), w_t, b_t, eps=1e-5)
@@ -226,8 +247,8 @@ def _layernorm_case(rng, N, C):
         dinp0 = randn(rng, N, C)
         dw0, db0 = randn(rng, C), randn(rng, C)
         dinp, dw, db = dinp0.copy(), dw0.copy(), db0.copy()
-        lib.layernorm_backward(
-            fp(dinp), fp(dw), fp(db), fp(dout), fp(inp), fp(w), fp(mean), fp(rstd), N, C, accumulate
+        kern.layernorm_backward(
+            dinp, dw, db, dout, inp, w, mean, rstd, N, C, accumulate
         )
         # the backward reads the kernel's own mean and rstd: their errors are in the bound
         bd = _layernorm_bounds(inp, w, b, dout, dinp0, dw0, db0, accumulate)
@@ -237,23 +258,23 @@ def _layernorm_case(rng, N, C):
         close(db, f64(db0) + f64(b_t.grad), bd["db"], "layernorm dbias")
 
 
-def test_layernorm_small(rng):
-    _layernorm_case(rng, N=2 * 7, C=40)
+def test_layernorm_small(kern, rng):
+    _layernorm_case(kern, rng, N=2 * 7, C=40)
 
 
-def test_layernorm_gpt2_width(rng):
+def test_layernorm_gpt2_width(kern, rng):
     # C=768 float reductions, and dweight sums 64 rows of products
-    _layernorm_case(rng, N=64, C=768)
+    _layernorm_case(kern, rng, N=64, C=768)
 
 
 # ---------------------------------------------------------------- matmul
 
 
-def _matmul_case(rng, N, C, OC, use_bias):
+def _matmul_case(kern, rng, N, C, OC, use_bias):
     inp, weight = randn(rng, N, C), randn(rng, OC, C, scale=1 / math.sqrt(C))
     bias = randn(rng, OC) if use_bias else None
     out = np.full((N, OC), np.nan, np.float32)
-    lib.matmul_forward(fp(out), fp(inp), fp(weight), fp(bias) if use_bias else ffi.NULL, N, C, OC)
+    kern.matmul_forward(out, inp, weight, bias if use_bias else None, N, C, OC)
     x_t, w_t = t64(inp, True), t64(weight, True)
     b_t = t64(bias, True) if use_bias else None
     ref = F.linear(x_t, w_t, b_t)
@@ -271,8 +292,8 @@ def _matmul_case(rng, N, C, OC, use_bias):
     dw = dw0.copy()
     db0 = randn(rng, OC)
     db = db0.copy()
-    lib.matmul_backward(
-        fp(dinp), fp(dw), fp(db) if use_bias else ffi.NULL, fp(dout), fp(inp), fp(weight), N, C, OC
+    kern.matmul_backward(
+        dinp, dw, db if use_bias else None, dout, inp, weight, N, C, OC
     )
     ady = np.abs(f64(dout))
     # dinp = dout @ weight: OC products
@@ -289,21 +310,21 @@ def _matmul_case(rng, N, C, OC, use_bias):
 
 
 @pytest.mark.parametrize("use_bias", [True, False])
-def test_matmul_small(rng, use_bias):
-    _matmul_case(rng, N=2 * 5, C=24, OC=72, use_bias=use_bias)
+def test_matmul_small(kern, rng, use_bias):
+    _matmul_case(kern, rng, N=2 * 5, C=24, OC=72, use_bias=use_bias)
 
 
 @pytest.mark.parametrize("C,OC", [(768, 2304), (3072, 768)])
-def test_matmul_gpt2_width(rng, C, OC):
+def test_matmul_gpt2_width(kern, rng, C, OC):
     # sgemm sums of 768..3072 products in fp32
-    _matmul_case(rng, N=64, C=C, OC=OC, use_bias=True)
+    _matmul_case(kern, rng, N=64, C=C, OC=OC, use_bias=True)
 
 
 # ---------------------------------------------------------------- wte in row blocks
 
 
 @pytest.mark.parametrize("nb", [2, 3, 7])
-def test_row_blocks_agree_with_one_block(rng, nb):
+def test_row_blocks_agree_with_one_block(kern, rng, nb):
     """The codelets that use the tied wte given it in nb row blocks (the embedding, the lm
     head's matmul forward and backward: codelets.DirectOps, i.e. the codelet bodies on their
     buffers) against the same codelets given it whole. Vp = 203 rows in blocks of unequal
@@ -318,7 +339,10 @@ def test_row_blocks_agree_with_one_block(rng, nb):
         blocks' partial sums; rows_b + nb - 1 <= Vp), so gamma(Vp) for each, 2 gamma(Vp)
         apart;
       - dwte: each row block's rows are the same N-term sums plus the old value, gamma(N + 1)
-        each."""
+        each.
+    On the GPU the embedding's dwte adds a repeated token's rows by atomic additions, in an
+    order that can change from run to run: its k_v additions, gamma(k_v) each
+    (_encoder_backward_bounds), 2 gamma(k_v) apart."""
     from starpu_llm.codelets import DirectOps
     from starpu_llm.config import row_blocks
     from starpu_llm.flow.tensors import Tensor
@@ -343,7 +367,7 @@ def test_row_blocks_agree_with_one_block(rng, nb):
         out = {k: np.full(shape, np.nan, np.float32) for k, shape in
                (("encoded", (B, T, C)), ("logits", (N, Vp)), ("dlnf", (N, C)))}
         dwpe = dwpe0.copy()
-        ops = DirectOps()
+        ops = DirectOps(gpu=kern.name == "gpu")
         ops.encoder_forward(t("encoded", out["encoded"]), t("inp", inp), wb, t("wpe", wpe),
                             B, T, C, 0)
         ops.matmul_forward(t("logits", out["logits"]), t("lnf", lnf), wb, None, N, C, Vp)
@@ -356,7 +380,11 @@ def test_row_blocks_agree_with_one_block(rng, nb):
 
     one, blocked = run([(0, Vp)]), run(row_blocks(Vp, nb))
     for what, a, b in zip(("encoded", "encoder dwte", "dwpe"), one[:3], blocked[:3]):
-        assert np.array_equal(a, b), what
+        if what == "encoder dwte" and kern.name == "gpu":
+            b_wte, _ = _encoder_backward_bounds(dwte0, dwpe0, one[0], inp)
+            close(b, a, 2 * b_wte, what)
+        else:
+            assert np.array_equal(a, b), what
     aw, al, ad = np.abs(f64(wte)), np.abs(f64(lnf)), np.abs(f64(dlogits))
     close(blocked[3], one[3], 2 * dot_bound(C, al @ aw.T), "logits")
     close(blocked[4], one[4], 2 * dot_bound(Vp, ad @ aw), "dlnf")
@@ -433,13 +461,13 @@ def _attention_bounds(qkv, dout, B, T, C, NH):
     return bd
 
 
-def _attention_case(rng, B, T, C, NH, qscale=1.0):
+def _attention_case(kern, rng, B, T, C, NH, qscale=1.0):
     qkv = randn(rng, B, T, 3 * C)
     qkv[..., :C] *= qscale
     out = np.full((B, T, C), np.nan, np.float32)
     preatt = np.full((B, NH, T, T), np.nan, np.float32)
     att = np.full((B, NH, T, T), np.nan, np.float32)
-    lib.attention_forward(fp(out), fp(preatt), fp(att), fp(qkv), B, T, C, NH)
+    kern.attention_forward(out, preatt, att, qkv, B, T, C, NH)
 
     qkv_t = t64(qkv, True)
     ref_out, ref_pre, ref_att, mask = _attention_ref(qkv_t, B, T, C, NH)
@@ -458,7 +486,7 @@ def _attention_case(rng, B, T, C, NH, qscale=1.0):
     dqkv = np.full((B, T, 3 * C), np.nan, np.float32)  # written, not accumulated
     dpreatt = np.full((B, NH, T, T), np.nan, np.float32)
     datt = np.full((B, NH, T, T), np.nan, np.float32)
-    lib.attention_backward(fp(dqkv), fp(dpreatt), fp(datt), fp(dout), fp(qkv), fp(att), B, T, C, NH)
+    kern.attention_backward(dqkv, dpreatt, datt, dout, qkv, att, B, T, C, NH)
     close(dqkv, qkv_t.grad, bd["dqkv"], "attention dqkv")
     # torch's dpreatt is 0 above the diagonal too
     close(dpreatt, ref_pre.grad, bd["dpreatt"], "attention dpreatt")
@@ -468,31 +496,31 @@ def _attention_case(rng, B, T, C, NH, qscale=1.0):
 
 
 @pytest.mark.parametrize("B,T,C,NH", [(2, 5, 16, 2), (2, 8, 48, 4), (1, 7, 36, 3)])
-def test_attention_small(rng, B, T, C, NH):
-    _attention_case(rng, B, T, C, NH)
+def test_attention_small(kern, rng, B, T, C, NH):
+    _attention_case(kern, rng, B, T, C, NH)
 
 
-def test_attention_gpt2_width(rng):
-    _attention_case(rng, B=1, T=64, C=768, NH=12)
+def test_attention_gpt2_width(kern, rng):
+    _attention_case(kern, rng, B=1, T=64, C=768, NH=12)
 
 
-def test_attention_large_scores(rng):
+def test_attention_large_scores(kern, rng):
     # scores of +-100s: exp would overflow without the max subtraction. Each score carries an
     # fp32 error up to gamma(hs + 3) sum|q k| / sqrt(hs) (~1e-4 here), which exp turns into a
     # relative error of att of that size; in the backward datt - sum(att * datt) cancels for a
     # peaked softmax, which the bound handles through the |terms| of that sum
-    _attention_case(rng, B=2, T=8, C=32, NH=2, qscale=60.0)
+    _attention_case(kern, rng, B=2, T=8, C=32, NH=2, qscale=60.0)
 
 
-def test_attention_is_causal(rng):
+def test_attention_is_causal(kern, rng):
     B, T, C, NH = 2, 8, 32, 4
-    qkv, out = _attention_case(rng, B, T, C, NH)
+    qkv, out = _attention_case(kern, rng, B, T, C, NH)
     t0 = 5
     qkv2 = qkv.copy()
     qkv2[:, t0:] = randn(rng, B, T - t0, 3 * C, scale=10)  # change q, k, v of tokens >= t0
     out2 = np.empty_like(out)
     pre, att = (np.empty((B, NH, T, T), np.float32) for _ in range(2))
-    lib.attention_forward(fp(out2), fp(pre), fp(att), fp(qkv2), B, T, C, NH)
+    kern.attention_forward(out2, pre, att, qkv2, B, T, C, NH)
     assert np.array_equal(out2[:, :t0], out[:, :t0])
     assert not np.allclose(out2[:, t0:], out[:, t0:])
 
@@ -536,11 +564,11 @@ def _gelu_bounds(x, dout):
 
 
 @pytest.mark.parametrize("n", [37, 100003])  # a SIMD tail; above the parallel threshold
-def test_gelu(rng, n):
+def test_gelu(kern, rng, n):
     x = randn(rng, n, scale=3)
     x[:8] = [0.0, -0.0, 1e-6, -1e-6, 12.0, -12.0, 60.0, -60.0]  # the tails saturate
     out = np.full(n, np.nan, np.float32)
-    lib.gelu_forward(fp(out), fp(x), n)
+    kern.gelu_forward(out, x, n)
     x_t = t64(x, True)
     ref = F.gelu(x_t, approximate="tanh")
     dout = randn(rng, n)
@@ -548,7 +576,7 @@ def test_gelu(rng, n):
     close(out, ref, b_out, "gelu out")
     ref.backward(t64(dout))
     dinp = np.full(n, np.nan, np.float32)
-    lib.gelu_backward(fp(dinp), fp(x), fp(dout), n)
+    kern.gelu_backward(dinp, x, dout, n)
     close(dinp, x_t.grad, b_dinp, "gelu dinp")
 
 
@@ -556,10 +584,10 @@ def test_gelu(rng, n):
 
 
 @pytest.mark.parametrize("n", [37, 100003])
-def test_residual(rng, n):
+def test_residual(kern, rng, n):
     a, b = randn(rng, n), randn(rng, n)
     out = np.full(n, np.nan, np.float32)
-    lib.residual_forward(fp(out), fp(a), fp(b), n)
+    kern.residual_forward(out, a, b, n)
     assert np.array_equal(out, a + b)  # one float32 addition: exact
 
 
@@ -591,14 +619,14 @@ def _crossentropy_bounds(logits, targets, V):
 
 
 @pytest.mark.parametrize("N,V,Vp,scale", [(2 * 6, 37, 40, 3.0), (2 * 6, 37, 40, 40.0), (3, 5000, 5008, 5.0)])
-def test_crossentropy(rng, N, V, Vp, scale):
+def test_crossentropy(kern, rng, N, V, Vp, scale):
     logits = randn(rng, N, Vp, scale=scale)
     logits[:, V:] = 1e4  # padding must be ignored (it would dominate the softmax)
     targets = rng.integers(0, V, size=N).astype(np.int32)
     targets[0], targets[1] = 0, V - 1
     probs = np.full((N, Vp), np.nan, np.float32)
     losses = np.full(N, np.nan, np.float32)
-    lib.crossentropy_softmax_forward(fp(probs), fp(losses), fp(logits), ip(targets), N, V, Vp)
+    kern.crossentropy_softmax_forward(probs, losses, logits, targets, N, V, Vp)
 
     lg_t = t64(logits[:, :V], True)
     tg_t = torch.from_numpy(targets).long()
@@ -611,7 +639,7 @@ def test_crossentropy(rng, N, V, Vp, scale):
     ref_losses.mean().backward()
     dloss = 1.0 / N
     dlogits = np.full((N, Vp), np.nan, np.float32)
-    lib.crossentropy_softmax_backward(fp(dlogits), fp(probs), ip(targets), N, V, Vp, dloss)
+    kern.crossentropy_softmax_backward(dlogits, probs, targets, N, V, Vp, dloss)
     # d = p * dloss, d[target] = (p - 1) * dloss, with the kernel's p (error e_p): dloss
     # rounded to float, the product, and the subtraction at the target (3), on |p - onehot|
     onehot = np.zeros_like(P)
@@ -622,18 +650,18 @@ def test_crossentropy(rng, N, V, Vp, scale):
 
     # in place: dlogits aliases probs
     inplace = probs.copy()
-    lib.crossentropy_softmax_backward(fp(inplace), fp(inplace), ip(targets), N, V, Vp, dloss)
+    kern.crossentropy_softmax_backward(inplace, inplace, targets, N, V, Vp, dloss)
     assert np.array_equal(inplace, dlogits)
 
 
-def test_crossentropy_gpt2_vocab_row(rng):
+def test_crossentropy_gpt2_vocab_row(kern, rng):
     # one full-size row: 50257 terms in the normaliser, padded to 50304
     N, V, Vp = 2, 50257, 50304
     logits = randn(rng, N, Vp, scale=4)
     logits[:, V:] = -1e4
     targets = np.array([123, V - 1], np.int32)
     probs, losses = np.empty((N, Vp), np.float32), np.empty(N, np.float32)
-    lib.crossentropy_softmax_forward(fp(probs), fp(losses), fp(logits), ip(targets), N, V, Vp)
+    kern.crossentropy_softmax_forward(probs, losses, logits, targets, N, V, Vp)
     lg_t = t64(logits[:, :V])
     P, e_p, e_L = _crossentropy_bounds(logits, targets, V)  # as in test_crossentropy
     close(probs[:, :V], torch.softmax(lg_t, -1), e_p, "crossentropy probs")
@@ -645,8 +673,11 @@ def test_crossentropy_gpt2_vocab_row(rng):
 # ---------------------------------------------------------------- adamw
 
 
-@pytest.mark.parametrize("zero_grad,grad_scale", [(0, 1.0), (1, 1.0), (1, 0.25)])
-def test_adamw_three_steps(rng, zero_grad, grad_scale):
+# the GPU's AdamW (the adamw codelet) always zeroes the gradient
+@pytest.mark.parametrize("kern,zero_grad,grad_scale", [
+    ("cpu", 0, 1.0), ("cpu", 1, 1.0), ("cpu", 1, 0.25), ("gpu", 1, 1.0), ("gpu", 1, 0.25)],
+    indirect=["kern"])
+def test_adamw_three_steps(kern, rng, zero_grad, grad_scale):
     # grad_scale (gradient clipping's factor) multiplies the gradient; a power of two, so the
     # scaled gradient is exact and the bounds below hold unchanged
     lr, b1, b2, eps, wd = 1e-3, 0.9, 0.999, 1e-8, 0.01
@@ -678,7 +709,7 @@ def test_adamw_three_steps(rng, zero_grad, grad_scale):
         g[:50] = 0.0  # no gradient: moments decay, weight decay still applies
         g[50:60] *= 1e-6  # sqrt(vhat) comparable to eps
         grads_c[:] = g
-        lib.adamw_update(fp(params), fp(grads_c), fp(m), fp(v), n, lr, b1, b2, eps, wd, step, zero_grad,
+        kern.adamw_update(params, grads_c, m, v, n, lr, b1, b2, eps, wd, step, zero_grad,
                          grad_scale)
         if zero_grad:
             assert np.all(grads_c == 0)
@@ -720,33 +751,36 @@ def test_adamw_three_steps(rng, zero_grad, grad_scale):
 
 
 @pytest.mark.parametrize("n", [1, 37, 4096, 100003])
-def test_sum_of_squares(rng, n):
+def test_sum_of_squares(kern, rng, n):
     x = randn(rng, n, scale=3.0)
     out = np.zeros(1)
-    dp = ffi.cast("double *", ffi.from_buffer(out))
-    lib.sum_of_squares(dp, fp(x), n)
+    kern.sum_of_squares(out, x, n)
     # float64: the squares of floats are exact, the n - 1 additions of non-negative terms
     # round: gamma64(n) * sum
     exact = np.sum(f64(x) ** 2)
     close(out[0], exact, gamma64(n) * exact, "sum_of_squares")
-    # fixed blocks: the same bits whatever the team size
+    # fixed blocks: the same bits whatever the team size (the GPU's grid depends on n alone:
+    # the same bits on every run)
     got = []
     for k in (1, 2, 3):
         saved = lib.kernels_threads()
         lib.kernels_set_threads(k)
         try:
-            lib.sum_of_squares(dp, fp(x), n)
+            kern.sum_of_squares(out, x, n)
         finally:
             lib.kernels_set_threads(saved)
         got.append(out[0])
     assert got[0] == got[1] == got[2], got
 
 
-def test_sum_f64_and_clip_scale():
+def test_sum_f64(kern):
     x = np.array([1e16, 1.0, -1e16, 3.0])
     out = np.zeros(1)
-    lib.sum_f64(ffi.cast("double *", ffi.from_buffer(out)), ffi.cast("double *", ffi.from_buffer(x)), 4)
+    kern.sum_f64(out, x, 4)
     assert out[0] == ((1e16 + 1.0) - 1e16) + 3.0        # left to right, as documented
+
+
+def test_clip_scale():
     # min(1, C / (||g|| + 1e-6)), ||g|| = sqrt(sumsq); the result rounded to fp32 once
     for sumsq, c in [(4.0, 1.0), (0.25, 1.0), (1e-20, 0.5), (1e6, 3.0)]:
         want = min(1.0, c / (math.sqrt(sumsq) + 1e-6))
@@ -759,13 +793,13 @@ def test_sum_f64_and_clip_scale():
 
 
 @pytest.mark.parametrize("n", [37, 100003])
-def test_fill_zero_add_inplace(rng, n):
+def test_fill_zero_add_inplace(kern, rng, n):
     x = randn(rng, n)
-    lib.fill_zero(fp(x), n)
+    kern.fill_zero(x, n)
     assert np.all(x == 0)
     a, b = randn(rng, n), randn(rng, n)
     expect = a + b
-    lib.add_inplace(fp(a), fp(b), n)
+    kern.add_inplace(a, b, n)
     assert np.array_equal(a, expect)
 
 
@@ -797,18 +831,18 @@ def _kv_cache(qkv, NH, maxT, fill):
 
 
 @pytest.mark.parametrize("B,Tn,pos", [(1, 1, 0), (2, 1, 7), (2, 3, 5)])
-def test_kv_append(rng, B, Tn, pos):
+def test_kv_append(kern, rng, B, Tn, pos):
     C, NH, maxT = 24, 3, 12
     qkv = randn(rng, B, pos + Tn, 3 * C)
     k, v = _kv_cache(qkv[:, :pos], NH, maxT, fill=7.0)      # 7: a marker for the empty positions
     new = np.ascontiguousarray(qkv[:, pos:])
-    lib.kv_append(fp(k), fp(v), fp(new), B, Tn, C, NH, maxT, pos)
+    kern.kv_append(k, v, new, B, Tn, C, NH, maxT, pos)
     k_ref, v_ref = _kv_cache(qkv, NH, maxT, fill=7.0)
     # a copy, so exact; the positions before pos and after pos + Tn are kept
     assert np.array_equal(k, k_ref) and np.array_equal(v, v_ref)
 
 
-def _attention_decode_case(rng, B, Tn, pos, C, NH, qscale=1.0):
+def _attention_decode_case(kern, rng, B, Tn, pos, C, NH, qscale=1.0):
     """attention_decode of Tn new positions after pos cached ones, against rows pos.. of causal
     attention over all T = pos + Tn positions (torch, float64). The bound is
     _attention_bounds' for those rows: the kernel computes each row with the same operations
@@ -820,21 +854,21 @@ def _attention_decode_case(rng, B, Tn, pos, C, NH, qscale=1.0):
     k, v = _kv_cache(qkv, NH, maxT, fill=np.nan)
     new = np.ascontiguousarray(qkv[:, pos:])
     out = np.full((B, Tn, C), np.nan, np.float32)
-    lib.attention_decode(fp(out), fp(new), fp(k), fp(v), B, Tn, C, NH, maxT, pos)
+    kern.attention_decode(out, new, k, v, B, Tn, C, NH, maxT, pos)
     ref_out = _attention_ref(t64(qkv), B, T, C, NH)[0]
     bd = _attention_bounds(qkv, np.zeros((B, T, C), np.float32), B, T, C, NH)
     close(out, f64(ref_out)[:, pos:], bd["out"][:, pos:], "attention_decode out")
 
 
 @pytest.mark.parametrize("B,Tn,pos,C,NH", [(1, 1, 0, 16, 2), (2, 1, 9, 48, 4), (2, 3, 5, 36, 3)])
-def test_attention_decode_small(rng, B, Tn, pos, C, NH):
-    _attention_decode_case(rng, B, Tn, pos, C, NH)
+def test_attention_decode_small(kern, rng, B, Tn, pos, C, NH):
+    _attention_decode_case(kern, rng, B, Tn, pos, C, NH)
 
 
-def test_attention_decode_gpt2_width(rng):
-    _attention_decode_case(rng, B=1, Tn=1, pos=63, C=768, NH=12)
+def test_attention_decode_gpt2_width(kern, rng):
+    _attention_decode_case(kern, rng, B=1, Tn=1, pos=63, C=768, NH=12)
 
 
-def test_attention_decode_large_scores(rng):
+def test_attention_decode_large_scores(kern, rng):
     # scores of +-100s, as test_attention_large_scores
-    _attention_decode_case(rng, B=2, Tn=2, pos=6, C=32, NH=2, qscale=60.0)
+    _attention_decode_case(kern, rng, B=2, Tn=2, pos=6, C=32, NH=2, qscale=60.0)

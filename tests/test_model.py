@@ -83,15 +83,17 @@ class Case:
     B: int
     T: int
     lr: float
+    tf32: bool = False      # the run compared with torch has its matmuls in TF32 (GPUs)
+    steps: int = STEPS
 
     def positions(self):
         loader = DataLoader(self.tokens, self.B, self.T)
-        return [loader.next_position() for _ in range(STEPS)]
+        return [loader.next_position() for _ in range(self.steps)]
 
     @property
     def grad_rel(self) -> float:
         """Relative bound of two runs' gradients (bounds.grad_rel_bound)."""
-        return grad_rel_bound(self.config, self.B, self.T)
+        return grad_rel_bound(self.config, self.B, self.T, self.tf32)
 
 
 @dataclass
@@ -114,8 +116,11 @@ def make_case(name: str) -> Case:
         params += rng.standard_normal(params.size, dtype=np.float32) * np.float32(0.02)
         tokens = rng.integers(0, cfg.V, size=4096).astype(np.uint16)
         return Case(name, cfg, params, tokens, B=4, T=16, lr=1e-3)
-    cfg = MODELS["d12"]
+    # "d12", and "tiny" (the GPU tests, tests/test_gpu.py): random_init, Shakespeare tokens
+    cfg = MODELS[name]
     tokens = read_shard(default_dataset()[0])
+    if name == "tiny":
+        return Case(name, cfg, random_init(cfg), tokens, B=4, T=64, lr=1e-3)
     return Case(name, cfg, random_init(cfg), tokens, B=1, T=64, lr=1e-4)
 
 
@@ -139,6 +144,10 @@ def param_errors(layout: ParamLayout, got: np.ndarray, want: np.ndarray, bound) 
 # --------------------------------------------------------------------------- the runs
 
 def make_engine(kind, case, state, runtime, sub_batches=None):
+    if kind == "cuda-bodies":
+        # the codelets' CUDA bodies in the reference loop (tests/test_model_cuda.py)
+        return ReferenceEngine(case.config, state, case.B, case.T, case.tokens, gpu=True,
+                               tf32=case.tf32)
     if kind == "reference":
         # the same OpenMP team size as the StarPU engine's tasks, so that both run the
         # kernels' reductions in the same order
@@ -148,32 +157,41 @@ def make_engine(kind, case, state, runtime, sub_batches=None):
                         sub_batches=sub_batches)
 
 
-def run_torch(case: Case, out: dict):
+def run_torch(case: Case, out: dict, tf32s=None):
     """Torch's run, and the bounds of comparing a run with it (out["bounds"]): the gradient,
-    moment and parameter of every step feed AdamDrift (bounds.py)."""
+    moment and parameter of every step feed AdamDrift (bounds.py). tf32s: the matmul
+    precisions (False fp32, True TF32) of the runs to compare, each one's bounds in
+    out["bounds_tf32"][flag] from the one torch run (default: the case's alone)."""
     model = TorchGPT2(case.config, case.params)
     layout = model.layout
-    drift = AdamDrift(layout, case.B, case.T, case.lr, WEIGHT_DECAY, case.grad_rel)
-    losses, loss_bounds = [], []
+    tf32s = (case.tf32,) if tf32s is None else tuple(tf32s)
+    drifts = {f: AdamDrift(layout, case.B, case.T, case.lr, WEIGHT_DECAY,
+                           grad_rel_bound(case.config, case.B, case.T, f), tf32=f)
+              for f in tf32s}
+    losses, loss_bounds, fb_bounds = [], {f: [] for f in tf32s}, {}
     for i, pos in enumerate(case.positions()):
         logits, loss = model.forward_backward(*batch(case.tokens, pos, case.B, case.T))
         grads = {n: t.grad.numpy() for n, t in model.params.items()}
         scale = float(np.abs(logits).max())
-        loss_bounds.append(drift.gradients(grads, loss, scale))
+        for f, drift in drifts.items():
+            loss_bounds[f].append(drift.gradients(grads, loss, scale))
         if i == 0:   # the forward/backward check: the first batch, before any update
             out["logits"], out["loss"], out["grads"] = logits, loss, model.grads_flat()
-            fb_bounds = (logits_bound(case.config, case.B, case.T, scale),
-                         loss_bound(case.config, case.B, case.T, loss, scale),
-                         slice_scales(layout, grads))
+            fb_bounds = {f: (logits_bound(case.config, case.B, case.T, scale, f),
+                             loss_bound(case.config, case.B, case.T, loss, scale, f),
+                             slice_scales(layout, grads)) for f in tf32s}
         model.adamw_update(case.lr, WEIGHT_DECAY)
         state = model.optimizer.state
-        drift.update({n: state[t]["exp_avg"].numpy() for n, t in model.params.items()},
-                     {n: state[t]["exp_avg_sq"].numpy() for n, t in model.params.items()},
-                     {n: t.detach().numpy() for n, t in model.params.items()})
+        moments = ({n: state[t]["exp_avg"].numpy() for n, t in model.params.items()},
+                   {n: state[t]["exp_avg_sq"].numpy() for n, t in model.params.items()},
+                   {n: t.detach().numpy() for n, t in model.params.items()})
+        for drift in drifts.values():
+            drift.update(*moments)
         losses.append(loss)
     out["losses"], out["params"] = np.array(losses), model.params_flat()
-    out["bounds"] = Bounds(*fb_bounds, np.array(loss_bounds), drift.bound,
-                           np.array(drift.loss_drift))
+    out["bounds_tf32"] = {f: Bounds(*fb_bounds[f], np.array(loss_bounds[f]), d.bound,
+                                    np.array(d.loss_drift)) for f, d in drifts.items()}
+    out["bounds"] = out["bounds_tf32"][tf32s[0]]
 
 
 def run_engine(kind: str, case: Case, runtime, sub_batches=None):
@@ -193,7 +211,7 @@ def run_engine(kind: str, case: Case, runtime, sub_batches=None):
         losses = [loss] + [engine.step(pos, case.lr, WEIGHT_DECAY) for pos in positions[1:]]
         if kind == "starpu":
             engine.sync()
-        assert state.step == STEPS
+        assert state.step == case.steps
         train = np.array(losses), state.params.copy()
     finally:
         engine.close()

@@ -103,6 +103,10 @@ MODES = {   # name: (ranks, flags, what the partition line says)
     "sharded-4": (4, [], "4 MPI processes, sharded ownership"),
     "rank0-2": (2, ["--ownership", "rank0"], "2 MPI processes, rank0 ownership"),
     "rank0-3": (3, ["--ownership", "rank0"], "3 MPI processes, rank0 ownership"),
+    # two workers a rank: the sub-batches add their gradients in a StarPU reduction, whose
+    # methods (add, zero) the cross-rank reduction's tasks use too
+    "sharded-2-workers": (2, ["--workers", "2", "--cores-per-worker", "1", "--oversubscribe"],
+                          "2 sub-batch(es) on each of 2 MPI processes, sharded ownership"),
     # micro-batches flowing through the stages
     "pipeline-2": (2, ["--pipeline-stages", "2", "--sub-batches", "3"],
                    "1 copies of 2 pipeline stages on 2 MPI processes"),

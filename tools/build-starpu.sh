@@ -9,42 +9,132 @@
 # documentation, examples or tests. Nothing is downloaded: the Debian packages it needs are
 # installed with apt-get when missing (SL_NO_APT=1: don't, just fail if something is missing).
 #
+#   tools/build-starpu.sh --cuda TARBALL PREFIX
+#
+# The same with CUDA (StarPU's CUDA workers, cuBLAS) and without starpupy: the CUDA 13 fix
+# tools/patches/starpu-1.4.12-cuda13-computemode.patch is applied first (it says why), starpufft
+# stays off (it does not build against cuFFT 13), and STARPU_MAXCPUS defaults to 64. It needs
+# nvcc and cudart ($CUDA_HOME, else /usr/local/cuda or /usr/local/cuda-13.0) and cuBLAS
+# ($CUBLAS_HOME: a folder with include/cublas_v2.h and lib/ or lib64/libcublas.so*, default
+# $CUDA_HOME; PyPI's nvidia-cublas==13.1.0.3 unpacked with pip install --target DIR is one:
+# CUBLAS_HOME=DIR/nvidia/cu13). Without the cuSPARSE and cuSOLVER headers that starpu.h
+# includes (a machine with cuBLAS from PyPI), tools/cuda-stubs stands in for them: compiling
+# works, nothing of theirs is used. No GPU is needed to build.
+#
+#   tools/build-starpu.sh --autogen TARBALL OUT.tar.gz
+#
+# Writes the tarball's tree after autogen.sh (configure made: what a machine without libtool,
+# such as the GPU machine, builds from).
+#
 # Environment:
 #   PYTHON          the Python starpupy is built for (default python3). It needs setuptools and,
 #                   for starpupy's numpy support, numpy: a project venv's python is a good choice.
-#   STARPU_MAXCPUS  CPU workers the build supports (default 256). StarPU's own default is the
-#                   build machine's core count rounded up to a power of two (2 on a 2-core VM),
-#                   too small for the nodes it runs on.
+#   STARPU_MAXCPUS  CPU workers the build supports (default 256; 64 with --cuda). StarPU's own
+#                   default is the build machine's core count rounded up to a power of two (2 on
+#                   a 2-core VM), too small for the nodes it runs on.
 #   JOBS            make -j (default: nproc)
+#   SL_SKIP_DEPS    1: do not check the Debian packages (see below)
 #
 # Idempotent: a prefix whose stamp records the same tarball and options is left as it is.
 set -euo pipefail
 
-usage() { echo "usage: $0 TARBALL PREFIX" >&2; exit 2; }
+usage() { echo "usage: $0 [--cuda | --autogen] TARBALL PREFIX|OUT.tar.gz" >&2; exit 2; }
+mode=cpu
+case "${1:-}" in --cuda) mode=cuda; shift ;; --autogen) mode=autogen; shift ;; esac
 [ $# -eq 2 ] || usage
+tools=$(cd "$(dirname "$0")" && pwd)
 tarball=$(realpath "$1")
+[ -f "$tarball" ] || { echo "$0: no tarball at $1" >&2; exit 1; }
+
+# The tarball's source tree, unpacked into a new folder $work (kept on failure, for its logs).
+unpack() {
+  work=$(mktemp -d "${TMPDIR:-/tmp}/build-starpu.XXXXXX")
+  trap 'if [ $? -eq 0 ]; then rm -rf "$work"; else echo "$0: logs in $work" >&2; fi' EXIT
+  tar -xzf "$tarball" -C "$work"
+  src=$(find "$work" -mindepth 1 -maxdepth 1 -type d | head -n1)
+}
+autogen() {
+  [ -x "$src/configure" ] || (cd "$src" && ./autogen.sh) >"$work/autogen.log" 2>&1 ||
+    { tail -n 30 "$work/autogen.log" >&2; exit 1; }
+}
+
+if [ $mode = autogen ]; then
+  mkdir -p "$(dirname "$2")"
+  out=$(realpath "$2")
+  unpack
+  autogen
+  tar -czf "$out.tmp" -C "$work" "$(basename "$src")" && mv "$out.tmp" "$out"
+  echo "$out: $(basename "$src") with configure ($(du -h "$out" | cut -f1))"
+  exit 0
+fi
 mkdir -p "$2"
 prefix=$(realpath "$2")
-[ -f "$tarball" ] || { echo "$0: no tarball at $1" >&2; exit 1; }
 
 PYTHON=${PYTHON:-python3}
 python=$(command -v "$PYTHON") || { echo "$0: no Python at $PYTHON" >&2; exit 1; }
 # absolute (the build runs in another directory), without resolving a venv's symlink
 case "$python" in /*) ;; *) python="$(cd "$(dirname "$python")" && pwd)/$(basename "$python")" ;; esac
-maxcpus=${STARPU_MAXCPUS:-256}
 jobs=${JOBS:-$(nproc)}
 
-options=(--prefix="$prefix" --enable-mpi --enable-starpupy --enable-parallel-worker
-         --enable-maxcpus="$maxcpus" --disable-cuda --disable-opencl --disable-hip
-         --disable-fortran --disable-build-doc --disable-build-examples --disable-build-tests
-         --disable-static
-         --disable-starpufft --disable-socl --disable-fxt)
+if [ $mode = cpu ]; then
+  maxcpus=${STARPU_MAXCPUS:-256}
+  options=(--prefix="$prefix" --enable-mpi --enable-starpupy --enable-parallel-worker
+           --enable-maxcpus="$maxcpus" --disable-cuda --disable-opencl --disable-hip
+           --disable-fortran --disable-build-doc --disable-build-examples --disable-build-tests
+           --disable-static
+           --disable-starpufft --disable-socl --disable-fxt)
+  features=("StarPU MPI" "Python Interface" "Parallel Worker support")
+  cppflags=${CPPFLAGS:-}
+  ldflags=${LDFLAGS:-}
+else
+  # ---- CUDA: nvcc and cudart, cuBLAS, the headers starpu.h includes ----
+  cuda_home=${CUDA_HOME:-}
+  if [ -z "$cuda_home" ]; then
+    for d in /usr/local/cuda /usr/local/cuda-13.0; do
+      [ -x "$d/bin/nvcc" ] && { cuda_home=$d; break; }
+    done
+  fi
+  [ -n "$cuda_home" ] && [ -x "$cuda_home/bin/nvcc" ] || {
+    echo "$0: --cuda: no CUDA toolkit (bin/nvcc) in \$CUDA_HOME (${CUDA_HOME:-unset}), /usr/local/cuda" \
+         "or /usr/local/cuda-13.0: install it, or set CUDA_HOME" >&2; exit 1; }
+  cuda_home=$(realpath "$cuda_home")
+  cuda_lib=$cuda_home/lib64
+  [ -d "$cuda_lib" ] || cuda_lib=$cuda_home/lib
+  cublas_home=$(realpath "${CUBLAS_HOME:-$cuda_home}")
+  cublas_lib=
+  for d in "$cublas_home/lib64" "$cublas_home/lib" "$cuda_home/targets/x86_64-linux/lib"; do
+    compgen -G "$d/libcublas.so*" >/dev/null && { cublas_lib=$d; break; }
+  done
+  cublas_inc=$cublas_home/include
+  [ -f "$cublas_inc/cublas_v2.h" ] || cublas_inc=$cuda_home/include
+  [ -n "$cublas_lib" ] && [ -f "$cublas_inc/cublas_v2.h" ] || {
+    echo "$0: --cuda: no cuBLAS (include/cublas_v2.h and lib/libcublas.so*) in $cublas_home:" \
+         "set CUBLAS_HOME, e.g. pip install --target DIR nvidia-cublas==13.1.0.3 and" \
+         "CUBLAS_HOME=DIR/nvidia/cu13" >&2; exit 1; }
+  maxcpus=${STARPU_MAXCPUS:-64}
+  options=(--prefix="$prefix" --enable-mpi --disable-starpupy --enable-parallel-worker
+           --enable-maxcpus="$maxcpus" --enable-cuda --with-cuda-dir="$cuda_home"
+           --disable-opencl --disable-hip
+           --disable-fortran --disable-build-doc --disable-build-examples --disable-build-tests
+           --disable-static
+           --disable-starpufft --disable-socl --disable-fxt)
+  features=("StarPU MPI" "Parallel Worker support")
+  stubs=
+  [ -f "$cuda_home/include/cusparse.h" ] || stubs=$tools/cuda-stubs
+  cppflags="${CPPFLAGS:-} -I$cublas_inc${stubs:+ -I$stubs}"
+  # configure's -lcublas needs a libcublas.so: PyPI's wheel has only libcublas.so.13. The
+  # libraries then load from where they are (run path), without LD_LIBRARY_PATH.
+  ldflags="${LDFLAGS:-} -L@LINKS@ -Wl,-rpath-link,$cublas_lib -Wl,-rpath,$cublas_lib -Wl,-rpath,$cuda_lib"
+fi
 
 sha=$(sha256sum "$tarball" | cut -d' ' -f1)
 stamp="$prefix/.build-starpu.stamp"
 want="tarball $sha
 python $("$python" -c 'import sys; print(sys.version.split()[0])')
 options ${options[*]}"
+[ $mode = cpu ] || want="$want
+cuda $cuda_home cublas $cublas_lib ${stubs:+stubs}
+patch $(sha256sum "$tools/patches/starpu-1.4.12-cuda13-computemode.patch" | cut -d' ' -f1)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   echo "StarPU already built in $prefix (stamp matches); nothing to do"
   exit 0
@@ -53,41 +143,61 @@ fi
 # ---- Debian build dependencies ----
 pkgs=(autoconf automake libtool-bin make gcc pkg-config libhwloc-dev libopenmpi-dev openmpi-bin)
 # Debian's python3 needs its -dev package for Python.h; another Python (venv, pyenv) has its own.
-case "$(realpath "$python")" in /usr/bin/*) pkgs+=(python3-dev python3-setuptools) ;; esac
-"$(dirname "$0")/install-system-deps.sh" "${pkgs[@]}"
-"$python" -c 'import setuptools' 2>/dev/null ||
+[ $mode = cpu ] && case "$(realpath "$python")" in /usr/bin/*) pkgs+=(python3-dev python3-setuptools) ;; esac
+# SL_SKIP_DEPS=1: no package check (a machine whose packages dpkg does not list, e.g. the GPU
+# machine building a tree made by --autogen: configure says what is missing)
+[ -n "${SL_SKIP_DEPS:-}" ] || "$tools/install-system-deps.sh" "${pkgs[@]}"
+[ $mode = cuda ] || "$python" -c 'import setuptools' 2>/dev/null ||
   { echo "$0: $python has no setuptools (starpupy's install needs it)" >&2; exit 1; }
 
 # ---- build ----
-work=$(mktemp -d "${TMPDIR:-/tmp}/build-starpu.XXXXXX")
-# kept on failure, for its logs
-trap 'if [ $? -eq 0 ]; then rm -rf "$work"; else echo "$0: logs in $work" >&2; fi' EXIT
-tar -xzf "$tarball" -C "$work"
-src=$(find "$work" -mindepth 1 -maxdepth 1 -type d | head -n1)
+unpack
+autogen
 cd "$src"
-[ -x configure ] || ./autogen.sh >"$work/autogen.log" 2>&1 ||
-  { tail -n 30 "$work/autogen.log" >&2; exit 1; }
+if [ $mode = cuda ]; then
+  fix=$tools/patches/starpu-1.4.12-cuda13-computemode.patch
+  # applied once: a tree that has it already (patch -R would apply) is left as it is
+  patch -p1 -R --dry-run -s <"$fix" >/dev/null 2>&1 || patch -p1 -s <"$fix" ||
+    { echo "$0: $fix does not apply to $(basename "$src")" >&2; exit 1; }
+  mkdir -p "$work/links"
+  for l in "$cublas_lib"/libcublas*.so.*; do
+    base=$(basename "$l"); ln -sf "$l" "$work/links/${base%%.so.*}.so"
+  done
+  ldflags=${ldflags//@LINKS@/$work/links}
+fi
 
 # configure looks for libpython$VERSION: point it at this Python's library directory (a
 # venv's or pyenv's Python is not in the default linker path).
 pylibdir=$("$python" -c 'import sysconfig; print(sysconfig.get_config_var("LIBDIR") or "")')
 mkdir -p build && cd build
-if ! PYTHON="$python" LDFLAGS="${LDFLAGS:-}${pylibdir:+ -L$pylibdir}" \
+if ! PYTHON="$python" CPPFLAGS="$cppflags" LDFLAGS="$ldflags${pylibdir:+ -L$pylibdir}" \
      ../configure "${options[@]}" >"$work/configure.log" 2>&1; then
   tail -n 40 "$work/configure.log" >&2
   exit 1
 fi
 # configure silently drops what it cannot build: demand what we asked for.
-for feature in "StarPU MPI" "Python Interface" "Parallel Worker support"; do
+for feature in "${features[@]}"; do
   grep -Eq "^\s*$feature enabled:\s+yes" "$work/configure.log" ||
     { echo "$0: configure disabled $feature (see $work/configure.log)" >&2; exit 1; }
 done
 grep -q "^#define STARPU_MAXCPUS $maxcpus\$" include/starpu_config.h ||
   { echo "$0: STARPU_MAXCPUS is not $maxcpus" >&2; exit 1; }
+if [ $mode = cuda ]; then
+  grep -q "^#define STARPU_USE_CUDA 1" include/starpu_config.h ||
+    { echo "$0: configure left CUDA out (see $work/configure.log)" >&2; exit 1; }
+fi
 
 make -j"$jobs" >"$work/make.log" 2>&1 || { tail -n 40 "$work/make.log" >&2; exit 1; }
 make install >"$work/install.log" 2>&1 || { tail -n 40 "$work/install.log" >&2; exit 1; }
 
+# the configure-time link folder is gone after the build: not in the installed .pc files
+[ $mode = cuda ] && sed -i "s| -L$work/links||" "$prefix"/lib/pkgconfig/*.pc
+if [ $mode = cuda ] && [ -n "$stubs" ]; then
+  # starpu.h includes the stubs' headers too: the installed .pc files name them
+  mkdir -p "$prefix/include/cuda-stubs"
+  cp "$stubs"/*.h "$stubs/README.md" "$prefix/include/cuda-stubs/"
+  sed -i 's|^Cflags: \(.*\)$|Cflags: \1 -I${includedir}/cuda-stubs|' "$prefix"/lib/pkgconfig/*.pc
+fi
 printf '%s\n' "$want" >"$stamp"
 echo "StarPU $(sed -n 's/^Version: *//p' "$prefix"/lib/pkgconfig/starpu-1.*.pc | head -n1) installed in $prefix"
 echo "build against it with: PKG_CONFIG_PATH=$prefix/lib/pkgconfig"

@@ -7,7 +7,7 @@ if [ $# -gt 0 ]; then
   pkgs=("$@")
 else
   pkgs=(libstarpu-dev libstarpumpi-1.3-3 starpu-tools libopenmpi-dev openmpi-bin libhwloc-dev
-        pkg-config libopenblas-dev libopenblas-openmp-dev gcc make python3-venv)
+        pkg-config libopenblas-dev libopenblas-openmp-dev gcc g++ make python3-venv)
 fi
 missing=()
 for p in "${pkgs[@]}"; do

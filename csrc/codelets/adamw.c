@@ -11,3 +11,8 @@ SL_CODELET(adamw, struct sl_adamw_args, 0, 0.0, SL_RW, SL_RW, SL_RW, SL_RW, SL_R
 	adamw_update(SL_F(0), SL_F(1), SL_F(2), SL_F(3), SL_N(0), a->lr, a->beta1, a->beta2, a->eps,
 		     a->weight_decay, a->t, 1, scale);
 }
+SL_CUDA(adamw)
+{
+	adamw_cuda(g, SL_F(0), SL_F(1), SL_F(2), SL_F(3), SL_N(0), a->lr, a->beta1, a->beta2, a->eps,
+		   a->weight_decay, a->t, n > 4 ? SL_D(4) : NULL, a->max_norm);
+}

@@ -15,6 +15,10 @@ SL_CODELET(attention_forward, struct sl_attention_args, 0, SL_ATTENTION_FLOPS(a)
 {
 	attention_forward(SL_F(0), SL_F(1), SL_F(2), SL_F(3), a->B, a->T, a->C, a->NH);
 }
+SL_CUDA(attention_forward)
+{
+	attention_forward_cuda(g, SL_F(0), SL_F(1), SL_F(2), SL_F(3), a->B, a->T, a->C, a->NH);
+}
 
 /* dqkv (B,T,3C), scratch (2,B,NH,T,T), dout (B,T,C), qkv, att.
  * dpreatt and datt only live inside the task. STARPU_SCRATCH would fit, but StarPU 1.3.10
@@ -27,4 +31,11 @@ SL_CODELET(attention_backward, struct sl_attention_args, 0, 2.0 * SL_ATTENTION_F
 	float *datt = dpreatt + (size_t)a->B * a->NH * a->T * a->T;
 	attention_backward(SL_F(0), dpreatt, datt, SL_F(2), SL_F(3), SL_F(4), a->B, a->T, a->C,
 			   a->NH);
+}
+SL_CUDA(attention_backward)
+{
+	float *dpreatt = SL_F(1);
+	float *datt = dpreatt + (size_t)a->B * a->NH * a->T * a->T;
+	attention_backward_cuda(g, SL_F(0), dpreatt, datt, SL_F(2), SL_F(3), SL_F(4), a->B, a->T,
+				a->C, a->NH);
 }

@@ -6,6 +6,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include "../kernels/kernels.h"
+#include "../cuda/cuda_kernels.h"
 #include "sl_codelets.h"
 
 /* A buffer as the body sees it: its memory (NULL: an optional buffer left out, or a buffer of
@@ -55,6 +56,10 @@ struct sl_codelet {
 	double (*flops)(const struct sl_buf *b, int n, const void *args);
 	/* the CPU function StarPU calls for a task of this codelet (see sl_codelet_cpu) */
 	void (*cpu)(void *buffers[], void *cl_arg);
+	/* the body on device buffers, queued on g's stream (SL_CUDA; NULL: none, the tasks of
+	 * this codelet run on CPUs), and the CUDA function StarPU calls (see sl_codelet_cuda) */
+	void (*cuda_run)(const struct sl_buf *b, int n, const void *args, const struct sl_gpu *g);
+	void (*cuda)(void *buffers[], void *cl_arg);
 	int id; /* set at registration: the index in the table */
 };
 
@@ -77,6 +82,9 @@ int sl_codelet_check_count(const struct sl_codelet *c, int n, int k);
 /* What StarPU's CPU function of every codelet calls: set by the StarPU layer
  * (csrc/starpu/codelets.c) before the first task; NULL in the reference binding. */
 extern void (*sl_codelet_cpu)(const struct sl_codelet *c, void *buffers[], void *cl_arg);
+/* What StarPU's CUDA function of every codelet with a CUDA body calls: set by the StarPU layer
+ * of a CUDA build; NULL otherwise. */
+extern void (*sl_codelet_cuda)(const struct sl_codelet *c, void *buffers[], void *cl_arg);
 
 /* Buffer i of the body's b as float / int32 / double pointer, and its element count. */
 #define SL_F(i) ((float *)b[i].ptr)
@@ -123,6 +131,7 @@ static inline void sl_row_blocks(const struct sl_buf *b, int first, int k, int C
 			   #count_field, cflags, flops_expr, __VA_ARGS__)
 
 #define SL_CODELET_DECLARE(cname, args_t, acc_at, rep_at, rep_field, cflags, flops_expr, ...)      \
+	typedef args_t cname##_args_t;                                                             \
 	static void cname##_body(const struct sl_buf *b SL_UNUSED, int n SL_UNUSED,                \
 				 const args_t *a SL_UNUSED);                                       \
 	static void cname##_run(const struct sl_buf *b, int n, const void *args)                   \
@@ -155,6 +164,8 @@ static inline void sl_row_blocks(const struct sl_buf *b, int first, int k, int C
 		.run = cname##_run,                                                                \
 		.flops = cname##_flops,                                                            \
 		.cpu = cname##_cpu,                                                                \
+		.cuda_run = NULL,                                                                  \
+		.cuda = NULL,                                                                      \
 	};                                                                                         \
 	static void __attribute__((constructor)) cname##_register(void)                            \
 	{                                                                                          \
@@ -162,5 +173,30 @@ static inline void sl_row_blocks(const struct sl_buf *b, int first, int k, int C
 	}                                                                                          \
 	static void cname##_body(const struct sl_buf *b SL_UNUSED, int n SL_UNUSED,                \
 				 const args_t *a SL_UNUSED)
+
+/* The CUDA body of codelet `cname` (declared above it with SL_CODELET*), beside its CPU body:
+ * the same buffers b, n and arguments a, the buffers in GPU memory; it queues its kernels on
+ * the stream of g (struct sl_gpu, cuda_kernels.h) and returns without waiting. The body
+ * follows the macro as a block. A codelet without one runs on CPUs only. */
+#define SL_CUDA(cname)                                                                             \
+	static void cname##_cuda_body(const struct sl_buf *b SL_UNUSED, int n SL_UNUSED,           \
+				      const cname##_args_t *a SL_UNUSED,                           \
+				      const struct sl_gpu *g);                                     \
+	static void cname##_cuda_run(const struct sl_buf *b, int n, const void *args,              \
+				     const struct sl_gpu *g)                                       \
+	{                                                                                          \
+		cname##_cuda_body(b, n, (const cname##_args_t *)args, g);                          \
+	}                                                                                          \
+	static void cname##_cuda_entry(void *buffers[], void *cl_arg)                                  \
+	{                                                                                          \
+		sl_codelet_cuda(&cname##_codelet, buffers, cl_arg);                                \
+	}                                                                                          \
+	static void __attribute__((constructor)) cname##_cuda_register(void)                       \
+	{                                                                                          \
+		cname##_codelet.cuda_run = cname##_cuda_run;                                       \
+		cname##_codelet.cuda = cname##_cuda_entry;                                          \
+	}                                                                                          \
+	static void cname##_cuda_body(const struct sl_buf *b SL_UNUSED, int n SL_UNUSED,           \
+				      const cname##_args_t *a SL_UNUSED, const struct sl_gpu *g)
 
 #endif

@@ -1,7 +1,8 @@
 /* Codelets that move data rather than compute a layer: the batch load, the zero-fill and the
  * sum used as StarPU's reduction methods for gradients (and the ranks' gradient sums), the copy
  * between pipeline stages, the gather of a checkpoint snapshot,
- * and the thread/affinity probe. */
+ * and the thread/affinity probe. The load (from a token shard in host memory), the gather
+ * (into a Python buffer) and the probe (of CPU cores) run on CPUs only. */
 #define _GNU_SOURCE
 #include <omp.h>
 #include <sched.h>
@@ -19,11 +20,19 @@ SL_CODELET(zero, struct sl_no_args, SL_SEQUENTIAL, 0.0, SL_W)
 {
 	fill_zero(SL_F(0), SL_N(0));
 }
+SL_CUDA(zero)
+{
+	fill_zero_cuda(g, SL_F(0), SL_N(0));
+}
 
 /* StarPU 1.3 requires the first buffer of a reduction codelet to be exactly STARPU_RW */
 SL_CODELET(add, struct sl_no_args, SL_SEQUENTIAL, 0.0, SL_RW, SL_R)
 {
 	add_inplace(SL_F(0), SL_F(1), SL_N(0));
+}
+SL_CUDA(add)
+{
+	add_inplace_cuda(g, SL_F(0), SL_F(1), SL_N(0));
 }
 
 /* dst (n), src (n): the residual stream's gradient handed from one pipeline stage's backward
@@ -31,6 +40,10 @@ SL_CODELET(add, struct sl_no_args, SL_SEQUENTIAL, 0.0, SL_RW, SL_R)
 SL_CODELET(copy, struct sl_no_args, SL_SEQUENTIAL, 0.0, SL_W, SL_R)
 {
 	copy_floats(SL_F(0), SL_F(1), SL_N(0));
+}
+SL_CUDA(copy)
+{
+	copy_floats_cuda(g, SL_F(0), SL_F(1), SL_N(0));
 }
 
 /* dst (any interface: e.g. a starpupy handle, whose memory is a->dst), src_1 .. src_k vectors:

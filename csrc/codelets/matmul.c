@@ -14,6 +14,15 @@ SL_CODELET_REPEAT(matmul_forward, struct sl_matmul_args, blocks, 0,
 	matmul_forward_blocks(SL_F(0), SL_F(1), (const float *const *)weight, rows, k,
 			      n > 2 + k ? SL_F(2 + k) : NULL, a->N, a->C, a->OC);
 }
+SL_CUDA(matmul_forward)
+{
+	int k = a->blocks;
+	float *weight[k];
+	int rows[k];
+	sl_row_blocks(b, 2, k, a->C, weight, rows);
+	matmul_forward_cuda(g, SL_F(0), SL_F(1), (const float *const *)weight, rows, k,
+			    n > 2 + k ? SL_F(2 + k) : NULL, a->N, a->C, a->OC);
+}
 
 /* dinp (N,C), dweight (OC,C) in k row blocks, dout (N,OC), inp, weight in the same k row
  * blocks, [dbias (OC)]. dinp = dout weight and dweight += dout^T inp: 2 N C OC flops each;
@@ -31,4 +40,15 @@ SL_CODELET_REPEAT(matmul_backward, struct sl_matmul_args, blocks, 0,
 	matmul_backward_blocks(SL_F(0), dweight, n > 3 + 2 * k ? SL_F(3 + 2 * k) : NULL,
 			       SL_F(1 + k), SL_F(2 + k), (const float *const *)weight, rows, k,
 			       a->N, a->C, a->OC);
+}
+SL_CUDA(matmul_backward)
+{
+	int k = a->blocks;
+	float *dweight[k], *weight[k];
+	int rows[k];
+	sl_row_blocks(b, 1, k, a->C, dweight, rows);
+	sl_row_blocks(b, 3 + k, k, a->C, weight, rows);
+	matmul_backward_cuda(g, SL_F(0), dweight, n > 3 + 2 * k ? SL_F(3 + 2 * k) : NULL,
+			     SL_F(1 + k), SL_F(2 + k), (const float *const *)weight, rows, k, a->N,
+			     a->C, a->OC);
 }

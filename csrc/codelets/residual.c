@@ -8,3 +8,7 @@ SL_CODELET(residual_forward, struct sl_elementwise_args, 0, 0.0, SL_W, SL_R, SL_
 {
 	residual_forward(SL_F(0), SL_F(1), SL_F(2), a->N);
 }
+SL_CUDA(residual_forward)
+{
+	residual_forward_cuda(g, SL_F(0), SL_F(1), SL_F(2), a->N);
+}

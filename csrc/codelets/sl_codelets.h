@@ -102,4 +102,20 @@ double sl_codelet_flops(int codelet, const size_t *count, int n, const void *arg
 int sl_codelet_run(int codelet, void *const *ptr, const size_t *count, const size_t *elemsize,
 		   int n, const void *args);
 
+/* ---- the codelets' CUDA bodies (csrc/cuda/run.cu) ---- */
+/* 1 when codelet has a CUDA body (SL_CUDA), 0 when its tasks run on CPUs only. */
+int sl_codelet_has_cuda(int codelet);
+/* Runs the CUDA body of codelet at once on copies of the n host buffers (as sl_codelet_run:
+ * ptr NULL for a buffer left out), matmuls in TF32 when tf32, then copies them back: on GPU 0
+ * of a CUDA build, in the CPU emulation of CUDA otherwise (sl_gpu_emulated). Returns 0,
+ * -EINVAL as sl_codelet_run, -ENOSYS for a codelet without a CUDA body, -ENODEV without a
+ * GPU. */
+int sl_codelet_run_cuda(int codelet, void *const *ptr, const size_t *count,
+			const size_t *elemsize, int n, const void *args, int tf32);
+int sl_gpu_emulated(void); /* 1: the CUDA bodies run in the CPU emulation (no CUDA build) */
+int sl_gpu_devices(void);  /* the GPUs CUDA sees (0 without a CUDA build, driver or GPU) */
+/* The matmul precision of the StarPU engine's CUDA tasks: 1 TF32 (the default), 0 fp32. */
+void sl_gpu_set_tf32(int tf32);
+int sl_gpu_tf32(void);
+
 #endif

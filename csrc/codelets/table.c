@@ -10,6 +10,7 @@ static struct sl_codelet *table[SL_MAX_CODELETS];
 static int count;
 
 void (*sl_codelet_cpu)(const struct sl_codelet *c, void *buffers[], void *cl_arg);
+void (*sl_codelet_cuda)(const struct sl_codelet *c, void *buffers[], void *cl_arg);
 
 /* Whether a buffer of c is declared with (mode & mask) == value. */
 static int has_buffer(const struct sl_codelet *c, int mask, int value)

@@ -1,6 +1,7 @@
 /* Global L2 norm of the gradients, for gradient clipping: per-tensor sums of squares, their
  * sum, and the clipping factor. */
 #include "kernels.h"
+#include "clip.h"
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
@@ -54,9 +55,5 @@ void sum_f64(double *out, const double *x, int n)
 	*out = s;
 }
 
-// min(1, max_norm / (||g|| + 1e-6)), ||g|| = sqrt(sumsq)
-float clip_scale(double sumsq, float max_norm)
-{
-	double scale = (double)max_norm / (sqrt(sumsq) + 1e-6);
-	return scale < 1.0 ? (float)scale : 1.0f;
-}
+// min(1, max_norm / (||g|| + 1e-6)), ||g|| = sqrt(sumsq): clip.h's formula
+float clip_scale(double sumsq, float max_norm) { return sl_clip_scale(sumsq, max_norm); }

@@ -1,11 +1,17 @@
-/* A StarPU codelet for every codelet of the table (csrc/codelets/): its CPU function, its
- * history perf model "sl_<name>", its access modes when they are fixed, and the cores it runs
- * on; and the one CPU entry of every task (team size, trace, dry run, the body). */
+/* A StarPU codelet for every codelet of the table (csrc/codelets/): its CPU function and, in a
+ * CUDA build running GPUs, its CUDA function beside it (asynchronous, on the worker's stream),
+ * its history perf model "sl_<name>" (one history per kind of worker: StarPU's dmda/dmdas
+ * choose between a CPU and a GPU by it), its access modes when they are fixed, and the cores
+ * it runs on; and the one CPU entry and the one CUDA entry of every task (team size or GPU
+ * stream, trace, dry run, the body). */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include "internal.h"
+#ifdef SL_HAVE_CUDA
+#include <starpu_cublas_v2.h>
+#endif
 
 static struct starpu_codelet cls[SL_MAX_CODELETS];
 static struct starpu_perfmodel models[SL_MAX_CODELETS];
@@ -13,6 +19,11 @@ static char symbols[SL_MAX_CODELETS][64];
 static int built;
 /* the methods of every gradient reduction: init = the zero codelet, reduce = the add codelet
  * (found once, by build) */
+/* The reduction methods of the gradients (sl_set_grad_reduction): copies of the add and zero
+ * codelets, not the codelets themselves, which tasks use too: StarPU 1.4 changes the access mode
+ * of a reduction method's buffer (RW | COMMUTE) and then refuses a task of that codelet given
+ * RW (reduce_gradients' add under mpirun with sub-batches in reduction). */
+static struct starpu_codelet redux_cls[2];
 static struct starpu_codelet *reduce_add, *reduce_zero;
 
 enum starpu_data_access_mode sl_starpu_mode(int32_t access)
@@ -41,23 +52,49 @@ static void task_buffers(const struct sl_codelet *c, int k, void *buffers[], int
 	}
 }
 
+/* The buffer count of the running task of c: the codelet's when fixed; else the task's (a
+ * reduction method, run inline inside another task, has fixed ones). */
+static int buffer_count(const struct sl_codelet *c)
+{
+	const struct starpu_codelet *cl = &cls[c->id];
+	return cl->nbuffers != STARPU_VARIABLE_NBUFFERS ?
+		       cl->nbuffers :
+		       (int)STARPU_TASK_GET_NBUFFERS(starpu_task_get_current());
+}
+
 /* Every task's CPU function calls this: the team of the worker's cores, the trace record
- * around the body (skipped in a dry run). The buffer count is the codelet's when fixed; else
- * the running task's (a reduction method, run inline inside another task, has fixed ones). */
+ * around the body (skipped in a dry run). */
 static void codelet_cpu(const struct sl_codelet *c, void *buffers[], void *cl_arg)
 {
 	long slot = sl_trace_begin(c->id, sl_task_threads());
 	if (!sl_dry_run()) {
-		const struct starpu_codelet *cl = &cls[c->id];
-		int n = cl->nbuffers != STARPU_VARIABLE_NBUFFERS ?
-				cl->nbuffers :
-				(int)STARPU_TASK_GET_NBUFFERS(starpu_task_get_current());
+		int n = buffer_count(c);
 		struct sl_buf b[n > 0 ? n : 1];
 		task_buffers(c, sl_codelet_repeats(c, cl_arg), buffers, n, b);
 		c->run(b, n, cl_arg);
 	}
 	sl_trace_end(slot);
 }
+
+#ifdef SL_HAVE_CUDA
+/* Every task's CUDA function calls this: the body queues its kernels on the CUDA worker's
+ * stream, with its cuBLAS handle (starpu_cublas_init, at the start), and returns; StarPU
+ * waits for the stream (STARPU_CUDA_ASYNC). The trace records the queueing, not the kernels'
+ * run. Skipped in a dry run. */
+static void codelet_cuda(const struct sl_codelet *c, void *buffers[], void *cl_arg)
+{
+	long slot = sl_trace_begin(c->id, 1);
+	if (!sl_dry_run()) {
+		int n = buffer_count(c);
+		struct sl_buf b[n > 0 ? n : 1];
+		task_buffers(c, sl_codelet_repeats(c, cl_arg), buffers, n, b);
+		struct sl_gpu g = { (void *)starpu_cuda_get_local_stream(),
+				    (void *)starpu_cublas_get_local_handle(), sl_gpu_tf32() };
+		c->cuda_run(b, n, cl_arg, &g);
+	}
+	sl_trace_end(slot);
+}
+#endif
 
 /* Fixed when every buffer's mode is (R, W or RW, none optional or repeated): StarPU then gets
  * them with the codelet; else each task brings its own. */
@@ -109,23 +146,55 @@ static void build(void)
 		}
 	}
 	sl_codelet_cpu = codelet_cpu;
+#ifdef SL_HAVE_CUDA
+	sl_codelet_cuda = codelet_cuda;
+#endif
 	built = 1;
-	reduce_add = sl_starpu_codelet(codelet_id("add"));
-	reduce_zero = sl_starpu_codelet(codelet_id("zero"));
 }
 
 _Static_assert(SL_MAX_BUFFERS <= STARPU_NMAXBUFS, "a codelet's modes must fit in starpu_codelet");
 
-void sl_codelets_setup(int cores_per_worker)
+static int cuda_only;
+
+void sl_set_cuda_only(int on) { cuda_only = on != 0; }
+
+void sl_codelets_setup(int cores_per_worker, int ncuda)
 {
 	if (!built)
 		build();
 	for (int id = 0; id < sl_codelet_count(); id++) {
-		if (sl_codelet_get(id)->flags & SL_SEQUENTIAL)
+		const struct sl_codelet *c = sl_codelet_get(id);
+		/* a CUDA function only when StarPU runs GPUs (without, the codelets are the CPU
+		 * build's exactly), and then, with cuda_only, no CPU function beside it */
+		cls[id].cpu_funcs[0] = c->cpu;
+		cls[id].cpu_funcs_name[0] = c->name;
+		cls[id].cuda_funcs[0] = NULL;
+		cls[id].cuda_flags[0] = 0;
+#ifdef SL_HAVE_CUDA
+		if (ncuda > 0 && c->cuda) {
+			cls[id].cuda_funcs[0] = c->cuda;
+			cls[id].cuda_flags[0] = STARPU_CUDA_ASYNC;
+			if (cuda_only) {
+				cls[id].cpu_funcs[0] = NULL;
+				cls[id].cpu_funcs_name[0] = NULL;
+			}
+		}
+#else
+		(void)ncuda;
+#endif
+		/* StarPU derives where a codelet runs from its functions at its first task and
+		 * keeps it: derived again for this start's functions */
+		cls[id].where = 0;
+		cls[id].checked = 0;
+		if (c->flags & SL_SEQUENTIAL)
 			continue;
 		cls[id].type = cores_per_worker > 1 ? STARPU_FORKJOIN : STARPU_SEQ;
 		cls[id].max_parallelism = cores_per_worker;
 	}
+	redux_cls[0] = cls[codelet_id("add")];
+	redux_cls[1] = cls[codelet_id("zero")];
+	reduce_add = &redux_cls[0];
+	reduce_zero = &redux_cls[1];
 }
 
 struct starpu_codelet *sl_starpu_codelet(int codelet)

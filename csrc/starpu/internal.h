@@ -33,8 +33,9 @@ void sl_args_free_completed(void);
 
 /* ---- codelets.c: a StarPU codelet for every codelet of the table ---- */
 /* Builds them (once) and sets every one but the sequential ones to run on cores_per_worker
- * cores (FORKJOIN for more than one, else SEQ). */
-void sl_codelets_setup(int cores_per_worker);
+ * cores (FORKJOIN for more than one, else SEQ); with ncuda > 0 (a CUDA build), those with a
+ * CUDA body get their CUDA function. */
+void sl_codelets_setup(int cores_per_worker, int ncuda);
 struct starpu_codelet *sl_starpu_codelet(int codelet);
 /* The StarPU access mode of SL_ACCESS_* bits. */
 enum starpu_data_access_mode sl_starpu_mode(int32_t access);
@@ -46,9 +47,9 @@ int sl_task_threads(void);
 /* With parallel workers the task's team size is set by StarPU's OpenMP prologue (the
  * parallel worker's cores): tasks then take it from omp_get_max_threads(). */
 void sl_codelets_set_team_from_runtime(int on);
-/* Team mode: worker w's tasks run a cores_per_worker-thread team bound to
- * cores[w * cores_per_worker + t] (cores NULL: core w * cores_per_worker + t); nworkers 0
- * turns team mode off. */
+/* Team mode: CPU worker w's tasks (the w-th CPU worker: GPU workers come first in StarPU's
+ * numbering) run a cores_per_worker-thread team bound to cores[w * cores_per_worker + t]
+ * (cores NULL: core w * cores_per_worker + t); nworkers 0 turns team mode off. */
 void sl_codelets_set_team_groups(int nworkers, int cores_per_worker, const int *cores);
 
 /* ---- trace.c ---- */

@@ -4,8 +4,12 @@
 #include <stdlib.h>
 #include <string.h>
 #include "internal.h"
+#ifdef SL_HAVE_CUDA
+#include <starpu_cublas.h>
+#endif
 
 static int initialized;
+static int cublas_on; /* starpu_cublas_init was called (CUDA workers run) */
 
 #if SL_HAVE_PARALLEL_WORKERS
 static sl_parallel_workers *parallel_workers;
@@ -22,24 +26,29 @@ static int distinct_cores(const int *cores, int n)
 #endif
 
 /* Starts StarPU (StarPU-MPI when comm is given) with ncpus cores for the partition
- * ncpus/k workers x k cores; cores lists them (NULL: 0..ncpus-1). See sl_api.h. attach: StarPU
- * was started by someone else (starpupy) on the same partition: only the set-up after init. */
-static int start(int ncpus, int cores_per_worker, int kcore, const int *cores, const char *sched,
-		 const void *comm, int attach)
+ * ncpus/k workers x k cores and ncuda CUDA workers; cores lists them (NULL: 0..ncpus-1), then
+ * one core for each CUDA worker's thread. See sl_api.h. attach: StarPU was started by someone
+ * else (starpupy) on the same partition: only the set-up after init. */
+static int start(int ncpus, int cores_per_worker, int kcore, const int *cores, int ncuda,
+		 const char *sched, const void *comm, int attach)
 {
 	if (initialized)
 		return -EALREADY;
-	if (attach && (comm || !starpu_is_initialized() || sl_ooc_enabled()))
+	if (attach && (comm || !starpu_is_initialized() || sl_ooc_enabled() || ncuda))
 		return -EINVAL;
-	if (ncpus < 1 || cores_per_worker < 1 || ncpus % cores_per_worker)
+	if (ncpus < 1 || cores_per_worker < 1 || ncpus % cores_per_worker || ncuda < 0)
 		return -EINVAL;
+#ifndef SL_HAVE_CUDA
+	if (ncuda > 0)
+		return -ENODEV; /* not a CUDA build */
+#endif
 	int nworkers = ncpus / cores_per_worker;
 	struct starpu_conf conf;
 	int ret = starpu_conf_init(&conf);
 	if (ret)
 		return ret;
 	conf.ncpus = ncpus;
-	conf.ncuda = 0;
+	conf.ncuda = ncuda;
 	conf.nopencl = 0;
 	if (sched && *sched)
 		conf.sched_policy_name = sched;
@@ -57,7 +66,10 @@ static int start(int ncpus, int cores_per_worker, int kcore, const int *cores, c
 		 * moves it into its own context, and asserts against the second. Same rule as
 		 * effective_kcore in starpu_llm/runtime/starpu.py. */
 		use_parallel_workers = !getenv("SL_NO_PARALLEL_WORKERS") && !sl_ooc_enabled() &&
-				       ncpus <= STARPU_MAXCPUS && distinct_cores(cores, ncpus);
+				       ncpus <= STARPU_MAXCPUS && distinct_cores(cores, ncpus) &&
+				       ncuda == 0;
+		/* (with GPUs: parallel workers put every CPU worker in contexts of their own,
+		 * and the scheduler must see the CPU and CUDA workers together: team workers) */
 #endif
 		use_team = !use_parallel_workers && kcore == SL_KCORE_TEAM;
 	}
@@ -65,13 +77,19 @@ static int start(int ncpus, int cores_per_worker, int kcore, const int *cores, c
 		/* the starter set the conf from the same decisions (starpu_llm/runtime/starpupy_face.py) */
 	} else if (use_team) {
 		/* One StarPU worker on the first core of each group; its tasks' OpenMP team takes
-		 * the group's other cores, which StarPU does not run workers on. */
-		if (cores_per_worker > SL_MAX_GROUP || nworkers > STARPU_NMAXWORKERS)
+		 * the group's other cores, which StarPU does not run workers on. The CUDA workers'
+		 * threads are bound first (they come first in StarPU's numbering), each to a core
+		 * of the list, the one listed for it unless StarPU prefers another near its GPU (a
+		 * group's first: that group's worker then takes the GPU's listed core); the
+		 * groups' other cores are never in the list. */
+		if (cores_per_worker > SL_MAX_GROUP || nworkers + ncuda > STARPU_NMAXWORKERS)
 			return -EINVAL;
 		conf.ncpus = nworkers;
 		conf.use_explicit_workers_bindid = 1;
+		for (int d = 0; d < ncuda; d++)
+			conf.workers_bindid[d] = (unsigned)(cores ? cores[ncpus + d] : ncpus + d);
 		for (int w = 0; w < nworkers; w++)
-			conf.workers_bindid[w] =
+			conf.workers_bindid[ncuda + w] =
 				(unsigned)(cores ? cores[w * cores_per_worker] : w * cores_per_worker);
 	} else if (cores_per_worker > 1 && !use_parallel_workers) {
 		/* Combined workers of exactly k cores running FORKJOIN tasks; starpu_init reads
@@ -81,7 +99,7 @@ static int start(int ncpus, int cores_per_worker, int kcore, const int *cores, c
 		setenv("STARPU_MIN_WORKERSIZE", k, 1);
 		setenv("STARPU_MAX_WORKERSIZE", k, 1);
 	}
-	sl_codelets_setup(use_team || use_parallel_workers ? 1 : cores_per_worker);
+	sl_codelets_setup(use_team || use_parallel_workers ? 1 : cores_per_worker, ncuda);
 
 	if (!attach) {
 		ret = sl_ooc_before_init();
@@ -97,6 +115,18 @@ static int start(int ncpus, int cores_per_worker, int kcore, const int *cores, c
 		sl_shutdown();
 		return ret;
 	}
+#ifdef SL_HAVE_CUDA
+	if (ncuda > 0) {
+		/* every GPU asked for, or none: StarPU starts the ones it finds */
+		if ((int)starpu_cuda_worker_get_count() != ncuda) {
+			sl_shutdown();
+			return -ENODEV;
+		}
+		/* a cuBLAS handle per CUDA worker, on its stream (it aborts on a failure: void) */
+		starpu_cublas_init();
+		cublas_on = 1;
+	}
+#endif
 
 #if SL_HAVE_PARALLEL_WORKERS
 	if (use_parallel_workers) {
@@ -122,15 +152,15 @@ const char *sl_sched_policy_name(int i)
 	return NULL;
 }
 
-int sl_start(int ncpus, int cores_per_worker, int kcore, const int *cores, const char *sched,
-	     const void *comm)
+int sl_start(int ncpus, int cores_per_worker, int kcore, const int *cores, int ncuda,
+	     const char *sched, const void *comm)
 {
-	return start(ncpus, cores_per_worker, kcore, cores, sched, comm, 0);
+	return start(ncpus, cores_per_worker, kcore, cores, ncuda, sched, comm, 0);
 }
 
 int sl_attach(int ncpus, int cores_per_worker, int kcore, const int *cores)
 {
-	return start(ncpus, cores_per_worker, kcore, cores, NULL, NULL, 1);
+	return start(ncpus, cores_per_worker, kcore, cores, 0, NULL, NULL, 1);
 }
 
 #if SL_HAVE_PARALLEL_WORKERS
@@ -187,6 +217,12 @@ int sl_shutdown(void)
 	}
 #endif
 	sl_codelets_set_team_groups(0, 1, NULL);
+#ifdef SL_HAVE_CUDA
+	if (cublas_on) {
+		starpu_cublas_shutdown();
+		cublas_on = 0;
+	}
+#endif
 	if (initialized == 1 && sl_mpi_stop() != 0)
 		starpu_shutdown(); /* attached (2): the starter shuts StarPU down */
 	sl_ooc_after_shutdown();
@@ -207,6 +243,19 @@ void sl_pause(void) { starpu_pause(); }
 void sl_resume(void) { starpu_resume(); }
 
 int sl_worker_count(void) { return (int)starpu_worker_get_count(); }
+
+int sl_cpu_worker_count(void) { return (int)starpu_cpu_worker_get_count(); }
+
+int sl_cuda_worker_count(void) { return (int)starpu_cuda_worker_get_count(); }
+
+int sl_have_cuda(void)
+{
+#ifdef SL_HAVE_CUDA
+	return 1;
+#else
+	return 0;
+#endif
+}
 
 int sl_max_cpus(void) { return STARPU_MAXCPUS; }
 

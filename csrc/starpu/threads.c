@@ -52,12 +52,21 @@ void sl_codelets_set_team_from_runtime(int on) { team_from_runtime = on; }
 
 static int team_cores;
 static int team_groups[STARPU_NMAXWORKERS][SL_MAX_GROUP];
+static int cpu_rank[STARPU_NMAXWORKERS]; /* StarPU worker id -> its rank among the CPU workers */
 static __thread int team_bound; /* this worker's team threads are bound (once) */
 
 void sl_codelets_set_team_groups(int nworkers, int cores_per_worker, const int *cores)
 {
 	int k = cores_per_worker;
 	team_cores = nworkers > 0 ? k : 0;
+	int ids[STARPU_NMAXWORKERS];
+	int ncpu = nworkers > 0 ? starpu_worker_get_ids_by_type(STARPU_CPU_WORKER, ids,
+								STARPU_NMAXWORKERS) :
+				  0;
+	for (int i = 0; i < STARPU_NMAXWORKERS; i++)
+		cpu_rank[i] = -1;
+	for (int i = 0; i < ncpu; i++)
+		cpu_rank[ids[i]] = i;
 	for (int w = 0; w < nworkers && w < STARPU_NMAXWORKERS; w++)
 		for (int t = 0; t < k && t < SL_MAX_GROUP; t++)
 			team_groups[w][t] = cores ? cores[w * k + t] : w * k + t;
@@ -69,8 +78,9 @@ static void bind_team_group(int k)
 {
 	if (team_bound)
 		return;
-	int w = starpu_worker_get_id();
-	if (w < 0 || w >= STARPU_NMAXWORKERS)
+	int id = starpu_worker_get_id();
+	int w = id >= 0 && id < STARPU_NMAXWORKERS ? cpu_rank[id] : -1;
+	if (w < 0)
 		return;
 	bind_pool(team_groups[w], k);
 	team_bound = 1;

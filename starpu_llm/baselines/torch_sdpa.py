@@ -34,10 +34,13 @@ def _adamw(params, lr, weight_decay):
 class SdpaGPT2:
     """GPT-2 with per-layer leaf tensors, SDPA attention and a fused AdamW."""
 
-    def __init__(self, config: GPTConfig, flat_params: np.ndarray):
-        self.config = config
+    def __init__(self, config: GPTConfig, flat_params: np.ndarray, device: str = "cpu"):
+        """device: where the parameters, the batch and the work go ("cuda": a GPU; the
+        caller chooses TF32 with torch.backends.cuda.matmul.allow_tf32)."""
+        self.config, self.device = config, torch.device(device)
         self.layout, views = param_views(config, flat_params)
-        leaf = lambda a: torch.from_numpy(np.ascontiguousarray(a).copy()).requires_grad_(True)
+        leaf = lambda a: torch.from_numpy(np.ascontiguousarray(a).copy()).to(  # noqa: E731
+            self.device).requires_grad_(True)
         # {name: tensor} for the unstacked ones, {name: [L tensors]} for the per-layer ones
         self.params = {n: ([leaf(v[l]) for l in range(config.L)] if self.layout.is_layered(n)
                            else leaf(v)) for n, v in views.items()}
@@ -54,7 +57,7 @@ class SdpaGPT2:
         """inputs, targets: (B, T) integer arrays or tensors. Returns (logits (B,T,V), loss)."""
         cfg, p = self.config, self.params
         C, NH, V = cfg.C, cfg.NH, cfg.V
-        idx = torch.as_tensor(np.asarray(inputs, dtype=np.int64))
+        idx = torch.as_tensor(np.asarray(inputs, dtype=np.int64), device=self.device)
         B, T = idx.shape
         x = F.embedding(idx, p["wte"]) + p["wpe"][:T]
         for l in range(cfg.L):
@@ -71,7 +74,7 @@ class SdpaGPT2:
         logits = F.linear(x, p["wte"][:V])
         loss = None
         if targets is not None:
-            tgt = torch.as_tensor(np.asarray(targets, dtype=np.int64))
+            tgt = torch.as_tensor(np.asarray(targets, dtype=np.int64), device=self.device)
             loss = F.cross_entropy(logits.view(B * T, V), tgt.view(-1))
         return logits, loss
 
@@ -81,7 +84,7 @@ class SdpaGPT2:
             t.grad = None
         logits, loss = self.forward(inputs, targets)
         loss.backward()
-        return logits.detach().numpy(), float(loss.detach())
+        return logits.detach().cpu().numpy(), float(loss.detach())
 
     def adamw_update(self, lr: float, weight_decay: float):
         if self.optimizer is None:
@@ -107,14 +110,14 @@ class SdpaGPT2:
         return np.concatenate(out).astype(np.float32, copy=False)
 
     def params_flat(self) -> np.ndarray:
-        return self._flat(lambda t: t.detach().numpy())
+        return self._flat(lambda t: t.detach().cpu().numpy())
 
     def grads_flat(self) -> np.ndarray:
-        return self._flat(lambda t: t.grad.detach().numpy())
+        return self._flat(lambda t: t.grad.detach().cpu().numpy())
 
     def state_flat(self, key: str) -> np.ndarray:
         """An AdamW state ("exp_avg" or "exp_avg_sq") in llm.c's layout."""
-        return self._flat(lambda t: self.optimizer.state[t][key].numpy())
+        return self._flat(lambda t: self.optimizer.state[t][key].cpu().numpy())
 
 
 def torch_train_step_times(config: GPTConfig, flat_params: np.ndarray, tokens: np.ndarray,

@@ -70,8 +70,9 @@ class StarPUEngine(Engine):
             raise StarpuLLMError(f"{opt('batch')} {B} cannot be split over {where}; "
                                  f"use a {opt('batch')} divisible by {copies}")
         per_copy = B // copies
+        gpus = getattr(runtime, "gpus", 0)
         if sub_batches is None:
-            sub_batches = default_sub_batches(per_copy, pipeline_stages, runtime.workers)
+            sub_batches = default_sub_batches(per_copy, pipeline_stages, runtime.workers, gpus)
             if per_copy % sub_batches:
                 raise StarpuLLMError(
                     f"{opt('batch')} {B} cannot be split over {sub_batches} workers (one sub-batch "
@@ -90,7 +91,7 @@ class StarPUEngine(Engine):
             self.check_memory()      # before StarPU allocates anything of ours
         self.sites = sites or Sites(topology, self.subs_per_rank, runtime.workers,
                                     runtime.workers_are_starpu_workers,
-                                    pipeline_schedule or "eager")
+                                    pipeline_schedule or "eager", gpus)
         self.handles = place = Handles(runtime, config, self.sites, self.memory,
                                        everywhere=sites is not None)
         self.layer_stage = place.layer_stage if place.stages > 1 else None

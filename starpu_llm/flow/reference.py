@@ -18,16 +18,21 @@ from .tensors import ParameterTensors, Tensor, sub_batch_tensors
 
 
 class ReferenceEngine(Engine):
-    """The kernels in a plain loop with OpenMP, no StarPU (paper's baseline)."""
+    """The kernels in a plain loop with OpenMP, no StarPU (paper's baseline). gpu: the
+    codelets' CUDA bodies instead, each on copies of its buffers (codelets.DirectOps: on GPU
+    0 of a CUDA build, in the CPU emulation of CUDA otherwise), matmuls in TF32 when tf32: the
+    GPU kernels' own check against the same oracle, without StarPU."""
 
     name = "reference"
 
-    def __init__(self, config, state, B, T, tokens, threads: int | None = None, sub_batches: int = 1):
+    def __init__(self, config, state, B, T, tokens, threads: int | None = None, sub_batches: int = 1,
+                 gpu: bool = False, tf32: bool = False):
         super().__init__(config, state, B, T, tokens, sub_batches)
         if threads:
             lib.kernels_set_threads(threads)
         self.threads = lib.kernels_threads()
-        self.ops = DirectOps()
+        self.gpu = gpu
+        self.ops = DirectOps(gpu, tf32)
         self.p, self.g, self.m, self.v = (
             ParameterTensors.of_arrays(kind, self.layout, flat)
             for kind, flat in (("param", state.params), ("grad", state.grads),
@@ -48,4 +53,7 @@ class ReferenceEngine(Engine):
         return t.array.copy()
 
     def describe(self):
-        return f"reference engine, {self.threads} OpenMP thread(s), BLAS {ffi.string(lib.blas_name()).decode()}"
+        gpu = (f", CUDA bodies {'emulated' if lib.sl_gpu_emulated() else 'on GPU 0'}"
+               if self.gpu else "")
+        return (f"reference engine, {self.threads} OpenMP thread(s), "
+                f"BLAS {ffi.string(lib.blas_name()).decode()}{gpu}")

@@ -39,10 +39,11 @@ def default_micro_batches(per_copy: int, stages: int, workers: int) -> int:
                 per_copy)
 
 
-def default_sub_batches(per_copy: int, stages: int, workers: int) -> int:
+def default_sub_batches(per_copy: int, stages: int, workers: int, gpus: int = 0) -> int:
     """The sub-batches per data-parallel copy when not given: a pipeline's micro-batches
-    (default_micro_batches), else one per worker (data parallelism)."""
-    return default_micro_batches(per_copy, stages, workers) if stages > 1 else workers
+    (default_micro_batches), else one per worker (data parallelism); with GPUs one per GPU
+    (they run nearly every task)."""
+    return default_micro_batches(per_copy, stages, workers) if stages > 1 else gpus or workers
 
 
 class Sites:

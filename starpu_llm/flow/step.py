@@ -122,6 +122,16 @@ class Engine:
         self.wait()
         return self.loss()
 
+    def step_ahead(self, pos: int, lr: float, weight_decay: float, grad_clip: float = 0.0) -> float:
+        """step(), returning the loss as soon as the forward has computed it: the backward and
+        the update stay queued (the StarPU engine reads the losses through an acquire, not a
+        wait for every task), so the caller can submit the next step while they run, and a
+        GPU does not wait for Python between steps. Call wait() (or sync()) before reading
+        anything else of the step; one process (no MPI)."""
+        self.submit_forward_backward(pos)
+        self.submit_update(lr, weight_decay, grad_clip)
+        return self.loss()
+
     def grad_norm(self) -> float:
         """The global L2 norm of the gradients of the last clipped step (before clipping)."""
         return float(np.sqrt(self.read(self.norm[-1])[0]))

@@ -26,6 +26,20 @@ from .submit import StarPUOps
 KCORE_MODES = {"team": lib.SL_KCORE_TEAM, "forkjoin": lib.SL_KCORE_FORKJOIN}
 DEFAULT_KCORE = "team"
 
+# With GPUs: the precision of the CUDA tasks' matmuls (TF32 on tensor cores, as llm.c's fp32
+# trainer does and PyTorch with allow_tf32, or fp32), and the scheduler, a history-model one
+# by default (dmdas: dmda with its queues sorted by priority), which weighs a task's time on a
+# CPU against a GPU and the transfers; never lws, whose idle CPU workers steal GPU tasks
+# (measured: 1.8 ms per GPU-only task, against 15-30 us under dmda/dmdas).
+GPU_MATMUL = ("tf32", "fp32")
+GPU_SCHED = "dmdas"
+NOT_WITH_GPUS = ("lws", "ws")
+
+
+def have_cuda() -> bool:
+    """Whether this build runs GPUs (a CUDA build: README "GPUs")."""
+    return bool(lib.sl_have_cuda())
+
 
 def usable_cores() -> int:
     """Cores this process may run on (its affinity mask, e.g. under mpirun or taskset)."""
@@ -54,7 +68,7 @@ MAX_GROUP = lib.SL_MAX_GROUP   # cores of one team worker
 
 
 def effective_kcore(kcore: str, cores_per_worker: int, workers: int = 1,
-                    oversubscribed: bool = False, offload: bool = False) -> str:
+                    oversubscribed: bool = False, offload: bool = False, gpus: int = 0) -> str:
     """What actually gives a task its cores: 'single' (K = 1), 'parallel-workers' where the
     StarPU build has them and they can run the N x K partition, else the requested 'team' or
     'forkjoin'. Parallel workers need a StarPU worker on each of the N x K cores, so not
@@ -63,9 +77,12 @@ def effective_kcore(kcore: str, cores_per_worker: int, workers: int = 1,
     does a memory limit (offload): with a disk node StarPU 1.4.12 prefetches a task's data
     when it is pushed, and again when a parallel worker moves it into its own context, which
     it asserts against ("Prefetching was already requested for this task"); team workers
-    run the same way. sl_start (csrc/starpu/runtime.c) decides the same way."""
+    run the same way. With GPUs, team workers too: the scheduler must see the CPU and CUDA
+    workers in one context. sl_start (csrc/starpu/runtime.c) decides the same way."""
     if cores_per_worker == 1:
         return "single"
+    if gpus:
+        return "team"
     if (lib.sl_have_parallel_workers() and not oversubscribed and not offload
             and workers * cores_per_worker <= max_starpu_cpus()
             and not os.environ.get("SL_NO_PARALLEL_WORKERS")):
@@ -99,8 +116,9 @@ def partitions_that_fit(cores: int | None = None) -> list[tuple[int, int, str]]:
 
 
 def check_partition(workers: int, cores_per_worker: int, oversubscribe: bool = False,
-                    kcore: str = "team") -> None:
-    """Raise a clear error when N x K does not fit the cores StarPU can use here."""
+                    kcore: str = "team", gpus: int = 0) -> None:
+    """Raise a clear error when N x K (and a core for each GPU's worker thread) does not fit
+    the cores StarPU can use here."""
     if workers < 1 or cores_per_worker < 1:
         raise StarpuLLMError(f"{opt('workers')} ({workers}) and {opt('cores_per_worker')} ({cores_per_worker}) "
                              "must be at least 1")
@@ -115,13 +133,38 @@ def check_partition(workers: int, cores_per_worker: int, oversubscribe: bool = F
     if cores_per_worker > MAX_GROUP:
         raise StarpuLLMError(f"{opt('cores_per_worker')} {cores_per_worker} is above {MAX_GROUP}")
     cores = usable_cores()
-    if total > cores and not oversubscribe:
-        fits = ", ".join(dict.fromkeys(f"{n}x{k}" for n, k, m in partitions_that_fit(cores)
+    if total + gpus > cores and not oversubscribe:
+        fits = ", ".join(dict.fromkeys(f"{n}x{k}" for n, k, m in
+                                       partitions_that_fit(max(1, cores - gpus))
                                        if m == kcore or k == 1))
+        gpu_cores = f" and {gpus} for the GPUs' worker threads" if gpus else ""
         raise StarpuLLMError(
-            f"{opt('workers')} {workers} x {opt('cores_per_worker')} {cores_per_worker} = {total} cores, "
-            f"but this process can use {cores}; partitions that fit: {fits} "
+            f"{opt('workers')} {workers} x {opt('cores_per_worker')} {cores_per_worker} = {total} cores"
+            f"{gpu_cores}, but this process can use {cores}; partitions that fit: {fits} "
             f"(or set {opt('oversubscribe')} to share cores, for correctness tests only)")
+
+
+def check_gpus(gpus: int, gpu_matmul: str, kcore: str, sched: str | None, comm, memory) -> None:
+    """Raise a clear error for GPUs this build or these settings cannot run."""
+    if not isinstance(gpus, int) or gpus < 0:
+        raise StarpuLLMError(f"{opt('gpus')} {gpus!r}: give a whole number of GPUs, 0 or more")
+    if gpu_matmul not in GPU_MATMUL:
+        raise StarpuLLMError(f"{opt('gpu_matmul')} {gpu_matmul!r}: choose one of "
+                             f"{', '.join(GPU_MATMUL)}")
+    if not gpus:
+        return
+    if not have_cuda():
+        raise StarpuLLMError(
+            f"{opt('gpus')} {gpus}: this starpu-llm is a CPU build; build StarPU with CUDA "
+            "(tools/build-starpu.sh --cuda) and starpu-llm against it (README, GPUs)")
+    for why, when in ((f"{opt('kcore')} forkjoin (combined CPU workers); use team", kcore == "forkjoin"),
+                      (f"scheduler {sched}, whose idle CPU workers take GPU tasks (1.8 ms each "
+                       f"measured); use dmdas or dmda", sched in NOT_WITH_GPUS),
+                      ("StarPU-MPI: not supported yet (one process)", comm is not None),
+                      (f"{opt('memory_limit')}: not supported yet (the GPUs' memory budget "
+                       f"comes with it)", memory is not None)):
+        if when:
+            raise StarpuLLMError(f"{opt('gpus')} {gpus} does not run with {why}")
 
 
 class Runtime:
@@ -136,6 +179,14 @@ class Runtime:
     or $STARPU_LLM_FACE=starpupy where starpupy is importable.
     memory: an offload.MemoryLimit: StarPU allocates at most that much main memory and evicts
     to a disk node in a folder of its own (removed at shutdown); None: no limit.
+    gpus: CUDA workers, GPUs 0..gpus-1, beside the CPU workers (a CUDA build); each takes a
+    core for its thread, so the default partition is then 1 worker x the other cores. The
+    tasks of every codelet with a CUDA body may run on either: the scheduler (dmdas by
+    default, by the codelets' history perf models) decides and StarPU moves the data.
+    gpu_matmul: the GPUs' matmul precision, "tf32" (the default) or "fp32".
+    cpu_layers: with GPUs, False keeps every task that has a CUDA body on the GPUs (the CPU
+    workers then load the batches only): dmda need not try each task on a CPU first to
+    calibrate its model (at GPT-2 124M, B=16, T=1024, seconds a task).
     """
 
     _active: "Runtime | None" = None
@@ -143,28 +194,35 @@ class Runtime:
     def __init__(self, workers: int | None = None, cores_per_worker: int | None = None,
                  sched: str | None = None, oversubscribe: bool = False, comm=None,
                  kcore: str | None = None, face: str | None = None,
-                 memory: offload.MemoryLimit | None = None):
+                 memory: offload.MemoryLimit | None = None, gpus: int = 0,
+                 gpu_matmul: str = "tf32", cpu_layers: bool = True):
         if Runtime._active is not None:
             raise StarpuLLMError("StarPU is already running in this process; "
                                  "shut the other Runtime down first")
         # every rank checks its partition before any starts StarPU-MPI (mpi.agree)
         core_ids, kcore = agree(comm, self._plan, workers, cores_per_worker, sched,
-                                oversubscribe, comm, kcore, face, memory)
+                                oversubscribe, comm, kcore, face, memory, gpus, gpu_matmul,
+                                cpu_layers)
         n = self.workers * self.cores_per_worker
         self.offload = offload.start(memory)     # the limit, before StarPU starts
         self.offload_path = self.offload.path if self.offload else None
         if self.face == "starpupy":
             starpupy_face.start(n, self.cores_per_worker, self.kcore, KCORE_MODES[kcore],
-                                core_ids, self.sched)
+                                core_ids[:n], self.sched)
         else:
             comm_addr = ffi.NULL
             if comm is not None:
                 from mpi4py import MPI
                 comm_addr = ffi.cast("void *", MPI._addressof(comm))
+            lib.sl_gpu_set_tf32(int(gpu_matmul == "tf32"))
+            lib.sl_set_cuda_only(int(gpus > 0 and not cpu_layers))
             ret = lib.sl_start(n, self.cores_per_worker, KCORE_MODES[kcore],
-                               ffi.new("int[]", core_ids), self.sched.encode(), comm_addr)
+                               ffi.new("int[]", core_ids), gpus, self.sched.encode(), comm_addr)
             if ret != 0:
                 self._stop_offload()
+                if ret == -errno.ENODEV and gpus:
+                    raise StarpuLLMError(f"{opt('gpus')} {gpus}: StarPU started fewer CUDA "
+                                         f"workers (no GPU, or fewer GPUs, visible to CUDA here)")
                 raise StarpuLLMError(f"starpu_init failed ({ret}) for {self.workers} worker(s) x "
                                      f"{self.cores_per_worker} core(s) with scheduler "
                                      f"{self.sched!r}" + (f", or its disk node in {self.offload_path}"
@@ -181,37 +239,44 @@ class Runtime:
             elif ret != 0:
                 self.shutdown()
                 raise RuntimeError(f"sl_mpi_poll_backoff failed ({ret})")
-        got = self.starpu_workers = lib.sl_worker_count()
+        got = self.starpu_workers = lib.sl_cpu_worker_count()
         expected = starpu_worker_count(self.workers, self.cores_per_worker, kcore,
-                                       n > usable_cores(), memory is not None)
+                                       n + gpus > usable_cores(), memory is not None)
         if got != expected:
             self.shutdown()
             raise StarpuLLMError(f"StarPU started {got} CPU worker(s) instead of "
                                  f"{expected} (STARPU_NCPU or "
                                  "STARPU_WORKERS_CPUID in the environment?)")
 
-    def _plan(self, workers, cores_per_worker, sched, oversubscribe, comm, kcore, face, memory):
+    def _plan(self, workers, cores_per_worker, sched, oversubscribe, comm, kcore, face, memory,
+              gpus, gpu_matmul, cpu_layers):
         """Check the partition and settle what the start needs (no side effect on StarPU):
         (the cores of the workers, the k-core mode asked for)."""
         kcore = kcore or DEFAULT_KCORE
         if kcore not in KCORE_MODES:
             raise StarpuLLMError(f"{opt('kcore')} {kcore!r}: choose one of {', '.join(KCORE_MODES)}")
+        check_gpus(gpus, gpu_matmul, kcore, sched or os.environ.get("STARPU_SCHED"), comm,
+                   memory)
+        self.gpus, self.gpu_matmul = gpus, gpu_matmul
+        self.cpu_layers = cpu_layers or not gpus
         ncores = usable_cores()
         if kcore == "forkjoin":
             ncores = min(ncores, max_starpu_cpus())
+        ncores = max(1, ncores - gpus)      # a core for each GPU's worker thread
         if workers is None and cores_per_worker is None:
             workers, cores_per_worker = default_partition(ncores)
         elif cores_per_worker is None:
             cores_per_worker = max(1, ncores // workers)
         elif workers is None:
             workers = max(1, ncores // cores_per_worker)
-        check_partition(workers, cores_per_worker, oversubscribe, kcore)
+        check_partition(workers, cores_per_worker, oversubscribe, kcore, gpus)
         self.workers, self.cores_per_worker = workers, cores_per_worker
-        oversubscribed = workers * cores_per_worker > usable_cores()
+        oversubscribed = workers * cores_per_worker + gpus > usable_cores()
         self.kcore = effective_kcore(kcore, cores_per_worker, workers, oversubscribed,
-                                     memory is not None)
+                                     memory is not None, gpus)
         if sched is None:
-            sched = os.environ.get("STARPU_SCHED") or ("peager" if self.kcore == "forkjoin" else "lws")
+            sched = os.environ.get("STARPU_SCHED") or (
+                GPU_SCHED if gpus else "peager" if self.kcore == "forkjoin" else "lws")
         policies = sched_policies()
         if sched not in policies:
             given = f"{opt('sched')} {sched}" if sched != os.environ.get("STARPU_SCHED") else \
@@ -220,12 +285,14 @@ class Runtime:
                                  f"{', '.join(policies)}")
         self.sched = sched
         os.environ.setdefault("STARPU_SILENT", "1")
-        # Only CPU workers: never probe for accelerators.
-        os.environ.setdefault("STARPU_NCUDA", "0")
+        # The CUDA workers asked for, no other accelerator (the variable would override the
+        # count sl_start gives StarPU)
+        os.environ["STARPU_NCUDA"] = str(gpus)
         os.environ.setdefault("STARPU_NOPENCL", "0")
         n = workers * cores_per_worker
         core_ids = sorted(os.sched_getaffinity(0))
-        core_ids = (core_ids * (n // len(core_ids) + 1))[:n]    # oversubscribed: cores are reused
+        # the partition's cores, then one for each GPU's thread (oversubscribed: reused)
+        core_ids = (core_ids * ((n + gpus) // len(core_ids) + 1))[:n + gpus]
         self.comm = comm
         if comm is not None and not lib.sl_mpi_available():
             raise StarpuLLMError("this build has no StarPU-MPI support (rebuild with "
@@ -236,7 +303,8 @@ class Runtime:
                            "the cffi face under MPI", comm is not None),
                           (f"does not run under {opt('memory_limit')} (its checkpoint task copies "
                            f"every parameter into one numpy array); use the cffi face",
-                           memory is not None)):
+                           memory is not None),
+                          ("does not start GPUs; use the cffi face", gpus > 0)):
             if face == "starpupy" and when:
                 if explicit:
                     raise StarpuLLMError(f"face 'starpupy' {why}")
@@ -252,8 +320,9 @@ class Runtime:
     @property
     def workers_are_starpu_workers(self) -> bool:
         """Partition worker i is StarPU worker i (team or one-core workers), so a task can be
-        pinned to it; not so for combined or parallel workers, built over a worker per core."""
-        return self.starpu_workers == self.workers
+        pinned to it; not so for combined or parallel workers, built over a worker per core,
+        nor with GPUs (their workers come first, and a pinned task would not reach them)."""
+        return self.gpus == 0 and self.starpu_workers == self.workers
 
     @property
     def rank(self) -> int:
@@ -335,8 +404,10 @@ class Runtime:
         face = ", started by starpupy" if self.face == "starpupy" else ""
         limit = (f", memory limit {offload.format_size(self.memory.limit)} (evicting to "
                  f"{self.offload_path})" if self.memory else "")
+        gpus = (f" + {self.gpus} GPU(s) ({self.gpu_matmul.upper()} matmuls"
+                f"{'' if self.cpu_layers else ', every layer on them'})" if self.gpus else "")
         return (f"StarPU {major[0]}.{minor[0]}.{release[0]}{face}{mpi}, {self.workers} worker(s) x "
-                f"{self.cores_per_worker} core(s) ({self.kcore}), scheduler {self.sched}, "
+                f"{self.cores_per_worker} core(s) ({self.kcore}){gpus}, scheduler {self.sched}, "
                 f"BLAS {ffi.string(lib.blas_name()).decode()}{limit}")
 
     # --- the task trace (one per process; its events stay readable after shutdown) ---

@@ -1,0 +1,500 @@
+/* The CPU emulation of CUDA and cuBLAS declared in emulate.h (what it does and does not
+ * emulate is said there). */
+#include "emulate.h"
+#include <cblas.h>
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <ucontext.h>
+#include <vector>
+
+namespace sl_emu {
+
+enum state { RUNNABLE, WAIT_BLOCK, WAIT_WARP, DONE };
+
+/* Switching between fibers: on x86-64 a few instructions (the callee-saved registers and the
+ * stack pointer; a block of 1024 threads meeting many barriers switches millions of times),
+ * elsewhere ucontext (which also saves the signal mask: a system call per switch). */
+#if defined(__x86_64__)
+extern "C" void sl_emu_switch(void **save_sp, void *load_sp);
+asm(".text\n"
+    ".globl sl_emu_switch\n"
+    ".type sl_emu_switch,@function\n"
+    "sl_emu_switch:\n"
+    "	pushq %rbp\n"
+    "	pushq %rbx\n"
+    "	pushq %r12\n"
+    "	pushq %r13\n"
+    "	pushq %r14\n"
+    "	pushq %r15\n"
+    "	movq %rsp, (%rdi)\n"
+    "	movq %rsi, %rsp\n"
+    "	popq %r15\n"
+    "	popq %r14\n"
+    "	popq %r13\n"
+    "	popq %r12\n"
+    "	popq %rbx\n"
+    "	popq %rbp\n"
+    "	ret\n"
+    ".size sl_emu_switch, .-sl_emu_switch\n");
+struct context {
+	void *sp;
+};
+#else
+struct context {
+	ucontext_t uc;
+};
+#endif
+
+struct fiber {
+	context ctx;
+	dim3 tid;
+	int linear; /* x + y bx + z bx by */
+	int state;
+};
+
+fiber *current;
+dim3 block_idx, block_dim, grid_dim;
+
+static context scheduler;
+static std::vector<fiber> fibers;
+static std::vector<char *> stacks;
+static const size_t STACK = 64 * 1024;
+static const std::function<void()> *body;
+static std::vector<uint64_t> slots; /* one 8-byte slot per thread, for the shuffles */
+static std::vector<unsigned char> dyn_shared;
+static cudaError_t last_error = cudaSuccess;
+static std::mutex one_launch; /* the statics above serve one launch at a time */
+/* A launch whose first block never waits at a barrier runs its other blocks' threads as
+ * plain calls, one after another (most element-wise kernels: no context switch); a barrier
+ * met there ends the program rather than run wrongly. */
+static bool direct, waited;
+
+[[noreturn]] static void fail(const char *what)
+{
+	fprintf(stderr, "starpu_llm CUDA emulation: %s (block %u,%u,%u thread %u,%u,%u)\n", what,
+		block_idx.x, block_idx.y, block_idx.z, current ? current->tid.x : 0,
+		current ? current->tid.y : 0, current ? current->tid.z : 0);
+	abort();
+}
+
+const dim3 &thread_idx(const fiber *f)
+{
+	if (!f)
+		fail("threadIdx read outside a kernel");
+	return f->tid;
+}
+
+/* from the running fiber `from` (or the scheduler) to `to` */
+static void switch_to(context *from, context *to)
+{
+#if defined(__x86_64__)
+	sl_emu_switch(&from->sp, to->sp);
+#else
+	if (swapcontext(&from->uc, &to->uc) != 0)
+		fail("swapcontext failed");
+#endif
+}
+
+static void wait(int st)
+{
+	if (direct)
+		fail("a barrier in a block run without fibers (the launch's first block met none)");
+	waited = true;
+	fiber *me = current;
+	me->state = st;
+	switch_to(&me->ctx, &scheduler);
+}
+
+void syncthreads() { wait(WAIT_BLOCK); }
+
+void syncwarp() { wait(WAIT_WARP); }
+
+uint64_t shuffle(uint64_t v, int lane_xor, int src_lane, int delta, int width, int kind)
+{
+	int me = current->linear, lane = me % 32, base = me - lane;
+	if (width < 1 || width > 32 || (width & (width - 1)))
+		fail("shuffle width must be a power of two <= 32");
+	slots[me] = v;
+	wait(WAIT_WARP); /* every lane has written its slot */
+	int seg = lane & ~(width - 1), src;
+	if (kind == SHFL_XOR)
+		src = seg + ((lane ^ lane_xor) & (width - 1));
+	else if (kind == SHFL_IDX)
+		src = seg + (src_lane & (width - 1));
+	else
+		src = (lane - seg) + delta < width ? lane + delta : lane;
+	if (base + src >= (int)fibers.size())
+		fail("shuffle from a lane past the block");
+	uint64_t out = slots[base + src];
+	wait(WAIT_WARP); /* every lane has read before a slot is written again */
+	return out;
+}
+
+void *dynamic_shared() { return dyn_shared.data(); }
+
+static void trampoline()
+{
+	(*body)();
+	current->state = DONE;
+#if defined(__x86_64__)
+	switch_to(&current->ctx, &scheduler); /* never resumed */
+	abort();
+#endif
+	/* (ucontext) returning resumes uc_link: the scheduler */
+}
+
+/* f set to start trampoline() on its own stack */
+static void prepare(fiber &f, char *stack)
+{
+#if defined(__x86_64__)
+	/* as if sl_emu_switch had saved it: six registers, then trampoline as the return address,
+	 * the stack 16-byte aligned at trampoline's entry minus its return address */
+	uintptr_t top = ((uintptr_t)(stack + STACK)) & ~(uintptr_t)15;
+	void **sp = (void **)(top - 64);
+	for (int i = 0; i < 6; i++)
+		sp[i] = nullptr;
+	sp[6] = (void *)trampoline;
+	sp[7] = nullptr;
+	f.ctx.sp = sp;
+#else
+	if (getcontext(&f.ctx.uc) != 0)
+		fail("getcontext failed");
+	f.ctx.uc.uc_stack.ss_sp = stack;
+	f.ctx.uc.uc_stack.ss_size = STACK;
+	f.ctx.uc.uc_link = &scheduler.uc;
+	makecontext(&f.ctx.uc, trampoline, 0);
+#endif
+}
+
+/* A scrambled but fixed order of n fibers (a missing barrier then reads unwritten data for
+ * most patterns, whatever the order the kernel expects). */
+static std::vector<int> order(int n)
+{
+	std::vector<int> o(n);
+	for (int i = 0; i < n; i++)
+		o[i] = i;
+	uint32_t r = 2463534242u;
+	for (int i = n - 1; i > 0; i--) {
+		r ^= r << 13;
+		r ^= r >> 17;
+		r ^= r << 5;
+		int j = (int)(r % (uint32_t)(i + 1));
+		int t = o[i];
+		o[i] = o[j];
+		o[j] = t;
+	}
+	return o;
+}
+
+static void run_block(int nthreads, const std::vector<int> &ord)
+{
+	for (int i = 0; i < nthreads; i++) {
+		fiber &f = fibers[i];
+		f.linear = i;
+		f.tid = dim3(i % block_dim.x, (i / block_dim.x) % block_dim.y,
+			     i / (block_dim.x * block_dim.y));
+		f.state = RUNNABLE;
+		prepare(f, stacks[i]);
+	}
+	int done = 0;
+	while (done < nthreads) {
+		int ran = 0;
+		for (int k = 0; k < nthreads; k++) {
+			fiber &f = fibers[ord[k]];
+			if (f.state != RUNNABLE)
+				continue;
+			current = &f;
+			switch_to(&scheduler, &f.ctx);
+			ran++;
+			if (f.state == DONE)
+				done++;
+		}
+		current = nullptr;
+		if (done == nthreads)
+			break;
+		/* every live thread waits: release a barrier */
+		int at_block = 0, released = 0;
+		for (int i = 0; i < nthreads; i++)
+			at_block += fibers[i].state == WAIT_BLOCK;
+		if (at_block > 0 && at_block + done == nthreads) {
+			if (done > 0)
+				fail("__syncthreads with exited threads in the block");
+			for (int i = 0; i < nthreads; i++)
+				fibers[i].state = RUNNABLE;
+			continue;
+		}
+		for (int w = 0; w < nthreads; w += 32) {
+			int end = w + 32 < nthreads ? w + 32 : nthreads, waiting = 0, exited = 0;
+			for (int i = w; i < end; i++) {
+				waiting += fibers[i].state == WAIT_WARP;
+				exited += fibers[i].state == DONE;
+			}
+			if (waiting > 0 && waiting + exited == end - w) {
+				if (exited > 0)
+					fail("warp barrier or shuffle with exited lanes");
+				for (int i = w; i < end; i++)
+					fibers[i].state = RUNNABLE;
+				released++;
+			}
+		}
+		if (!released && !ran)
+			fail("deadlock: the threads wait at barriers that cannot all be reached");
+		if (!released)
+			fail("deadlock: threads wait at __syncthreads while others wait in a warp");
+	}
+}
+
+void launch(dim3 grid, dim3 block, size_t smem, cudaStream_t, const std::function<void()> &fn)
+{
+	size_t nthreads = (size_t)block.x * block.y * block.z;
+	if (nthreads == 0 || nthreads > 1024 || grid.x == 0 || grid.y == 0 || grid.z == 0 ||
+	    grid.y > 65535 || grid.z > 65535 || smem > 227 * 1024) {
+		last_error = cudaErrorInvalidConfiguration;
+		return;
+	}
+	std::lock_guard<std::mutex> lock(one_launch);
+	while (stacks.size() < nthreads) {
+		char *s = (char *)malloc(STACK);
+		if (!s)
+			fail("no memory for a thread's stack");
+		stacks.push_back(s);
+	}
+	fibers.resize(nthreads);
+	slots.assign(nthreads, 0);
+	body = &fn;
+	grid_dim = grid;
+	block_dim = block;
+	std::vector<int> ord = order((int)nthreads);
+	waited = direct = false;
+	for (unsigned z = 0; z < grid.z; z++)
+		for (unsigned y = 0; y < grid.y; y++)
+			for (unsigned x = 0; x < grid.x; x++) {
+				block_idx = dim3(x, y, z);
+				dyn_shared.assign(smem, 0xff); /* NaN as floats */
+				if (!direct) {
+					run_block((int)nthreads, ord);
+					direct = !waited;
+					continue;
+				}
+				for (int k = 0; k < (int)nthreads; k++) {
+					fiber &f = fibers[ord[k]];
+					f.linear = ord[k];
+					f.tid = dim3(f.linear % block.x, (f.linear / block.x) % block.y,
+						     f.linear / (block.x * block.y));
+					current = &f;
+					fn();
+				}
+				current = nullptr;
+			}
+	direct = false;
+	body = nullptr;
+}
+
+} // namespace sl_emu
+
+/* ---- runtime API ---- */
+const char *cudaGetErrorString(cudaError_t err)
+{
+	switch (err) {
+	case cudaSuccess:
+		return "no error";
+	case cudaErrorInvalidValue:
+		return "invalid argument";
+	case cudaErrorMemoryAllocation:
+		return "out of memory";
+	case cudaErrorInvalidConfiguration:
+		return "invalid configuration argument";
+	case cudaErrorNoDevice:
+		return "no CUDA-capable device is detected";
+	default:
+		return "unknown error";
+	}
+}
+
+cudaError_t cudaGetLastError(void)
+{
+	cudaError_t e = sl_emu::last_error;
+	sl_emu::last_error = cudaSuccess;
+	return e;
+}
+
+cudaError_t cudaMalloc(void **p, size_t bytes)
+{
+	*p = malloc(bytes ? bytes : 1);
+	if (!*p)
+		return cudaErrorMemoryAllocation;
+	memset(*p, 0xff, bytes); /* NaN as floats: a read before a write shows */
+	return cudaSuccess;
+}
+
+cudaError_t cudaFree(void *p)
+{
+	free(p);
+	return cudaSuccess;
+}
+
+cudaError_t cudaMallocAsync(void **p, size_t bytes, cudaStream_t) { return cudaMalloc(p, bytes); }
+
+cudaError_t cudaFreeAsync(void *p, cudaStream_t) { return cudaFree(p); }
+
+cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, cudaMemcpyKind)
+{
+	if (bytes && (!dst || !src))
+		return cudaErrorInvalidValue;
+	memmove(dst, src, bytes);
+	return cudaSuccess;
+}
+
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind,
+			    cudaStream_t)
+{
+	return cudaMemcpy(dst, src, bytes, kind);
+}
+
+cudaError_t cudaMemsetAsync(void *p, int value, size_t bytes, cudaStream_t)
+{
+	if (bytes && !p)
+		return cudaErrorInvalidValue;
+	memset(p, value, bytes);
+	return cudaSuccess;
+}
+
+struct sl_emu_stream {
+	int unused;
+};
+
+cudaError_t cudaStreamCreate(cudaStream_t *s)
+{
+	*s = new sl_emu_stream();
+	return cudaSuccess;
+}
+
+cudaError_t cudaStreamDestroy(cudaStream_t s)
+{
+	delete s;
+	return cudaSuccess;
+}
+
+cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
+
+cudaError_t cudaGetDeviceCount(int *n)
+{
+	*n = 0;
+	return cudaErrorNoDevice;
+}
+
+/* ---- cuBLAS ---- */
+struct sl_emu_cublas {
+	cudaStream_t stream;
+};
+
+cublasStatus_t cublasCreate(cublasHandle_t *h)
+{
+	*h = new sl_emu_cublas();
+	return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasDestroy(cublasHandle_t h)
+{
+	delete h;
+	return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasSetStream(cublasHandle_t h, cudaStream_t s)
+{
+	if (!h)
+		return CUBLAS_STATUS_NOT_INITIALIZED;
+	h->stream = s;
+	return CUBLAS_STATUS_SUCCESS;
+}
+
+const char *cublasGetStatusString(cublasStatus_t s)
+{
+	return s == CUBLAS_STATUS_SUCCESS ? "CUBLAS_STATUS_SUCCESS" :
+	       s == CUBLAS_STATUS_NOT_INITIALIZED ? "CUBLAS_STATUS_NOT_INITIALIZED" :
+						    "CUBLAS_STATUS_INVALID_VALUE";
+}
+
+/* x rounded to TF32 by truncation: the 13 low bits of the fp32 significand dropped */
+static float tf32(float x)
+{
+	uint32_t u;
+	memcpy(&u, &x, sizeof u);
+	if ((u & 0x7f800000u) != 0x7f800000u) /* finite: keep inf and NaN as they are */
+		u &= 0xffffe000u;
+	memcpy(&x, &u, sizeof x);
+	return x;
+}
+
+/* A (rows x cols, column-major, ld) copied with every element in TF32 */
+static std::vector<float> tf32_copy(const float *A, int rows, int cols, int ld)
+{
+	std::vector<float> out((size_t)ld * (cols > 0 ? cols - 1 : 0) + rows);
+	for (int j = 0; j < cols; j++)
+		for (int i = 0; i < rows; i++)
+			out[(size_t)j * ld + i] = tf32(A[(size_t)j * ld + i]);
+	return out;
+}
+
+static cublasStatus_t gemm(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
+			   float alpha, const float *A, int lda, const float *B, int ldb,
+			   float beta, float *C, int ldc, cublasComputeType_t compute)
+{
+	int arows = ta == CUBLAS_OP_N ? m : k, acols = ta == CUBLAS_OP_N ? k : m;
+	int brows = tb == CUBLAS_OP_N ? k : n, bcols = tb == CUBLAS_OP_N ? n : k;
+	if (m < 0 || n < 0 || k < 0 || lda < (arows > 1 ? arows : 1) ||
+	    ldb < (brows > 1 ? brows : 1) || ldc < (m > 1 ? m : 1))
+		return CUBLAS_STATUS_INVALID_VALUE;
+	if (m == 0 || n == 0)
+		return CUBLAS_STATUS_SUCCESS;
+	std::vector<float> a, b;
+	if (compute == CUBLAS_COMPUTE_32F_FAST_TF32) {
+		a = tf32_copy(A, arows, acols, lda);
+		b = tf32_copy(B, brows, bcols, ldb);
+		A = a.data();
+		B = b.data();
+	} else if (compute != CUBLAS_COMPUTE_32F) {
+		return CUBLAS_STATUS_INVALID_VALUE;
+	}
+	cblas_sgemm(CblasColMajor, ta == CUBLAS_OP_N ? CblasNoTrans : CblasTrans,
+		    tb == CUBLAS_OP_N ? CblasNoTrans : CblasTrans, m, n, k, alpha, A, lda, B, ldb,
+		    beta, C, ldc);
+	return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m,
+			    int n, int k, const void *alpha, const void *A, cudaDataType at,
+			    int lda, const void *B, cudaDataType bt, int ldb, const void *beta,
+			    void *C, cudaDataType ct, int ldc, cublasComputeType_t compute,
+			    cublasGemmAlgo_t)
+{
+	if (!h)
+		return CUBLAS_STATUS_NOT_INITIALIZED;
+	if (at != CUDA_R_32F || bt != CUDA_R_32F || ct != CUDA_R_32F)
+		return CUBLAS_STATUS_INVALID_VALUE;
+	return gemm(ta, tb, m, n, k, *(const float *)alpha, (const float *)A, lda,
+		    (const float *)B, ldb, *(const float *)beta, (float *)C, ldc, compute);
+}
+
+cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperation_t ta,
+					  cublasOperation_t tb, int m, int n, int k,
+					  const void *alpha, const void *A, cudaDataType at,
+					  int lda, long long strideA, const void *B,
+					  cudaDataType bt, int ldb, long long strideB,
+					  const void *beta, void *C, cudaDataType ct, int ldc,
+					  long long strideC, int batch, cublasComputeType_t compute,
+					  cublasGemmAlgo_t algo)
+{
+	if (batch < 0)
+		return CUBLAS_STATUS_INVALID_VALUE;
+	for (int i = 0; i < batch; i++) {
+		cublasStatus_t s = cublasGemmEx(h, ta, tb, m, n, k, alpha,
+						(const float *)A + i * strideA, at, lda,
+						(const float *)B + i * strideB, bt, ldb, beta,
+						(float *)C + i * strideC, ct, ldc, compute, algo);
+		if (s != CUBLAS_STATUS_SUCCESS)
+			return s;
+	}
+	return CUBLAS_STATUS_SUCCESS;
+}

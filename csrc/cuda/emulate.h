@@ -1,0 +1,170 @@
+/* The subset of CUDA and cuBLAS that csrc/cuda/<layer>.cu use, run on the CPU: the same kernel
+ * sources compiled by g++ (csrc/cuda/emulated.cpp) so that the tests check their indexing,
+ * reductions and cuBLAS arguments on a machine without a GPU (tests/test_cuda_kernels.py).
+ *
+ * How it runs: a launch runs its blocks one after another on the calling thread; the threads
+ * of a block are cooperative fibers (ucontext) that run until they finish or wait at a
+ * barrier (__syncthreads: the block's; __syncwarp and the shuffles: their warp's), resumed
+ * in a scrambled order so that a missing barrier reads values not yet written. A __shared__
+ * variable is a static: one per kernel, shared by the fibers, reused by the next block
+ * (blocks never overlap). Dynamic shared memory and cudaMalloc'ed memory start as NaN, so an
+ * element read before it is written shows. Strict where CUDA leaves a program undefined:
+ * a thread that exits while others of its block wait at __syncthreads, a shuffle over an
+ * exited lane, a launch of more than 1024 threads or of more dynamic shared memory than
+ * asked for end the program with a message. Atomics are plain read-modify-writes (fibers
+ * never interleave inside one).
+ *
+ * cuBLAS: GEMMs in column-major order through the CPU BLAS (cblas); TF32 compute rounds
+ * every element of A and B to TF32 (10 explicit mantissa bits) by truncation, the coarser
+ * of the conversions a tensor core may apply, before the fp32 GEMM.
+ *
+ * Not emulated: concurrency between streams (everything is synchronous), memory spaces
+ * (device pointers are host pointers), warp divergence timing, and any floating-point
+ * behaviour of the GPU (fast-math intrinsics are the libm functions). */
+#ifndef SL_CUDA_EMULATE_H
+#define SL_CUDA_EMULATE_H
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+
+/* ---- launch geometry ---- */
+struct dim3 {
+	unsigned x, y, z;
+	constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+
+namespace sl_emu {
+struct fiber;
+extern fiber *current;		/* the thread running now */
+extern dim3 block_idx, block_dim, grid_dim;
+const dim3 &thread_idx(const fiber *f);
+void syncthreads();
+void syncwarp();
+/* shuffles: exchange 8 bytes through the warp's slots between two warp barriers */
+uint64_t shuffle(uint64_t v, int src_lane_xor, int src_lane, int delta, int width, int kind);
+void *dynamic_shared();
+} // namespace sl_emu
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__ static
+#define threadIdx (sl_emu::thread_idx(sl_emu::current))
+#define blockIdx (sl_emu::block_idx)
+#define blockDim (sl_emu::block_dim)
+#define gridDim (sl_emu::grid_dim)
+#define warpSize 32
+#define __syncthreads() sl_emu::syncthreads()
+#define __syncwarp(...) sl_emu::syncwarp()
+
+namespace sl_emu {
+enum { SHFL_XOR, SHFL_DOWN, SHFL_IDX };
+template <class T> inline T shfl(T v, int kind, int arg, int width)
+{
+	static_assert(sizeof(T) <= 8, "shuffles of at most 8 bytes");
+	uint64_t bits = 0;
+	std::memcpy(&bits, &v, sizeof v);
+	bits = shuffle(bits, kind == SHFL_XOR ? arg : 0, kind == SHFL_IDX ? arg : 0,
+		       kind == SHFL_DOWN ? arg : 0, width, kind);
+	T out;
+	std::memcpy(&out, &bits, sizeof out);
+	return out;
+}
+} // namespace sl_emu
+
+template <class T> inline T __shfl_xor_sync(unsigned, T v, int mask, int width = 32)
+{
+	return sl_emu::shfl(v, sl_emu::SHFL_XOR, mask, width);
+}
+template <class T> inline T __shfl_down_sync(unsigned, T v, unsigned delta, int width = 32)
+{
+	return sl_emu::shfl(v, sl_emu::SHFL_DOWN, (int)delta, width);
+}
+template <class T> inline T __shfl_sync(unsigned, T v, int src, int width = 32)
+{
+	return sl_emu::shfl(v, sl_emu::SHFL_IDX, src, width);
+}
+template <class T> inline T atomicAdd(T *p, T v)
+{
+	T old = *p;
+	*p = old + v;
+	return old;
+}
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+inline float __expf(float x) { return std::exp(x); }
+inline float __fdividef(float a, float b) { return a / b; }
+template <class T> inline T __ldg(const T *p) { return *p; }
+
+/* ---- runtime API ---- */
+typedef int cudaError_t;
+enum {
+	cudaSuccess = 0,
+	cudaErrorInvalidValue = 1,
+	cudaErrorMemoryAllocation = 2,
+	cudaErrorInvalidConfiguration = 9,
+	cudaErrorNoDevice = 100,
+};
+enum cudaMemcpyKind {
+	cudaMemcpyHostToHost = 0,
+	cudaMemcpyHostToDevice = 1,
+	cudaMemcpyDeviceToHost = 2,
+	cudaMemcpyDeviceToDevice = 3,
+	cudaMemcpyDefault = 4,
+};
+typedef struct sl_emu_stream *cudaStream_t;
+const char *cudaGetErrorString(cudaError_t err);
+cudaError_t cudaGetLastError(void);
+cudaError_t cudaMalloc(void **p, size_t bytes);
+cudaError_t cudaFree(void *p);
+cudaError_t cudaMallocAsync(void **p, size_t bytes, cudaStream_t s);
+cudaError_t cudaFreeAsync(void *p, cudaStream_t s);
+cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind);
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind,
+			    cudaStream_t s);
+cudaError_t cudaMemsetAsync(void *p, int value, size_t bytes, cudaStream_t s);
+cudaError_t cudaStreamCreate(cudaStream_t *s);
+cudaError_t cudaStreamDestroy(cudaStream_t s);
+cudaError_t cudaStreamSynchronize(cudaStream_t s);
+cudaError_t cudaGetDeviceCount(int *n);
+
+namespace sl_emu {
+/* Runs grid x block threads of body, blocks one after another; smem bytes of dynamic shared
+ * memory per block. A bad configuration sets the error cudaGetLastError returns. */
+void launch(dim3 grid, dim3 block, size_t smem, cudaStream_t s, const std::function<void()> &body);
+} // namespace sl_emu
+
+/* ---- cuBLAS ---- */
+typedef struct sl_emu_cublas *cublasHandle_t;
+typedef int cublasStatus_t;
+enum {
+	CUBLAS_STATUS_SUCCESS = 0,
+	CUBLAS_STATUS_NOT_INITIALIZED = 1,
+	CUBLAS_STATUS_INVALID_VALUE = 7,
+};
+typedef enum { CUBLAS_OP_N = 0, CUBLAS_OP_T = 1 } cublasOperation_t;
+typedef enum { CUDA_R_32F = 0 } cudaDataType;
+typedef enum { CUBLAS_COMPUTE_32F = 68, CUBLAS_COMPUTE_32F_FAST_TF32 = 77 } cublasComputeType_t;
+typedef enum { CUBLAS_GEMM_DEFAULT = -1 } cublasGemmAlgo_t;
+cublasStatus_t cublasCreate(cublasHandle_t *h);
+cublasStatus_t cublasDestroy(cublasHandle_t h);
+cublasStatus_t cublasSetStream(cublasHandle_t h, cudaStream_t s);
+const char *cublasGetStatusString(cublasStatus_t s);
+cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m,
+			    int n, int k, const void *alpha, const void *A, cudaDataType at,
+			    int lda, const void *B, cudaDataType bt, int ldb, const void *beta,
+			    void *C, cudaDataType ct, int ldc, cublasComputeType_t compute,
+			    cublasGemmAlgo_t algo);
+cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperation_t ta,
+					  cublasOperation_t tb, int m, int n, int k,
+					  const void *alpha, const void *A, cudaDataType at,
+					  int lda, long long strideA, const void *B,
+					  cudaDataType bt, int ldb, long long strideB,
+					  const void *beta, void *C, cudaDataType ct, int ldc,
+					  long long strideC, int batch, cublasComputeType_t compute,
+					  cublasGemmAlgo_t algo);
+
+#endif

@@ -1,0 +1,15 @@
+/* The CPU build's GPU kernels: every csrc/cuda/<layer>.cu compiled as C++ against the CPU
+ * emulation of CUDA and cuBLAS (emulate.h says what it checks), one translation unit. */
+#include "gpu.h"
+#include "adamw.cu"
+#include "attention.cu"
+#include "crossentropy.cu"
+#include "encoder.cu"
+#include "gelu.cu"
+#include "gradnorm.cu"
+#include "kvcache.cu"
+#include "layernorm.cu"
+#include "matmul.cu"
+#include "residual.cu"
+#include "run.cu"
+#include "util.cu"

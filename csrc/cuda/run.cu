@@ -1,0 +1,86 @@
+/* The matmul precision of the GPU kernels, and each codelet's CUDA body run at once, outside
+ * StarPU, on copies of host buffers: the CUDA twin of sl_codelet_run (csrc/codelets/table.c),
+ * which the tests and the reference engine's GPU mode call (the body then runs on this
+ * process's GPU 0, or in the CPU emulation of the CPU build). */
+#include "gpu.h"
+#include <errno.h>
+#include <string.h>
+extern "C" {
+#include "../codelets/codelet.h"
+}
+
+static int matmul_tf32 = 1;
+
+void sl_gpu_set_tf32(int tf32) { matmul_tf32 = tf32 != 0; }
+
+int sl_gpu_tf32(void) { return matmul_tf32; }
+
+extern "C" int sl_gpu_emulated(void)
+{
+#ifdef SL_CUDA_EMULATION
+	return 1;
+#else
+	return 0;
+#endif
+}
+
+extern "C" int sl_gpu_devices(void)
+{
+	int n = 0;
+	return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+}
+
+extern "C" int sl_codelet_has_cuda(int codelet)
+{
+	const struct sl_codelet *c = sl_codelet_get(codelet);
+	return c ? c->cuda_run != NULL : -EINVAL;
+}
+
+extern "C" int sl_codelet_run_cuda(int codelet, void *const *ptr, const size_t *count,
+				   const size_t *elemsize, int n, const void *args, int tf32)
+{
+	const struct sl_codelet *c = sl_codelet_get(codelet);
+	if (!c || sl_codelet_check_count(c, n, sl_codelet_repeats(c, args)) != 0)
+		return -EINVAL;
+	if (!c->cuda_run)
+		return -ENOSYS;
+	if (!sl_gpu_emulated() && sl_gpu_devices() < 1)
+		return -ENODEV;
+	/* one stream and cuBLAS handle for the process's direct runs */
+	static cudaStream_t stream;
+	static cublasHandle_t blas;
+	if (!blas) {
+		SL_CUDA_CHECK(cudaStreamCreate(&stream));
+		SL_CUBLAS_CHECK(cublasCreate(&blas));
+		SL_CUBLAS_CHECK(cublasSetStream(blas, stream));
+	}
+	struct sl_buf *b = (struct sl_buf *)calloc((size_t)(n ? n : 1), sizeof *b);
+	if (!b)
+		return -ENOMEM;
+	for (int i = 0; i < n; i++) {
+		b[i].ptr = NULL;
+		b[i].n = count[i];
+		b[i].elemsize = elemsize[i];
+		if (ptr[i]) {
+			SL_CUDA_CHECK(cudaMalloc(&b[i].ptr, count[i] * elemsize[i]));
+			SL_CUDA_CHECK(cudaMemcpy(b[i].ptr, ptr[i], count[i] * elemsize[i],
+						 cudaMemcpyHostToDevice));
+		}
+	}
+	struct sl_gpu g = { (void *)stream, (void *)blas, tf32 };
+	c->cuda_run(b, n, args, &g);
+	SL_CUDA_CHECK(cudaGetLastError());
+	SL_CUDA_CHECK(cudaStreamSynchronize(stream));
+	/* back only what the task writes: a buffer given twice (in place) gets the result */
+	int k = sl_codelet_repeats(c, args);
+	for (int i = 0; i < n; i++) {
+		if (!b[i].ptr)
+			continue;
+		if (SL_MODE_KIND(c->modes[sl_codelet_declared(c, k, i)]) != SL_R)
+			SL_CUDA_CHECK(cudaMemcpy(ptr[i], b[i].ptr, count[i] * elemsize[i],
+						 cudaMemcpyDeviceToHost));
+		SL_CUDA_CHECK(cudaFree(b[i].ptr));
+	}
+	free(b);
+	return 0;
+}

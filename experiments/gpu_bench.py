@@ -1,0 +1,265 @@
+"""GPT-2 124M training on one GPU, tokens per millisecond, side by side in one run (issue 33,
+item 5): starpu-llm's StarPU engine with a CUDA worker, PyTorch eager (SDPA, fused AdamW) and
+llm.c's train_gpt2_fp32.cu, all with TF32 matmuls, at B x T = 8 x 1024, 16 x 1024 and 128 x 64,
+from the same random init on the bundled Shakespeare tokens.
+
+    python experiments/gpu_bench.py --out DIR [--llmc DIR] [--shapes 8x1024,16x1024,128x64]
+                                    [--steps 10] [--warmup 3] [--timeout 150]
+
+Each system runs each shape in a process of its own (one CUDA context and allocator at a
+time), `warmup` untimed steps then `steps` timed ones:
+  - starpu-llm: Runtime(gpus=1, gpu_matmul="tf32", cpu_layers=False): every layer's task on
+    the CUDA worker, the batch loads on a CPU worker, StarPU moving the data; the steps
+    submitted with Engine.step_ahead (the loss read as soon as the forward has it, the GPU
+    still running the backward and the update while Python submits the next step);
+    tok/ms = steps B T / the time from the first timed submission to the end of the last
+    step. Its task trace over the timed steps goes to DIR/trace_BxT.csv (when each task's
+    kernels were queued on which worker: the CUDA tasks are asynchronous);
+  - PyTorch eager: starpu_llm.baselines.torch_sdpa on "cuda", TF32 allowed;
+  - llm.c (--llmc: a folder with train_gpt2_fp32.cu and llmc/, a fetched copy kept outside
+    this repository): built here with nvcc -O3 --use_fast_math for this GPU, run on the same
+    parameters (written in llm.c's checkpoint format) and shard; its own per-step ms.
+A step time is a step's wall time; tok/ms of PyTorch and llm.c = B T / the median timed
+step. Writes DIR/gpu_bench.csv (every step of every run) and DIR/gpu_bench.md (the table,
+the machine, the commands), and prints the table. A system that fails or runs out of time
+gets its error in the table; the others still run.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# starpu-llm-wait: the same engine stepping with Engine.step, which waits for the whole step
+# before reading its loss (the trainer's loop today): its gap to starpu-llm is what
+# submitting ahead saves, the GPU's idle time while Python submits the next step
+SYSTEMS = ("starpu-llm", "pytorch", "llm.c", "starpu-llm-wait")
+
+
+def shapes_of(text: str) -> list[tuple[int, int]]:
+    return [tuple(int(v) for v in s.split("x")) for s in text.split(",")]
+
+
+# ---------------------------------------------------------------- one system, one shape
+
+def run_starpu(B: int, T: int, steps: int, warmup: int, out: str, ahead: bool = True) -> dict:
+    import numpy as np
+    from starpu_llm.config import MODELS
+    from starpu_llm.flow.engine import StarPUEngine
+    from starpu_llm.io.data import DataLoader, default_dataset
+    from starpu_llm.io.formats import read_shard
+    from starpu_llm.runtime import Runtime
+    from starpu_llm.state import TrainState, random_init
+
+    config = MODELS["d12"]
+    tokens = read_shard(default_dataset()[0])
+    loader = DataLoader(tokens, B, T)
+    state = TrainState(config=config, params=random_init(config))
+    with Runtime(gpus=1, gpu_matmul="tf32", cpu_layers=False) as rt:
+        engine = StarPUEngine(config, state, B, T, tokens, rt)
+        step = engine.step_ahead if ahead else engine.step
+        losses = [step(loader.next_position(), 1e-4, 0.0) for _ in range(warmup)]
+        engine.wait()
+        rt.start_trace(200_000)
+        t0 = time.perf_counter()
+        marks = []
+        for _ in range(steps):
+            losses.append(step(loader.next_position(), 1e-4, 0.0))
+            marks.append(time.perf_counter())
+        engine.wait()
+        t1 = time.perf_counter()
+        trace = rt.trace()
+        rt.stop_trace()
+        describe = rt.describe()
+        engine.close()
+    with open(os.path.join(out, f"trace_{B}x{T}{'' if ahead else '_wait'}.csv"), "w",
+              newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["job", "codelet", "worker", "start_ns", "end_ns"])
+        w.writerows((e.job, e.codelet, e.worker, e.start_ns, e.end_ns) for e in trace)
+    ms = [(b - a) * 1e3 for a, b in zip([t0] + marks[:-1], marks)]
+    ms[-1] += (t1 - marks[-1]) * 1e3          # the last step ends when its update has run
+    return dict(step_ms=ms, tok_per_ms=steps * B * T / ((t1 - t0) * 1e3),
+                losses=[float(x) for x in losses], describe=describe,
+                finite=bool(np.all(np.isfinite(losses))))
+
+
+def run_pytorch(B: int, T: int, steps: int, warmup: int, out: str) -> dict:
+    import torch
+    from starpu_llm.baselines.common import step_times
+    from starpu_llm.baselines.torch_sdpa import SdpaGPT2
+    from starpu_llm.config import MODELS
+    from starpu_llm.io.data import default_dataset
+    from starpu_llm.io.formats import read_shard
+    from starpu_llm.state import random_init
+
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    config = MODELS["d12"]
+    tokens = read_shard(default_dataset()[0])
+    model = SdpaGPT2(config, random_init(config), device="cuda")
+    ms = step_times(model, tokens, B, T, warmup + steps, 1e-4)[warmup:]
+    return dict(step_ms=ms, tok_per_ms=B * T / statistics.median(ms),
+                describe=f"PyTorch {torch.__version__} eager, SDPA, AdamW {model.optimizer_kind}, "
+                         f"TF32 on {torch.cuda.get_device_name(0)}")
+
+
+def build_llmc(src: str, work: str) -> str:
+    """train_gpt2_fp32.cu of the llm.c copy at src, built in work for this GPU; the binary."""
+    shutil.copytree(src, os.path.join(work, "llmc-src"), dirs_exist_ok=True)
+    d = os.path.join(work, "llmc-src")
+    try:
+        arch = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+                              capture_output=True, text=True).stdout.split()[0].replace(".", "")
+    except (OSError, IndexError):
+        arch = os.environ.get("SL_GPU_ARCH", "90")
+    cmd = ["nvcc", "-O3", "--use_fast_math", f"-arch=sm_{arch}", "-o", "train_gpt2fp32cu",
+           "train_gpt2_fp32.cu", "-lcublas", "-lcublasLt"]
+    subprocess.run(cmd, cwd=d, check=True, capture_output=True, text=True)
+    return os.path.join(d, "train_gpt2fp32cu")
+
+
+def run_llmc(B: int, T: int, steps: int, warmup: int, out: str, binary: str) -> dict:
+    from starpu_llm.config import MODELS
+    from starpu_llm.io.data import default_dataset
+    from starpu_llm.io.formats import write_checkpoint
+    from starpu_llm.state import random_init
+
+    d = os.path.dirname(binary)
+    ckpt = os.path.join(d, "gpt2_124M.bin")      # the name llm.c reads
+    if not os.path.exists(ckpt):
+        write_checkpoint(ckpt, MODELS["d12"], random_init(MODELS["d12"]))
+    train, val = default_dataset()
+    # one epoch of the shard; validation on one batch, a 2-token sample at the end only
+    cmd = [binary, "-i", train, "-j", val, "-b", str(B), "-t", str(T), "-v", "100000",
+           "-m", "1", "-s", "100000", "-g", "2"]
+    p = subprocess.run(cmd, cwd=d, capture_output=True, text=True)
+    with open(os.path.join(out, f"llmc_{B}x{T}.log"), "w") as f:
+        f.write(p.stdout + p.stderr)
+    if p.returncode != 0:
+        raise RuntimeError(f"llm.c exited with {p.returncode}: {p.stderr[-400:]}")
+    ms = [float(m) for m in re.findall(r"^step\s+\d+/\d+: train loss \S+ \((\S+) ms", p.stdout,
+                                       re.M)]
+    ms = ms[warmup:warmup + steps]
+    if not ms:
+        raise RuntimeError("llm.c printed no step after the warm-up ones")
+    return dict(step_ms=ms, tok_per_ms=B * T / statistics.median(ms),
+                describe="llm.c train_gpt2_fp32.cu, TF32 matmuls (cuBLAS), " + " ".join(cmd[1:]))
+
+
+def child(args) -> None:
+    B, T = shapes_of(args.shape)[0]
+    if args.system in ("starpu-llm", "starpu-llm-wait"):
+        r = run_starpu(B, T, args.steps, args.warmup, args.out, args.system == "starpu-llm")
+    elif args.system == "pytorch":
+        r = run_pytorch(B, T, args.steps, args.warmup, args.out)
+    else:
+        r = run_llmc(B, T, args.steps, args.warmup, args.out, args.llmc_binary)
+    print("RESULT " + json.dumps(r))
+
+
+# ---------------------------------------------------------------- the run
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--llmc", help="llm.c copy (train_gpt2_fp32.cu, llmc/); without: no llm.c")
+    ap.add_argument("--shapes", default="8x1024,16x1024,128x64")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--timeout", type=int, default=150, help="seconds for one system at one shape")
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--system", help=argparse.SUPPRESS)
+    ap.add_argument("--shape", help=argparse.SUPPRESS)
+    ap.add_argument("--llmc-binary", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    if args.child:
+        return child(args)
+
+    systems = args.systems.split(",")
+    binary, notes = None, []
+    if "llm.c" in systems:
+        if not args.llmc:
+            systems.remove("llm.c")
+            notes.append("llm.c: no --llmc copy given, not run")
+        else:
+            t = time.perf_counter()
+            try:
+                binary = build_llmc(args.llmc, args.out)
+                notes.append(f"llm.c built in {time.perf_counter() - t:.0f} s")
+            except (subprocess.CalledProcessError, OSError) as e:
+                notes.append(f"llm.c did not build: {getattr(e, 'stderr', None) or e}"[-400:])
+                systems.remove("llm.c")
+    rows, table = [], {}
+    for B, T in shapes_of(args.shapes):
+        for system in systems:
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", "--system", system,
+                   "--shape", f"{B}x{T}", "--out", args.out, "--steps", str(args.steps),
+                   "--warmup", str(args.warmup)] + (["--llmc-binary", binary] if binary else [])
+            t = time.perf_counter()
+            try:
+                p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+                line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
+                if line is None:
+                    raise RuntimeError(f"exit {p.returncode}: {(p.stderr or p.stdout)[-600:]}")
+                r = json.loads(line[len("RESULT "):])
+            except (subprocess.TimeoutExpired, RuntimeError) as e:
+                r = dict(error=str(e).replace("\n", " ")[-600:])
+            r["wall_s"] = time.perf_counter() - t
+            table[(system, B, T)] = r
+            for i, ms in enumerate(r.get("step_ms", [])):
+                rows.append(dict(system=system, precision="tf32", B=B, T=T, step=i + 1, ms=ms))
+            print(f"{system:15s} {B:4d} x {T:4d}: " + (f"{r['tok_per_ms']:.1f} tok/ms"
+                  if "tok_per_ms" in r else f"failed: {r['error'][:300]}")
+                  + f"  ({r['wall_s']:.0f} s)", flush=True)
+            # after every run: a run stopped from outside keeps what was measured
+            write_report(args, systems, table, rows, notes)
+    print(open(os.path.join(args.out, "gpu_bench.md")).read())
+
+
+def write_report(args, systems, table, rows, notes):
+    """DIR/gpu_bench.csv (every step) and DIR/gpu_bench.md (the table) of the runs so far."""
+    with open(os.path.join(args.out, "gpu_bench.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, ["system", "precision", "B", "T", "step", "ms"])
+        w.writeheader()
+        w.writerows(rows)
+    try:
+        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                              "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        gpu = "? (no nvidia-smi)"
+    others = [s for s in systems if s != "starpu-llm"]
+    lines = [f"GPU: {gpu}; {os.cpu_count()} CPU cores; {args.warmup} warm-up + {args.steps} "
+             "timed steps each; tok/ms (starpu-llm: over the timed steps; the others: B T / "
+             "median step)", "",
+             "| B x T | " + " | ".join(systems) + " | " + " | ".join(
+                 f"starpu-llm / {s}" for s in others) + " |",
+             "|---" * (1 + len(systems) + len(others)) + "|"]
+    for B, T in shapes_of(args.shapes):
+        if not any((s, B, T) in table for s in systems):
+            continue
+        vals = [table.get((s, B, T), {}).get("tok_per_ms") for s in systems]
+        ours = table.get(("starpu-llm", B, T), {}).get("tok_per_ms")
+        ratios = [f"{ours / table[(s, B, T)]['tok_per_ms']:.2f}"
+                  if ours and table.get((s, B, T), {}).get("tok_per_ms") else "-" for s in others]
+        lines.append(f"| {B} x {T} | " + " | ".join(
+            f"{v:.1f}" if v else ("failed" if (s, B, T) in table else "-")
+            for s, v in zip(systems, vals)) + " | " + " | ".join(ratios) + " |")
+    lines += [""] + notes + [f"{s} {B}x{T}: {r.get('describe', r.get('error'))}"
+                             for (s, B, T), r in table.items()]
+    with open(os.path.join(args.out, "gpu_bench.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

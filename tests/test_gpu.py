@@ -1,0 +1,136 @@
+"""GPT-2 on a GPU through StarPU: the StarPU engine with a CUDA worker (Runtime(gpus=1)) beside
+its CPU workers, the scheduler (dmdas) placing each task on a CPU or the GPU, StarPU moving the
+data. Every test skips without a CUDA build or without a GPU, naming which.
+
+  - 10 AdamW steps of `tiny` and `d12` against the PyTorch oracle with test_model.py's
+    comparisons: matmuls in fp32 within its fp32 bounds, in TF32 within bounds.py's TF32
+    bounds (each matmul along a chain adds 2^15 to its length); and that the GPU ran tasks;
+  - the CPU and GPU engines' losses side by side (printed), both within the oracle's bounds;
+  - checkpoints written on one engine resumed on the other (trainer.train, --save then
+    --resume), the 4 steps within the oracle's bounds.
+`pytest -s` prints the errors against their bounds and where the tasks ran."""
+from collections import Counter
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from starpu_llm import TrainConfig, train
+from starpu_llm._clib import lib
+from starpu_llm.config import ParamLayout
+from starpu_llm.runtime import Runtime
+from starpu_llm.runtime.starpu import have_cuda
+from test_model import STEPS, compare, make_case, param_errors, report, run_engine, run_torch
+
+
+def _why_no_gpu():
+    if not have_cuda():
+        return "not a CUDA build (README, GPUs: make cuda), so no GPU runs"
+    if lib.sl_gpu_devices() < 1:
+        return "no GPU: CUDA reports no device"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_why_no_gpu() is not None, reason=str(_why_no_gpu()))
+
+_torch_runs = {}
+
+
+def oracle(case):
+    """torch's run of case (test_model.run_torch) with the bounds of case's precision, one
+    torch run per (model, steps) for both precisions (d12's takes a while)."""
+    key = (case.name, case.steps)
+    if key not in _torch_runs:
+        out = {}
+        run_torch(case, out, tf32s=(False, True))
+        _torch_runs[key] = out
+    out = dict(_torch_runs[key])
+    out["bounds"] = out["bounds_tf32"][case.tf32]
+    return out
+
+
+def gpu_runtime(matmul: str) -> Runtime:
+    return Runtime(gpus=1, gpu_matmul=matmul)
+
+
+def test_cpu_and_gpu_losses_side_by_side(runtime):
+    """tiny, 10 steps, fp32 matmuls: the CPU engine (this file's CPU runtime) and the GPU
+    engine from the same parameters, their losses printed side by side; each within the
+    oracle's step-loss bounds, so within their sum of each other."""
+    case = make_case("tiny")
+    out = oracle(case)
+    _, (cpu_losses, _) = run_engine("starpu", case, runtime)
+    runtime.shutdown()
+    with gpu_runtime("fp32") as rt:
+        _, (gpu_losses, _) = run_engine("starpu", case, rt)
+    bound = out["bounds"].step_losses
+    print("\n[tiny] step   torch        cpu          gpu (fp32)   bound")
+    for i in range(STEPS):
+        print(f"[tiny] {i + 1:4d}   {out['losses'][i]:.7f}  {cpu_losses[i]:.7f}  "
+              f"{gpu_losses[i]:.7f}  {bound[i]:.1e}")
+    for what, losses in (("cpu", cpu_losses), ("gpu", gpu_losses)):
+        err = np.abs(losses - out["losses"])
+        assert np.all(err <= bound), f"{what}: |loss - torch| {err} > {bound}"
+
+
+@pytest.mark.parametrize("first,then", [(1, 0), (0, 1)], ids=["gpu-then-cpu", "cpu-then-gpu"])
+def test_checkpoint_resumes_on_the_other_engine(tmp_path, first, then):
+    """2 steps on one engine saved (--save), resumed (--resume) for 2 more on the other: the 4
+    losses and the final parameters within the oracle's bounds for 4 uninterrupted steps."""
+    case = replace(make_case("tiny"), steps=4)
+    out = oracle(case)
+    path = str(tmp_path / "tiny.bin")
+    common = dict(model="tiny", batch=case.B, seq_len=case.T, lr=case.lr, weight_decay=0.01,
+                  gpu_matmul="fp32", log=None)
+    a = train(TrainConfig(steps=2, save=path, gpus=first, **common))
+    b = train(TrainConfig(steps=4, resume=path, gpus=then, **common))
+    losses = np.array(a.losses + b.losses)
+    assert b.state.step == 4
+    err = np.abs(losses - out["losses"])
+    assert np.all(err <= out["bounds"].step_losses), (losses, out["losses"])
+    # the parameters: every tensor within the AdamW drift bound (test_model.param_errors)
+    ratios = {n: r for n, (_, r) in param_errors(ParamLayout(case.config), b.state.params,
+                                                  out["params"], out["bounds"].params).items()}
+    assert max(ratios.values()) <= 1.0, ratios
+
+
+# tiny first, d12 last (its oracle takes the longest): what a time limit cuts is d12
+@pytest.fixture(scope="module", params=[("tiny", "fp32"), ("tiny", "tf32"), ("d12", "fp32"),
+                                        ("d12", "tf32")], ids=lambda p: "-".join(p))
+def gpu_run(request):
+    """(case, errors against torch, bounds, tasks per (codelet, worker kind)) of one model
+    trained on the GPU engine at one matmul precision."""
+    name, matmul = request.param
+    case = replace(make_case(name), tf32=matmul == "tf32")
+    out = oracle(case)
+    with gpu_runtime(matmul) as rt:
+        rt.start_trace(400_000)
+        fb, trained = run_engine("starpu", case, rt)
+        cuda_workers = set(range(lib.sl_cuda_worker_count()))   # StarPU numbers them first
+        where = Counter((e.codelet, "gpu" if e.worker in cuda_workers else "cpu")
+                        for e in rt.trace())
+        rt.stop_trace()
+    errors = compare(ParamLayout(case.config), fb, trained,
+                     (out["logits"], out["loss"], out["grads"]), (out["losses"], out["params"]),
+                     out["bounds"].params)
+    report(f"{name}] [gpu {matmul}", errors, case, out["bounds"])
+    print(f"[{name}] [gpu {matmul}] tasks on the GPU / on CPUs: " + ", ".join(
+        f"{c} {where[(c, 'gpu')]}/{where[(c, 'cpu')]}" for c in sorted({c for c, _ in where})))
+    return case, errors, out["bounds"], where
+
+
+def test_gpu_matches_torch(gpu_run):
+    case, errors, bounds, _ = gpu_run
+    ratios = errors.ratios(case, bounds)
+    # logits, loss and gradients of the first batch, the 10 losses, the final parameters:
+    # each within its bound (test_model.py; TF32: bounds.py)
+    assert all(r <= 1.0 for r in ratios.values()), \
+        f"{case.name} ({'tf32' if case.tf32 else 'fp32'}): error / bound {ratios}"
+
+
+def test_the_gpu_ran_the_layers(gpu_run):
+    _, _, _, where = gpu_run
+    on_gpu = sum(n for (c, kind), n in where.items() if kind == "gpu")
+    assert on_gpu > 0, f"no task ran on the GPU: {dict(where)}"
+    # the batch loads read the token shard in host memory: CPU only
+    assert where[("load_batch", "gpu")] == 0

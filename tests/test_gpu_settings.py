@@ -1,0 +1,71 @@
+"""The GPU settings on any build, no GPU needed: --gpus and --gpu-matmul, where the partition
+records them, what a CPU build or an unsupported combination answers, and which codelets have
+a CUDA body (tests/test_gpu.py runs them on a GPU; test_kernels.py and test_model_cuda.py
+check the CUDA bodies here)."""
+import json
+
+import pytest
+
+from starpu_llm import StarpuLLMError, TrainConfig
+from starpu_llm._kernels import lib as klib
+from starpu_llm.cli import build_parser
+from starpu_llm.codelets import CUDA_BODIES, TABLE
+from starpu_llm.engines import make_engine
+from starpu_llm.record import Partition, RunRecord, Settings
+from starpu_llm.runtime import Runtime
+from starpu_llm.runtime.starpu import check_partition, effective_kcore, have_cuda, usable_cores
+
+
+def test_every_layer_has_a_cuda_body():
+    # a codelet added without one would run its tasks on CPUs only, unnoticed: this names it
+    cpu_only = {name for name, cd in TABLE.items() if cd.id not in CUDA_BODIES}
+    assert cpu_only == {"load_batch", "gather", "probe"}, cpu_only
+    assert all(klib.sl_codelet_has_cuda(cd.id) in (0, 1) for cd in TABLE.values())
+
+
+def test_flags_and_defaults():
+    assert TrainConfig().gpus == 0 and TrainConfig().gpu_matmul == "tf32"
+    args = build_parser().parse_args(["train", "--gpus", "2", "--gpu-matmul", "fp32"])
+    assert args.gpus == 2 and args.gpu_matmul == "fp32"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--gpu-matmul", "bf16"])
+
+
+def test_partition_records_the_gpus():
+    cpu = Partition("starpu", 1, 2, 1, "team")
+    gpu = Partition("starpu", 1, 15, 1, "team", gpus=1, gpu_matmul="tf32")
+    assert cpu.describe() == "1 worker(s) x 2 core(s) (team), 1 sub-batch(es)"   # as before
+    assert gpu.describe() == "1 worker(s) x 15 core(s) (team) + 1 GPU(s) (TF32 matmuls), 1 sub-batch(es)"
+    settings = Settings.of(TrainConfig())
+    for p in (cpu, gpu):
+        assert RunRecord.from_json(RunRecord(p, settings).to_json()).partition == p
+    # a record written before GPUs existed reads as a CPU run's
+    old = json.loads(RunRecord(cpu, settings).to_json())
+    del old["partition"]["gpus"], old["partition"]["gpu_matmul"]
+    assert RunRecord.from_json(json.dumps(old)).partition == cpu
+
+
+def test_gpus_refused_where_they_cannot_run():
+    for bad, what in ((dict(gpus=-1), "--gpus"), (dict(gpus=1, gpu_matmul="bf16"), "--gpu-matmul")):
+        with pytest.raises(StarpuLLMError, match=what.strip("-").replace("-", "_")):
+            Runtime(**bad)
+    if not have_cuda():
+        with pytest.raises(StarpuLLMError, match="CPU build"):
+            Runtime(gpus=1)
+    else:   # a CUDA build refuses what GPUs cannot run yet, before starting anything
+        for kw, what in ((dict(sched="lws"), "lws"), (dict(kcore="forkjoin"), "forkjoin")):
+            with pytest.raises(StarpuLLMError, match=what):
+                Runtime(gpus=1, **kw)
+    cfg = TrainConfig(engine="reference", gpus=1)
+    with pytest.raises(StarpuLLMError, match="reference engine"):
+        make_engine(cfg, None, None)
+
+
+def test_gpus_take_a_core_each():
+    assert effective_kcore("team", 4, 1, gpus=1) == "team"
+    assert effective_kcore("team", 1, 2, gpus=1) == "single"
+    n = usable_cores()
+    check_partition(1, n, gpus=0)
+    with pytest.raises(StarpuLLMError, match="for the GPUs' worker threads"):
+        check_partition(1, n, gpus=1)
+    check_partition(1, n, oversubscribe=True, gpus=1)

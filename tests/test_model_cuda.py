@@ -1,0 +1,46 @@
+"""The whole model through the codelets' CUDA bodies, without StarPU: the reference engine's
+GPU mode (ReferenceEngine(gpu=True): each codelet's CUDA body on copies of its buffers, on
+GPU 0 of a CUDA build, in the CPU build's emulation of CUDA and cuBLAS, csrc/cuda/emulate.h)
+against the PyTorch oracle, with test_model.py's comparisons and bounds (tests/bounds.py):
+the small model's forward/backward (logits, loss, every gradient) and 10 AdamW steps (the
+losses, the final parameters), matmuls in fp32 (test_model.py's fp32 bounds) and in TF32
+(bounds.py, "TF32 matmuls": each matmul along a chain adds 2^15 to its length; the emulation
+truncates the GEMMs' inputs to TF32, the coarser conversion the bound assumes).
+
+What it adds to test_kernels.py's kernel by kernel checks: the GPU kernels as the task flow
+chains them (buffer order, accumulate and zeroing conventions, the lm head tied to wte, the
+gradient norm feeding AdamW), so that what the GPU machine runs through StarPU
+(tests/test_gpu.py) has been run end to end here first."""
+from dataclasses import replace
+
+import pytest
+
+from kernel_impls import gpu_available
+from starpu_llm.config import ParamLayout
+from test_model import compare, make_case, report, run_engine, run_torch
+
+
+@pytest.fixture(scope="module", params=["fp32", "tf32"])
+def cuda_bodies(request):
+    """(case, errors against torch, bounds) of the small model through the CUDA bodies."""
+    why = gpu_available()
+    if why:
+        pytest.skip(why)
+    case = replace(make_case("small"), tf32=request.param == "tf32")
+    out = {}
+    run_torch(case, out)
+    bounds = out["bounds"]
+    fb, train = run_engine("cuda-bodies", case, None)
+    errors = compare(ParamLayout(case.config), fb, train, (out["logits"], out["loss"], out["grads"]),
+                     (out["losses"], out["params"]), bounds.params)
+    report(f"small] [cuda-bodies {request.param}", errors, case, bounds)
+    return case, errors, bounds
+
+
+def test_cuda_bodies_match_torch(cuda_bodies):
+    case, errors, bounds = cuda_bodies
+    ratios = errors.ratios(case, bounds)
+    # each <= 1: logits, loss and gradients of the first batch, the 10 steps' losses, the
+    # final parameters, within their bounds (test_model.py says which)
+    assert all(r <= 1.0 for r in ratios.values()), \
+        f"{case.name} ({'tf32' if case.tf32 else 'fp32'}): error / bound {ratios}"
