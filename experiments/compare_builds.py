@@ -12,7 +12,7 @@ and the CSV every run.
     .venv/bin/python experiments/compare_builds.py \\
         --side "1.3=.venv/bin/python" --side "1.4=.venv-1.4/bin/python" \\
         --side "1.4 team=.venv-1.4/bin/python SL_NO_PARALLEL_WORKERS=1" \\
-        --batches 4,8 --partitions all --mpi-ranks 1,2,3 --repeat 3 --csv experiments/out/builds.csv
+        --batches 4,8 --workers auto --mpi-ranks 1,2,3 --repeat 3 --csv experiments/out/builds.csv
 
 MPI rows (`--mpi-ranks`): R processes under mpirun, each a 1 x K partition with
 `--mpi-batch-per-rank` sequences (weak scaling); the gradient reduction's cost per iteration is
@@ -26,7 +26,8 @@ import os
 import statistics
 import sys
 
-from starpu_llm.bench import parse_partitions
+from starpu_llm.bench import bench_partitions
+from starpu_llm.cli import add_setting_args, partition_settings
 from starpu_llm.runs import cpu_description, run_in_subprocess, write_csv
 
 
@@ -54,7 +55,7 @@ def plan(args, cores: int) -> list[tuple[str, dict]]:
     rows = []
     for B in (int(b) for b in args.batches.split(",") if b):
         rows.append((f"B={B} reference", dict(engine="reference", batch=B)))
-        for n, k, mode in parse_partitions(args.partitions, cores):
+        for n, k, mode in bench_partitions(args.workers, args.cores_per_worker, args.kcore, cores):
             for sub in [int(x) for x in args.sub_batches.split(",") if x] or [None]:
                 if B % n or (sub and B % sub):
                     continue
@@ -82,7 +83,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="4,8")
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--steps", type=int, default=10, help="timed steps (after one warm-up)")
-    ap.add_argument("--partitions", default="all", help="as starpu-llm bench --partitions")
+    add_setting_args(ap, partition_settings("workers", "cores_per_worker", "kcore"), sweep=True)
+    ap.set_defaults(workers="auto")     # as starpu-llm bench --workers auto
     ap.add_argument("--sub-batches", default="", help="e.g. 2,4: each partition row with these "
                     "--sub-batches (empty: the default, one per worker)")
     ap.add_argument("--mpi-ranks", default="", help="e.g. 1,2,3 (empty: no MPI rows)")

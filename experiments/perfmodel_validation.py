@@ -205,7 +205,7 @@ def autotuner_rows(batches: list, rows: list, cal, model: str, T: int) -> list:
     out = []
     for B in batches:
         trials = []
-        ch = autotune.choose(model, B, T, cal, cache=cache, log=trials.append)
+        ch = autotune.choose(model, B, T, cal, cache=cache, log=trials.append).request
         ranking = autotune.rank(model, B, T, cal)
         mine = next(r for r in rows if (r["B"], r["workers"], r["cores_per_worker"], r["sub_batches"],
                                         r["ranks"]) == (B, ch.workers, ch.cores_per_worker, ch.sub_batches, 1))

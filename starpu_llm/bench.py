@@ -14,33 +14,31 @@ import time
 
 from ._clib import ffi
 from .config import MODELS
-from .errors import StarpuLLMError
 from .flow.engine import StarPUEngine
 from .io import data, formats
 from .runs import cpu_description, mpi_rank, peak_rss_mb, run_in_subprocess, write_csv
-from .runtime.starpu import DEFAULT_KCORE, Runtime, default_partition, partitions_that_fit
+from .partition import DEFAULT_KCORE, KCORE_REQUESTS, PartitionRequest
+from .runtime.starpu import Runtime, partitions_that_fit, resolve_here, usable_cores
 from .state import TrainState, random_init
 from .trainer import TrainConfig, train
 
 
-def parse_partitions(spec: str, cores: int):
-    """[(N workers, K cores_per_worker, kcore)]: 'default', 'all' (every N x K = cores that this StarPU build can run,
-    K > 1 both as team and forkjoin), or a list like 1x2,2x1,1x2:forkjoin."""
-    if spec == "default":
-        return [(*default_partition(cores), DEFAULT_KCORE)]
-    if spec == "all":
-        return partitions_that_fit(cores)
+def bench_partitions(workers=None, cores_per_worker=None, kcore=None, cores: int | None = None):
+    """[(N, K, kcore asked)] of bench's partition flags (lists, or auto; cli.add_setting_args):
+    --workers auto: every N x K = cores this build runs (both mechanisms for K > 1, or those of
+    --kcore); else each N x K given, resolved as train resolves it (partition.resolve: K
+    defaults to the cores over N). No flag: the default partition."""
+    cores = cores or usable_cores()
+    kcores = KCORE_REQUESTS if kcore in (None, "auto") else kcore
+    if workers == "auto":
+        return [p for p in partitions_that_fit(cores) if p[2] in kcores or p[1] == 1]
     out = []
-    for item in spec.split(","):
-        part, _, mode = item.partition(":")
-        try:
-            workers, cores_per_worker = (int(x) for x in part.lower().split("x"))
-        except ValueError:
-            raise StarpuLLMError(f"--partitions: {item!r} is not NxK[:team|forkjoin] (e.g. 2x1)")
-        if mode not in ("", "team", "forkjoin"):
-            raise StarpuLLMError(f"--partitions: {item!r}: the mode is team or forkjoin")
-        out.append((workers, cores_per_worker, mode or "team"))
-    return out
+    for n in workers or [None]:
+        for k in (None if cores_per_worker == "auto" else cores_per_worker) or [None]:
+            for mode in (kcores if kcore else [None]):
+                p = resolve_here(PartitionRequest(workers=n, cores_per_worker=k, kcore=mode))
+                out.append((p.workers, p.cores_per_worker, mode or DEFAULT_KCORE))
+    return list(dict.fromkeys(out))
 
 
 TORCH_ENGINES = ("torch", "torch-readable")
@@ -138,8 +136,8 @@ def traced_run(spec: dict) -> list:
 
 
 def run_bench(args):
-    cores = len(os.sched_getaffinity(0))
-    partitions = parse_partitions(args.partitions, cores)
+    partitions = bench_partitions(args.workers, args.cores_per_worker, args.kcore)
+    subs = [None] if args.sub_batches in (None, "auto") else args.sub_batches
     batches = args.batches
     print(f"machine: {cpu_description()}")
     print(f"model {args.model}, T={args.seq_len}, 1 warm-up + {args.steps} timed steps per row")
@@ -149,9 +147,10 @@ def run_bench(args):
           + ("  runs (tok/ms)" if repeat > 1 else ""))
     for B in batches:
         specs = [dict(engine="reference")]
-        specs += [dict(engine="starpu", workers=n, cores_per_worker=cores_per_worker, kcore=kcore)
-                  for n, cores_per_worker, kcore in partitions
-                  if B % n == 0]
+        specs += [dict(engine="starpu", workers=n, cores_per_worker=cores_per_worker, kcore=kcore,
+                       sub_batches=s)
+                  for n, cores_per_worker, kcore in partitions for s in subs
+                  if B % (s or n) == 0]
         if not args.no_torch:
             specs.append(dict(engine="torch"))
         for s in specs:
@@ -165,7 +164,9 @@ def run_bench(args):
         for s, rs in zip(specs, runs):
             label = s["engine"]
             if s["engine"] == "starpu":
-                label += f" {s['workers']}x{s['cores_per_worker']}" + (f" {s['kcore']}" if s["cores_per_worker"] > 1 else "")
+                label += (f" {s['workers']}x{s['cores_per_worker']}"
+                          + (f" {s['kcore']}" if s["cores_per_worker"] > 1 else "")
+                          + (f" {s['sub_batches']} subs" if s["sub_batches"] else ""))
             ok = [r for r in rs if "error" not in r]
             if not ok:
                 print(f"{B:>3} {label:<22} failed: {rs[0]['error']}")

@@ -13,7 +13,7 @@ import math
 import signal
 import sys
 import traceback
-from dataclasses import fields
+from dataclasses import fields, replace
 
 # Only what a signal during start-up needs is imported here: the rest is imported by the
 # commands, once main() handles signals (a Ctrl-C while numpy loads is no traceback).
@@ -62,8 +62,6 @@ def _train_settings():
 _CHECKS = {"positive": _checked(int, "a whole number", lambda v: v >= 1, "at least 1"),
            "positive_or_auto": _checked(_int_or("auto"), "a whole number or auto",
                                         lambda v: v == "auto" or v >= 1, "at least 1, or auto"),
-           "positive_or_all": _checked(_int_or("all"), "a whole number or all",
-                                       lambda v: v == "all" or v >= 1, "at least 1, or all"),
            "positive_list": _checked(_int_list, "whole numbers separated by commas",
                                      lambda v: min(v) >= 1, "at least 1 each"),
            "nonneg": _checked(float, "a number", lambda v: math.isfinite(v) and v >= 0,
@@ -76,10 +74,30 @@ def train_settings():
     return _train_settings()
 
 
-def add_train_args(p):
-    """One flag per train setting, generated from TrainConfig's fields and their metadata."""
+def _sweep(conv, flag: str, choices):
+    """An argparse type for a sweep field in bench and predict: a comma-separated list of
+    values (each as train takes it: conv, or one of choices), or auto: every value that fits
+    (bench and predict say which)."""
+    def parse(s):
+        if s == "auto":
+            return "auto"
+        items = [conv(x) if conv else x for x in s.split(",")]
+        for x in items:
+            if choices and x not in choices:
+                raise argparse.ArgumentTypeError(f"{flag} {x!r}: choose among "
+                                                 f"{', '.join(choices)}, a comma-separated list of "
+                                                 f"them, or auto")
+            if x == "auto":
+                raise argparse.ArgumentTypeError(f"{flag}: auto stands alone")
+        return items
+    return parse
+
+
+def add_setting_args(p, settings, sweep: bool = False):
+    """One flag per setting (a dataclass field made by settings.setting), from its metadata;
+    with sweep, the fields marked sweep take a list of values (_sweep)."""
     groups = {}
-    for f in train_settings():
+    for f in settings:
         m = f.metadata
         group = m.get("group")
         if group and group not in groups:
@@ -88,16 +106,36 @@ def add_train_args(p):
         flag = flag_of(f.name)
         names = [flag] + ([m["short"]] if "short" in m else [])
         kw = dict(dest=f.name, default=f.default, help=m["help"])
-        if isinstance(f.default, bool):
+        conv = None
+        if "check" in m:
+            conv = _CHECKS[m["check"]](flag)
+        elif f.default is not None and not isinstance(f.default, bool):
+            conv = type(f.default)
+        if sweep and m.get("sweep"):
+            kw["type"] = _sweep(conv, flag, m.get("choices"))
+            kw["help"] += ("; a comma-separated list, one configuration each, or auto: every "
+                           "one that fits")
+        elif isinstance(f.default, bool):
             kw["action"] = "store_true"
-        elif "check" in m:
-            kw["type"] = _CHECKS[m["check"]](flag)
-        elif f.default is not None:
-            kw["type"] = type(f.default)
-        for k in ("choices", "metavar"):
-            if k in m:
-                kw[k] = m[k]
+        else:
+            if conv is not None:
+                kw["type"] = conv
+            if "choices" in m:
+                kw["choices"] = m["choices"]
+        if "metavar" in m:
+            kw["metavar"] = m["metavar"]
         target.add_argument(*names, **kw)
+
+
+def add_train_args(p):
+    """One flag per train setting, generated from TrainConfig's fields and their metadata."""
+    add_setting_args(p, train_settings())
+
+
+def partition_settings(*names):
+    """The PartitionRequest fields of these names, in declaration order."""
+    from .partition import PartitionRequest
+    return [f for f in fields(PartitionRequest) if f.name in names]
 
 
 def build_parser():
@@ -119,8 +157,8 @@ def build_parser():
                    help="comma-separated B values (default 1,4,8)")
     b.add_argument("--seq-len", type=_CHECKS["positive"]("--seq-len"), default=64)
     b.add_argument("--steps", type=_CHECKS["positive"]("--steps"), default=10, help="timed steps (default 10)")
-    b.add_argument("--partitions", default="default",
-                   help="StarPU partitions NxK, comma-separated, or 'all' (default: 1 x all cores)")
+    add_setting_args(b, partition_settings("workers", "cores_per_worker", "sub_batches", "kcore"),
+                     sweep=True)
     b.add_argument("--no-torch", action="store_true", help="skip the PyTorch eager reference")
     b.add_argument("--repeat", type=_CHECKS["positive"]("--repeat"), default=1,
                    help="runs of each configuration, interleaved round-robin; the median is "
@@ -148,24 +186,11 @@ def build_parser():
                     help="sequences per step (default 4); with a list of --ranks, per rank (weak "
                          "scaling, as the paper's Figure 4)")
     pd.add_argument("--seq-len", type=_CHECKS["positive"]("--seq-len"), default=64)
-    pd.add_argument("--workers", type=_CHECKS["positive_or_all"]("--workers"), default=1,
-                    help="N, or all: every N x K partition of the machine's cores, one line each "
-                         "(the paper's Figure 3)")
-    pd.add_argument("--cores-per-worker", type=_CHECKS["positive"]("--cores-per-worker"),
-                    default=None, help="default: all cores over the workers")
-    pd.add_argument("--sub-batches", type=_CHECKS["positive"]("--sub-batches"), default=None,
-                    help="per rank (default: one per worker)")
     pd.add_argument("--ranks", type=_CHECKS["positive_list"]("--ranks"), default=[1],
                     help="MPI processes, one per node (default 1); a comma-separated list "
                          "predicts each (1,2,4,8,16: the paper's Figure 4, tokens/ms per node)")
-    pd.add_argument("--ownership", default="sharded", metavar="MODES",
-                    help="with --ranks above 1, who owns the parameter slices: sharded, rank0, "
-                         "a comma-separated list, or all; several modes are printed best first "
-                         "for each rank count (default sharded)")
-    pd.add_argument("--pipeline-stages", default="1", metavar="S",
-                    help="pipeline stages (R = S x data-parallel copies): a comma-separated list, "
-                         "or all (every S dividing R), each with each --ownership (default 1); a "
-                         "pipeline wants many micro-batches: --sub-batches (per copy)")
+    add_setting_args(pd, partition_settings("workers", "cores_per_worker", "sub_batches",
+                                            "ownership", "pipeline_stages"), sweep=True)
     pd.add_argument("--memory-limit", metavar="SIZE",
                     help="one process training under `train --memory-limit SIZE`: the disk "
                          "traffic of StarPU's eviction and its time at the calibrated disk "
@@ -226,47 +251,58 @@ def cmd_calibrate(args):
 
 
 def cmd_predict(args):
+    from .partition import Build, PartitionRequest, resolve
     from .perf.machine import load, partitions
     from .perf.predict import calibration_for, modes, predict
     from .runtime.offload import parse_size
+    from .runtime.starpu import this_build
     machine = load(args.machine) if args.machine else None      # its errors name the file
     calibration, note = calibration_for(args.calibration, machine)
     target = machine or calibration
     limit = parse_size(args.memory_limit) if args.memory_limit else None
-    if args.workers == "all":
+    # a described machine runs K-core workers as StarPU 1.4 parallel workers (the clusters')
+    build = Build(max_cpus=max(target.cores, 1024), parallel_workers=True) if machine else \
+        replace(this_build(), max_cpus=max(target.cores, this_build().max_cpus))
+    if args.workers == "auto":
         if args.cores_per_worker:
-            raise StarpuLLMError("--workers all takes every N x K of the machine's cores: "
+            raise StarpuLLMError("--workers auto takes every N x K of the machine's cores: "
                                  "leave --cores-per-worker out")
-        parts = [p for p in partitions(target.cores) if args.batch % p[0] == 0]
+        shapes = [(n, k) for n, k in partitions(target.cores) if args.batch % n == 0]
     else:
-        parts = [(args.workers, args.cores_per_worker or max(1, target.cores // args.workers))]
+        shapes = [(n, k) for n in args.workers or [None] for k in args.cores_per_worker or [None]]
     layouts = {R: modes(R, args.ownership, args.pipeline_stages, args.model) for R in args.ranks}
     for R, found in layouts.items():
         if not found:
             raise StarpuLLMError(
-                f"--pipeline-stages {args.pipeline_stages} with --ranks {R}: no pipeline of "
+                f"--pipeline-stages {','.join(map(str, args.pipeline_stages))} with --ranks {R}: "
+                f"no pipeline of "
                 f"that many stages runs on {R} rank(s) (the stages must divide the ranks, at "
-                f"most {args.model}'s layers + 1); give stages that divide {R}, or all")
-    # a described machine runs K-core workers as StarPU 1.4 parallel workers (the clusters')
-    pw = True if machine is not None else None
+                f"most {args.model}'s layers + 1); give stages that divide {R}, or auto")
     weak = len(args.ranks) > 1        # --batch per rank; efficiency against one node
     print(f"machine: {target.name}")
     if note:
         print(note, file=sys.stderr)
-    for n, cores_per_worker in parts:
-        def at(R, mode):
-            return predict(args.model, args.batch * R if weak else args.batch, args.seq_len, n,
-                           cores_per_worker, ranks=R, sub_batches=args.sub_batches,
-                           calibration=calibration, machine=machine, parallel_workers=pw,
-                           mode=mode, memory_limit=limit)
-        one = at(1, modes(1, "sharded", "1", args.model)[0]).tokens_per_ms if weak else None
-        for R in args.ranks:
-            ranked = sorted((at(R, mode) for mode in layouts[R]), key=lambda p: -p.tokens_per_ms)
-            for p in ranked:
-                per_node = (f" ({p.tokens_per_ms / R:.4f} tok/ms per node"
-                            + (f", {p.tokens_per_ms / R / one:.0%} of one node's" if weak else "")
-                            + ")") if R > 1 else ""
-                print(p.describe() + per_node, flush=True)
+    for shape in shapes:
+        for subs in args.sub_batches or [None]:
+            def at(R, mode):
+                B = args.batch * R if weak else args.batch
+                p = resolve(PartitionRequest(workers=shape[0], cores_per_worker=shape[1],
+                                             sub_batches=subs, ownership=mode.ownership,
+                                             pipeline_stages=mode.stages, oversubscribe=True),
+                            cores=target.cores, build=build, ranks=R, batch=B)
+                return predict(args.model, B, args.seq_len, p.workers, p.cores_per_worker,
+                               ranks=R, sub_batches=subs, calibration=calibration,
+                               machine=machine, parallel_workers=p.kcore == "parallel-workers",
+                               mode=mode, memory_limit=limit)
+            one = at(1, modes(1)[0]).tokens_per_ms if weak else None
+            for R in args.ranks:
+                ranked = sorted((at(R, mode) for mode in layouts[R]),
+                                key=lambda p: -p.tokens_per_ms)
+                for p in ranked:
+                    per_node = (f" ({p.tokens_per_ms / R:.4f} tok/ms per node"
+                                + (f", {p.tokens_per_ms / R / one:.0%} of one node's"
+                                   if weak else "") + ")") if R > 1 else ""
+                    print(p.describe() + per_node, flush=True)
     return 0
 
 

@@ -1,8 +1,8 @@
-"""The engine a run trains on, and the partition it runs: without a partition setting the
-fixed default (the StarPU engine: one worker on all usable cores, one sub-batch; the
-reference engine: one OpenMP thread per usable core), whatever calibration exists; the
-autotuner's choice only with --workers auto (perf/autotune.py); on --resume, the recorded
-partition unless one is given (resume.py)."""
+"""The engine a run trains on, and the partition it runs (partition.py resolves it): without a
+partition setting the fixed default (the StarPU engine: one worker on all usable cores, one
+sub-batch; the reference engine: one OpenMP thread per usable core), whatever calibration
+exists; the autotuner's choice only with --workers auto (perf/autotune.py); on --resume, the
+recorded partition unless one is given (resume.py)."""
 from __future__ import annotations
 
 import os
@@ -11,7 +11,6 @@ from dataclasses import replace
 from .config import MODELS
 from .errors import StarpuLLMError, opt
 from .flow.engine import StarPUEngine
-from .flow.sites import default_micro_batches
 from .flow.memory import footprint
 from .flow.reference import ReferenceEngine
 from .perf import autotune
@@ -21,16 +20,7 @@ from .perf.predict import load_calibration
 from .perf.stages import layer_costs
 from .record import Partition
 from .runtime.offload import available_memory, format_size
-from .runtime.starpu import Runtime
-
-PARTITION_SETTINGS = ("workers", "cores_per_worker", "sub_batches", "kcore", "threads",
-                      "ownership", "pipeline_stages")
-
-
-def partition_given(cfg) -> bool:
-    """Whether cfg sets any part of the partition (or leaves it to the default)."""
-    return any(getattr(cfg, name) is not None for name in PARTITION_SETTINGS)
-
+from .runtime.starpu import Runtime, resolve_here
 
 def autotuned(cfg, config, comm, runtime, log):
     """cfg with the partition the autotuner (perf/autotune.py) chooses for its batch."""
@@ -48,18 +38,30 @@ def autotuned(cfg, config, comm, runtime, log):
         raise StarpuLLMError(f"{opt('workers')} auto: the model is none of {', '.join(MODELS)}; "
                              f"give {opt('workers')} N")
     choice = autotune.choose(model, cfg.batch, cfg.seq_len, load_calibration(), log=log)
-    log(f"autotune: {choice.workers}x{choice.cores_per_worker}, {choice.sub_batches} sub-batch(es): "
-        f"{choice.why}")
-    return replace(cfg, workers=choice.workers, cores_per_worker=choice.cores_per_worker,
-                   sub_batches=choice.sub_batches)
+    r = choice.request
+    log(f"autotune: {r.workers}x{r.cores_per_worker}, {r.sub_batches} sub-batch(es): {choice.why}")
+    return replace(cfg, workers=r.workers, cores_per_worker=r.cores_per_worker,
+                   sub_batches=r.sub_batches)
 
 
-def start_runtime(cfg, comm=None, memory=None) -> Runtime:
-    """A StarPU Runtime for cfg's partition (on comm, under StarPU-MPI), with the memory
-    budget given (runtime.offload.MemoryLimit)."""
-    return Runtime(cfg.workers, cfg.cores_per_worker, cfg.sched, cfg.oversubscribe,
-                   comm=comm, kcore=cfg.kcore, memory=memory, gpus=cfg.gpus,
-                   gpu_matmul=cfg.gpu_matmul)
+def run_partition(cfg, comm=None, runtime=None, memory=None) -> Partition:
+    """The partition cfg runs on (partition.resolve, on this process): on a runtime given,
+    its workers with cfg's sub-batches and ownership."""
+    request = cfg.partition_request()
+    started = runtime.partition if runtime is not None and cfg.engine == "starpu" else None
+    if started is not None:         # its workers, already checked and started
+        request = replace(request, workers=started.workers,
+                          cores_per_worker=started.cores_per_worker, gpus=started.gpus,
+                          oversubscribe=True)
+    p = resolve_here(request, comm.Get_size() if comm is not None else 1, cfg.batch,
+                     memory is not None, cfg.engine)
+    return replace(p, kcore=started.kcore, gpu_matmul=started.gpu_matmul) if started else p
+
+
+def start_runtime(cfg, partition: Partition, comm=None, memory=None) -> Runtime:
+    """A StarPU Runtime for the partition (on comm, under StarPU-MPI), with cfg's scheduler
+    and the memory budget given (runtime.offload.MemoryLimit)."""
+    return Runtime(partition=partition, sched=cfg.sched, comm=comm, memory=memory)
 
 
 def check_memory(cfg, config, ranks: int = 1) -> None:
@@ -79,34 +81,28 @@ def check_memory(cfg, config, ranks: int = 1) -> None:
             f"not fit on disk)")
 
 
-def make_engine(cfg, state, tokens, runtime=None):
-    """The engine of cfg.engine over state; the StarPU engine runs on `runtime`."""
+def make_engine(cfg, partition: Partition, state, tokens, runtime=None):
+    """The engine of the partition (its engine) over state; the StarPU engine runs on
+    `runtime`."""
     try:
-        return _make_engine(cfg, state, tokens, runtime)
+        return _make_engine(cfg, partition, state, tokens, runtime)
     except MemoryError as e:
         raise StarpuLLMError(f"out of memory while allocating the run's tensors ({e}): give a "
                              f"smaller {opt('batch')} or {opt('seq_len')}, or train under "
                              f"{opt('memory_limit')}") from None
 
 
-def _make_engine(cfg, state, tokens, runtime=None):
-    if cfg.engine == "reference" and cfg.gpus:
-        raise StarpuLLMError(f"{opt('gpus')} {cfg.gpus} runs the StarPU engine's tasks on GPUs; the "
-                             f"reference engine runs on CPUs: give {opt('engine')} starpu, or no "
-                             f"{opt('gpus')}")
-    if cfg.engine == "reference":
+def _make_engine(cfg, p: Partition, state, tokens, runtime=None):
+    if p.engine == "reference":
         return ReferenceEngine(state.config, state, cfg.batch, cfg.seq_len, tokens,
-                               threads=cfg.threads, sub_batches=cfg.sub_batches or 1)
-    if cfg.engine != "starpu":
-        raise StarpuLLMError(f"{opt('engine')} {cfg.engine!r}: choose starpu or reference")
-    S = cfg.pipeline_stages or 1
+                               threads=p.cores_per_worker, sub_batches=p.sub_batches)
     return StarPUEngine(state.config, state, cfg.batch, cfg.seq_len, tokens, runtime,
-                        sub_batches=cfg.sub_batches, record=cfg.record, ownership=cfg.ownership,
-                        pipeline_stages=S, pipeline_schedule=cfg.pipeline_schedule,
-                        stage_costs=stage_costs(cfg, state.config, runtime) if S > 1 else None)
+                        sub_batches=p.sub_batches, record=cfg.record, ownership=p.ownership,
+                        pipeline_stages=p.stages, pipeline_schedule=cfg.pipeline_schedule,
+                        stage_costs=stage_costs(p, cfg, state.config) if p.stages > 1 else None)
 
 
-def stage_costs(cfg, config, runtime):
+def stage_costs(p: Partition, cfg, config):
     """The layers' predicted seconds for a pipeline's stage boundaries (perf/stages.py) from
     this machine's calibration; None without one (the boundaries then balance flops). The
     boundaries change no result, only the speed."""
@@ -114,13 +110,11 @@ def stage_costs(cfg, config, runtime):
         calibration = load_calibration()
     except StarpuLLMError:
         return None
-    S = cfg.pipeline_stages
-    per_copy = cfg.batch // max(1, runtime.size // S)
-    micro = cfg.sub_batches or default_micro_batches(per_copy, S, runtime.workers)
-    if per_copy % micro:
+    per_copy = cfg.batch // max(1, p.ranks // p.stages)
+    if not p.sub_batches or per_copy % p.sub_batches:
         return None          # the engine says what is wrong
-    return layer_costs(config, per_copy // micro, cfg.seq_len, CostModel(calibration),
-                       runtime.cores_per_worker)
+    return layer_costs(config, per_copy // p.sub_batches, cfg.seq_len, CostModel(calibration),
+                       p.cores_per_worker)
 
 
 def calibrated_peak(partition: Partition) -> float | None:
@@ -136,14 +130,3 @@ def calibrated_peak(partition: Partition) -> float | None:
         return None
     cores = min(machine.cores, partition.workers * partition.cores_per_worker)
     return machine.sgemm(cores) * partition.ranks
-
-
-def partition_of(engine) -> Partition:
-    """The partition an engine runs, as in effect (after defaults and the StarPU build's
-    choices)."""
-    if engine.name == "reference":
-        return Partition("reference", 1, engine.threads, engine.sub_batches, "openmp", 1)
-    rt = engine.runtime
-    return Partition("starpu", rt.workers, rt.cores_per_worker, engine.subs_per_rank, rt.kcore,
-                     rt.size, engine.sites.topology.ownership, engine.sites.topology.stages,
-                     rt.gpus, rt.gpu_matmul if rt.gpus else "")

@@ -18,7 +18,7 @@ class Partition:
     cores_per_worker: int   # K (the reference engine: its OpenMP threads)
     sub_batches: int        # per MPI process
     kcore: str              # what gives a task its K cores, as in effect: single, team,
-                            # forkjoin or parallel-workers (runtime.effective_kcore); the
+                            # forkjoin or parallel-workers (partition.resolve); the
                             # reference engine: openmp
     ranks: int = 1          # MPI processes
     ownership: str = "rank0"  # who owns parameters, gradients, moments (flow/topology.py):
@@ -26,6 +26,19 @@ class Partition:
     stages: int = 1         # pipeline stages (ranks = stages x data-parallel copies)
     gpus: int = 0           # GPUs (StarPU CUDA workers) beside the N CPU workers
     gpu_matmul: str = ""    # their matmul precision, "tf32" or "fp32" ("" without GPUs)
+
+    @property
+    def starpu_workers(self) -> int:
+        """StarPU CPU workers: N team workers (their OpenMP teams take the other cores), else a
+        worker on every core."""
+        return self.workers if self.kcore == "team" else self.workers * self.cores_per_worker
+
+    @property
+    def pins_sub_batches(self) -> bool:
+        """Whether sub-batch i runs on worker i mod N: where StarPU's workers are the
+        partition's (team or one-core workers; not parallel or combined workers, built over a
+        worker per core)."""
+        return self.workers > 1 and self.starpu_workers == self.workers
 
     def describe(self) -> str:
         if self.stages > 1:

@@ -7,14 +7,14 @@ longer the uninterrupted one). The checkpoint resumed is named, and so is any ne
 could not be read (io/checkpoint.load)."""
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 
 from .config import MODELS, GPTConfig
-from .engines import partition_given
 from .errors import StarpuLLMError, flag, opt
 from .io import checkpoint, formats
 from .record import RunRecord
-from .runtime.starpu import DEFAULT_KCORE, check_partition
+from .partition import request_of
+from .runtime.starpu import resolve_here
 from .state import RandomInit, TrainState, random_init
 
 DEFAULT_MODEL = "d12"       # GPT-2 124M, when neither --init-from nor --resume gives one
@@ -66,30 +66,27 @@ def load_model(cfg, lazy: bool = False) -> tuple[TrainState, checkpoint.Saved | 
 
 
 def on_recorded_partition(cfg, record: RunRecord | None, ranks: int, warn):
-    """cfg set to the recorded partition, when it gives none, runs the recorded engine on as
-    many processes, and the recorded partition fits this process's cores; else cfg as it is
-    (the default partition then), with a warning where the record could not be followed."""
-    if record is None or partition_given(cfg) or record.partition.engine != cfg.engine:
+    """cfg set to the recorded partition (Partition.request), when it gives none, runs the
+    recorded engine on as many processes, and the recorded partition resolves on this process;
+    else cfg as it is (the default partition then), with a warning where the record could not
+    be followed."""
+    if record is None or cfg.given() or record.partition.engine != cfg.engine:
         return cfg
     p = record.partition
     if p.ranks != ranks:
         warn(f"the checkpoint was saved by {p.ranks} process(es) and this run has {ranks}: it "
              f"runs on the default partition, not on the recorded one ({p.describe()})")
         return cfg
-    if p.engine == "reference":
-        return replace(cfg, threads=p.cores_per_worker, sub_batches=p.sub_batches)
-    # team and forkjoin are asked for; single (K = 1) and parallel-workers follow from N x K
-    kcore = p.kcore if p.kcore in ("team", "forkjoin") else None
+    recorded = request_of(p)
     try:
-        check_partition(p.workers, p.cores_per_worker, cfg.oversubscribe, kcore or DEFAULT_KCORE)
+        resolve_here(replace(recorded, oversubscribe=cfg.oversubscribe), ranks,
+                     engine=p.engine)
     except StarpuLLMError as e:
         warn(f"the recorded partition ({p.describe()}) cannot run here ({e.render(flag)}): the "
              f"run goes on on the default partition")
         return cfg
-    return replace(cfg, workers=p.workers, cores_per_worker=p.cores_per_worker,
-                   sub_batches=p.sub_batches, kcore=kcore,
-                   ownership=p.ownership if p.ranks > 1 else None,
-                   pipeline_stages=p.stages if p.ranks > 1 else None)
+    return replace(cfg, **{f.name: getattr(recorded, f.name) for f in fields(recorded)
+                           if f.name not in ("oversubscribe", "sched", "pipeline_schedule")})
 
 
 def say_resumed(saved: checkpoint.Saved, log, warn) -> None:

@@ -21,45 +21,32 @@ from dataclasses import dataclass, field, fields
 from . import signals
 from .checkpointing import check_outputs, check_checkpoint_dir, save_model
 from .config import MODELS, GPTConfig, check_batch_shape
-from .engines import (autotuned, calibrated_peak, check_memory, make_engine, partition_of,
+from .engines import (autotuned, calibrated_peak, check_memory, make_engine, run_partition,
                       start_runtime)
 from .errors import StarpuLLMError, opt
-from .flow.topology import PIPELINE_SCHEDULES
 from .io import data
 from .io.formats import params_crc
 from .metrics import Metrics, step_extras
+from .partition import PartitionRequest
 from .record import RunRecord, Settings, data_fingerprint, run_identity
 from .resume import load_model, on_recorded_partition, say_resumed, warn_changes
 from .runs import peak_rss_mb
 from .runtime import mpi as distributed
 from .runtime.offload import MemoryLimit
 from .schedule import SCHEDULES, check_schedule, learning_rate
+from .settings import setting
 from .state import TrainState
 from .validation import Validation
 from .watchers import Checkpoints, Counters, Divergence, Samples, StepDone, StepLine, Trace
 
 
-PARALLELISM = "parallelism (StarPU engine)"     # the help group of the partition flags
-MEMORY = "memory budget (StarPU engine)"
-
-
-def setting(default, help: str | None = None, *, short: str | None = None,
-            check: str | None = None, choices=None, metavar: str | None = None,
-            group: str | None = None, ranks_agree: bool = False):
-    """A TrainConfig field. With `help` it is also the `starpu-llm train` flag --<name with
-    dashes> (cli.py builds the flags from these fields): `short` option, `check` ("positive":
-    a whole number >= 1, "nonneg": a number >= 0), `choices`, `metavar`, help `group`.
-    `ranks_agree`: every MPI rank must have the same value (see run_settings)."""
-    meta = dict(help=help, short=short, check=check, choices=choices, metavar=metavar,
-                group=group)
-    meta = {k: v for k, v in meta.items() if v is not None}
-    if ranks_agree:
-        meta["ranks_agree"] = True
-    return field(default=default, metadata=meta)
+MEMORY = "memory budget (StarPU engine)"     # the help group of the memory flags
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(PartitionRequest):
+    """A run's settings: each field with help is a `starpu-llm train` flag (cli.py makes them);
+    the partition's fields come from PartitionRequest (partition.py)."""
     model: str | None = setting(None, "model size (default d12 = GPT-2 124M; with --init-from or "
                                 "--resume, the checkpoint's: a contradicting one is refused)",
                                 choices=sorted(MODELS))
@@ -114,52 +101,6 @@ class TrainConfig:
                                ranks_agree=True)
     sample_every: int = setting(0, "every N steps, print a sample from the model being trained "
                                 "(default: never)", check="positive", metavar="N")
-    # the n x k partition of the cores (StarPU engine)
-    workers: int | str | None = setting(
-        None, "N: parallel workers, or auto: the partition and sub-batches the performance model "
-        "ranks best, confirmed by a short trial of the two best and cached per machine and shape "
-        "(needs `starpu-llm calibrate`) (default: 1 worker on all usable cores, calibrated or "
-        "not; with --resume, the recorded partition)", check="positive_or_auto", group=PARALLELISM)
-    cores_per_worker: int | None = setting(None, "K: cores of each worker (default: all cores / N)",
-                                           check="positive", group=PARALLELISM)
-    sub_batches: int | None = setting(
-        None, "split the batch into this many sub-batches (default: one per worker)",
-        check="positive", group=PARALLELISM, ranks_agree=True)
-    kcore: str | None = setting(
-        None, "how a task gets K > 1 cores without StarPU parallel workers: team (one worker per "
-        "K-core group with a bound OpenMP team; default) or forkjoin (FORKJOIN tasks on combined "
-        "workers, scheduler peager)", choices=["team", "forkjoin"], group=PARALLELISM)
-    sched: str | None = setting(None, "StarPU scheduler (default: peager for forkjoin, else lws)",
-                                group=PARALLELISM)
-    oversubscribe: bool = setting(False, "allow N x K above the usable cores (correctness tests only)",
-                                  group=PARALLELISM)
-    ownership: str | None = setting(
-        None, "under mpirun, which ranks own the parameters, gradients and AdamW moments: "
-        "sharded (each tensor slice on one rank, bytes balanced; the default) or rank0 (all on "
-        "rank 0, the paper's scheme)", choices=["sharded", "rank0"], group=PARALLELISM,
-        ranks_agree=True)
-    pipeline_stages: int | None = setting(
-        None, "under mpirun, S pipeline stages: the layers split into S contiguous stages (the "
-        "first also runs the embedding and the head), balanced by their flops; the sub-batches "
-        "flow through them as micro-batches; R = S x D ranks run D data-parallel copies "
-        "(default 1: data parallelism only)", check="positive", metavar="S", group=PARALLELISM,
-        ranks_agree=True)
-    pipeline_schedule: str | None = setting(
-        None, "how the micro-batches go through the pipeline's stages: eager (each stage holds "
-        "at most 2 S micro-batches' activations, forward tasks first; the default), 1f1b (at "
-        "most S, backward tasks first: the least memory), bounded (S, tasks in the order they "
-        "become ready) or gpipe (forwards first, every stage holding all the micro-batches); "
-        "the same results bitwise",
-        choices=list(PIPELINE_SCHEDULES), group=PARALLELISM, ranks_agree=True)
-    threads: int | None = setting(None, "reference engine: OpenMP/BLAS threads (default: all cores)",
-                                  check="positive", group=PARALLELISM)
-    gpus: int = setting(0, "G GPUs beside the CPU workers, a StarPU CUDA worker each (a CUDA "
-                        "build; README, GPUs): the scheduler (dmdas) puts each task on a CPU or a "
-                        "GPU and StarPU moves the data (default 0: CPUs only)", metavar="G",
-                        group=PARALLELISM, ranks_agree=True)
-    gpu_matmul: str = setting("tf32", "the GPUs' matmul precision: tf32 (tensor cores; the "
-                              "default) or fp32", choices=["tf32", "fp32"], group=PARALLELISM,
-                              ranks_agree=True)
     # training under a memory budget (runtime/offload.py, flow/handles.py)
     memory_limit: str | None = setting(
         None, "keep the run's main memory under SIZE (e.g. 12G, 800M; powers of 1024): StarPU "
@@ -265,7 +206,7 @@ def _set_up(cfg: TrainConfig, state: TrainState | None, runtime) -> Run:
         log = _flushed(log)   # a disk that fills ends the process from inside StarPU
     if comm is not None and runtime is None:
         distributed.pin_rank(comm)
-    cfg, state, saved, loader, validation, run_id = distributed.agree(
+    cfg, partition, state, saved, loader, validation, run_id = distributed.agree(
         comm, _read_inputs, cfg, state, memory, comm, runtime, log, warn)
     if comm is not None:
         problem = distributed.differences(comm.allgather(run_settings(cfg, state.config, loader)))
@@ -273,17 +214,18 @@ def _set_up(cfg: TrainConfig, state: TrainState | None, runtime) -> Run:
             distributed.fail_together(comm, problem)
     own_runtime = None
     if runtime is None and cfg.engine == "starpu":
-        runtime = own_runtime = start_runtime(cfg, comm, memory)
+        runtime = own_runtime = start_runtime(cfg, partition, comm, memory)
     elif memory is not None and runtime.memory != memory:
         raise StarpuLLMError(f"{opt('memory_limit')}: the runtime given was started with "
                              f"{runtime.memory}; start it with the run's (Runtime(memory=...))")
     try:
-        engine = distributed.agree(comm, make_engine, cfg, state, loader.tokens, runtime)
+        engine = distributed.agree(comm, make_engine, cfg, partition, state, loader.tokens,
+                                   runtime)
     except BaseException:       # e.g. a memory limit too small: StarPU stops (and its folder goes)
         if own_runtime:
             own_runtime.shutdown()
         raise
-    record = RunRecord(partition_of(engine), Settings.of(cfg), run=run_id,
+    record = RunRecord(partition, Settings.of(cfg), run=run_id,
                        data=data_fingerprint(loader.tokens))
     log(f"model: L={state.config.L} NH={state.config.NH} C={state.config.C} V={state.config.V} "
         f"Vp={state.config.Vp} maxT={state.config.maxT}, {state.config.num_parameters:,} parameters")
@@ -328,8 +270,9 @@ def _check_settings(cfg: TrainConfig, comm, rank: int) -> MemoryLimit | None:
 
 def _read_inputs(cfg: TrainConfig, state, memory, comm, runtime, log, warn):
     """The model, the data and the partition the run starts from: (cfg with the partition
-    settled, the state, the checkpoint resumed (checkpoint.Saved) or None, the loader, the
-    validation or None, the run's identity)."""
+    asked for settled, the partition that runs (partition.resolve), the state, the checkpoint
+    resumed (checkpoint.Saved) or None, the loader, the validation or None, the run's
+    identity)."""
     saved = None            # the checkpoint a --resume continues
     given = state is not None
     if state is None:       # under a limit, kept in its files (or drawn) until StarPU has it
@@ -352,6 +295,7 @@ def _read_inputs(cfg: TrainConfig, state, memory, comm, runtime, log, warn):
         cfg = on_recorded_partition(cfg, saved.record, comm.Get_size() if comm else 1, warn)
     if cfg.workers == "auto":
         cfg = autotuned(cfg, config, comm, runtime, log)
+    partition = run_partition(cfg, comm, runtime, memory)   # the partition that runs
     if memory is None:
         check_memory(cfg, config, comm.Get_size() if comm else 1)
     # the run's identity (record.run_identity), kept by its resumed parts; None for one
@@ -364,7 +308,7 @@ def _read_inputs(cfg: TrainConfig, state, memory, comm, runtime, log, warn):
         run = saved.record.run if saved.record else None
     if cfg.save_every and (comm is None or comm.Get_rank() == 0):
         check_checkpoint_dir(cfg.checkpoint_dir, run, legacy=saved is not None and run is None)
-    return cfg, state, saved, loader, validation, run
+    return cfg, partition, state, saved, loader, validation, run
 
 
 def _run(run: Run, stop: signals.StopOnSignal) -> TrainResult:

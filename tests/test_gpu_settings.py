@@ -10,10 +10,10 @@ from starpu_llm import StarpuLLMError, TrainConfig
 from starpu_llm._kernels import lib as klib
 from starpu_llm.cli import build_parser
 from starpu_llm.codelets import CUDA_BODIES, TABLE
-from starpu_llm.engines import make_engine
 from starpu_llm.record import Partition, RunRecord, Settings
 from starpu_llm.runtime import Runtime
-from starpu_llm.runtime.starpu import check_partition, effective_kcore, have_cuda, usable_cores
+from starpu_llm.partition import Build, PartitionRequest, resolve
+from starpu_llm.runtime.starpu import have_cuda, this_build, usable_cores
 
 
 def test_every_layer_has_a_cuda_body():
@@ -27,7 +27,7 @@ def test_flags_and_defaults():
     assert TrainConfig().gpus == 0 and TrainConfig().gpu_matmul == "tf32"
     args = build_parser().parse_args(["train", "--gpus", "2", "--gpu-matmul", "fp32"])
     assert args.gpus == 2 and args.gpu_matmul == "fp32"
-    with pytest.raises(SystemExit):
+    with pytest.raises(StarpuLLMError, match="--gpu-matmul: invalid choice: 'bf16'"):
         build_parser().parse_args(["train", "--gpu-matmul", "bf16"])
 
 
@@ -56,16 +56,20 @@ def test_gpus_refused_where_they_cannot_run():
         for kw, what in ((dict(sched="lws"), "lws"), (dict(kcore="forkjoin"), "forkjoin")):
             with pytest.raises(StarpuLLMError, match=what):
                 Runtime(gpus=1, **kw)
-    cfg = TrainConfig(engine="reference", gpus=1)
     with pytest.raises(StarpuLLMError, match="reference engine"):
-        make_engine(cfg, None, None)
+        resolve(PartitionRequest(gpus=1), cores=2, build=this_build(), engine="reference")
 
 
 def test_gpus_take_a_core_each():
-    assert effective_kcore("team", 4, 1, gpus=1) == "team"
-    assert effective_kcore("team", 1, 2, gpus=1) == "single"
+    """A CUDA build's partition (partition.resolve on a build with CUDA): team workers, and a
+    core for each GPU's worker thread."""
+    build = Build(max_cpus=64, parallel_workers=True, cuda=True)
     n = usable_cores()
-    check_partition(1, n, gpus=0)
+    assert resolve(PartitionRequest(cores_per_worker=4, gpus=1), cores=8, build=build).kcore == "team"
+    assert resolve(PartitionRequest(workers=2, cores_per_worker=1, gpus=1), cores=8,
+                   build=build).kcore == "single"
+    resolve(PartitionRequest(workers=1, cores_per_worker=n), cores=n, build=build)
     with pytest.raises(StarpuLLMError, match="for the GPUs' worker threads"):
-        check_partition(1, n, gpus=1)
-    check_partition(1, n, oversubscribe=True, gpus=1)
+        resolve(PartitionRequest(workers=1, cores_per_worker=n, gpus=1), cores=n, build=build)
+    resolve(PartitionRequest(workers=1, cores_per_worker=n, gpus=1, oversubscribe=True),
+            cores=n, build=build)

@@ -26,7 +26,8 @@ from starpu_llm.config import GPTConfig, ParamLayout
 from starpu_llm.flow.memory import step_needs
 from starpu_llm.io import checkpoint, formats
 from starpu_llm.runs import run_sampling_rss
-from starpu_llm.runtime import check_partition
+from starpu_llm.partition import PartitionRequest
+from starpu_llm.runtime import resolve_here
 from starpu_llm.runtime.offload import RSS_OVERHEAD, OffloadFolder, parse_size
 from starpu_llm.state import RandomInit, random_init
 from starpu_llm.trainer import TrainConfig, train
@@ -83,7 +84,8 @@ def hexes(losses):
 
 def fits(**partition):
     try:
-        check_partition(partition.get("workers", 1), partition.get("cores_per_worker", 1))
+        resolve_here(PartitionRequest(workers=partition.get("workers", 1),
+                                      cores_per_worker=partition.get("cores_per_worker", 1)))
     except StarpuLLMError as e:
         pytest.skip(str(e))
 

@@ -7,7 +7,8 @@ import pytest
 from starpu_llm import Runtime, StarpuLLMError
 from starpu_llm.config import GPTConfig, ParamLayout
 from starpu_llm.flow.engine import StarPUEngine
-from starpu_llm.runtime import DEFAULT_KCORE, check_partition
+from starpu_llm.partition import PartitionRequest
+from starpu_llm.runtime import resolve_here
 from starpu_llm.state import TrainState, random_init
 from starpu_llm.flow.taskflow import update_order
 
@@ -78,7 +79,8 @@ def skip_unless_it_fits(workers, cores, oversubscribe=False, kcore=None):
     """A partition this machine (its cores, its StarPU build's STARPU_MAXCPUS) cannot run is
     skipped, with the partition check's own reason."""
     try:
-        check_partition(workers, cores, oversubscribe, kcore or DEFAULT_KCORE)
+        resolve_here(PartitionRequest(workers=workers, cores_per_worker=cores,
+                                      oversubscribe=oversubscribe, kcore=kcore))
     except StarpuLLMError as e:
         pytest.skip(f"{workers}x{cores} does not fit here: {e}")
 

@@ -313,7 +313,7 @@ def test_workers_auto_chooses_confirms_and_caches(tmp_path):
 
 
 def test_predict_cli_tables(tmp_path):
-    """`predict --workers all` gives one line per N x K of the machine's cores, a list of
+    """`predict --workers auto` gives one line per N x K of the machine's cores, a list of
     --ranks one line per rank count (weak scaling), and --machine predicts for a described
     node (the paper's, 36 cores) with this machine's codelet ratios (here a synthetic
     calibration)."""
@@ -322,7 +322,7 @@ def test_predict_cli_tables(tmp_path):
     machine.save(cal, str(home / os.path.basename(machine.default_path())))
     env = dict(os.environ, STARPU_LLM_HOME=str(home))
     base = [sys.executable, "-m", "starpu_llm", "predict", "--model", "tiny"]
-    r = subprocess.run(base + ["--workers", "all", "--batch", "4", "--ranks", "1,2"],
+    r = subprocess.run(base + ["--workers", "auto", "--batch", "4", "--ranks", "1,2"],
                        capture_output=True, text=True, env=env, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     lines = [l for l in r.stdout.splitlines() if "predicted" in l]
@@ -337,9 +337,9 @@ def test_predict_cli_tables(tmp_path):
                                "--cores-per-worker", "3"],
                        capture_output=True, text=True, env=env, cwd=tmp_path)
     assert r.returncode == 0 and "36 cores" in r.stdout and "12x3" in r.stdout, r
-    bad = subprocess.run(base + ["--workers", "all", "--cores-per-worker", "1"],
+    bad = subprocess.run(base + ["--workers", "auto", "--cores-per-worker", "1"],
                          capture_output=True, text=True, env=env, cwd=tmp_path)
-    assert bad.returncode == 2 and "--workers all" in bad.stderr, bad.stderr
+    assert bad.returncode == 2 and "--workers auto" in bad.stderr, bad.stderr
 
 
 @needs2
@@ -547,13 +547,13 @@ def test_task_layer():
 
 
 def test_predict_ranks_the_modes(tmp_path):
-    """`predict --ownership all --pipeline-stages 1,2`: one line per mode of each rank count,
+    """`predict --ownership auto --pipeline-stages 1,2`: one line per mode of each rank count,
     best first, with each one's share of one node's speed per node; a bad mode named."""
     home = tmp_path / "home"
     machine.save(linear(usable_cores()), str(home / os.path.basename(machine.default_path())))
     env = dict(os.environ, STARPU_LLM_HOME=str(home))
     base = [sys.executable, "-m", "starpu_llm", "predict", "--model", "tiny", "--batch", "4"]
-    r = subprocess.run(base + ["--ranks", "1,2", "--ownership", "all", "--pipeline-stages", "1,2",
+    r = subprocess.run(base + ["--ranks", "1,2", "--ownership", "auto", "--pipeline-stages", "1,2",
                                "--sub-batches", "2"],
                        capture_output=True, text=True, env=env, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
@@ -627,7 +627,8 @@ def test_autotuner_keeps_each_candidates_best_round(tmp_path, monkeypatch):
         choice = autotune.choose(MODEL, 8, T, m, cache=str(tmp_path / f"{expect}.json"),
                                  log=lambda *a: None)
         assert seen == [top, second, top, second]           # interleaved, two rounds
-        assert (choice.workers, choice.cores_per_worker, choice.sub_batches) == expect
+        r = choice.request
+        assert (r.workers, r.cores_per_worker, r.sub_batches) == expect
         assert f"{max(script[expect]):.4f} tok/ms measured (best round)" in choice.why
 
 

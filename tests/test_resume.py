@@ -18,7 +18,8 @@ from starpu_llm.config import MODELS, GPTConfig
 from starpu_llm.io import checkpoint, formats
 from starpu_llm.perf.machine import Machine, default_path, save as save_machine
 from starpu_llm.record import Partition, RunRecord, Settings
-from starpu_llm.runtime import DEFAULT_KCORE, check_partition, usable_cores
+from starpu_llm.partition import PartitionRequest
+from starpu_llm.runtime import resolve_here, usable_cores
 from starpu_llm.state import TrainState, random_init
 from starpu_llm.trainer import TrainConfig, train
 
@@ -325,7 +326,7 @@ def test_stopped_and_resumed_equals_uninterrupted(shard, tmp_path, engine, worke
     losses and the same final parameters and moments, to the bit."""
     if engine == "starpu":
         try:
-            check_partition(workers, cores, False, DEFAULT_KCORE)
+            resolve_here(PartitionRequest(workers=workers, cores_per_worker=cores))
         except StarpuLLMError as e:
             pytest.skip(f"{workers}x{cores} does not fit here: {e}")
     kw = dict(engine=engine, workers=workers, cores_per_worker=cores)

@@ -5,9 +5,7 @@ import pytest
 
 from starpu_llm import StarpuLLMError
 from starpu_llm.errors import flag
-from starpu_llm.runtime import starpu as runtime
-from starpu_llm.runtime import (MAX_GROUP, Runtime, check_partition, default_partition,
-                                max_starpu_cpus, partitions_that_fit, usable_cores)
+from starpu_llm.runtime import Runtime, partitions_that_fit, usable_cores
 
 CORES = usable_cores()
 
@@ -48,49 +46,6 @@ def test_only_one_runtime_per_process():
     with Runtime(1, 1):
         with pytest.raises(StarpuLLMError, match="already running"):
             Runtime(1, 1)
-
-
-def test_partition_larger_than_starpu_build():
-    cap = max_starpu_cpus()
-    with pytest.raises(StarpuLLMError, match="STARPU_MAXCPUS"):
-        check_partition(cap + 1, 1, oversubscribe=True)
-    with pytest.raises(StarpuLLMError, match="STARPU_MAXCPUS"):
-        check_partition(cap, 2, oversubscribe=True, kcore="forkjoin")
-    # team workers: StarPU runs only N workers, the teams take the other cores
-    check_partition(cap, 2, oversubscribe=True, kcore="team")
-
-
-def test_partition_larger_than_machine_says_what_fits(monkeypatch):
-    # a test double of the core count: a 1-core process, whatever this machine has
-    monkeypatch.setattr(runtime, "usable_cores", lambda: 1)
-    with pytest.raises(StarpuLLMError, match=r"can use 1; partitions that fit: 1x1 "):
-        check_partition(1, 2)
-    check_partition(1, 2, oversubscribe=True)   # allowed explicitly
-
-
-@pytest.mark.parametrize("fake_cores", [1, 2, 3, max_starpu_cpus() + 2, 2 * max_starpu_cpus(), 36])
-def test_partitions_that_fit_are_accepted(monkeypatch, fake_cores):
-    """On any core count, including more cores than the build's STARPU_MAXCPUS (a test double
-    of the core count): the default partition and every partition offered as fitting are
-    accepted by the partition check, and a machine-sized N x 1 beyond the cap is refused
-    with the cap named."""
-    monkeypatch.setattr(runtime, "usable_cores", lambda: fake_cores)
-    fits = partitions_that_fit()
-    assert fits and all(n * k == fake_cores for n, k, _ in fits)
-    for n, k, mode in fits:
-        check_partition(n, k, kcore=mode)
-    if fake_cores <= MAX_GROUP:
-        assert default_partition() == (1, fake_cores)
-        check_partition(*default_partition())
-    if fake_cores > max_starpu_cpus():
-        assert (fake_cores, 1, "team") not in fits
-        with pytest.raises(StarpuLLMError, match="STARPU_MAXCPUS"):
-            check_partition(fake_cores, 1)
-
-
-def test_zero_workers_rejected():
-    with pytest.raises(StarpuLLMError, match="at least 1"):
-        check_partition(0, 1)
 
 
 def test_unknown_kcore_mode():

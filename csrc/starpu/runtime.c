@@ -25,24 +25,41 @@ static int distinct_cores(const int *cores, int n)
 }
 #endif
 
-/* Starts StarPU (StarPU-MPI when comm is given) with ncpus cores for the partition
- * ncpus/k workers x k cores and ncuda CUDA workers; cores lists them (NULL: 0..ncpus-1), then
- * one core for each CUDA worker's thread. See sl_api.h. attach: StarPU was started by someone
- * else (starpupy) on the same partition: only the set-up after init. */
-static int start(int ncpus, int cores_per_worker, int kcore, const int *cores, int ncuda,
+/* Starts StarPU (StarPU-MPI when comm is given) for the partition nworkers x cores_per_worker
+ * with the mechanism kcore (decided in Python: starpu_llm/partition.py) and ncuda CUDA workers;
+ * cores lists the partition's cores (NULL: 0..), then one core for each CUDA worker's thread.
+ * See sl_api.h. attach: StarPU was started by someone else (starpupy) on the same partition:
+ * only the set-up after init. */
+static int start(int nworkers, int cores_per_worker, int kcore, const int *cores, int ncuda,
 		 const char *sched, const void *comm, int attach)
 {
 	if (initialized)
 		return -EALREADY;
 	if (attach && (comm || !starpu_is_initialized() || sl_ooc_enabled() || ncuda))
 		return -EINVAL;
-	if (ncpus < 1 || cores_per_worker < 1 || ncpus % cores_per_worker || ncuda < 0)
+	if (nworkers < 1 || cores_per_worker < 1 || ncuda < 0 ||
+	    (cores_per_worker == 1) != (kcore == SL_KCORE_SINGLE))
 		return -EINVAL;
 #ifndef SL_HAVE_CUDA
 	if (ncuda > 0)
 		return -ENODEV; /* not a CUDA build */
 #endif
-	int nworkers = ncpus / cores_per_worker;
+	int ncpus = nworkers * cores_per_worker;
+	int use_parallel_workers = kcore == SL_KCORE_PARALLEL, use_team = kcore == SL_KCORE_TEAM;
+	if (use_parallel_workers) {
+#if SL_HAVE_PARALLEL_WORKERS
+		/* parallel workers (1.4) or clusters (1.3 built with them), made after init: a
+		 * StarPU worker on each core, each core its own (an oversubscribed parallel worker
+		 * runs no task on StarPU 1.4.12), no disk node (1.4.12 asserts when a parallel
+		 * worker prefetches a task's data again), no GPUs (the scheduler must see the CPU
+		 * and CUDA workers together). Python chose them under the same rules. */
+		if (sl_ooc_enabled() || ncpus > STARPU_MAXCPUS || !distinct_cores(cores, ncpus) ||
+		    ncuda > 0)
+			return -EINVAL;
+#else
+		return -EINVAL;
+#endif
+	}
 	struct starpu_conf conf;
 	int ret = starpu_conf_init(&conf);
 	if (ret)
@@ -53,26 +70,6 @@ static int start(int ncpus, int cores_per_worker, int kcore, const int *cores, i
 	if (sched && *sched)
 		conf.sched_policy_name = sched;
 
-	/* How a task gets its k cores, decided before starpu_init. */
-	int use_parallel_workers = 0, use_team = 0;
-	if (cores_per_worker > 1) {
-#if SL_HAVE_PARALLEL_WORKERS
-		/* parallel workers (1.4) or clusters (1.3 built with them), made after init, when
-		 * they can run the partition: a StarPU worker on each core, each core its own. An
-		 * oversubscribed parallel worker (two StarPU workers on one core) runs no task on
-		 * StarPU 1.4.12: its master spins finding nothing while its other worker, blocked,
-		 * holds the tasks. Not under a memory limit either: with a disk node, 1.4.12
-		 * prefetches a task's data when it is pushed and again when a parallel worker
-		 * moves it into its own context, and asserts against the second. Same rule as
-		 * effective_kcore in starpu_llm/runtime/starpu.py. */
-		use_parallel_workers = !getenv("SL_NO_PARALLEL_WORKERS") && !sl_ooc_enabled() &&
-				       ncpus <= STARPU_MAXCPUS && distinct_cores(cores, ncpus) &&
-				       ncuda == 0;
-		/* (with GPUs: parallel workers put every CPU worker in contexts of their own,
-		 * and the scheduler must see the CPU and CUDA workers together: team workers) */
-#endif
-		use_team = !use_parallel_workers && kcore == SL_KCORE_TEAM;
-	}
 	if (attach) {
 		/* the starter set the conf from the same decisions (starpu_llm/runtime/starpupy_face.py) */
 	} else if (use_team) {
@@ -91,7 +88,7 @@ static int start(int ncpus, int cores_per_worker, int kcore, const int *cores, i
 		for (int w = 0; w < nworkers; w++)
 			conf.workers_bindid[ncuda + w] =
 				(unsigned)(cores ? cores[w * cores_per_worker] : w * cores_per_worker);
-	} else if (cores_per_worker > 1 && !use_parallel_workers) {
+	} else if (kcore == SL_KCORE_FORKJOIN) {
 		/* Combined workers of exactly k cores running FORKJOIN tasks; starpu_init reads
 		 * these variables. */
 		char k[16];
@@ -152,15 +149,15 @@ const char *sl_sched_policy_name(int i)
 	return NULL;
 }
 
-int sl_start(int ncpus, int cores_per_worker, int kcore, const int *cores, int ncuda,
+int sl_start(int workers, int cores_per_worker, int kcore, const int *cores, int ncuda,
 	     const char *sched, const void *comm)
 {
-	return start(ncpus, cores_per_worker, kcore, cores, ncuda, sched, comm, 0);
+	return start(workers, cores_per_worker, kcore, cores, ncuda, sched, comm, 0);
 }
 
-int sl_attach(int ncpus, int cores_per_worker, int kcore, const int *cores)
+int sl_attach(int workers, int cores_per_worker, int kcore, const int *cores)
 {
-	return start(ncpus, cores_per_worker, kcore, cores, 0, NULL, NULL, 1);
+	return start(workers, cores_per_worker, kcore, cores, 0, NULL, NULL, 1);
 }
 
 #if SL_HAVE_PARALLEL_WORKERS

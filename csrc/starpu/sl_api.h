@@ -12,22 +12,28 @@ typedef struct _starpu_data_state *sl_handle; /* == starpu_data_handle_t */
 /* ---- runtime (runtime.c) ---- */
 /* Starts StarPU (StarPU-MPI when comm is not NULL: the address of an MPI_Comm, e.g.
  * mpi4py's MPI._addressof(comm); MPI must already run with at least MPI_THREAD_SERIALIZED)
- * on ncpus cores, the partition ncpus/cores_per_worker workers x cores_per_worker cores, and
- * ncuda CUDA workers (GPUs 0..ncuda-1; -ENODEV when this is no CUDA build (sl_have_cuda) or
- * StarPU finds fewer GPUs). cores lists the ncpus logical core ids, group by group, then one
- * core for each CUDA worker's thread (NULL: 0..ncpus+ncuda-1). sched NULL or "" keeps
- * StarPU's choice. How a task gets cores_per_worker > 1 cores (the kcore mechanism):
- *   - parallel workers / clusters, where the StarPU build has them, and no GPUs run;
- *   - else SL_KCORE_TEAM: one StarPU worker per group of cores, running sequential tasks with
- *     an OpenMP team bound to its group (what StarPU 1.4's parallel workers do);
- *   - else (SL_KCORE_FORKJOIN) FORKJOIN parallel tasks on combined workers of that size.
+ * for the partition `workers` workers x `cores_per_worker` cores, with the mechanism that gives
+ * a task its cores, and ncuda CUDA workers (GPUs 0..ncuda-1; -ENODEV when this is no CUDA
+ * build (sl_have_cuda) or StarPU finds fewer GPUs). Python decides the partition
+ * (starpu_llm/partition.py); this starts it and decides nothing (-EINVAL for a mechanism it
+ * cannot run). cores lists the workers x cores_per_worker logical core ids, group by group,
+ * then one core for each CUDA worker's thread (NULL: 0..). sched NULL or "" keeps StarPU's
+ * choice. The mechanisms (cores_per_worker > 1):
+ *   - SL_KCORE_PARALLEL: StarPU parallel workers (1.4) / clusters (1.3), where the build has
+ *     them (sl_have_parallel_workers), on distinct cores, no memory limit, no GPUs;
+ *   - SL_KCORE_TEAM: one StarPU worker per group of cores, running sequential tasks with an
+ *     OpenMP team bound to its group (what StarPU 1.4's parallel workers do);
+ *   - SL_KCORE_FORKJOIN: FORKJOIN parallel tasks on combined workers of that size;
+ *   - SL_KCORE_SINGLE: one core per worker (cores_per_worker 1).
  * With GPUs, the tasks of every codelet with a CUDA body (SL_CUDA) may run on a CPU worker or
  * a CUDA worker: the scheduler decides (dmda/dmdas by the codelets' history perf models),
  * and StarPU moves the data; a cuBLAS handle is made on each CUDA worker. */
 #define SL_KCORE_FORKJOIN 0
 #define SL_KCORE_TEAM	  1
+#define SL_KCORE_PARALLEL 2
+#define SL_KCORE_SINGLE	  3
 #define SL_MAX_GROUP	  64 /* most cores of one team worker */
-int sl_start(int ncpus, int cores_per_worker, int kcore, const int *cores, int ncuda,
+int sl_start(int workers, int cores_per_worker, int kcore, const int *cores, int ncuda,
 	     const char *sched, const void *comm);
 /* Before sl_start with ncuda > 0: on (1), the codelets with a CUDA body get no CPU function
  * (their tasks run on the GPUs only; the CPU workers run the others: the batch loads); off (0,
@@ -36,7 +42,7 @@ void sl_set_cuda_only(int on);
 /* The same set-up after init as sl_start, on a StarPU that another starter (starpupy's
  * starpu.init(), starpu_llm/runtime/starpupy_face.py) has already initialised with the partition's
  * configuration; sl_shutdown then leaves starpu_shutdown to that starter. No StarPU-MPI. */
-int sl_attach(int ncpus, int cores_per_worker, int kcore, const int *cores);
+int sl_attach(int workers, int cores_per_worker, int kcore, const int *cores);
 /* Before starpu.init(): room in StarPU's table of data interfaces for the next n interface
  * ids (works around a StarPU 1.4.12 overflow from the 7th starpupy init in a process). */
 void sl_reserve_interface_ids(int n);

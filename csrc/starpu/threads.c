@@ -1,14 +1,15 @@
 /* The cores a task owns: sizing the OpenMP team and BLAS of the thread running a task, and
- * binding the team's threads, for each of the three ways a task gets k cores (FORKJOIN on a
- * combined worker, a team worker's group, a parallel worker). */
+ * binding the team's threads, for each of the three ways a task gets its cores_per_worker
+ * cores (FORKJOIN on a combined worker, a team worker's group, a parallel worker). */
 #define _GNU_SOURCE
 #include <omp.h>
 #include "internal.h"
 
-/* Binds thread t (t > 0) of the calling thread's k-thread libgomp pool to core cpus[t]. */
-static void bind_pool(const int *cpus, int k)
+/* Binds thread t (t > 0) of the calling thread's libgomp pool of cores_per_worker threads to
+ * core cpus[t]. */
+static void bind_pool(const int *cpus, int cores_per_worker)
 {
-#pragma omp parallel num_threads(k)
+#pragma omp parallel num_threads(cores_per_worker)
 	{
 		int t = omp_get_thread_num();
 		if (t > 0)
@@ -16,27 +17,28 @@ static void bind_pool(const int *cpus, int k)
 	}
 }
 
-/* ---- FORKJOIN: a combined worker of k cores ---- */
+/* ---- FORKJOIN: a combined worker of cores_per_worker cores ---- */
 
-/* Bind each thread of a k-thread team to one core of the combined worker running the task.
- * Why: libgomp's pool threads keep the CPU mask they were created with, and StarPU only
+/* Bind each thread of a team of cores_per_worker threads to one core of the combined worker
+ * running the task. Why: libgomp's pool threads keep the CPU mask they were created with, and StarPU only
  * rebinds the team's master thread (to the union of the cores) for a FORKJOIN task, so two
  * team threads could otherwise share a core. The pool threads of a master thread persist, so
  * they are bound once per (master thread, combined worker); the master every time, because
  * StarPU restores its own single-core binding after each parallel task. */
 static __thread int bound_combined = -1;
 
-static void bind_team(int k)
+static void bind_team(int cores_per_worker)
 {
 	int cid = starpu_combined_worker_get_id();
 	int size = 0, *ids = NULL;
-	if (cid < 0 || starpu_combined_worker_get_description(cid, &size, &ids) != 0 || size < k)
+	if (cid < 0 || starpu_combined_worker_get_description(cid, &size, &ids) != 0 ||
+	    size < cores_per_worker)
 		return;
 	if (cid != bound_combined) {
 		int cpus[SL_MAX_GROUP];
-		for (int t = 0; t < k && t < SL_MAX_GROUP; t++)
+		for (int t = 0; t < cores_per_worker && t < SL_MAX_GROUP; t++)
 			cpus[t] = starpu_worker_get_bindid(ids[t]);
-		bind_pool(cpus, k);
+		bind_pool(cpus, cores_per_worker);
 		bound_combined = cid;
 	}
 	starpu_sched_ctx_bind_current_thread_to_cpuid(starpu_worker_get_bindid(ids[0]));
@@ -48,17 +50,18 @@ static int team_from_runtime;
 
 void sl_codelets_set_team_from_runtime(int on) { team_from_runtime = on; }
 
-/* ---- team mode: a worker owns a group of k cores ---- */
+/* ---- team mode: a worker owns a group of cores_per_worker cores ---- */
 
-static int team_cores;
-static int team_groups[STARPU_NMAXWORKERS][SL_MAX_GROUP];
+static struct {
+	int cores_per_worker; /* 0: no team workers */
+	int groups[STARPU_NMAXWORKERS][SL_MAX_GROUP];
+} team;
 static int cpu_rank[STARPU_NMAXWORKERS]; /* StarPU worker id -> its rank among the CPU workers */
 static __thread int team_bound; /* this worker's team threads are bound (once) */
 
 void sl_codelets_set_team_groups(int nworkers, int cores_per_worker, const int *cores)
 {
-	int k = cores_per_worker;
-	team_cores = nworkers > 0 ? k : 0;
+	team.cores_per_worker = nworkers > 0 ? cores_per_worker : 0;
 	int ids[STARPU_NMAXWORKERS];
 	int ncpu = nworkers > 0 ? starpu_worker_get_ids_by_type(STARPU_CPU_WORKER, ids,
 								STARPU_NMAXWORKERS) :
@@ -68,13 +71,14 @@ void sl_codelets_set_team_groups(int nworkers, int cores_per_worker, const int *
 	for (int i = 0; i < ncpu; i++)
 		cpu_rank[ids[i]] = i;
 	for (int w = 0; w < nworkers && w < STARPU_NMAXWORKERS; w++)
-		for (int t = 0; t < k && t < SL_MAX_GROUP; t++)
-			team_groups[w][t] = cores ? cores[w * k + t] : w * k + t;
+		for (int t = 0; t < cores_per_worker && t < SL_MAX_GROUP; t++)
+			team.groups[w][t] = cores ? cores[w * cores_per_worker + t]
+						  : w * cores_per_worker + t;
 }
 
 /* libgomp keeps a pool of team threads per master thread: binding them once per worker
  * thread is enough, and the StarPU worker thread itself stays on its group's first core. */
-static void bind_team_group(int k)
+static void bind_team_group(int cores_per_worker)
 {
 	if (team_bound)
 		return;
@@ -82,7 +86,7 @@ static void bind_team_group(int k)
 	int w = id >= 0 && id < STARPU_NMAXWORKERS ? cpu_rank[id] : -1;
 	if (w < 0)
 		return;
-	bind_pool(team_groups[w], k);
+	bind_pool(team.groups[w], cores_per_worker);
 	team_bound = 1;
 }
 
@@ -90,19 +94,19 @@ static void bind_team_group(int k)
 
 int sl_task_threads(void)
 {
-	int k;
+	int cores_per_worker;
 	if (team_from_runtime) {
-		k = omp_get_max_threads(); /* the parallel worker's team, bound by StarPU */
-		blas_set_threads(k);
-	} else if (team_cores > 1) {
-		k = team_cores;
-		kernels_set_threads(k);
-		bind_team_group(k);
+		cores_per_worker = omp_get_max_threads(); /* the parallel worker's team, bound by StarPU */
+		blas_set_threads(cores_per_worker);
+	} else if (team.cores_per_worker > 1) {
+		cores_per_worker = team.cores_per_worker;
+		kernels_set_threads(cores_per_worker);
+		bind_team_group(cores_per_worker);
 	} else {
-		k = starpu_combined_worker_get_size(); /* 1 on a basic worker */
-		kernels_set_threads(k);
-		if (k > 1)
-			bind_team(k);
+		cores_per_worker = starpu_combined_worker_get_size(); /* 1 on a basic worker */
+		kernels_set_threads(cores_per_worker);
+		if (cores_per_worker > 1)
+			bind_team(cores_per_worker);
 	}
-	return k;
+	return cores_per_worker;
 }

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 
 from ..io.atomic import atomic_write
+from ..partition import PartitionRequest
 from ..runs import run_in_subprocess
 from .machine import Machine, default_path, partitions
 from .predict import predict
@@ -19,9 +20,8 @@ from .predict import predict
 
 @dataclass
 class Choice:
-    workers: int
-    cores_per_worker: int
-    sub_batches: int
+    """The autotuner's partition, as a request (partition.PartitionRequest), and why."""
+    request: PartitionRequest
     why: str
 
 
@@ -68,7 +68,8 @@ def choose(model: str, B: int, T: int, calibration: Machine, trial_steps: int = 
         known = {}
     if key in known:
         c = known[key]
-        return Choice(c["workers"], c["cores_per_worker"], c["sub_batches"], c["why"] + " (cached)")
+        return Choice(PartitionRequest(workers=c["workers"], cores_per_worker=c["cores_per_worker"],
+                                       sub_batches=c["sub_batches"]), c["why"] + " (cached)")
     ranked = rank(model, B, T, calibration)
     best = {}
     for _ in range(rounds):
@@ -90,4 +91,4 @@ def choose(model: str, B: int, T: int, calibration: Machine, trial_steps: int = 
     known[key] = dict(workers=n, cores_per_worker=k, sub_batches=s, why=why)
     os.makedirs(os.path.dirname(os.path.abspath(cache)), exist_ok=True)
     atomic_write(cache, lambda f: json.dump(known, f, indent=1), text=True)
-    return Choice(n, k, s, why)
+    return Choice(PartitionRequest(workers=n, cores_per_worker=k, sub_batches=s), why)

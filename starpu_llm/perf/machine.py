@@ -49,30 +49,36 @@ class Machine:
     disk_write_gbs: float = 0.0     # the disk --memory-limit evicts to (0: not measured)
     disk_read_gbs: float = 0.0
     source: str = ""
-    codelets: dict = field(default_factory=dict)   # name -> {"a": {k: ..}, "b": .., "c_us": ..}
+    # name -> {"a": {cores_per_worker: ..}, "b": .., "c_us": ..}: each ratio by worker size
+    codelets: dict = field(default_factory=dict)
 
     @staticmethod
-    def _per_core(table: list, k: int) -> float:
-        if k <= len(table):
-            return float(table[k - 1])
+    def _per_core(table: list, cores: int) -> float:
+        """table's value on `cores` cores (beyond the table: extrapolated from its last step)."""
+        if cores <= len(table):
+            return float(table[cores - 1])
         if len(table) == 1:
-            return float(table[0]) * k
+            return float(table[0]) * cores
         step = float(table[-1]) - float(table[-2])
-        return float(table[-1]) + step * (k - len(table))
+        return float(table[-1]) + step * (cores - len(table))
 
-    def sgemm(self, k: int) -> float:
-        """FLOP/s of an sgemm on k cores."""
-        return self._per_core(self.sgemm_gflops, k) * 1e9
+    def sgemm(self, cores: int) -> float:
+        """FLOP/s of an sgemm on `cores` cores."""
+        return self._per_core(self.sgemm_gflops, cores) * 1e9
 
-    def bandwidth(self, k: int, workers: int = 1) -> float:
-        """Bytes/s of one k-core worker while `workers` such workers stream at once."""
-        alone = self._per_core(self.bandwidth_gbs, k)
-        shared = self._per_core(self.bandwidth_gbs, min(k * workers, max(self.cores, k))) / workers
+    def bandwidth(self, cores_per_worker: int, workers: int = 1) -> float:
+        """Bytes/s of one worker of cores_per_worker cores while `workers` such workers
+        stream at once."""
+        alone = self._per_core(self.bandwidth_gbs, cores_per_worker)
+        shared = self._per_core(self.bandwidth_gbs, min(cores_per_worker * workers,
+                                                        max(self.cores, cores_per_worker))) / workers
         return min(alone, shared) * 1e9
 
-    def first_touch(self, k: int) -> float:
-        """Bytes/s at which a k-core task writes new memory (0: not measured)."""
-        return self._per_core(self.first_touch_gbs, k) * 1e9 if self.first_touch_gbs else 0.0
+    def first_touch(self, cores_per_worker: int) -> float:
+        """Bytes/s at which a task of cores_per_worker cores writes new memory (0: not
+        measured)."""
+        return (self._per_core(self.first_touch_gbs, cores_per_worker) * 1e9
+                if self.first_touch_gbs else 0.0)
 
     def zero_rate(self) -> float:
         return (self.zero_gbs or self._per_core(self.bandwidth_gbs, 1)) * 1e9

@@ -1,9 +1,10 @@
-"""The cost of one task on a k-core worker, from its flop and byte counts.
+"""The cost of one task on a worker of K cores (cores_per_worker), from its flop and byte
+counts.
 
-    t = a * flops / sgemm(k) + b * bytes / bandwidth(k, W) + c + task
+    t = a * flops / sgemm(K) + b * bytes / bandwidth(K, W) + c + task
 
-sgemm(k) and bandwidth(k, W) are the machine's rates (machine.py: an sgemm on k cores, and
-what one of W k-core workers streaming at once gets); a and b are the codelet's fitted
+sgemm(K) and bandwidth(K, W) are the machine's rates (machine.py: an sgemm on K cores, and
+what one of W K-core workers streaming at once gets); a and b are the codelet's fitted
 ratios to them (a = 1: the task runs at the sgemm rate; b = 1: at the stream rate), c its fixed
 cost, task StarPU's cost per task. The ratios are what carry over to another machine: a
 description of a cluster node gives its own rates and reuses this machine's ratios.
@@ -28,22 +29,25 @@ class CostModel:
         if not self.calibration.codelets:
             raise ValueError("the calibration has no codelet costs: run starpu-llm calibrate")
 
-    def coefficients(self, codelet: str, k: int):
-        """(a, b, c seconds) of codelet on k cores: those fitted at k, else at the largest
-        calibrated core count below k (the ratios of a wider sgemm are the machine's)."""
+    def coefficients(self, codelet: str, cores_per_worker: int):
+        """(a, b, c seconds) of codelet on a worker of cores_per_worker cores: those fitted at
+        that many, else at the largest calibrated worker size below it (the ratios of a wider
+        sgemm are the machine's)."""
         c = self.calibration.codelets.get(codelet)
         if c is None:
             return 1.0, 1.0, 0.0
-        ks = sorted(c["a"])
-        kk = max([x for x in ks if x <= k] or ks[:1])
-        return c["a"][kk], c["b"][kk], c["c_us"][kk] * 1e-6
+        sizes = sorted(c["a"])
+        size = max([x for x in sizes if x <= cores_per_worker] or sizes[:1])
+        return c["a"][size], c["b"][size], c["c_us"][size] * 1e-6
 
-    def task(self, codelet: str, flops: float, nbytes: float, k: int, workers: int) -> float:
-        """Seconds of one task of codelet on a k-core worker among `workers` running at once."""
+    def task(self, codelet: str, flops: float, nbytes: float, cores_per_worker: int,
+             workers: int) -> float:
+        """Seconds of one task of codelet on a worker of cores_per_worker cores among
+        `workers` running at once."""
         m = self.machine
-        a, b, c = self.coefficients(codelet, k)
-        return (a * flops / m.sgemm(k) + b * nbytes / m.bandwidth(k, workers) + c
-                + m.task_us * 1e-6)
+        a, b, c = self.coefficients(codelet, cores_per_worker)
+        return (a * flops / m.sgemm(cores_per_worker)
+                + b * nbytes / m.bandwidth(cores_per_worker, workers) + c + m.task_us * 1e-6)
 
     def zero(self, nbytes: float, task: bool = False) -> float:
         """Zeroing nbytes: inside the task that first adds into a copy, or as a task of its

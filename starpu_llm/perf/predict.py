@@ -74,28 +74,22 @@ class Mode(NamedTuple):
         return f"pipeline {self.stages} stages x {ranks // self.stages} {self.ownership}"
 
 
-def modes(ranks: int, ownership: str = "sharded", stages: str = "1", model: str = "d12") -> list:
-    """The distinct Modes of `ranks` ranks for an ownership and a stages text (predict's
-    --ownership and --pipeline-stages: comma-separated, or all): each ownership with each
-    number of stages that divides the ranks (a pipeline of one rank per stage is one mode
-    whatever the ownership; a pipeline's copies are sharded, as placement.Topology has them;
-    one rank is one mode)."""
-    owns = list(OWNERSHIPS) if ownership == "all" else ownership.split(",")
+def modes(ranks: int, ownership=None, stages=None, model: str = "d12") -> list:
+    """The distinct Modes of `ranks` ranks for the ownerships and stage counts asked for
+    (predict's --ownership and --pipeline-stages: a list, or auto: every one; None: sharded, 1
+    stage): each ownership with each number of stages that divides the ranks (a pipeline of
+    one rank per stage is one mode whatever the ownership; a pipeline's copies are sharded, as
+    topology.Topology has them; one rank is one mode)."""
+    owns = list(OWNERSHIPS) if ownership == "auto" else ownership or ["sharded"]
     for o in owns:
         if o not in OWNERSHIPS:
             raise StarpuLLMError(f"{opt('ownership')} {o!r}: choose among {', '.join(OWNERSHIPS)}, "
-                                 "a comma-separated list of them, or all")
+                                 "a comma-separated list of them, or auto")
     L = MODELS[model].L
-    if stages == "all":
-        counts = list(range(1, L + 2))
-    else:
-        try:
-            counts = [int(x) for x in stages.split(",")]
-        except ValueError:
-            counts = [0]
-        if min(counts) < 1:
-            raise StarpuLLMError(f"{opt('pipeline_stages')} {stages!r}: give whole numbers >= 1 "
-                                 "separated by commas, or all")
+    counts = list(range(1, L + 2)) if stages == "auto" else stages or [1]
+    if min(counts) < 1:
+        raise StarpuLLMError(f"{opt('pipeline_stages')} {counts}: give whole numbers >= 1 "
+                             "separated by commas, or auto")
     if ranks == 1:
         return [Mode()]
     found = [Mode("sharded" if s > 1 else o, s) for s in counts if ranks % s == 0
@@ -104,14 +98,19 @@ def modes(ranks: int, ownership: str = "sharded", stages: str = "1", model: str 
 
 
 def pins_sub_batches(workers: int, cores_per_worker: int, parallel_workers: bool | None = None) -> bool:
-    """Whether the placement pins sub-batch i to worker i mod N here: where StarPU's workers
-    are the partition's (one-core workers, or team workers; not parallel workers)."""
-    from ..runtime.starpu import DEFAULT_KCORE, starpu_worker_count
-    if workers == 1:
-        return False
-    if parallel_workers is None:
-        return starpu_worker_count(workers, cores_per_worker, DEFAULT_KCORE) == workers
-    return cores_per_worker == 1 or not parallel_workers
+    """Whether the engine pins sub-batch i to worker i mod N on that partition
+    (Partition.pins_sub_batches, as partition.resolve resolves it): where StarPU's workers are
+    the partition's (one-core or team workers; not parallel workers). parallel_workers: whether
+    the target has parallel workers (default: as this build)."""
+    from ..partition import Build, PartitionRequest, resolve
+    from ..runtime.starpu import this_build
+    build = this_build()
+    if parallel_workers is not None:
+        build = Build(max_cpus=max(build.max_cpus, workers * cores_per_worker),
+                      parallel_workers=parallel_workers)
+    return resolve(PartitionRequest(workers=workers, cores_per_worker=cores_per_worker,
+                                    oversubscribe=True),
+                   cores=workers * cores_per_worker, build=build).pins_sub_batches
 
 
 def sites_of(model: str, B: int, T: int, workers: int = 1, cores_per_worker: int = 1,

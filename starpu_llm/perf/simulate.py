@@ -102,8 +102,9 @@ class _Replay:
     """One step of a graph being scheduled: the ranks' workers and links, and per handle where
     its latest version is and when it was last written and read."""
 
-    def __init__(self, graph: TaskGraph, cost: CostModel, cores: int, ranks_per_node: int):
-        self.graph, self.cost, self.cores = graph, cost, cores
+    def __init__(self, graph: TaskGraph, cost: CostModel, cores_per_worker: int,
+                 ranks_per_node: int):
+        self.graph, self.cost, self.cores_per_worker = graph, cost, cores_per_worker
         ranks, self.workers = graph.ranks, graph.workers
         S = graph.subs_per_copy or graph.sub_batches
         # workers streaming at once on a node, sharing its memory bandwidth: a sub-batch's
@@ -113,7 +114,7 @@ class _Replay:
         self.node_workers = self.workers * ranks_per_node
         # Without a core of its own for StarPU-MPI's progression thread (every core of the
         # node runs a worker), a message also takes the receiving rank's core while it copies.
-        self.shares_cores = (ranks > 1 and self.workers * cores * ranks_per_node
+        self.shares_cores = (ranks > 1 and self.workers * cores_per_worker * ranks_per_node
                              >= cost.machine.cores)
         self.wk = [[Resource() for _ in range(self.workers)] for _ in range(ranks)]
         self.out_port = [Resource() for _ in range(ranks)]     # each rank's link, sending
@@ -256,8 +257,8 @@ class _Replay:
                 return self.cost.zero(written, task=True)
             self.notes["reduction_s"] += self.cost.add(written)
             return self.cost.add(written)
-        k = 1 if task.codelet in SEQUENTIAL else self.cores
-        return self.cost.task(task.codelet, task.flops, task.nbytes, k,
+        cores = 1 if task.codelet in SEQUENTIAL else self.cores_per_worker
+        return self.cost.task(task.codelet, task.flops, task.nbytes, cores,
                               self.node_workers if task.sub is None else self.busy_subs)
 
     def step(self, extra) -> Schedule:
@@ -291,9 +292,9 @@ class _Replay:
                         received=self.received, notes=self.notes)
 
 
-def simulate(graph: TaskGraph, cost: CostModel, cores: int, ranks_per_node: int = 1,
+def simulate(graph: TaskGraph, cost: CostModel, cores_per_worker: int, ranks_per_node: int = 1,
              extra: list | None = None) -> Schedule:
-    """The schedule of one step of graph on its ranks and workers, each worker of `cores`
-    cores; extra: seconds added to each task (by index: its worker waits for the disk,
-    memory.py). The schedule's notes["starts"] are the tasks' start times."""
-    return _Replay(graph, cost, cores, ranks_per_node).step(extra)
+    """The schedule of one step of graph on its ranks and workers, each worker of
+    cores_per_worker cores; extra: seconds added to each task (by index: its worker waits for
+    the disk, memory.py). The schedule's notes["starts"] are the tasks' start times."""
+    return _Replay(graph, cost, cores_per_worker, ranks_per_node).step(extra)

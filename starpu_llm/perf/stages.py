@@ -28,8 +28,8 @@ class _CostOps:
     """taskflow's executor that runs nothing: each task's predicted seconds go to its layer
     (costs[l]) or to the head (costs[None])."""
 
-    def __init__(self, cost: CostModel, cores: int):
-        self.cost, self.cores = cost, cores
+    def __init__(self, cost: CostModel, cores_per_worker: int):
+        self.cost, self.cores_per_worker = cost, cores_per_worker
         self.costs = {}
 
     def at(self, where):
@@ -48,21 +48,21 @@ def _account(self, cd, args, kwargs):
     head = any(n.split(".")[-1].split("[")[0] in HEAD_TENSORS for n in names)
     key = None if head or not layers else max(layers)   # a block reads its input, res3[l-1]
     self.costs[key] = (self.costs.get(key, 0.0)
-                       + self.cost.task(cd.name, flops, nbytes, self.cores, 1))
+                       + self.cost.task(cd.name, flops, nbytes, self.cores_per_worker, 1))
 
 
 add_methods(_CostOps, TABLE, _account)
 
 
-def layer_costs(config: GPTConfig, B: int, T: int, cost: CostModel, cores: int = 1):
+def layer_costs(config: GPTConfig, B: int, T: int, cost: CostModel, cores_per_worker: int = 1):
     """(head seconds, [block l's seconds]) of one micro-batch of B x T tokens, forward and
-    backward, each task on a `cores`-core worker."""
+    backward, each task on a worker of cores_per_worker cores."""
     layout = ParamLayout(config)
     p, g = (ParameterTensors.of_shapes(kind, layout) for kind in ("param", "grad"))
     tensor = lambda name, shape, dtype: Tensor(name, shape, dtype)    # noqa: E731
     a = ActivationTensors.create(config, B, T, tensor)
     s = BackwardScratch.create(config, B, T, tensor)
-    ops = _CostOps(cost, cores)
+    ops = _CostOps(cost, cores_per_worker)
     taskflow.forward(ops, config, p, a, B, T)
     taskflow.backward(ops, config, p, g, a, [s], B, T, 1.0, 0)
     return ops.costs.get(None, 0.0), [ops.costs.get(l, 0.0) for l in range(config.L)]

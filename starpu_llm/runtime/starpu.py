@@ -12,28 +12,20 @@ import errno
 import os
 from typing import NamedTuple
 
+from .. import partition
 from .._clib import ffi, lib
 from ..errors import StarpuLLMError, opt
+from ..partition import Build, PartitionRequest, scheduler
+from ..record import Partition
 from . import offload, starpupy_face
 from .mpi import BACKOFF_MAX_US, agree, mpi_polling
 from .submit import StarPUOps
 
 
-# How a task gets K > 1 cores (cores_per_worker) on a StarPU without parallel workers (see sl_api.h): "team" =
-# one worker per k-core group running an OpenMP team bound to the group (StarPU 1.4's
-# parallel-worker design; the cheaper dispatch), "forkjoin" = FORKJOIN tasks on combined workers
-# under peager (the per-task costs are measured in docs/design.md).
-KCORE_MODES = {"team": lib.SL_KCORE_TEAM, "forkjoin": lib.SL_KCORE_FORKJOIN}
-DEFAULT_KCORE = "team"
-
-# With GPUs: the precision of the CUDA tasks' matmuls (TF32 on tensor cores, as llm.c's fp32
-# trainer does and PyTorch with allow_tf32, or fp32), and the scheduler, a history-model one
-# by default (dmdas: dmda with its queues sorted by priority), which weighs a task's time on a
-# CPU against a GPU and the transfers; never lws, whose idle CPU workers steal GPU tasks
-# (measured: 1.8 ms per GPU-only task, against 15-30 us under dmda/dmdas).
-GPU_MATMUL = ("tf32", "fp32")
-GPU_SCHED = "dmdas"
-NOT_WITH_GPUS = ("lws", "ws")
+# The mechanism that gives a task its K cores (partition.py says which), as the C layer takes
+# it (sl_api.h)
+MECHANISMS = {"single": lib.SL_KCORE_SINGLE, "team": lib.SL_KCORE_TEAM,
+              "forkjoin": lib.SL_KCORE_FORKJOIN, "parallel-workers": lib.SL_KCORE_PARALLEL}
 
 
 def have_cuda() -> bool:
@@ -51,6 +43,15 @@ def max_starpu_cpus() -> int:
     return lib.sl_max_cpus()
 
 
+def this_build() -> Build:
+    """What this process's StarPU build supports (SL_NO_PARALLEL_WORKERS in the environment
+    turns its parallel workers off)."""
+    return Build(max_cpus=max_starpu_cpus(),
+                 parallel_workers=bool(lib.sl_have_parallel_workers())
+                 and not os.environ.get("SL_NO_PARALLEL_WORKERS"),
+                 cuda=have_cuda(), max_group=lib.SL_MAX_GROUP)
+
+
 def sched_policies() -> list[str]:
     """The scheduling policies of this StarPU build, by name."""
     names = []
@@ -59,134 +60,39 @@ def sched_policies() -> list[str]:
     return names
 
 
-def default_partition(cores: int | None = None) -> tuple[int, int]:
-    """One worker on every core StarPU can use (pure tensor parallelism)."""
-    return 1, cores or usable_cores()
-
-
-MAX_GROUP = lib.SL_MAX_GROUP   # cores of one team worker
-
-
-def effective_kcore(kcore: str, cores_per_worker: int, workers: int = 1,
-                    oversubscribed: bool = False, offload: bool = False, gpus: int = 0) -> str:
-    """What actually gives a task its cores: 'single' (K = 1), 'parallel-workers' where the
-    StarPU build has them and they can run the N x K partition, else the requested 'team' or
-    'forkjoin'. Parallel workers need a StarPU worker on each of the N x K cores, so not
-    beyond STARPU_MAXCPUS, nor with more cores than the process has (a parallel worker whose
-    StarPU workers share a core runs no task); SL_NO_PARALLEL_WORKERS turns them off, and so
-    does a memory limit (offload): with a disk node StarPU 1.4.12 prefetches a task's data
-    when it is pushed, and again when a parallel worker moves it into its own context, which
-    it asserts against ("Prefetching was already requested for this task"); team workers
-    run the same way. With GPUs, team workers too: the scheduler must see the CPU and CUDA
-    workers in one context. sl_start (csrc/starpu/runtime.c) decides the same way."""
-    if cores_per_worker == 1:
-        return "single"
-    if gpus:
-        return "team"
-    if (lib.sl_have_parallel_workers() and not oversubscribed and not offload
-            and workers * cores_per_worker <= max_starpu_cpus()
-            and not os.environ.get("SL_NO_PARALLEL_WORKERS")):
-        return "parallel-workers"
-    return kcore
-
-
-def starpu_worker_count(workers: int, cores_per_worker: int, kcore: str,
-                        oversubscribed: bool = False, offload: bool = False) -> int:
-    """StarPU CPU workers of an N x K partition: N team workers (their OpenMP teams take the
-    other cores), else a worker on every core."""
-    mode = effective_kcore(kcore, cores_per_worker, workers, oversubscribed, offload)
-    return workers if mode == "team" else workers * cores_per_worker
-
-
 def partitions_that_fit(cores: int | None = None) -> list[tuple[int, int, str]]:
-    """Every N x K = cores partition (N, K, kcore) that check_partition accepts: both k-core
-    mechanisms for K > 1, 'team' alone for K = 1; none that the StarPU build's
-    STARPU_MAXCPUS or SL_MAX_GROUP rules out."""
-    cores = cores or usable_cores()
-    cap = max_starpu_cpus()
-    out = []
-    for workers in range(1, cores + 1):
-        cores_per_worker = cores // workers
-        if cores % workers or cores_per_worker > MAX_GROUP:
-            continue
-        for kcore in (("team", "forkjoin") if cores_per_worker > 1 else ("team",)):
-            if starpu_worker_count(workers, cores_per_worker, kcore) <= cap:
-                out.append((workers, cores_per_worker, kcore))
-    return out
+    """Every N x K of this process's cores this build runs (partition.partitions_that_fit)."""
+    return partition.partitions_that_fit(cores or usable_cores(), this_build())
 
 
-def check_partition(workers: int, cores_per_worker: int, oversubscribe: bool = False,
-                    kcore: str = "team", gpus: int = 0) -> None:
-    """Raise a clear error when N x K (and a core for each GPU's worker thread) does not fit
-    the cores StarPU can use here."""
-    if workers < 1 or cores_per_worker < 1:
-        raise StarpuLLMError(f"{opt('workers')} ({workers}) and {opt('cores_per_worker')} ({cores_per_worker}) "
-                             "must be at least 1")
-    total = workers * cores_per_worker
-    cap = max_starpu_cpus()
-    needed = starpu_worker_count(workers, cores_per_worker, kcore, total > usable_cores())
-    if needed > cap:
-        raise StarpuLLMError(
-            f"{opt('workers')} {workers} x {opt('cores_per_worker')} {cores_per_worker} needs {needed} "
-            f"StarPU CPU workers, but this StarPU build supports at most {cap} (STARPU_MAXCPUS); "
-            f"choose N x K <= {cap}" + (f", or {opt('kcore')} team with N <= {cap}" if kcore != "team" else ""))
-    if cores_per_worker > MAX_GROUP:
-        raise StarpuLLMError(f"{opt('cores_per_worker')} {cores_per_worker} is above {MAX_GROUP}")
-    cores = usable_cores()
-    if total + gpus > cores and not oversubscribe:
-        fits = ", ".join(dict.fromkeys(f"{n}x{k}" for n, k, m in
-                                       partitions_that_fit(max(1, cores - gpus))
-                                       if m == kcore or k == 1))
-        gpu_cores = f" and {gpus} for the GPUs' worker threads" if gpus else ""
-        raise StarpuLLMError(
-            f"{opt('workers')} {workers} x {opt('cores_per_worker')} {cores_per_worker} = {total} cores"
-            f"{gpu_cores}, but this process can use {cores}; partitions that fit: {fits} "
-            f"(or set {opt('oversubscribe')} to share cores, for correctness tests only)")
-
-
-def check_gpus(gpus: int, gpu_matmul: str, kcore: str, sched: str | None, comm, memory) -> None:
-    """Raise a clear error for GPUs this build or these settings cannot run."""
-    if not isinstance(gpus, int) or gpus < 0:
-        raise StarpuLLMError(f"{opt('gpus')} {gpus!r}: give a whole number of GPUs, 0 or more")
-    if gpu_matmul not in GPU_MATMUL:
-        raise StarpuLLMError(f"{opt('gpu_matmul')} {gpu_matmul!r}: choose one of "
-                             f"{', '.join(GPU_MATMUL)}")
-    if not gpus:
-        return
-    if not have_cuda():
-        raise StarpuLLMError(
-            f"{opt('gpus')} {gpus}: this starpu-llm is a CPU build; build StarPU with CUDA "
-            "(tools/build-starpu.sh --cuda) and starpu-llm against it (README, GPUs)")
-    for why, when in ((f"{opt('kcore')} forkjoin (combined CPU workers); use team", kcore == "forkjoin"),
-                      (f"scheduler {sched}, whose idle CPU workers take GPU tasks (1.8 ms each "
-                       f"measured); use dmdas or dmda", sched in NOT_WITH_GPUS),
-                      ("StarPU-MPI: not supported yet (one process)", comm is not None),
-                      (f"{opt('memory_limit')}: not supported yet (the GPUs' memory budget "
-                       f"comes with it)", memory is not None)):
-        if when:
-            raise StarpuLLMError(f"{opt('gpus')} {gpus} does not run with {why}")
+def resolve_here(request: PartitionRequest, ranks: int = 1, batch: int | None = None,
+                 memory_limit: bool = False, engine: str = "starpu") -> Partition:
+    """partition.resolve on this process's cores and StarPU build."""
+    return partition.resolve(request, cores=usable_cores(), build=this_build(), ranks=ranks,
+                             engine=engine, batch=batch, memory_limit=memory_limit)
 
 
 class Runtime:
     """Owns starpu_init / starpu_shutdown for this process (there is one StarPU per process).
 
-    workers x cores_per_worker is the n x k partition: with k = 1 tasks are sequential and
-    the n workers run independent sub-batches; with k > 1 each task runs on its worker's k
-    cores, through parallel workers, team workers or FORKJOIN tasks (see effective_kcore).
-    comm: an mpi4py communicator to start StarPU-MPI on.
+    It starts the partition it is given (`partition`, a record.Partition from
+    partition.resolve), or that of the settings given here resolved on this process (N
+    workers x K cores per worker, kcore, oversubscribe, gpus, gpu_matmul: partition.py says
+    what each means): with K = 1 tasks are sequential and the N workers run independent
+    sub-batches; with K > 1 each task runs on its worker's K cores.
+    sched: the StarPU scheduler (partition.scheduler: the default of the partition, else
+    $STARPU_SCHED). comm: an mpi4py communicator to start StarPU-MPI on.
     face: who starts and stops StarPU: "cffi" (sl_start, the default) or "starpupy" (StarPU's
     own Python interface, where the StarPU build has it; see starpupy_face.py). None: "cffi",
     or $STARPU_LLM_FACE=starpupy where starpupy is importable.
     memory: an offload.MemoryLimit: StarPU allocates at most that much main memory and evicts
     to a disk node in a folder of its own (removed at shutdown); None: no limit.
-    gpus: CUDA workers, GPUs 0..gpus-1, beside the CPU workers (a CUDA build); each takes a
-    core for its thread, so the default partition is then 1 worker x the other cores. The
-    tasks of every codelet with a CUDA body may run on either: the scheduler (dmdas by
-    default, by the codelets' history perf models) decides and StarPU moves the data.
-    gpu_matmul: the GPUs' matmul precision, "tf32" (the default) or "fp32".
-    cpu_layers: with GPUs, False keeps every task that has a CUDA body on the GPUs (the CPU
-    workers then load the batches only): dmda need not try each task on a CPU first to
-    calibrate its model (at GPT-2 124M, B=16, T=1024, seconds a task).
+    With GPUs (CUDA workers, GPUs 0..gpus-1, beside the CPU workers, a CUDA build) each takes a
+    core for its thread. The tasks of every codelet with a CUDA body may run on either: the
+    scheduler (dmdas by default, by the codelets' history perf models) decides and StarPU
+    moves the data. cpu_layers: with GPUs, False keeps every task that has a CUDA body on the
+    GPUs (the CPU workers then load the batches only): dmda need not try each task on a CPU
+    first to calibrate its model (at GPT-2 124M, B=16, T=1024, seconds a task).
     """
 
     _active: "Runtime | None" = None
@@ -195,38 +101,42 @@ class Runtime:
                  sched: str | None = None, oversubscribe: bool = False, comm=None,
                  kcore: str | None = None, face: str | None = None,
                  memory: offload.MemoryLimit | None = None, gpus: int = 0,
-                 gpu_matmul: str = "tf32", cpu_layers: bool = True):
+                 gpu_matmul: str = "tf32", cpu_layers: bool = True,
+                 partition: Partition | None = None):
         if Runtime._active is not None:
             raise StarpuLLMError("StarPU is already running in this process; "
                                  "shut the other Runtime down first")
+        request = PartitionRequest(workers=workers, cores_per_worker=cores_per_worker,
+                                   kcore=kcore, oversubscribe=oversubscribe, gpus=gpus,
+                                   gpu_matmul=gpu_matmul)
         # every rank checks its partition before any starts StarPU-MPI (mpi.agree)
-        core_ids, kcore = agree(comm, self._plan, workers, cores_per_worker, sched,
-                                oversubscribe, comm, kcore, face, memory, gpus, gpu_matmul,
-                                cpu_layers)
-        n = self.workers * self.cores_per_worker
+        core_ids = agree(comm, self._plan, partition, request, sched, comm, face, memory)
+        p = self.partition
+        self.cpu_layers = cpu_layers or not p.gpus
         self.offload = offload.start(memory)     # the limit, before StarPU starts
         self.offload_path = self.offload.path if self.offload else None
         if self.face == "starpupy":
-            starpupy_face.start(n, self.cores_per_worker, self.kcore, KCORE_MODES[kcore],
-                                core_ids[:n], self.sched)
+            starpupy_face.start(p, MECHANISMS[p.kcore], core_ids[:p.workers * p.cores_per_worker],
+                                self.sched)
         else:
             comm_addr = ffi.NULL
             if comm is not None:
                 from mpi4py import MPI
                 comm_addr = ffi.cast("void *", MPI._addressof(comm))
-            lib.sl_gpu_set_tf32(int(gpu_matmul == "tf32"))
-            lib.sl_set_cuda_only(int(gpus > 0 and not cpu_layers))
-            ret = lib.sl_start(n, self.cores_per_worker, KCORE_MODES[kcore],
-                               ffi.new("int[]", core_ids), gpus, self.sched.encode(), comm_addr)
+            lib.sl_gpu_set_tf32(int(p.gpu_matmul == "tf32"))
+            lib.sl_set_cuda_only(int(p.gpus > 0 and not self.cpu_layers))
+            ret = lib.sl_start(p.workers, p.cores_per_worker, MECHANISMS[p.kcore],
+                               ffi.new("int[]", core_ids), p.gpus, self.sched.encode(),
+                               comm_addr)
             if ret != 0:
                 self._stop_offload()
-                if ret == -errno.ENODEV and gpus:
-                    raise StarpuLLMError(f"{opt('gpus')} {gpus}: StarPU started fewer CUDA "
+                if ret == -errno.ENODEV and p.gpus:
+                    raise StarpuLLMError(f"{opt('gpus')} {p.gpus}: StarPU started fewer CUDA "
                                          f"workers (no GPU, or fewer GPUs, visible to CUDA here)")
-                raise StarpuLLMError(f"starpu_init failed ({ret}) for {self.workers} worker(s) x "
-                                     f"{self.cores_per_worker} core(s) with scheduler "
-                                     f"{self.sched!r}" + (f", or its disk node in {self.offload_path}"
-                                                          if self.offload_path else ""))
+                raise StarpuLLMError(f"starpu_init failed ({ret}) for {p.describe()} with "
+                                     f"scheduler {self.sched!r}"
+                                     + (f", or its disk node in {self.offload_path}"
+                                        if self.offload_path else ""))
         Runtime._active = self
         atexit.register(self.shutdown)
         self.mpi_poll = None
@@ -240,59 +150,30 @@ class Runtime:
                 self.shutdown()
                 raise RuntimeError(f"sl_mpi_poll_backoff failed ({ret})")
         got = self.starpu_workers = lib.sl_cpu_worker_count()
-        expected = starpu_worker_count(self.workers, self.cores_per_worker, kcore,
-                                       n + gpus > usable_cores(), memory is not None)
-        if got != expected:
+        if got != p.starpu_workers:
             self.shutdown()
             raise StarpuLLMError(f"StarPU started {got} CPU worker(s) instead of "
-                                 f"{expected} (STARPU_NCPU or "
+                                 f"{p.starpu_workers} (STARPU_NCPU or "
                                  "STARPU_WORKERS_CPUID in the environment?)")
 
-    def _plan(self, workers, cores_per_worker, sched, oversubscribe, comm, kcore, face, memory,
-              gpus, gpu_matmul, cpu_layers):
-        """Check the partition and settle what the start needs (no side effect on StarPU):
-        (the cores of the workers, the k-core mode asked for)."""
-        kcore = kcore or DEFAULT_KCORE
-        if kcore not in KCORE_MODES:
-            raise StarpuLLMError(f"{opt('kcore')} {kcore!r}: choose one of {', '.join(KCORE_MODES)}")
-        check_gpus(gpus, gpu_matmul, kcore, sched or os.environ.get("STARPU_SCHED"), comm,
-                   memory)
-        self.gpus, self.gpu_matmul = gpus, gpu_matmul
-        self.cpu_layers = cpu_layers or not gpus
-        ncores = usable_cores()
-        if kcore == "forkjoin":
-            ncores = min(ncores, max_starpu_cpus())
-        ncores = max(1, ncores - gpus)      # a core for each GPU's worker thread
-        if workers is None and cores_per_worker is None:
-            workers, cores_per_worker = default_partition(ncores)
-        elif cores_per_worker is None:
-            cores_per_worker = max(1, ncores // workers)
-        elif workers is None:
-            workers = max(1, ncores // cores_per_worker)
-        check_partition(workers, cores_per_worker, oversubscribe, kcore, gpus)
-        self.workers, self.cores_per_worker = workers, cores_per_worker
-        oversubscribed = workers * cores_per_worker + gpus > usable_cores()
-        self.kcore = effective_kcore(kcore, cores_per_worker, workers, oversubscribed,
-                                     memory is not None, gpus)
-        if sched is None:
-            sched = os.environ.get("STARPU_SCHED") or (
-                GPU_SCHED if gpus else "peager" if self.kcore == "forkjoin" else "lws")
-        policies = sched_policies()
-        if sched not in policies:
-            given = f"{opt('sched')} {sched}" if sched != os.environ.get("STARPU_SCHED") else \
-                f"STARPU_SCHED={sched} (in the environment)"
-            raise StarpuLLMError(f"{given}: this StarPU has no such scheduler; choose one of "
-                                 f"{', '.join(policies)}")
-        self.sched = sched
+    def _plan(self, partition, request, sched, comm, face, memory) -> list:
+        """Resolve and check the partition, settle what the start needs (no side effect on
+        StarPU): the cores of the workers, then one for each GPU's worker thread."""
+        ranks = comm.Get_size() if comm is not None else 1
+        p = self.partition = partition or resolve_here(request, ranks,
+                                                       memory_limit=memory is not None)
+        self.workers, self.cores_per_worker, self.kcore = p.workers, p.cores_per_worker, p.kcore
+        self.gpus, self.gpu_matmul = p.gpus, p.gpu_matmul or "tf32"
+        self.sched = scheduler(p, sched, sched_policies(), os.environ.get("STARPU_SCHED"))
         os.environ.setdefault("STARPU_SILENT", "1")
         # The CUDA workers asked for, no other accelerator (the variable would override the
         # count sl_start gives StarPU)
-        os.environ["STARPU_NCUDA"] = str(gpus)
+        os.environ["STARPU_NCUDA"] = str(p.gpus)
         os.environ.setdefault("STARPU_NOPENCL", "0")
-        n = workers * cores_per_worker
+        n = p.workers * p.cores_per_worker
         core_ids = sorted(os.sched_getaffinity(0))
         # the partition's cores, then one for each GPU's thread (oversubscribed: reused)
-        core_ids = (core_ids * ((n + gpus) // len(core_ids) + 1))[:n + gpus]
+        core_ids = (core_ids * ((n + p.gpus) // len(core_ids) + 1))[:n + p.gpus]
         self.comm = comm
         if comm is not None and not lib.sl_mpi_available():
             raise StarpuLLMError("this build has no StarPU-MPI support (rebuild with "
@@ -304,18 +185,13 @@ class Runtime:
                           (f"does not run under {opt('memory_limit')} (its checkpoint task copies "
                            f"every parameter into one numpy array); use the cffi face",
                            memory is not None),
-                          ("does not start GPUs; use the cffi face", gpus > 0)):
+                          ("does not start GPUs; use the cffi face", p.gpus > 0)):
             if face == "starpupy" and when:
                 if explicit:
                     raise StarpuLLMError(f"face 'starpupy' {why}")
                 self.face = face = "cffi"
-        if memory is not None and self.kcore == "forkjoin":
-            raise StarpuLLMError(
-                f"{opt('memory_limit')} needs tasks on buffers StarPU allocates itself, which "
-                f"StarPU 1.3's FORKJOIN tasks (peager) cannot run: use {opt('kcore')} team (the "
-                f"default) or one core per worker")
         self.memory = memory
-        return core_ids, kcore
+        return core_ids
 
     @property
     def workers_are_starpu_workers(self) -> bool:

@@ -125,27 +125,25 @@ def _environment(values: dict):
         apply(saved)
 
 
-def start(ncpus: int, cores_per_worker: int, kcore: str, kcore_requested: int, core_ids: list,
-          sched: str) -> None:
-    """starpu.init() with the partition sl_start would configure, then sl_attach.
-    kcore is runtime.effective_kcore's answer, which decides like sl_start; kcore_requested
-    the asked-for mechanism's C constant (KCORE_MODES)."""
+def start(partition, mechanism: int, core_ids: list, sched: str) -> None:
+    """starpu.init() with the configuration sl_start would make for `partition` (a resolved
+    record.Partition), then sl_attach; mechanism: its kcore's C constant."""
     starpu = import_starpupy()
 
-    workers = ncpus // cores_per_worker
-    env = {"STARPU_SCHED": sched, "STARPU_NCPU": str(ncpus), "STARPU_NCPUS": None,
-           "STARPU_WORKERS_CPUID": None, "STARPU_MIN_WORKERSIZE": None,
+    workers, cores_per_worker = partition.workers, partition.cores_per_worker
+    env = {"STARPU_SCHED": sched, "STARPU_NCPU": str(workers * cores_per_worker),
+           "STARPU_NCPUS": None, "STARPU_WORKERS_CPUID": None, "STARPU_MIN_WORKERSIZE": None,
            "STARPU_MAX_WORKERSIZE": None}
-    if kcore == "team":      # one worker on the first core of each group
+    if partition.kcore == "team":      # one worker on the first core of each group
         env["STARPU_NCPU"] = str(workers)
         env["STARPU_WORKERS_CPUID"] = " ".join(str(core_ids[w * cores_per_worker])
                                                for w in range(workers))
-    elif kcore == "forkjoin":
+    elif partition.kcore == "forkjoin":
         env["STARPU_MIN_WORKERSIZE"] = env["STARPU_MAX_WORKERSIZE"] = str(cores_per_worker)
     lib.sl_reserve_interface_ids(16)    # starpupy's 3 interfaces (see csrc/starpu/runtime.c)
     with _environment(env):
         starpu.init()
-    ret = lib.sl_attach(ncpus, cores_per_worker, kcore_requested, ffi.new("int[]", core_ids))
+    ret = lib.sl_attach(workers, cores_per_worker, mechanism, ffi.new("int[]", core_ids))
     if ret != 0:
         starpu.shutdown()
         raise StarpuLLMError(f"setting up the StarPU started by starpupy failed ({ret})")

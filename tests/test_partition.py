@@ -1,0 +1,135 @@
+"""The partition decided in one place (starpu_llm/partition.py): resolve() is a pure function
+of the request, the cores, the ranks and the StarPU build, so these tests give it any machine
+(no test double of the process): defaults, the mechanism that gives a task its cores, every
+rule's error, and a recorded partition asked for again giving the same partition."""
+import pytest
+
+from starpu_llm import StarpuLLMError
+from starpu_llm.errors import flag
+from starpu_llm.partition import (Build, PartitionRequest, partitions_that_fit, request_of,
+                                  resolve, scheduler)
+
+DEBIAN = Build(max_cpus=4, parallel_workers=False)          # StarPU 1.3.10 as Debian has it
+CLUSTER = Build(max_cpus=64, parallel_workers=True)         # a StarPU 1.4 module
+GPU = Build(max_cpus=64, parallel_workers=True, cuda=True)
+
+
+def test_the_default_is_one_worker_on_every_core():
+    for build, cores in ((DEBIAN, 2), (DEBIAN, 4), (CLUSTER, 36)):
+        p = resolve(PartitionRequest(), cores=cores, build=build, batch=8)
+        assert (p.workers, p.cores_per_worker, p.sub_batches, p.ranks) == (1, cores, 1, 1)
+    assert resolve(PartitionRequest(), cores=2, build=DEBIAN).kcore == "team"
+    assert resolve(PartitionRequest(), cores=36, build=CLUSTER).kcore == "parallel-workers"
+    assert resolve(PartitionRequest(workers=2), cores=2, build=DEBIAN).kcore == "single"
+
+
+def test_the_mechanism():
+    """Parallel workers where the build has them and they can run the partition: not
+    oversubscribed, not under a memory limit, not beyond STARPU_MAXCPUS; team workers with
+    GPUs; else what is asked."""
+    def mechanism(build, cores, **ask):
+        return resolve(PartitionRequest(**ask), cores=cores, build=build).kcore
+    assert mechanism(CLUSTER, 8, workers=2) == "parallel-workers"
+    assert mechanism(CLUSTER, 4, workers=2, cores_per_worker=4, oversubscribe=True) == "team"
+    assert mechanism(CLUSTER, 8, workers=2, kcore="forkjoin", oversubscribe=True,
+                     cores_per_worker=8) == "forkjoin"
+    assert resolve(PartitionRequest(workers=2), cores=8, build=CLUSTER,
+                   memory_limit=True).kcore == "team"
+    assert mechanism(GPU, 8, workers=1, cores_per_worker=4, gpus=1) == "team"
+    assert mechanism(DEBIAN, 2, kcore="forkjoin") == "forkjoin"
+
+
+def test_gpus_take_a_core_each_and_need_a_cuda_build():
+    p = resolve(PartitionRequest(gpus=1), cores=8, build=GPU, batch=8)
+    assert (p.workers, p.cores_per_worker, p.gpus, p.gpu_matmul, p.sub_batches) == (1, 7, 1, "tf32", 1)
+    with pytest.raises(StarpuLLMError, match="CPU build"):
+        resolve(PartitionRequest(gpus=1), cores=8, build=CLUSTER)
+    with pytest.raises(StarpuLLMError, match="StarPU-MPI"):
+        resolve(PartitionRequest(gpus=1), cores=8, build=GPU, ranks=2)
+    with pytest.raises(StarpuLLMError, match="can use 8"):
+        resolve(PartitionRequest(workers=1, cores_per_worker=8, gpus=1), cores=8, build=GPU)
+
+
+def test_each_rule_says_what_to_do():
+    with pytest.raises(StarpuLLMError, match="STARPU_MAXCPUS"):
+        resolve(PartitionRequest(workers=5, cores_per_worker=1, oversubscribe=True), cores=2,
+                build=DEBIAN)
+    with pytest.raises(StarpuLLMError, match="STARPU_MAXCPUS.*or kcore team"):
+        resolve(PartitionRequest(workers=4, cores_per_worker=2, kcore="forkjoin",
+                                 oversubscribe=True), cores=8, build=DEBIAN)
+    # team workers: StarPU runs only N workers, the teams take the other cores
+    assert resolve(PartitionRequest(workers=4, cores_per_worker=2), cores=8,
+                   build=DEBIAN).starpu_workers == 4
+    with pytest.raises(StarpuLLMError, match=r"can use 1; partitions that fit: 1x1 "):
+        resolve(PartitionRequest(workers=1, cores_per_worker=2), cores=1, build=DEBIAN)
+    assert resolve(PartitionRequest(workers=1, cores_per_worker=2, oversubscribe=True),
+                   cores=1, build=DEBIAN).cores_per_worker == 2
+    with pytest.raises(StarpuLLMError, match="at least 1"):
+        resolve(PartitionRequest(workers=0), cores=2, build=DEBIAN)
+    with pytest.raises(StarpuLLMError, match="above 64"):
+        resolve(PartitionRequest(cores_per_worker=65, oversubscribe=True), cores=2, build=CLUSTER)
+    with pytest.raises(StarpuLLMError, match="^kcore 'threads': choose one of") as e:
+        resolve(PartitionRequest(kcore="threads"), cores=2, build=DEBIAN)
+    assert e.value.render(flag).startswith("--kcore 'threads'")
+    with pytest.raises(StarpuLLMError, match="FORKJOIN"):
+        resolve(PartitionRequest(kcore="forkjoin"), cores=2, build=DEBIAN, memory_limit=True)
+
+
+@pytest.mark.parametrize("cores", [1, 2, 3, 6, 8, 36])
+@pytest.mark.parametrize("build", [DEBIAN, CLUSTER], ids=["1.3", "1.4"])
+def test_every_partition_offered_as_fitting_resolves(cores, build):
+    fits = partitions_that_fit(cores, build)
+    assert fits and all(n * k == cores for n, k, _ in fits)
+    for n, k, mode in fits:
+        p = resolve(PartitionRequest(workers=n, cores_per_worker=k, kcore=mode), cores=cores,
+                    build=build)
+        assert (p.workers, p.cores_per_worker) == (n, k)
+    if cores > build.max_cpus:
+        assert (cores, 1, "team") not in fits
+
+
+def test_sub_batches_and_ranks():
+    """One sub-batch per worker (per GPU with GPUs), a pipeline's 2 S N micro-batches when
+    they divide its copy's batch; ownership sharded across ranks, rank0 alone."""
+    p = resolve(PartitionRequest(workers=2), cores=2, build=DEBIAN, batch=8)
+    assert (p.sub_batches, p.ownership) == (2, "rank0")
+    p = resolve(PartitionRequest(workers=1, cores_per_worker=1), cores=1, build=DEBIAN, ranks=4,
+                batch=16)
+    assert (p.ranks, p.ownership, p.sub_batches) == (4, "sharded", 1)
+    p = resolve(PartitionRequest(pipeline_stages=2), cores=1, build=DEBIAN, ranks=2, batch=16)
+    assert (p.stages, p.sub_batches) == (2, 4)
+    p = resolve(PartitionRequest(gpus=2, workers=1), cores=8, build=GPU, batch=8)
+    assert p.sub_batches == 2
+    assert resolve(PartitionRequest(threads=3, sub_batches=2), cores=2, build=DEBIAN,
+                   engine="reference").describe() == \
+        "reference engine, 3 thread(s), 2 sub-batch(es)"
+
+
+@pytest.mark.parametrize("build, cores, ask, ranks", [
+    (DEBIAN, 2, {}, 1), (DEBIAN, 2, dict(workers=2), 1), (DEBIAN, 2, dict(kcore="forkjoin"), 1),
+    (CLUSTER, 16, dict(workers=4), 1), (CLUSTER, 4, dict(ownership="rank0"), 2),
+    (CLUSTER, 4, dict(pipeline_stages=2, sub_batches=3), 2), (GPU, 8, dict(gpus=1), 1)])
+def test_a_recorded_partition_asked_for_again_is_the_same(build, cores, ask, ranks):
+    p = resolve(PartitionRequest(**ask), cores=cores, build=build, ranks=ranks, batch=24)
+    again = request_of(p)
+    assert again.given()
+    assert resolve(again, cores=cores, build=build, ranks=ranks, batch=24) == p
+
+
+def test_what_counts_as_given_and_the_scheduler():
+    assert not PartitionRequest(sched="eager", pipeline_schedule="1f1b").given()
+    assert PartitionRequest(sub_batches=2).given() and PartitionRequest(gpus=1).given()
+    policies = ["lws", "peager", "dmdas", "eager"]
+    p = resolve(PartitionRequest(), cores=2, build=DEBIAN)
+    assert scheduler(p, None, policies) == "lws"
+    assert scheduler(p, None, policies, env="eager") == "eager"
+    assert scheduler(resolve(PartitionRequest(kcore="forkjoin"), cores=2, build=DEBIAN), None,
+                     policies) == "peager"
+    assert scheduler(resolve(PartitionRequest(gpus=1), cores=4, build=GPU), None,
+                     policies) == "dmdas"
+    with pytest.raises(StarpuLLMError, match="sched nosuch: this StarPU has no such scheduler"):
+        scheduler(p, "nosuch", policies)
+    with pytest.raises(StarpuLLMError, match="STARPU_SCHED=nosuch"):
+        scheduler(p, None, policies, env="nosuch")
+    with pytest.raises(StarpuLLMError, match="lws"):
+        scheduler(resolve(PartitionRequest(gpus=1), cores=4, build=GPU), "lws", policies)
