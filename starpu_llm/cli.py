@@ -1,5 +1,5 @@
-"""Command line: starpu-llm train | prepare | bench | calibrate | predict | generate (also
-python -m starpu_llm)."""
+"""Command line: starpu-llm train | prepare | bench | calibrate | predict | generate | serve
+(also python -m starpu_llm)."""
 from __future__ import annotations
 
 import argparse
@@ -161,6 +161,42 @@ def build_parser():
     g.add_argument("--engine", default="starpu", choices=["starpu", "reference"],
                    help="starpu: the task graph with a key/value cache; reference: the same "
                         "kernels in a plain loop")
+
+    sv = sub.add_parser("serve", help="serve a model (llm.c checkpoint with GPT-2's vocabulary) "
+                                      "over HTTP with OpenAI's completions API, batching the "
+                                      "requests (docs/serving.md)")
+    sv.add_argument("--init-from", required=True, metavar="CKPT", help="llm.c fp32 checkpoint")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default "
+                                                        "127.0.0.1: this machine only)")
+    sv.add_argument("--port", type=_checked(int, "a port number", lambda v: 0 <= v < 65536,
+                                            "in 0..65535")("--port"), default=8000,
+                    help="TCP port (default 8000; 0: a free one, printed)")
+    sv.add_argument("--max-batch", type=_CHECKS["positive"]("--max-batch"), default=8,
+                    help="sequences generated at once, each in a slot of the key/value cache "
+                         "(default 8)")
+    sv.add_argument("--max-queue", type=_checked(int, "a whole number", lambda v: v >= 0,
+                                                 ">= 0")("--max-queue"), default=64,
+                    help="requests waiting for a slot beyond those; more are refused with HTTP "
+                         "503 and Retry-After (default 64)")
+    sv.add_argument("--engine", default="starpu", choices=["starpu", "reference"],
+                    help="starpu: the task graph; reference: the same kernels in a plain loop")
+    sv.add_argument("--workers", type=_CHECKS["positive"]("--workers"), default=None,
+                    help="N StarPU workers (default: one on every core); with N > 1 the slots "
+                         "are split into N groups that step side by side")
+    sv.add_argument("--cores-per-worker", type=_CHECKS["positive"]("--cores-per-worker"),
+                    default=None, help="K cores per worker (default: all cores over the workers)")
+    sv.add_argument("--kcore", default=None, choices=["team", "forkjoin"],
+                    help="how a task gets K > 1 cores without StarPU parallel workers "
+                         "(default team)")
+    sv.add_argument("--model-name", default=None, help="the model's name in the API (default: "
+                                                       "the checkpoint's file name, without "
+                                                       "its extension)")
+    sv.add_argument("--shutdown-timeout", type=_CHECKS["nonneg"]("--shutdown-timeout"),
+                    default=30.0, help="seconds the running requests get to finish after "
+                                       "SIGINT or SIGTERM, before they are cancelled (default 30)")
+    sv.add_argument("--log-level", default="info",
+                    choices=["critical", "error", "warning", "info", "debug"],
+                    help="uvicorn's log level (info: one line per request)")
     return ap
 
 
@@ -229,12 +265,19 @@ def cmd_generate(args):
     return 0
 
 
+def cmd_serve(args):
+    from .cli_serve import run_serve
+    return run_serve(args.init_from, args.host, args.port, args.max_batch, args.max_queue,
+                     args.engine, args.workers, args.cores_per_worker, args.kcore,
+                     args.model_name, args.shutdown_timeout, args.log_level)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return {"train": cmd_train, "prepare": cmd_prepare, "bench": cmd_bench,
                 "calibrate": cmd_calibrate, "predict": cmd_predict,
-                "generate": cmd_generate}[args.cmd](args)
+                "generate": cmd_generate, "serve": cmd_serve}[args.cmd](args)
     except StarpuLLMError as e:
         print(f"starpu-llm: error: {e.render(flag_of)}", file=sys.stderr)
         return 2

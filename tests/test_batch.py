@@ -2,7 +2,7 @@
 the key/value cache at its own position, prompts prefilled side by side with the others' next
 tokens, against single-prompt generation (generate.Decoder, B = 1) on both engines.
 
-The model has peaked logits (wte scaled up): the largest logit of every step leads the second
+The model has peaked logits (peaked_params): the largest logit of every step leads the second
 by more than twice the fp32 bound of the existing generation tests (bounds.logits_bound), so
 two computations within that bound pick the same greedy token. The test checks both: the
 logits within the bound, and therefore the same tokens, whatever else shares the batch."""
@@ -21,12 +21,18 @@ from starpu_llm.state import random_init
 MICRO = MODELS["micro"]
 
 
-def peaked_params(config, seed=3, wte_scale=25.0):
-    """random_init moved by N(0, 0.02) (every tensor matters), wte (the embedding and the lm
-    head) scaled up: the logits spread over a few units, so the top two are far apart."""
+def peaked_params(config, seed=3, mlp_scale=4.0, lnf_scale=20.0):
+    """random_init moved by N(0, 0.02) (every tensor matters), the MLPs' weights scaled up
+    (their output, a function of the tokens and positions so far, outweighs the embedding in
+    the residual stream: the greedy continuation is not the last token again and again) and
+    the final layernorm's weight too (the logits spread over several units: the top two are
+    far apart; the tests check by how much, against the fp32 bound)."""
     p = random_init(config, seed)
     p += np.random.default_rng(seed).standard_normal(p.size).astype(np.float32) * 0.02
-    ParamLayout(config).views(p)["wte"][:] *= wte_scale
+    views = ParamLayout(config).views(p)
+    for name in ("fcw", "fcprojw"):
+        views[name][:] *= mlp_scale
+    views["lnfw"][:] *= lnf_scale
     return p
 
 
