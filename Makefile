@@ -117,3 +117,14 @@ $(VENV)/.figures-deps: | $(VENV)/.installed
 	    $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq graphviz >/dev/null; }
 	$(BIN)/pip install -q matplotlib
 	touch $@
+
+# Serving many requests (experiments/serving_bench.py, docs/serving.md): one generate process
+# per request, the server one request at a time and batched, and Hugging Face transformers'
+# batched generate (installed here for this benchmark only, never a dependency of the project)
+# on GPT-2 124M; raw CSVs and the plot in experiments/results/serving/<cpu kind>/. About 40
+# minutes on a quiet 2-core machine.
+SERVING_ARGS ?=
+.PHONY: serving-bench
+serving-bench: $(VENV)/.installed $(VENV)/.test-deps $(VENV)/.figures-deps
+	$(BIN)/pip install -q transformers
+	$(BIN)/python experiments/serving_bench.py $(SERVING_ARGS)
