@@ -267,6 +267,9 @@ def main():
     ap.add_argument("--systems", default="a,b,c,d")
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--requests-a", type=int, default=None,
+                    help="requests of system a (default --requests): one process each, "
+                         "oversubscribed at high concurrency, it is by far the slowest")
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--model", default="d12")
@@ -288,6 +291,7 @@ def main():
     checkpoint(args.model, ckpt)
     info = machine_info()
     json.dump({**info, "model": args.model, "requests": args.requests,
+               "requests_a": args.requests_a or args.requests,
                "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens},
               open(os.path.join(out, "machine.json"), "w"), indent=1)
     all_rows, summaries = [], []
@@ -297,7 +301,8 @@ def main():
                 load = os.getloadavg()[0]
                 t0 = time.perf_counter()
                 if s == "a":
-                    rows = run_generate_per_request(ckpt, texts, c, args.new_tokens)
+                    rows = run_generate_per_request(ckpt, texts[:args.requests_a], c,
+                                                    args.new_tokens)
                 elif s in "bc":
                     rows = run_server(ckpt, texts, c, args.new_tokens, 1 if s == "b" else 16,
                                       os.path.join(out, f"server-{s}-c{c}.log"))

@@ -249,10 +249,10 @@ class Engine:
     def drain(self, timeout: float):
         """Take no new request; let the accepted ones finish for at most timeout seconds, then
         cancel the rest; the thread then stops (StarPU shut down)."""
+        deadline = time.monotonic() + max(0.0, timeout)
         with self._cond:
-            if not self._draining:
-                self._draining = True
-                self._deadline = time.monotonic() + max(0.0, timeout)
+            self._draining = True       # a second call can only bring the deadline closer
+            self._deadline = deadline if self._deadline is None else min(self._deadline, deadline)
             self._cond.notify()
 
     def close(self, timeout: float = 10.0, join: float | None = None) -> bool:
