@@ -275,7 +275,20 @@ def main():
     ap.add_argument("--model", default="d12")
     ap.add_argument("--out", default=None, help="default: experiments/results/serving/<cpu>")
     ap.add_argument("--figure", default=FIGURE, help="where the plot goes too ('' : nowhere)")
+    ap.add_argument("--plot-from", nargs="+", metavar="DIR",
+                    help="only plot: the summary.csv of these runs together (into --figure)")
     args = ap.parse_args()
+    if args.plot_from:
+        rows = []
+        for d in args.plot_from:
+            with open(os.path.join(d, "summary.csv")) as f:
+                rows += [{**r, "concurrency": int(r["concurrency"]),
+                          "tokens_per_s": float(r["tokens_per_s"])} for r in csv.DictReader(f)]
+        info = json.load(open(os.path.join(args.plot_from[0], "machine.json")))
+        plot(rows, args.figure, f"GPT-2 {info['model']}, prompts of {info['prompt_tokens']} + "
+             f"{info['new_tokens']} tokens; {info['cpu_model']}, {info['cores']} cores, "
+             f"{info['commit']}")
+        return
     systems = args.systems.split(",")
     if "d" in systems:
         try:
