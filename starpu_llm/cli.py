@@ -1,5 +1,5 @@
-"""Command line: starpu-llm train | prepare | bench | calibrate | predict | generate (also
-python -m starpu_llm).
+"""Command line: starpu-llm train | prepare | bench | calibrate | predict | generate |
+serve (also python -m starpu_llm).
 
 Errors end the command with one message and status 2; under mpirun rank 0 reports an error
 that every rank knows (runtime/mpi.agree: a bad flag, a file missing on one node, settings
@@ -93,9 +93,10 @@ def _sweep(conv, flag: str, choices):
     return parse
 
 
-def add_setting_args(p, settings, sweep: bool = False):
+def add_setting_args(p, settings, sweep: bool = False, overrides=None):
     """One flag per setting (a dataclass field made by settings.setting), from its metadata;
-    with sweep, the fields marked sweep take a list of values (_sweep)."""
+    with sweep, the fields marked sweep take a list of values (_sweep); overrides: {field
+    name: argparse keywords} where a command means less than the setting (serve's --workers)."""
     groups = {}
     for f in settings:
         m = f.metadata
@@ -124,6 +125,7 @@ def add_setting_args(p, settings, sweep: bool = False):
                 kw["choices"] = m["choices"]
         if "metavar" in m:
             kw["metavar"] = m["metavar"]
+        kw.update((overrides or {}).get(f.name, {}))
         target.add_argument(*names, **kw)
 
 
@@ -215,6 +217,40 @@ def build_parser():
     g.add_argument("--engine", default="starpu", choices=["starpu", "reference"],
                    help="starpu: the task graph with a key/value cache; reference: the same "
                         "kernels in a plain loop")
+
+    sv = sub.add_parser("serve", help="serve a model (llm.c checkpoint with GPT-2's vocabulary) "
+                                      "over HTTP with OpenAI's completions API, batching the "
+                                      "requests (docs/serving.md)")
+    sv.add_argument("--init-from", required=True, metavar="CKPT", help="llm.c fp32 checkpoint")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default "
+                                                        "127.0.0.1: this machine only)")
+    sv.add_argument("--port", type=_checked(int, "a port number", lambda v: 0 <= v < 65536,
+                                            "in 0..65535")("--port"), default=8000,
+                    help="TCP port (default 8000; 0: a free one, printed)")
+    sv.add_argument("--max-batch", type=_CHECKS["positive"]("--max-batch"), default=8,
+                    help="sequences generated at once, each in a slot of the key/value cache "
+                         "(default 8)")
+    sv.add_argument("--max-queue", type=_checked(int, "a whole number", lambda v: v >= 0,
+                                                 ">= 0")("--max-queue"), default=64,
+                    help="requests waiting for a slot beyond those; more are refused with HTTP "
+                         "503 and Retry-After (default 64)")
+    sv.add_argument("--engine", default="starpu", choices=["starpu", "reference"],
+                    help="starpu: the task graph; reference: the same kernels in a plain loop")
+    add_setting_args(sv, partition_settings("workers", "cores_per_worker", "kcore", "sched",
+                                            "gpus", "gpu_matmul"),
+                     overrides={"workers": dict(
+                         type=_CHECKS["positive"]("--workers"),
+                         help="N StarPU workers (default 1, on all the cores); with N > 1 the "
+                              "slots are split into N groups that step side by side")})
+    sv.add_argument("--model-name", default=None, help="the model's name in the API (default: "
+                                                       "the checkpoint's file name, without "
+                                                       "its extension)")
+    sv.add_argument("--shutdown-timeout", type=_CHECKS["nonneg"]("--shutdown-timeout"),
+                    default=30.0, help="seconds the running requests get to finish after "
+                                       "SIGINT or SIGTERM, before they are cancelled (default 30)")
+    sv.add_argument("--log-level", default="info",
+                    choices=["critical", "error", "warning", "info", "debug"],
+                    help="uvicorn's log level (info: one line per request)")
     return ap
 
 
@@ -313,8 +349,20 @@ def cmd_generate(args):
     return 0
 
 
+def cmd_serve(args):
+    from .cli_serve import run_serve
+    from .partition import PartitionRequest
+    request = PartitionRequest(workers=args.workers, cores_per_worker=args.cores_per_worker,
+                               kcore=args.kcore, sched=args.sched, gpus=args.gpus,
+                               gpu_matmul=args.gpu_matmul)
+    return run_serve(args.init_from, args.host, args.port, args.max_batch, args.max_queue,
+                     args.engine, request, args.model_name, args.shutdown_timeout,
+                     args.log_level)
+
+
 COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "bench": cmd_bench,
-            "calibrate": cmd_calibrate, "predict": cmd_predict, "generate": cmd_generate}
+            "calibrate": cmd_calibrate, "predict": cmd_predict, "generate": cmd_generate,
+            "serve": cmd_serve}
 
 
 def main(argv=None) -> int:

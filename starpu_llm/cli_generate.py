@@ -17,6 +17,20 @@ def _print(text: str):
     sys.stdout.flush()
 
 
+def read_text_model(init_from, engine: str, command: str):
+    """(config, parameters) of the llm.c checkpoint init_from for `command` on `engine`: a
+    clear error for a model without GPT-2's vocabulary (the text goes through the GPT-2
+    tokenizer) or an unknown engine."""
+    config, params = formats.read_checkpoint(init_from)
+    if config.V != tokenizer.N_VOCAB:
+        raise StarpuLLMError(f"{init_from} has a vocabulary of {config.V} tokens, not GPT-2's "
+                             f"{tokenizer.N_VOCAB}: {command} reads and writes text with the "
+                             f"GPT-2 tokenizer; give the checkpoint of a GPT-2-vocabulary model")
+    if engine not in ("starpu", "reference"):
+        raise StarpuLLMError(f"{opt('engine')} {engine!r}: choose starpu or reference")
+    return config, params
+
+
 def run_generate(init_from, prompt: str = "", max_new_tokens: int = 64, temperature: float = 1.0,
                  top_k: int = 0, seed: int = 1337, engine: str = "starpu", write=_print,
                  runtime=None) -> str:
@@ -25,13 +39,7 @@ def run_generate(init_from, prompt: str = "", max_new_tokens: int = 64, temperat
     seeded with seed. Writes the prompt, then the text as it is produced, then a newline, to
     `write`; returns the generated text. The StarPU engine runs on `runtime`, or on a runtime
     of its own for the call."""
-    config, params = formats.read_checkpoint(init_from)
-    if config.V != tokenizer.N_VOCAB:
-        raise StarpuLLMError(f"{init_from} has a vocabulary of {config.V} tokens, not GPT-2's "
-                             f"{tokenizer.N_VOCAB}: generate reads and writes text with the GPT-2 "
-                             f"tokenizer; give the checkpoint of a GPT-2-vocabulary model")
-    if engine not in ("starpu", "reference"):
-        raise StarpuLLMError(f"{opt('engine')} {engine!r}: choose starpu or reference")
+    config, params = read_text_model(init_from, engine, "generate")
     tok = tokenizer.gpt2()
     ids = tok.encode(prompt) if prompt else [tok.eot]
     check_request(config, len(ids), max_new_tokens, temperature, top_k)   # before any start-up

@@ -77,24 +77,43 @@ class StopOnSignal:
         os.set_blocking(write, False)
         self._write = write
         threading.Thread(target=self._watch, name="starpu-llm signals", daemon=True).start()
-        self._previous_fd = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
-        self._installed = True
-        # last: from here a signal may raise Interrupted, out of this very call too
-        self._previous = {}
-        for s in STOP_SIGNALS:
-            self._previous[s] = signal.signal(s, self._handler)
+        self._install()
         return self
 
     def __exit__(self, *exc):
         if not self._installed:
             return
+        self._uninstall()
+        os.close(self._write)           # the watcher reads the end of the pipe and returns
+
+    def _install(self):
+        self._previous_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        self._installed = True
+        # last: from here a signal may raise Interrupted, out of this very call too
+        self._previous = {}
+        for s in STOP_SIGNALS:
+            self._previous[s] = signal.signal(s, self._handler)
+
+    def _uninstall(self):
         for s, h in self._previous.items():
             # None: a handler not set from Python; Python's default then
             signal.signal(s, h if h is not None else (signal.default_int_handler
                                                       if s == signal.SIGINT else signal.SIG_DFL))
         signal.set_wakeup_fd(self._previous_fd)
-        os.close(self._write)           # the watcher reads the end of the pipe and returns
         self._installed = False
+
+    @contextlib.contextmanager
+    def suspended(self):
+        """The handlers and wakeup fd as they were before, inside the block: for a command
+        that handles the signals itself (serve: uvicorn's handlers drain the requests)."""
+        if not self._installed:
+            yield self
+            return
+        self._uninstall()
+        try:
+            yield self
+        finally:
+            self._install()
 
     # --- what a signal does
     def _handler(self, signum, frame):
@@ -174,6 +193,16 @@ def stop_on_signal():
             yield s
         finally:
             _current = None
+
+
+@contextlib.contextmanager
+def suspended():
+    """The CLI's StopOnSignal (if any) out of the way inside the block (StopOnSignal.suspended)."""
+    if _current is None:
+        yield None
+        return
+    with _current.suspended() as s:
+        yield s
 
 
 def _remove_once_gone(paths: list) -> None:

@@ -67,7 +67,7 @@ class GPUKernels:
             raise RuntimeError(f"sl_codelet_run_cuda({codelet}) failed ({ret})")
 
     def encoder_forward(self, out, inp, wte, wpe, B, T, C):
-        self.run("encoder_forward", [out, inp, wte, wpe], B=B, T=T, C=C, pos=0, blocks=1)
+        self.run("encoder_forward", [out, inp, wte, wpe], B=B, T=T, C=C, blocks=1)
 
     def encoder_backward(self, dwte, dwpe, dout, inp, B, T, C):
         self.run("encoder_backward", [dwte, dwpe, dout, inp], B=B, T=T, C=C, blocks=1)
@@ -138,9 +138,8 @@ class GPUKernels:
     def add_inplace(self, a, b, n):
         self.run("add", [a, b])
 
-    def kv_append(self, k, v, new, B, Tn, C, NH, maxT, pos):
-        self.run("kv_append", [k, v, new], B=B, Tn=Tn, C=C, NH=NH, maxT=maxT, pos=pos)
+    def kv_append(self, k, v, new, idx, N, C, NH, Tc):
+        self.run("kv_append", [k, v, new, idx], N=N, C=C, NH=NH, Tc=Tc)
 
-    def attention_decode(self, out, new, k, v, B, Tn, C, NH, maxT, pos):
-        self.run("attention_decode", [out, new, k, v], B=B, Tn=Tn, C=C, NH=NH, maxT=maxT,
-                 pos=pos)
+    def attention_decode(self, out, new, k, v, idx, N, C, NH, Tc):
+        self.run("attention_decode", [out, new, k, v, idx], N=N, C=C, NH=NH, Tc=Tc)

@@ -31,7 +31,6 @@ def main(schedule, micro, shard):
             events = rt.trace()
         finally:
             rt.stop_trace()
-            names = eng.tensor_names()
         # which micro-batches share each tensor: per (stage, tensor name), the first
         # micro-batch holding the same tensor as micro-batch j, for every j
         layer_stage = eng.sites.topology.layer_stage

@@ -192,7 +192,7 @@ def _companions(draw):
                        m=rng.standard_normal(n, dtype=np.float32),
                        v=rng.random(n, dtype=np.float32), step=draw(st.integers(0, 10**6)),
                        data={"position": draw(st.integers(0, 10**9))})
-    model = _companion_model()
+    _companion_model()                      # writes pair/model.bin
     other = os.path.join(_DIR.name, "pair", "valid.bin")
     checkpoint.write(other, state)          # the same parameters: its .state fits model.bin
     with open(checkpoint.companion(other), "rb") as f:

@@ -115,15 +115,15 @@ def test_too_long_says_maxT(make_backend):
 
 
 def test_decode_tasks_and_cache_modes(runtime):
-    """A feed of 3 tokens is a prefill step of 2 positions and a step of 1 with the lm head;
-    StarPU ran kv_append with the caches RW (the earlier positions are kept) and
+    """A feed of 3 tokens in chunks of 2 is a prefill step of 2 positions and a step of 1 with
+    the lm head; StarPU ran kv_append with the caches RW (the earlier positions are kept) and
     attention_decode with them R."""
     from starpu_llm._clib import lib
     from starpu_llm.runtime.starpu import read_trace
     backend = gen.StarPUBackend(runtime, MICRO, params_of(MICRO))
     try:
         backend.ops = StarPUOps(record=True)
-        decoder = gen.Decoder(backend)
+        decoder = gen.Decoder(backend, chunk=2)
         runtime.start_trace(10_000)
         try:
             decoder.feed([[1, 2, 3]])
@@ -133,13 +133,13 @@ def test_decode_tasks_and_cache_modes(runtime):
         block = ["layernorm_forward", "matmul_forward", "kv_append", "attention_decode",
                  "matmul_forward", "residual_forward", "layernorm_forward", "matmul_forward",
                  "gelu_forward", "matmul_forward", "residual_forward"]
-        step = ["encoder_forward"] + block * MICRO.L
+        step = ["encoder_decode"] + block * MICRO.L
         assert backend.ops.records == step + step + ["layernorm_forward", "matmul_forward"]
         r, rw = lib.SL_ACCESS_R, lib.SL_ACCESS_R | lib.SL_ACCESS_W
         modes = {name: [tuple(m for _, m in e[5]) for e in events if e[0] == name]
                  for name in ("kv_append", "attention_decode")}
-        assert modes["kv_append"] == [(rw, rw, r)] * (2 * MICRO.L)
-        assert modes["attention_decode"] == [(lib.SL_ACCESS_W, r, r, r)] * (2 * MICRO.L)
+        assert modes["kv_append"] == [(rw, rw, r, r)] * (2 * MICRO.L)
+        assert modes["attention_decode"] == [(lib.SL_ACCESS_W, r, r, r, r)] * (2 * MICRO.L)
     finally:
         backend.close()
 

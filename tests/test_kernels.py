@@ -369,7 +369,14 @@ def test_row_blocks_agree_with_one_block(kern, rng, nb):
         dwpe = dwpe0.copy()
         ops = DirectOps(gpu=kern.name == "gpu")
         ops.encoder_forward(t("encoded", out["encoded"]), t("inp", inp), wb, t("wpe", wpe),
-                            B, T, C, 0)
+                            B, T, C)
+        # generation's embedding of the same tokens, given as rows (token, slot, position)
+        # in reverse order: the same additions, row by row
+        idx = np.stack([inp.reshape(-1), np.zeros(N, np.int64), np.tile(np.arange(T), B)],
+                       axis=1)[::-1].astype(np.int32).copy()
+        rows = np.full((N, C), np.nan, np.float32)
+        ops.encoder_decode(t("rows", rows), t("idx", idx), wb, t("wpe", wpe), N, C)
+        assert np.array_equal(rows[::-1].reshape(B, T, C), out["encoded"]), "encoder_decode"
         ops.matmul_forward(t("logits", out["logits"]), t("lnf", lnf), wb, None, N, C, Vp)
         ops.encoder_backward(dwb, t("dwpe", dwpe), t("dout", out["encoded"]), t("inp", inp),
                              B, T, C)
@@ -830,34 +837,64 @@ def _kv_cache(qkv, NH, maxT, fill):
     return caches
 
 
+def _decode_rows(B, Tn, pos, S, rng):
+    """idx (B*Tn, 3) of a step bringing positions pos..pos+Tn-1 of sequences 0..B-1, which sit
+    in B distinct slots among S (chosen at random), the rows in a random order; the rows'
+    (b, i); the slots."""
+    slots = rng.permutation(S)[:B]
+    bi = [(r // Tn, r % Tn) for r in rng.permutation(B * Tn)]
+    idx = np.array([(0, slots[b], pos + i) for b, i in bi], np.int32).reshape(-1, 3)
+    return idx, bi, slots
+
+
 @pytest.mark.parametrize("B,Tn,pos", [(1, 1, 0), (2, 1, 7), (2, 3, 5)])
 def test_kv_append(kern, rng, B, Tn, pos):
-    C, NH, maxT = 24, 3, 12
+    C, NH, maxT, S = 24, 3, 12, 4
     qkv = randn(rng, B, pos + Tn, 3 * C)
-    k, v = _kv_cache(qkv[:, :pos], NH, maxT, fill=7.0)      # 7: a marker for the empty positions
-    new = np.ascontiguousarray(qkv[:, pos:])
-    kern.kv_append(k, v, new, B, Tn, C, NH, maxT, pos)
+    k0, v0 = _kv_cache(qkv[:, :pos], NH, maxT, fill=7.0)  # 7: a marker for the empty positions
+    idx, bi, slots = _decode_rows(B, Tn, pos, S, rng)
+    k = np.full((S, NH, maxT, C // NH), 5.0, np.float32)  # 5: the slots of no sequence
+    v = k.copy()
+    k[slots], v[slots] = k0, v0
+    new = np.ascontiguousarray([qkv[b, pos + i] for b, i in bi])
+    kern.kv_append(k, v, new, idx, B * Tn, C, NH, maxT)
     k_ref, v_ref = _kv_cache(qkv, NH, maxT, fill=7.0)
-    # a copy, so exact; the positions before pos and after pos + Tn are kept
-    assert np.array_equal(k, k_ref) and np.array_equal(v, v_ref)
+    # a copy, so exact; the positions before pos and after pos + Tn, and the other slots, kept
+    assert np.array_equal(k[slots], k_ref) and np.array_equal(v[slots], v_ref)
+    others = np.setdiff1d(np.arange(S), slots)
+    assert np.all(k[others] == 5.0) and np.all(v[others] == 5.0)
 
 
 def _attention_decode_case(kern, rng, B, Tn, pos, C, NH, qscale=1.0):
     """attention_decode of Tn new positions after pos cached ones, against rows pos.. of causal
     attention over all T = pos + Tn positions (torch, float64). The bound is
     _attention_bounds' for those rows: the kernel computes each row with the same operations
-    in the same order as attention_forward (csrc/kernels/attend.h), over the same keys."""
-    T, maxT = pos + Tn, pos + Tn + 3
+    in the same order as attention_forward (csrc/kernels/attend.h), over the same keys. The
+    sequences sit in slots among others that hold NaN, their rows in a random order; one more
+    row, the first position of another sequence in a slot of its own, shares the step."""
+    T, maxT, S = pos + Tn, pos + Tn + 3, B + 3
     qkv = randn(rng, B, T, 3 * C)
     qkv[..., :C] *= qscale
     # positions >= T are NaN: a read of one (not causal) would make the output NaN, a failure
-    k, v = _kv_cache(qkv, NH, maxT, fill=np.nan)
-    new = np.ascontiguousarray(qkv[:, pos:])
-    out = np.full((B, Tn, C), np.nan, np.float32)
-    kern.attention_decode(out, new, k, v, B, Tn, C, NH, maxT, pos)
+    k0, v0 = _kv_cache(qkv, NH, maxT, fill=np.nan)
+    idx, bi, slots = _decode_rows(B, Tn, pos, S - 1, rng)
+    k = np.full((S, NH, maxT, C // NH), np.nan, np.float32)
+    v = k.copy()
+    k[slots], v[slots] = k0, v0
+    lone = randn(rng, 3 * C)              # the other sequence: its position 0, in slot S-1
+    k[S - 1, :, 0], v[S - 1, :, 0] = lone[C:2 * C].reshape(NH, -1), lone[2 * C:].reshape(NH, -1)
+    idx = np.concatenate([idx, [[0, S - 1, 0]]]).astype(np.int32)
+    new = np.ascontiguousarray([qkv[b, pos + i] for b, i in bi] + [lone])
+    out = np.full((len(idx), C), np.nan, np.float32)
+    kern.attention_decode(out, new, k, v, idx, len(idx), C, NH, maxT)
     ref_out = _attention_ref(t64(qkv), B, T, C, NH)[0]
     bd = _attention_bounds(qkv, np.zeros((B, T, C), np.float32), B, T, C, NH)
-    close(out, f64(ref_out)[:, pos:], bd["out"][:, pos:], "attention_decode out")
+    got = np.full((B, Tn, C), np.nan, np.float32)
+    for r, (b, i) in enumerate(bi):
+        got[b, i] = out[r]
+    close(got, f64(ref_out)[:, pos:], bd["out"][:, pos:], "attention_decode out")
+    # a query alone attends to its own value with weight 1 (exp(0) / exp(0)): exact
+    assert np.array_equal(out[-1], lone[2 * C:]), "the lone row"
 
 
 @pytest.mark.parametrize("B,Tn,pos,C,NH", [(1, 1, 0, 16, 2), (2, 1, 9, 48, 4), (2, 3, 5, 36, 3)])

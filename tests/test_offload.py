@@ -1,6 +1,6 @@
 """Training under a memory budget (--memory-limit): StarPU allocates every tensor, caps its
 main memory and evicts to a disk node (runtime/offload.py, csrc/starpu/ooc.c,
-flow/placement.py). A capped run gives bitwise the losses, parameters and moments of the
+flow/handles.py). A capped run gives bitwise the losses, parameters and moments of the
 uncapped run on the same partition, on every partition, resumed, and under mpirun -np 2; its
 peak RSS stays under the cap plus offload.RSS_OVERHEAD while the uncapped run's does not; and
 the cases it cannot run end with one clear error before the first step (a cap too small for a

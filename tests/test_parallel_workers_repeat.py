@@ -7,8 +7,8 @@ task arguments freed after the wait were then read by that task (csrc/starpu/run
 losses differed from run to run or turned NaN, and a single passing run proved nothing. So
 each case runs several times, with and without sub-batches, on a small model and on GPT-2
 124M (a few short steps). With sub-batches sharing a worker, the order of their gradient
-additions is fixed too (chained, not left to a reduction: placement.py), so every case is
-bitwise.
+additions is fixed too (chained, not left to a reduction: flow/topology.py gradient_mode), so
+every case is bitwise.
 """
 import numpy as np
 import pytest

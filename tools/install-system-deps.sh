@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Installs the Debian/Ubuntu packages given, or by default those starpu-llm builds against,
 # when any is missing: StarPU (+MPI), Open MPI, hwloc, pkg-config and OpenBLAS (its OpenMP
-# build, used by default). SL_NO_APT=1: install nothing, fail naming what is missing.
+# build, used by default), and curl (the server's tests). SL_NO_APT=1: install nothing, fail
+# naming what is missing.
 set -euo pipefail
 if [ $# -gt 0 ]; then
   pkgs=("$@")
 else
   pkgs=(libstarpu-dev libstarpumpi-1.3-3 starpu-tools libopenmpi-dev openmpi-bin libhwloc-dev
-        pkg-config libopenblas-dev libopenblas-openmp-dev gcc g++ make python3-venv)
+        pkg-config libopenblas-dev libopenblas-openmp-dev gcc g++ make python3-venv curl)
 fi
 missing=()
 for p in "${pkgs[@]}"; do

@@ -18,8 +18,11 @@ struct sl_no_args {
 };
 struct sl_encoder_args {
 	int B, T, C;
-	int pos;    /* position of the first token (generation; 0 in training) */
 	int blocks; /* wte's row blocks (the repeat count: Python fills it from the call) */
+};
+struct sl_encoder_decode_args {
+	int N, C;
+	int blocks; /* wte's row blocks */
 };
 struct sl_encoder_backward_args {
 	int B, T, C;
@@ -40,7 +43,8 @@ struct sl_attention_args {
 	int B, T, C, NH;
 };
 struct sl_kvcache_args {
-	int B, Tn, C, NH, maxT, pos;
+	int N, C, NH;
+	int Tc; /* positions a cache slot holds */
 };
 struct sl_elementwise_args {
 	size_t N;

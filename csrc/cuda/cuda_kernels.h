@@ -32,10 +32,13 @@ struct sl_gpu {
  * SL_GPU_MAX_BLOCKS blocks (a kernel's arguments are copied to the GPU with its launch). */
 #define SL_GPU_MAX_BLOCKS 32
 
-/* encoder_forward_blocks; wpe already offset to the first position */
+/* encoder_forward_blocks, encoder_decode_blocks */
 void encoder_forward_cuda(const struct sl_gpu *g, float *out, const int32_t *inp,
 			  const float *const *wte, const int *rows, int nb, const float *wpe,
 			  int B, int T, int C);
+void encoder_decode_cuda(const struct sl_gpu *g, float *out, const int32_t *idx,
+			 const float *const *wte, const int *rows, int nb, const float *wpe, int N,
+			 int C);
 /* encoder_backward_blocks (dwte by atomic additions: see above) */
 void encoder_backward_cuda(const struct sl_gpu *g, float *const *dwte, const int *rows, int nb,
 			   float *dwpe, const float *dout, const int32_t *inp, int B, int T, int C);
@@ -64,11 +67,11 @@ void attention_backward_cuda(const struct sl_gpu *g, float *dqkv, float *dpreatt
 			     int C, int NH);
 
 /* kv_append, attention_decode */
-void kv_append_cuda(const struct sl_gpu *g, float *kcache, float *vcache, const float *qkv, int B,
-		    int Tn, int C, int NH, int maxT, int pos);
+void kv_append_cuda(const struct sl_gpu *g, float *kcache, float *vcache, const float *qkv,
+		    const int32_t *idx, int N, int C, int NH, int Tc);
 void attention_decode_cuda(const struct sl_gpu *g, float *out, const float *qkv,
-			   const float *kcache, const float *vcache, int B, int Tn, int C, int NH,
-			   int maxT, int pos);
+			   const float *kcache, const float *vcache, const int32_t *idx, int N,
+			   int C, int NH, int Tc);
 
 /* gelu_forward, gelu_backward, residual_forward */
 void gelu_forward_cuda(const struct sl_gpu *g, float *out, const float *inp, size_t N);

@@ -45,6 +45,19 @@ static __global__ void encoder_forward_kernel(float *out, const int32_t *inp, st
 	}
 }
 
+// out (N,C): row r = wte[idx[r].token] + wpe[idx[r].position]; idx (N,3)
+static __global__ void encoder_decode_kernel(float *out, const int32_t *idx, struct row_blocks wte,
+					     const float *wpe, int N, int C)
+{
+	size_t n = (size_t)N * C;
+	for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+	     i += (size_t)gridDim.x * blockDim.x) {
+		int r = (int)(i / C), c = (int)(i % C);
+		const int32_t *x = idx + 3 * (size_t)r;
+		out[i] = row_of(wte, x[0], C)[c] + wpe[(size_t)x[2] * C + c];
+	}
+}
+
 // dwte[inp[b,t]] += dout[b,t]: atomic, tokens repeat
 static __global__ void encoder_backward_wte_kernel(struct row_blocks dwte, const float *dout,
 						   const int32_t *inp, int BT, int C)
@@ -80,6 +93,17 @@ void encoder_forward_cuda(const struct sl_gpu *g, float *out, const int32_t *inp
 	if (n)
 		SL_LAUNCH(encoder_forward_kernel, sl_blocks(n, 256), 256, 0, sl_stream(g), out, inp,
 			  rb, wpe, B * T, T, C);
+}
+
+void encoder_decode_cuda(const struct sl_gpu *g, float *out, const int32_t *idx,
+			 const float *const *wte, const int *rows, int nb, const float *wpe, int N,
+			 int C)
+{
+	struct row_blocks rb = blocks_of("encoder_decode_cuda", (float *const *)wte, rows, nb);
+	size_t n = (size_t)N * C;
+	if (n)
+		SL_LAUNCH(encoder_decode_kernel, sl_blocks(n, 256), 256, 0, sl_stream(g), out, idx,
+			  rb, wpe, N, C);
 }
 
 void encoder_backward_cuda(const struct sl_gpu *g, float *const *dwte, const int *rows, int nb,

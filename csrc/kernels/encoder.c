@@ -42,6 +42,25 @@ void encoder_forward(float *out, const int32_t *inp, const float *wte, const flo
 	encoder_forward_blocks(out, inp, &wte, &all, 1, wpe, B, T, C);
 }
 
+// out (N,C), idx (N,3) int32: (token, slot, position) of each row; wte (Vp,C) in nb row
+// blocks, wpe (maxT,C)
+void encoder_decode_blocks(float *out, const int32_t *idx, const float *const *wte,
+			   const int *rows, int nb, const float *wpe, int N, int C)
+{
+#pragma omp parallel for schedule(static) if ((size_t)N * C > 65536)
+	for (int r = 0; r < N; r++) {
+		int blk, row;
+		locate_row(rows, nb, idx[3 * r], &blk, &row);
+		float *out_r = out + (size_t)r * C;
+		const float *wte_ix = wte[blk] + (size_t)row * C;
+		const float *wpe_t = wpe + (size_t)idx[3 * r + 2] * C;
+#pragma omp simd
+		for (int c = 0; c < C; c++) {
+			out_r[c] = wte_ix[c] + wpe_t[c];
+		}
+	}
+}
+
 // dwte (Vp,C) += in nb row blocks, dwpe (maxT,C) +=, dout (B,T,C), inp (B,T)
 void encoder_backward_blocks(float *const *dwte, const int *rows, int nb, float *dwpe,
 			     const float *dout, const int32_t *inp, int B, int T, int C)

@@ -71,16 +71,21 @@ void attention_forward(float *out, float *preatt, float *att, const float *qkv, 
 void attention_backward(float *dqkv, float *dpreatt, float *datt, const float *dout,
 			const float *qkv, const float *att, int B, int T, int C, int NH);
 
-/* Generation with a key/value cache (kvcache.c). Per layer, kcache and vcache
- * (B,NH,maxT,hs) hold the keys and values of positions 0..pos-1; a step brings Tn new
- * positions pos..pos+Tn-1 (pos + Tn <= maxT) whose [q | k | v] are qkv (B,Tn,3C). */
-/* Writes the new keys and values into the caches at positions pos..pos+Tn-1. */
-void kv_append(float *kcache, float *vcache, const float *qkv, int B, int Tn, int C, int NH,
-	       int maxT, int pos);
-/* out (B,Tn,C): new query i (position pos+i) attends to the cached positions 0..pos+i, as row
- * pos+i of attention_forward (call kv_append first). */
+/* Generation with a key/value cache in slots (kvcache.c). Per layer, kcache and vcache
+ * (S,NH,Tc,hs): slot s holds the keys and values of the positions its sequence has processed.
+ * A decode step brings N rows, row r a new position of one sequence: idx (N,3) int32 =
+ * (token, slot, position), its [q | k | v] in qkv (N,3C). The rows of one slot in a step have
+ * distinct positions, each below Tc; rows come in any order. */
+/* Writes each row's key and value into its slot at its position (the others are kept). */
+void kv_append(float *kcache, float *vcache, const float *qkv, const int32_t *idx, int N, int C,
+	       int NH, int Tc);
+/* out (N,C): row r, at position p of slot s, attends to positions 0..p of slot s, as row p of
+ * attention_forward over its sequence (call kv_append first). */
 void attention_decode(float *out, const float *qkv, const float *kcache, const float *vcache,
-		      int B, int Tn, int C, int NH, int maxT, int pos);
+		      const int32_t *idx, int N, int C, int NH, int Tc);
+/* out (N,C) = wte[token] + wpe[position] of each row of idx (N,3); wte (Vp,C) in nb row blocks */
+void encoder_decode_blocks(float *out, const int32_t *idx, const float *const *wte,
+			   const int *rows, int nb, const float *wpe, int N, int C);
 
 /* GeLU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))); N elements. */
 void gelu_forward(float *out, const float *inp, size_t N);

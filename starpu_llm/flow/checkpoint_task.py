@@ -44,7 +44,6 @@ class CheckpointTask:
 
     def submit(self, path) -> None:
         path = os.fspath(path)
-        src = ffi.new("sl_handle[]", self.sources)
         StarPUOps().gather(handle_pointer(self.handle), self.sources,
                            ffi.cast("char *", ffi.from_buffer(self.snapshot)))
         # a starpu.Handle argument is read (STARPU_R) by default; the task gets its numpy array

@@ -1,18 +1,17 @@
 """Text generation: GPT-2 forward-only with a key/value cache, as a task flow.
 
-A Decoder runs B sequences through the model a few positions at a time. It keeps, per layer,
-the keys and values of every position processed so far (tensors.KVCache, (B, NH, maxT, hs)
-per layer) and one set of forward buffers for up to `chunk` new positions, shared by the
-layers (tensors.DecodeTensors). Both are created once, as StarPU handles on the StarPU engine
-(numpy arrays on the reference engine), and reused by every step. A step (decode_step) takes
-Tn new positions pos..pos+Tn-1 through every block with the training block's own code
-(taskflow.block_forward: layernorms, matmuls, GeLU and residuals of the new rows); its
-attention appends the new keys and values to the cache (kv_append) and lets each new query
-attend to the cached positions 0..pos+i (attention_decode: causal by construction). A new
-token thus costs one position of every layer, not the whole prefix. The prompt goes in as
-steps of up to `chunk` positions without the lm head (prefill); its last token, like every
-sampled token, is a step of one position ending with the final layernorm and the lm head,
-which give the logits of the next token.
+A Decoder runs B sequences through the model a few positions at a time, all at the same
+position: a batch.SlotDecoder of B slots, one per sequence (the keys and values of every
+position processed so far, per layer, and one set of forward buffers shared by the layers;
+created once, as StarPU handles on the StarPU engine, numpy arrays on the reference engine,
+and reused by every step). A step takes the new positions of every sequence through every
+block with the training block's own code (batch.decode_step); its attention appends the new
+keys and values to the cache and lets each new query attend to the cached positions before
+it. A new token thus costs one position of every layer, not the whole prefix. The prompt goes
+in as steps of up to `chunk` positions, the last of which ends with the final layernorm and
+the lm head on its last position, which give the logits of the next token; so does each
+sampled token, a step of one position. Sequences at different positions, coming and going,
+are batch.SlotDecoder's (serving).
 
 Recompute is the same model without a cache: the training forward (taskflow.forward) over the
 whole sequence for every new token, the tests' oracle and the benchmark's baseline
@@ -29,9 +28,10 @@ from ..config import ParamLayout
 from ..errors import StarpuLLMError, opt
 from ..runtime.submit import StarPUOps
 from . import taskflow
+from .batch import Feed, SlotDecoder
 from .engine import read_tensor, write_tensor
 from .handles import Handles
-from .tensors import ActivationTensors, DecodeTensors, KVCache, ParameterTensors, Tensor
+from .tensors import ActivationTensors, ParameterTensors, Tensor
 
 DEFAULT_CHUNK = 64     # prompt positions per prefill step
 
@@ -102,25 +102,6 @@ class StarPUBackend:
 
 # ---- the decode flow
 
-def decode_step(ops, cfg, p, kv, d, B: int, Tn: int, pos: int, logits: bool):
-    """Positions pos..pos+Tn-1 of B sequences (their tokens in d.tokens) through the model,
-    their keys and values appended to the cache kv. With logits (one new position, Tn = 1),
-    the logits of the next token of each sequence into d.logits."""
-    C, NH, maxT = cfg.C, cfg.NH, cfg.maxT
-    if logits and Tn != 1:
-        raise ValueError("the lm head runs on steps of one new position")
-    ops.encoder_forward(d.res3, d.tokens, p.wte, p.wpe, B, Tn, C, pos)
-    for l in range(cfg.L):
-        def attention(b, l=l):
-            ops.kv_append(kv.k[l], kv.v[l], b.qkv, B, Tn, C, NH, maxT, pos)
-            ops.attention_decode(b.atty, b.qkv, kv.k[l], kv.v[l], B, Tn, C, NH, maxT, pos)
-        # d.res3, the residual stream, is each block's input and output
-        taskflow.block_forward(ops, cfg, p, l, d.res3, d, B * Tn, attention)
-    if logits:
-        ops.layernorm_forward(d.lnf, d.lnf_mean, d.lnf_rstd, d.res3, p.lnfw, p.lnfb, B, C)
-        ops.matmul_forward(d.logits, d.lnf, p.wte, None, B, C, cfg.Vp)   # lm head, tied to wte
-
-
 def _batch(tokens, B: int, V: int) -> np.ndarray:
     """tokens as a (B, n) int32 array, n >= 1, of ids in [0, V)."""
     tokens = np.asarray(tokens, np.int64).reshape(B, -1)
@@ -147,8 +128,7 @@ class Decoder:
         cfg = self.config = backend.config
         self.backend, self.B = backend, B
         self.chunk = max(1, min(chunk, cfg.maxT))
-        self.kv = KVCache.create(cfg, B, cfg.maxT, backend.tensor)
-        self.d = DecodeTensors.create(cfg, B, self.chunk, backend.tensor)
+        self.slots = SlotDecoder(backend, B, rows=B * self.chunk)
         self.pos = 0    # positions in the cache
 
     def reset(self):
@@ -160,17 +140,12 @@ class Decoder:
         tokens = _batch(tokens, self.B, self.config.V)
         n = tokens.shape[1]
         _check_positions(self.config, self.pos + n)
-        for s in range(0, n - 1, self.chunk):     # prefill: no lm head
-            self._step(tokens[:, s:min(s + self.chunk, n - 1)], logits=False)
-        self._step(tokens[:, n - 1:], logits=True)
-        return self.backend.read(self.d.logits)[:, :self.config.V]
-
-    def _step(self, tokens, logits: bool):
-        Tn = tokens.shape[1]
-        self.backend.write(self.d.tokens, tokens)
-        decode_step(self.backend.ops, self.config, self.backend.p, self.kv, self.d, self.B, Tn,
-                    self.pos, logits)
-        self.pos += Tn
+        for s in range(0, n, self.chunk):       # the last step ends with the lm head
+            e = min(s + self.chunk, n)
+            logits = self.slots.step([Feed(b, self.pos, tokens[b, s:e], e == n)
+                                      for b in range(self.B)])
+            self.pos += e - s
+        return logits
 
 
 class Recompute:
@@ -204,10 +179,12 @@ class Recompute:
 
 # ---- sampling
 
-def sample(logits, temperature: float, top_k: int, rng) -> int:
+def sample(logits, temperature: float, top_k: int, rng, top_p: float = 1.0) -> int:
     """A token id from one row of logits: the argmax when top_k is 1 or temperature 0
     (greedy); else drawn with rng (a numpy Generator) from softmax(logits / temperature) over
-    the top_k largest logits (top_k 0: all)."""
+    the top_k largest logits (top_k 0: all), and of those, with top_p < 1, over the most
+    likely ones whose probabilities add up to top_p (nucleus sampling: the fewest tokens,
+    taken in decreasing probability, whose sum reaches top_p)."""
     x = np.asarray(logits, np.float64)
     if top_k == 1 or temperature == 0:
         return int(np.argmax(x))
@@ -216,7 +193,13 @@ def sample(logits, temperature: float, top_k: int, rng) -> int:
         ids = np.sort(np.argpartition(x, x.size - top_k)[x.size - top_k:])
     z = (x[ids] - x[ids].max()) / temperature
     w = np.exp(z)
-    return int(ids[rng.choice(ids.size, p=w / w.sum())])
+    p = w / w.sum()
+    if top_p < 1.0:
+        order = np.argsort(-p, kind="stable")
+        keep = order[:int(np.searchsorted(np.cumsum(p[order]), top_p)) + 1]
+        ids, p = ids[np.sort(keep)], p[np.sort(keep)]
+        p = p / p.sum()
+    return int(ids[rng.choice(ids.size, p=p)])
 
 
 def check_request(config, prompt_len: int, max_new_tokens: int, temperature: float, top_k: int):

@@ -31,7 +31,7 @@ def forward(ops, cfg: GPTConfig, p, a, B: int, T: int, head_ops=None):
     pipeline gives it its own priority)."""
     C, NH, L, V, Vp = cfg.C, cfg.NH, cfg.L, cfg.V, cfg.Vp
     BT = B * T
-    ops.encoder_forward(a.encoded, a.inputs, p.wte, p.wpe, B, T, C, 0)
+    ops.encoder_forward(a.encoded, a.inputs, p.wte, p.wpe, B, T, C)
     x = a.encoded
     for l in range(L):
         b = a.layer(l)

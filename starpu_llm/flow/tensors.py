@@ -206,30 +206,37 @@ def sub_batch_tensors(cfg: GPTConfig, B: int, T: int, new_tensor, layer_tensor=N
             [BackwardScratch.create(cfg, B, T, make) for make in (stage_tensors or [new_tensor])])
 
 
-# ---- generation (flow/generate.py)
+# ---- generation (flow/batch.py)
 
 @dataclass
 class KVCache(SubBatchGroup):
-    """The keys and values of the positions processed so far, per layer: created with T =
-    maxT, (B, NH, maxT, hs) each (the layout is explained in csrc/kernels/kvcache.c)."""
+    """The keys and values of the positions processed so far, per layer, in slots (one
+    sequence each): created with B = the slots and T = Tc, the positions a slot holds
+    (at most maxT), (B, NH, Tc, hs) each (the layout is explained in csrc/kernels/kvcache.c)."""
     k: list = per_layer(lambda d: (d.B, d.NH, d.T, d.C // d.NH))
     v: list = per_layer(lambda d: (d.B, d.NH, d.T, d.C // d.NH))
 
 
 def _decode_fields():
-    """DecodeTensors' fields: the new positions' tokens; one of each of a transformer block's
-    activations (ActivationTensors' per-layer fields, without preatt and att, whose place the
-    cache takes); the final layernorm and the logits of the last position."""
+    """DecodeTensors' fields: the rows' (token, slot, position); one of each of a transformer
+    block's activations (ActivationTensors' per-layer fields, without preatt and att, whose
+    place the cache takes)."""
     block = [(f.name, Tensor, single(f.metadata["shape"])) for f in fields(ActivationTensors)
              if f.metadata["layered"] and f.name not in ("preatt", "att")]
-    head = [("lnf", lambda d: (d.B, d.C)), ("lnf_mean", lambda d: (d.B,)),
-            ("lnf_rstd", lambda d: (d.B,)), ("logits", lambda d: (d.B, d.Vp))]
-    return ([("tokens", Tensor, single(lambda d: (d.B, d.T), np.int32))] + block
-            + [(name, Tensor, single(shape)) for name, shape in head])
+    return [("idx", Tensor, single(lambda d: (d.B * d.T, 3), np.int32))] + block
 
 
-# The buffers of a generation step of up to T new positions of B sequences, reused by every
-# layer (a block's buffers have the names of ActivationTensors.layer(l); res3 is the residual
-# stream, each block's input and output). The lm head reads the last position only: a step
-# that computes logits has one new position.
+# The buffers of a decode step of up to B x T rows (created with T = 1: B rows), each row one
+# new position of one sequence, reused by every layer (a block's buffers have the names of
+# ActivationTensors.layer(l); res3 is the residual stream, each block's input and output).
 DecodeTensors = make_dataclass("DecodeTensors", _decode_fields(), bases=(SubBatchGroup,))
+
+
+@dataclass
+class HeadTensors(SubBatchGroup):
+    """The final layernorm and the logits of up to B rows of a decode step (created with T = 1):
+    a sequence's last row, whose logits give its next token."""
+    lnf: Tensor = single(lambda d: (d.B, d.C))
+    lnf_mean: Tensor = single(lambda d: (d.B,))
+    lnf_rstd: Tensor = single(lambda d: (d.B,))
+    logits: Tensor = single(lambda d: (d.B, d.Vp))

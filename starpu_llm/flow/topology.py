@@ -17,7 +17,7 @@ def gradient_mode(workers: int, pinned: bool, subs_per_rank: int) -> int:
     """How one process's sub-batches add their gradient contributions (the redux argument of
     the backward tasks) for `workers` workers, sub-batches pinned to them or not. (Under MPI
     each rank adds into its own tensors, and the ranks' sums are added in a fixed order:
-    Placement.contributions, taskflow.reduce_gradients.)
+    Handles.contributions, taskflow.reduce_gradients.)
 
     A StarPU reduction (STARPU_REDUX, 1) gives each worker its own copy, summed in a fixed
     tree at the end; nothing orders two sub-batches' additions into one copy, so where they
@@ -35,14 +35,14 @@ def gradient_mode(workers: int, pinned: bool, subs_per_rank: int) -> int:
 
 OWNERSHIPS = ("sharded", "rank0")
 
-# How a pipeline's micro-batches go through its stages (Placement: sets, sub_batch_site):
+# How a pipeline's micro-batches go through its stages (Sites: sets, sub_batch_site):
 # eager (the default) runs forwards first and lets a stage hold 2 S micro-batches; 1f1b
 # bounds what a stage holds to S micro-batches and prefers backward work; bounded, the same
 # bound, tasks in the order they become ready; gpipe, every micro-batch its own activations,
 # all forwards before the backwards.
 PIPELINE_SCHEDULES = ("eager", "1f1b", "bounded", "gpipe")
-# The task priorities of a schedule's phases (runtime.submit.Where.priority,
-# Placement.sub_batch_site); a schedule without an entry leaves every priority 0.
+# The task priorities of a schedule's phases (sites.Where.priority,
+# Sites.sub_batch_site); a schedule without an entry leaves every priority 0.
 # 1f1b: among the tasks ready on a worker, a backward first, then a head (its backward
 # follows at once, on the same rank), then forwards, which under 1f1b run at most `sets`
 # micro-batches ahead anyway. eager and gpipe: the forwards first, then the heads, then the

@@ -1,0 +1,116 @@
+"""`starpu-llm serve`: the model of an llm.c checkpoint behind an OpenAI-compatible HTTP API
+(the engine: serve/engine.py; the API: serve/app.py and serve/api.py; docs/serving.md).
+
+The checkpoint is read here, then the engine thread starts StarPU, registers the parameters
+and builds the key/value cache once; uvicorn then serves HTTP on the main thread. SIGINT or
+SIGTERM: uvicorn stops accepting connections, the engine refuses new requests (503) and lets
+the accepted ones finish for --shutdown-timeout seconds, then cancels what is left; StarPU is
+shut down and the command returns. A second SIGINT stops at once (the requests cancelled).
+"""
+from __future__ import annotations
+
+import os
+import signal
+
+from . import signals
+from .cli_generate import read_text_model
+from .errors import StarpuLLMError
+from .io import tokenizer
+
+SERVE_INSTALL = "pip install 'starpu-llm[serve]' (make install does it)"
+
+
+def _web():
+    """uvicorn and the application, or a clear error when the serve extra is missing."""
+    try:
+        import uvicorn
+        from .serve.app import create_app
+        from .serve.metrics import Metrics
+    except ImportError as e:
+        raise StarpuLLMError(f"starpu-llm serve needs the packages of its HTTP server "
+                             f"({e.name} is missing): {SERVE_INSTALL}") from None
+    return uvicorn, create_app, Metrics
+
+
+def load_model(config, params, engine: str = "starpu", partition=None, sched=None):
+    """The engine's load callable: run in the engine thread, it starts StarPU on the partition
+    (a record.Partition, partition.resolve's) or the reference engine, registers params and
+    returns an engine.Loaded."""
+    def load():
+        from .flow.generate import DirectBackend, StarPUBackend
+        from .runtime.starpu import Runtime
+        from .serve.engine import Loaded, nothing
+        if engine == "reference":
+            backend = DirectBackend(config, params)
+            return Loaded(backend, 1, nothing, backend.close,
+                          "reference engine (the kernels in a plain loop, no StarPU)")
+        runtime = Runtime(partition=partition, sched=sched)
+        try:
+            backend = StarPUBackend(runtime, config, params)
+        except BaseException:
+            runtime.shutdown()
+            raise
+
+        def close():
+            backend.close()
+            runtime.shutdown()
+        return Loaded(backend, runtime.workers, runtime.paused, close, runtime.describe())
+    return load
+
+
+def run_serve(init_from, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8,
+              max_queue: int = 64, engine: str = "starpu", request=None, model_name=None,
+              shutdown_timeout: float = 30.0, log_level: str = "info") -> int:
+    """`starpu-llm serve` (see the module docstring): request, a partition.PartitionRequest
+    (None: the default partition). Prints "serving MODEL on http://HOST:PORT" once it takes
+    requests (port 0: a free port, the one printed)."""
+    from .partition import PartitionRequest
+    from .runtime.starpu import resolve_here
+    request = request or PartitionRequest()
+    partition = resolve_here(request, engine=engine)      # bad flags fail before the model loads
+    uvicorn, create_app, Metrics = _web()
+    from .serve.engine import Engine
+    config, params = read_text_model(init_from, engine, "serve")
+    if max_batch < 1 or max_queue < 0:
+        raise StarpuLLMError(f"--max-batch must be at least 1 and --max-queue at least 0 (got "
+                             f"{max_batch} and {max_queue})")
+    model = model_name or os.path.splitext(os.path.basename(init_from))[0]
+    tok = tokenizer.gpt2()
+    metrics = Metrics(max_batch)
+    load = load_model(config, params, engine, partition, request.sched)
+    eng = Engine(load, config, tok, tok.eot, max_batch=max_batch, max_queue=max_queue, metrics=metrics)
+    eng.start()              # StarPU up, the model registered; an error is raised here
+    stopped = []
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:
+                h, p = self.servers[0].sockets[0].getsockname()[:2]
+                print(f"serving {model} on http://{h}:{p} ({eng.describe}; --max-batch "
+                      f"{max_batch})", flush=True)
+
+        def handle_exit(self, sig, frame):
+            if not stopped:
+                print(f"{signal.Signals(sig).name}: no new requests; the running ones have "
+                      f"{shutdown_timeout:g} s to finish", flush=True)
+            stopped.append(sig)
+            eng.drain(0.0 if len(stopped) > 1 else shutdown_timeout)
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(create_app(eng, model, metrics), host=host, port=port,
+                                   log_level=log_level, lifespan="off",
+                                   timeout_graceful_shutdown=shutdown_timeout + 5))
+    # the CLI's stop-after-the-step handlers (signals.py) out of the way: uvicorn's drain here;
+    # uvicorn gives the signals back to the handlers below once it stops, and raises them again
+    with signals.suspended():
+        previous = {s: signal.signal(s, lambda *a: None) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            server.run()
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+            done = eng.close(timeout=0.0 if stopped else shutdown_timeout)
+    print("stopped: StarPU shut down" if done else
+          "stopped, but the engine thread did not end", flush=True)
+    return 0 if done and server.started else 1

@@ -1,0 +1,143 @@
+"""Batched decoding: many sequences through the model together, each in a slot of the
+key/value cache, each at its own position.
+
+A SlotDecoder holds the cache as S slots (tensors.KVCache, (S, NH, Tc, hs) per layer) and one
+set of buffers for up to `rows` rows of a step (tensors.DecodeTensors, shared by the layers)
+and for the logits of up to S of them (tensors.HeadTensors). All are created once, as StarPU
+handles on the StarPU engine (numpy arrays on the reference engine), and reused by every step
+of every sequence that comes and goes: a new sequence takes a free slot and writes over what
+the slot's last sequence left.
+
+A step (decode_step) takes N rows, each one new position of one sequence, described by the
+rows' idx (N, 3): token, slot, position. Every layer treats the rows as one matrix of N rows
+(the training block's own code, taskflow.block_forward: layernorms, matmuls, GeLU and
+residuals are row by row, so a row does not see the others); the attention appends each
+row's key and value to its slot (kv_append) and lets its query attend to its slot's positions
+0..position (attention_decode). So one step carries, side by side, the next token of every
+running sequence and whole prompts of new ones (prefill), and submits the same tasks however
+many sequences it carries: one per layer operation, each over all the rows. The rows whose
+logits are wanted (a sequence's last row) come first, and the final layernorm and the lm
+head run on those M rows only.
+
+With several StarPU workers of one core each, the slots are split into groups, one per
+worker: each group has its own cache and buffers, so the steps of two groups are independent
+task chains that StarPU runs side by side (data parallelism, as training's sub-batches).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+from ..errors import StarpuLLMError
+from . import taskflow
+from .tensors import DecodeTensors, HeadTensors, KVCache
+
+DEFAULT_ROWS = 256      # rows per step (and group): the new tokens a step takes, prompts included
+
+
+class Feed(NamedTuple):
+    """What one sequence brings to a step: tokens at positions pos, pos + 1, ... of the
+    sequence in `slot`; logits: whether the logits after its last token are wanted."""
+    slot: int
+    pos: int
+    tokens: Sequence[int]
+    logits: bool = True
+
+
+def decode_step(ops, cfg, p, kv, d, h, N: int, M: int):
+    """N rows (their token, slot and position in d.idx) through the model, their keys and
+    values into the cache kv (Tc positions a slot); the logits of the first M rows into
+    h.logits (M = 0: no lm head)."""
+    C, NH, Tc = cfg.C, cfg.NH, kv.k[0].shape[2]
+    ops.encoder_decode(d.res3, d.idx, p.wte, p.wpe, N, C)
+    for l in range(cfg.L):
+        def attention(b, l=l):
+            ops.kv_append(kv.k[l], kv.v[l], b.qkv, d.idx, N, C, NH, Tc)
+            ops.attention_decode(b.atty, b.qkv, kv.k[l], kv.v[l], d.idx, N, C, NH, Tc)
+        # d.res3, the residual stream, is each block's input and output
+        taskflow.block_forward(ops, cfg, p, l, d.res3, d, N, attention)
+    if M:
+        ops.layernorm_forward(h.lnf, h.lnf_mean, h.lnf_rstd, d.res3, p.lnfw, p.lnfb, M, C)
+        ops.matmul_forward(h.logits, h.lnf, p.wte, None, M, C, cfg.Vp)   # lm head, tied to wte
+
+
+class _Group:
+    """Slots first .. first + n - 1, with their cache and a step's buffers."""
+
+    def __init__(self, cfg, first: int, n: int, rows: int, Tc: int, tensor):
+        self.first, self.n = first, n
+        self.kv = KVCache.create(cfg, n, Tc, tensor)
+        self.d = DecodeTensors.create(cfg, rows, 1, tensor)
+        self.h = HeadTensors.create(cfg, n, 1, tensor)
+
+
+class SlotDecoder:
+    """`slots` sequences with a key/value cache of cache_len positions each (default: the
+    model's maxT), stepped together (see the module docstring); at most `rows` new tokens
+    per step in each of `groups` groups of slots. Tensors are made by `backend` once, here."""
+
+    def __init__(self, backend, slots: int, rows: int = DEFAULT_ROWS,
+                 cache_len: int | None = None, groups: int = 1):
+        cfg = self.config = backend.config
+        self.backend = backend
+        self.Tc = cache_len or cfg.maxT
+        if not 1 <= self.Tc <= cfg.maxT:
+            raise StarpuLLMError(f"a cache of {self.Tc} positions: choose 1..{cfg.maxT} "
+                                 f"(the model's maximum sequence length)")
+        if slots < 1 or rows < 1:
+            raise StarpuLLMError(f"{slots} slots of {rows} rows: both must be at least 1")
+        self.slots, self.rows = slots, rows
+        groups = max(1, min(groups, slots))
+        per = -(-slots // groups)
+        self.groups = [_Group(cfg, first, min(per, slots - first), rows, self.Tc, backend.tensor)
+                       for first in range(0, slots, per)]
+        self._per = per
+
+    def group_of(self, slot: int) -> int:
+        """The group that holds slot."""
+        return slot // self._per
+
+    def step(self, feeds: Sequence[Feed]) -> np.ndarray:
+        """One step of the feeds (each slot at most once; see Feed): their tokens through the
+        model, into the cache. Returns the (M, V) logits after the last token of each feed
+        with logits, in the feeds' order."""
+        cfg = self.config
+        per_group = [[] for _ in self.groups]
+        seen = set()
+        for f in feeds:
+            n = len(f.tokens)
+            if not 0 <= f.slot < self.slots or f.slot in seen:
+                raise ValueError(f"slot {f.slot}: outside 0..{self.slots - 1}, or twice in a step")
+            if n < 1 or f.pos < 0 or f.pos + n > self.Tc:
+                raise StarpuLLMError(f"positions {f.pos}..{f.pos + n - 1} of slot {f.slot}: a "
+                                     f"slot holds positions 0..{self.Tc - 1}")
+            seen.add(f.slot)
+            per_group[self.group_of(f.slot)].append(f)
+        heads = []       # (group, row) of each wanted logits row, in the feeds' order
+        for g, (group, fs) in enumerate(zip(self.groups, per_group)):
+            if not fs:
+                continue
+            tokens = np.concatenate([np.asarray(f.tokens, np.int64) for f in fs])
+            if tokens.min() < 0 or tokens.max() >= cfg.V:
+                raise StarpuLLMError(f"token ids must be in [0, {cfg.V}), the model's "
+                                     f"vocabulary; got {tokens.min()}..{tokens.max()}")
+            # the rows of the wanted logits first, then every other row
+            first = [(f, len(f.tokens) - 1) for f in fs if f.logits]
+            rest = [(f, i) for f in fs for i in range(len(f.tokens) - (1 if f.logits else 0))]
+            if len(first) + len(rest) > self.rows:
+                raise ValueError(f"{len(first) + len(rest)} rows in one step of a group "
+                                 f"of {self.rows}")
+            idx = np.array([(f.tokens[i], f.slot - group.first, f.pos + i)
+                            for f, i in first + rest], np.int32)
+            self.backend.write(group.d.idx, idx)
+            decode_step(self.backend.ops, cfg, self.backend.p, group.kv, group.d, group.h,
+                        len(idx), len(first))
+            heads += [(f.slot, g, r) for r, (f, _) in enumerate(first)]
+        if not heads:
+            return np.zeros((0, cfg.V), np.float32)
+        logits = {g: self.backend.read(self.groups[g].h.logits)
+                  for g in sorted({g for _, g, _ in heads})}
+        order = {f.slot: k for k, f in enumerate(f for f in feeds if f.logits)}
+        heads.sort(key=lambda x: order[x[0]])
+        return np.stack([logits[g][r, :cfg.V] for _, g, r in heads])

@@ -1,0 +1,7 @@
+"""Serving: many generation requests on a model registered once (docs/serving.md).
+
+engine.py  the engine thread: continuous batching over flow/batch.SlotDecoder
+api.py     OpenAI's completions API: requests checked, responses built
+app.py     the HTTP application (Starlette), served by uvicorn (cli_serve.py)
+metrics.py Prometheus metrics
+"""

@@ -1,0 +1,277 @@
+"""OpenAI's completions API, as far as it applies here: a request body checked field by field
+into engine requests, and the response objects. No HTTP here (serve/app.py).
+
+POST /v1/completions takes OpenAI's fields: model, prompt (a string, a list of strings, a
+list of token ids or a list of such lists), max_tokens (default 16), temperature (default 1;
+0: greedy), top_p, n, stop (a string or up to 4), seed, stream, stream_options
+({"include_usage": true}), echo, user; and two of vLLM's: top_k (0 or -1: all tokens) and
+ignore_eos. Fields OpenAI has and this server does not implement (logprobs, suffix, best_of,
+logit_bias, presence_penalty, frequency_penalty) are accepted only at their neutral value
+(null, 1, {}, 0). Anything else, and every value out of range, is an error with one message
+naming the field (BadRequest: HTTP 400; an unknown model: 404).
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+
+import numpy as np
+
+from .engine import Sampling
+
+DEFAULT_MAX_TOKENS = 16     # OpenAI's default for completions
+MAX_STOP = 4                # OpenAI's limit on stop strings
+
+
+class BadRequest(Exception):
+    """A request this server refuses: HTTP `status` with an OpenAI error object."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.code = message, param, status, code
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param=None, code=None) -> dict:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+# name -> the neutral value: OpenAI fields accepted only at it (not implemented here)
+_NEUTRAL = {"logprobs": None, "suffix": None, "best_of": 1, "logit_bias": {},
+            "presence_penalty": 0, "frequency_penalty": 0}
+_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop",
+           "seed", "stream", "stream_options", "echo", "user", "ignore_eos"} | set(_NEUTRAL)
+
+
+class Choice:
+    """One sequence a request asks for: its prompt (ids and text) and index."""
+
+    def __init__(self, index: int, ids: list, text: str):
+        self.index, self.ids, self.text = index, ids, text
+
+
+class Completion:
+    """A checked completion request: its choices (prompts x n), their Sampling, the seed of
+    each choice's generator, and the response's settings."""
+
+    def __init__(self, model, choices, sampling, seed, stream, include_usage, echo):
+        self.model, self.choices, self.sampling = model, choices, sampling
+        self.seed, self.stream, self.include_usage, self.echo = seed, stream, include_usage, echo
+        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def rng(self, k: int):
+        """Choice k's generator: with a seed, choice 0 draws as `starpu-llm generate --seed`
+        (numpy's default_rng(seed)), choice k > 0 from the seed's k-th child sequence."""
+        if self.seed is None:
+            return np.random.default_rng()
+        if k == 0:
+            return np.random.default_rng(self.seed)
+        return np.random.default_rng(np.random.SeedSequence(self.seed, spawn_key=(k,)))
+
+    def chunk(self, index: int, text: str, finish=None) -> dict:
+        """A server-sent event's object: a piece of choice index's text."""
+        out = {"id": self.id, "object": "text_completion", "created": self.created,
+               "model": self.model,
+               "choices": [{"index": index, "text": text, "logprobs": None,
+                            "finish_reason": finish}]}
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.model, "choices": [],
+                "usage": usage(prompt_tokens, completion_tokens)}
+
+    def response(self, texts, finishes, prompt_tokens: int, completion_tokens: int) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.model,
+                "choices": [{"index": c.index, "text": (c.text if self.echo else "") + t,
+                             "logprobs": None, "finish_reason": f}
+                            for c, t, f in zip(self.choices, texts, finishes)],
+                "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def models(model: str, created: int) -> dict:
+    return {"object": "list", "data": [model_card(model, created)]}
+
+
+def model_card(model: str, created: int) -> dict:
+    return {"id": model, "object": "model", "created": created, "owned_by": "starpu-llm"}
+
+
+# ---- checking a request
+
+def _reject_constant(name):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_json(body: bytes) -> dict:
+    """The request body as a JSON object (BadRequest for anything else)."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadRequest(f"the request body is not valid UTF-8 (byte 0x{body[e.start]:02x} at "
+                         f"offset {e.start}); send the JSON encoded in UTF-8") from None
+    try:
+        obj = json.loads(text, parse_constant=_reject_constant)
+    except (json.JSONDecodeError, ValueError) as e:
+        raise BadRequest(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise BadRequest(f"the request body must be a JSON object, not {type(obj).__name__}")
+    return obj
+
+
+def _int(obj, name, default, low=None, high=None):
+    v = obj.get(name, default)
+    if v is None:
+        v = default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise BadRequest(f"{name} must be an integer, got {json.dumps(v)}", name)
+    if (low is not None and v < low) or (high is not None and v > high):
+        rule = (f">= {low}" if high is None else f"<= {high}" if low is None
+                else f"in {low}..{high}")
+        raise BadRequest(f"{name} must be {rule}, got {v}", name)
+    return v
+
+
+def _number(obj, name, default):
+    v = obj.get(name, default)
+    if v is None:
+        v = default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise BadRequest(f"{name} must be a number, got {json.dumps(v)}", name)
+    return float(v)
+
+
+def _bool(obj, name, default=False):
+    v = obj.get(name, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise BadRequest(f"{name} must be true or false, got {json.dumps(v)}", name)
+    return v
+
+
+def _utf8(s: str, name: str) -> str:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadRequest(f"{name} holds a lone surrogate (\\ud800-\\udfff), which is not "
+                         "text; send valid Unicode", name) from None
+    return s
+
+
+def _prompts(v, tokenizer, V: int) -> list:
+    """[(ids, text)] of the prompt field."""
+    def ids_of(x, where):
+        if isinstance(x, str):
+            text = _utf8(x, where)
+            return (tokenizer.encode(text) if text else [tokenizer.eot]), text
+        if isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool)
+                                             for t in x):
+            bad = [t for t in x if not 0 <= t < V]
+            if bad:
+                raise BadRequest(f"{where} holds token id {bad[0]}: ids must be in [0, {V})",
+                                 "prompt")
+            return list(x), tokenizer.decode(x)
+        raise BadRequest(f"{where} must be a string or a non-empty list of token ids",
+                         "prompt")
+
+    if v is None:
+        raise BadRequest("prompt is required: a string, a list of strings, a list of token "
+                         "ids or a list of such lists", "prompt")
+    if isinstance(v, str) or (isinstance(v, list) and v and isinstance(v[0], int)):
+        return [ids_of(v, "prompt")]
+    if isinstance(v, list) and v:
+        return [ids_of(x, f"prompt[{i}]") for i, x in enumerate(v)]
+    raise BadRequest("prompt must be a string, a list of strings, a list of token ids or a "
+                     "list of such lists (not empty)", "prompt")
+
+
+def parse_completion(obj: dict, model: str, tokenizer, V: int, cache_len: int,
+                     max_batch: int) -> Completion:
+    """A completion request's body (parse_json's object) checked: BadRequest names the first
+    field in error. cache_len: the positions a sequence may reach (prompt + max_tokens);
+    max_batch: the most choices (prompts x n) one request may ask for."""
+    unknown = sorted(set(obj) - _FIELDS)
+    if unknown:
+        raise BadRequest(f"unknown field {unknown[0]!r}; this server takes "
+                         f"{', '.join(sorted(_FIELDS))}", unknown[0])
+    for name, neutral in _NEUTRAL.items():
+        if name in obj and obj[name] is not None and obj[name] != neutral:
+            raise BadRequest(f"{name} is not supported by this server (leave it out, or "
+                             f"{json.dumps(neutral)})", name)
+    if "model" not in obj:
+        raise BadRequest(f"model is required (this server serves {model!r})", "model")
+    if obj["model"] != model:
+        raise BadRequest(f"the model {obj['model']!r} does not exist: this server serves "
+                         f"{model!r} (GET /v1/models)", "model", 404, "model_not_found")
+    prompts = _prompts(obj.get("prompt"), tokenizer, V)
+    n = _int(obj, "n", 1, low=1)
+    if len(prompts) * n > max_batch:
+        raise BadRequest(f"{len(prompts)} prompt(s) x n {n} = {len(prompts) * n} sequences, "
+                         f"more than this server runs at once ({max_batch}, its --max-batch)",
+                         "n")
+    longest = max(len(ids) for ids, _ in prompts)
+    if longest >= cache_len:
+        raise BadRequest(f"the prompt has {longest} tokens: a prompt and its completion must "
+                         f"fit the model's maximum sequence length (maxT = {cache_len}); "
+                         f"shorten the prompt", "prompt")
+    max_tokens = obj.get("max_tokens")
+    if max_tokens is None:
+        max_tokens = min(DEFAULT_MAX_TOKENS, cache_len - longest)
+    max_tokens = _int({"max_tokens": max_tokens}, "max_tokens", None, low=1)
+    if longest + max_tokens > cache_len:
+        raise BadRequest(f"the prompt ({longest} tokens) + max_tokens {max_tokens} = "
+                         f"{longest + max_tokens} tokens exceed the model's maximum sequence "
+                         f"length (maxT = {cache_len}); lower max_tokens to at most "
+                         f"{cache_len - longest}", "max_tokens")
+    temperature = _number(obj, "temperature", 1.0)
+    if temperature < 0:
+        raise BadRequest(f"temperature must be >= 0 (0: greedy), got {temperature:g}",
+                         "temperature")
+    top_p = _number(obj, "top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise BadRequest(f"top_p must be in (0, 1], got {top_p:g}", "top_p")
+    top_k = _int(obj, "top_k", 0, low=-1)
+    stop = obj.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if (not isinstance(stop, list) or len(stop) > MAX_STOP
+            or not all(isinstance(s, str) and s for s in stop)):
+        raise BadRequest(f"stop must be a non-empty string or a list of at most {MAX_STOP} "
+                         f"of them, got {json.dumps(obj.get('stop'))}", "stop")
+    seed = obj.get("seed")
+    if seed is not None:
+        seed = _int(obj, "seed", None, low=0, high=2 ** 64 - 1)
+    stream = _bool(obj, "stream")
+    options = obj.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise BadRequest("stream_options is only allowed with stream: true",
+                             "stream_options")
+        if not isinstance(options, dict) or set(options) - {"include_usage"}:
+            raise BadRequest('stream_options must be {"include_usage": true|false}',
+                             "stream_options")
+        include_usage = _bool(options, "include_usage")
+    user = obj.get("user")
+    if user is not None and not isinstance(user, str):
+        raise BadRequest(f"user must be a string, got {json.dumps(user)}", "user")
+    sampling = Sampling(max_tokens=max_tokens, temperature=temperature,
+                        top_k=0 if top_k == -1 else top_k, top_p=top_p,
+                        stop=tuple(_utf8(s, "stop") for s in stop),
+                        ignore_eos=_bool(obj, "ignore_eos"))
+    choices = [Choice(i * n + j, ids, text) for i, (ids, text) in enumerate(prompts)
+               for j in range(n)]
+    return Completion(model, choices, sampling, seed, stream, include_usage,
+                      _bool(obj, "echo"))

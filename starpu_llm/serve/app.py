@@ -1,0 +1,168 @@
+"""The HTTP side: an ASGI application (Starlette) speaking OpenAI's completions API to the
+engine (serve/engine.py), served by uvicorn (cli_serve.py).
+
+  POST /v1/completions   a completion, whole or streamed as server-sent events (stream: true)
+  GET  /v1/models        the one model served (and GET /v1/models/{id})
+  GET  /health           200 {"status": "ok", ...} while serving, 503 once stopping or failed
+  GET  /metrics          Prometheus metrics (serve/metrics.py)
+
+The handlers run on the event loop and never wait for the engine thread: a request is
+checked (serve/api.py), handed to Engine.submit (which queues it or refuses it at once: HTTP
+503 with Retry-After), and its text comes back through an asyncio queue that the engine
+thread fills with loop.call_soon_threadsafe. A client that goes away (its connection closed)
+cancels its requests: the engine frees their slots before its next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from . import api
+from .engine import Event, QueueFull, Request, ShuttingDown
+from .metrics import CONTENT_TYPE
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error", param=None,
+           code=None, headers=None) -> JSONResponse:
+    return JSONResponse(api.error_body(message, kind, param, code), status, headers=headers)
+
+
+def create_app(engine, model: str, metrics=None) -> Starlette:
+    """The application serving `engine` (started) under the model name `model`."""
+    created = int(time.time())
+    config = engine.config
+
+    async def completions(request: HTTPRequest):
+        try:
+            body = api.parse_json(await request.body())
+            c = api.parse_completion(body, model, engine.tokenizer, config.V, engine.cache_len,
+                                     engine.max_batch)
+        except api.BadRequest as e:
+            kind = "not_found_error" if e.status == 404 else "invalid_request_error"
+            return _error(e.status, e.message, kind, e.param, e.code)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def listener(k):
+            return lambda ev: loop.call_soon_threadsafe(events.put_nowait, (k, ev))
+
+        reqs = [Request(ch.ids, c.sampling, listener(k), c.rng(k))
+                for k, ch in enumerate(c.choices)]
+        try:
+            engine.submit(reqs)
+        except QueueFull as e:
+            return _error(503, str(e), "server_busy", headers={"Retry-After": str(e.retry_after)})
+        except ShuttingDown as e:
+            return _error(503, str(e), "server_unavailable", headers={"Retry-After": "5"})
+        if c.stream:
+            return StreamingResponse(_stream(c, reqs, events), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await _whole(request, c, reqs, events)
+
+    async def list_models(request):
+        return JSONResponse(api.models(model, created))
+
+    async def one_model(request):
+        if request.path_params["name"] != model:
+            return _error(404, f"the model {request.path_params['name']!r} does not exist: "
+                               f"this server serves {model!r}", "not_found_error", "model",
+                          "model_not_found")
+        return JSONResponse(api.model_card(model, created))
+
+    async def health(request):
+        state = engine.state()
+        body = {"status": state, "model": model, "running": engine.running(),
+                "waiting": engine.waiting(), "max_batch": engine.max_batch,
+                "engine": engine.describe}
+        return JSONResponse(body, 200 if state == "ok" else 503)
+
+    async def prometheus(request):
+        if metrics is None:
+            return _error(404, "no metrics on this server", "not_found_error")
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE)
+
+    async def http_error(request, exc: HTTPException):
+        return _error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                      "not_found_error" if exc.status_code == 404 else "invalid_request_error")
+
+    routes = [Route("/v1/completions", completions, methods=["POST"]),
+              Route("/v1/models", list_models, methods=["GET"]),
+              Route("/v1/models/{name:path}", one_model, methods=["GET"]),
+              Route("/health", health, methods=["GET"]),
+              Route("/metrics", prometheus, methods=["GET"])]
+    return Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+
+
+async def _whole(request: HTTPRequest, c: api.Completion, reqs, events: asyncio.Queue):
+    """The whole completion as one JSON response; the requests cancelled if the client goes."""
+    texts, finishes = [""] * len(reqs), [None] * len(reqs)
+    usage = [0, 0]
+    left = len(reqs)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        while left:
+            get = asyncio.ensure_future(events.get())
+            done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if get not in done:
+                get.cancel()
+                return Response(status_code=499)      # nobody reads it
+            k, ev = get.result()
+            texts[k] += ev.text
+            if ev.error:
+                return _error(503, ev.error, "server_error")
+            if ev.finish:
+                finishes[k], left = ev.finish, left - 1
+                usage[0] += ev.prompt_tokens
+                usage[1] += ev.completion_tokens
+        return JSONResponse(c.response(texts, finishes, *usage))
+    finally:
+        gone.cancel()
+        for r in reqs:
+            r.cancel()          # nothing for a finished request; frees the others' slots
+
+
+async def _disconnected(request: HTTPRequest):
+    """Returns when the client has closed the connection."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+async def _stream(c: api.Completion, reqs, events: asyncio.Queue):
+    """The completion as server-sent events, one per piece of text, as OpenAI sends them:
+    then, with include_usage, the usage; then "data: [DONE]". Starlette stops this generator
+    when the client goes away; the requests are then cancelled."""
+    usage = [0, 0]
+    left = len(reqs)
+    try:
+        if c.echo:
+            for ch in c.choices:
+                yield _sse(c.chunk(ch.index, ch.text))
+        while left:
+            k, ev = await events.get()
+            ev: Event
+            if ev.error:
+                yield _sse(api.error_body(ev.error, "server_error"))
+                break
+            if ev.text or ev.finish:
+                yield _sse(c.chunk(c.choices[k].index, ev.text, ev.finish))
+            if ev.finish:
+                left -= 1
+                usage[0] += ev.prompt_tokens
+                usage[1] += ev.completion_tokens
+        if c.include_usage and not left:
+            yield _sse(c.usage_chunk(*usage))
+        yield "data: [DONE]\n\n"
+    finally:
+        for r in reqs:
+            r.cancel()

@@ -1,0 +1,417 @@
+"""The serving engine: one thread that owns StarPU and the model and runs continuous batching.
+
+The model is loaded once, in the engine thread: StarPU started, the parameters registered as
+handles, the key/value cache of max_batch slots and the step buffers created
+(flow/batch.SlotDecoder). Every request after that is only rows of decode steps.
+
+Requests come from any thread (the HTTP server's event loop) through submit(), which never
+waits for the engine: it puts them in a bounded queue or refuses them at once (QueueFull,
+with a retry time; ShuttingDown while the server stops). The engine thread loops:
+
+  1. requests cancelled since the last step (a client gone) leave, freeing their slots;
+  2. waiting requests take the free slots, in arrival order (continuous batching: a request
+     joins the running batch between two steps, never waiting for the batch to finish);
+  3. one decode step carries every running sequence's last token, and the prompt rows of
+     new sequences (up to `rows` rows a step and group, several prompts side by side, a long
+     prompt over several steps);
+  4. each sequence whose step gave logits draws its next token with its own sampling
+     settings and generator (flow/generate.sample), turns it into text (whole UTF-8
+     characters, stop strings held back until they can no longer match) and hands the text
+     to its request's callback, which must not block (the HTTP side puts it on its event
+     loop); a sequence that reaches its max tokens, a stop string or <|endoftext|> leaves
+     and frees its slot.
+
+With nothing to do, the thread sleeps on a condition, StarPU paused (its idle workers would
+otherwise spin). drain() stops accepting and lets the accepted requests finish until a
+deadline, then cancels what is left; the thread then releases the model and shuts StarPU
+down.
+"""
+from __future__ import annotations
+
+import codecs
+import collections
+import contextlib
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import numpy as np
+
+from ..errors import StarpuLLMError
+from ..flow.batch import DEFAULT_ROWS, Feed, SlotDecoder
+from ..flow.generate import sample
+
+
+class QueueFull(Exception):
+    """The queue cannot take the request: retry after retry_after seconds."""
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class ShuttingDown(Exception):
+    """The engine stops (or has stopped, or failed): it takes no new request."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How one sequence is continued: at most max_tokens new tokens, drawn as
+    flow/generate.sample does (temperature 0 or top_k 1: greedy), ended early by a stop
+    string (not included in the text) or by <|endoftext|> unless ignore_eos."""
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    stop: tuple = ()
+    ignore_eos: bool = False
+
+
+class Event(NamedTuple):
+    """What a request hears from the engine: text (possibly empty); at the end, finish
+    ("stop", "length", or "cancelled") or error (a message), and the usage."""
+    text: str = ""
+    finish: str | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class Request:
+    """One sequence to generate: prompt (token ids), its Sampling, its random generator (a
+    numpy Generator; greedy draws use none) and on_event(Event), called from the engine
+    thread for each piece of text and once at the end (it must not block)."""
+
+    def __init__(self, prompt, sampling: Sampling, on_event: Callable[[Event], None], rng=None):
+        self.prompt = [int(t) for t in prompt]
+        self.sampling, self.on_event = sampling, on_event
+        self.rng = rng if rng is not None else np.random.default_rng()
+        self.cancelled = False
+        self.submitted = self.first_token = self.finished = None     # time.monotonic()
+        self.tokens: list[int] = []
+
+    def cancel(self):
+        """The client is gone: the engine drops the request before its next step (its slot is
+        free for the next request)."""
+        self.cancelled = True
+
+
+class Loaded(NamedTuple):
+    """A model ready to serve, made in the engine thread by the engine's `load` callable: its
+    backend (flow/generate), the slot groups (one per StarPU worker of one core), a context
+    manager that pauses StarPU while the engine is idle, a function releasing everything (the
+    backend's handles, StarPU), and a line describing it."""
+    backend: object
+    groups: int
+    paused: Callable
+    close: Callable
+    describe: str
+
+
+class _Text:
+    """A sequence's text as its tokens come: whole UTF-8 characters (a token may end inside
+    one), the stop strings looked for; pieces are released once no stop string can still
+    start in them."""
+
+    def __init__(self, tokenizer, stop):
+        self.tokenizer, self.stop = tokenizer, tuple(stop)
+        self.longest = max((len(s) for s in self.stop), default=0)
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text, self.sent = "", 0
+
+    def add(self, token: int | None, final: bool = False) -> tuple[str, bool]:
+        """The new text to send after token (None: nothing more) and whether a stop string
+        ended the sequence (the text then stops before it)."""
+        if token is not None:
+            self.text += self.utf8.decode(self.tokenizer.decode_bytes([token]))
+        if final:
+            self.text += self.utf8.decode(b"", final=True)
+        if not self.stop:
+            return self._release(len(self.text)), False
+        start = max(0, self.sent - self.longest + 1)
+        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        if hits:
+            return self._release(min(hits)), True
+        if final:
+            return self._release(len(self.text)), False
+        hold = 0          # the longest end of the text that a stop string starts with
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(self.text) - self.sent), hold, -1):
+                if self.text.endswith(s[:k]):
+                    hold = k
+                    break
+        return self._release(len(self.text) - hold), False
+
+    def _release(self, end: int) -> str:
+        piece, self.sent = self.text[self.sent:end], max(self.sent, end)
+        return piece
+
+
+class _Sequence:
+    """A request in a slot: the tokens still to feed and the position of the first."""
+
+    def __init__(self, req: Request, slot: int, text: _Text):
+        self.req, self.slot, self.text = req, slot, text
+        self.pending, self.pos = list(req.prompt), 0
+
+
+class Engine:
+    """Continuous batching of generation requests in a thread of its own (see the module
+    docstring). load() -> Loaded runs in that thread. max_batch sequences at once (the
+    slots), up to max_queue more waiting; rows: the new tokens of one step (per group);
+    cache_len: the positions a slot holds (default the model's maxT). tokenizer: the text of
+    the tokens (io/tokenizer.Tokenizer); eot: the end-of-text token. metrics: an object with
+    the serve/metrics.Metrics methods, or None."""
+
+    def __init__(self, load: Callable[[], Loaded], config, tokenizer, eot: int | None,
+                 max_batch: int = 8, max_queue: int = 64, rows: int = DEFAULT_ROWS,
+                 cache_len: int | None = None, metrics=None):
+        if max_batch < 1 or max_queue < 0:
+            raise StarpuLLMError(f"max_batch {max_batch} must be at least 1 and max_queue "
+                                 f"{max_queue} at least 0")
+        self.config, self.tokenizer, self.eot = config, tokenizer, eot
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.rows = max(rows, max_batch)      # every running sequence gets its row
+        self.cache_len = cache_len or config.maxT
+        self.metrics = metrics
+        self._load = load
+        self._cond = threading.Condition()
+        self._queue: collections.deque = collections.deque()
+        self._free = max_batch          # slots not taken (under _cond)
+        self._running: dict[int, _Sequence] = {}      # slot -> sequence (engine thread)
+        self._draining = False
+        self._deadline = None
+        self._failed: str | None = None
+        self._request_s = 1.0           # a running mean of request durations (retry times)
+        self.describe = ""
+        self._ready = threading.Event()
+        self._load_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="starpu-llm-engine", daemon=True)
+
+    # ---- any thread
+
+    def start(self, timeout: float | None = None):
+        """Start the thread and wait until the model is loaded; a loading error is raised here."""
+        self._thread.start()
+        self._ready.wait(timeout)
+        if self._load_error is not None:
+            self._thread.join()
+            raise self._load_error
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self._failed is None
+
+    def state(self) -> str:
+        """"ok", "draining" or "failed: why" or "stopped"."""
+        if self._failed:
+            return f"failed: {self._failed}"
+        if not self._thread.is_alive():
+            return "stopped"
+        return "draining" if self._draining else "ok"
+
+    def submit(self, requests: list[Request]):
+        """Queue the requests (all or none); raises QueueFull or ShuttingDown at once."""
+        now = time.monotonic()
+        with self._cond:
+            if self._draining or self._failed or not self._thread.is_alive():
+                raise ShuttingDown(f"the server is {self.state()}: it takes no new request")
+            room = self.max_queue + self._free - len(self._queue)
+            if len(requests) > room:
+                wait = self.retry_after()
+                if self.metrics:
+                    self.metrics.rejected(len(requests))
+                raise QueueFull(f"the server is busy: {self.max_batch - self._free} sequences "
+                                f"running and {len(self._queue)} waiting (at most "
+                                f"{self.max_batch} + {self.max_queue}); retry in {wait} s",
+                                wait)
+            for r in requests:
+                r.submitted = now
+                self._queue.append(r)
+            self._cond.notify()
+        if self.metrics:
+            self.metrics.queue_length(self.waiting())
+
+    def waiting(self) -> int:
+        """Requests that wait for a slot."""
+        return max(0, len(self._queue) - self._free)
+
+    def running(self) -> int:
+        return self.max_batch - self._free
+
+    def retry_after(self) -> int:
+        """Whole seconds after which a slot has likely freed: the requests ahead, a batch at
+        a time, each lasting the recent mean."""
+        ahead = len(self._queue) + self.running()
+        return int(min(60, max(1, np.ceil(self._request_s * (ahead / self.max_batch)))))
+
+    def drain(self, timeout: float):
+        """Take no new request; let the accepted ones finish for at most timeout seconds, then
+        cancel the rest; the thread then stops (StarPU shut down)."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        with self._cond:
+            self._draining = True       # a second call can only bring the deadline closer
+            self._deadline = deadline if self._deadline is None else min(self._deadline, deadline)
+            self._cond.notify()
+
+    def close(self, timeout: float = 10.0, join: float | None = None) -> bool:
+        """drain(timeout), then wait for the thread (at most join seconds, default: the
+        deadline plus a minute for a step under way); True when it stopped."""
+        self.drain(timeout)
+        self._thread.join(timeout + 60 if join is None else join)
+        return not self._thread.is_alive()
+
+    # ---- the engine thread
+
+    def _main(self):
+        loaded = None
+        try:
+            loaded = self._load()
+            self.describe = loaded.describe
+            self.decoder = SlotDecoder(loaded.backend, self.max_batch, self.rows,
+                                       self.cache_len, loaded.groups)
+        except BaseException as e:          # noqa: BLE001 (re-raised by start())
+            self._load_error = e
+            if loaded is not None:
+                loaded.close()
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            self._loop(loaded.paused)
+        except BaseException as e:         # noqa: BLE001 (every request hears it)
+            self._failed = f"{type(e).__name__}: {e}"
+            self._end_all(error=f"the engine failed: {self._failed}")
+        finally:
+            loaded.close()
+
+    def _loop(self, paused):
+        while True:
+            with self._cond:
+                idle = not self._queue and not self._running
+                if idle and self._draining:
+                    return
+            if idle:
+                if self.metrics:
+                    self.metrics.idle()
+                with paused():
+                    with self._cond:
+                        self._cond.wait_for(lambda: self._queue or self._draining)
+                continue
+            if self._draining and time.monotonic() >= self._deadline:
+                self._end_all(error="the server is shutting down: the request was cancelled "
+                                    "(its time to finish ran out)")
+                continue
+            self._leave_cancelled()
+            self._admit()
+            if self._running:
+                self._step()
+
+    def _end(self, seq: _Sequence, finish: str | None = None, error: str | None = None):
+        """seq leaves: its slot is freed, its request hears the end."""
+        req = seq.req
+        req.finished = time.monotonic()
+        del self._running[seq.slot]
+        with self._cond:
+            self._free += 1
+        self._request_s += 0.2 * (req.finished - req.submitted - self._request_s)
+        self._emit(req, Event("", finish, error, len(req.prompt), len(req.tokens)))
+        if self.metrics:
+            self.metrics.finished(finish or "error", req.finished - req.submitted)
+
+    def _end_all(self, error: str):
+        for seq in list(self._running.values()):
+            self._end(seq, error=error)
+        with self._cond:
+            queued, self._queue = list(self._queue), collections.deque()
+        for req in queued:
+            self._emit(req, Event("", None, error, len(req.prompt), 0))
+            if self.metrics:
+                self.metrics.finished("error", time.monotonic() - req.submitted)
+
+    def _emit(self, req: Request, event: Event):
+        try:
+            req.on_event(event)
+        except Exception:                  # noqa: BLE001 (a listener gone: drop the request)
+            req.cancelled = True
+
+    def _leave_cancelled(self):
+        for seq in [s for s in self._running.values() if s.req.cancelled]:
+            self._end(seq, finish="cancelled")
+
+    def _admit(self):
+        free = [s for s in range(self.max_batch) if s not in self._running]
+        groups = self.decoder.group_of
+        while free:
+            with self._cond:
+                if not self._queue:
+                    break
+                req = self._queue.popleft()
+                if req.cancelled:
+                    continue
+                self._free -= 1
+            # the slot of the least busy group (groups run side by side)
+            load = collections.Counter(groups(s) for s in self._running)
+            slot = min(free, key=lambda s: (load[groups(s)], s))
+            free.remove(slot)
+            self._running[slot] = _Sequence(req, slot, _Text(self.tokenizer, req.sampling.stop))
+        if self.metrics:
+            self.metrics.queue_length(self.waiting())
+
+    def _step(self):
+        # every running sequence's next token first, then prompt rows while the group has room
+        budget = collections.Counter()
+        feeds = []
+        decoding = [s for s in self._running.values() if s.req.tokens]
+        prefilling = sorted((s for s in self._running.values() if not s.req.tokens),
+                            key=lambda s: s.req.submitted)
+        for seq in decoding + prefilling:
+            g = self.decoder.group_of(seq.slot)
+            n = min(len(seq.pending), self.rows - budget[g])
+            if n < 1:
+                continue
+            budget[g] += n
+            feeds.append(Feed(seq.slot, seq.pos, seq.pending[:n], n == len(seq.pending)))
+        t0 = time.monotonic()
+        logits = self.decoder.step(feeds)
+        now = time.monotonic()
+        new_tokens = 0
+        rows = iter(logits)
+        for f in feeds:
+            seq = self._running[f.slot]
+            seq.pos += len(f.tokens)
+            seq.pending = seq.pending[len(f.tokens):]
+            if f.logits:
+                new_tokens += 1
+                self._next_token(seq, next(rows), now)
+        if self.metrics:
+            self.metrics.step(len(feeds), sum(len(f.tokens) for f in feeds), new_tokens,
+                              now - t0)
+
+    def _next_token(self, seq: _Sequence, logits, now: float):
+        req, sp = seq.req, seq.req.sampling
+        token = sample(logits, sp.temperature, sp.top_k, req.rng, sp.top_p)
+        req.tokens.append(token)
+        if req.first_token is None:
+            req.first_token = now
+            if self.metrics:
+                self.metrics.first_token(now - req.submitted)
+        if token == self.eot and not sp.ignore_eos:
+            text, _ = seq.text.add(None, final=True)
+            self._emit(req, Event(text))
+            return self._end(seq, "stop")
+        last = (len(req.tokens) == sp.max_tokens
+                or len(req.prompt) + len(req.tokens) >= self.cache_len)
+        text, stopped = seq.text.add(token, final=last)
+        if text:
+            self._emit(req, Event(text))
+        if stopped or last:
+            return self._end(seq, "stop" if stopped else "length")
+        seq.pending = [token]
+
+
+@contextlib.contextmanager
+def nothing():
+    """A context manager that does nothing (an engine without StarPU has nothing to pause)."""
+    yield
