@@ -134,3 +134,43 @@ def test_the_gpu_ran_the_layers(gpu_run):
     assert on_gpu > 0, f"no task ran on the GPU: {dict(where)}"
     # the batch loads read the token shard in host memory: CPU only
     assert where[("load_batch", "gpu")] == 0
+
+
+def test_gpu_batched_decoding_equals_one_sequence_at_a_time():
+    """What `serve --gpus 1` runs: test_batch.py's sequences that come and go in 3 slots
+    (prompts prefilled beside other sequences' tokens, slots reused), decoded on the GPU
+    engine (fp32 matmuls), against one sequence at a time on the reference engine (CPU): the
+    logits within the fp32 bound of the generation tests, the same greedy tokens; and the
+    decode kernels ran on the GPU."""
+    from bounds import assert_within, logits_bound
+    from starpu_llm.flow import generate as gen
+    from starpu_llm.flow.batch import SlotDecoder
+    from test_batch import MICRO, REQUESTS, alone, continuous, peaked_params, prompts
+
+    requests = list(zip(prompts(), (new for _, new in REQUESTS)))
+    ref_backend = gen.DirectBackend(MICRO, peaked_params(MICRO))
+    try:
+        ref = [alone(ref_backend, prompt, new) for prompt, new in requests]
+    finally:
+        ref_backend.close()
+    with gpu_runtime("fp32") as rt:
+        backend = gen.StarPUBackend(rt, MICRO, peaked_params(MICRO))
+        try:
+            rt.start_trace(400_000)
+            batched, largest = continuous(SlotDecoder(backend, 3, rows=24), requests)
+            cuda_workers = set(range(lib.sl_cuda_worker_count()))
+            where = Counter((e.codelet, "gpu" if e.worker in cuda_workers else "cpu")
+                            for e in rt.trace())
+            rt.stop_trace()
+        finally:
+            backend.close()
+    assert largest == 3
+    for (prompt, new), (tokens, steps), (ref_tokens, ref_steps) in zip(requests, batched, ref):
+        for k, (a, b) in enumerate(zip(steps, ref_steps)):
+            T = len(prompt) + k
+            assert_within(a, b, logits_bound(MICRO, 1, T, np.abs(b).max()),
+                          f"gpu: prompt of {len(prompt)}, logits after {T} tokens")
+        assert tokens == ref_tokens
+    print("\n[decode] tasks on the GPU / on CPUs: " + ", ".join(
+        f"{c} {where[(c, 'gpu')]}/{where[(c, 'cpu')]}" for c in sorted({c for c, _ in where})))
+    assert sum(n for (c, kind), n in where.items() if kind == "gpu") > 0, dict(where)
