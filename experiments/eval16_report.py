@@ -372,7 +372,7 @@ def main(argv=None) -> int:
             if f.endswith(".png"):
                 plots.shrink_png(os.path.join(out, f), 300_000)
                 shutil.copy(os.path.join(out, f), os.path.join(args.png_dir, "eval16_" + f))
-    print(f"wrote {out}" + (" and docs/figures/eval16_*.png" if args.png_dir else ""))
+    print(f"wrote {out}" + (f" and {args.png_dir}/eval16_*.png" if args.png_dir else ""))
     return 0
 
 
