@@ -9,6 +9,7 @@ shut down and the command returns. A second SIGINT stops at once (the requests c
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 
@@ -58,6 +59,36 @@ def load_model(config, params, engine: str = "starpu", partition=None, sched=Non
     return load
 
 
+def listen_socket(host: str, port: int):
+    """The server's socket, bound to host:port before StarPU starts, so that a port in use
+    or a host that is not this machine's is one error at once, not uvicorn's log line after
+    the loading. asyncio listens on it when uvicorn starts."""
+    import errno
+    import socket
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise StarpuLLMError(f"--host {host}: not an address ({getattr(e, 'strerror', e)}); "
+                             "127.0.0.1 serves this machine only, 0.0.0.0 every interface")
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        why = {errno.EADDRINUSE: f"--port {port}: {host}:{port} is already in use (another "
+                                 "server?); choose another port, or --port 0 for a free one",
+               errno.EACCES: f"--port {port}: this user may not listen on it (ports below "
+                             "1024 need privileges); choose a port from 1024 up",
+               errno.EADDRNOTAVAIL: f"--host {host}: not an address of this machine; "
+                                    "127.0.0.1 serves this machine only, 0.0.0.0 every "
+                                    "interface"}
+        raise StarpuLLMError(why.get(e.errno, f"--host {host} --port {port}: cannot listen "
+                                              f"there ({e.strerror})"))
+    return sock
+
+
 def run_serve(init_from, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8,
               max_queue: int = 64, engine: str = "starpu", request=None, model_name=None,
               shutdown_timeout: float = 30.0, log_level: str = "info") -> int:
@@ -70,47 +101,53 @@ def run_serve(init_from, host: str = "127.0.0.1", port: int = 8000, max_batch: i
     partition = resolve_here(request, engine=engine)      # bad flags fail before the model loads
     uvicorn, create_app, Metrics = _web()
     from .serve.engine import Engine
-    config, params = read_text_model(init_from, engine, "serve")
     if max_batch < 1 or max_queue < 0:
         raise StarpuLLMError(f"--max-batch must be at least 1 and --max-queue at least 0 (got "
                              f"{max_batch} and {max_queue})")
-    model = model_name or os.path.splitext(os.path.basename(init_from))[0]
-    tok = tokenizer.gpt2()
-    metrics = Metrics(max_batch)
-    load = load_model(config, params, engine, partition, request.sched)
-    eng = Engine(load, config, tok, tok.eot, max_batch=max_batch, max_queue=max_queue, metrics=metrics)
-    eng.start()              # StarPU up, the model registered; an error is raised here
-    stopped = []
+    config, params = read_text_model(init_from, engine, "serve")
+    sock = listen_socket(host, port)      # before the slow part: a port in use is said at once
+    with contextlib.closing(sock):
+        model = model_name or os.path.splitext(os.path.basename(init_from))[0]
+        tok = tokenizer.gpt2()
+        metrics = Metrics(max_batch)
+        load = load_model(config, params, engine, partition, request.sched)
+        eng = Engine(load, config, tok, tok.eot, max_batch=max_batch, max_queue=max_queue,
+                     metrics=metrics)
+        eng.start()              # StarPU up, the model registered; an error is raised here
+        stopped = []
 
-    class Server(uvicorn.Server):
-        async def startup(self, sockets=None):
-            await super().startup(sockets)
-            if self.started:
-                h, p = self.servers[0].sockets[0].getsockname()[:2]
-                print(f"serving {model} on http://{h}:{p} ({eng.describe}; --max-batch "
-                      f"{max_batch})", flush=True)
+        class Server(uvicorn.Server):
+            async def startup(self, sockets=None):
+                await super().startup(sockets)
+                if self.started:
+                    h, p = self.servers[0].sockets[0].getsockname()[:2]
+                    h = f"[{h}]" if ":" in h else h          # an IPv6 address in a URL
+                    print(f"serving {model} on http://{h}:{p} ({eng.describe}; --max-batch "
+                          f"{max_batch})", flush=True)
 
-        def handle_exit(self, sig, frame):
-            if not stopped:
-                print(f"{signal.Signals(sig).name}: no new requests; the running ones have "
-                      f"{shutdown_timeout:g} s to finish", flush=True)
-            stopped.append(sig)
-            eng.drain(0.0 if len(stopped) > 1 else shutdown_timeout)
-            super().handle_exit(sig, frame)
+            def handle_exit(self, sig, frame):
+                if not stopped:
+                    print(f"{signal.Signals(sig).name}: no new requests; the running ones have "
+                          f"{shutdown_timeout:g} s to finish", flush=True)
+                stopped.append(sig)
+                eng.drain(0.0 if len(stopped) > 1 else shutdown_timeout)
+                super().handle_exit(sig, frame)
 
-    server = Server(uvicorn.Config(create_app(eng, model, metrics), host=host, port=port,
-                                   log_level=log_level, lifespan="off",
-                                   timeout_graceful_shutdown=shutdown_timeout + 5))
-    # the CLI's stop-after-the-step handlers (signals.py) out of the way: uvicorn's drain here;
-    # uvicorn gives the signals back to the handlers below once it stops, and raises them again
-    with signals.suspended():
-        previous = {s: signal.signal(s, lambda *a: None) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            server.run()
-        finally:
-            for s, h in previous.items():
-                signal.signal(s, h)
-            done = eng.close(timeout=0.0 if stopped else shutdown_timeout)
-    print("stopped: StarPU shut down" if done else
-          "stopped, but the engine thread did not end", flush=True)
-    return 0 if done and server.started else 1
+        server = Server(uvicorn.Config(create_app(eng, model, metrics), log_level=log_level,
+                                       lifespan="off",
+                                       timeout_graceful_shutdown=shutdown_timeout + 5))
+        # the CLI's stop-after-the-step handlers (signals.py) out of the way: uvicorn's drain
+        # here; uvicorn gives the signals back to the handlers below once it stops, and raises
+        # them again
+        with signals.suspended():
+            previous = {s: signal.signal(s, lambda *a: None)
+                        for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                server.run(sockets=[sock])
+            finally:
+                for s, h in previous.items():
+                    signal.signal(s, h)
+                done = eng.close(timeout=0.0 if stopped else shutdown_timeout)
+        print("stopped: StarPU shut down" if done else
+              "stopped, but the engine thread did not end", flush=True)
+        return 0 if done and server.started else 1

@@ -442,6 +442,16 @@ def test_serve_errors(ckpts, tmp_path):
     assert rc == 2 and "--max-batch must be at least 1" in err, err
     rc, err = serve("--init-from", ckpts["tiny"], "--workers", 64)
     assert rc == 2 and "--workers 64" in err and "Traceback" not in err, err
+    # a port in use, a host that is not this machine's: one error naming the flag, before
+    # StarPU starts (uvicorn alone prints a log line and exits 3)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        rc, err = serve("--init-from", ckpts["tiny"], "--port", port)
+    assert rc == 2 and f"--port {port}" in err and "already in use" in err, err
+    rc, err = serve("--init-from", ckpts["tiny"], "--host", "192.0.2.1", "--port", 0)
+    assert rc == 2 and "--host 192.0.2.1: not an address of this machine" in err, err
     if not have_cuda():       # a CPU build names the flag and how to get a CUDA build
         rc, err = serve("--init-from", ckpts["tiny"], "--gpus", 1)
         assert rc == 2 and "--gpus 1" in err and "CPU build" in err, err
