@@ -69,6 +69,14 @@ _CHECKS = {"positive": _checked(int, "a whole number", lambda v: v >= 1, "at lea
            "nonneg_int": _checked(int, "a whole number", lambda v: v >= 0, ">= 0")}
 
 
+def _model_name(s):
+    """serve --model-name: what clients send as "model", so neither empty nor padded."""
+    if s.strip() != s or not s:
+        raise argparse.ArgumentTypeError(f"--model-name must be a name clients can send as "
+                                         f"\"model\" (not empty, no spaces around it), got {s!r}")
+    return s
+
+
 def train_settings():
     """The TrainConfig fields that are `starpu-llm train` flags (those with help)."""
     return _train_settings()
@@ -242,7 +250,7 @@ def build_parser():
                          type=_CHECKS["positive"]("--workers"),
                          help="N StarPU workers (default 1, on all the cores); with N > 1 the "
                               "slots are split into N groups that step side by side")})
-    sv.add_argument("--model-name", default=None, help="the model's name in the API (default: "
+    sv.add_argument("--model-name", type=_model_name, default=None, help="the model's name in the API (default: "
                                                        "the checkpoint's file name, without "
                                                        "its extension)")
     sv.add_argument("--shutdown-timeout", type=_CHECKS["nonneg"]("--shutdown-timeout"),

@@ -438,6 +438,8 @@ def test_serve_errors(ckpts, tmp_path):
     formats.write_checkpoint(micro, MODELS["micro"], peaked_params(MODELS["micro"]))
     rc, err = serve("--init-from", micro)
     assert rc == 2 and "vocabulary of 250 tokens" in err, err
+    rc, err = serve("--init-from", ckpts["tiny"], "--model-name", "")
+    assert rc == 2 and "--model-name must be a name" in err and "got ''" in err, err
     rc, err = serve("--init-from", ckpts["tiny"], "--max-batch", 0)
     assert rc == 2 and "--max-batch must be at least 1" in err, err
     rc, err = serve("--init-from", ckpts["tiny"], "--workers", 64)
