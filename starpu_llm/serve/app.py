@@ -29,6 +29,28 @@ from .engine import Event, QueueFull, Request, ShuttingDown
 from .metrics import CONTENT_TYPE
 
 
+# A body above this is refused as it arrives (HTTP 413), so that no client makes the server
+# hold gigabytes: prompts that fit a GPT-2 context, even --max-batch of them, are far smaller.
+MAX_BODY = 16 << 20
+
+
+async def _body(request: HTTPRequest) -> bytes:
+    """The request's body, read up to MAX_BODY bytes (api.BadRequest 413 beyond)."""
+    too_large = api.BadRequest(f"the request body is larger than {MAX_BODY >> 20} MiB; a "
+                               f"prompt must fit the model's context: send fewer or shorter "
+                               f"prompts", status=413)
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def _error(status: int, message: str, kind: str = "invalid_request_error", param=None,
            code=None, headers=None) -> JSONResponse:
     return JSONResponse(api.error_body(message, kind, param, code), status, headers=headers)
@@ -41,7 +63,7 @@ def create_app(engine, model: str, metrics=None) -> Starlette:
 
     async def completions(request: HTTPRequest):
         try:
-            body = api.parse_json(await request.body())
+            body = api.parse_json(await _body(request))
             c = api.parse_completion(body, model, engine.tokenizer, config.V, engine.cache_len,
                                      engine.max_batch)
         except api.BadRequest as e:
