@@ -30,7 +30,7 @@ from starpu_llm.flow import batch, generate as gen
 from starpu_llm.flow.tensors import DecodeTensors, HeadTensors, KVCache, ParameterTensors, Tensor
 from starpu_llm.runtime.starpu import Runtime
 from starpu_llm.state import random_init
-from taskgraph import ACCESS_R, ACCESS_W, dependencies, load_events, render
+from taskgraph import ACCESS_R, ACCESS_W, _reachability, dependencies, load_events, render
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIGURE = os.path.join(os.path.dirname(HERE), "docs", "figures", "serving_taskgraph.png")
@@ -111,22 +111,14 @@ def traced_steps():
     return events, n_first, names, config
 
 
-def transitive_edges(edges) -> set:
-    """The edges (a, b) with another path from a to b (StarPU needs them no more than the
-    graph shows them)."""
-    succ = {}
+def transitive_edges(edges, n: int) -> set:
+    """The edges (a, b) among tasks 0..n-1 with another path from a to b (StarPU needs them
+    no more than the graph shows them)."""
+    succ = [[] for _ in range(n)]
     for a, b in edges:
-        succ.setdefault(a, set()).add(b)
-
-    def reach(a, skip):
-        seen, todo = set(), [x for x in succ.get(a, ()) if x != skip]
-        while todo:
-            x = todo.pop()
-            if x not in seen:
-                seen.add(x)
-                todo += succ.get(x, ())
-        return seen
-    return {(a, b) for a, b in edges if b in reach(a, b)}
+        succ[a].append(b)
+    reach = _reachability(succ)
+    return {(a, b) for a, b in edges if any(w != b and (reach[w] >> b) & 1 for w in succ[a])}
 
 
 def draw(events, n_first, names, config, dot_path, png_path):
@@ -135,7 +127,7 @@ def draw(events, n_first, names, config, dot_path, png_path):
     edges = {}
     for s, d, h, t in dependencies(ev):
         edges.setdefault((s, d), set()).add((kind(names.get(h, "?")), t))
-    implied = transitive_edges(edges)
+    implied = transitive_edges(edges, 1 + max(e.i for e in ev))
     print(f"{len(edges)} dependencies between the tasks, {len(implied)} of them implied by "
           f"other paths")
     # drawn: the data flow (read after write), the cache's reuse, and every edge no other

@@ -148,6 +148,10 @@ def partition_settings(*names):
     return [f for f in fields(PartitionRequest) if f.name in names]
 
 
+# the partition flags of serve (PartitionRequest fields), declared and read back by name
+SERVE_PARTITION = ("workers", "cores_per_worker", "kcore", "sched", "gpus", "gpu_matmul")
+
+
 def build_parser():
     from .config import MODELS
     ap = _Parser(prog="starpu-llm", description=__doc__.split("\n\n")[0])
@@ -244,8 +248,7 @@ def build_parser():
                          "503 and Retry-After (default 64)")
     sv.add_argument("--engine", default="starpu", choices=["starpu", "reference"],
                     help="starpu: the task graph; reference: the same kernels in a plain loop")
-    add_setting_args(sv, partition_settings("workers", "cores_per_worker", "kcore", "sched",
-                                            "gpus", "gpu_matmul"),
+    add_setting_args(sv, partition_settings(*SERVE_PARTITION),
                      overrides={"workers": dict(
                          type=_CHECKS["positive"]("--workers"),
                          help="N StarPU workers (default 1, on all the cores); with N > 1 the "
@@ -305,8 +308,9 @@ def cmd_predict(args):
     target = machine or calibration
     limit = parse_size(args.memory_limit) if args.memory_limit else None
     # a described machine runs K-core workers as StarPU 1.4 parallel workers (the clusters')
+    here = this_build()
     build = Build(max_cpus=max(target.cores, 1024), parallel_workers=True) if machine else \
-        replace(this_build(), max_cpus=max(target.cores, this_build().max_cpus))
+        replace(here, max_cpus=max(target.cores, here.max_cpus))
     if args.workers == "auto":
         if args.cores_per_worker:
             raise StarpuLLMError("--workers auto takes every N x K of the machine's cores: "
@@ -360,9 +364,7 @@ def cmd_generate(args):
 def cmd_serve(args):
     from .cli_serve import run_serve
     from .partition import PartitionRequest
-    request = PartitionRequest(workers=args.workers, cores_per_worker=args.cores_per_worker,
-                               kcore=args.kcore, sched=args.sched, gpus=args.gpus,
-                               gpu_matmul=args.gpu_matmul)
+    request = PartitionRequest(**{name: getattr(args, name) for name in SERVE_PARTITION})
     return run_serve(args.init_from, args.host, args.port, args.max_batch, args.max_queue,
                      args.engine, request, args.model_name, args.shutdown_timeout,
                      args.log_level)

@@ -40,10 +40,10 @@ def load_model(config, params, engine: str = "starpu", partition=None, sched=Non
     def load():
         from .flow.generate import DirectBackend, StarPUBackend
         from .runtime.starpu import Runtime
-        from .serve.engine import Loaded, nothing
+        from .serve.engine import Loaded
         if engine == "reference":
             backend = DirectBackend(config, params)
-            return Loaded(backend, 1, nothing, backend.close,
+            return Loaded(backend, 1, contextlib.nullcontext, backend.close,
                           "reference engine (the kernels in a plain loop, no StarPU)")
         runtime = Runtime(partition=partition, sched=sched)
         try:
@@ -133,7 +133,7 @@ def run_serve(init_from, host: str = "127.0.0.1", port: int = 8000, max_batch: i
                 eng.drain(0.0 if len(stopped) > 1 else shutdown_timeout)
                 super().handle_exit(sig, frame)
 
-        server = Server(uvicorn.Config(create_app(eng, model, metrics), log_level=log_level,
+        server = Server(uvicorn.Config(create_app(eng, model), log_level=log_level,
                                        lifespan="off",
                                        timeout_graceful_shutdown=shutdown_timeout + 5))
         # the CLI's stop-after-the-step handlers (signals.py) out of the way: uvicorn's drain

@@ -5,7 +5,6 @@ exists; the autotuner's choice only with --workers auto (perf/autotune.py); on -
 recorded partition unless one is given (resume.py)."""
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
 from .config import MODELS
@@ -15,7 +14,6 @@ from .flow.memory import footprint
 from .flow.reference import ReferenceEngine
 from .perf import autotune
 from .perf.model import CostModel
-from .perf.machine import default_path, load
 from .perf.predict import load_calibration
 from .perf.stages import layer_costs
 from .record import Partition
@@ -121,11 +119,8 @@ def calibrated_peak(partition: Partition) -> float | None:
     """The sgemm FLOP/s of the cores a run uses (per rank, times the ranks) on this machine's
     calibration: what a step's model FLOPs per second are compared with (its "mfu"); None
     without a calibration."""
-    path = default_path()
-    if not os.path.exists(path):
-        return None
     try:
-        machine = load(path)
+        machine = load_calibration()
     except StarpuLLMError:
         return None
     cores = min(machine.cores, partition.workers * partition.cores_per_worker)

@@ -102,9 +102,4 @@ void fill_zero_cuda(const struct sl_gpu *g, float *x, size_t n);
 void add_inplace_cuda(const struct sl_gpu *g, float *dst, const float *src, size_t n);
 void copy_floats_cuda(const struct sl_gpu *g, float *dst, const float *src, size_t n);
 
-/* ---- the GPU of the tests and the matmul precision (run.cu) ---- */
-/* The precision of the matmuls of the StarPU engine's CUDA tasks (default 1: TF32). */
-void sl_gpu_set_tf32(int tf32);
-int sl_gpu_tf32(void);
-
 #endif

@@ -17,14 +17,11 @@ static struct starpu_codelet cls[SL_MAX_CODELETS];
 static struct starpu_perfmodel models[SL_MAX_CODELETS];
 static char symbols[SL_MAX_CODELETS][64];
 static int built;
-/* the methods of every gradient reduction: init = the zero codelet, reduce = the add codelet
- * (found once, by build) */
 /* The reduction methods of the gradients (sl_set_grad_reduction): copies of the add and zero
  * codelets, not the codelets themselves, which tasks use too: StarPU 1.4 changes the access mode
  * of a reduction method's buffer (RW | COMMUTE) and then refuses a task of that codelet given
  * RW (reduce_gradients' add under mpirun with sub-batches in reduction). */
-static struct starpu_codelet redux_cls[2];
-static struct starpu_codelet *reduce_add, *reduce_zero;
+static struct starpu_codelet redux_cls[2];     /* [0] reduce = add, [1] init = zero */
 
 enum starpu_data_access_mode sl_starpu_mode(int32_t access)
 {
@@ -127,9 +124,7 @@ static void build(void)
 	for (int id = 0; id < count; id++) {
 		const struct sl_codelet *c = sl_codelet_get(id);
 		struct starpu_codelet *cl = &cls[id];
-		starpu_codelet_init(cl);
-		cl->cpu_funcs[0] = c->cpu;
-		cl->cpu_funcs_name[0] = c->name;
+		starpu_codelet_init(cl);     /* its functions: sl_codelets_setup, each start */
 		cl->name = c->name;
 		if (!(c->flags & SL_NO_PERFMODEL)) {
 			snprintf(symbols[id], sizeof symbols[id], "sl_%s", c->name);
@@ -193,8 +188,6 @@ void sl_codelets_setup(int cores_per_worker, int ncuda)
 	}
 	redux_cls[0] = cls[codelet_id("add")];
 	redux_cls[1] = cls[codelet_id("zero")];
-	reduce_add = &redux_cls[0];
-	reduce_zero = &redux_cls[1];
 }
 
 struct starpu_codelet *sl_starpu_codelet(int codelet)
@@ -204,8 +197,8 @@ struct starpu_codelet *sl_starpu_codelet(int codelet)
 
 int sl_set_grad_reduction(sl_handle h)
 {
-	if (!reduce_add || !reduce_zero)
+	if (!built)
 		return -EINVAL;
-	starpu_data_set_reduction_methods(h, reduce_add, reduce_zero);
+	starpu_data_set_reduction_methods(h, &redux_cls[0], &redux_cls[1]);
 	return 0;
 }

@@ -70,7 +70,7 @@ class StarPUEngine(Engine):
             raise StarpuLLMError(f"{opt('batch')} {B} cannot be split over {where}; "
                                  f"use a {opt('batch')} divisible by {copies}")
         per_copy = B // copies
-        gpus = getattr(runtime, "gpus", 0)
+        gpus = runtime.gpus
         if sub_batches is None:
             sub_batches = default_sub_batches(per_copy, pipeline_stages, runtime.workers, gpus)
             if per_copy % sub_batches:

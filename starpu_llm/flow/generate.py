@@ -196,8 +196,8 @@ def sample(logits, temperature: float, top_k: int, rng, top_p: float = 1.0) -> i
     p = w / w.sum()
     if top_p < 1.0:
         order = np.argsort(-p, kind="stable")
-        keep = order[:int(np.searchsorted(np.cumsum(p[order]), top_p)) + 1]
-        ids, p = ids[np.sort(keep)], p[np.sort(keep)]
+        keep = np.sort(order[:int(np.searchsorted(np.cumsum(p[order]), top_p)) + 1])
+        ids, p = ids[keep], p[keep]
         p = p / p.sum()
     return int(ids[rng.choice(ids.size, p=p)])
 

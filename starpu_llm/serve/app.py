@@ -56,10 +56,11 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", param
     return JSONResponse(api.error_body(message, kind, param, code), status, headers=headers)
 
 
-def create_app(engine, model: str, metrics=None) -> Starlette:
-    """The application serving `engine` (started) under the model name `model`."""
+def create_app(engine, model: str) -> Starlette:
+    """The application serving `engine` (started) under the model name `model`, with the
+    engine's metrics."""
     created = int(time.time())
-    config = engine.config
+    config, metrics = engine.config, engine.metrics
 
     async def completions(request: HTTPRequest):
         try:

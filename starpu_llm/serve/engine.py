@@ -28,9 +28,7 @@ down.
 """
 from __future__ import annotations
 
-import codecs
 import collections
-import contextlib
 import threading
 import time
 from dataclasses import dataclass
@@ -41,6 +39,7 @@ import numpy as np
 from ..errors import StarpuLLMError
 from ..flow.batch import DEFAULT_ROWS, Feed, SlotDecoder
 from ..flow.generate import sample
+from ..io.tokenizer import StreamDecoder
 
 
 class QueueFull(Exception):
@@ -115,18 +114,21 @@ class _Text:
     start in them."""
 
     def __init__(self, tokenizer, stop):
-        self.tokenizer, self.stop = tokenizer, tuple(stop)
+        self.stop = tuple(stop)
         self.longest = max((len(s) for s in self.stop), default=0)
-        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.stream = StreamDecoder(tokenizer, self._append)
         self.text, self.sent = "", 0
+
+    def _append(self, text: str):
+        self.text += text
 
     def add(self, token: int | None, final: bool = False) -> tuple[str, bool]:
         """The new text to send after token (None: nothing more) and whether a stop string
         ended the sequence (the text then stops before it)."""
         if token is not None:
-            self.text += self.utf8.decode(self.tokenizer.decode_bytes([token]))
+            self.stream(token)
         if final:
-            self.text += self.utf8.decode(b"", final=True)
+            self.stream.close()
         if not self.stop:
             return self._release(len(self.text)), False
         start = max(0, self.sent - self.longest + 1)
@@ -198,10 +200,6 @@ class Engine:
         if self._load_error is not None:
             self._thread.join()
             raise self._load_error
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive() and self._failed is None
 
     def state(self) -> str:
         """"ok", "draining" or "failed: why" or "stopped"."""
@@ -409,9 +407,3 @@ class Engine:
         if stopped or last:
             return self._end(seq, "stop" if stopped else "length")
         seq.pending = [token]
-
-
-@contextlib.contextmanager
-def nothing():
-    """A context manager that does nothing (an engine without StarPU has nothing to pause)."""
-    yield
