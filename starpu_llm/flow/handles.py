@@ -136,7 +136,7 @@ class Handles:
         self.everywhere = everywhere
         self.owner_of = {}
         self.topology = topo = sites.topology
-        self.ownership, self.owners = topo.ownership, topo.owners
+        self.owners = topo.owners
         self.stages, self.copies, self.layer_stage = topo.stages, topo.copies, topo.layer_stage
         self.subs_per_copy, self.sets, self.redux = sites.subs_per_copy, sites.sets, sites.redux
         self._set_tensors = {}    # (copy, stage, set, name): the tensor micro-batches share

@@ -227,10 +227,7 @@ def parse_completion(obj: dict, model: str, tokenizer, V: int, cache_len: int,
         raise BadRequest(f"the prompt has {longest} tokens: a prompt and its completion must "
                          f"fit the model's maximum sequence length (maxT = {cache_len}); "
                          f"shorten the prompt", "prompt")
-    max_tokens = obj.get("max_tokens")
-    if max_tokens is None:
-        max_tokens = min(DEFAULT_MAX_TOKENS, cache_len - longest)
-    max_tokens = _int({"max_tokens": max_tokens}, "max_tokens", None, low=1)
+    max_tokens = _int(obj, "max_tokens", min(DEFAULT_MAX_TOKENS, cache_len - longest), low=1)
     if longest + max_tokens > cache_len:
         raise BadRequest(f"the prompt ({longest} tokens) + max_tokens {max_tokens} = "
                          f"{longest + max_tokens} tokens exceed the model's maximum sequence "
