@@ -52,10 +52,13 @@ $(VENV)/.test-deps: Makefile | $(VENV)/.installed
 	$(BIN)/pip install -q $(TEST_DEPS) $(SERVE_DEPS) matplotlib
 	touch $@
 
-# StarPU 1.4, as on the clusters: built from the vendored source into .deps/starpu-1.4 (about 2
+# StarPU 1.4, as on the clusters: built from S14_TARBALL (below) into .deps/starpu-1.4 (about 2
 # minutes on 2 cores, once), and the project built against it in its own venv and build
 # directory, beside the default (Debian 1.3) one. Against a cluster's module instead: docs/clusters.md.
-S14_TARBALL ?= ../shared/vendor/starpu-1.4.12.tar.gz
+# StarPU 1.4.12's source: the vendored tree beside the project, else a release tarball already
+# in .deps, else `download` (tools/build-starpu.sh fetches the release on a connected machine
+# and checks its sha256). S14_TARBALL=PATH takes another one.
+S14_TARBALL ?= $(firstword $(wildcard ../shared/vendor/starpu-1.4.12.tar.gz .deps/starpu-1.4.12.tar.gz) download)
 S14_PREFIX  := $(CURDIR)/.deps/starpu-1.4
 VENV14      := .venv-1.4
 
@@ -80,7 +83,7 @@ $(VENV14)/.installed: pyproject.toml meson.build meson.options tools/build-starp
 	touch $@
 
 # The CUDA build (README "GPUs"), beside the default one: StarPU 1.4 with CUDA built from the
-# vendored source into .deps/starpu-1.4-cuda (about 3 minutes on 2 cores, once), cuBLAS from
+# S14_TARBALL into .deps/starpu-1.4-cuda (about 3 minutes on 2 cores, once), cuBLAS from
 # PyPI in its own venv, and starpu-llm built against both with -Dcuda=enabled. It needs nvcc
 # and cudart (CUDA_HOME, else /usr/local/cuda), not a GPU. test-cuda then runs the GPU kernels'
 # tests and the GPU tests (without a GPU they skip, naming why), and checks that this build

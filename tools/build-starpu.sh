@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Builds StarPU 1.4 from a source tarball (the repository tree: autogen.sh comes first) into a
-# prefix, for building starpu-llm against it the way a cluster's `module load starpu/1.4.x` does:
+# Builds StarPU 1.4 from a source tarball (the release, or a tree of its repository: then
+# autogen.sh comes first) into a prefix, for building starpu-llm against it the way a cluster's
+# `module load starpu/1.4.x` does:
 #
 #   tools/build-starpu.sh ../shared/vendor/starpu-1.4.12.tar.gz .deps/starpu-1.4
+#   tools/build-starpu.sh download .deps/starpu-1.4     # the release, sha256-checked (--fetch)
 #   PKG_CONFIG_PATH=$PWD/.deps/starpu-1.4/lib/pkgconfig pip install --no-build-isolation -e .
 #
 # With MPI (StarPU-MPI), parallel workers and starpupy; without CUDA, OpenCL, HIP, Fortran,
-# documentation, examples or tests. Nothing is downloaded: the Debian packages it needs are
+# documentation, examples or tests. Only `download` downloads: the Debian packages it needs are
 # installed with apt-get when missing (SL_NO_APT=1: don't, just fail if something is missing).
 #
 #   tools/build-starpu.sh --cuda TARBALL PREFIX
@@ -26,6 +28,15 @@
 # Writes the tarball's tree after autogen.sh (configure made: what a machine without libtool,
 # such as the GPU machine, builds from).
 #
+#   tools/build-starpu.sh --fetch OUT.tar.gz
+#
+# On a connected machine: downloads the StarPU 1.4.12 release tarball from the StarPU project's
+# release page and checks its sha256 before anything else reads it (a mismatch removes it and
+# fails). TARBALL may also be the word `download` in the other forms: the release is fetched
+# into .deps/ beside this script's repository first (once; a file already there is checked
+# again). Nothing else downloads: a TARBALL path is taken as it is (the vendored one is the
+# repository's tree at the release tag, not the release tarball, so its sha256 differs).
+#
 # Environment:
 #   PYTHON          the Python starpupy is built for (default python3). It needs setuptools and,
 #                   for starpupy's numpy support, numpy: a project venv's python is a good choice.
@@ -38,13 +49,64 @@
 # Idempotent: a prefix whose stamp records the same tarball and options is left as it is.
 set -euo pipefail
 
-usage() { echo "usage: $0 [--cuda | --autogen] TARBALL PREFIX|OUT.tar.gz" >&2; exit 2; }
+usage() {
+  echo "usage: $0 [--cuda | --autogen] TARBALL|download PREFIX|OUT.tar.gz" >&2
+  echo "       $0 --fetch OUT.tar.gz" >&2
+  exit 2
+}
 mode=cpu
-case "${1:-}" in --cuda) mode=cuda; shift ;; --autogen) mode=autogen; shift ;; esac
-[ $# -eq 2 ] || usage
+case "${1:-}" in
+  --cuda) mode=cuda; shift ;; --autogen) mode=autogen; shift ;; --fetch) mode=fetch; shift ;;
+esac
+if [ $mode = fetch ]; then [ $# -eq 1 ] || usage; else [ $# -eq 2 ] || usage; fi
 tools=$(cd "$(dirname "$0")" && pwd)
-tarball=$(realpath "$1")
-[ -f "$tarball" ] || { echo "$0: no tarball at $1" >&2; exit 1; }
+
+# The release and its checksum (the StarPU project's release page; the same sha256 as Spack's
+# starpu package). SL_STARPU_URL overrides the address (a site mirror), never the checksum.
+release=starpu-1.4.12
+release_sha256=a186e0f4fc279877ecb36d53a672c07d9fbd54839172c051de60e2acd5c94990
+release_url=${SL_STARPU_URL:-https://files.inria.fr/starpu/$release/$release.tar.gz}
+
+# fetch OUT: the release tarball at OUT, its sha256 checked; a partial or wrong file never
+# stays under OUT's name.
+fetch() {
+  local out=$1 got
+  mkdir -p "$(dirname "$out")"
+  if [ ! -f "$out" ]; then
+    echo "downloading $release_url"
+    if command -v curl >/dev/null; then
+      curl -fsSL --retry 2 -o "$out.part" "$release_url"
+    elif command -v wget >/dev/null; then
+      wget -q -O "$out.part" "$release_url"
+    else
+      echo "$0: neither curl nor wget to download $release_url: install one, or download it" \
+           "on a connected machine and pass its path" >&2; exit 1
+    fi || { rm -f "$out.part"; echo "$0: could not download $release_url (no network?):" \
+           "download it on a connected machine and pass its path instead of 'download'" >&2; exit 1; }
+    mv "$out.part" "$out.check"
+  else
+    mv "$out" "$out.check"
+  fi
+  got=$(sha256sum "$out.check" | cut -d' ' -f1)
+  if [ "$got" != "$release_sha256" ]; then
+    rm -f "$out.check"
+    echo "$0: $release_url: sha256 $got, expected $release_sha256 (a damaged or another" \
+         "file): removed, nothing unpacked" >&2
+    exit 1
+  fi
+  mv "$out.check" "$out"
+  echo "$out: $release, sha256 checked"
+}
+
+if [ $mode = fetch ]; then fetch "$(realpath -m "$1")"; exit 0; fi
+if [ "$1" = download ]; then
+  tarball=$(realpath -m "$tools/../.deps/$release.tar.gz")
+  fetch "$tarball"
+else
+  tarball=$(realpath "$1")
+  [ -f "$tarball" ] || { echo "$0: no tarball at $1 (on a connected machine, 'download' fetches" \
+                              "$release and checks it)" >&2; exit 1; }
+fi
 
 # The tarball's source tree, unpacked into a new folder $work (kept on failure, for its logs).
 unpack() {
