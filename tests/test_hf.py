@@ -167,7 +167,7 @@ def test_train_from_hf_export_and_transformers_agree(tmp_path, runtime):
                                        30).astype(np.uint16))
     out = str(tmp_path / "exported")
     result = train(TrainConfig(init_from=src, train_data=shard, batch=2, seq_len=16, steps=5,
-                               lr=1e-3, save_hf=out, log=None))
+                               lr=1e-3, save_hf=out, log=None), runtime=runtime)
     state = result.state
     assert state.step == 5
     trained = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
