@@ -307,6 +307,13 @@ def test_damaged_files(damage, saved, tmp_path, capsys):
     assert named in err, err
 
 
+def test_pytorch_file_without_torch(tmp_path, monkeypatch, capsys):
+    src = save(hf_model("v97"), tmp_path / "pt", "pytorch")
+    monkeypatch.setitem(__import__("sys").modules, "torch", None)     # import torch fails
+    err = error_of("convert", src, str(tmp_path / "out.bin"), capsys=capsys)
+    assert os.path.join(src, hf.PYTORCH) in err and "install torch" in err, err
+
+
 # --------------------------------------------------------------------------- outputs
 
 def test_convert_refuses_to_overwrite(saved, tmp_path, capsys):

@@ -302,7 +302,10 @@ def hub_dir(name: str) -> str:
         raise StarpuLLMError(f"{name} is not a file or folder here, and finding it in the "
                              f"Hugging Face cache needs huggingface_hub: pip install "
                              f"'starpu-llm[hf]', or give the model's folder") from None
-    found = try_to_load_from_cache(name, CONFIG)
+    try:
+        found = try_to_load_from_cache(name, CONFIG)
+    except Exception:        # a name the Hub's rules refuse (huggingface_hub's validation)
+        found = None
     if isinstance(found, str):
         folder = os.path.dirname(found)
         if any(os.path.exists(os.path.join(folder, w))
