@@ -18,9 +18,9 @@ transformers = pytest.importorskip("transformers")
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
 from starpu_llm import cli  # noqa: E402
-from starpu_llm.cli_generate import run_generate  # noqa: E402
 from starpu_llm.config import GPTConfig  # noqa: E402
 from starpu_llm.errors import StarpuLLMError  # noqa: E402
+from starpu_llm.flow import generate as gen  # noqa: E402
 from starpu_llm.flow.engine import StarPUEngine  # noqa: E402
 from starpu_llm.flow.reference import ReferenceEngine  # noqa: E402
 from starpu_llm.io import formats, hf, tokenizer  # noqa: E402
@@ -185,9 +185,14 @@ def test_train_from_hf_export_and_transformers_agree(tmp_path, runtime):
     with torch.no_grad():
         cont = trained.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
                                 pad_token_id=tokenizer.EOT_ID)[0, len(ids):].tolist()
-    text = run_generate(out, prompt, n, temperature=0.0, engine="reference",
-                        write=lambda s: None)
-    mine = tokenizer.encode(text)
+    config, params = hf.read_model(out)            # as generate and serve read it
+    backend = gen.DirectBackend(config, params)
+    try:
+        mine = gen.generate(gen.Decoder(backend), ids, n, temperature=0.0)
+    finally:
+        backend.close()
+    assert cli.main(["generate", "--init-from", out, "--prompt", prompt, "--max-new-tokens",
+                     "2", "--engine", "reference"]) == 0
     if mine != cont:
         i = next(k for k, (a, b) in enumerate(zip(mine, cont)) if a != b)
         last = torch_logits(trained, np.array([ids + cont[:i]]))[0, -1]
