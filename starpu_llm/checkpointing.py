@@ -41,6 +41,11 @@ def check_outputs(cfg) -> None:
         for p in (cfg.save, checkpoint.companion(cfg.save)):
             _check_replaceable(p, "save", _is_checkpoint_file)
             atomic.check_writable(p)
+    if cfg.save_hf:
+        check_model_output(cfg.save_hf, opt("save_hf"), {**{opt(k): v for k, v in inputs.items()
+                                                           if k != "init_from"},
+                                                        **{opt(k): v for k, v in outputs.items()}},
+                           hf=True)
     if cfg.metrics_jsonl:
         _check_replaceable(cfg.metrics_jsonl, "metrics_jsonl", _is_metrics_file)
         atomic.check_writable(cfg.metrics_jsonl)
@@ -49,6 +54,29 @@ def check_outputs(cfg) -> None:
             raise StarpuLLMError(f"{opt('checkpoint_dir')} {cfg.checkpoint_dir} is a file; give a "
                                  f"folder (made if missing)")
         checkpoint.check_writable(checkpoint.step_path(cfg.checkpoint_dir, 0))
+
+
+def check_model_output(path: str, what: str, inputs: dict, hf: bool) -> None:
+    """Refuse now a model output (what: its flag or argument) that could not be written or
+    would lose data: an llm.c checkpoint file (hf False) onto one of the inputs ({name: path})
+    or onto a file that is not a checkpoint; a Hugging Face folder (io/hf.py, replaced as a
+    whole) that is an input or holds one, or that holds other files (hf.check_hf_output)."""
+    from .io import hf as hf_format
+    for name, given in inputs.items():
+        if given is None:
+            continue
+        inside = hf and os.path.realpath(given).startswith(os.path.realpath(path) + os.sep)
+        if _same_file(path, given) or inside:
+            raise StarpuLLMError(f"{what} {path} would overwrite {name} {given}; give "
+                                 f"{what} another path")
+    if hf:
+        hf_format.check_hf_output(path, what)
+        return
+    if os.path.lexists(path) and not os.path.isdir(path) and not _is_checkpoint_file(path):
+        raise StarpuLLMError(f"{what} {path}: a file is there that this output would replace, "
+                             f"and it is not {_is_checkpoint_file.__doc__}; remove it, or give "
+                             f"another path")
+    atomic.check_writable(path)
 
 
 def _same_file(a: str, b: str) -> bool:
@@ -130,6 +158,15 @@ def checkpoint_step(cfg, engine, state: TrainState, loader, rank: int, record: R
         log(f"checkpoint {checkpoint.save_step(cfg.checkpoint_dir, state, cfg.keep_checkpoints, record)}")
     except StarpuLLMError as e:
         warn(f"the checkpoint of step {state.step} was not written: {e}; training goes on")
+
+
+def save_final(cfg, state: TrainState, record: RunRecord, log) -> None:
+    """The outputs written at the end of the run: --save, then --save-hf."""
+    if cfg.save:
+        save_model(cfg.save, state, record, log)
+    if cfg.save_hf:
+        from .io.hf import write_hf
+        log(f"saved {write_hf(cfg.save_hf, state.config, state.params)} (Hugging Face)")
 
 
 def save_model(path, state: TrainState, record: RunRecord, log) -> None:

@@ -1,5 +1,5 @@
 """Command line: starpu-llm train | prepare | bench | calibrate | predict | generate |
-serve (also python -m starpu_llm).
+serve | convert (also python -m starpu_llm).
 
 Errors end the command with one message and status 2; under mpirun rank 0 reports an error
 that every rank knows (runtime/mpi.agree: a bad flag, a file missing on one node, settings
@@ -215,7 +215,7 @@ def build_parser():
 
     g = sub.add_parser("generate", help="continue a prompt with a model (llm.c checkpoint with "
                                         "GPT-2's vocabulary), printing the text as it comes")
-    g.add_argument("--init-from", required=True, metavar="CKPT", help="llm.c fp32 checkpoint")
+    g.add_argument("--init-from", required=True, metavar="MODEL", help=INIT_FROM_HELP)
     g.add_argument("--prompt", default="", help="text to continue (default: none, start from "
                                                 "<|endoftext|>)")
     g.add_argument("--max-new-tokens", type=_CHECKS["positive"]("--max-new-tokens"), default=64,
@@ -233,7 +233,7 @@ def build_parser():
     sv = sub.add_parser("serve", help="serve a model (llm.c checkpoint with GPT-2's vocabulary) "
                                       "over HTTP with OpenAI's completions API, batching the "
                                       "requests (docs/serving.md)")
-    sv.add_argument("--init-from", required=True, metavar="CKPT", help="llm.c fp32 checkpoint")
+    sv.add_argument("--init-from", required=True, metavar="MODEL", help=INIT_FROM_HELP)
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default "
                                                         "127.0.0.1: this machine only)")
     sv.add_argument("--port", type=_checked(int, "a port number", lambda v: 0 <= v < 65536,
@@ -262,7 +262,19 @@ def build_parser():
     sv.add_argument("--log-level", default="info",
                     choices=["critical", "error", "warning", "info", "debug"],
                     help="uvicorn's log level (info: one line per request)")
+
+    cv = sub.add_parser("convert", help="convert a model between llm.c's checkpoint and a "
+                                        "Hugging Face GPT-2 folder (transformers' "
+                                        "save_pretrained)")
+    cv.add_argument("src", metavar="SRC", help="an llm.c checkpoint, a Hugging Face GPT-2 "
+                                               "folder, or a Hub model's name in the local cache")
+    cv.add_argument("dst", metavar="DST", help="a path ending in .bin: an llm.c checkpoint; "
+                                               "else a Hugging Face folder (written whole)")
     return ap
+
+
+INIT_FROM_HELP = ("the model: an llm.c fp32 checkpoint, a Hugging Face GPT-2 folder, or a Hub "
+                  "model's name (gpt2) in the local Hugging Face cache")
 
 
 def cmd_train(args):
@@ -370,7 +382,13 @@ def cmd_serve(args):
                      args.log_level)
 
 
-COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "bench": cmd_bench,
+def cmd_convert(args):
+    from .io.hf import convert
+    print(f"wrote {convert(args.src, args.dst)}")
+    return 0
+
+
+COMMANDS = {"convert": cmd_convert, "train": cmd_train, "prepare": cmd_prepare, "bench": cmd_bench,
             "calibrate": cmd_calibrate, "predict": cmd_predict, "generate": cmd_generate,
             "serve": cmd_serve}
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from .errors import StarpuLLMError, opt
 from .flow.generate import Decoder, DirectBackend, StarPUBackend, check_request, generate
-from .io import formats, tokenizer
+from .io import hf, tokenizer
 from .runtime.starpu import Runtime
 
 
@@ -18,10 +18,11 @@ def _print(text: str):
 
 
 def read_text_model(init_from, engine: str, command: str):
-    """(config, parameters) of the llm.c checkpoint init_from for `command` on `engine`: a
+    """(config, parameters) of the model init_from (io/hf.read_model: an llm.c checkpoint, a
+    Hugging Face folder, a Hub name in the local cache) for `command` on `engine`: a
     clear error for a model without GPT-2's vocabulary (the text goes through the GPT-2
     tokenizer) or an unknown engine."""
-    config, params = formats.read_checkpoint(init_from)
+    config, params = hf.read_model(init_from)
     if config.V != tokenizer.N_VOCAB:
         raise StarpuLLMError(f"{init_from} has a vocabulary of {config.V} tokens, not GPT-2's "
                              f"{tokenizer.N_VOCAB}: {command} reads and writes text with the "

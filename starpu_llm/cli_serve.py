@@ -107,7 +107,7 @@ def run_serve(init_from, host: str = "127.0.0.1", port: int = 8000, max_batch: i
     config, params = read_text_model(init_from, engine, "serve")
     sock = listen_socket(host, port)      # before the slow part: a port in use is said at once
     with contextlib.closing(sock):
-        model = model_name or os.path.splitext(os.path.basename(init_from))[0]
+        model = model_name or os.path.splitext(os.path.basename(os.path.normpath(init_from)))[0]
         tok = tokenizer.gpt2()
         metrics = Metrics(max_batch)
         load = load_model(config, params, engine, partition, request.sched)

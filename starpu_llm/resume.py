@@ -11,7 +11,7 @@ from dataclasses import fields, replace
 
 from .config import MODELS, GPTConfig
 from .errors import StarpuLLMError, flag, opt
-from .io import checkpoint, formats
+from .io import checkpoint, hf
 from .record import RunRecord
 from .partition import request_of
 from .runtime.starpu import resolve_here
@@ -53,7 +53,7 @@ def load_model(cfg, lazy: bool = False) -> tuple[TrainState, checkpoint.Saved | 
         check_model(cfg.model, saved.state.config, cfg.resume)
         return saved.state, saved
     if cfg.init_from:
-        config, params = formats.read_checkpoint(cfg.init_from, lazy)
+        config, params = hf.read_model(cfg.init_from, lazy)
         check_model(cfg.model, config, cfg.init_from)
         return TrainState(config=config, params=params), None
     model = cfg.model or DEFAULT_MODEL

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, fields
 
 
 from . import signals
-from .checkpointing import check_outputs, check_checkpoint_dir, save_model
+from .checkpointing import check_outputs, check_checkpoint_dir, save_final
 from .config import MODELS, GPTConfig, check_batch_shape
 from .engines import (autotuned, calibrated_peak, check_memory, make_engine, run_partition,
                       start_runtime)
@@ -50,7 +50,10 @@ class TrainConfig(PartitionRequest):
     model: str | None = setting(None, "model size (default d12 = GPT-2 124M; with --init-from or "
                                 "--resume, the checkpoint's: a contradicting one is refused)",
                                 choices=sorted(MODELS))
-    init_from: str | None = setting(None, "llm.c fp32 checkpoint to start from", metavar="CKPT",
+    init_from: str | None = setting(None, "the weights to start from: an llm.c fp32 checkpoint, "
+                                    "a Hugging Face GPT-2 folder, or a Hub model's name (gpt2, "
+                                    "gpt2-medium) in the local Hugging Face cache",
+                                    metavar="MODEL",
                                     ranks_agree=True)   # its header gives the model
     train_data: str | None = setting(None, "llm.c token shard (default: bundled Shakespeare)",
                                      metavar="SHARD")
@@ -69,6 +72,9 @@ class TrainConfig(PartitionRequest):
                         ranks_agree=True)
     save: str | None = setting(None, "write the trained model (llm.c format) and its PATH.state "
                                "(to --resume from), also when Ctrl-C stops the run", metavar="PATH")
+    save_hf: str | None = setting(None, "also write the trained model as a Hugging Face GPT-2 "
+                                  "folder (config, model.safetensors, GPT-2's tokenizer files) "
+                                  "that transformers loads", metavar="DIR")
     save_every: int | None = setting(None, "write a checkpoint every N steps into "
                                      "--checkpoint-dir", check="positive", metavar="N",
                                      ranks_agree=True)
@@ -387,10 +393,10 @@ def _finish(run: Run, result: TrainResult) -> None:
     if cfg.trace and run.runtime is None:
         result.trace = []
     result.records = run.engine.submitted()
-    if cfg.save:
+    if cfg.save or cfg.save_hf:
         run.engine.sync()       # under MPI the owners send rank 0 their slices to save
         if run.memory is not None and run.rank == 0:    # the state is in StarPU: saved from there
-            save_model(cfg.save, run.state, run.record, run.log)
+            save_final(cfg, run.state, run.record, run.log)
 
 
 def _end(run: Run, stop, result: TrainResult) -> TrainResult:
@@ -403,8 +409,8 @@ def _end(run: Run, stop, result: TrainResult) -> TrainResult:
     result.state = state
     log(f"tokens/ms over {result.timed_steps} timed step(s): {result.tokens_per_ms:.4f}"
         f"   peak RSS: {result.peak_rss_mb:.0f} MB")
-    if cfg.save and run.rank == 0 and run.memory is None:    # rank 0 owns the parameters
-        save_model(cfg.save, state, run.record, log)
+    if run.rank == 0 and run.memory is None:    # rank 0 owns the parameters
+        save_final(cfg, state, run.record, log)
     if stop.requested:
         saved = cfg.save or (cfg.checkpoint_dir if cfg.save_every else None)
         log(f"stopped by {signals.name(stop.signum)} after step {state.step}"

@@ -35,7 +35,7 @@ from hypothesis import HealthCheck, Phase, find, given, settings, strategies as 
 
 from starpu_llm.config import GPTConfig
 from starpu_llm.errors import StarpuLLMError
-from starpu_llm.io import checkpoint, data, formats
+from starpu_llm.io import checkpoint, data, formats, hf
 from starpu_llm.io.tokenizer import Tokenizer
 from starpu_llm.state import TrainState
 
@@ -216,6 +216,41 @@ def _check_companion(state, raw: bytes):
     assert np.concatenate([state.m, state.v]).tobytes() == raw[checkpoint.HEADER_INTS * 8:]
 
 
+# A Hugging Face folder (io/hf.py): the damaged file is its model.safetensors, beside the
+# config.json of the model it was written for (fixed: one small config), in a folder named
+# after the file, so that every message about it names it.
+_HF_CONFIG = GPTConfig(max_seq_len=4, vocab_size=6, padded_vocab_size=128, num_layers=1,
+                       num_heads=2, channels=4)
+
+
+@st.composite
+def _hf_weights(draw):
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    flat = rng.standard_normal(_HF_CONFIG.num_parameters, dtype=np.float32)
+    flat[_HF_CONFIG.V * _HF_CONFIG.C:_HF_CONFIG.Vp * _HF_CONFIG.C] = 0   # wte's padded rows
+    folder = hf.write_hf(os.path.join(_DIR.name, "hf-valid"), _HF_CONFIG, flat)
+    with open(os.path.join(folder, hf.SAFETENSORS), "rb") as f:
+        return f.read()
+
+
+def _read_hf(path: str):
+    folder = os.path.join(_DIR.name, "hf", os.path.basename(path))
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, hf.CONFIG), "w") as f:
+        json.dump(hf.hf_config(_HF_CONFIG), f)
+    shutil.copyfile(path, os.path.join(folder, hf.SAFETENSORS))
+    return hf.read_hf(folder)
+
+
+def _check_hf(result, raw: bytes):
+    from safetensors.numpy import load
+    config, flat = result
+    assert config == _HF_CONFIG and flat.dtype == np.float32
+    stored = load(raw)
+    for name, a in hf.hf_tensors(config, flat).items():
+        assert a.tobytes() == stored[name].astype(np.float32).tobytes(), name
+
+
 _CKPT_FIELDS = dict(magic=0, version=4, maxT=8, V=12, L=16, NH=20, C=24, Vp=28, reserved=32)
 READERS = [
     Reader("checkpoint", _checkpoints(), formats.read_checkpoint, _check_checkpoint, _CKPT_FIELDS,
@@ -233,6 +268,10 @@ READERS = [
     Reader("companion", _companions(), _read_companion, _check_companion,
            dict(magic=0, version=8, maxT=16, V=24, L=32, NH=40, C=48, Vp=56, step=64,
                 position=72, model_crc=80, body_crc=88, reserved=96)),
+    # safetensors: an 8-byte header length, then a JSON header (dtype, shape and offsets of
+    # each tensor); the tensors' arrays, then llm.c's buffer (its padded vocabulary)
+    Reader("hf-safetensors", _hf_weights(), _read_hf, _check_hf, dict(header_len=0),
+           alloc_per_byte=8),
     Reader("dataset-meta", _metas, lambda p: data._cached_ok(*_cache(), p), _check_meta, {},
            alloc_per_byte=64),          # JSON: a Python object per few bytes
 ]

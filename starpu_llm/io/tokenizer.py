@@ -137,6 +137,14 @@ def gpt2_encoding():
                              special_tokens={EOT_TEXT: EOT_ID}, explicit_n_vocab=N_VOCAB)
 
 
+def vocabulary_files() -> tuple[str, str]:
+    """(encoder.json, vocab.bpe): OpenAI's GPT-2 vocabulary files, checked by their sha256
+    (gpt2_encoding); Hugging Face's vocab.json and merges.txt are the same files."""
+    gpt2_encoding()
+    d = _data_dir()
+    return os.path.join(d, "encoder.json"), os.path.join(d, "vocab.bpe")
+
+
 @functools.lru_cache(maxsize=None)
 def gpt2() -> Tokenizer:
     """GPT-2's Tokenizer (encode and decode)."""

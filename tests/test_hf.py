@@ -1,0 +1,393 @@
+"""Hugging Face GPT-2 checkpoints (io/hf.py): random GPT2LMHeadModel's saved by transformers,
+in the file layouts found in the wild, converted and run by both engines against transformers;
+HF -> llm.c -> HF bitwise; a model trained from one and exported, loaded by transformers; the
+tokenizer files; the refused configs and damaged files; --init-from with a Hub name in the
+local cache (a cache laid out here: nothing is downloaded)."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+from safetensors.numpy import load_file, save_file  # noqa: E402
+
+from starpu_llm import cli  # noqa: E402
+from starpu_llm.config import GPTConfig  # noqa: E402
+from starpu_llm.errors import StarpuLLMError  # noqa: E402
+from starpu_llm.flow import generate as gen  # noqa: E402
+from starpu_llm.flow.engine import StarPUEngine  # noqa: E402
+from starpu_llm.flow.reference import ReferenceEngine  # noqa: E402
+from starpu_llm.io import formats, hf, tokenizer  # noqa: E402
+from starpu_llm.state import TrainState  # noqa: E402
+from starpu_llm.trainer import TrainConfig, train  # noqa: E402
+
+from bounds import logits_bound  # noqa: E402
+
+torch.set_num_threads(1)
+
+# (n_positions, vocab_size, n_layer, n_head, n_embd): GPT-2's vocabulary (tokenizer files
+# written) and two others (padded to a multiple of 128 in llm.c's layout; one already is)
+CONFIGS = {"gpt2vocab": (16, 50257, 1, 2, 16), "v97": (32, 97, 2, 4, 32),
+           "v256": (24, 256, 3, 3, 48)}
+# how the weights are stored: save_pretrained's safetensors; pytorch_model.bin as older
+# transformers wrote it (lm_head.weight and the attention-mask buffers included); the Hub's
+# gpt2 layout (safetensors without the "transformer." prefix, with the buffers)
+LAYOUTS = ("safetensors", "pytorch", "hub")
+
+
+def hf_model(name: str, seed: int = 0):
+    n_pos, V, L, NH, C = CONFIGS[name]
+    config = transformers.GPT2Config(n_positions=n_pos, vocab_size=V, n_layer=L, n_head=NH,
+                                     n_embd=C, bos_token_id=min(50256, V - 1),
+                                     eos_token_id=min(50256, V - 1))
+    torch.manual_seed(seed)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():       # every parameter distinct, so a mixed-up tensor shows
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def save(model, folder, layout: str = "safetensors") -> str:
+    folder = str(folder)
+    if layout == "safetensors":
+        model.save_pretrained(folder)
+        return folder
+    os.makedirs(folder, exist_ok=True)
+    model.config.to_json_file(os.path.join(folder, hf.CONFIG))
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    n = model.config.n_positions
+    for l in range(model.config.n_layer):
+        sd[f"transformer.h.{l}.attn.bias"] = torch.tril(torch.ones(n, n)).view(1, 1, n, n)
+        sd[f"transformer.h.{l}.attn.masked_bias"] = torch.tensor(-1e4)
+    if layout == "pytorch":
+        sd["lm_head.weight"] = sd["transformer.wte.weight"].clone()
+        torch.save(sd, os.path.join(folder, hf.PYTORCH))
+    else:
+        save_file({k[len("transformer."):]: v.numpy() for k, v in sd.items()
+                   if k.startswith("transformer.")}, os.path.join(folder, hf.SAFETENSORS),
+                  metadata={"format": "pt"})
+    return folder
+
+
+def torch_logits(model, tokens) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.from_numpy(tokens.astype(np.int64))).logits.double().numpy()
+
+
+def engine_logits(kind, config: GPTConfig, params, tokens, runtime) -> np.ndarray:
+    """(B, T, V) logits of the engine `kind` for tokens (B, T)."""
+    B, T = tokens.shape
+    stream = np.concatenate([tokens.reshape(-1), [0]]).astype(np.uint16)
+    state = TrainState(config=config, params=np.array(params))
+    engine = (ReferenceEngine(config, state, B, T, stream) if kind == "reference"
+              else StarPUEngine(config, state, B, T, stream, runtime=runtime))
+    try:
+        engine.forward_backward(0)
+        if kind == "starpu":
+            engine.sync()
+        return engine.logits()[:, :, :config.V].astype(np.float64)
+    finally:
+        engine.close()
+
+
+def tensors_of(folder) -> dict:
+    return load_file(os.path.join(folder, hf.SAFETENSORS))
+
+
+def error_of(*argv, capsys) -> str:
+    """The one error line of `starpu-llm *argv`, which must fail cleanly."""
+    assert cli.main(list(argv)) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("error:") == 1, err
+    return err
+
+
+# --------------------------------------------------------------------------- in: the logits
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_converted_logits_within_bound(name, layout, tmp_path, runtime):
+    model = hf_model(name)
+    src = save(model, tmp_path / "hf", layout)
+    assert cli.main(["convert", src, str(tmp_path / "model.bin")]) == 0
+    config, params = formats.read_checkpoint(tmp_path / "model.bin")
+    n_pos, V, L, NH, C = CONFIGS[name]
+    assert (config.maxT, config.V, config.L, config.NH, config.C) == (n_pos, V, L, NH, C)
+    assert config.Vp % 128 == 0 and config.Vp >= V
+    B, T = 2, n_pos
+    tokens = np.random.default_rng(1).integers(0, V, (B, T))
+    want = torch_logits(model, tokens)
+    bound = logits_bound(config, B, T, float(np.abs(want).max()))
+    for kind in ("reference", "starpu"):
+        got = engine_logits(kind, config, params, tokens, runtime)
+        err = float(np.abs(got - want).max())
+        assert err <= bound, f"{name}/{layout}/{kind}: max |logits - transformers'| = " \
+                             f"{err:.3e} > {bound:.3e}"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_hf_llmc_hf_bitwise(layout, tmp_path):
+    model = hf_model("v97", seed=3)
+    src = save(model, tmp_path / "src", layout)
+    assert cli.main(["convert", src, str(tmp_path / "m.bin")]) == 0
+    assert cli.main(["convert", str(tmp_path / "m.bin"), str(tmp_path / "back")]) == 0
+    back = tensors_of(tmp_path / "back")
+    want = {k: v.detach().numpy() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    assert sorted(back) == sorted(want)
+    for k, v in want.items():
+        assert back[k].dtype == np.float32 and back[k].tobytes() == v.tobytes(), k
+    cfg = json.loads((tmp_path / "back" / hf.CONFIG).read_text())
+    for k in ("n_positions", "vocab_size", "n_layer", "n_head", "n_embd", "activation_function",
+              "layer_norm_epsilon", "tie_word_embeddings", "model_type"):
+        assert cfg[k] == getattr(model.config, k), k
+    # and the llm.c file: the padded vocabulary rows are zero
+    config, params = formats.read_checkpoint(tmp_path / "m.bin")
+    wte = params[:config.Vp * config.C].reshape(config.Vp, config.C)
+    assert not wte[config.V:].any() and wte[:config.V].tobytes() == want[
+        "transformer.wte.weight"].tobytes()
+
+
+# --------------------------------------------------------------------------- out: trained, exported
+
+def test_train_from_hf_export_and_transformers_agree(tmp_path, runtime):
+    """5 steps from a HF folder (--init-from), exported with --save-hf: transformers loads the
+    folder (model and tokenizer), its logits are within the bound of ours and its greedy
+    continuation is ours."""
+    model = hf_model("gpt2vocab", seed=5)
+    src = save(model, tmp_path / "src")
+    shard = str(tmp_path / "train.bin")
+    formats.write_shard(shard, np.tile(np.random.default_rng(0).integers(0, 50257, 41),
+                                       30).astype(np.uint16))
+    out = str(tmp_path / "exported")
+    result = train(TrainConfig(init_from=src, train_data=shard, batch=2, seq_len=16, steps=5,
+                               lr=1e-3, save_hf=out, log=None), runtime=runtime)
+    state = result.state
+    assert state.step == 5
+    trained = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    prompt = "The king"
+    ids = tokenizer.encode(prompt)
+    assert tok.encode(prompt) == ids
+    tokens = np.random.default_rng(2).integers(0, 50257, (2, 16))
+    ours = engine_logits("reference", state.config, state.params, tokens, runtime)
+    theirs = torch_logits(trained, tokens)
+    bound = logits_bound(state.config, 2, 16, float(np.abs(ours).max()))
+    assert float(np.abs(ours - theirs).max()) <= bound
+    # the same greedy continuation (a near-tie within the bound may break either way)
+    n = 16 - len(ids)
+    with torch.no_grad():
+        cont = trained.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                                pad_token_id=tokenizer.EOT_ID)[0, len(ids):].tolist()
+    config, params = hf.read_model(out)            # as generate and serve read it
+    backend = gen.DirectBackend(config, params)
+    try:
+        mine = gen.generate(gen.Decoder(backend), ids, n, temperature=0.0)
+    finally:
+        backend.close()
+    assert cli.main(["generate", "--init-from", out, "--prompt", prompt, "--max-new-tokens",
+                     "2", "--engine", "reference"]) == 0
+    if mine != cont:
+        i = next(k for k, (a, b) in enumerate(zip(mine, cont)) if a != b)
+        last = torch_logits(trained, np.array([ids + cont[:i]]))[0, -1]
+        top2 = np.sort(last)[-2:]
+        assert top2[1] - top2[0] <= 2 * bound, (mine, cont)
+
+
+def test_exported_tokenizer_encodes_as_ours(tmp_path):
+    """vocab.json + merges.txt reproduce GPT-2's BPE: transformers' tokenizer of the written
+    folder gives our ids on text with spaces, newlines, unicode and <|endoftext|>."""
+    config = GPTConfig(max_seq_len=8, vocab_size=50257, padded_vocab_size=50304, num_layers=1,
+                       num_heads=1, channels=4)
+    out = hf.write_hf(tmp_path / "m", config, np.zeros(config.num_parameters, np.float32))
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    text = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\n<|endoftext|>"
+            "  gazed at the café — naïve 日本語 🙂 it's 1,234.5%\t tabs\r\n")
+    assert tok.encode(text) == tokenizer.encode(text)
+    assert tok.decode(tokenizer.encode(text)) == text
+    assert tok.eos_token_id == tokenizer.EOT_ID
+
+
+# --------------------------------------------------------------------------- refused configs
+
+REFUSED = {"model_type": "gpt_neo", "activation_function": "relu",
+           "scale_attn_by_inverse_layer_idx": True, "reorder_and_upcast_attn": True,
+           "layer_norm_epsilon": 1e-6, "tie_word_embeddings": False, "n_inner": 100,
+           "scale_attn_weights": False, "add_cross_attention": True}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    return save(hf_model("v97"), tmp_path_factory.mktemp("saved") / "hf")
+
+
+def copy_of(saved, tmp_path) -> str:
+    return str(shutil.copytree(saved, tmp_path / "copy"))
+
+
+@pytest.mark.parametrize("setting", sorted(REFUSED))
+def test_refused_config(setting, saved, tmp_path, capsys):
+    src = copy_of(saved, tmp_path)
+    path = os.path.join(src, hf.CONFIG)
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg[setting] = REFUSED[setting]
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    dst = tmp_path / "out.bin"
+    err = error_of("convert", src, str(dst), capsys=capsys)
+    assert setting in err and path in err, err
+    assert not dst.exists()
+
+
+def _edit_tensors(src, edit):
+    path = os.path.join(src, hf.SAFETENSORS)
+    t = load_file(path)
+    edit(t)
+    save_file(t, path, metadata={"format": "pt"})
+    return path
+
+
+DAMAGE = {
+    "missing tensor": (lambda t: t.pop("transformer.h.1.mlp.c_fc.bias"),
+                       ["transformer.h.1.mlp.c_fc.bias"]),
+    "wrong shape": (lambda t: t.update({"transformer.h.0.attn.c_attn.weight":
+                                        np.zeros((96, 32), np.float32)}),
+                    ["transformer.h.0.attn.c_attn.weight", "(96, 32)", "(32, 96)"]),
+    "untied head": (lambda t: t.update({"lm_head.weight": np.ones((97, 32), np.float32)}),
+                    ["lm_head.weight", "tied"]),
+    "unknown tensor": (lambda t: t.update({"transformer.h.2.ln_1.weight":
+                                           np.ones(32, np.float32)}),
+                       ["transformer.h.2.ln_1.weight"]),
+    "NaN": (lambda t: t["transformer.wpe.weight"].__setitem__((0, 0), np.nan), ["wpe"]),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_damaged_tensors(damage, saved, tmp_path, capsys):
+    src = copy_of(saved, tmp_path)
+    edit, needles = DAMAGE[damage]
+    path = _edit_tensors(src, edit)
+    err = error_of("convert", src, str(tmp_path / "out.bin"), capsys=capsys)
+    for n in [path] + needles:
+        assert n in err, err
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "no weights", "no config",
+                                    "bad json", "pytorch truncated"])
+def test_damaged_files(damage, saved, tmp_path, capsys):
+    src = copy_of(saved, tmp_path)
+    st = os.path.join(src, hf.SAFETENSORS)
+    named = st
+    if damage == "truncated":
+        with open(st, "r+b") as f:
+            f.truncate(os.path.getsize(st) // 2)
+    elif damage == "garbage":
+        with open(st, "wb") as f:
+            f.write(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    elif damage == "no weights":
+        os.unlink(st)
+        named = src
+    elif damage == "no config":
+        os.unlink(os.path.join(src, hf.CONFIG))
+        named = src
+    elif damage == "bad json":
+        named = os.path.join(src, hf.CONFIG)
+        with open(named, "w") as f:
+            f.write("{\"model_type\": \"gpt2\",")
+    else:
+        os.unlink(st)
+        model = hf_model("v97")
+        named = os.path.join(save(model, tmp_path / "pt", "pytorch"), hf.PYTORCH)
+        with open(named, "r+b") as f:
+            f.truncate(os.path.getsize(named) - 100)
+        src = str(tmp_path / "pt")
+    err = error_of("convert", src, str(tmp_path / "out.bin"), capsys=capsys)
+    assert named in err, err
+
+
+def test_pytorch_file_without_torch(tmp_path, monkeypatch, capsys):
+    src = save(hf_model("v97"), tmp_path / "pt", "pytorch")
+    monkeypatch.setitem(__import__("sys").modules, "torch", None)     # import torch fails
+    err = error_of("convert", src, str(tmp_path / "out.bin"), capsys=capsys)
+    assert os.path.join(src, hf.PYTORCH) in err and "install torch" in err, err
+
+
+# --------------------------------------------------------------------------- outputs
+
+def test_convert_refuses_to_overwrite(saved, tmp_path, capsys):
+    src = copy_of(saved, tmp_path)
+    before = sorted(os.listdir(src))
+    assert "overwrite" in error_of("convert", src, src, capsys=capsys)
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "thesis.tex").write_text("mine")
+    assert "thesis.tex" in error_of("convert", src, str(other), capsys=capsys)
+    text = tmp_path / "text.bin"
+    text.write_text("not a checkpoint")
+    assert str(text) in error_of("convert", src, str(text), capsys=capsys)
+    assert text.read_text() == "not a checkpoint" and (other / "thesis.tex").exists()
+    assert sorted(os.listdir(src)) == before
+    # a folder written before is replaced whole, nothing left beside it
+    assert cli.main(["convert", src, str(tmp_path / "out")]) == 0
+    assert cli.main(["convert", src, str(tmp_path / "out")]) == 0
+    assert sorted(os.listdir(tmp_path / "out")) == sorted(
+        set(hf.WRITTEN) - set(hf.TOKENIZER_FILES))
+    assert [n for n in os.listdir(tmp_path) if n.startswith(".")] == []
+
+
+def test_train_save_hf_checked_before_training(saved, tmp_path, capsys):
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "a.txt").write_text("mine")
+    err = error_of("train", "--init-from", saved, "--steps", "1", "--save-hf", str(other),
+                   capsys=capsys)
+    assert "--save-hf" in err and "a.txt" in err and "step" not in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- --init-from a Hub name
+
+@contextlib.contextmanager
+def hub_cache(root):
+    """huggingface_hub's cache at root (its lookup reads constants.HF_HUB_CACHE)."""
+    from huggingface_hub import constants
+    old = constants.HF_HUB_CACHE
+    constants.HF_HUB_CACHE = str(root)
+    try:
+        yield
+    finally:
+        constants.HF_HUB_CACHE = old
+
+
+def test_init_from_hub_name(saved, tmp_path, capsys):
+    with hub_cache(tmp_path / "hub"):
+        err = error_of("generate", "--init-from", "gpt2", "--max-new-tokens", "1",
+                       capsys=capsys)
+        assert "gpt2" in err and "hf download gpt2" in err and str(tmp_path / "hub") in err
+        # the layout huggingface_hub writes: refs/main names the snapshot
+        repo = tmp_path / "hub" / "models--gpt2"
+        (repo / "refs").mkdir(parents=True)
+        (repo / "refs" / "main").write_text("0123abcd")
+        shutil.copytree(saved, repo / "snapshots" / "0123abcd")
+        c1, p1 = hf.read_model("gpt2")
+        c2, p2 = hf.read_model(saved)
+        assert c1 == c2 and p1.tobytes() == p2.tobytes()
+
+
+def test_one_reader_for_every_init_from(monkeypatch, saved, tmp_path, capsys):
+    """train, generate and serve all read --init-from through hf.read_model."""
+    seen = []
+
+    def spy(source, lazy=False):
+        seen.append(source)
+        raise StarpuLLMError(f"spied {source}")
+    monkeypatch.setattr(hf, "read_model", spy)
+    for argv in (["train", "--steps", "1"], ["generate"], ["serve", "--port", "0"]):
+        error_of(*argv, "--init-from", "X", capsys=capsys)
+    assert seen == ["X"] * 3
