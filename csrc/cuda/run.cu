@@ -24,6 +24,17 @@ extern "C" int sl_gpu_emulated(void)
 #endif
 }
 
+extern "C" int sl_gpu_emulated_launches(unsigned *blocks, int max)
+{
+#ifdef SL_CUDA_EMULATION
+	return sl_emu::take_launches(blocks, max);
+#else
+	(void)blocks;
+	(void)max;
+	return -ENOSYS;
+#endif
+}
+
 extern "C" int sl_gpu_devices(void)
 {
 	int n = 0;
