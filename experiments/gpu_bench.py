@@ -56,7 +56,14 @@ OPTIONAL = ("starpu-llm-wait",)   # --systems starpu-llm,...,starpu-llm-wait to 
 
 
 def shapes_of(text: str) -> list[tuple[int, int]]:
-    return [tuple(int(v) for v in s.split("x")) for s in text.split(",")]
+    """[(B, T)] of "BxT,BxT,..." (ValueError otherwise)."""
+    out = []
+    for s in text.split(","):
+        B, T = (int(v) for v in s.split("x"))
+        if B < 1 or T < 1:
+            raise ValueError(s)
+        out.append((B, T))
+    return out
 
 
 # ---------------------------------------------------------------- one system, one shape
@@ -129,7 +136,7 @@ def run_pytorch(B: int, T: int, steps: int, warmup: int, out: str) -> dict:
     model = SdpaGPT2(config, random_init(config), device="cuda")
     x, y = batch(tokens, 0, B, T)
     with torch.no_grad():         # the scale of the first-loss bound: max |logits| at init
-        logits, _ = model(x, y)
+        logits, _ = model.forward(x, y)
         scale = float(logits.abs().max())
         del logits
     ms, losses = [], []
