@@ -4,8 +4,8 @@ GPU 0 of a CUDA build, in the CPU build's emulation of CUDA and cuBLAS, csrc/cud
 against the PyTorch oracle, with test_model.py's comparisons and bounds (tests/bounds.py):
 the small model's forward/backward (logits, loss, every gradient) and 10 AdamW steps (the
 losses, the final parameters), matmuls in fp32 (test_model.py's fp32 bounds) and in TF32
-(bounds.py, "TF32 matmuls": each matmul along a chain adds 2^15 to its length; the emulation
-truncates the GEMMs' inputs to TF32, the coarser conversion the bound assumes).
+(bounds.py, "TF32 matmuls": each matmul along a chain adds 2^14 + 4 to its length; the
+emulation rounds the GEMMs' inputs to nearest TF32, as the bound assumes).
 
 What it adds to test_kernels.py's kernel by kernel checks: the GPU kernels as the task flow
 chains them (buffer order, accumulate and zeroing conventions, the lm head tied to wte, the
