@@ -917,6 +917,21 @@ def test_sum_of_squares(kern, rng, n):
     assert got[0] == got[1] == got[2], got
 
 
+def test_sum_of_squares_fills_the_gpu(rng):
+    """The gradient norm's first pass over a large tensor (wte: 38.6M) in at least 4 blocks per
+    SM of an H100 (it was capped at 256), its partial sums in the worker's scratch: no
+    allocation in the task (the emulation has no cudaMallocAsync)."""
+    _emulated_only()
+    x = randn(rng, 1 << 21)
+    out = np.zeros(1)
+    _grids()
+    GPUKernels().sum_of_squares(out, x, x.size)
+    grids = _grids()
+    assert max(grids) >= 4 * H100_SMS and len(grids) == 2, grids
+    exact = np.sum(f64(x) ** 2)
+    close(out[0], exact, gamma64(x.size) * exact, "sum_of_squares")
+
+
 def test_sum_f64(kern):
     x = np.array([1e16, 1.0, -1e16, 3.0])
     out = np.zeros(1)
