@@ -3,7 +3,7 @@ StarPU engine with a CUDA worker, llm.c's train_gpt2_fp32.cu and PyTorch eager (
 AdamW), all with TF32 matmuls, at B x T = 16 x 1024, 8 x 1024 and 128 x 64 (the systems
 interleaved shape by shape), from the same random init on the bundled Shakespeare tokens.
 
-    python experiments/gpu_bench.py --out DIR [--llmc DIR | --llmc-binary FILE]
+    python experiments/gpu_bench.py [--out DIR] [--llmc DIR | --llmc-binary FILE]
                                     [--shapes 16x1024,8x1024,128x64] [--steps 10] [--warmup 3]
                                     [--timeout 150]
 
@@ -28,10 +28,11 @@ validation one, as its training batches are shuffled) against PyTorch's, within 
 of two TF32 runs (tests/bounds.py: twice loss_bound(tf32=True), PyTorch's max |logits| at init
 the scale).
 
-Writes DIR/gpu_bench.csv (every timed step of every run), DIR/gpu_bench.md (the table: median
-ms, tok/ms, the ratios, the first losses against the bound; the machine, the commands) after
-every run, and prints the table. A system that fails or runs out of time gets its error in the
-table; the others still run.
+Writes to DIR (--out; default experiments/results/gpu/<gpu>/): gpu_bench.csv (every timed
+step of every run), gpu_bench.md (the table: median ms, tok/ms, the ratios, the first losses
+against the bound; the machine, the commands) after every run, and the traces; prints the
+table. A system that fails or runs out of time gets its error in the table; the others still
+run.
 """
 from __future__ import annotations
 
@@ -211,7 +212,8 @@ def child(args) -> None:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", help="results folder (default experiments/results/gpu/<gpu>/, the GPU "
+                    "as nvidia-smi names it)")
     ap.add_argument("--llmc", help="llm.c copy (train_gpt2_fp32.cu, llmc/); without: no llm.c")
     ap.add_argument("--llmc-binary", help="train_gpt2fp32cu built already (instead of --llmc)")
     ap.add_argument("--shapes", default="16x1024,8x1024,128x64")
@@ -236,6 +238,7 @@ def main():
     unknown = set(args.systems.split(",")) - set(SYSTEMS + OPTIONAL)
     if unknown:
         ap.error(f"--systems: unknown {', '.join(sorted(unknown))} (of {', '.join(SYSTEMS + OPTIONAL)})")
+    args.out = args.out or os.path.join(HERE, "results", "gpu", gpu_slug())
     os.makedirs(args.out, exist_ok=True)
     if args.child:
         return child(args)
@@ -287,6 +290,16 @@ def main():
             # after every run: a run stopped from outside keeps what was measured
             write_report(args, systems, table, rows, notes)
     print(open(os.path.join(args.out, "gpu_bench.md")).read())
+
+
+def gpu_slug() -> str:
+    """This machine's GPU as a folder name (nvidia-smi's name, lower case, dashes)."""
+    try:
+        name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30).stdout.splitlines()[0]
+    except (OSError, IndexError, subprocess.TimeoutExpired):
+        name = "unknown-gpu"
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown-gpu"
 
 
 def first_loss_bound(B: int, T: int, loss: float, logits_scale: float) -> float:
