@@ -234,10 +234,12 @@ def main():
     try:
         shapes = shapes_of(args.shapes)
     except ValueError:
-        ap.error(f"--shapes: BxT pairs separated by commas (e.g. 16x1024,128x64), not {args.shapes!r}")
+        ap.error("--shapes: BxT pairs separated by commas (e.g. 16x1024,128x64), not "
+                 f"{args.shapes!r}")
     unknown = set(args.systems.split(",")) - set(SYSTEMS + OPTIONAL)
     if unknown:
-        ap.error(f"--systems: unknown {', '.join(sorted(unknown))} (of {', '.join(SYSTEMS + OPTIONAL)})")
+        ap.error(f"--systems: unknown {', '.join(sorted(unknown))} "
+                 f"(of {', '.join(SYSTEMS + OPTIONAL)})")
     args.out = args.out or os.path.join(HERE, "results", "gpu", gpu_slug())
     os.makedirs(args.out, exist_ok=True)
     if args.child:

@@ -390,7 +390,8 @@ def test_tf32_gemm_bound_can_fail(rng):
         close(out, ref, dot_bound(C, terms), "TF32 matmul against the fp32 bound")
     # a deliberately wrong TF32: truncation, on inputs 0.95 of an ulp above a TF32 value
     a, w = _adversarial(rng, (N, C), 10, 0.95), _adversarial(rng, (OC, C), 10, 0.95)
-    trunc = f64(_round_significand(a, 10, "truncate")) @ f64(_round_significand(w, 10, "truncate")).T
+    trunc = (f64(_round_significand(a, 10, "truncate"))
+             @ f64(_round_significand(w, 10, "truncate")).T)
     with pytest.raises(AssertionError):
         close(trunc, f64(a) @ f64(w).T, tf32_dot_bound(C, np.abs(f64(a)) @ np.abs(f64(w)).T),
               "TF32 by truncation")
@@ -442,7 +443,8 @@ def test_column_sums_8192_rows_fill_the_gpu(rng):
     dout = randn(rng, N, C)
     runs = []
     for _ in range(2):
-        dinp, dw, db = np.zeros((N, C), np.float32), np.zeros(C, np.float32), np.zeros(C, np.float32)
+        dinp = np.zeros((N, C), np.float32)
+        dw, db = np.zeros(C, np.float32), np.zeros(C, np.float32)
         kern.layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd, N, C, 0)
         runs.append((dinp, dw, db))
     for a, b in zip(*runs):

@@ -38,8 +38,8 @@
 # Environment: SL_GPU_ARCH (default: nvidia-smi's compute capability, else 90), CUDA_HOME
 # (default /usr/local/cuda), CUBLAS_HOME (default CUDA_HOME), SL_DEVICE_WORK (default /tmp/sl-gpu:
 # where StarPU, the build and the packages go), SL_STARPU_TARBALL (--prepare's source, default
-# ../shared/vendor/starpu-1.4.12.tar.gz beside the checkout), SL_DEADLINE (default 540 s: the device tool's
-# 600 s less a minute for the copy back and a margin).
+# ../shared/vendor/starpu-1.4.12.tar.gz beside the checkout), SL_DEADLINE (default 540 s: the
+# device tool's 600 s less a minute for the copy back and a margin).
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 dev=$repo/.device

@@ -1,5 +1,5 @@
-/* What the GPU kernels share (checks, GEMMs, the workers' scratch) and the small data kernels: zeroing, in-place
- * add (the gradient reduction), copy. */
+/* What the GPU kernels share (checks, GEMMs, the workers' scratch) and the small data
+ * kernels: zeroing, in-place add (the gradient reduction), copy. */
 #include "gpu.h"
 #include <stdio.h>
 #include <stdlib.h>
