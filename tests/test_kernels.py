@@ -368,7 +368,7 @@ def _adversarial(rng, shape, bits, frac):
     return ((m + frac * 2.0 ** -bits) * 2.0 ** e).astype(np.float32)
 
 
-def test_tf32_gemm_bound_can_fail(rng):
+def test_tf32_gemm_bound_can_fail_on_the_gpu_kernels(rng):
     """The TF32 GEMM bound (bounds.tf32_dot_bound: inputs rounded to nearest TF32, unit
     roundoff 2^-11) on inputs that make every product's rounding error one-signed:
       - the GPU matmul in TF32 (the emulation rounds as cvt.rna.tf32) is within it, and
