@@ -1,32 +1,43 @@
-"""GPT-2 124M training on one GPU, tokens per millisecond, side by side in one run (issue 33,
-item 5): starpu-llm's StarPU engine with a CUDA worker, PyTorch eager (SDPA, fused AdamW) and
-llm.c's train_gpt2_fp32.cu, all with TF32 matmuls, at B x T = 8 x 1024, 16 x 1024 and 128 x 64,
-from the same random init on the bundled Shakespeare tokens.
+"""GPT-2 124M training on one GPU, side by side in one run (issue 41, item 6): starpu-llm's
+StarPU engine with a CUDA worker, llm.c's train_gpt2_fp32.cu and PyTorch eager (SDPA, fused
+AdamW), all with TF32 matmuls, at B x T = 16 x 1024, 8 x 1024 and 128 x 64 (the systems
+interleaved shape by shape), from the same random init on the bundled Shakespeare tokens.
 
-    python experiments/gpu_bench.py --out DIR [--llmc DIR] [--shapes 8x1024,16x1024,128x64]
-                                    [--steps 10] [--warmup 3] [--timeout 150]
+    python experiments/gpu_bench.py [--out DIR] [--llmc DIR | --llmc-binary FILE]
+                                    [--shapes 16x1024,8x1024,128x64] [--steps 10] [--warmup 3]
+                                    [--timeout 150]
 
 Each system runs each shape in a process of its own (one CUDA context and allocator at a
 time), `warmup` untimed steps then `steps` timed ones:
-  - starpu-llm: Runtime(gpus=1, gpu_matmul="tf32", cpu_layers=False): every layer's task on
-    the CUDA worker, the batch loads on a CPU worker, StarPU moving the data; the steps
-    submitted with Engine.step_ahead (the loss read as soon as the forward has it, the GPU
-    still running the backward and the update while Python submits the next step);
-    tok/ms = steps B T / the time from the first timed submission to the end of the last
-    step. Its task trace over the timed steps goes to DIR/trace_BxT.csv (when each task's
-    kernels were queued on which worker: the CUDA tasks are asynchronous);
-  - PyTorch eager: starpu_llm.baselines.torch_sdpa on "cuda", TF32 allowed;
+  - starpu-llm: the StarPU engine on the GPU (starpu_engine below: the one place that sets it
+    up), the steps submitted ahead (Engine.step_ahead: each step's loss read as soon as its
+    forward has it); a step's ms is the time between two consecutive steps' losses. No trace
+    in the timed steps: one more step, traced, afterwards, its Gantt in DIR/trace_BxT.csv
+    (when each task's kernels were queued on which worker: the CUDA tasks are asynchronous);
+  - PyTorch eager: starpu_llm.baselines.torch_sdpa on "cuda", TF32 allowed; a step's ms is
+    its adamw_step's (the loss read back);
   - llm.c (--llmc: a folder with train_gpt2_fp32.cu and llmc/, a fetched copy kept outside
-    this repository): built here with nvcc -O3 --use_fast_math for this GPU, run on the same
-    parameters (written in llm.c's checkpoint format) and shard; its own per-step ms.
-A step time is a step's wall time; tok/ms of PyTorch and llm.c = B T / the median timed
-step. Writes DIR/gpu_bench.csv (every step of every run) and DIR/gpu_bench.md (the table,
-the machine, the commands), and prints the table. A system that fails or runs out of time
-gets its error in the table; the others still run.
+    this repository, built here with nvcc -O3 --use_fast_math for this GPU; or --llmc-binary:
+    one built already, in a folder of its own): run on the same parameters (written in llm.c's
+    checkpoint format) and shard; its own per-step ms.
+tok/ms = B T / the median timed step, for each system.
+
+Same start, checked: every system's first loss (the parameters at init, the shard's first
+B x T tokens; llm.c's is its step-0 validation loss with the training shard given as the
+validation one, as its training batches are shuffled) against PyTorch's, within the TF32 bound
+of two TF32 runs (tests/bounds.py: twice loss_bound(tf32=True), PyTorch's max |logits| at init
+the scale).
+
+Writes to DIR (--out; default experiments/results/gpu/<gpu>/): gpu_bench.csv (every timed
+step of every run), gpu_bench.md (the table: median ms, tok/ms, the ratios, the first losses
+against the bound; the machine, the commands) after every run, and the traces; prints the
+table. A system that fails or runs out of time gets its error in the table; the others still
+run.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import os
@@ -41,60 +52,78 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # starpu-llm-wait: the same engine stepping with Engine.step, which waits for the whole step
 # before reading its loss (the trainer's loop today): its gap to starpu-llm is what
 # submitting ahead saves, the GPU's idle time while Python submits the next step
-SYSTEMS = ("starpu-llm", "pytorch", "llm.c", "starpu-llm-wait")
+SYSTEMS = ("starpu-llm", "llm.c", "pytorch")
+OPTIONAL = ("starpu-llm-wait",)   # --systems starpu-llm,...,starpu-llm-wait to add it
 
 
 def shapes_of(text: str) -> list[tuple[int, int]]:
-    return [tuple(int(v) for v in s.split("x")) for s in text.split(",")]
+    """[(B, T)] of "BxT,BxT,..." (ValueError otherwise)."""
+    out = []
+    for s in text.split(","):
+        B, T = (int(v) for v in s.split("x"))
+        if B < 1 or T < 1:
+            raise ValueError(s)
+        out.append((B, T))
+    return out
 
 
 # ---------------------------------------------------------------- one system, one shape
 
+@contextlib.contextmanager
+def starpu_engine(config, state, B: int, T: int, tokens):
+    """(engine, runtime) of starpu-llm's GPU path: the one place the benchmark sets it up."""
+    from starpu_llm.flow.engine import StarPUEngine
+    from starpu_llm.runtime import Runtime
+
+    with Runtime(gpus=1, gpu_matmul="tf32", cpu_layers=False) as rt:
+        engine = StarPUEngine(config, state, B, T, tokens, rt)
+        try:
+            yield engine, rt
+        finally:
+            engine.close()
+
+
 def run_starpu(B: int, T: int, steps: int, warmup: int, out: str, ahead: bool = True) -> dict:
     import numpy as np
     from starpu_llm.config import MODELS
-    from starpu_llm.flow.engine import StarPUEngine
     from starpu_llm.io.data import DataLoader, default_dataset
     from starpu_llm.io.formats import read_shard
-    from starpu_llm.runtime import Runtime
     from starpu_llm.state import TrainState, random_init
 
     config = MODELS["d12"]
     tokens = read_shard(default_dataset()[0])
     loader = DataLoader(tokens, B, T)
     state = TrainState(config=config, params=random_init(config))
-    with Runtime(gpus=1, gpu_matmul="tf32", cpu_layers=False) as rt:
-        engine = StarPUEngine(config, state, B, T, tokens, rt)
+    with starpu_engine(config, state, B, T, tokens) as (engine, rt):
         step = engine.step_ahead if ahead else engine.step
         losses = [step(loader.next_position(), 1e-4, 0.0) for _ in range(warmup)]
         engine.wait()
-        rt.start_trace(200_000)
-        t0 = time.perf_counter()
-        marks = []
+        marks = [time.perf_counter()]
         for _ in range(steps):
             losses.append(step(loader.next_position(), 1e-4, 0.0))
             marks.append(time.perf_counter())
         engine.wait()
-        t1 = time.perf_counter()
+        marks[-1] = time.perf_counter()      # the last step ends when its update has run
+        # the Gantt: one more step, traced, outside the timed ones
+        rt.start_trace(200_000)
+        step(loader.next_position(), 1e-4, 0.0)
+        engine.wait()
         trace = rt.trace()
         rt.stop_trace()
         describe = rt.describe()
-        engine.close()
     with open(os.path.join(out, f"trace_{B}x{T}{'' if ahead else '_wait'}.csv"), "w",
               newline="") as f:
         w = csv.writer(f)
         w.writerow(["job", "codelet", "worker", "start_ns", "end_ns"])
         w.writerows((e.job, e.codelet, e.worker, e.start_ns, e.end_ns) for e in trace)
-    ms = [(b - a) * 1e3 for a, b in zip([t0] + marks[:-1], marks)]
-    ms[-1] += (t1 - marks[-1]) * 1e3          # the last step ends when its update has run
-    return dict(step_ms=ms, tok_per_ms=steps * B * T / ((t1 - t0) * 1e3),
-                losses=[float(x) for x in losses], describe=describe,
-                finite=bool(np.all(np.isfinite(losses))))
+    ms = [(b - a) * 1e3 for a, b in zip(marks, marks[1:])]
+    return dict(step_ms=ms, first_loss=float(losses[0]), losses=[float(x) for x in losses],
+                describe=describe, finite=bool(np.all(np.isfinite(losses))))
 
 
 def run_pytorch(B: int, T: int, steps: int, warmup: int, out: str) -> dict:
     import torch
-    from starpu_llm.baselines.common import step_times
+    from starpu_llm.baselines.common import batch
     from starpu_llm.baselines.torch_sdpa import SdpaGPT2
     from starpu_llm.config import MODELS
     from starpu_llm.io.data import default_dataset
@@ -106,8 +135,18 @@ def run_pytorch(B: int, T: int, steps: int, warmup: int, out: str) -> dict:
     config = MODELS["d12"]
     tokens = read_shard(default_dataset()[0])
     model = SdpaGPT2(config, random_init(config), device="cuda")
-    ms = step_times(model, tokens, B, T, warmup + steps, 1e-4)[warmup:]
-    return dict(step_ms=ms, tok_per_ms=B * T / statistics.median(ms),
+    x, y = batch(tokens, 0, B, T)
+    with torch.no_grad():         # the scale of the first-loss bound: max |logits| at init
+        logits, _ = model.forward(x, y)
+        scale = float(logits.abs().max())
+        del logits
+    ms, losses = [], []
+    for i in range(warmup + steps):
+        x, y = batch(tokens, i * B * T, B, T)
+        t0 = time.perf_counter()
+        losses.append(model.adamw_step(x, y, 1e-4, 0.0))      # reads the loss: synchronises
+        ms.append((time.perf_counter() - t0) * 1e3)
+    return dict(step_ms=ms[warmup:], first_loss=losses[0], logits_scale=scale, losses=losses,
                 describe=f"PyTorch {torch.__version__} eager, SDPA, AdamW {model.optimizer_kind}, "
                          f"TF32 on {torch.cuda.get_device_name(0)}")
 
@@ -138,8 +177,10 @@ def run_llmc(B: int, T: int, steps: int, warmup: int, out: str, binary: str) -> 
     if not os.path.exists(ckpt):
         write_checkpoint(ckpt, MODELS["d12"], random_init(MODELS["d12"]))
     train, val = default_dataset()
-    # one epoch of the shard; validation on one batch, a 2-token sample at the end only
-    cmd = [binary, "-i", train, "-j", val, "-b", str(B), "-t", str(T), "-v", "100000",
+    # one epoch of the shard; its training batches are shuffled, so the step-0 validation
+    # loss on one batch of the training shard (given as -j) is the first loss to compare: the
+    # init parameters on the shard's first B x T tokens. A 2-token sample at the end only.
+    cmd = [binary, "-i", train, "-j", train, "-b", str(B), "-t", str(T), "-v", "100000",
            "-m", "1", "-s", "100000", "-g", "2"]
     p = subprocess.run(cmd, cwd=d, capture_output=True, text=True)
     with open(os.path.join(out, f"llmc_{B}x{T}.log"), "w") as f:
@@ -151,7 +192,8 @@ def run_llmc(B: int, T: int, steps: int, warmup: int, out: str, binary: str) -> 
     ms = ms[warmup:warmup + steps]
     if not ms:
         raise RuntimeError("llm.c printed no step after the warm-up ones")
-    return dict(step_ms=ms, tok_per_ms=B * T / statistics.median(ms),
+    first = re.search(r"^val loss (\S+)", p.stdout, re.M)
+    return dict(step_ms=ms, first_loss=float(first.group(1)) if first else None,
                 describe="llm.c train_gpt2_fp32.cu, TF32 matmuls (cuBLAS), " + " ".join(cmd[1:]))
 
 
@@ -170,18 +212,35 @@ def child(args) -> None:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", help="results folder (default experiments/results/gpu/<gpu>/, the GPU "
+                    "as nvidia-smi names it)")
     ap.add_argument("--llmc", help="llm.c copy (train_gpt2_fp32.cu, llmc/); without: no llm.c")
-    ap.add_argument("--shapes", default="8x1024,16x1024,128x64")
+    ap.add_argument("--llmc-binary", help="train_gpt2fp32cu built already (instead of --llmc)")
+    ap.add_argument("--shapes", default="16x1024,8x1024,128x64")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--timeout", type=int, default=150, help="seconds for one system at one shape")
-    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--systems", default=",".join(SYSTEMS),
+                    help=f"of {', '.join(SYSTEMS + OPTIONAL)}")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--system", help=argparse.SUPPRESS)
     ap.add_argument("--shape", help=argparse.SUPPRESS)
-    ap.add_argument("--llmc-binary", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    for what, value in (("--steps", args.steps), ("--timeout", args.timeout)):
+        if value < 1:
+            ap.error(f"{what} must be at least 1, not {value}")
+    if args.warmup < 0:
+        ap.error(f"--warmup must be 0 or more, not {args.warmup}")
+    try:
+        shapes = shapes_of(args.shapes)
+    except ValueError:
+        ap.error("--shapes: BxT pairs separated by commas (e.g. 16x1024,128x64), not "
+                 f"{args.shapes!r}")
+    unknown = set(args.systems.split(",")) - set(SYSTEMS + OPTIONAL)
+    if unknown:
+        ap.error(f"--systems: unknown {', '.join(sorted(unknown))} "
+                 f"(of {', '.join(SYSTEMS + OPTIONAL)})")
+    args.out = args.out or os.path.join(HERE, "results", "gpu", gpu_slug())
     os.makedirs(args.out, exist_ok=True)
     if args.child:
         return child(args)
@@ -189,7 +248,12 @@ def main():
     systems = args.systems.split(",")
     binary, notes = None, []
     if "llm.c" in systems:
-        if not args.llmc:
+        if args.llmc_binary:
+            binary = os.path.abspath(args.llmc_binary)
+            if not os.access(binary, os.X_OK):
+                notes.append(f"llm.c: --llmc-binary {binary} is not an executable: not run")
+                systems.remove("llm.c")
+        elif not args.llmc:
             systems.remove("llm.c")
             notes.append("llm.c: no --llmc copy given, not run")
         else:
@@ -201,7 +265,7 @@ def main():
                 notes.append(f"llm.c did not build: {getattr(e, 'stderr', None) or e}"[-400:])
                 systems.remove("llm.c")
     rows, table = [], {}
-    for B, T in shapes_of(args.shapes):
+    for B, T in shapes:
         for system in systems:
             cmd = [sys.executable, os.path.abspath(__file__), "--child", "--system", system,
                    "--shape", f"{B}x{T}", "--out", args.out, "--steps", str(args.steps),
@@ -213,26 +277,70 @@ def main():
                 if line is None:
                     raise RuntimeError(f"exit {p.returncode}: {(p.stderr or p.stdout)[-600:]}")
                 r = json.loads(line[len("RESULT "):])
-            except (subprocess.TimeoutExpired, RuntimeError) as e:
+                r["median_ms"] = statistics.median(r["step_ms"])
+                r["tok_per_ms"] = B * T / r["median_ms"]
+            except (subprocess.TimeoutExpired, RuntimeError, KeyError, ValueError) as e:
                 r = dict(error=str(e).replace("\n", " ")[-600:])
             r["wall_s"] = time.perf_counter() - t
             table[(system, B, T)] = r
             for i, ms in enumerate(r.get("step_ms", [])):
                 rows.append(dict(system=system, precision="tf32", B=B, T=T, step=i + 1, ms=ms))
-            print(f"{system:15s} {B:4d} x {T:4d}: " + (f"{r['tok_per_ms']:.1f} tok/ms"
-                  if "tok_per_ms" in r else f"failed: {r['error'][:300]}")
-                  + f"  ({r['wall_s']:.0f} s)", flush=True)
+            print(f"{system:15s} {B:4d} x {T:4d}: " + (
+                f"{r['median_ms']:.1f} ms/step, {r['tok_per_ms']:.1f} tok/ms"
+                if "tok_per_ms" in r else f"failed: {r['error'][:300]}")
+                + f"  ({r['wall_s']:.0f} s)", flush=True)
             # after every run: a run stopped from outside keeps what was measured
             write_report(args, systems, table, rows, notes)
     print(open(os.path.join(args.out, "gpu_bench.md")).read())
 
 
+def gpu_slug() -> str:
+    """This machine's GPU as a folder name (nvidia-smi's name, lower case, dashes)."""
+    try:
+        name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30).stdout.splitlines()[0]
+    except (OSError, IndexError, subprocess.TimeoutExpired):
+        name = "unknown-gpu"
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown-gpu"
+
+
+def first_loss_bound(B: int, T: int, loss: float, logits_scale: float) -> float:
+    """|loss_a - loss_b| of two TF32 runs at the same parameters on the same batch: each run
+    within one TF32 run's bound, so twice bounds.loss_bound(tf32=True) (which holds one TF32
+    run against an fp32 one)."""
+    sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+    from bounds import loss_bound
+    from starpu_llm.config import MODELS
+    return 2.0 * loss_bound(MODELS["d12"], B, T, loss, logits_scale, tf32=True)
+
+
+def same_start(table, systems, B: int, T: int) -> list[str]:
+    """Each system's first loss against PyTorch's, with the bound (first_loss_bound)."""
+    ref = table.get(("pytorch", B, T), {})
+    if ref.get("first_loss") is None or ref.get("logits_scale") is None:
+        return []
+    bound = first_loss_bound(B, T, ref["first_loss"], ref["logits_scale"])
+    out = []
+    for s in systems:
+        got = table.get((s, B, T), {}).get("first_loss")
+        if s == "pytorch" or got is None:
+            continue
+        d = abs(got - ref["first_loss"])
+        out.append(f"{B}x{T} first loss: {s} {got:.6f}, pytorch {ref['first_loss']:.6f}, "
+                   f"|diff| {d:.2e} {'<=' if d <= bound else 'EXCEEDS'} the TF32 bound "
+                   f"{bound:.2e} (max |logits| {ref['logits_scale']:.3f})")
+    return out
+
+
 def write_report(args, systems, table, rows, notes):
-    """DIR/gpu_bench.csv (every step) and DIR/gpu_bench.md (the table) of the runs so far."""
-    with open(os.path.join(args.out, "gpu_bench.csv"), "w", newline="") as f:
+    """DIR/gpu_bench.csv (every step) and DIR/gpu_bench.md (the table) of the runs so far, each
+    written to a temporary name and renamed."""
+    path = os.path.join(args.out, "gpu_bench.csv")
+    with open(path + ".tmp", "w", newline="") as f:
         w = csv.DictWriter(f, ["system", "precision", "B", "T", "step", "ms"])
         w.writeheader()
         w.writerows(rows)
+    os.replace(path + ".tmp", path)
     try:
         gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
                               "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
@@ -240,25 +348,34 @@ def write_report(args, systems, table, rows, notes):
         gpu = "? (no nvidia-smi)"
     others = [s for s in systems if s != "starpu-llm"]
     lines = [f"GPU: {gpu}; {os.cpu_count()} CPU cores; {args.warmup} warm-up + {args.steps} "
-             "timed steps each; tok/ms (starpu-llm: over the timed steps; the others: B T / "
-             "median step)", "",
-             "| B x T | " + " | ".join(systems) + " | " + " | ".join(
-                 f"starpu-llm / {s}" for s in others) + " |",
-             "|---" * (1 + len(systems) + len(others)) + "|"]
+             "timed steps each; median ms per timed step, tok/ms = B T / median", "",
+             "| B x T | " + " | ".join(f"{s} ms | {s} tok/ms" for s in systems) + " | "
+             + " | ".join(f"starpu-llm / {s}" for s in others) + " |",
+             "|---" * (1 + 2 * len(systems) + len(others)) + "|"]
+    checks = []
     for B, T in shapes_of(args.shapes):
         if not any((s, B, T) in table for s in systems):
             continue
-        vals = [table.get((s, B, T), {}).get("tok_per_ms") for s in systems]
+        cells = []
+        for s in systems:
+            r = table.get((s, B, T))
+            if r is None:
+                cells += ["-", "-"]
+            elif "tok_per_ms" in r:
+                cells += [f"{r['median_ms']:.1f}", f"{r['tok_per_ms']:.1f}"]
+            else:
+                cells += ["failed", "failed"]
         ours = table.get(("starpu-llm", B, T), {}).get("tok_per_ms")
         ratios = [f"{ours / table[(s, B, T)]['tok_per_ms']:.2f}"
                   if ours and table.get((s, B, T), {}).get("tok_per_ms") else "-" for s in others]
-        lines.append(f"| {B} x {T} | " + " | ".join(
-            f"{v:.1f}" if v else ("failed" if (s, B, T) in table else "-")
-            for s, v in zip(systems, vals)) + " | " + " | ".join(ratios) + " |")
-    lines += [""] + notes + [f"{s} {B}x{T}: {r.get('describe', r.get('error'))}"
-                             for (s, B, T), r in table.items()]
-    with open(os.path.join(args.out, "gpu_bench.md"), "w") as f:
+        lines.append(f"| {B} x {T} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+        checks += same_start(table, systems, B, T)
+    lines += [""] + checks + [""] + notes + [f"{s} {B}x{T}: {r.get('describe', r.get('error'))}"
+                                             for (s, B, T), r in table.items()]
+    path = os.path.join(args.out, "gpu_bench.md")
+    with open(path + ".tmp", "w") as f:
         f.write("\n".join(lines) + "\n")
+    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":

@@ -38,8 +38,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bounds import (EXP_FLOOR, U, U64, assert_within, dot_bound, exp_rel, gamma, gamma64,
-                    gamma_n, softmax_bound)
+from bounds import (EXP_FLOOR, TF32_U, U, U64, assert_within, dot_bound, exp_rel, gamma,
+                    gamma64, gamma_n, softmax_bound, tf32_dot_bound)
 from kernel_impls import CPUKernels, GPUKernels, gpu_available
 from starpu_llm._kernels import ffi, lib
 
@@ -270,7 +270,9 @@ def test_layernorm_gpt2_width(kern, rng):
 # ---------------------------------------------------------------- matmul
 
 
-def _matmul_case(kern, rng, N, C, OC, use_bias):
+def _matmul_case(kern, rng, N, C, OC, use_bias, dot=dot_bound):
+    """matmul forward and backward against float64; dot(n, |terms|) the bound of a GEMM entry
+    of reduction length n (fp32: dot_bound; TF32: bounds.tf32_dot_bound)."""
     inp, weight = randn(rng, N, C), randn(rng, OC, C, scale=1 / math.sqrt(C))
     bias = randn(rng, OC) if use_bias else None
     out = np.full((N, OC), np.nan, np.float32)
@@ -281,9 +283,9 @@ def _matmul_case(kern, rng, N, C, OC, use_bias):
     ax, aw = np.abs(f64(inp)), np.abs(f64(weight))
     # sgemm: C products summed (gamma(C), any blocking or kernel), then + bias (1 rounding)
     if use_bias:
-        close(out, ref, dot_bound(C + 1, ax @ aw.T + np.abs(f64(bias))), "matmul out")
+        close(out, ref, dot(C + 1, ax @ aw.T + np.abs(f64(bias))), "matmul out")
     else:
-        close(out, ref, dot_bound(C, ax @ aw.T), "matmul out")
+        close(out, ref, dot(C, ax @ aw.T), "matmul out")
 
     dout = randn(rng, N, OC)
     ref.backward(t64(dout))
@@ -297,9 +299,9 @@ def _matmul_case(kern, rng, N, C, OC, use_bias):
     )
     ady = np.abs(f64(dout))
     # dinp = dout @ weight: OC products
-    close(dinp, x_t.grad, dot_bound(OC, ady @ aw), "matmul dinp")
+    close(dinp, x_t.grad, dot(OC, ady @ aw), "matmul dinp")
     # dweight = dw0 + dout^T @ inp (beta = 1): N products and the old value, N + 1 terms
-    close(dw, f64(dw0) + f64(w_t.grad), dot_bound(N + 1, np.abs(f64(dw0)) + ady.T @ ax),
+    close(dw, f64(dw0) + f64(w_t.grad), dot(N + 1, np.abs(f64(dw0)) + ady.T @ ax),
           "matmul dweight")
     if use_bias:
         # dbias = db0 + the N rows of dout: N additions
@@ -307,6 +309,7 @@ def _matmul_case(kern, rng, N, C, OC, use_bias):
               "matmul dbias")
     else:
         assert np.array_equal(db, db0)
+    return dict(dinp=dinp, dw=dw, db=db, dout=dout, inp=inp, weight=weight, dw0=dw0, db0=db0)
 
 
 @pytest.mark.parametrize("use_bias", [True, False])
@@ -318,6 +321,142 @@ def test_matmul_small(kern, rng, use_bias):
 def test_matmul_gpt2_width(kern, rng, C, OC):
     # sgemm sums of 768..3072 products in fp32
     _matmul_case(kern, rng, N=64, C=C, OC=OC, use_bias=True)
+
+
+# ---------------------------------------------------------------- TF32, production shapes
+
+
+@pytest.fixture(params=["cpu", "gpu", "gpu-tf32"])
+def kern_prec(request):
+    """(kernels, GEMM bound): the CPU kernels and the GPU ones in fp32 (dot_bound), the GPU
+    ones in TF32 (tf32_dot_bound: the emulation rounds the GEMMs' inputs to TF32)."""
+    if request.param == "cpu":
+        return CPUKernels(), dot_bound
+    why = gpu_available()
+    if why:
+        pytest.skip(why)
+    if request.param == "gpu":
+        return GPUKernels(), dot_bound
+    return GPUKernels(tf32=True), tf32_dot_bound
+
+
+@pytest.mark.parametrize("C,OC", [(768, 2304), (3072, 768)])
+def test_matmul_production_shape(kern_prec, rng, C, OC):
+    """GPT-2 124M's matmuls at B = 1, T = 1024 (N = 1024 rows), forward and backward, in fp32
+    and TF32, each within its GEMM bound."""
+    kern, dot = kern_prec
+    _matmul_case(kern, rng, N=1024, C=C, OC=OC, use_bias=True, dot=dot)
+
+
+def _round_significand(a, bits, mode):
+    """float32 a with `bits` explicit significand bits: "nearest" (ties away, as
+    cvt.rna.tf32.f32) or "truncate"."""
+    u = np.asarray(a, np.float32).view(np.uint32).astype(np.uint64)
+    drop = 23 - bits
+    if mode == "nearest":
+        u = u + (1 << (drop - 1))
+    return (u & ~np.uint64((1 << drop) - 1)).astype(np.uint32).view(np.float32)
+
+
+def _adversarial(rng, shape, bits, frac):
+    """Positive values in [1, 1.25) 2^e whose `bits`-bit rounding to nearest moves each down by
+    frac of a `bits`-bit ulp (a representable value plus frac ulp): every product's rounding
+    error of one sign, so a GEMM's error adds up instead of cancelling (the worst case the
+    bound covers, nearly)."""
+    e = rng.integers(-3, 3, size=shape).astype(np.float64)
+    m = _round_significand(rng.uniform(1.0, 1.25, size=shape), bits, "truncate").astype(np.float64)
+    return ((m + frac * 2.0 ** -bits) * 2.0 ** e).astype(np.float32)
+
+
+def test_tf32_gemm_bound_can_fail_on_the_gpu_kernels(rng):
+    """The TF32 GEMM bound (bounds.tf32_dot_bound: inputs rounded to nearest TF32, unit
+    roundoff 2^-11) on inputs that make every product's rounding error one-signed:
+      - the GPU matmul in TF32 (the emulation rounds as cvt.rna.tf32) is within it, and
+        outside the fp32 bound (the TF32 rounding did happen);
+      - it fails for a GEMM that truncates to TF32 instead (errors up to 2^-10 an input:
+        about 1.7x the bound here), and for a bf16-like rounding (7 bits, to nearest)."""
+    why = gpu_available()
+    if why:
+        pytest.skip(why)
+    N, C, OC = 64, 768, 96
+    inp = _adversarial(rng, (N, C), 10, 0.45)
+    weight = _adversarial(rng, (OC, C), 10, 0.45)
+    ref = f64(inp) @ f64(weight).T
+    terms = np.abs(f64(inp)) @ np.abs(f64(weight)).T
+    out = np.full((N, OC), np.nan, np.float32)
+    GPUKernels(tf32=True).matmul_forward(out, inp, weight, None, N, C, OC)
+    close(out, ref, tf32_dot_bound(C, terms), "TF32 matmul")
+    with pytest.raises(AssertionError):
+        close(out, ref, dot_bound(C, terms), "TF32 matmul against the fp32 bound")
+    # a deliberately wrong TF32: truncation, on inputs 0.95 of an ulp above a TF32 value
+    a, w = _adversarial(rng, (N, C), 10, 0.95), _adversarial(rng, (OC, C), 10, 0.95)
+    trunc = (f64(_round_significand(a, 10, "truncate"))
+             @ f64(_round_significand(w, 10, "truncate")).T)
+    with pytest.raises(AssertionError):
+        close(trunc, f64(a) @ f64(w).T, tf32_dot_bound(C, np.abs(f64(a)) @ np.abs(f64(w)).T),
+              "TF32 by truncation")
+    # bf16-like: 7 bits to nearest, on inputs 0.45 of its ulp above a 7-bit value
+    a, w = _adversarial(rng, (N, C), 7, 0.45), _adversarial(rng, (OC, C), 7, 0.45)
+    bf = f64(_round_significand(a, 7, "nearest")) @ f64(_round_significand(w, 7, "nearest")).T
+    with pytest.raises(AssertionError):
+        close(bf, f64(a) @ f64(w).T, tf32_dot_bound(C, np.abs(f64(a)) @ np.abs(f64(w)).T),
+              "bf16-like rounding")
+
+
+# ---------------------------------------------------------------- reductions at B T = 8192 rows
+
+H100_SMS = 132
+
+
+def _grids():
+    """The block counts of the emulation's launches since the last call."""
+    blocks = ffi.new("unsigned[64]")
+    n = lib.sl_gpu_emulated_launches(blocks, 64)
+    return list(blocks)[:min(n, 64)]
+
+
+def _emulated_only():
+    why = gpu_available()
+    if why:
+        pytest.skip(why)
+    if not lib.sl_gpu_emulated():
+        pytest.skip("the launch grids are read from the CPU emulation (a CUDA build runs them)")
+
+
+def test_column_sums_8192_rows_fill_the_gpu(rng):
+    """Layernorm's dweight/dbias and matmul's dbias over N = 8192 rows (B T = 8 x 1024) of
+    C = 768 columns: within the fp32 bound of float64 (gamma(N + 1): any order), the same bits
+    on a second run, and the pass over the N x C input in at least 4 blocks per SM of an
+    H100 (the column tiles alone were 24 blocks)."""
+    _emulated_only()
+    kern = GPUKernels()
+    N, C = 8192, 768
+    _grids()
+    # layernorm: forward, backward written and accumulated, each within its bounds
+    _layernorm_case(kern, rng, N=N, C=C)
+    big = [b for b in _grids() if b >= 4 * H100_SMS]
+    # the forward's rows, then each backward's rows and its column sums' first pass
+    assert len(big) >= 5, f"launches of >= {4 * H100_SMS} blocks: {big}"
+    inp, w = randn(rng, N, C), randn(rng, C)
+    mean, rstd = np.zeros(N, np.float32), np.zeros(N, np.float32)
+    kern.layernorm_forward(np.zeros((N, C), np.float32), mean, rstd, inp, w, w, N, C)
+    dout = randn(rng, N, C)
+    runs = []
+    for _ in range(2):
+        dinp = np.zeros((N, C), np.float32)
+        dw, db = np.zeros(C, np.float32), np.zeros(C, np.float32)
+        kern.layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd, N, C, 0)
+        runs.append((dinp, dw, db))
+    for a, b in zip(*runs):
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), "layernorm backward bits"
+    # matmul's dbias (C = 32 inputs: the GEMMs small), within gamma(N) inside _matmul_case
+    _grids()
+    r = _matmul_case(kern, rng, N=N, C=32, OC=C, use_bias=True)
+    assert max(_grids()) >= 4 * H100_SMS, "matmul dbias: one block a column tile"
+    db = r["db0"].copy()
+    kern.matmul_backward(np.zeros((N, 32), np.float32), r["dw0"].copy(), db, r["dout"], r["inp"],
+                         r["weight"], N, 32, C)
+    assert np.array_equal(db.view(np.uint32), r["db"].view(np.uint32)), "matmul dbias bits"
 
 
 # ---------------------------------------------------------------- wte in row blocks
@@ -757,7 +896,7 @@ def test_adamw_three_steps(kern, rng, zero_grad, grad_scale):
 # ---------------------------------------------------------------- gradient norm (clipping)
 
 
-@pytest.mark.parametrize("n", [1, 37, 4096, 100003])
+@pytest.mark.parametrize("n", [1, 37, 4096, 100003, 1 << 21])  # 2^21: the GPU's block cap
 def test_sum_of_squares(kern, rng, n):
     x = randn(rng, n, scale=3.0)
     out = np.zeros(1)
@@ -778,6 +917,21 @@ def test_sum_of_squares(kern, rng, n):
             lib.kernels_set_threads(saved)
         got.append(out[0])
     assert got[0] == got[1] == got[2], got
+
+
+def test_sum_of_squares_fills_the_gpu(rng):
+    """The gradient norm's first pass over a large tensor (wte: 38.6M) in at least 4 blocks per
+    SM of an H100 (it was capped at 256), its partial sums in the worker's scratch: no
+    allocation in the task (the emulation has no cudaMallocAsync)."""
+    _emulated_only()
+    x = randn(rng, 1 << 21)
+    out = np.zeros(1)
+    _grids()
+    GPUKernels().sum_of_squares(out, x, x.size)
+    grids = _grids()
+    assert max(grids) >= 4 * H100_SMS and len(grids) == 2, grids
+    exact = np.sum(f64(x) ** 2)
+    close(out[0], exact, gamma64(x.size) * exact, "sum_of_squares")
 
 
 def test_sum_f64(kern):

@@ -25,8 +25,9 @@
 #
 #   tools/build-starpu.sh --autogen TARBALL OUT.tar.gz
 #
-# Writes the tarball's tree after autogen.sh (configure made: what a machine without libtool,
-# such as the GPU machine, builds from).
+# Writes the tarball's tree after autogen.sh (configure made) with the CUDA 13 fix applied
+# (it touches CUDA code only): what a machine without libtool or patch, such as the GPU
+# machine, builds from; --cuda then finds the fix in place and needs no patch program.
 #
 #   tools/build-starpu.sh --fetch OUT.tar.gz
 #
@@ -120,11 +121,20 @@ autogen() {
     { tail -n 30 "$work/autogen.log" >&2; exit 1; }
 }
 
+# The CUDA 13 fix, in the current directory (a source tree), once: a tree that has it already
+# (made by --autogen) is left as it is, without the patch program.
+apply_cuda13_fix() {
+  local fix=$tools/patches/starpu-1.4.12-cuda13-computemode.patch
+  grep -q cudaDevAttrComputeMode src/drivers/cuda/driver_cuda.c 2>/dev/null && return 0
+  patch -p1 -s <"$fix" || { echo "$0: $fix does not apply to $(basename "$PWD")" >&2; exit 1; }
+}
+
 if [ $mode = autogen ]; then
   mkdir -p "$(dirname "$2")"
   out=$(realpath "$2")
   unpack
   autogen
+  (cd "$src" && apply_cuda13_fix)
   tar -czf "$out.tmp" -C "$work" "$(basename "$src")" && mv "$out.tmp" "$out"
   echo "$out: $(basename "$src") with configure ($(du -h "$out" | cut -f1))"
   exit 0
@@ -217,10 +227,7 @@ unpack
 autogen
 cd "$src"
 if [ $mode = cuda ]; then
-  fix=$tools/patches/starpu-1.4.12-cuda13-computemode.patch
-  # applied once: a tree that has it already (patch -R would apply) is left as it is
-  patch -p1 -R --dry-run -s <"$fix" >/dev/null 2>&1 || patch -p1 -s <"$fix" ||
-    { echo "$0: $fix does not apply to $(basename "$src")" >&2; exit 1; }
+  apply_cuda13_fix
   mkdir -p "$work/links"
   for l in "$cublas_lib"/libcublas*.so.*; do
     base=$(basename "$l"); ln -sf "$l" "$work/links/${base%%.so.*}.so"

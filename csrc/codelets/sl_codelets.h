@@ -118,6 +118,9 @@ int sl_codelet_run_cuda(int codelet, void *const *ptr, const size_t *count,
 			const size_t *elemsize, int n, const void *args, int tf32);
 int sl_gpu_emulated(void); /* 1: the CUDA bodies run in the CPU emulation (no CUDA build) */
 int sl_gpu_devices(void);  /* the GPUs CUDA sees (0 without a CUDA build, driver or GPU) */
+/* The emulation's launches since the last call: their count, and the block count of each of
+ * the first max in blocks (the grids the kernels chose); -ENOSYS in a CUDA build. */
+int sl_gpu_emulated_launches(unsigned *blocks, int max);
 /* The matmul precision of the StarPU engine's CUDA tasks: 1 TF32 (the default), 0 fp32. */
 void sl_gpu_set_tf32(int tf32);
 int sl_gpu_tf32(void);

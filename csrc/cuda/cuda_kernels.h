@@ -23,10 +23,19 @@
  * and the matmul precision: tf32 nonzero lets cuBLAS round the GEMMs' inputs to TF32 (tensor
  * cores), 0 keeps every matmul in fp32. */
 struct sl_gpu {
-	void *stream; /* cudaStream_t */
-	void *blas;   /* cublasHandle_t */
+	void *stream;  /* cudaStream_t */
+	void *blas;    /* cublasHandle_t */
 	int tf32;
+	void *scratch; /* SL_GPU_SCRATCH_BYTES of device memory, the worker's own (used in stream
+			  order: one stream per worker, so its tasks never overlap on it) */
 };
+
+/* The scratch of a CUDA worker (the partial sums of the two-pass reductions), allocated once
+ * when the worker starts (sl_gpu_scratch_create on its thread) and freed when it stops: no
+ * task allocates device memory. Both end the program on a CUDA error, naming the call. */
+#define SL_GPU_SCRATCH_BYTES ((size_t)4 << 20)
+void *sl_gpu_scratch_create(void);
+void sl_gpu_scratch_destroy(void *scratch);
 
 /* The row blocks of a matrix (kernels.h, "Row blocks") handed to a kernel by value: at most
  * SL_GPU_MAX_BLOCKS blocks (a kernel's arguments are copied to the GPU with its launch). */
@@ -93,7 +102,8 @@ void adamw_cuda(const struct sl_gpu *g, float *params, float *grads, float *m, f
 		float lr, float beta1, float beta2, float eps, float weight_decay, int t,
 		const double *sumsq, float max_norm);
 
-/* sum_of_squares (fixed blocks, then their sum in block order), sum_f64 (k device scalars) */
+/* sum_of_squares (fixed blocks into the scratch, then their sum in a fixed order), sum_f64
+ * (k device scalars) */
 void sum_of_squares_cuda(const struct sl_gpu *g, double *out, const float *x, size_t n);
 void sum_f64_cuda(const struct sl_gpu *g, double *out, const double *const *in, int k);
 

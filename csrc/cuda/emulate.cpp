@@ -245,6 +245,18 @@ static void run_block(int nthreads, const std::vector<int> &ord)
 	}
 }
 
+static std::vector<unsigned> launches; /* the blocks of each launch since the last read */
+
+int take_launches(unsigned *blocks, int max)
+{
+	std::lock_guard<std::mutex> lock(one_launch);
+	int n = (int)launches.size();
+	for (int i = 0; i < n && i < max; i++)
+		blocks[i] = launches[i];
+	launches.clear();
+	return n;
+}
+
 void launch(dim3 grid, dim3 block, size_t smem, cudaStream_t, const std::function<void()> &fn)
 {
 	size_t nthreads = (size_t)block.x * block.y * block.z;
@@ -254,6 +266,7 @@ void launch(dim3 grid, dim3 block, size_t smem, cudaStream_t, const std::functio
 		return;
 	}
 	std::lock_guard<std::mutex> lock(one_launch);
+	launches.push_back(grid.x * grid.y * grid.z);
 	while (stacks.size() < nthreads) {
 		char *s = (char *)malloc(STACK);
 		if (!s)
@@ -334,10 +347,6 @@ cudaError_t cudaFree(void *p)
 	return cudaSuccess;
 }
 
-cudaError_t cudaMallocAsync(void **p, size_t bytes, cudaStream_t) { return cudaMalloc(p, bytes); }
-
-cudaError_t cudaFreeAsync(void *p, cudaStream_t) { return cudaFree(p); }
-
 cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, cudaMemcpyKind)
 {
 	if (bytes && (!dst || !src))
@@ -416,13 +425,15 @@ const char *cublasGetStatusString(cublasStatus_t s)
 						    "CUBLAS_STATUS_INVALID_VALUE";
 }
 
-/* x rounded to TF32 by truncation: the 13 low bits of the fp32 significand dropped */
+/* x rounded to TF32 (10 explicit significand bits) to nearest, ties away from zero, as PTX's
+ * cvt.rna.tf32.f32: half a TF32 ulp added to the magnitude's bits, the 13 low bits dropped
+ * (a carry into the exponent is the correct rounding up) */
 static float tf32(float x)
 {
 	uint32_t u;
 	memcpy(&u, &x, sizeof u);
 	if ((u & 0x7f800000u) != 0x7f800000u) /* finite: keep inf and NaN as they are */
-		u &= 0xffffe000u;
+		u = (u + 0x1000u) & 0xffffe000u;
 	memcpy(&x, &u, sizeof x);
 	return x;
 }

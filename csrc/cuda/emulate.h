@@ -15,8 +15,11 @@
  * never interleave inside one).
  *
  * cuBLAS: GEMMs in column-major order through the CPU BLAS (cblas); TF32 compute rounds
- * every element of A and B to TF32 (10 explicit mantissa bits) by truncation, the coarser
- * of the conversions a tensor core may apply, before the fp32 GEMM.
+ * every element of A and B to TF32 (10 explicit mantissa bits) to nearest (PTX's
+ * cvt.rna.tf32.f32: unit roundoff 2^-11, tests/bounds.py's TF32 bound) before the fp32 GEMM.
+ *
+ * No cudaMallocAsync: a task's body allocates nothing (the workers' scratch, cuda_kernels.h),
+ * and one that did would not compile here.
  *
  * Not emulated: concurrency between streams (everything is synchronous), memory spaces
  * (device pointers are host pointers), warp divergence timing, and any floating-point
@@ -120,8 +123,6 @@ const char *cudaGetErrorString(cudaError_t err);
 cudaError_t cudaGetLastError(void);
 cudaError_t cudaMalloc(void **p, size_t bytes);
 cudaError_t cudaFree(void *p);
-cudaError_t cudaMallocAsync(void **p, size_t bytes, cudaStream_t s);
-cudaError_t cudaFreeAsync(void *p, cudaStream_t s);
 cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind);
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind,
 			    cudaStream_t s);
@@ -135,6 +136,9 @@ namespace sl_emu {
 /* Runs grid x block threads of body, blocks one after another; smem bytes of dynamic shared
  * memory per block. A bad configuration sets the error cudaGetLastError returns. */
 void launch(dim3 grid, dim3 block, size_t smem, cudaStream_t s, const std::function<void()> &body);
+/* The block count of every launch since the last call (the first `max` into blocks), and how
+ * many there were: the grids a kernel chose, for the tests (sl_gpu_emulated_launches). */
+int take_launches(unsigned *blocks, int max);
 } // namespace sl_emu
 
 /* ---- cuBLAS ---- */

@@ -3,7 +3,6 @@
 
 #define LN_EPS 1e-5f
 #define ROWS_PER_BLOCK 8 /* a warp per row */
-#define COLS 32		 /* the column sums: 32 columns x ROWS_PER_BLOCK row lanes a block */
 
 // out (N,C), mean (N), rstd (N), inp (N,C), weight (C), bias (C): a warp per row
 static __global__ void layernorm_forward_kernel(float *out, float *mean, float *rstd,
@@ -61,36 +60,17 @@ static __global__ void layernorm_backward_rows(float *dinp, const float *dout, c
 	}
 }
 
-/* dweight += sum over rows of dout xn, dbias += sum of dout: a block per 32 columns walks
- * every row (row lanes ty, ty + 8, ...), then adds its lanes in a fixed order: no atomics,
- * the same sums on every run. */
-static __global__ void layernorm_backward_cols(float *dweight, float *dbias, const float *dout,
-					       const float *inp, const float *mean,
-					       const float *rstd, int N, int C)
-{
-	__shared__ float sw[ROWS_PER_BLOCK][COLS], sb[ROWS_PER_BLOCK][COLS];
-	int tx = threadIdx.x % COLS, ty = threadIdx.x / COLS;
-	int c = blockIdx.x * COLS + tx;
-	float w = 0.0f, b = 0.0f;
-	if (c < C) {
-		for (int i = ty; i < N; i += ROWS_PER_BLOCK) {
-			float dy = dout[(size_t)i * C + c];
-			w += dy * ((inp[(size_t)i * C + c] - mean[i]) * rstd[i]);
-			b += dy;
-		}
+/* the two column sums of the backward at (row i, column c): dout xn (dweight), dout (dbias) */
+struct layernorm_col_terms {
+	const float *dout, *inp, *mean, *rstd;
+	int C;
+	__device__ void operator()(int i, int c, float *v) const
+	{
+		float dy = dout[(size_t)i * C + c];
+		v[0] = dy * ((inp[(size_t)i * C + c] - mean[i]) * rstd[i]);
+		v[1] = dy;
 	}
-	sw[ty][tx] = w;
-	sb[ty][tx] = b;
-	__syncthreads();
-	if (ty == 0 && c < C) {
-		for (int k = 1; k < ROWS_PER_BLOCK; k++) {
-			w += sw[k][tx];
-			b += sb[k][tx];
-		}
-		dweight[c] += w;
-		dbias[c] += b;
-	}
-}
+};
 
 void layernorm_forward_cuda(const struct sl_gpu *g, float *out, float *mean, float *rstd,
 			    const float *inp, const float *weight, const float *bias, int N, int C)
@@ -110,6 +90,6 @@ void layernorm_backward_cuda(const struct sl_gpu *g, float *dinp, float *dweight
 	SL_LAUNCH(layernorm_backward_rows, sl_blocks(N, ROWS_PER_BLOCK, 65535),
 		  32 * ROWS_PER_BLOCK, 0, sl_stream(g), dinp, dout, inp, weight, mean, rstd, N, C,
 		  accumulate);
-	SL_LAUNCH(layernorm_backward_cols, (C + COLS - 1) / COLS, COLS * ROWS_PER_BLOCK, 0,
-		  sl_stream(g), dweight, dbias, dout, inp, mean, rstd, N, C);
+	/* dweight += sum over rows of dout xn, dbias += sum of dout (gpu.h: two passes) */
+	sl_column_sums<2>(g, dweight, dbias, layernorm_col_terms{ dout, inp, mean, rstd, C }, N, C);
 }

@@ -4,9 +4,6 @@
  * (csrc/kernels/matmul.c) written for the transposes. */
 #include "gpu.h"
 
-#define COLS 32
-#define ROW_LANES 8
-
 // out (N,OC) += bias (OC) on every row
 static __global__ void add_bias_kernel(float *out, const float *bias, int N, int OC)
 {
@@ -16,25 +13,12 @@ static __global__ void add_bias_kernel(float *out, const float *bias, int N, int
 		out[i] += bias[i % OC];
 }
 
-/* dbias (OC) += column sums of dout (N,OC): a block per 32 columns walks every row (row lanes
- * ty, ty + 8, ...), then adds its lanes in a fixed order (no atomics) */
-static __global__ void column_sums_kernel(float *dbias, const float *dout, int N, int OC)
-{
-	__shared__ float part[ROW_LANES][COLS];
-	int tx = threadIdx.x % COLS, ty = threadIdx.x / COLS;
-	int j = blockIdx.x * COLS + tx;
-	float s = 0.0f;
-	if (j < OC)
-		for (int i = ty; i < N; i += ROW_LANES)
-			s += dout[(size_t)i * OC + j];
-	part[ty][tx] = s;
-	__syncthreads();
-	if (ty == 0 && j < OC) {
-		for (int k = 1; k < ROW_LANES; k++)
-			s += part[k][tx];
-		dbias[j] += s;
-	}
-}
+// dout[i, c]: dbias's column sums
+struct dout_col_term {
+	const float *dout;
+	int OC;
+	__device__ void operator()(int i, int c, float *v) const { v[0] = dout[(size_t)i * OC + c]; }
+};
 
 // out (N,OC), inp (N,C), weight (OC,C) in nb row blocks, bias (OC) or NULL
 void matmul_forward_cuda(const struct sl_gpu *g, float *out, const float *inp,
@@ -67,7 +51,7 @@ void matmul_backward_cuda(const struct sl_gpu *g, float *dinp, float *const *dwe
 	for (int b = 0, r = 0; b < nb; r += rows[b], b++)
 		sl_gemm(g, CUBLAS_OP_N, CUBLAS_OP_T, C, rows[b], N, 1.0f, inp, C, dout + r, OC, 1.0f,
 			dweight[b], C);
-	if (dbias && OC > 0)
-		SL_LAUNCH(column_sums_kernel, (OC + COLS - 1) / COLS, COLS * ROW_LANES, 0,
-			  sl_stream(g), dbias, dout, N, OC);
+	/* dbias (OC) += column sums of dout (N,OC) (gpu.h: two passes) */
+	if (dbias)
+		sl_column_sums<1>(g, dbias, NULL, dout_col_term{ dout, OC }, N, OC);
 }

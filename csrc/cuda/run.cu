@@ -24,6 +24,17 @@ extern "C" int sl_gpu_emulated(void)
 #endif
 }
 
+extern "C" int sl_gpu_emulated_launches(unsigned *blocks, int max)
+{
+#ifdef SL_CUDA_EMULATION
+	return sl_emu::take_launches(blocks, max);
+#else
+	(void)blocks;
+	(void)max;
+	return -ENOSYS;
+#endif
+}
+
 extern "C" int sl_gpu_devices(void)
 {
 	int n = 0;
@@ -46,13 +57,15 @@ extern "C" int sl_codelet_run_cuda(int codelet, void *const *ptr, const size_t *
 		return -ENOSYS;
 	if (!sl_gpu_emulated() && sl_gpu_devices() < 1)
 		return -ENODEV;
-	/* one stream and cuBLAS handle for the process's direct runs */
+	/* one stream, cuBLAS handle and scratch for the process's direct runs, as a worker's */
 	static cudaStream_t stream;
 	static cublasHandle_t blas;
+	static void *scratch;
 	if (!blas) {
 		SL_CUDA_CHECK(cudaStreamCreate(&stream));
 		SL_CUBLAS_CHECK(cublasCreate(&blas));
 		SL_CUBLAS_CHECK(cublasSetStream(blas, stream));
+		scratch = sl_gpu_scratch_create();
 	}
 	struct sl_buf *b = (struct sl_buf *)calloc((size_t)(n ? n : 1), sizeof *b);
 	if (!b)
@@ -67,7 +80,7 @@ extern "C" int sl_codelet_run_cuda(int codelet, void *const *ptr, const size_t *
 						 cudaMemcpyHostToDevice));
 		}
 	}
-	struct sl_gpu g = { (void *)stream, (void *)blas, tf32 };
+	struct sl_gpu g = { (void *)stream, (void *)blas, tf32, scratch };
 	c->cuda_run(b, n, args, &g);
 	SL_CUDA_CHECK(cudaGetLastError());
 	SL_CUDA_CHECK(cudaStreamSynchronize(stream));

@@ -1,5 +1,5 @@
-/* What the GPU kernels share (checks, GEMMs) and the small data kernels: zeroing, in-place
- * add (the gradient reduction), copy. */
+/* What the GPU kernels share (checks, GEMMs, the workers' scratch) and the small data
+ * kernels: zeroing, in-place add (the gradient reduction), copy. */
 #include "gpu.h"
 #include <stdio.h>
 #include <stdlib.h>
@@ -20,6 +20,28 @@ void sl_cublas_check(cublasStatus_t st, const char *call, const char *file, int 
 	fprintf(stderr, "starpu_llm: cuBLAS error %d (%s) in %s at %s:%d\n", (int)st,
 		cublasGetStatusString(st), call, file, line);
 	abort();
+}
+
+void sl_require_scratch(const struct sl_gpu *g, const char *what)
+{
+	if (g->scratch)
+		return;
+	fprintf(stderr, "starpu_llm: %s need the CUDA worker's scratch (sl_gpu_scratch_create at "
+		"the worker's start), none given\n", what);
+	abort();
+}
+
+void *sl_gpu_scratch_create(void)
+{
+	void *p = NULL;
+	SL_CUDA_CHECK(cudaMalloc(&p, SL_GPU_SCRATCH_BYTES));
+	return p;
+}
+
+void sl_gpu_scratch_destroy(void *scratch)
+{
+	if (scratch)
+		SL_CUDA_CHECK(cudaFree(scratch));
 }
 
 void sl_gemm(const struct sl_gpu *g, cublasOperation_t ta, cublasOperation_t tb, int m, int n,

@@ -74,6 +74,26 @@ static void codelet_cpu(const struct sl_codelet *c, void *buffers[], void *cl_ar
 }
 
 #ifdef SL_HAVE_CUDA
+/* Each CUDA worker's scratch (cuda_kernels.h), made on its thread when StarPU starts. */
+static void *cuda_scratch[STARPU_NMAXWORKERS];
+
+static void scratch_create(void *arg SL_UNUSED)
+{
+	cuda_scratch[starpu_worker_get_id_check()] = sl_gpu_scratch_create();
+}
+
+static void scratch_destroy(void *arg SL_UNUSED)
+{
+	int w = starpu_worker_get_id_check();
+	sl_gpu_scratch_destroy(cuda_scratch[w]);
+	cuda_scratch[w] = NULL;
+}
+
+void sl_codelets_cuda_workers(int start)
+{
+	starpu_execute_on_each_worker(start ? scratch_create : scratch_destroy, NULL, STARPU_CUDA);
+}
+
 /* Every task's CUDA function calls this: the body queues its kernels on the CUDA worker's
  * stream, with its cuBLAS handle (starpu_cublas_init, at the start), and returns; StarPU
  * waits for the stream (STARPU_CUDA_ASYNC). The trace records the queueing, not the kernels'
@@ -86,7 +106,8 @@ static void codelet_cuda(const struct sl_codelet *c, void *buffers[], void *cl_a
 		struct sl_buf b[n > 0 ? n : 1];
 		task_buffers(c, sl_codelet_repeats(c, cl_arg), buffers, n, b);
 		struct sl_gpu g = { (void *)starpu_cuda_get_local_stream(),
-				    (void *)starpu_cublas_get_local_handle(), sl_gpu_tf32() };
+				    (void *)starpu_cublas_get_local_handle(), sl_gpu_tf32(),
+				    cuda_scratch[starpu_worker_get_id_check()] };
 		c->cuda_run(b, n, cl_arg, &g);
 	}
 	sl_trace_end(slot);

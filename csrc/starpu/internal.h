@@ -37,6 +37,10 @@ void sl_args_free_completed(void);
  * CUDA body get their CUDA function. */
 void sl_codelets_setup(int cores_per_worker, int ncuda);
 struct starpu_codelet *sl_starpu_codelet(int codelet);
+#ifdef SL_HAVE_CUDA
+/* Every CUDA worker's scratch (cuda_kernels.h), made on its thread (start 1) or freed (0). */
+void sl_codelets_cuda_workers(int start);
+#endif
 /* The StarPU access mode of SL_ACCESS_* bits. */
 enum starpu_data_access_mode sl_starpu_mode(int32_t access);
 

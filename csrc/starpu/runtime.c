@@ -122,6 +122,8 @@ static int start(int nworkers, int cores_per_worker, int kcore, const int *cores
 		/* a cuBLAS handle per CUDA worker, on its stream (it aborts on a failure: void) */
 		starpu_cublas_init();
 		cublas_on = 1;
+		/* and its scratch, once, on its thread (none allocated in a task) */
+		sl_codelets_cuda_workers(1);
 	}
 #endif
 
@@ -216,6 +218,7 @@ int sl_shutdown(void)
 	sl_codelets_set_team_groups(0, 1, NULL);
 #ifdef SL_HAVE_CUDA
 	if (cublas_on) {
+		sl_codelets_cuda_workers(0);
 		starpu_cublas_shutdown();
 		cublas_on = 0;
 	}

@@ -1,0 +1,87 @@
+"""tools/device-gpu.sh and experiments/gpu_bench.py on a machine without a GPU: what they do
+before a GPU is needed (issue 41, item 6).
+
+  - the device script's stages run in priority order (preflight, build, smoke, parity, bench,
+    rest) within its deadline, each one's results copied to $OUT as it ends, and its build
+    never calls `patch` (the CUDA 13 fix travels applied): its --dry-run echoes each stage's
+    commands without running them;
+  - an unknown stage, and the benchmark's bad flags, are one clear error, exit status 2;
+  - the benchmark's same-start check: a first loss within the TF32 bound passes, one outside
+    it is flagged."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "tools", "device-gpu.sh")
+BENCH = os.path.join(ROOT, "experiments", "gpu_bench.py")
+
+
+def dry_run(tmp_path, *stages):
+    env = dict(os.environ, OUT=str(tmp_path / "out"), SL_DEVICE_WORK=str(tmp_path / "work"))
+    return subprocess.run(["bash", SCRIPT, "--dry-run", *stages], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+def test_stages_in_priority_order_each_copied_to_out(tmp_path):
+    p = dry_run(tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    done = [line.split("] ")[1].split(":")[0] for line in p.stdout.splitlines()
+            if line.startswith("[device-gpu") and ": done in" in line]
+    assert done == ["preflight", "build", "smoke", "parity", "bench", "rest"], p.stdout
+    # the preflight's imports in at most 5 s, tiktoken among them
+    assert "timeout 5 python3 -c" in p.stdout and "tiktoken" in p.stdout
+    # the parity tests before the benchmark, the benchmark at the three shapes, llm.c prebuilt
+    assert p.stdout.index("test_gpu_matches_torch") < p.stdout.index("gpu_bench.py")
+    assert "--shapes 16x1024,8x1024,128x64" in p.stdout
+    # results in $OUT at each stage's end: the log, the parity and rest logs, the details
+    out = set(os.listdir(tmp_path / "out"))
+    assert {"device.log", "parity.log", "rest.log", "details.tar.gz"} <= out, out
+    assert len(out) <= 8, out       # what the device tool brings back
+
+
+def test_no_patch_on_the_device():
+    # the build goes through build-starpu.sh --cuda on the carried tarball, which --prepare
+    # makes with the fix applied (--autogen); a fixed tree needs no patch program
+    src = open(os.path.join(ROOT, "tools", "build-starpu.sh")).read()
+    fix = src[src.index("apply_cuda13_fix() {"):]
+    fix = fix[:fix.index("\n}\n")]
+    assert fix.index("grep -q cudaDevAttrComputeMode") < fix.index("patch -p1")
+    assert "(cd \"$src\" && apply_cuda13_fix)" in src      # --autogen applies it
+    assert "patch" not in open(SCRIPT).read().split("stage_build() {")[1].split("\n}\n")[0]
+
+
+def test_unknown_stage_is_one_clear_error(tmp_path):
+    p = dry_run(tmp_path, "bench", "benchmark")
+    assert p.returncode == 2 and "unknown stage 'benchmark'" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--shapes", "16x10x4"], "--shapes: BxT pairs"),
+    (["--systems", "starpu-llm,mxnet"], "--systems: unknown mxnet"),
+    (["--steps", "0"], "--steps must be at least 1"),
+])
+def test_bench_bad_flags(tmp_path, flags, message):
+    p = subprocess.run([sys.executable, BENCH, "--out", str(tmp_path), *flags],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and message in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_bench_same_start_check():
+    sys.path.insert(0, os.path.dirname(BENCH))
+    import gpu_bench
+    B, T, ref, scale = 16, 1024, 10.9, 3.0
+    bound = gpu_bench.first_loss_bound(B, T, ref, scale)
+    # one-run TF32 bound of the loss, twice: a few percent of the loss at init, not more
+    assert 0.0 < bound < 0.15 * ref, bound
+    table = {("pytorch", B, T): dict(first_loss=ref, logits_scale=scale),
+             ("starpu-llm", B, T): dict(first_loss=ref + 0.5 * bound),
+             ("llm.c", B, T): dict(first_loss=ref + 2.0 * bound)}
+    lines = gpu_bench.same_start(table, ["starpu-llm", "llm.c", "pytorch"], B, T)
+    assert len(lines) == 2
+    assert "starpu-llm" in lines[0] and "<= the TF32 bound" in lines[0], lines
+    assert "llm.c" in lines[1] and "EXCEEDS the TF32 bound" in lines[1], lines
