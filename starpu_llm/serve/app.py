@@ -61,12 +61,16 @@ def create_app(engine, model: str) -> Starlette:
     engine's metrics."""
     created = int(time.time())
     config, metrics = engine.config, engine.metrics
+    most = api.max_values(engine.max_batch, engine.cache_len, config.V)
+
+    def checked(raw: bytes) -> api.Completion:
+        return api.parse_completion(api.parse_json(raw, most), model, engine.tokenizer,
+                                    config.V, engine.cache_len, engine.max_batch)
 
     async def completions(request: HTTPRequest):
         try:
-            body = api.parse_json(await _body(request))
-            c = api.parse_completion(body, model, engine.tokenizer, config.V, engine.cache_len,
-                                     engine.max_batch)
+            # parsed and tokenized in a thread: a large body never holds the event loop
+            c = await asyncio.to_thread(checked, await _body(request))
         except api.BadRequest as e:
             kind = "not_found_error" if e.status == 404 else "invalid_request_error"
             return _error(e.status, e.message, kind, e.param, e.code)
@@ -139,10 +143,10 @@ async def _whole(request: HTTPRequest, c: api.Completion, reqs, events: asyncio.
             k, ev = get.result()
             texts[k] += ev.text
             if ev.error:
-                return _error(503, ev.error, "server_error")
+                return _error(ev.status, ev.error, "server_error")
             if ev.finish:
                 finishes[k], left = ev.finish, left - 1
-                usage[0] += ev.prompt_tokens
+                usage[0] += ev.prompt_tokens if c.choices[k].first else 0
                 usage[1] += ev.completion_tokens
         return JSONResponse(c.response(texts, finishes, *usage))
     finally:
@@ -181,7 +185,7 @@ async def _stream(c: api.Completion, reqs, events: asyncio.Queue):
                 yield _sse(c.chunk(c.choices[k].index, ev.text, ev.finish))
             if ev.finish:
                 left -= 1
-                usage[0] += ev.prompt_tokens
+                usage[0] += ev.prompt_tokens if c.choices[k].first else 0
                 usage[1] += ev.completion_tokens
         if c.include_usage and not left:
             yield _sse(c.usage_chunk(*usage))
