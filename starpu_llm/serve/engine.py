@@ -85,7 +85,6 @@ class Event(NamedTuple):
     status: int = 503
 
 
-
 class _Tally:
     """The sequences that one HTTP request submitted together: the request is counted once
     in the metrics, when its last sequence ends, under the worst of their outcomes."""
@@ -366,7 +365,7 @@ class Engine:
 
     def _count(self, req: Request, outcome: str):
         """req has ended: its HTTP request is counted once its last sequence has."""
-        t = req.tally or _Tally(1, req.submitted)      # a request submitted alone
+        t = req.tally
         with self._cond:
             t.left -= 1
             t.outcome = max(t.outcome, outcome, key=_Tally.ORDER.index)
@@ -448,9 +447,8 @@ class Engine:
         req.tokens.append(token)
         if req.first_token is None:
             req.first_token = now
-            if self.metrics and not (req.tally and req.tally.first_token):   # its HTTP request's
-                if req.tally:                                                # first token
-                    req.tally.first_token = True
+            if self.metrics and not req.tally.first_token:     # its HTTP request's first
+                req.tally.first_token = True
                 self.metrics.first_token(now - req.submitted)
         if token == self.eot and not sp.ignore_eos:
             text, _ = seq.text.add(None, final=True)
