@@ -130,22 +130,20 @@ def max_values(max_batch: int, cache_len: int, V: int) -> int:
 
 
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')     # a JSON string (unrolled: no backtracking)
-_CHUNK = 1 << 20
+_BRACKETS = np.zeros(256, np.int32)
+_BRACKETS[[0x5B, 0x7B]], _BRACKETS[[0x5D, 0x7D]] = 1, -1       # [ { open, ] } close
+_CHUNK = 1 << 18
 
 
-def json_shape(body: bytes) -> tuple[int, int]:
-    """(the deepest nesting of arrays and objects, the commas) of a JSON text, brackets and
-    commas inside strings left out, without parsing it: vectorised passes over 1 MiB at a
-    time, so that a hostile body costs neither recursion nor Python objects."""
-    bare = _STRING.sub(b'""', body)
-    depth = deepest = commas = 0
+def _nesting(bare: bytes) -> int:
+    """The deepest nesting of arrays and objects in a JSON text without strings (a running
+    sum of its brackets, 256 KiB at a time: neither recursion nor Python objects)."""
+    depth = deepest = 0
     for start in range(0, len(bare), _CHUNK):
         a = np.frombuffer(bare, np.uint8, min(_CHUNK, len(bare) - start), start)
-        run = np.cumsum((a == 0x5B).astype(np.int32) + (a == 0x7B) - (a == 0x5D) - (a == 0x7D))
-        run += depth
+        run = np.cumsum(_BRACKETS[a]) + depth
         deepest, depth = max(deepest, int(run.max())), int(run[-1])
-        commas += int(np.count_nonzero(a == 0x2C))
-    return deepest, commas
+    return deepest
 
 
 def parse_json(body: bytes, max_values: int | None = None) -> dict:
@@ -153,20 +151,24 @@ def parse_json(body: bytes, max_values: int | None = None) -> dict:
     nesting deeper than MAX_DEPTH is refused, and with max_values (api.max_values) a body of
     more values, so that a prompt of millions of token ids is refused in milliseconds instead
     of becoming millions of Python integers."""
+    bare = _STRING.sub(b'""', body)       # the brackets and commas of strings left out
+    values = bare.count(b",") + 1         # about: every member of a container but its first
+    if max_values is not None and values > max_values:
+        raise BadRequest(f"the request body holds {values} JSON values, more than a request "
+                         f"to this server can use ({max_values}: --max-batch prompts of maxT "
+                         f"token ids and the other fields); send fewer or shorter prompts",
+                         "prompt")
+    if bare.count(b"[") + bare.count(b"{") > MAX_DEPTH:     # else it cannot nest deeper
+        deepest = _nesting(bare)
+        if deepest > MAX_DEPTH:
+            raise BadRequest(f"the request body nests arrays and objects {deepest} deep; this "
+                             f"API takes at most {MAX_DEPTH} levels")
+    del bare
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:
         raise BadRequest(f"the request body is not valid UTF-8 (byte 0x{body[e.start]:02x} at "
                          f"offset {e.start}); send the JSON encoded in UTF-8") from None
-    deepest, commas = json_shape(body)
-    if deepest > MAX_DEPTH:
-        raise BadRequest(f"the request body nests arrays and objects {deepest} deep; this API "
-                         f"takes at most {MAX_DEPTH} levels")
-    if max_values is not None and commas + 1 > max_values:
-        raise BadRequest(f"the request body holds {commas + 1} JSON values, more than a request "
-                         f"to this server can use ({max_values}: --max-batch prompts of maxT "
-                         f"token ids and the other fields); send fewer or shorter prompts",
-                         "prompt")
     try:
         obj = json.loads(text, parse_constant=_reject_constant)
     except (json.JSONDecodeError, ValueError, RecursionError) as e:

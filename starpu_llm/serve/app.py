@@ -34,7 +34,7 @@ from .metrics import CONTENT_TYPE
 MAX_BODY = 16 << 20
 
 
-async def _body(request: HTTPRequest) -> bytes:
+async def _body(request: HTTPRequest) -> bytearray:
     """The request's body, read up to MAX_BODY bytes (api.BadRequest 413 beyond)."""
     too_large = api.BadRequest(f"the request body is larger than {MAX_BODY >> 20} MiB; a "
                                f"prompt must fit the model's context: send fewer or shorter "
@@ -42,13 +42,12 @@ async def _body(request: HTTPRequest) -> bytes:
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY:
         raise too_large
-    chunks, size = [], 0
+    body = bytearray()            # grown in place: the body is held once, not twice
     async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY:
+        if len(body) + len(chunk) > MAX_BODY:
             raise too_large
-        chunks.append(chunk)
-    return b"".join(chunks)
+        body += chunk
+    return body
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", param=None,
