@@ -474,19 +474,27 @@ import sys
 import numpy as np
 from starpu_llm.serve.engine import Engine
 
-next_token, step = Engine._next_token, Engine._step
+engine_step = Engine._step
 
-def nan_logits(self, seq, logits, now):
-    if seq.req.prompt[0] == {NAN_MARK}:
-        logits[:] = np.nan          # as a diverged model gives: the draw at temperature 1 raises
-    return next_token(self, seq, logits, now)
-
-def failing_step(self):
+def faulty_step(self):
     if any(s.req.prompt[0] == {STEP_MARK} for s in self._running.values()):
         raise RuntimeError("injected fault in a decode step")
-    return step(self)
+    nan = {{slot for slot, s in self._running.items() if s.req.prompt[0] == {NAN_MARK}}}
+    decoder_step = type(self.decoder).step
 
-Engine._next_token, Engine._step = nan_logits, failing_step
+    def step(feeds):        # NaN logits for the marked sequences, as a diverged model gives
+        logits = decoder_step(self.decoder, feeds)
+        for row, f in zip(logits, [f for f in feeds if f.logits]):
+            if f.slot in nan:
+                row[:] = np.nan
+        return logits
+    self.decoder.step = step
+    try:
+        return engine_step(self)
+    finally:
+        del self.decoder.step
+
+Engine._step = faulty_step
 from starpu_llm.cli import main
 sys.exit(main(sys.argv[1:]))
 """
