@@ -284,11 +284,11 @@ def _serve_edge_args(sv):
                     help="seconds an idle kept-alive connection stays open (default 5)")
 
 
-def _api_key(s):
-    """serve --api-key: a key clients can send in a header."""
+def _api_key(s, name="--api-key"):
+    """serve --api-key (or $STARPU_LLM_API_KEY, name): a key clients can send in a header."""
     if not s or s.strip() != s or not s.isprintable() or not s.isascii():
-        raise argparse.ArgumentTypeError("--api-key must be printable ASCII, not empty and "
-                                         "without spaces around it")
+        raise argparse.ArgumentTypeError(f"{name} must be printable ASCII, not empty and "
+                                         f"without spaces around it")
     return s
 
 
@@ -402,10 +402,10 @@ def _serve_edges(args) -> dict:
     without --api-key (a key on the command line is visible to every user in ps)."""
     key = args.api_key
     if key is None and os.environ.get("STARPU_LLM_API_KEY") is not None:
-        key = os.environ["STARPU_LLM_API_KEY"]
-        if not key or key.strip() != key or not key.isprintable() or not key.isascii():
-            raise StarpuLLMError("STARPU_LLM_API_KEY must be printable ASCII, not empty and "
-                                 "without spaces around it (or unset: no key)")
+        try:
+            key = _api_key(os.environ["STARPU_LLM_API_KEY"], "STARPU_LLM_API_KEY")
+        except argparse.ArgumentTypeError as e:
+            raise StarpuLLMError(f"{e} (or unset: no key)") from None
     return dict(api_key=key, allow_origins=tuple(args.allow_origin),
                 header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                 idle_timeout=args.idle_timeout)
