@@ -678,20 +678,22 @@ def test_a_cancelled_waiting_request_frees_its_room_at_once(one_slot):
     takes the room while the first still runs."""
     def cancelled():
         return one_slot.metric('starpu_llm_requests_total{outcome="cancelled"}')
+
+    def waiting():
+        return one_slot.get("/health").json()["waiting"]
     first = raw_request(one_slot.port, {**LONG_BODY, "stream": True})
     try:
         read_until(first, b"data: ")
         before = cancelled()
         second = raw_request(one_slot.port, LONG_BODY)
-        wait_for("the second request to wait", lambda: one_slot.get("/health").json()["waiting"] == 1)
+        wait_for("the second request to wait", lambda: waiting() == 1)
         second.close()
-        wait_for("its room to be free", lambda: one_slot.get("/health").json()["waiting"] == 0,
-                 timeout=60)
+        wait_for("its room to be free", lambda: waiting() == 0, timeout=60)
         assert cancelled() == before + 1
         assert running(one_slot) == 1           # the first runs on
         third = raw_request(one_slot.port, {**LONG_BODY, "stream": True})
         try:
-            wait_for("the third request to wait", lambda: one_slot.get("/health").json()["waiting"] == 1)
+            wait_for("the third request to wait", lambda: waiting() == 1)
         finally:
             third.close()
     finally:

@@ -9,11 +9,10 @@
   starpu_llm_tokens_per_second             tokens generated per second over the last 10 s
   starpu_llm_time_to_first_token_seconds   histogram: from a request's arrival to its first token
   starpu_llm_request_seconds               histogram: from a request's arrival to its end
-  starpu_llm_requests_total{outcome}       HTTP requests to POST /v1/..., each counted once when
-                                           it ends: stop, length (its choices' finish reasons: length if
-                                           any), cancelled (the client left), error (HTTP 500/503 after
-                                           it was accepted), rejected (HTTP 503 at once: queue full or
-                                           stopping), invalid (HTTP 4xx: refused by the checks)
+  starpu_llm_requests_total{outcome}       HTTP requests to POST /v1/..., each counted once
+      when it ends: stop, length (its choices' finish reasons: length if any), cancelled (the
+      client left), error (HTTP 500/503 after it was accepted), rejected (HTTP 503 at once:
+      queue full or stopping), invalid (HTTP 4xx: refused by the checks)
 """
 from __future__ import annotations
 
