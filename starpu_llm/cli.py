@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import signal
 import sys
 import traceback
@@ -262,6 +263,7 @@ def build_parser():
     sv.add_argument("--log-level", default="info",
                     choices=["critical", "error", "warning", "info", "debug"],
                     help="uvicorn's log level (info: one line per request)")
+    _serve_edge_args(sv)
 
     cv = sub.add_parser("convert", help="convert a model between llm.c's checkpoint and a "
                                         "Hugging Face GPT-2 folder (transformers' "
@@ -271,6 +273,31 @@ def build_parser():
     cv.add_argument("dst", metavar="DST", help="a path ending in .bin: an llm.c checkpoint; "
                                                "else a Hugging Face folder (written whole)")
     return ap
+
+
+def _serve_edge_args(sv):
+    """serve's access and timeout flags (serve/middleware.py)."""
+    seconds = _checked(float, "a number of seconds", lambda v: math.isfinite(v) and v > 0, "> 0")
+    sv.add_argument("--api-key", type=_api_key, default=None,
+                    help="clients must send 'Authorization: Bearer KEY' (HTTP 401 otherwise; "
+                         "GET /health stays open); default: $STARPU_LLM_API_KEY, else no key")
+    sv.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                    help="an origin (https://host[:port], or *) whose web pages may call the "
+                         "server (CORS); repeatable; default none")
+    sv.add_argument("--header-timeout", type=seconds("--header-timeout"), default=30.0,
+                    help="seconds a connection has to send a whole request head (default 30)")
+    sv.add_argument("--body-timeout", type=seconds("--body-timeout"), default=30.0,
+                    help="seconds a request body may pause before HTTP 408 (default 30)")
+    sv.add_argument("--idle-timeout", type=seconds("--idle-timeout"), default=5.0,
+                    help="seconds an idle kept-alive connection stays open (default 5)")
+
+
+def _api_key(s, name="--api-key"):
+    """serve --api-key (or $STARPU_LLM_API_KEY, name): a key clients can send in a header."""
+    if not s or s.strip() != s or not s.isprintable() or not s.isascii():
+        raise argparse.ArgumentTypeError(f"{name} must be printable ASCII, not empty and "
+                                         f"without spaces around it")
+    return s
 
 
 INIT_FROM_HELP = ("the model: an llm.c fp32 checkpoint, a Hugging Face GPT-2 folder, or a Hub "
@@ -379,7 +406,21 @@ def cmd_serve(args):
     request = PartitionRequest(**{name: getattr(args, name) for name in SERVE_PARTITION})
     return run_serve(args.init_from, args.host, args.port, args.max_batch, args.max_queue,
                      args.engine, request, args.model_name, args.shutdown_timeout,
-                     args.log_level)
+                     args.log_level, edges=_serve_edges(args))
+
+
+def _serve_edges(args) -> dict:
+    """serve/middleware.Edges' fields, from the flags; the key from $STARPU_LLM_API_KEY
+    without --api-key (a key on the command line is visible to every user in ps)."""
+    key = args.api_key
+    if key is None and os.environ.get("STARPU_LLM_API_KEY") is not None:
+        try:
+            key = _api_key(os.environ["STARPU_LLM_API_KEY"], "STARPU_LLM_API_KEY")
+        except argparse.ArgumentTypeError as e:
+            raise StarpuLLMError(f"{e} (or unset: no key)") from None
+    return dict(api_key=key, allow_origins=tuple(args.allow_origin),
+                header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                idle_timeout=args.idle_timeout)
 
 
 def cmd_convert(args):

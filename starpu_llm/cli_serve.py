@@ -6,6 +6,8 @@ and builds the key/value cache once; uvicorn then serves HTTP on the main thread
 SIGTERM: uvicorn stops accepting connections, the engine refuses new requests (503) and lets
 the accepted ones finish for --shutdown-timeout seconds, then cancels what is left; StarPU is
 shut down and the command returns. A second SIGINT stops at once (the requests cancelled).
+An engine that fails (an error in a decode step: every request in flight answered 503) stops
+the server too, with status 1, for a supervisor to start it again (docs/serving.md).
 """
 from __future__ import annotations
 
@@ -91,16 +93,19 @@ def listen_socket(host: str, port: int):
 
 def run_serve(init_from, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8,
               max_queue: int = 64, engine: str = "starpu", request=None, model_name=None,
-              shutdown_timeout: float = 30.0, log_level: str = "info") -> int:
+              shutdown_timeout: float = 30.0, log_level: str = "info", edges=None) -> int:
     """`starpu-llm serve` (see the module docstring): request, a partition.PartitionRequest
-    (None: the default partition). Prints "serving MODEL on http://HOST:PORT" once it takes
+    (None: the default partition); edges: serve/middleware.Edges' fields (the key, CORS, the
+    timeouts; None: the defaults). Prints "serving MODEL on http://HOST:PORT" once it takes
     requests (port 0: a free port, the one printed)."""
     from .partition import PartitionRequest
     from .runtime.starpu import resolve_here
     request = request or PartitionRequest()
     partition = resolve_here(request, engine=engine)      # bad flags fail before the model loads
     uvicorn, create_app, Metrics = _web()
+    from .serve import middleware
     from .serve.engine import Engine
+    edges = middleware.Edges(**(edges or {}))
     if max_batch < 1 or max_queue < 0:
         raise StarpuLLMError(f"--max-batch must be at least 1 and --max-queue at least 0 (got "
                              f"{max_batch} and {max_queue})")
@@ -125,6 +130,10 @@ def run_serve(init_from, host: str = "127.0.0.1", port: int = 8000, max_batch: i
                     print(f"serving {model} on http://{h}:{p} ({eng.describe}; --max-batch "
                           f"{max_batch})", flush=True)
 
+            async def on_tick(self, counter: int) -> bool:
+                # a failed engine ends the server (the requests in flight were answered)
+                return await super().on_tick(counter) or eng.state().startswith("failed")
+
             def handle_exit(self, sig, frame):
                 if not stopped:
                     print(f"{signal.Signals(sig).name}: no new requests; the running ones have "
@@ -133,9 +142,12 @@ def run_serve(init_from, host: str = "127.0.0.1", port: int = 8000, max_batch: i
                 eng.drain(0.0 if len(stopped) > 1 else shutdown_timeout)
                 super().handle_exit(sig, frame)
 
-        server = Server(uvicorn.Config(create_app(eng, model), log_level=log_level,
-                                       lifespan="off",
-                                       timeout_graceful_shutdown=shutdown_timeout + 5))
+        app = middleware.wrap(create_app(eng, model), edges, metrics)
+        server = Server(uvicorn.Config(app, log_level=log_level, lifespan="off",
+                                       timeout_graceful_shutdown=shutdown_timeout + 5,
+                                       http=middleware.http_protocol(edges.header_timeout),
+                                       timeout_keep_alive=edges.idle_timeout,
+                                       access_log=False))      # middleware logs each request
         # the CLI's stop-after-the-step handlers (signals.py) out of the way: uvicorn's drain
         # here; uvicorn gives the signals back to the handlers below once it stops, and raises
         # them again
@@ -148,6 +160,10 @@ def run_serve(init_from, host: str = "127.0.0.1", port: int = 8000, max_batch: i
                 for s, h in previous.items():
                     signal.signal(s, h)
                 done = eng.close(timeout=0.0 if stopped else shutdown_timeout)
+        failed = eng.state().startswith("failed")
+        if failed:
+            print(f"the engine {eng.state()}; the server stopped (status 1) for its "
+                  f"supervisor to start it again", flush=True)
         print("stopped: StarPU shut down" if done else
               "stopped, but the engine thread did not end", flush=True)
-        return 0 if done and server.started else 1
+        return 0 if done and server.started and not failed else 1

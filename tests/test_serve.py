@@ -11,6 +11,7 @@ while the test acts; none of them measures a time."""
 import concurrent.futures
 import contextlib
 import json
+import os
 import re
 import signal
 import socket
@@ -43,13 +44,16 @@ LONGEST_NEW = 20
 class Server:
     """A `starpu-llm serve` process: its URL, and its output files."""
 
-    def __init__(self, ckpt, tmp, *flags, name="server"):
+    def __init__(self, ckpt, tmp, *flags, name="server", code=None, env=None):
+        """code: Python run in place of `-m starpu_llm` (FAULTY: a fault hook, then the CLI)."""
         self.out, self.err = tmp / f"{name}.out", tmp / f"{name}.err"
+        start = ["-m", "starpu_llm"] if code is None else ["-c", code]
+        self.headers = {}           # sent by get, post and metric (a key)
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "starpu_llm", "serve", "--init-from", str(ckpt),
+                [sys.executable, *start, "serve", "--init-from", str(ckpt),
                  "--port", "0", "--log-level", "warning", *map(str, flags)],
-                stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+                stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env)
         deadline = time.monotonic() + START_S
         while time.monotonic() < deadline:
             m = re.search(r"on (http://[\d.]+:\d+)", self.out.read_text())
@@ -66,14 +70,15 @@ class Server:
     def output(self) -> str:
         return self.out.read_text() + self.err.read_text()
 
-    def client(self, **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", **kw)
+    def client(self, key="none", **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, **kw)
 
     def get(self, path):
-        return httpx.get(self.url + path, timeout=60)
+        return httpx.get(self.url + path, headers=self.headers, timeout=60)
 
     def post(self, body, **kw):
         content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        kw.setdefault("headers", self.headers)
         return httpx.post(self.url + "/v1/completions", content=content, timeout=120, **kw)
 
     def metric(self, name) -> float:
@@ -458,3 +463,288 @@ def test_serve_errors(ckpts, tmp_path):
     if not have_cuda():       # a CPU build names the flag and how to get a CUDA build
         rc, err = serve("--init-from", ckpts["tiny"], "--gpus", 1)
         assert rc == 2 and "--gpus 1" in err and "CPU build" in err, err
+
+
+# ---- the edges: parsing limits, stalled connections, faults, counting, the key (issues 40, 44)
+
+KEY = "test-key-0123"
+NAN_MARK, STEP_MARK = 31337, 31338      # prompts starting with these trip FAULTY's hook
+FAULTY = f"""
+import sys
+import numpy as np
+from starpu_llm.serve.engine import Engine
+
+engine_step = Engine._step
+
+def faulty_step(self):
+    if any(s.req.prompt[0] == {STEP_MARK} for s in self._running.values()):
+        raise RuntimeError("injected fault in a decode step")
+    nan = {{slot for slot, s in self._running.items() if s.req.prompt[0] == {NAN_MARK}}}
+    decoder_step = type(self.decoder).step
+
+    def step(feeds):        # NaN logits for the marked sequences, as a diverged model gives
+        logits = decoder_step(self.decoder, feeds)
+        for row, f in zip(logits, [f for f in feeds if f.logits]):
+            if f.slot in nan:
+                row[:] = np.nan
+        return logits
+    self.decoder.step = step
+    try:
+        return engine_step(self)
+    finally:
+        del self.decoder.step
+
+Engine._step = faulty_step
+from starpu_llm.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def bearer(key=KEY):
+    return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.fixture(scope="module")
+def edged(ckpts):
+    """The tiny model behind a key, CORS open to one origin, 2 s timeouts, a request log, and
+    the fault hook."""
+    s = Server(ckpts["tiny"], ckpts["dir"], "--max-batch", 4, "--api-key", KEY,
+               "--allow-origin", "https://ok.example", "--header-timeout", 2,
+               "--body-timeout", 2, "--idle-timeout", 2, "--log-level", "info",
+               name="edged", code=FAULTY)
+    s.headers = bearer()
+    yield s
+    assert s.stop() == 0, s.output()
+
+
+def peak_rss_kb(pid) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(re.search(r"^VmHWM:\s+(\d+) kB", f.read(), re.M).group(1))
+
+
+def test_hostile_bodies_are_400_at_once(edged):
+    """Nested brackets (Python's parser recursed: a plain-text 500) and a prompt of 7.5 million
+    token ids under the 16 MiB limit (decoded whole before the length check: the server's
+    memory grew by most of a gigabyte) are each one 400 naming the problem."""
+    r = httpx.post(edged.url + "/v1/completions", content=b"[" * 1100, headers=bearer(),
+                   timeout=120)
+    assert r.status_code == 400
+    assert "nests arrays and objects 1100 deep" in r.json()["error"]["message"]
+    before = peak_rss_kb(edged.proc.pid)
+    body = b'{"model": "tiny", "prompt": [' + b"1," * 7_500_000 + b'1]}'
+    assert len(body) < 16 << 20
+    r = httpx.post(edged.url + "/v1/completions", content=body, headers=bearer(), timeout=300)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert "holds 7500002 JSON values" in err["message"] and err["param"] == "prompt"
+    # the body itself is in memory a few times (bytes, text): never a list of its ids
+    assert peak_rss_kb(edged.proc.pid) - before < 150_000
+    # a text far beyond what maxT tokens hold is refused before it is encoded
+    r = httpx.post(edged.url + "/v1/completions", headers=bearer(), timeout=120,
+                   json={"model": "tiny", "prompt": "ab" * 500_000})
+    assert r.status_code == 400 and "1000000 characters" in r.json()["error"]["message"]
+    # token ids over the context: refused by their count
+    r = httpx.post(edged.url + "/v1/completions", headers=bearer(), timeout=120,
+                   json={"model": "tiny", "prompt": [1] * 65})
+    assert r.status_code == 400 and "the prompt has 65 tokens" in r.json()["error"]["message"]
+
+
+def test_stalled_connections_are_closed(edged):
+    """A connection that sends nothing, half a head or half a body is closed after the
+    timeouts (2 s here; they were never closed); the half body gets 408 first. An idle
+    kept-alive connection is closed too."""
+    def connect(data: bytes):
+        s = socket.create_connection(("127.0.0.1", edged.port), timeout=120)
+        s.sendall(data)
+        return s
+
+    def until_closed(s) -> bytes:
+        got = b""
+        while piece := s.recv(4096):
+            got += piece
+        s.close()
+        return got
+    nothing = connect(b"")
+    half_head = connect(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+    half_body = connect(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                        + KEY.encode() + b"\r\nContent-Length: 100\r\n\r\n{\"model\"")
+    idle = connect(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert until_closed(nothing) == b""
+    assert until_closed(half_head) == b""
+    answer = until_closed(half_body)
+    assert answer.startswith(b"HTTP/1.1 408 ")
+    assert b"the request body stopped arriving: nothing for 2 s after 8 bytes" in answer
+    assert until_closed(idle).startswith(b"HTTP/1.1 200 ")
+    wait_for("the log lines", lambda: "no whole request head within 2 s" in edged.output())
+    assert edged.output().count("no whole request head within 2 s") >= 2
+
+
+def test_a_client_leaving_mid_body_is_one_line(edged):
+    rid = "left-mid-body-1"
+    before = edged.metric('starpu_llm_requests_total{outcome="cancelled"}')
+    s = socket.create_connection(("127.0.0.1", edged.port), timeout=120)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+              + KEY.encode() + b"\r\nX-Request-Id: " + rid.encode()
+              + b"\r\nContent-Length: 100\r\n\r\n{\"model\": ")
+    s.close()
+    wait_for("the log line", lambda: rid in edged.output())
+    time.sleep(1)          # anything else it would print about it
+    lines = [line for line in edged.output().splitlines() if rid in line]
+    assert len(lines) == 1 and "the client left after" in lines[0], lines
+    assert "Traceback" not in edged.output() and "ClientDisconnect" not in edged.output()
+    assert edged.metric('starpu_llm_requests_total{outcome="cancelled"}') == before + 1
+
+
+def test_api_key_request_id_and_cors(edged, server):
+    r = edged.client(KEY, max_retries=0).completions.create(model="tiny", prompt="Hi", max_tokens=2)
+    assert len(r.choices) == 1
+    for key in ("none", KEY + "x"):
+        with pytest.raises(openai.AuthenticationError) as e:
+            openai.OpenAI(base_url=edged.url + "/v1", api_key=key,
+                          max_retries=0).completions.create(model="tiny", prompt="Hi")
+        assert e.value.status_code == 401
+        assert e.value.body["code"] == "invalid_api_key"
+        assert "Authorization: Bearer KEY" in e.value.body["message"]
+    for path in ("/v1/models", "/metrics"):
+        r = httpx.get(edged.url + path, timeout=60)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(edged.url + "/v1/models", headers=bearer(), timeout=60).status_code == 200
+    health = httpx.get(edged.url + "/health", timeout=60)     # open: a probe needs no key
+    assert health.status_code == 200
+    # X-Request-Id on every answer (200, 401, 400, 404), each its own; the client's kept; logged
+    answers = [health, httpx.get(edged.url + "/metrics", timeout=60), edged.post({"model": "tiny"}),
+               httpx.get(edged.url + "/nothing", headers=bearer(), timeout=60),
+               httpx.get(server.url + "/v1/models", timeout=60)]
+    assert [a.status_code for a in answers] == [200, 401, 400, 404, 200]
+    ids = [a.headers["X-Request-Id"] for a in answers]
+    assert len(set(ids)) == len(ids)
+    wait_for("the request's log line", lambda: ids[2] in edged.output())
+    mine = httpx.get(edged.url + "/health", headers={"X-Request-Id": "trace-42"}, timeout=60)
+    assert mine.headers["X-Request-Id"] == "trace-42"
+    # CORS: open to the origin named, closed to others, closed everywhere without the flag
+    pre = {"Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "authorization,content-type"}
+    r = httpx.options(edged.url + "/v1/completions", timeout=60,
+                      headers={"Origin": "https://ok.example", **pre})
+    assert r.status_code == 200
+    assert r.headers["Access-Control-Allow-Origin"] == "https://ok.example"
+    for url, origin in ((edged.url, "https://evil.example"), (server.url, "https://ok.example")):
+        r = httpx.options(url + "/v1/completions", headers={"Origin": origin, **pre}, timeout=60)
+        assert "Access-Control-Allow-Origin" not in r.headers
+        r = httpx.get(url + "/health", headers={"Origin": origin}, timeout=60)
+        assert "Access-Control-Allow-Origin" not in r.headers
+
+
+def test_a_sampling_fault_ends_its_request_alone(edged):
+    """NaN logits (the hook's, for prompts starting with NAN_MARK) with temperature 1: that
+    request is a 500 naming it; the requests beside it and after it are served."""
+    client = edged.client(KEY, max_retries=0, timeout=300)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        good = [pool.submit(client.completions.create, model="tiny", prompt=p, max_tokens=20,
+                            **GREEDY) for p in PROMPTS[:3]]
+        with pytest.raises(openai.InternalServerError) as e:
+            client.completions.create(model="tiny", prompt=[NAN_MARK, 11, 12], max_tokens=20,
+                                      temperature=1.0)
+        assert e.value.status_code == 500
+        assert "drawing this request's next token failed: ValueError" in e.value.body["message"]
+        assert all(len(f.result().choices[0].text) > 0 for f in good)
+    assert edged.get("/health").json()["status"] == "ok"
+    r = client.completions.create(model="tiny", prompt="ROMEO:", max_tokens=3, **GREEDY)
+    assert r.usage.completion_tokens == 3
+
+
+def test_usage_and_counting_per_request(server):
+    """n > 1: the prompt counted once in the usage (OpenAI's and vLLM's way), the request once
+    in starpu_llm_requests_total; a bad request once, as invalid."""
+    client = server.client(max_retries=0)
+    total = server.metric("starpu_llm_requests_total")
+    invalid = server.metric('starpu_llm_requests_total{outcome="invalid"}')
+    n_ids = len(tokenizer.gpt2().encode(PROMPTS[2]))
+    r = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=4, n=3, **GREEDY)
+    assert len(r.choices) == 3
+    assert r.usage.prompt_tokens == n_ids and r.usage.completion_tokens == 12
+    chunks = list(client.completions.create(model="tiny", prompt=[PROMPTS[2], PROMPTS[3]],
+                                            max_tokens=4, n=2, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    assert chunks[-1].usage.prompt_tokens == n_ids + len(tokenizer.gpt2().encode(PROMPTS[3]))
+    assert server.post({"model": "tiny", "prompt": "Hi", "top_p": 0}).status_code == 400
+    assert server.metric("starpu_llm_requests_total") == total + 3
+    assert server.metric('starpu_llm_requests_total{outcome="invalid"}') == invalid + 1
+
+
+def test_a_cancelled_waiting_request_frees_its_room_at_once(one_slot):
+    """The second request waits (one slot, room for one); its client leaves: its room is free
+    at once (it held it until the slot freed), it is counted cancelled, and a third request
+    takes the room while the first still runs."""
+    def cancelled():
+        return one_slot.metric('starpu_llm_requests_total{outcome="cancelled"}')
+
+    def waiting():
+        return one_slot.get("/health").json()["waiting"]
+    first = raw_request(one_slot.port, {**LONG_BODY, "stream": True})
+    try:
+        read_until(first, b"data: ")
+        before = cancelled()
+        second = raw_request(one_slot.port, LONG_BODY)
+        wait_for("the second request to wait", lambda: waiting() == 1)
+        second.close()
+        wait_for("its room to be free", lambda: waiting() == 0, timeout=60)
+        assert cancelled() == before + 1
+        assert running(one_slot) == 1           # the first runs on
+        third = raw_request(one_slot.port, {**LONG_BODY, "stream": True})
+        try:
+            wait_for("the third request to wait", lambda: waiting() == 1)
+        finally:
+            third.close()
+    finally:
+        first.close()
+    wait_for("the slot to be freed", lambda: running(one_slot) == 0)
+
+
+def test_a_step_fault_answers_503_and_ends_the_process(ckpts):
+    """An error in a decode step (the hook's, once a prompt starting with STEP_MARK runs):
+    every request in flight is answered (a stream's error event, a 503), and the server exits
+    with status 1 and one line, for a supervisor to restart it."""
+    s = Server(ckpts["long"], ckpts["dir"], name="step_fault", code=FAULTY)
+    try:
+        with httpx.stream("POST", s.url + "/v1/completions", timeout=300,
+                          json={**LONG_BODY, "stream": True}) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            bad = s.post({"model": "long", "prompt": [STEP_MARK, 5], "max_tokens": 3})
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert bad.status_code == 503
+        assert "injected fault in a decode step" in bad.json()["error"]["message"]
+        assert "injected fault" in json.loads(rest[-2][len("data: "):])["error"]["message"]
+        assert s.proc.wait(120) == 1, s.output()
+        assert "the engine failed: RuntimeError: injected fault in a decode step" in s.output()
+        assert "Traceback" not in s.output()
+    finally:
+        s.stop()
+
+
+def test_recent_steps_stay_bounded_without_a_scraper(monkeypatch):
+    from starpu_llm.serve import metrics as m
+    clock = [0.0]
+    monkeypatch.setattr(m.time, "monotonic", lambda: clock[0])
+    metrics = m.Metrics(8)
+    for _ in range(1000):
+        clock[0] += 0.5
+        metrics.step(4, 4, 4, 0.01)
+    assert len(metrics._recent) <= m.WINDOW_S / 0.5 + 1
+    assert metrics.tokens_per_second() == pytest.approx(4 / 0.5, rel=0.1)
+
+
+def test_serve_access_flag_errors(ckpts):
+    def serve(*args, env=None):
+        p = subprocess.run([sys.executable, "-m", "starpu_llm", "serve", "--init-from",
+                            str(ckpts["tiny"]), *map(str, args)], capture_output=True,
+                           text=True, timeout=300, env=env)
+        return p.returncode, p.stderr
+    rc, err = serve("--api-key", "")
+    assert rc == 2 and "--api-key must be printable ASCII" in err, err
+    rc, err = serve(env={**os.environ, "STARPU_LLM_API_KEY": " padded"})
+    assert rc == 2 and "STARPU_LLM_API_KEY must be printable ASCII" in err, err
+    assert "Traceback" not in err
+    rc, err = serve("--body-timeout", 0)
+    assert rc == 2 and "--body-timeout" in err, err

@@ -3,5 +3,6 @@
 engine.py  the engine thread: continuous batching over flow/batch.SlotDecoder
 api.py     OpenAI's completions API: requests checked, responses built
 app.py     the HTTP application (Starlette), served by uvicorn (cli_serve.py)
+middleware.py  its edges: the API key, request ids, CORS, timeouts (and uvicorn's protocol)
 metrics.py Prometheus metrics
 """

@@ -12,8 +12,10 @@ naming the field (BadRequest: HTTP 400; an unknown model: 404).
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
+import re
 import time
 import uuid
 
@@ -23,6 +25,10 @@ from .engine import Sampling
 
 DEFAULT_MAX_TOKENS = 16     # OpenAI's default for completions
 MAX_STOP = 4                # OpenAI's limit on stop strings
+# Arrays and objects nested deeper are refused before parsing (Python's parser recurses: 1100
+# brackets were a RecursionError); the API's deepest body (a chat message's content parts)
+# nests far less.
+MAX_DEPTH = 16
 
 
 class BadRequest(Exception):
@@ -47,10 +53,11 @@ _FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n"
 
 
 class Choice:
-    """One sequence a request asks for: its prompt (ids and text) and index."""
+    """One sequence a request asks for: its prompt (ids and text) and index; first: the first
+    choice of its prompt (the usage counts a prompt once, whatever n)."""
 
-    def __init__(self, index: int, ids: list, text: str):
-        self.index, self.ids, self.text = index, ids, text
+    def __init__(self, index: int, ids: list, text: str, first: bool = True):
+        self.index, self.ids, self.text, self.first = index, ids, text, first
 
 
 class Completion:
@@ -115,8 +122,48 @@ def _reject_constant(name):
     raise ValueError(f"{name} is not a JSON number")
 
 
-def parse_json(body: bytes) -> dict:
-    """The request body as a JSON object (BadRequest for anything else)."""
+def max_values(max_batch: int, cache_len: int, V: int) -> int:
+    """The most JSON values a request body may hold (parse_json's max_values): max_batch
+    prompts of cache_len token ids, a logit_bias over the whole vocabulary, and room for the
+    other fields."""
+    return max_batch * cache_len + V + 1024
+
+
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')     # a JSON string (unrolled: no backtracking)
+_BRACKETS = np.zeros(256, np.int32)
+_BRACKETS[[0x5B, 0x7B]], _BRACKETS[[0x5D, 0x7D]] = 1, -1       # [ { open, ] } close
+_CHUNK = 1 << 18
+
+
+def _nesting(bare: bytes) -> int:
+    """The deepest nesting of arrays and objects in a JSON text without strings (a running
+    sum of its brackets, 256 KiB at a time: neither recursion nor Python objects)."""
+    depth = deepest = 0
+    for start in range(0, len(bare), _CHUNK):
+        a = np.frombuffer(bare, np.uint8, min(_CHUNK, len(bare) - start), start)
+        run = np.cumsum(_BRACKETS[a]) + depth
+        deepest, depth = max(deepest, int(run.max())), int(run[-1])
+    return deepest
+
+
+def parse_json(body: bytes, max_values: int | None = None) -> dict:
+    """The request body as a JSON object (BadRequest for anything else). Before it is parsed:
+    nesting deeper than MAX_DEPTH is refused, and with max_values (api.max_values) a body of
+    more values, so that a prompt of millions of token ids is refused in milliseconds instead
+    of becoming millions of Python integers."""
+    bare = _STRING.sub(b'""', body)       # the brackets and commas of strings left out
+    values = bare.count(b",") + 1         # about: every member of a container but its first
+    if max_values is not None and values > max_values:
+        raise BadRequest(f"the request body holds {values} JSON values, more than a request "
+                         f"to this server can use ({max_values}: --max-batch prompts of maxT "
+                         f"token ids and the other fields); send fewer or shorter prompts",
+                         "prompt")
+    if bare.count(b"[") + bare.count(b"{") > MAX_DEPTH:     # else it cannot nest deeper
+        deepest = _nesting(bare)
+        if deepest > MAX_DEPTH:
+            raise BadRequest(f"the request body nests arrays and objects {deepest} deep; this "
+                             f"API takes at most {MAX_DEPTH} levels")
+    del bare
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -124,7 +171,7 @@ def parse_json(body: bytes) -> dict:
                          f"offset {e.start}); send the JSON encoded in UTF-8") from None
     try:
         obj = json.loads(text, parse_constant=_reject_constant)
-    except (json.JSONDecodeError, ValueError) as e:
+    except (json.JSONDecodeError, ValueError, RecursionError) as e:
         raise BadRequest(f"the request body is not valid JSON: {e}") from None
     if not isinstance(obj, dict):
         raise BadRequest(f"the request body must be a JSON object, not {type(obj).__name__}")
@@ -171,14 +218,34 @@ def _utf8(s: str, name: str) -> str:
     return s
 
 
-def _prompts(v, tokenizer, V: int) -> list:
-    """[(ids, text)] of the prompt field."""
+@functools.lru_cache(maxsize=None)
+def _longest_token(tokenizer) -> int:
+    """The most bytes (so characters) one token of tokenizer stands for."""
+    return max(len(b) for b in tokenizer.token_bytes)
+
+
+def _too_long(n: int, cache_len: int) -> BadRequest:
+    return BadRequest(f"the prompt has {n} tokens: a prompt and its completion must fit the "
+                      f"model's maximum sequence length (maxT = {cache_len}); shorten the "
+                      f"prompt", "prompt")
+
+
+def _prompts(v, tokenizer, V: int, cache_len: int | None = None) -> list:
+    """[(ids, text)] of the prompt field. With cache_len, a prompt that cannot fit is refused
+    before it is encoded or decoded: token ids by their count, a text by its characters (a
+    token stands for at most _longest_token of them)."""
     def ids_of(x, where):
         if isinstance(x, str):
             text = _utf8(x, where)
+            if cache_len is not None and len(text) > cache_len * _longest_token(tokenizer):
+                raise BadRequest(f"{where} has {len(text)} characters, more than the model's "
+                                 f"maximum sequence length (maxT = {cache_len} tokens) can "
+                                 f"hold; shorten the prompt", "prompt")
             return (tokenizer.encode(text) if text else [tokenizer.eot]), text
         if isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool)
                                              for t in x):
+            if cache_len is not None and len(x) > cache_len:
+                raise _too_long(len(x), cache_len)
             bad = [t for t in x if not 0 <= t < V]
             if bad:
                 raise BadRequest(f"{where} holds token id {bad[0]}: ids must be in [0, {V})",
@@ -216,7 +283,7 @@ def parse_completion(obj: dict, model: str, tokenizer, V: int, cache_len: int,
     if obj["model"] != model:
         raise BadRequest(f"the model {obj['model']!r} does not exist: this server serves "
                          f"{model!r} (GET /v1/models)", "model", 404, "model_not_found")
-    prompts = _prompts(obj.get("prompt"), tokenizer, V)
+    prompts = _prompts(obj.get("prompt"), tokenizer, V, cache_len)
     n = _int(obj, "n", 1, low=1)
     if len(prompts) * n > max_batch:
         raise BadRequest(f"{len(prompts)} prompt(s) x n {n} = {len(prompts) * n} sequences, "
@@ -224,9 +291,7 @@ def parse_completion(obj: dict, model: str, tokenizer, V: int, cache_len: int,
                          "n")
     longest = max(len(ids) for ids, _ in prompts)
     if longest >= cache_len:
-        raise BadRequest(f"the prompt has {longest} tokens: a prompt and its completion must "
-                         f"fit the model's maximum sequence length (maxT = {cache_len}); "
-                         f"shorten the prompt", "prompt")
+        raise _too_long(longest, cache_len)
     max_tokens = _int(obj, "max_tokens", min(DEFAULT_MAX_TOKENS, cache_len - longest), low=1)
     if longest + max_tokens > cache_len:
         raise BadRequest(f"the prompt ({longest} tokens) + max_tokens {max_tokens} = "
@@ -268,7 +333,7 @@ def parse_completion(obj: dict, model: str, tokenizer, V: int, cache_len: int,
                         top_k=0 if top_k == -1 else top_k, top_p=top_p,
                         stop=tuple(_utf8(s, "stop") for s in stop),
                         ignore_eos=_bool(obj, "ignore_eos"))
-    choices = [Choice(i * n + j, ids, text) for i, (ids, text) in enumerate(prompts)
+    choices = [Choice(i * n + j, ids, text, j == 0) for i, (ids, text) in enumerate(prompts)
                for j in range(n)]
     return Completion(model, choices, sampling, seed, stream, include_usage,
                       _bool(obj, "echo"))

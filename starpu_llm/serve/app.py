@@ -34,7 +34,7 @@ from .metrics import CONTENT_TYPE
 MAX_BODY = 16 << 20
 
 
-async def _body(request: HTTPRequest) -> bytes:
+async def _body(request: HTTPRequest) -> bytearray:
     """The request's body, read up to MAX_BODY bytes (api.BadRequest 413 beyond)."""
     too_large = api.BadRequest(f"the request body is larger than {MAX_BODY >> 20} MiB; a "
                                f"prompt must fit the model's context: send fewer or shorter "
@@ -42,13 +42,12 @@ async def _body(request: HTTPRequest) -> bytes:
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY:
         raise too_large
-    chunks, size = [], 0
+    body = bytearray()            # grown in place: the body is held once, not twice
     async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY:
+        if len(body) + len(chunk) > MAX_BODY:
             raise too_large
-        chunks.append(chunk)
-    return b"".join(chunks)
+        body += chunk
+    return body
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", param=None,
@@ -61,12 +60,16 @@ def create_app(engine, model: str) -> Starlette:
     engine's metrics."""
     created = int(time.time())
     config, metrics = engine.config, engine.metrics
+    most = api.max_values(engine.max_batch, engine.cache_len, config.V)
+
+    def checked(raw: bytes) -> api.Completion:
+        return api.parse_completion(api.parse_json(raw, most), model, engine.tokenizer,
+                                    config.V, engine.cache_len, engine.max_batch)
 
     async def completions(request: HTTPRequest):
         try:
-            body = api.parse_json(await _body(request))
-            c = api.parse_completion(body, model, engine.tokenizer, config.V, engine.cache_len,
-                                     engine.max_batch)
+            # parsed and tokenized in a thread: a large body never holds the event loop
+            c = await asyncio.to_thread(checked, await _body(request))
         except api.BadRequest as e:
             kind = "not_found_error" if e.status == 404 else "invalid_request_error"
             return _error(e.status, e.message, kind, e.param, e.code)
@@ -139,10 +142,10 @@ async def _whole(request: HTTPRequest, c: api.Completion, reqs, events: asyncio.
             k, ev = get.result()
             texts[k] += ev.text
             if ev.error:
-                return _error(503, ev.error, "server_error")
+                return _error(ev.status, ev.error, "server_error")
             if ev.finish:
                 finishes[k], left = ev.finish, left - 1
-                usage[0] += ev.prompt_tokens
+                usage[0] += ev.prompt_tokens if c.choices[k].first else 0
                 usage[1] += ev.completion_tokens
         return JSONResponse(c.response(texts, finishes, *usage))
     finally:
@@ -181,7 +184,7 @@ async def _stream(c: api.Completion, reqs, events: asyncio.Queue):
                 yield _sse(c.chunk(c.choices[k].index, ev.text, ev.finish))
             if ev.finish:
                 left -= 1
-                usage[0] += ev.prompt_tokens
+                usage[0] += ev.prompt_tokens if c.choices[k].first else 0
                 usage[1] += ev.completion_tokens
         if c.include_usage and not left:
             yield _sse(c.usage_chunk(*usage))

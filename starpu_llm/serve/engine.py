@@ -21,6 +21,12 @@ with a retry time; ShuttingDown while the server stops). The engine thread loops
      loop); a sequence that reaches its max tokens, a stop string or <|endoftext|> leaves
      and frees its slot.
 
+Faults stay with their request: an exception while one sequence's next token is drawn (NaN
+logits with temperature > 0 make the draw raise) ends that request with an error (HTTP 500)
+and the batch goes on; an exception anywhere else in the loop (a decode step) ends every
+request with an error (HTTP 503) and the thread: the engine is failed, and the server exits
+with a non-zero status for its supervisor to restart it (cli_serve.py).
+
 With nothing to do, the thread sleeps on a condition, StarPU paused (its idle workers would
 otherwise spin). drain() stops accepting and lets the accepted requests finish until a
 deadline, then cancels what is left; the thread then releases the model and shuts StarPU
@@ -75,6 +81,18 @@ class Event(NamedTuple):
     error: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # with error, the HTTP status: 500 a fault of this request alone, 503 of the engine
+    status: int = 503
+
+
+class _Tally:
+    """The sequences that one HTTP request submitted together: the request is counted once
+    in the metrics, when its last sequence ends, under the worst of their outcomes."""
+    ORDER = ("stop", "length", "cancelled", "error")
+
+    def __init__(self, left: int, submitted: float):
+        self.left, self.submitted = left, submitted
+        self.outcome, self.first_token = "stop", False
 
 
 class Request:
@@ -89,11 +107,14 @@ class Request:
         self.cancelled = False
         self.submitted = self.first_token = self.finished = None     # time.monotonic()
         self.tokens: list[int] = []
+        self.engine = self.tally = None         # set by Engine.submit
 
     def cancel(self):
-        """The client is gone: the engine drops the request before its next step (its slot is
-        free for the next request)."""
+        """The client is gone: a request still waiting leaves the queue at once (its room is
+        free for the next request); a running one leaves before the next step (its slot)."""
         self.cancelled = True
+        if self.engine is not None:
+            self.engine._withdraw(self)
 
 
 class Loaded(NamedTuple):
@@ -214,18 +235,21 @@ class Engine:
         now = time.monotonic()
         with self._cond:
             if self._draining or self._failed or not self._thread.is_alive():
+                if self.metrics:
+                    self.metrics.rejected()
                 raise ShuttingDown(f"the server is {self.state()}: it takes no new request")
             room = self.max_queue + self._free - len(self._queue)
             if len(requests) > room:
                 wait = self.retry_after()
                 if self.metrics:
-                    self.metrics.rejected(len(requests))
+                    self.metrics.rejected()
                 raise QueueFull(f"the server is busy: {self.max_batch - self._free} sequences "
                                 f"running and {len(self._queue)} waiting (at most "
                                 f"{self.max_batch} + {self.max_queue}); retry in {wait} s",
                                 wait)
+            tally = _Tally(len(requests), now)
             for r in requests:
-                r.submitted = now
+                r.submitted, r.engine, r.tally = now, self, tally
                 self._queue.append(r)
             self._cond.notify()
         if self.metrics:
@@ -306,7 +330,8 @@ class Engine:
             if self._running:
                 self._step()
 
-    def _end(self, seq: _Sequence, finish: str | None = None, error: str | None = None):
+    def _end(self, seq: _Sequence, finish: str | None = None, error: str | None = None,
+             status: int = 503):
         """seq leaves: its slot is freed, its request hears the end."""
         req = seq.req
         req.finished = time.monotonic()
@@ -314,9 +339,8 @@ class Engine:
         with self._cond:
             self._free += 1
         self._request_s += 0.2 * (req.finished - req.submitted - self._request_s)
-        self._emit(req, Event("", finish, error, len(req.prompt), len(req.tokens)))
-        if self.metrics:
-            self.metrics.finished(finish or "error", req.finished - req.submitted)
+        self._emit(req, Event("", finish, error, len(req.prompt), len(req.tokens), status))
+        self._count(req, finish or "error")
 
     def _end_all(self, error: str):
         for seq in list(self._running.values()):
@@ -325,8 +349,29 @@ class Engine:
             queued, self._queue = list(self._queue), collections.deque()
         for req in queued:
             self._emit(req, Event("", None, error, len(req.prompt), 0))
-            if self.metrics:
-                self.metrics.finished("error", time.monotonic() - req.submitted)
+            self._count(req, "error")
+
+    def _withdraw(self, req: Request):
+        """A cancelled request still in the queue leaves it now (any thread)."""
+        with self._cond:
+            try:
+                self._queue.remove(req)
+            except ValueError:
+                return            # running (it leaves before the next step) or ended
+        self._emit(req, Event("", "cancelled", None, len(req.prompt), 0))
+        self._count(req, "cancelled")
+        if self.metrics:
+            self.metrics.queue_length(self.waiting())
+
+    def _count(self, req: Request, outcome: str):
+        """req has ended: its HTTP request is counted once its last sequence has."""
+        t = req.tally
+        with self._cond:
+            t.left -= 1
+            t.outcome = max(t.outcome, outcome, key=_Tally.ORDER.index)
+            done = t.left == 0
+        if done and self.metrics:
+            self.metrics.finished(t.outcome, time.monotonic() - t.submitted)
 
     def _emit(self, req: Request, event: Event):
         try:
@@ -346,9 +391,12 @@ class Engine:
                 if not self._queue:
                     break
                 req = self._queue.popleft()
-                if req.cancelled:
-                    continue
-                self._free -= 1
+                if not req.cancelled:
+                    self._free -= 1
+            if req.cancelled:          # cancelled as it left the queue: it ends here
+                self._emit(req, Event("", "cancelled", None, len(req.prompt), 0))
+                self._count(req, "cancelled")
+                continue
             # the slot of the least busy group (groups run side by side)
             load = collections.Counter(groups(s) for s in self._running)
             slot = min(free, key=lambda s: (load[groups(s)], s))
@@ -382,7 +430,13 @@ class Engine:
             seq.pending = seq.pending[len(f.tokens):]
             if f.logits:
                 new_tokens += 1
-                self._next_token(seq, next(rows), now)
+                row = next(rows)
+                try:
+                    self._next_token(seq, row, now)
+                except Exception as e:      # noqa: BLE001 (this request's fault: it alone ends)
+                    if self._running.get(f.slot) is seq:
+                        self._end(seq, error=f"drawing this request's next token failed: "
+                                             f"{type(e).__name__}: {e}", status=500)
         if self.metrics:
             self.metrics.step(len(feeds), sum(len(f.tokens) for f in feeds), new_tokens,
                               now - t0)
@@ -393,7 +447,8 @@ class Engine:
         req.tokens.append(token)
         if req.first_token is None:
             req.first_token = now
-            if self.metrics:
+            if self.metrics and not req.tally.first_token:     # its HTTP request's first
+                req.tally.first_token = True
                 self.metrics.first_token(now - req.submitted)
         if token == self.eot and not sp.ignore_eos:
             text, _ = seq.text.add(None, final=True)

@@ -9,8 +9,10 @@
   starpu_llm_tokens_per_second             tokens generated per second over the last 10 s
   starpu_llm_time_to_first_token_seconds   histogram: from a request's arrival to its first token
   starpu_llm_request_seconds               histogram: from a request's arrival to its end
-  starpu_llm_requests_total{outcome}       requests ended: stop, length, cancelled, error,
-                                           rejected (queue full: HTTP 503)
+  starpu_llm_requests_total{outcome}       HTTP requests to POST /v1/..., each counted once
+      when it ends: stop, length (its choices' finish reasons: length if any), cancelled (the
+      client left), error (HTTP 500/503 after it was accepted), rejected (HTTP 503 at once:
+      queue full or stopping), invalid (HTTP 4xx: refused by the checks)
 """
 from __future__ import annotations
 
@@ -67,8 +69,10 @@ class Metrics:
         self._step_rows.observe(rows)
         self._step_s.observe(seconds)
         self._tokens.inc(new_tokens)
+        now = time.monotonic()
         with self._lock:
-            self._recent.append((time.monotonic(), new_tokens))
+            self._recent.append((now, new_tokens))
+            self._forget(now)
 
     def idle(self):
         """Nothing running, nothing waiting."""
@@ -78,9 +82,14 @@ class Metrics:
     def tokens_per_second(self) -> float:
         now = time.monotonic()
         with self._lock:
-            while self._recent and self._recent[0][0] < now - WINDOW_S:
-                self._recent.popleft()
+            self._forget(now)
             return sum(n for _, n in self._recent) / WINDOW_S
+
+    def _forget(self, now: float):
+        """The steps older than the window leave (under _lock): the memory stays that of one
+        window, whether /metrics is scraped or not."""
+        while self._recent and self._recent[0][0] < now - WINDOW_S:
+            self._recent.popleft()
 
     def first_token(self, seconds: float):
         self._ttft.observe(seconds)
@@ -91,6 +100,11 @@ class Metrics:
 
     def rejected(self, n: int = 1):
         self._requests.labels("rejected").inc(n)
+
+    def outcome(self, name: str):
+        """A request that ended before the engine had it (serve/middleware.py): "invalid"
+        (HTTP 4xx) or "cancelled" (the client left mid-body)."""
+        self._requests.labels(name).inc()
 
     def exposition(self) -> bytes:
         """The text format Prometheus scrapes."""
