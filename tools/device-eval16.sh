@@ -111,9 +111,10 @@ prepare() {
     rm -rf "$b" "$CARRIED_PREFIX"
   fi
 
-  echo "== Debian's OpenMP OpenBLAS and libgfortran5 -> $E/deb"
+  echo "== Debian's OpenMP OpenBLAS (library and cblas.h) and libgfortran5 -> $E/deb"
   rm -f "$E"/deb/*.deb
-  (cd "$E/deb" && apt-get download libopenblas0-openmp libgfortran5 >/dev/null)
+  (cd "$E/deb" && apt-get download libopenblas0-openmp libopenblas-openmp-dev libgfortran5 \
+     >/dev/null)
 
   echo "== llm.c $LLMC_COMMIT (train_gpt2.c, llmc/*.h, LICENSE) -> $E/llmc"
   local g=(git --git-dir="$llmc_repo")
@@ -147,12 +148,15 @@ prepare() {
 
 # ------------------------------------------------------------------------------ --device
 START=$(date +%s)
+W=${EVAL_WORK:-/tmp/eval16}
 log() { echo "$(date +%T) [$(( $(date +%s) - START )) s] $*" | tee -a "$W/log.txt"; }
+# 00-status.txt: the first file back (alphabetical) says what failed and why, and the machine
+status() { echo "$*" >>"$W/00-status.txt"; log "$*"; cp -f "$W/00-status.txt" "$OUT/" 2>/dev/null; }
 
 # the files that come back ($OUT: at most 8); run every 10 s and at the end
 sync_out() {
-  for f in fig/runs.csv fig/predictions.csv fig/autotune_rank.csv fig/points.json \
-           calibration.toml env.txt log.txt; do
+  for f in 00-status.txt fig/runs.csv fig/predictions.csv fig/autotune_rank.csv fig/points.json \
+           calibration.toml log.txt; do
     [ -f "$W/$f" ] && cp -f "$W/$f" "$OUT/$(basename "$f")"
   done
   return 0
@@ -164,30 +168,83 @@ pack() {
   sync_out
   tar -czf "$OUT/eval16.tar.gz" -C "$W" --exclude=build --exclude=site --exclude='starpu-1.4.12' \
     --exclude=starpu --exclude='llmc/*.bin' --exclude=cache --exclude=ob --exclude=gf \
-    --exclude='llmc/train_gpt2' . 2>/dev/null
+    --exclude='llmc/train_gpt2' --exclude=previous . 2>/dev/null
   ls -la "$OUT" | tee -a "$W/log.txt"
+}
+
+# the settings of the plan, the same for the device run and --dry-run (figures.py's options)
+plan_args() {
+  echo --model "${EVAL_MODEL:-d12}" --only "${EVAL_ONLY:-fig3,fig2b,fig2a,fig2-llmc,fig4}" \
+    --order priority --cores "${EVAL_CORE_COUNTS:-1,2,4,8,16}" \
+    --weak-per-core "${EVAL_WEAK:-1}" --strong-batch "${EVAL_STRONG:-16}" \
+    --fig3-batches "${EVAL_FIG3:-16,160,96,64,32}" --fig3-kcore team \
+    --llmc-batches "${EVAL_LLMC_BATCHES:-32,64}" --ranks "${EVAL_RANKS:-1,2,4}" \
+    --mpi-split --mpi-reserve "${EVAL_RESERVE:-1}" --mpi-batch-per-rank "${EVAL_MPI_BATCH:-8}" \
+    --warmup "${EVAL_WARMUP:-2}" --min-steps "${EVAL_MIN_STEPS:-3}" \
+    --steps "${EVAL_MAX_STEPS:-10}" --point-seconds "${EVAL_POINT_SECONDS:-3}" \
+    --margin "${EVAL_MARGIN:-30}" --calibration-runs "$(cal_parts):1,6" --repeat 1
+}
+# the calibration's traced runs, held out by configuration: these partitions at 1 and 6
+# sequences per worker (calibrate --quick's); every other point is a prediction
+cal_parts() { echo "${EVAL_CAL_PARTITIONS:-1x16,4x4,16x1}"; }
+
+# the deadline: EVAL_DEADLINE_AT (epoch seconds, e.g. what is left after the GPU run), else
+# the start + EVAL_SECONDS
+deadline_at() { echo "${EVAL_DEADLINE_AT:-$((START + ${EVAL_SECONDS:-530}))}"; }
+
+dry_run() {
+  # the plan on the 16-core node, here: predicted from the bundled reference calibration and
+  # experiments/machines/device-node-16.toml (assumed rates), its cut at the deadline shown
+  local py=${PYTHON:-$REPO/.venv/bin/python}
+  local deadline; deadline=$(deadline_at)
+  mkdir -p /tmp/eval16-dry
+  cd "$REPO/experiments" && $py figures.py --dry-run --node-cores "${EVAL_NODE_CORES:-16}" \
+    --machine "$REPO/experiments/machines/device-node-16.toml" \
+    --calibration "$REPO/starpu_llm/perf/reference-calibration.toml" $(plan_args) \
+    --series tensor,data,llmc --deadline-at "$deadline" --allow-dirty --no-plots \
+    --no-sgemm-peak --out /tmp/eval16-dry $(for f in ${EVAL_RESUME:-}; do echo --resume "$f"; done)
+}
+
+device_kind() {
+  # the H100 and H200 machines' CPUs report the same name: the kind from the GPU's
+  local gpu; gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1)
+  case "$gpu" in
+    *H200*) echo nvidia-h200 ;; *H100*) echo nvidia-h100 ;;
+    "") echo no-gpu ;; *) echo "gpu-$(echo "$gpu" | tr -cs 'A-Za-z0-9' - | tr A-Z a-z)" ;;
+  esac
 }
 
 device() {
   [ -n "${OUT:-}" ] || die "--device writes into \$OUT (the device tool sets it)"
   [ -f "$E/commit.txt" ] || die "no $E: run tools/device-eval16.sh --prepare here first"
-  W=${EVAL_WORK:-/tmp/eval16}
-  rm -rf "$W"; mkdir -p "$W" "$OUT"
+  # an earlier call on this warm machine: its build is reused, its runs resumed from
+  mkdir -p "$W" "$OUT"
+  if [ -f "$W/fig/runs.csv" ]; then
+    mkdir -p "$W/previous" && cp "$W/fig/runs.csv" "$W/previous/runs-$(date +%s).csv"
+  fi
+  rm -rf "$W/fig" "$W/log.txt" "$W/00-status.txt" "$W/calibration.toml"
   PY=${PYTHON:-python3}
-  local budget=${EVAL_SECONDS:-530}
-  local deadline=$((START + budget))
+  local deadline; deadline=$(deadline_at)
   local model=${EVAL_MODEL:-d12}
   trap pack EXIT
   (while sleep 10; do sync_out; done) & SYNC_PID=$!
   export STARPU_LLM_COMMIT; STARPU_LLM_COMMIT=$(cat "$E/commit.txt")
-  log "eval16 on $(hostname): $(nproc) cores; commit $STARPU_LLM_COMMIT; measurements stop" \
-      "starting $budget s after the start; python $($PY --version 2>&1)"
+  export SL_DEVICE_KIND; SL_DEVICE_KIND=$(device_kind)
+  local cpu; cpu=$(lscpu | sed -n 's/^Model name: *//p' | head -n1)
+  status "eval16 on $(hostname): $cpu, $(nproc) CPUs, device machine $SL_DEVICE_KIND;" \
+         "commit $STARPU_LLM_COMMIT; deadline $(date -d "@$deadline" +%T)" \
+         "($(( deadline - START )) s from the start); $($PY --version 2>&1)"
 
-  # ---- 1. StarPU, OpenBLAS, llm.c (side by side)
+  # ---- 1. StarPU (the GPU run's if this machine has it, else the carried one, else built),
+  # OpenBLAS's OpenMP build (runtime and headers, unpacked), llm.c
+  local gpu_starpu=${SL_DEVICE_WORK:-/tmp/sl-gpu}/starpu       # tools/device-gpu.sh's prefix
   local prefix=${EVAL_STARPU_PREFIX:-$W/starpu} build_starpu=1
-  [ -n "${EVAL_STARPU_PREFIX:-}" ] && build_starpu=0
-  if [ $build_starpu = 1 ] && [ -f "$E/starpu-1.4.12-prefix.tar.gz" ]; then
-    # the build --prepare made, where every library it needs is here (else: built here)
+  if [ -n "${EVAL_STARPU_PREFIX:-}" ]; then build_starpu=0
+  elif [ -f "$gpu_starpu/lib/pkgconfig/starpumpi-1.4.pc" ]; then
+    prefix=$gpu_starpu build_starpu=0
+    log "StarPU: the GPU run's build in $gpu_starpu (MPI, parallel workers; its CUDA workers unused)"
+  elif [ -f "$W/starpu/lib/pkgconfig/starpumpi-1.4.pc" ]; then build_starpu=0
+  elif [ -f "$E/starpu-1.4.12-prefix.tar.gz" ]; then
     rm -rf "$CARRIED_PREFIX" && tar -xzf "$E/starpu-1.4.12-prefix.tar.gz" -C "$(dirname "$CARRIED_PREFIX")"
     if ldd "$CARRIED_PREFIX"/lib/libstarpu*.so | grep -q "not found"; then
       log "the carried StarPU misses libraries here: $(ldd "$CARRIED_PREFIX"/lib/libstarpu*.so |
@@ -198,50 +255,58 @@ device() {
   fi
   if [ $build_starpu = 1 ]; then
     (
-      tar -xzf "$E/starpu-1.4.12-autogen.tar.gz" -C "$W" && mkdir -p "$W/starpu-1.4.12/build" &&
-      cd "$W/starpu-1.4.12/build" &&
+      rm -rf "$W/starpu-1.4.12" && tar -xzf "$E/starpu-1.4.12-autogen.tar.gz" -C "$W" &&
+      mkdir -p "$W/starpu-1.4.12/build" && cd "$W/starpu-1.4.12/build" &&
       ../configure --prefix="$prefix" "${STARPU_OPTIONS[@]}" >"$W/starpu-configure.log" 2>&1 &&
       make -j"$(nproc)" >"$W/starpu-make.log" 2>&1 && make install >>"$W/starpu-make.log" 2>&1
     ) & local starpu_pid=$!
   fi
-  mkdir -p "$W/ob"
-  dpkg -x "$E"/deb/libopenblas0-openmp_*.deb "$W/ob" || log "FAILED: unpacking OpenBLAS"
-  OB=$W/ob/usr/lib/x86_64-linux-gnu/openblas-openmp
-  if ldd "$OB/libopenblas.so.0" | grep -q "not found"; then
+  rm -rf "$W/ob" && mkdir -p "$W/ob"
+  for deb in "$E"/deb/libopenblas0-openmp_*.deb "$E"/deb/libopenblas-openmp-dev_*.deb; do
+    dpkg -x "$deb" "$W/ob" || status "FAILED: unpacking $(basename "$deb")"
+  done
+  local ob=$W/ob/usr/lib/x86_64-linux-gnu/openblas-openmp
+  local ob_inc=$W/ob/usr/include/x86_64-linux-gnu/openblas-openmp
+  if ldd "$ob/libopenblas.so.0" | grep -q "not found"; then
     mkdir -p "$W/gf" && dpkg -x "$E"/deb/libgfortran5_*.deb "$W/gf"
-    OB=$OB:$W/gf/usr/lib/x86_64-linux-gnu
+    export LD_LIBRARY_PATH=$W/gf/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
     log "libgfortran5 missing here: Debian's is used"
   fi
-  export LD_LIBRARY_PATH=$OB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   mkdir -p "$W/cache" && cp "$E"/cache/* "$W/cache/"
   export STARPU_LLM_CACHE=$W/cache
   (
     PYTHONPATH=$REPO $PY "$REPO/experiments/llmc.py" build "$E/llmc" "$W/llmc" \
-      --openblas "${OB%%:*}" && PYTHONPATH=$REPO $PY "$REPO/experiments/llmc.py" checkpoint \
+      --openblas "$ob" && PYTHONPATH=$REPO $PY "$REPO/experiments/llmc.py" checkpoint \
       "$W/llmc" --model "$model"
   ) >"$W/llmc-build.log" 2>&1 & local llmc_pid=$!
   if [ $build_starpu = 1 ]; then
-    wait "$starpu_pid" || { log "FAILED: StarPU's build (starpu-*.log)"; tail -n 20 \
-      "$W/starpu-configure.log" "$W/starpu-make.log" >>"$W/log.txt"; exit 1; }
+    wait "$starpu_pid" || { status "FAILED: StarPU's build (starpu-*.log): nothing measured";
+      tail -n 20 "$W/starpu-configure.log" "$W/starpu-make.log" >>"$W/00-status.txt"; exit 1; }
   fi
-  log "StarPU $(sed -n 's/^Version: *//p' "$prefix"/lib/pkgconfig/starpu-1.4.pc) in $prefix"
+  local starpu_version; starpu_version=$(sed -n 's/^Version: *//p' "$prefix"/lib/pkgconfig/starpu-1.4.pc)
+  log "StarPU $starpu_version in $prefix"
   local llmc_ok=1
-  wait "$llmc_pid" || { llmc_ok=0; log "FAILED: llm.c's build (llmc-build.log): no llmc series";
-                        tail -n 5 "$W/llmc-build.log" >>"$W/log.txt"; }
+  wait "$llmc_pid" || { llmc_ok=0; status "FAILED: llm.c's build (llmc-build.log): no llmc series";
+                        tail -n 5 "$W/llmc-build.log" >>"$W/00-status.txt"; }
 
-  # ---- 2. starpu-llm with the carried wheels
+  # ---- 2. starpu-llm with the carried wheels, linked to that OpenBLAS (rpath, no fallback)
   if [ -z "${EVAL_NO_WHEELS:-}" ]; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --target "$W/site" "$E"/whl/*.whl \
-      >"$W/pip.log" 2>&1 || { log "FAILED: the wheels (pip.log)"; exit 1; }
+    local whl=$E/whl; [ -d "$whl" ] || whl=$REPO/.device/wheels       # the GPU run's
+    $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$W/site" \
+      "$whl"/*.whl >"$W/pip.log" 2>&1 || { status "FAILED: the wheels (pip.log)"; exit 1; }
   fi
   export PYTHONPATH=$W/site
   PKG_CONFIG_PATH=$prefix/lib/pkgconfig $PY -m pip install -q --no-index --no-deps \
-    --no-build-isolation --no-compile --target "$W/site" -Cbuild-dir="$W/build" "$REPO" \
-    >>"$W/pip.log" 2>&1 || { log "FAILED: building starpu-llm (pip.log)"; tail -n 30 \
-    "$W/pip.log" >>"$W/log.txt"; exit 1; }
+    --no-build-isolation --no-compile --upgrade --target "$W/site" -Cbuild-dir="$W/build" \
+    -Csetup-args=-Dcuda=disabled -Csetup-args=-Dopenblas_dir="$ob" \
+    -Csetup-args=-Dopenblas_include="$ob_inc" -Csetup-args=-Dopenblas_required=true "$REPO" \
+    >>"$W/pip.log" 2>&1 || { status "FAILED: building starpu-llm (pip.log): nothing measured";
+    tail -n 30 "$W/pip.log" >>"$W/00-status.txt"; exit 1; }
   cd "$W"     # not the checkout: its starpu_llm/ has no compiled part
   {
-    echo "host $(hostname); $(nproc) cores; $(uname -r)"; lscpu; free -g
+    echo "host $(hostname); $(nproc) cores; $(uname -r); device machine $SL_DEVICE_KIND"
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
+    lscpu; free -g
     $PY - <<'PY'
 from starpu_llm._clib import ffi, lib
 from starpu_llm.runtime.starpu import max_starpu_cpus
@@ -254,17 +319,33 @@ PY
     ldd "$W"/site/starpu_llm/_clib*.so
     ldd "$W/llmc/train_gpt2" 2>/dev/null
   } >"$W/env.txt" 2>&1
-  log "$(grep -E '^(starpu|blas) ' "$W/env.txt" | tr '\n' ';')"
-  grep -q "^blas openblas-openmp" "$W/env.txt" ||
-    log "WARNING: the BLAS is not OpenBLAS's OpenMP build: k-core tasks will not get their cores"
-  local only=${EVAL_ONLY:-fig3,fig4,fig2a,fig2b}
+  local blas; blas=$(sed -n 's/^blas //p' "$W/env.txt")
+  status "machine: $cpu; $(nproc) CPUs; device machine $SL_DEVICE_KIND; StarPU $starpu_version" \
+         "($prefix); BLAS $blas"
+  # ---- the BLAS checked: linked from $ob, the OpenMP build, and a k-core task's GEMM on k cores
+  local kcore_ok=1 why=""
+  if ! grep -q "libopenblas.so.0 => $ob/" "$W/env.txt"; then
+    kcore_ok=0 why="starpu-llm's libopenblas is not $ob's (env.txt's ldd)"
+  elif [ "${blas#openblas-openmp}" = "$blas" ]; then
+    kcore_ok=0 why="the BLAS is $blas, not OpenBLAS's OpenMP build"
+  elif ! timeout "${EVAL_PREFLIGHT_SECONDS:-90}" $PY "$REPO/experiments/blas_preflight.py" \
+         --partitions "${EVAL_PREFLIGHT:-4x4,1x16}" --model "$model" --json "$W/preflight.json" \
+         >"$W/preflight.log" 2>&1; then
+    kcore_ok=0 why="the preflight: $(tail -n 3 "$W/preflight.log" | tr '\n' ' ')"
+  fi
+  if [ $kcore_ok = 1 ]; then
+    status "BLAS preflight ok: $(grep -v '^blas preflight: ok' "$W/preflight.log" | tr '\n' ' ')"
+  else
+    status "BLAS CHECK FAILED: $why -- the k > 1 points are not run"
+  fi
+  local only=${EVAL_ONLY:-fig3,fig2b,fig2a,fig2-llmc,fig4}
   if timeout 120 env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun \
        --oversubscribe --bind-to none -np 2 $PY -m starpu_llm train --model tiny --batch 4 \
        --seq-len 16 --steps 1 >"$W/mpi-smoke.log" 2>&1; then
     log "mpirun smoke run: ok"
   else
-    log "FAILED: the mpirun smoke run (mpi-smoke.log): no Figure 4"
-    tail -n 5 "$W/mpi-smoke.log" >>"$W/log.txt"
+    status "FAILED: the mpirun smoke run (mpi-smoke.log): no Figure 4"
+    tail -n 5 "$W/mpi-smoke.log" >>"$W/00-status.txt"
     only=$(echo "$only" | tr ',' '\n' | grep -v fig4 | paste -sd,)
   fi
 
@@ -275,36 +356,43 @@ PY
     log "$(nproc) CPUs here: calibration and runs on CPUs 0-$((cores - 1))"
   fi
 
-  # ---- 3. the calibration
-  local cal=() steps=${EVAL_MAX_STEPS:-10}
-  if timeout "${EVAL_CAL_SECONDS:-200}" "${pin[@]}" $PY -m starpu_llm calibrate --quick --model "$model" \
-       --out "$W/calibration.toml" >"$W/calibrate.log" 2>&1; then
-    cal=(--calibration "$W/calibration.toml" --point-seconds "${EVAL_POINT_SECONDS:-2}")
-    log "calibrated: $(tail -n 2 "$W/calibrate.log" | head -n 1)"
+  # ---- 3. the calibration, held out by configuration: CAL_PARTS only, no MPI link fit
+  local cal=()
+  local parts_py; parts_py=$(cal_parts | sed 's/\([0-9]*\)x\([0-9]*\)/(\1, \2)/g')
+  if timeout "${EVAL_CAL_SECONDS:-150}" "${pin[@]}" $PY -c "
+from starpu_llm.perf.calibrate import calibrate
+calibrate('$W/calibration.toml', steps=1, model='$model', quick=True, only=[$parts_py],
+          link_run=False)" >"$W/calibrate.log" 2>&1; then
+    cal=(--calibration "$W/calibration.toml")
+    status "calibrated on $(cal_parts) at 1 and 6 sequences per worker: $(tail -n 2 \
+            "$W/calibrate.log" | head -n 1)"
   else
-    log "FAILED: the calibration (calibrate.log): no predictions, 2 timed steps a point"
-    steps=2
-    tail -n 5 "$W/calibrate.log" >>"$W/log.txt"
+    status "FAILED: the calibration (calibrate.log): no predictions; each point" \
+           "${EVAL_MIN_STEPS:-3} timed steps"
+    tail -n 5 "$W/calibrate.log" >>"$W/00-status.txt"
   fi
 
-  # ---- 4. predict every point, then measure
-  local series=tensor,data
+  # ---- 4. predict every point, cut the plan to the deadline, measure by priority
+  local series=tensor,data extra=()
   [ $llmc_ok = 1 ] && series=$series,llmc
+  [ $llmc_ok = 1 ] || only=$(echo "$only" | tr ',' '\n' | grep -v fig2-llmc | paste -sd,)
+  [ $kcore_ok = 1 ] || extra+=(--one-core-only "BLAS check failed: $why")
+  for f in "$W"/previous/runs-*.csv ${EVAL_RESUME:-}; do
+    [ -f "$f" ] && extra+=(--resume "$f")
+  done
   log "figures.py: $only; $(( deadline - $(date +%s) )) s left for them"
-  PYTHONUNBUFFERED=1 "${pin[@]}" $PY "$REPO/experiments/figures.py" --model "$model" --only "$only" \
-    --cores "${EVAL_CORE_COUNTS:-1,2,4,8,16}" --weak-per-core "${EVAL_WEAK:-1}" \
-    --strong-batch "${EVAL_STRONG:-16}" --fig3-batches "${EVAL_FIG3:-16,32,64,96}" \
-    --fig3-kcore team --series "$series" --llmc "$W/llmc" --ranks "${EVAL_RANKS:-1,2,4}" \
-    --mpi-split --mpi-reserve "${EVAL_RESERVE:-1}" --mpi-batch-per-rank "${EVAL_MPI_BATCH:-8}" \
-    "${cal[@]}" --steps "$steps" --order cheap --deadline-at "$deadline" \
-    --repeat 1 --no-plots --no-sgemm-peak --allow-dirty --out "$W/fig" 2>&1 |
-    tee -a "$W/log.txt" | grep -E "NOT RUN|FAILED|predicted|sized|done in|--no-plots"
+  # shellcheck disable=SC2046
+  PYTHONUNBUFFERED=1 "${pin[@]}" $PY "$REPO/experiments/figures.py" $(plan_args) --only "$only" \
+    --series "$series" --llmc "$W/llmc" "${cal[@]}" "${extra[@]}" --deadline-at "$deadline" \
+    --no-plots --no-sgemm-peak --allow-dirty --out "$W/fig" 2>&1 |
+    tee -a "$W/log.txt" | grep -E "NOT RUN|NOT IN|FAILED|predicted|sized|done in|plan ends|--resume"
   log "done"
 }
 
 case "${1:-}" in
   --prepare) prepare ;;
   --device) device ;;
+  --dry-run) dry_run ;;
   --small)
     [ "${2:-}" = "--python" ] && [ -n "${3:-}" ] || die "--small --python PY312"
     export PYTHON=$3
@@ -313,8 +401,11 @@ case "${1:-}" in
     export EVAL_RANKS=${EVAL_RANKS:-1,2} EVAL_RESERVE=${EVAL_RESERVE:-0}
     export EVAL_MPI_BATCH=${EVAL_MPI_BATCH:-2} EVAL_POINT_SECONDS=${EVAL_POINT_SECONDS:-1}
     export EVAL_MAX_STEPS=${EVAL_MAX_STEPS:-3} EVAL_SECONDS=${EVAL_SECONDS:-900}
+    export EVAL_LLMC_BATCHES=${EVAL_LLMC_BATCHES:-4} EVAL_CAL_PARTITIONS=${EVAL_CAL_PARTITIONS:-1x2}
+    export EVAL_PREFLIGHT=${EVAL_PREFLIGHT:-1x2}
     export EVAL_NODE_CORES=${EVAL_NODE_CORES:-$(nproc)}
     export EVAL_WORK=${EVAL_WORK:-/tmp/eval16-small} OUT=${OUT:-/tmp/eval16-small-out}
+    W=$EVAL_WORK
     device ;;
-  *) sed -n '2,12p' "$0"; exit 2 ;;
+  *) sed -n '2,16p' "$0"; exit 2 ;;
 esac
