@@ -416,15 +416,14 @@ def choose_fig3_batches(points, budget_s, margin_s=30.0) -> tuple[list, list]:
 def cut_to_budget(points, budget_s, margin_s=30.0) -> tuple[list, list]:
     """(kept, dropped): the points in priority order, each distinct configuration counted
     once, kept while their estimated seconds (estimate_s; a point without one counts 0) end
-    margin_s before budget_s; from the first that does not, it and every point after it are
-    dropped (a lower priority never displaces a higher one). Each kept point gets ends_s, its
-    predicted end from the start."""
+    margin_s before budget_s; a point that would end later is dropped and the next ones are
+    still tried (a shorter one of lower priority uses the time left; none displaces one of
+    higher priority, which was kept before it). Each kept point gets ends_s, its predicted end
+    from the start."""
     kept, dropped, seen, t = [], [], {}, 0.0
     for p in points:
         key = config_key(p["spec"])
-        if dropped:
-            dropped.append(p)
-        elif key in seen:
+        if key in seen:
             kept.append(dict(p, ends_s=seen[key]))
         elif t + p.get("estimate_s", 0.0) <= budget_s - margin_s:
             t += p.get("estimate_s", 0.0)
@@ -575,7 +574,7 @@ class RunCache:
         return row
 
 
-def print_plan(points, dropped, deadline, margin, log) -> None:
+def print_plan(points, dropped, deadline, margin, log, now) -> None:
     """The plan as it will run: each point's predicted seconds and end; what does not fit,
     lowest priority first; where it ends against the deadline."""
     for p in points:
@@ -586,9 +585,9 @@ def print_plan(points, dropped, deadline, margin, log) -> None:
             f"{describe_point(p):<36} {p['spec']['steps']} steps, {est}{ends}{tag}")
     total = max((p.get("ends_s", 0.0) for p in points), default=0.0)
     if deadline is not None:
-        left = deadline - time.time()
-        log(f"  the plan ends ~{total:.0f} s from now, {left - total:.0f} s before the deadline "
-            f"(margin {margin:.0f} s)")
+        left = deadline - now
+        log(f"  the plan: ~{total:.0f} s of runs, ending {left - total:.0f} s before the "
+            f"deadline (margin {margin:.0f} s)")
     for p in reversed(dropped):
         log(f"  NOT IN THE PLAN ({p.get('why') or 'deadline'}): {p['figure']} {p['series']} {p['x']} "
             f"{describe_point(p)}" + (f", ~{p['estimate_s']:.0f} s" if "estimate_s" in p
@@ -941,7 +940,8 @@ def main(argv=None):
     node.add_argument("--order", choices=["plan", "cheap", "priority"], default="plan",
                       help="cheap: the runs by estimated time, shortest first; priority: by "
                       "--only's order, the first figure first, and with --deadline a plan cut "
-                      "to it before any run, lowest priority dropped first (default plan)")
+                      "to it before any run: a point that does not fit is dropped, the later "
+                      "ones still tried (default plan)")
     node.add_argument("--margin", type=float, default=30.0, metavar="SECONDS",
                       help="--order priority: the plan ends this long before the deadline "
                       "(default 30)")
@@ -1052,14 +1052,16 @@ def main(argv=None):
                 p["why"] = f"not run: {args.one_core_only}"
         dropped = [p for p in points if "why" in p]
         points = [p for p in points if "why" not in p]
+    # a dry run plans for another machine: this one's prediction time is not the node's
+    now = t0 if args.dry_run else time.time()
     if args.order == "priority" and deadline is not None:
-        points, unchosen = choose_fig3_batches(points, deadline - time.time(), args.margin)
-        points, cut = cut_to_budget(points, deadline - time.time(), args.margin)
+        points, unchosen = choose_fig3_batches(points, deadline - now, args.margin)
+        points, cut = cut_to_budget(points, deadline - now, args.margin)
         dropped += cut + unchosen
     with open(os.path.join(args.out, "points.json"), "w") as f:
         json.dump(dict(settings=S, points=points, dropped=dropped), f, indent=1, default=str)
     if args.order == "priority" or args.dry_run:
-        print_plan(points, dropped, deadline, args.margin, log)
+        print_plan(points, dropped, deadline, args.margin, log, now)
     if args.dry_run:
         return 0
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The paper's evaluation on a borrowed 16-core node (issue 34): one script, one call of the
+# The paper's evaluation on a borrowed 16-core node (issues 34, 42): one script, one call of the
 # device tool. docs/figures.md, "Figures on a node lent for minutes", gives the exact call.
 #
 #   tools/device-eval16.sh --prepare   # here (network, git): fill .device-eval/ (ignored) with
@@ -26,28 +26,48 @@
 #   commit.txt  the commit of this tree (the node's copy has no .git)
 #
 # --device (and --small) stages, with their expected time on the 16-core node:
-#   1. StarPU 1.4.12 CPU + MPI + parallel workers, --enable-maxcpus=64: the carried build
-#      unpacked (~1 s; built there, ~40 s, if it cannot run), beside it OpenBLAS unpacked,
-#      llm.c patched and built against it, llm.c's checkpoint and data (~10 s)
-#   2. starpu-llm built with the carried wheels into a --target folder (~15 s); checks: the
-#      StarPU version, the BLAS (must be OpenBLAS's OpenMP build), a 2-rank mpirun smoke run
-#   3. starpu-llm calibrate --quick (~75 s)
-#   4. experiments/figures.py: every point of Figures 2a, 2b, 3 and 4 predicted (~15 s), then
-#      measured, shortest first, each point's timed steps sized to ~EVAL_POINT_SECONDS of
-#      predicted time, no run started that would end after the deadline (the script's start
-#      + EVAL_SECONDS)
-#   5. $OUT: runs.csv, predictions.csv, autotune_rank.csv, points.json, calibration.toml,
-#      env.txt, log.txt and eval16.tar.gz (all of the work folder's results and build logs);
-#      the CSVs and the log are copied there every 10 s too, so a killed run still brings back
-#      what it measured. experiments/eval16_report.py turns them into the committed results.
+#   1. StarPU 1.4.12 CPU + MPI + parallel workers, --enable-maxcpus=64: tools/device-gpu.sh's
+#      build when the GPU run of the same device session left it (${SL_DEVICE_WORK:-/tmp/sl-gpu}/
+#      starpu; its CUDA workers stay off), else the carried build unpacked (~1 s), else built
+#      (~40 s); beside it OpenBLAS's OpenMP build unpacked (library and cblas.h), llm.c patched
+#      and built against it, llm.c's checkpoint and data (~10 s)
+#   2. starpu-llm built with the carried wheels into a --target folder (~15 s; a second call on
+#      the same warm machine reuses its build folder), linked to that OpenBLAS by meson
+#      (-Dopenblas_dir, -Dopenblas_include, -Dopenblas_required: no silent fallback); checks:
+#      ldd shows that libopenblas, blas_name says openmp, and experiments/blas_preflight.py
+#      (~20 s) times a k-core task's GEMM on 4x4 and 1x16 against one core's; if any check
+#      fails, the k > 1 points are not run and 00-status.txt says why. A 2-rank mpirun smoke run
+#   3. the calibration held out by configuration (~60 s): calibrate --quick's traced runs on
+#      EVAL_CAL_PARTITIONS only (1x16,4x4,16x1 at 1 and 6 sequences per worker), no mpirun
+#      link fit (the link stays the ping-pong's: no Figure 4 point is fitted)
+#   4. experiments/figures.py: every point predicted (~15 s; those equal to a calibration run
+#      marked in-sample), the plan by priority (Figure 3 at its first batch and the largest of
+#      the others that fits, Figure 2b, 2a, llm.c at EVAL_LLMC_BATCHES on 16 threads, Figure 4),
+#      each point EVAL_WARMUP warm-up and at least EVAL_MIN_STEPS timed steps (their median
+#      kept), cut so that it ends EVAL_MARGIN s before the deadline: a point that does not
+#      fit is dropped (named in the log, lowest priority first, and in runs.csv), the shorter
+#      ones after it still tried; points an earlier call measured (this warm
+#      machine's, or EVAL_RESUME's runs.csv files) are not run again
+#   5. $OUT: 00-status.txt (first: the machine -- CPU, cores, the device machine's kind from
+#      nvidia-smi, StarPU, BLAS -- and every failure), runs.csv, predictions.csv,
+#      autotune_rank.csv, points.json, calibration.toml, log.txt and eval16.tar.gz (the work
+#      folder: env.txt, build, preflight and calibration logs); copied every 10 s, so a killed
+#      run still brings back what it measured. experiments/eval16_report.py turns them into
+#      the committed results.
+#   tools/device-eval16.sh --dry-run   # here: the plan for the node and its cut, predicted from
+#                                      # the reference calibration (EVAL_* settings apply)
 #
-# Settings (environment; the defaults are the node's): EVAL_SECONDS (530: measurements stop
-# starting then), EVAL_MODEL (d12), EVAL_CORE_COUNTS (1,2,4,8,16), EVAL_WEAK (sequences per
-# core, 1), EVAL_STRONG (16), EVAL_FIG3 (16,32,64,96), EVAL_RANKS (1,2,4), EVAL_RESERVE (1),
-# EVAL_MPI_BATCH (per rank, 8), EVAL_POINT_SECONDS (2), EVAL_MAX_STEPS (10), EVAL_ONLY
-# (fig3,fig4,fig2a,fig2b), EVAL_NODE_CORES (16: more CPUs are cut to the first 16), EVAL_WORK
-# (/tmp/eval16), EVAL_STARPU_PREFIX (an existing StarPU 1.4 build to use instead of building
-# one), EVAL_CAL_SECONDS (200), PYTHON (python3).
+# Settings (environment; the defaults are the node's): EVAL_SECONDS (530: the deadline after
+# the start) or EVAL_DEADLINE_AT (epoch seconds: e.g. what the device session has left after
+# the GPU run), EVAL_MARGIN (30), EVAL_MODEL (d12), EVAL_CORE_COUNTS (1,2,4,8,16), EVAL_WEAK
+# (sequences per core, 1), EVAL_STRONG (16), EVAL_FIG3 (16,160,96,64,32: the first, then the
+# largest that fits), EVAL_LLMC_BATCHES (32,64), EVAL_RANKS (1,2,4), EVAL_RESERVE (1),
+# EVAL_MPI_BATCH (per rank, 8), EVAL_WARMUP (2), EVAL_MIN_STEPS (3), EVAL_POINT_SECONDS (3),
+# EVAL_MAX_STEPS (10), EVAL_ONLY (fig3,fig2b,fig2a,fig2-llmc,fig4: also the priority),
+# EVAL_CAL_PARTITIONS (1x16,4x4,16x1), EVAL_PREFLIGHT (4x4,1x16), EVAL_RESUME (runs.csv files),
+# EVAL_NODE_CORES (16: more CPUs are cut to the first 16), EVAL_WORK (/tmp/eval16),
+# EVAL_STARPU_PREFIX (an existing StarPU 1.4 build), EVAL_CAL_SECONDS (150),
+# EVAL_SETUP_SECONDS (--dry-run: 130), PYTHON (python3).
 set -uo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -194,9 +214,13 @@ deadline_at() { echo "${EVAL_DEADLINE_AT:-$((START + ${EVAL_SECONDS:-530}))}"; }
 
 dry_run() {
   # the plan on the 16-core node, here: predicted from the bundled reference calibration and
-  # experiments/machines/device-node-16.toml (assumed rates), its cut at the deadline shown
+  # experiments/machines/device-node-16.toml (assumed rates), its cut at the deadline shown,
+  # less what the node spends before its first run (EVAL_SETUP_SECONDS: build ~25 s, BLAS
+  # preflight ~20 s, mpirun smoke run ~10 s, calibration ~60 s, predictions ~15 s)
   local py=${PYTHON:-$REPO/.venv/bin/python}
-  local deadline; deadline=$(deadline_at)
+  local setup=${EVAL_SETUP_SECONDS:-130}
+  local deadline; deadline=$(( $(deadline_at) - setup ))
+  echo "dry run: the node's set-up counted as $setup s; the runs' deadline $(date -d "@$deadline" +%T)"
   mkdir -p /tmp/eval16-dry
   cd "$REPO/experiments" && $py figures.py --dry-run --node-cores "${EVAL_NODE_CORES:-16}" \
     --machine "$REPO/experiments/machines/device-node-16.toml" \
@@ -385,7 +409,7 @@ calibrate('$W/calibration.toml', steps=1, model='$model', quick=True, only=[$par
   PYTHONUNBUFFERED=1 "${pin[@]}" $PY "$REPO/experiments/figures.py" $(plan_args) --only "$only" \
     --series "$series" --llmc "$W/llmc" "${cal[@]}" "${extra[@]}" --deadline-at "$deadline" \
     --no-plots --no-sgemm-peak --allow-dirty --out "$W/fig" 2>&1 |
-    tee -a "$W/log.txt" | grep -E "NOT RUN|NOT IN|FAILED|predicted|sized|done in|plan ends|--resume"
+    tee -a "$W/log.txt" | grep -E "NOT RUN|NOT IN|FAILED|predicted|sized|done in|the plan:|--resume"
   log "done"
 }
 
