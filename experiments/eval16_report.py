@@ -371,8 +371,10 @@ def summary(machine, S, rows, choices, runs: Runs, fig4, out_dir, table=()) -> s
     L = [f"# The paper's evaluation on {machine['cores']} cores: {machine['cpu_model']}", "",
          f"- {machine['cpu']}; StarPU {machine['starpu_version']}, BLAS {machine['blas']}, "
          f"commit {machine['commit']}, host {machine['host']}",
-         f"- GPT-2 model {S['model']}, T={S['T']}; one run a point, 1 warm-up step then the "
-         f"timed steps of the `steps` column (sized to the device minutes from the prediction)",
+         f"- GPT-2 model {S['model']}, T={S['T']}; one run a point, {S.get('warmup', 1)} "
+         f"warm-up step(s) then the timed steps of the `steps` column (sized to the device "
+         f"minutes from the prediction)" + ("; tokens/ms of the median timed step"
+                                            if S.get("warmup", 1) > 1 else ""),
          f"- files in `{shown}/`", ""]
     if errs:
         med, worst = statistics.median(errs), max(errs)

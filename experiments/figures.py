@@ -409,8 +409,10 @@ def choose_fig3_batches(points, budget_s, margin_s=30.0) -> tuple[list, list]:
     second = max(fitting) if fitting else min(batches[1:])
     out = [p for p in points if p["figure"] != "fig3" or p["spec"]["batch"] in
            (batches[0], second)]
-    return out, [p for p in points if p["figure"] == "fig3" and p["spec"]["batch"] not in
-                 (batches[0], second)]
+    why = (f"not run: Figure 3 at B={batches[0]} and B={second}, the largest of "
+           f"{', '.join(str(B) for B in batches[1:])} that fits")
+    return out, [dict(p, why=why) for p in points if p["figure"] == "fig3" and
+                 p["spec"]["batch"] not in (batches[0], second)]
 
 
 def cut_to_budget(points, budget_s, margin_s=30.0) -> tuple[list, list]:
@@ -589,7 +591,7 @@ def print_plan(points, dropped, deadline, margin, log, now) -> None:
         log(f"  the plan: ~{total:.0f} s of runs, ending {left - total:.0f} s before the "
             f"deadline (margin {margin:.0f} s)")
     for p in reversed(dropped):
-        log(f"  NOT IN THE PLAN ({p.get('why') or 'deadline'}): {p['figure']} {p['series']} {p['x']} "
+        log(f"  NOT IN THE PLAN ({(p.get('why') or 'deadline').removeprefix('not run: ')}): {p['figure']} {p['series']} {p['x']} "
             f"{describe_point(p)}" + (f", ~{p['estimate_s']:.0f} s" if "estimate_s" in p
                                       else ""))
 

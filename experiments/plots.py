@@ -149,7 +149,9 @@ def figure(fig, points, cache, S, machine, peaks, out, repeat, log, predicted=No
     formula = (f"utilisation = model FLOPs/token ({fpt / 1e6:.0f} M: 3 x [L(24C² + 2C(T+1)) + 2C·Vp]) "
                f"x tokens/s / sgemm peak of the cores used (experiments/sgemm_peak.py)")
     stats_note = (f"median of {repeat} interleaved runs, bars min-max; {S['steps']} timed steps "
-                  f"after 1 warm-up, T={S['T']}")
+                  f"after {S.get('warmup', 1)} warm-up"
+                  + (" (a run's median step)" if S.get("warmup", 1) > 1 else "")
+                  + f", T={S['T']}")
 
     if fig in ("fig2a", "fig2b"):
         extra = None
