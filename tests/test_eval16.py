@@ -273,7 +273,7 @@ def test_a_partition_smaller_than_the_rank_leaves_its_last_core_to_the_mpi_threa
 
 # ---------------------------------------------------------------- issue 42: the plan, held out
 
-import figures  # noqa: E402
+import figures as plan  # noqa: E402  (figures() above runs the script)
 import eval16_report  # noqa: E402
 
 
@@ -300,19 +300,19 @@ def test_plan_by_priority_cut_at_the_deadline_lowest_priority_dropped_first():
            point("fig3", "B=16", "16x1", n=16, k=1, est=20),      # fig2b's configuration too
            point("fig3", "B=16", "1x16", n=1, k=16, est=30),
            point("fig4", "rank0", 2, n=1, k=7, ranks=2, ownership="rank0", est=5)]
-    order = figures.by_priority(pts, ["fig3", "fig2b", "fig2a", "fig4"])
+    order = plan.by_priority(pts, ["fig3", "fig2b", "fig2a", "fig4"])
     assert [p["figure"] for p in order] == ["fig3", "fig3", "fig2b", "fig2a", "fig4"]
     # 20 + 30 = 50 s for Figure 3; fig2b's point is Figure 3's 16x1 (no time); fig2a's 10 s
     # would end at 60 s, past 90 - 40
-    kept, dropped = figures.cut_to_budget(order, 90, margin_s=40)
+    kept, dropped = plan.cut_to_budget(order, 90, margin_s=40)
     assert [(p["figure"], p["ends_s"]) for p in kept] == [("fig3", 20), ("fig3", 50),
                                                           ("fig2b", 20)]
     assert [p["figure"] for p in dropped] == ["fig2a", "fig4"]
-    kept, dropped = figures.cut_to_budget(order, 94, margin_s=30)     # fig2a ends at 60 s
+    kept, dropped = plan.cut_to_budget(order, 94, margin_s=30)     # fig2a ends at 60 s
     assert max(p["ends_s"] for p in kept) <= 94 - 30 and [p["figure"] for p in dropped] == ["fig4"]
     # fig2a's 10 s do not fit in 55 - 50, fig4's 5 s do: the time left is used, nothing of
     # a higher priority displaced
-    kept, dropped = figures.cut_to_budget(order, 85, margin_s=30)
+    kept, dropped = plan.cut_to_budget(order, 85, margin_s=30)
     assert [p["figure"] for p in kept][-1] == "fig4" and [p["figure"] for p in dropped] == ["fig2a"]
 
 
@@ -321,10 +321,10 @@ def test_figure3_keeps_its_first_batch_and_the_largest_other_that_fits():
            for B in (16, 160, 96, 64) for n in (1, 16)]
     pts.append(point("fig2b", "data", 16, n=16, k=1, est=100))
     # the first row costs 8 s; 160's 80 s fits 100 - 10 - 8, so it is the second batch
-    out, other = figures.choose_fig3_batches(pts, 100, margin_s=10)
+    out, other = plan.choose_fig3_batches(pts, 100, margin_s=10)
     assert sorted({p["spec"]["batch"] for p in out if p["figure"] == "fig3"}) == [16, 160]
     assert {p["spec"]["batch"] for p in other} == {96, 64} and out[-1]["figure"] == "fig2b"
-    out, _ = figures.choose_fig3_batches(pts, 70, margin_s=10)      # 160's 80 s does not
+    out, _ = plan.choose_fig3_batches(pts, 70, margin_s=10)      # 160's 80 s does not
     assert sorted({p["spec"]["batch"] for p in out if p["figure"] == "fig3"}) == [16, 96]
 
 
@@ -344,9 +344,9 @@ def test_dry_run_prints_the_plan_and_its_cut(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     lines = [line.split() for line in p.stdout.splitlines()]
     order = ["fig3", "fig2b", "fig4"].index
-    plan = [w[2] for w in lines if w[1:2] == ["plan"]]
+    kept = [w[2] for w in lines if w[1:2] == ["plan"]]
     cut = re.findall(r"NOT IN THE PLAN \(deadline\): (\S+)", p.stdout)
-    assert plan == sorted(plan, key=order) and plan[0] == "fig3"
+    assert kept == sorted(kept, key=order) and kept[0] == "fig3"
     assert cut and cut == sorted(cut, key=order, reverse=True)     # lowest priority named first
     ends = re.search(r"the plan: ~(\d+) s of runs, ending (-?\d+) s before", p.stdout)
     # a dry run plans from its start: this machine's prediction time is not the node's
@@ -361,17 +361,17 @@ def test_resume_leaves_out_what_an_earlier_run_measured(tmp_path):
     done = point("fig3", "B=16", "16x1", n=16, k=1)
     failed = point("fig3", "B=16", "1x16", n=1, k=16)
     machine = dict(cpu="c", host="h", commit="abc", cores=16)
-    cache = figures.RunCache(str(tmp_path / "runs.csv"), machine)
+    cache = plan.RunCache(str(tmp_path / "runs.csv"), machine)
     cache.add(dict(done["spec"], steps=7), 1, dict(tokens_per_ms=1.0, step_ms=[1.0]), 1.0)
     cache.add(failed["spec"], 1, dict(error="not run: cut"), 0.0)
-    keys = figures.measured_keys([str(tmp_path / "runs.csv")])
-    assert keys == {figures.pred_key(done["spec"])}          # another step count: still done
+    keys = plan.measured_keys([str(tmp_path / "runs.csv")])
+    assert keys == {plan.pred_key(done["spec"])}          # another step count: still done
     with pytest.raises(SystemExit, match="--resume .*nope.csv"):
-        figures.measured_keys([str(tmp_path / "nope.csv")])
+        plan.measured_keys([str(tmp_path / "nope.csv")])
 
 
 def test_points_equal_to_a_calibration_run_are_in_sample():
-    runs = figures.calibration_runs("1x16,4x4,16x1:1,6")
+    runs = plan.calibration_runs("1x16,4x4,16x1:1,6")
     assert (16, 1, 96) in runs and (4, 4, 24) in runs and (1, 16, 1) in runs
     pts = [point("fig3", "B=16", "16x1", n=16, k=1, B=16),
            point("fig3", "B=96", "16x1", n=16, k=1, B=96),
@@ -379,15 +379,15 @@ def test_points_equal_to_a_calibration_run_are_in_sample():
            point("fig3", "B=16", "1x16", n=1, k=16, B=16),
            point("fig2b", "llmc", 16, engine="llmc", threads=16, B=16),
            point("fig4", "sharded", 2, n=1, k=7, B=2, ranks=2, ownership="sharded")]
-    figures.mark_in_sample(pts, runs)
+    plan.mark_in_sample(pts, runs)
     assert [bool(p.get("in_sample")) for p in pts] == [True, True, False, False, False, False]
     with pytest.raises(SystemExit, match="calibration-runs"):
-        figures.calibration_runs("1x16")
+        plan.calibration_runs("1x16")
 
 
 def test_median_of_the_timed_steps_after_the_warm_ups():
     spec = dict(engine="starpu", batch=2, seq_len=64, steps=3, warmup=2)
-    r = figures.median_of_timed(dict(spec, steps=4, step_ms=[90.0, 10.0, 30.0, 20.0]), spec)
+    r = plan.median_of_timed(dict(spec, steps=4, step_ms=[90.0, 10.0, 30.0, 20.0]), spec)
     assert r["step_ms"] == [10.0, 30.0, 20.0] and r["warmup_ms"] == [90.0]
     assert r["tokens_per_ms"] == pytest.approx(2 * 64 / 20.0) and r["steps"] == 3
 
@@ -410,23 +410,23 @@ def synthetic_device_folder(folder):
            point("fig2-llmc", "llmc", 32, engine="llmc", threads=16, B=32),
            point("fig4", "one process", 1, n=1, k=15, B=8),
            point("fig4", "sharded", 2, n=1, k=7, B=16, ranks=2, ownership="sharded")]
-    figures.mark_in_sample(pts, figures.calibration_runs("1x16,4x4,16x1:1,6"))
+    plan.mark_in_sample(pts, plan.calibration_runs("1x16,4x4,16x1:1,6"))
     measured = [1.0, 1.2, 0.9, 1.2, 1.5, 0.9, 1.1, 1.0, 1.8]
     predicted = {"1x16": 1.32, "4x4": 1.2, "16x1": 3.0, "1x15": 1.0, "1x7": 1.8}
     machine = dict(cpu_model="Intel(R) Xeon(R) Test CPU", cpu="Xeon test (16 cores)",
                    isa="avx2 fma", cores=16, host="node", starpu_version="1.4.12",
                    blas="openblas-openmp (SkylakeX)", torch_version="-", commit="abc",
                    device_kind="nvidia-h100")
-    cache = figures.RunCache(os.path.join(folder, "runs.csv"), machine)
+    cache = plan.RunCache(os.path.join(folder, "runs.csv"), machine)
     preds = []
     for p, m in zip(pts, measured):
         cache.add(p["spec"], 1, dict(tokens_per_ms=m, step_ms=[10.0, 10.0, 10.0]), 5.0)
         s = p["spec"]
         if s["engine"] == "starpu":
-            preds.append(dict(config=figures.pred_key(s), predicted_tokens_per_ms=predicted[
+            preds.append(dict(config=plan.pred_key(s), predicted_tokens_per_ms=predicted[
                 f"{s['workers']}x{s['cores_per_worker']}"], predicted_ms_per_step=10,
                 predicted_sub_batches=s["workers"]))
-    figures.write_rows(os.path.join(folder, "predictions.csv"), preds)
+    plan.write_rows(os.path.join(folder, "predictions.csv"), preds)
     S = dict(model="d12", T=64, cores=16, scale="full", steps=3, weak_per_core=1,
              strong_batch=16, mpi_batch_per_rank=8, mpi_reserve=1,
              calibration_runs="1x16,4x4,16x1:1,6")
