@@ -186,7 +186,7 @@ pack() {
   [ -n "${SYNC_PID:-}" ] && kill "$SYNC_PID" 2>/dev/null
   log "packing $OUT"
   sync_out
-  tar -czf "$OUT/eval16.tar.gz" -C "$W" --exclude=build --exclude=site --exclude='starpu-1.4.12' \
+  tar -czf "$OUT/eval16.tar.gz" -C "$W" --exclude='build-*' --exclude=site --exclude='starpu-1.4.12' \
     --exclude=starpu --exclude='llmc/*.bin' --exclude=cache --exclude=ob --exclude=gf \
     --exclude='llmc/train_gpt2' --exclude=previous . 2>/dev/null
   ls -la "$OUT" | tee -a "$W/log.txt"
@@ -222,6 +222,7 @@ dry_run() {
   local deadline; deadline=$(( $(deadline_at) - setup ))
   echo "dry run: the node's set-up counted as $setup s; the runs' deadline $(date -d "@$deadline" +%T)"
   mkdir -p /tmp/eval16-dry
+  # shellcheck disable=SC2046  # (plan_args: words on purpose)
   cd "$REPO/experiments" && $py figures.py --dry-run --node-cores "${EVAL_NODE_CORES:-16}" \
     --machine "$REPO/experiments/machines/device-node-16.toml" \
     --calibration "$REPO/starpu_llm/perf/reference-calibration.toml" $(plan_args) \
@@ -320,12 +321,26 @@ device() {
       "$whl"/*.whl >"$W/pip.log" 2>&1 || { status "FAILED: the wheels (pip.log)"; exit 1; }
   fi
   export PYTHONPATH=$W/site
-  PKG_CONFIG_PATH=$prefix/lib/pkgconfig $PY -m pip install -q --no-index --no-deps \
-    --no-build-isolation --no-compile --upgrade --target "$W/site" -Cbuild-dir="$W/build" \
-    -Csetup-args=-Dcuda=disabled -Csetup-args=-Dopenblas_dir="$ob" \
-    -Csetup-args=-Dopenblas_include="$ob_inc" -Csetup-args=-Dopenblas_required=true "$REPO" \
-    >>"$W/pip.log" 2>&1 || { status "FAILED: building starpu-llm (pip.log): nothing measured";
-    tail -n 30 "$W/pip.log" >>"$W/00-status.txt"; exit 1; }
+  build_starpu_llm() {    # against StarPU in $1; a build folder per StarPU (reused by a 2nd call)
+    PKG_CONFIG_PATH=$1/lib/pkgconfig $PY -m pip install -q --no-index --no-deps \
+      --no-build-isolation --no-compile --upgrade --target "$W/site" \
+      -Cbuild-dir="$W/build-$(basename "$(dirname "$1")")-$(basename "$1")" \
+      -Csetup-args=-Dcuda=disabled -Csetup-args=-Dopenblas_dir="$ob" \
+      -Csetup-args=-Dopenblas_include="$ob_inc" -Csetup-args=-Dopenblas_required=true "$REPO" \
+      >>"$W/pip.log" 2>&1
+  }
+  build_failed() {
+    status "FAILED: building starpu-llm (pip.log): nothing measured"
+    tail -n 30 "$W/pip.log" >>"$W/00-status.txt"; exit 1
+  }
+  if ! build_starpu_llm "$prefix"; then
+    [ "$prefix" = "$gpu_starpu" ] && [ -f "$E/starpu-1.4.12-prefix.tar.gz" ] || build_failed
+    status "building against the GPU run's StarPU failed (pip.log): the carried StarPU instead"
+    rm -rf "$CARRIED_PREFIX" && tar -xzf "$E/starpu-1.4.12-prefix.tar.gz" -C "$(dirname "$CARRIED_PREFIX")"
+    prefix=$CARRIED_PREFIX
+    starpu_version=$(sed -n 's/^Version: *//p' "$prefix"/lib/pkgconfig/starpu-1.4.pc)
+    build_starpu_llm "$prefix" || build_failed
+  fi
   cd "$W"     # not the checkout: its starpu_llm/ has no compiled part
   {
     echo "host $(hostname); $(nproc) cores; $(uname -r); device machine $SL_DEVICE_KIND"
