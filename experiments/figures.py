@@ -50,8 +50,8 @@ from series import CONFIG_FIELDS, FIG4_MODES, SERIES, config_key
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 FIGURES = ("fig1", "fig2a", "fig2b", "fig3", "fig4", "trace")
-# not made by default: llm.c alone at more batches on every core (--llmc-batches), for the
-# ratio table of experiments/eval16_report.py
+# not made by default: llm.c and StarPU 1 x N, N x 1 at more batches on every core
+# (--llmc-batches), for the ratio table of experiments/eval16_report.py
 EXTRA_FIGURES = ("fig2-llmc",)
 NODE_BUILD = None     # --node-cores (a dry run for another node): its StarPU build, as assumed
 REPLOT = False        # --replot: draw from the caches only
@@ -192,9 +192,17 @@ def plan(S, args, only) -> list[dict]:
                     points.append(dict(figure="fig3", series=f"B={B}", x=label,
                                        spec=spec_of("starpu", B, S, S["cores"], n, k, mode)))
     if "fig2-llmc" in only:
+        # llm.c and StarPU 1 x N and N x 1 on all N cores at more batches: Figure 2's ratios
+        # at the paper's sequences per core too
+        N = S["cores"]
         for B in S.get("llmc_batches") or []:
             points.append(dict(figure="fig2-llmc", series="llmc", x=B,
-                               spec=spec_of("llmc", B, S, S["cores"], threads=S["cores"])))
+                               spec=spec_of("llmc", B, S, N, threads=N)))
+            points.append(dict(figure="fig2-llmc", series="tensor", x=B,
+                               spec=spec_of("starpu", B, S, N, 1, N, "team")))
+            if B % N == 0:
+                points.append(dict(figure="fig2-llmc", series="data", x=B,
+                                   spec=spec_of("starpu", B, S, N, N, 1)))
     if "fig4" in only:
         # one process, then each ownership mode at every R > 1 (a pipeline: a stage per rank)
         for R in S["ranks"]:
@@ -952,8 +960,8 @@ def main(argv=None):
                       "timed step")
     node.add_argument("--min-steps", type=int, default=1,
                       help="with --point-seconds: at least this many timed steps (default 1)")
-    node.add_argument("--llmc-batches", help="fig2-llmc: llm.c on every core at these "
-                      "batches (comma-separated), for the ratio table")
+    node.add_argument("--llmc-batches", help="fig2-llmc: llm.c, StarPU 1 x N and N x 1 on "
+                      "all N cores at these batches (comma-separated), for the ratio table")
     node.add_argument("--resume", action="append", default=[], metavar="RUNS_CSV",
                       help="leave out every configuration an earlier run measured (its "
                       "runs.csv; repeatable): a later device run measures the rest")

@@ -42,7 +42,8 @@
 #      link fit (the link stays the ping-pong's: no Figure 4 point is fitted)
 #   4. experiments/figures.py: every point predicted (~15 s; those equal to a calibration run
 #      marked in-sample), the plan by priority (Figure 3 at its first batch and the largest of
-#      the others that fits, Figure 2b, 2a, llm.c at EVAL_LLMC_BATCHES on 16 threads, Figure 4),
+#      the others that fits, Figure 2b, 2a, llm.c and StarPU 1x16, 16x1 at EVAL_LLMC_BATCHES,
+#      Figure 4),
 #      each point EVAL_WARMUP warm-up and at least EVAL_MIN_STEPS timed steps (their median
 #      kept), cut so that it ends EVAL_MARGIN s before the deadline: a point that does not
 #      fit is dropped (named in the log, lowest priority first, and in runs.csv), the shorter
