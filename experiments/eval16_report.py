@@ -8,7 +8,8 @@ measured partition of each Figure 3 batch.
 FOLDER: what the device tool brought back (runs.csv, predictions.csv, autotune_rank.csv,
 points.json, calibration.toml, env.txt, log.txt, eval16.tar.gz); several folders of the same
 CPU kind (a second session finishing the points a first one left) are put together, the later
-run of a point winning. Writes into --results (default experiments/results/eval16/<cpu kind>/):
+run of a point winning. Writes into --results (default experiments/results/eval16/<cpu kind>-<cores>c-<device kind>/,
+the device kind from the GPU's name: the H100 and H200 machines' CPUs report the same name):
   runs.csv, predictions.csv, autotune_rank.csv, calibration.toml, points.json, env.txt,
   log.txt        the device's files as they came (several folders: runs and predictions joined)
   fig2a_weak.csv, fig2b_strong.csv, fig3_partitions.csv, fig4_mpi.csv and their PNGs
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import contextlib
 import io
 import json
 import os
@@ -38,9 +40,10 @@ from series import config_key
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RAW = ("runs.csv", "predictions.csv", "autotune_rank.csv", "calibration.toml", "points.json",
-       "env.txt", "log.txt")
+       "env.txt", "log.txt", "00-status.txt")
 FIG_CSV = {"fig2a": "fig2a_weak", "fig2b": "fig2b_strong", "fig3": "fig3_partitions",
            "fig4": "fig4_mpi"}
+RESULTS = os.path.join(HERE, "results", "eval16")     # one folder per machine under it
 GOAL = (0.10, 0.20)       # the issue's goal: median and largest absolute error
 
 
@@ -139,6 +142,7 @@ def validation(points, runs: Runs, preds: list[dict]) -> list[dict]:
         pr = float(pred["predicted_tokens_per_ms"])
         R = int(spec.get("ranks") or 1)
         row = dict(figures=p["figure"], series=p["series"], x=p["x"], B=spec["batch"],
+                   in_sample=bool(p.get("in_sample")),
                    workers=spec["workers"], cores_per_worker=spec["cores_per_worker"],
                    sub_batches=int(pred.get("predicted_sub_batches") or spec["workers"]),
                    ranks=R, mode=(("pipeline" if spec.get("pipeline_stages") else
@@ -239,28 +243,160 @@ def fig4_plot(points, runs: Runs, preds, S, machine, out) -> list[dict]:
     return rows
 
 
-def summary(machine, S, rows, choices, runs: Runs, fig4, out_dir) -> str:
-    errs = [abs(r["error"]) for r in rows]
+def held_out_errors(rows) -> dict:
+    """The model's absolute errors on the held-out points only (a point equal to a
+    calibration run is a fit, not a prediction): n, median, largest, and how many in-sample
+    points were left out."""
+    errs = [abs(r["error"]) for r in rows if not r.get("in_sample")]
+    return dict(n=len(errs), in_sample=sum(1 for r in rows if r.get("in_sample")),
+                median=statistics.median(errs) if errs else None,
+                largest=max(errs) if errs else None)
+
+
+# ---------------------------------------------------------------- against the paper
+
+TABLE_HEAD = ("| figure | ratio | B | sequences per core | measured | the paper's | the paper's "
+              "point |")
+TABLE_RULE = "|---|---|---|---|---|---|---|"
+
+
+def paper_quoted() -> dict:
+    """{(figure, series, x): tokens/ms} of experiments/paper_points.csv, and the batch of
+    each figure's quoted points."""
+    with open(os.path.join(HERE, "paper_points.csv"), newline="") as f:
+        return {(r["figure"], r["series"], r["x"]): dict(r, tokens_per_ms=float(r["tokens_per_ms"]))
+                for r in csv.DictReader(f)}
+
+
+def median_tpm(runs: Runs, engine, batch, workers=None, cores_per_worker=None, threads=None):
+    """Median tokens/ms of the single-process runs of that configuration, any figure."""
+    got = []
+    for r in runs.ok.values():
+        if (r["engine"] != engine or int(r["batch"]) != int(batch)
+                or int(r.get("ranks") or 1) != 1):
+            continue
+        if workers is not None and (int(r.get("workers") or 0), int(r.get("cores_per_worker")
+                                                                    or 0)) != (workers,
+                                                                               cores_per_worker):
+            continue
+        if threads is not None and int(r.get("threads") or 0) != threads:
+            continue
+        got.append(float(r["tokens_per_ms"]))
+    return statistics.median(got) if got else None
+
+
+def ratio(a, b):
+    return round(a / b, 4) if a is not None and b else None
+
+
+def paper_table(points, runs: Runs, cores: int, fig4_rows) -> list[dict]:
+    """The paper's claims as scale-free ratios, measured on this node beside the paper's:
+    Figure 2: StarPU 1 x N and N x 1 against llm.c on all N cores at each batch measured
+    (llm.c also at --llmc-batches); Figure 3: the best partition against 1 x N, and N x 1
+    against 1 x N, at each batch; Figure 4: each R's per-rank tokens/ms against one process."""
+    q = paper_quoted()
+    pc = lambda k: q[k]["tokens_per_ms"] if k in q else None       # noqa: E731
+    P = 36
+    llmc_p, tensor_p, data_p = (pc(("fig2b", s, str(P))) for s in ("reference", "tensor", "data"))
+    out = []
+    batches = sorted({int(r["batch"]) for r in runs.ok.values() if r["engine"] == "llmc"
+                      and int(r.get("threads") or 0) == cores})
+    for B in batches:
+        ll = median_tpm(runs, "llmc", B, threads=cores)
+        for name, n, k, paper in ((f"StarPU 1x{cores} / llm.c", 1, cores,
+                                   ratio(tensor_p, llmc_p)),
+                                  (f"StarPU {cores}x1 / llm.c", cores, 1, ratio(data_p, llmc_p))):
+            out.append(dict(figure="2", ratio=name, B=B, per_core=round(B / cores, 2),
+                            measured=ratio(median_tpm(runs, "starpu", B, n, k), ll),
+                            paper=paper, paper_point=f"{P} cores, B=72 (2 per core)",
+                            llmc=ll))
+    fig3 = sorted({p["spec"]["batch"] for p in points if p["figure"] == "fig3"})
+    for B in fig3:
+        parts = {(int(p["spec"]["workers"]), int(p["spec"]["cores_per_worker"])):
+                 median_tpm(runs, "starpu", B, int(p["spec"]["workers"]),
+                            int(p["spec"]["cores_per_worker"]))
+                 for p in points if p["figure"] == "fig3" and p["spec"]["batch"] == B}
+        parts = {nk: v for nk, v in parts.items() if v is not None}
+        one = parts.get((1, cores))
+        best = max(parts, key=parts.get) if parts else None
+        out.append(dict(figure="3", ratio=f"best ({best[0]}x{best[1]}) / 1x{cores}" if best
+                        else f"best / 1x{cores}", B=B, per_core=round(B / cores, 2),
+                        measured=ratio(parts.get(best), one) if best else None,
+                        paper=None, paper_point=f"B=360 (10 per core): best 12x3 2.70, 3x12 "
+                        "2.53; 1x36 not quoted"))
+        out.append(dict(figure="3", ratio=f"{cores}x1 / 1x{cores}", B=B,
+                        per_core=round(B / cores, 2), measured=ratio(parts.get((cores, 1)), one),
+                        paper=ratio(pc(("fig3", "B=72", f"{P}x1")), pc(("fig3", "B=72",
+                                                                         f"1x{P}"))),
+                        paper_point=f"{P} cores, B=72 (2 per core)"))
+    one = next((r["measured"] for r in fig4_rows if r["R"] == 1 and r["measured"]), None)
+    p1, p16 = pc(("fig4", "StarPU-MPI", "1")), pc(("fig4", "StarPU-MPI", "16"))
+    for r in sorted(fig4_rows, key=lambda r: (r["R"], r["series"])):
+        if r["R"] == 1 or r["measured"] is None:
+            continue
+        out.append(dict(figure="4", ratio=f"per-rank tok/ms, R={r['R']} {r['series']} / R=1",
+                        B=r["B"], per_core="", measured=ratio(r["measured"] / r["R"], one),
+                        paper=ratio(p16, p1), paper_point="per node, 16 nodes / 1 node "
+                        "(rank 0 owns all; one 32-core rank per node)"))
+    return out
+
+
+def table_line(t) -> str:
+    f = lambda v: "-" if v is None or v == "" else f"{v:.2f}"    # noqa: E731
+    return (f"| {t['figure']} | {t['ratio']} | {t['B']} | {t['per_core']} | {f(t['measured'])} | "
+            f"{f(t['paper'])} | {t['paper_point']} |")
+
+
+def fig2_overlay(table, fig, points) -> list[dict]:
+    """Where the paper's StarPU / llm.c ratios put each StarPU series on this node's llm.c
+    (Figure 2's batch at all cores), for plots.figure's overlay."""
+    out = []
+    for p in points:
+        if p["figure"] != fig or p["series"] != "llmc":
+            continue
+        for t in table:
+            if t["figure"] == "2" and t["B"] == p["spec"]["batch"] and t["paper"] and \
+                    t.get("llmc") and int(p["x"]) == int(p["spec"].get("threads") or 0):
+                series = "tensor" if t["ratio"].startswith("StarPU 1x") else "data"
+                out.append(dict(x=p["x"], series=series, tokens_per_ms=t["llmc"] * t["paper"],
+                                label=f"paper's ratio {t['paper']:.2f}"))
+    return out
+
+
+def summary(machine, S, rows, choices, runs: Runs, fig4, out_dir, table=()) -> str:
+    errs = [abs(r["error"]) for r in rows if not r.get("in_sample")]
+    n_in = sum(1 for r in rows if r.get("in_sample"))
     shown = (os.path.relpath(out_dir, ROOT) if os.path.abspath(out_dir).startswith(ROOT + os.sep)
              else out_dir)
     L = [f"# The paper's evaluation on {machine['cores']} cores: {machine['cpu_model']}", "",
          f"- {machine['cpu']}; StarPU {machine['starpu_version']}, BLAS {machine['blas']}, "
          f"commit {machine['commit']}, host {machine['host']}",
-         f"- GPT-2 model {S['model']}, T={S['T']}; one run a point, 1 warm-up step then the "
-         f"timed steps of the `steps` column (sized to the device minutes from the prediction)",
+         f"- GPT-2 model {S['model']}, T={S['T']}; one run a point, {S.get('warmup', 1)} "
+         f"warm-up step(s) then the timed steps of the `steps` column (sized to the device "
+         f"minutes from the prediction)" + ("; tokens/ms of the median timed step"
+                                            if S.get("warmup", 1) > 1 else ""),
          f"- files in `{shown}/`", ""]
     if errs:
         med, worst = statistics.median(errs), max(errs)
-        L += [f"**The model** (calibrate --quick on the node, every point predicted before it "
-              f"ran): absolute error over {len(errs)} measured StarPU configurations median "
-              f"{med:.1%}, largest {worst:.1%} (the issue's goal: <= {GOAL[0]:.0%} and <= "
-              f"{GOAL[1]:.0%}).", "",
-              "| figures | B | partition | ranks | mode | steps | measured tok/ms | predicted | "
-              "error |", "|---|---|---|---|---|---|---|---|---|"]
+        cal = S.get("calibration_runs") or "every partition"
+        L += [f"**The model** (calibrate --quick on the node on {cal}; every point predicted "
+              f"before it ran): absolute error over {len(errs)} held-out StarPU configurations "
+              f"median {med:.1%}, largest {worst:.1%} (the issue's goal: <= {GOAL[0]:.0%} and "
+              f"<= {GOAL[1]:.0%}); {n_in} point(s) equal to a calibration run (in-sample) left "
+              "out of these figures.", ""]
+    if rows:
+        L += ["| figures | B | partition | ranks | mode | steps | measured tok/ms | predicted | "
+              "error | |", "|---|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(rows, key=lambda r: (r["figures"], r["B"], r["workers"])):
             L.append(f"| {r['figures']} | {r['B']} | {r['workers']}x{r['cores_per_worker']} | "
                      f"{r['ranks']} | {r['mode']} | {r['steps']} | {r['measured']:.4f} | "
-                     f"{r['predicted']:.4f} | {r['error']:+.1%} |")
+                     f"{r['predicted']:.4f} | {r['error']:+.1%} | "
+                     f"{'in-sample' if r.get('in_sample') else 'held out'} |")
+        L.append("")
+    if table:
+        L += ["**Against the paper** (scale-free ratios; the paper's node: 36 cores, its numbers "
+              "from experiments/paper_points.csv):", "", TABLE_HEAD, TABLE_RULE]
+        L += [table_line(t) for t in table]
         L.append("")
     if choices:
         L += ["**The autotuner** (its ranking made on the node before any run) against the best "
@@ -295,17 +431,89 @@ def summary(machine, S, rows, choices, runs: Runs, fig4, out_dir) -> str:
     return "\n".join(L)
 
 
+def device_kind(rows, loaded) -> str:
+    """The device machine the node came with (its CPUs report the same name on the H100 and
+    the H200 machines): the runs' device_kind, else 00-status.txt's or env.txt's line."""
+    kinds = {r.get("device_kind") for r in rows if r.get("device_kind")}
+    if kinds:
+        return sorted(kinds)[-1]
+    for files in reversed(loaded):
+        for name in ("00-status.txt", "env.txt"):
+            for line in files.get(name, "").splitlines():
+                if "device machine " in line:
+                    return line.split("device machine ", 1)[1].split()[0].strip(";,")
+    return "unknown-device"
+
+
+def whatif(calibration, out) -> None:
+    """experiments/whatif_paper_node.py with the calibration measured on the node: its
+    output and CSV beside the results."""
+    import whatif_paper_node
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        whatif_paper_node.main(["--calibration", calibration, "--csv",
+                                os.path.join(out, "whatif_paper_node.csv")])
+    with open(os.path.join(out, "whatif_paper_node.txt"), "w") as f:
+        f.write(buf.getvalue())
+    print(buf.getvalue())
+
+
+DOCS_BEGIN = "<!-- eval16:begin (experiments/eval16_report.py writes this block) -->"
+DOCS_END = "<!-- eval16:end -->"
+
+
+def fill_docs(path, machine, out, table, errors) -> None:
+    """The block between DOCS_BEGIN and DOCS_END in the doc: the node, the figures, the
+    ratio table against the paper and the model's errors on the held-out points."""
+    with open(path) as f:
+        text = f.read()
+    if DOCS_BEGIN not in text or DOCS_END not in text:
+        raise ReportError(f"{path}: no eval16 block ({DOCS_BEGIN} ... {DOCS_END}); add one "
+                          "where the 16-core figures go")
+    shown = os.path.relpath(out, ROOT) if os.path.abspath(out).startswith(ROOT + os.sep) else out
+    L = [DOCS_BEGIN, "",
+         f"Measured on {machine['cpu_model']} ({machine['cores']} cores, the "
+         f"{machine['device_kind']} device machine), StarPU {machine['starpu_version']}, BLAS "
+         f"{machine['blas']}, commit {machine['commit']}; files in `{shown}/`.", ""]
+    if errors["n"]:
+        L += [f"The model on the {errors['n']} held-out points: median absolute error "
+              f"{errors['median']:.1%}, largest {errors['largest']:.1%} ({errors['in_sample']} "
+              "in-sample point(s), equal to a calibration run, left out).", ""]
+    else:
+        L += ["The model: no held-out point measured.", ""]
+    L += ["![Figure 2a](figures/eval16_fig2a_weak.png) ![Figure 2b](figures/eval16_fig2b_strong.png)",
+          "![Figure 3](figures/eval16_fig3_partitions.png) ![Figure 4](figures/eval16_fig4_mpi.png)",
+          ""]
+    if table:
+        L += [TABLE_HEAD, TABLE_RULE] + [table_line(t) for t in table] + [""]
+    L.append(DOCS_END)
+    head, rest = text.split(DOCS_BEGIN, 1)
+    tail = rest.split(DOCS_END, 1)[1]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(head + "\n".join(L) + tail)
+    os.replace(tmp, path)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("folders", nargs="+", help="what the device tool brought back")
     ap.add_argument("--results", help="default experiments/results/eval16/<cpu kind>")
     ap.add_argument("--png-dir", default=os.path.join(ROOT, "docs", "figures"),
                     help="where the PNGs are also copied, as eval16_*.png ('' for none)")
+    ap.add_argument("--docs", default=os.path.join(ROOT, "docs", "figures.md"),
+                    help="the doc whose eval16 block gets the table and the errors ('' for none)")
+    ap.add_argument("--no-whatif", action="store_true", help="do not rerun "
+                    "experiments/whatif_paper_node.py with the node's calibration")
     args = ap.parse_args(argv)
     try:
         loaded = [load_folder(f) for f in args.folders]
     except (ReportError, OSError) as e:
         print(f"eval16_report.py: {e}", file=sys.stderr)
+        return 2
+    if args.docs and not os.path.exists(args.docs):
+        print(f"eval16_report.py: --docs {args.docs}: no such file ('' for none)",
+              file=sys.stderr)
         return 2
     runs_rows, pred_rows, rank_rows, points = [], [], [], {}
     for files in loaded:
@@ -317,6 +525,11 @@ def main(argv=None) -> int:
         for p in plan["points"]:
             points[(config_key(p["spec"]), p["figure"], p["series"], str(p["x"]))] = p
     points = list(points.values())
+    from figures import calibration_runs, mark_in_sample
+    # a calibration of every partition (before issue 42) made every point it ran in-sample
+    mark_in_sample(points, calibration_runs(S.get("calibration_runs") or (
+        ",".join(f"{n}x{S['cores'] // n}" for n in range(1, S["cores"] + 1)
+                 if S["cores"] % n == 0) + ":1,6")))
     try:
         machine = machine_of(runs_rows)
     except ReportError as e:
@@ -328,7 +541,10 @@ def main(argv=None) -> int:
         print(f"eval16_report.py: runs of several CPU kinds ({', '.join(sorted(kinds))}): "
               "report each kind's folders apart", file=sys.stderr)
         return 2
-    out = args.results or os.path.join(HERE, "results", "eval16", kinds.pop())
+    machine["device_kind"] = device_kind(runs_rows, loaded)
+    # the folder names the machine: CPU kind, cores, the device machine it came with
+    out = args.results or os.path.join(RESULTS, f"{kinds.pop()}-"
+                                       f"{machine['cores']}c-{machine['device_kind']}")
     os.makedirs(out, exist_ok=True)
     last = loaded[-1]
     for name in RAW:
@@ -348,10 +564,14 @@ def main(argv=None) -> int:
     peaks = peaks_of(last.get("calibration.toml"))
     import plots
     log = print
+    fig4 = fig4_plot(points, runs, pred_rows, S, machine, out)
+    table = paper_table(points, runs, machine["cores"], fig4)
     for fig in ("fig2a", "fig2b", "fig3"):
         if any(p["figure"] == fig for p in points):
-            plots.figure(fig, points, runs, S, machine, peaks, out, 1, log)
-    fig4 = fig4_plot(points, runs, pred_rows, S, machine, out)
+            plots.figure(fig, points, runs, S, machine, peaks, out, 1, log,
+                         overlay=fig2_overlay(table, fig, points) if fig != "fig3" else None)
+    if table:
+        write_csv(os.path.join(out, "paper_table.csv"), table)
     rows = validation(points, runs, pred_rows)
     choices = autotuner(points, runs, rank_rows, rows)
     if rows:
@@ -362,10 +582,18 @@ def main(argv=None) -> int:
              "before measured")
     if choices:
         write_csv(os.path.join(out, "autotune.csv"), choices)
-    md = summary(machine, S, rows, choices, runs, fig4, out)
+    md = summary(machine, S, rows, choices, runs, fig4, out, table)
     with open(os.path.join(out, "summary.md"), "w") as f:
         f.write(md + "\n")
     print(md)
+    if not args.no_whatif and last.get("calibration.toml"):
+        whatif(os.path.join(out, "calibration.toml"), out)
+    if args.docs:
+        try:
+            fill_docs(args.docs, machine, out, table, held_out_errors(rows))
+        except ReportError as e:
+            print(f"eval16_report.py: {e}", file=sys.stderr)
+            return 2
     if args.png_dir:
         os.makedirs(args.png_dir, exist_ok=True)
         for f in sorted(os.listdir(out)):

@@ -40,7 +40,8 @@ from starpu_llm.runs import run_in_subprocess, write_csv
 from starpu_llm.config import MODELS
 from starpu_llm.perf.machine import default_path, load
 from starpu_llm.perf.predict import Mode, predict
-from starpu_llm.runtime import partitions_that_fit, usable_cores
+from starpu_llm.partition import Build, partitions_that_fit as build_partitions
+from starpu_llm.runtime import partitions_that_fit as partitions_here, usable_cores
 
 import taskgraph
 from provenance import cpu_kind, machine_info, reusable
@@ -49,6 +50,10 @@ from series import CONFIG_FIELDS, FIG4_MODES, SERIES, config_key
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 FIGURES = ("fig1", "fig2a", "fig2b", "fig3", "fig4", "trace")
+# not made by default: llm.c and StarPU 1 x N, N x 1 at more batches on every core
+# (--llmc-batches), for the ratio table of experiments/eval16_report.py
+EXTRA_FIGURES = ("fig2-llmc",)
+NODE_BUILD = None     # --node-cores (a dry run for another node): its StarPU build, as assumed
 REPLOT = False        # --replot: draw from the caches only
 PAPER_NODE_FILE = os.path.join(HERE, "machines", "paper-node-xeon-gold-6240.toml")
 
@@ -105,6 +110,8 @@ def settings(args, cores: int) -> dict:
                          f"over {max(ranks)} ranks leave no core to a rank's workers")
     s["series"] = args.series.split(",") if args.series else None
     s["fig3_kcore"] = args.fig3_kcore
+    s["llmc_batches"] = [int(b) for b in args.llmc_batches.split(",")] if args.llmc_batches else []
+    s["warmup"] = args.warmup
     return s
 
 
@@ -126,6 +133,8 @@ def spec_of(engine, batch, S, cpus, workers=None, cores_per_worker=None, kcore=N
             ranks=None, mpirun_args=None) -> dict:
     spec = dict(engine=engine, model=S["model"], batch=batch, seq_len=S["T"], steps=S["steps"],
                 cpus=cpus)
+    if S.get("warmup", 1) > 1:      # --warmup: not part of the configuration's key
+        spec["warmup"] = S["warmup"]
     if engine == "starpu":
         spec.update(workers=workers, cores_per_worker=cores_per_worker)
         if cores_per_worker > 1:
@@ -137,6 +146,12 @@ def spec_of(engine, batch, S, cpus, workers=None, cores_per_worker=None, kcore=N
         if mpirun_args:        # a cluster: each node's cores are its own
             spec.pop("cpus")
     return spec
+
+
+def partitions_that_fit(cpus):
+    """Every N x K of cpus cores the StarPU build runs: this process's, or with --node-cores
+    the node's as assumed (NODE_BUILD: StarPU 1.4 with parallel workers)."""
+    return build_partitions(cpus, NODE_BUILD) if NODE_BUILD else partitions_here(cpus)
 
 
 def fits(n, k, mode, cpus) -> bool:
@@ -176,6 +191,18 @@ def plan(S, args, only) -> list[dict]:
                     label = f"{n}x{k}" + (" forkjoin" if mode == "forkjoin" else "")
                     points.append(dict(figure="fig3", series=f"B={B}", x=label,
                                        spec=spec_of("starpu", B, S, S["cores"], n, k, mode)))
+    if "fig2-llmc" in only:
+        # llm.c and StarPU 1 x N and N x 1 on all N cores at more batches: Figure 2's ratios
+        # at the paper's sequences per core too
+        N = S["cores"]
+        for B in S.get("llmc_batches") or []:
+            points.append(dict(figure="fig2-llmc", series="llmc", x=B,
+                               spec=spec_of("llmc", B, S, N, threads=N)))
+            points.append(dict(figure="fig2-llmc", series="tensor", x=B,
+                               spec=spec_of("starpu", B, S, N, 1, N, "team")))
+            if B % N == 0:
+                points.append(dict(figure="fig2-llmc", series="data", x=B,
+                                   spec=spec_of("starpu", B, S, N, N, 1)))
     if "fig4" in only:
         # one process, then each ownership mode at every R > 1 (a pipeline: a stage per rank)
         for R in S["ranks"]:
@@ -247,7 +274,7 @@ def pred_key(spec) -> str:
 def _predict_one(job):
     """One point's prediction, in a worker process: job = (config key, spec, calibration
     path); (key, {predicted_tokens_per_ms, predicted_ms_per_step, ...} or {error})."""
-    key, spec, cal_path = job
+    key, spec, cal_path, machine_path = job
     from starpu_llm.perf.predict import Mode, load_calibration, predict
     try:
         R = int(spec.get("ranks") or 1)
@@ -256,7 +283,9 @@ def _predict_one(job):
         # no sub-batches given: predict takes the engine's default, as the run does
         p = predict(spec["model"], spec["batch"], spec["seq_len"], n, k, ranks=R,
                     sub_batches=spec.get("sub_batches"), calibration=load_calibration(cal_path), ranks_per_node=R,
-                    mode=Mode(spec.get("ownership") or "sharded", stages))
+                    mode=Mode(spec.get("ownership") or "sharded", stages),
+                    machine=load(machine_path) if machine_path else None,
+                    parallel_workers=True if machine_path else None)
         return key, dict(predicted_tokens_per_ms=round(p.tokens_per_ms, 5),
                          predicted_ms_per_step=round(p.schedule.step_s * 1e3, 1),
                          predicted_critical_path_ms=round(p.schedule.critical_path_s * 1e3, 1),
@@ -279,7 +308,7 @@ def _rank_one(job):
                for i, p in enumerate(ranked)]
 
 
-def predict_points(points, cal_path, S, out, log, jobs) -> dict:
+def predict_points(points, cal_path, S, out, log, jobs, machine_path=None) -> dict:
     """Every StarPU point predicted from the calibration at cal_path, `jobs` at a time, and
     the autotuner's ranking of each Figure 3 batch: OUT/predictions.csv (a row per point, with
     the time it was written: before the first run) and OUT/autotune_rank.csv. {config key:
@@ -288,11 +317,16 @@ def predict_points(points, cal_path, S, out, log, jobs) -> dict:
     from concurrent.futures import ProcessPoolExecutor
     t0 = time.time()
     todo = {pred_key(p["spec"]): p["spec"] for p in points if p["spec"]["engine"] == "starpu"}
+    for p in points:        # the engines the model does not describe: step_seconds' stand-in
+        if p["spec"]["engine"] != "starpu":
+            proxy = proxy_spec(p["spec"])
+            todo.setdefault(pred_key(proxy), proxy)
     batches = sorted({p["spec"]["batch"] for p in points if p["figure"] == "fig3"})
     with ProcessPoolExecutor(max_workers=max(1, jobs),
                              mp_context=multiprocessing.get_context("spawn")) as pool:
         ranked = pool.map(_rank_one, [(B, S["model"], S["T"], cal_path) for B in batches])
-        preds = dict(pool.map(_predict_one, [(k, s, cal_path) for k, s in todo.items()]))
+        preds = dict(pool.map(_predict_one, [(k, s, cal_path, machine_path)
+                                             for k, s in todo.items()]))
         ranks = [r for _, rows in ranked for r in rows]
     when = datetime.datetime.now().isoformat(timespec="seconds")
     rows = []
@@ -303,7 +337,8 @@ def predict_points(points, cal_path, S, out, log, jobs) -> dict:
         rows.append(dict(figure=p["figure"], series=p["series"], x=p["x"],
                          config=pred_key(p["spec"]), **{k: p["spec"].get(k, "") for k in
                                                           CONFIG_FIELDS if k != "steps"},
-                         **pred, calibration=cal_path, written=when))
+                         **pred, calibration=cal_path, machine=machine_path or "",
+                         in_sample=bool(p.get("in_sample")), written=when))
     write_rows(os.path.join(out, "predictions.csv"), rows)
     if ranks:
         write_rows(os.path.join(out, "autotune_rank.csv"), ranks)
@@ -314,33 +349,41 @@ def predict_points(points, cal_path, S, out, log, jobs) -> dict:
     return preds
 
 
+def proxy_spec(spec) -> dict:
+    """The StarPU point standing in for another engine's in the estimates: one worker on the
+    same cores and batch."""
+    k = int(spec.get("threads") or spec.get("cpus") or 1)
+    proxy = dict(spec, engine="starpu", workers=1, cores_per_worker=k, threads=None)
+    if k > 1:
+        proxy["kcore"] = "team"
+    return proxy
+
+
 def step_seconds(p, preds) -> float | None:
     """A point's predicted step time: its own prediction, or for the engines the model does
     not describe (llm.c, reference, PyTorch) that of one worker on the same cores and batch."""
     spec = p["spec"]
     pred = preds.get(pred_key(spec))
     if pred is None and spec["engine"] != "starpu":
-        k = int(spec.get("threads") or spec.get("cpus") or 1)
-        proxy = dict(spec, engine="starpu", workers=1, cores_per_worker=k, threads=None)
-        if k > 1:
-            proxy["kcore"] = "team"
-        pred = preds.get(pred_key(proxy))
+        pred = preds.get(pred_key(proxy_spec(spec)))
     if not pred or "predicted_ms_per_step" not in pred:
         return None
     return pred["predicted_ms_per_step"] / 1e3
 
 
-def size_steps(points, preds, S, seconds, overhead, log) -> None:
-    """Each point's timed steps: about `seconds` of them by its predicted step, 1 to --steps;
-    and its estimated run time (estimate_s, what the deadline goes by)."""
+def size_steps(points, preds, S, seconds, overhead, log, min_steps=1) -> None:
+    """Each point's timed steps: about `seconds` of them by its predicted step, min_steps to
+    --steps; and its estimated run time (estimate_s, what the deadline goes by): the warm-up
+    steps (the first costing WARMUP_STEPS steps), the timed ones and the run's overhead."""
     for p in points:
         step = step_seconds(p, preds)
         if step is None:
             continue
         spec = p["spec"]
-        spec["steps"] = max(1, min(S["steps"], int(seconds / step + 0.5)))
+        spec["steps"] = max(min_steps, min(S["steps"], int(seconds / step + 0.5)))
         extra = 2.0 if int(spec.get("ranks") or 1) > 1 else 0.0      # mpirun's start
-        p["estimate_s"] = round(overhead + extra + (spec["steps"] + WARMUP_STEPS) * step, 1)
+        warm = WARMUP_STEPS + int(spec.get("warmup") or 1) - 1
+        p["estimate_s"] = round(overhead + extra + (spec["steps"] + warm) * step, 1)
     sized = [p for p in points if "estimate_s" in p]
     total = sum({config_key(p["spec"]): p["estimate_s"] for p in sized}.values())
     log(f"  timed steps sized to ~{seconds:g} s a point: {len(sized)} of {len(points)} points, "
@@ -349,14 +392,142 @@ def size_steps(points, preds, S, seconds, overhead, log) -> None:
         f"runs estimated at {total / 60:.1f} min")
 
 
+def by_priority(points, order) -> list:
+    """The points by their figure's place in `order` (--only's order: the first figure first),
+    each figure's points in the plan's order (Figure 3: its batches as --fig3-batches lists
+    them)."""
+    rank = {f: i for i, f in enumerate(order)}
+    return sorted(points, key=lambda p: rank.get(p["figure"], len(rank)))
+
+
+def choose_fig3_batches(points, budget_s, margin_s=30.0) -> tuple[list, list]:
+    """Figure 3 at two batches: the first of --fig3-batches, and the largest of the others
+    whose row (every partition) fits the budget left after the first row; (points, the
+    other batches' points). With two batches or fewer, both kept as they are."""
+    def row(B):
+        return [p for p in points if p["figure"] == "fig3" and p["spec"]["batch"] == B]
+    batches = list(dict.fromkeys(p["spec"]["batch"] for p in points if p["figure"] == "fig3"))
+    if len(batches) <= 2:
+        return points, []
+
+    def cost(ps):
+        return sum({config_key(p["spec"]): p.get("estimate_s", 0.0) for p in ps}.values())
+    left = budget_s - margin_s - cost(row(batches[0]))
+    fitting = [B for B in batches[1:] if cost(row(B)) <= left]
+    second = max(fitting) if fitting else min(batches[1:])
+    out = [p for p in points if p["figure"] != "fig3" or p["spec"]["batch"] in
+           (batches[0], second)]
+    why = (f"not run: Figure 3 at B={batches[0]} and B={second}, the largest of "
+           f"{', '.join(str(B) for B in batches[1:])} that fits")
+    return out, [dict(p, why=why) for p in points if p["figure"] == "fig3" and
+                 p["spec"]["batch"] not in (batches[0], second)]
+
+
+def cut_to_budget(points, budget_s, margin_s=30.0) -> tuple[list, list]:
+    """(kept, dropped): the points in priority order, each distinct configuration counted
+    once, kept while their estimated seconds (estimate_s; a point without one counts 0) end
+    margin_s before budget_s; a point that would end later is dropped and the next ones are
+    still tried (a shorter one of lower priority uses the time left; none displaces one of
+    higher priority, which was kept before it). Each kept point gets ends_s, its predicted end
+    from the start."""
+    kept, dropped, seen, t = [], [], {}, 0.0
+    for p in points:
+        key = config_key(p["spec"])
+        if key in seen:
+            kept.append(dict(p, ends_s=seen[key]))
+        elif t + p.get("estimate_s", 0.0) <= budget_s - margin_s:
+            t += p.get("estimate_s", 0.0)
+            seen[key] = round(t, 1)
+            kept.append(dict(p, ends_s=seen[key]))
+        else:
+            dropped.append(p)
+    return kept, dropped
+
+
+def measured_keys(paths) -> set:
+    """The configurations (pred_key: steps aside) with a run that measured them in the given
+    runs.csv files (earlier device runs, committed or brought back), for a later run to
+    measure only the points still missing."""
+    done = set()
+    for path in paths:
+        try:
+            with open(path, newline="") as f:
+                rows = list(csv.DictReader(f))
+        except OSError as e:
+            raise SystemExit(f"figures.py: --resume {path}: {e.strerror}; give the runs.csv of "
+                             "an earlier run")
+        if rows and "config" not in rows[0]:
+            raise SystemExit(f"figures.py: --resume {path}: no config column (not a runs.csv "
+                             "of figures.py)")
+        for r in rows:
+            if r.get("tokens_per_ms") and not r.get("error"):
+                done.add(pred_key(json.loads(r["config"])))
+    return done
+
+
+def calibration_runs(text) -> list[tuple[int, int, int]]:
+    """--calibration-runs "1x16,4x4,16x1:1,6": the (workers, cores per worker, batch) of
+    each traced run of `calibrate --partitions ... --sub-batch ...` (batch = workers x
+    sequences per sub-batch, one sub-batch per worker)."""
+    try:
+        parts, per = text.split(":")
+        out = []
+        for nk in parts.split(","):
+            n, k = (int(x) for x in nk.lower().split("x"))
+            out += [(n, k, n * int(b)) for b in per.split(",")]
+        return out
+    except ValueError:
+        raise SystemExit(f"figures.py: --calibration-runs {text!r}: want NxK[,NxK...]:B1[,B2] "
+                         "(partitions, then sequences per sub-batch), e.g. 1x16,4x4,16x1:1,6")
+
+
+def multicore(spec) -> bool:
+    """Whether a point's tasks (StarPU: cores per worker) or threads (the other engines) use
+    more than one core."""
+    if spec["engine"] == "starpu":
+        return int(spec["cores_per_worker"]) > 1
+    return int(spec.get("threads") or 1) > 1
+
+
+def mark_in_sample(points, runs) -> None:
+    """in_sample=True on each StarPU point of one process that a calibration run also ran
+    (same workers, cores per worker and batch, one sub-batch per worker, T = 64): its
+    prediction is a fit, not a prediction, and the error figures leave it out."""
+    runs = set(runs)
+    for p in points:
+        s = p["spec"]
+        if (s["engine"] == "starpu" and int(s.get("ranks") or 1) == 1 and s["seq_len"] == 64
+                and s.get("sub_batches") in (None, s["workers"])
+                and (s["workers"], s["cores_per_worker"], s["batch"]) in runs):
+            p["in_sample"] = True
+
+
 def run_spec(spec, llmc_dir=None, timeout=None) -> dict:
-    """One run: llm.c (experiments/llmc.py) or starpu_llm's bench in a subprocess."""
+    """One run: llm.c (experiments/llmc.py) or starpu_llm's bench in a subprocess. With
+    spec["warmup"] = W > 1: W warm-up steps (the runners drop their first; the others are
+    dropped here), then spec["steps"] timed ones, tokens/ms of their median step."""
+    warm = int(spec.get("warmup") or 1)
+    run = dict(spec, steps=int(spec["steps"]) + warm - 1)
     if spec["engine"] == "llmc":
         if not llmc_dir:
             return dict(spec, error="the llmc series needs --llmc DIR (experiments/llmc.py)")
         import llmc
-        return llmc.run(dict(spec), llmc_dir, timeout)
-    return run_in_subprocess(dict(spec), timeout=timeout)
+        r = llmc.run(run, llmc_dir, timeout)
+    else:
+        r = run_in_subprocess(run, timeout=timeout)
+    return median_of_timed(r, spec) if warm > 1 else r
+
+
+def median_of_timed(r, spec) -> dict:
+    """A run's result with its extra warm-up steps dropped and tokens/ms of the median timed
+    step (a drift between the first and the last steps moves it less than the mean)."""
+    if "error" in r:
+        return dict(r, steps=spec["steps"])
+    warm = int(spec.get("warmup") or 1)
+    timed = r["step_ms"][warm - 1:]
+    return dict(r, steps=spec["steps"], step_ms=timed, warmup_ms=r["step_ms"][:warm - 1],
+                tokens_per_ms=spec["batch"] * spec["seq_len"] / statistics.median(timed),
+                statistic=f"median of {len(timed)} timed steps after {warm} warm-up")
 
 
 # --------------------------------------------------------------------------- the runs
@@ -395,10 +566,13 @@ class RunCache:
                     for k in CONFIG_FIELDS})
         ok = "error" not in result
         row.update(tokens_per_ms=result.get("tokens_per_ms", "") if ok else "",
-                   ms_per_step=(sum(result["step_ms"]) / len(result["step_ms"])) if ok else "",
+                   ms_per_step=((statistics.median(result["step_ms"]) if "statistic" in result
+                                 else sum(result["step_ms"]) / len(result["step_ms"]))
+                                if ok else ""),
                    step_ms=" ".join(f"{x:.1f}" for x in result.get("step_ms", [])),
                    peak_rss_mb=round(result.get("peak_rss_mb", 0), 1) if ok else "",
                    describe=result.get("describe", ""), error=result.get("error", ""),
+                   statistic=result.get("statistic", "mean"),
                    wall_s=round(seconds, 1),
                    when=datetime.datetime.now().isoformat(timespec="seconds"))
         row.update(self.machine)
@@ -408,6 +582,26 @@ class RunCache:
         fields = list(dict.fromkeys(k for r in self.rows for k in r))
         write_csv(self.path, [{k: r.get(k, "") for k in fields} for r in self.rows])
         return row
+
+
+def print_plan(points, dropped, deadline, margin, log, now) -> None:
+    """The plan as it will run: each point's predicted seconds and end; what does not fit,
+    lowest priority first; where it ends against the deadline."""
+    for p in points:
+        tag = " [in-sample]" if p.get("in_sample") else ""
+        est = f"~{p['estimate_s']:.0f} s" if "estimate_s" in p else "no estimate"
+        ends = f", ends +{p['ends_s']:.0f} s" if "ends_s" in p else ""
+        log(f"  plan {p['figure']:<9} {str(p['series']):<9} {str(p['x']):<6} "
+            f"{describe_point(p):<36} {p['spec']['steps']} steps, {est}{ends}{tag}")
+    total = max((p.get("ends_s", 0.0) for p in points), default=0.0)
+    if deadline is not None:
+        left = deadline - now
+        log(f"  the plan: ~{total:.0f} s of runs, ending {left - total:.0f} s before the "
+            f"deadline (margin {margin:.0f} s)")
+    for p in reversed(dropped):
+        log(f"  NOT IN THE PLAN ({(p.get('why') or 'deadline').removeprefix('not run: ')}): {p['figure']} {p['series']} {p['x']} "
+            f"{describe_point(p)}" + (f", ~{p['estimate_s']:.0f} s" if "estimate_s" in p
+                                      else ""))
 
 
 def describe_point(p) -> str:
@@ -753,8 +947,34 @@ def main(argv=None):
                       "start (by its estimate; --deadline-at: an epoch time instead)")
     node.add_argument("--deadline-at", type=float, metavar="EPOCH",
                       help="the deadline as an epoch time (a calling script's start + its budget)")
-    node.add_argument("--order", choices=["plan", "cheap"], default="plan",
-                      help="cheap: the runs by estimated time, shortest first (default plan)")
+    node.add_argument("--order", choices=["plan", "cheap", "priority"], default="plan",
+                      help="cheap: the runs by estimated time, shortest first; priority: by "
+                      "--only's order, the first figure first, and with --deadline a plan cut "
+                      "to it before any run: a point that does not fit is dropped, the later "
+                      "ones still tried (default plan)")
+    node.add_argument("--margin", type=float, default=30.0, metavar="SECONDS",
+                      help="--order priority: the plan ends this long before the deadline "
+                      "(default 30)")
+    node.add_argument("--warmup", type=int, default=1, metavar="W",
+                      help="warm-up steps per run (default 1); W > 1: tokens/ms of the median "
+                      "timed step")
+    node.add_argument("--min-steps", type=int, default=1,
+                      help="with --point-seconds: at least this many timed steps (default 1)")
+    node.add_argument("--llmc-batches", help="fig2-llmc: llm.c, StarPU 1 x N and N x 1 on "
+                      "all N cores at these batches (comma-separated), for the ratio table")
+    node.add_argument("--resume", action="append", default=[], metavar="RUNS_CSV",
+                      help="leave out every configuration an earlier run measured (its "
+                      "runs.csv; repeatable): a later device run measures the rest")
+    node.add_argument("--calibration-runs", metavar="NxK,..:B,..", help="the calibration's "
+                      "traced runs (partitions:sequences per sub-batch), so that the points "
+                      "they equal are marked in_sample (points.json, predictions.csv)")
+    node.add_argument("--machine", metavar="TOML", help="predict for this machine "
+                      "description (a what-if) with --calibration's codelet ratios")
+    node.add_argument("--one-core-only", metavar="WHY", help="run no point whose tasks or "
+                      "threads use more than one core (written down as not run: WHY), e.g. "
+                      "when the BLAS does not give a k-core task its k cores")
+    node.add_argument("--node-cores", type=int, help="with --dry-run: plan for a node of "
+                      "this many cores with StarPU 1.4's parallel workers (not this machine)")
     node.add_argument("--jobs", type=int, help="predictions at a time (default: usable cores)")
     node.add_argument("--no-plots", action="store_true", help="measure only: no plots, no "
                       "results.md (experiments/eval16_report.py draws them elsewhere)")
@@ -765,6 +985,7 @@ def main(argv=None):
         print(f"note: --repeat {args.repeat} (< 3): fine for a test, not for the figures")
     only = set(args.only.split(","))
     unknown = only - set(FIGURES)
+    unknown -= set(EXTRA_FIGURES)
     if unknown:
         ap.error(f"--only: unknown {', '.join(sorted(unknown))}; choose from {', '.join(FIGURES)}")
 
@@ -779,8 +1000,18 @@ def main(argv=None):
 
     t0 = time.time()
     cores = usable_cores()
+    if args.node_cores:
+        if not args.dry_run:
+            ap.error("--node-cores plans for another node: with --dry-run only")
+        global NODE_BUILD
+        NODE_BUILD = Build(max_cpus=64, parallel_workers=True)
+        cores = args.node_cores
+    if args.warmup < 1 or args.min_steps < 1:
+        ap.error("--warmup and --min-steps: at least 1")
     S = settings(args, cores)
     machine = machine_info()
+    if os.environ.get("SL_DEVICE_KIND"):     # tools/device-eval16.sh: the device machine's kind
+        machine["device_kind"] = os.environ["SL_DEVICE_KIND"]
     if not reusable(machine["commit"]) and not (args.replot or args.dry_run):
         if not args.allow_dirty:
             print(f"figures.py: the tree is at {machine['commit']} (uncommitted changes, or not a "
@@ -803,19 +1034,45 @@ def main(argv=None):
     except OSError:
         load = None
     points = plan(S, args, only)
+    if args.order == "priority":
+        points = by_priority(points, args.only.split(","))
+    if args.calibration_runs:
+        S["calibration_runs"] = args.calibration_runs
+        mark_in_sample(points, calibration_runs(args.calibration_runs))
+    if args.resume:
+        done = measured_keys(args.resume)
+        before = len(points)
+        points = [p for p in points if pred_key(p["spec"]) not in done]
+        log(f"--resume: {before - len(points)} of {before} points measured already "
+            f"({', '.join(args.resume)}); {len(points)} left")
     if args.calibration and points:
-        log(f"Predictions of every StarPU point ({args.calibration})")
+        log(f"Predictions of every StarPU point ({args.calibration}"
+            + (f", for {args.machine}" if args.machine else "") + ")")
         preds = predict_points(points, args.calibration, S, args.out, log,
-                               args.jobs or usable_cores())
+                               args.jobs or usable_cores(), args.machine)
         if args.point_seconds:
-            size_steps(points, preds, S, args.point_seconds, args.run_overhead, log)
-    with open(os.path.join(args.out, "points.json"), "w") as f:
-        json.dump(dict(settings=S, points=points), f, indent=1, default=str)
-    if args.dry_run:
+            size_steps(points, preds, S, args.point_seconds, args.run_overhead, log,
+                       args.min_steps)
+    deadline = (args.deadline_at if args.deadline_at is not None else
+                t0 + args.deadline if args.deadline is not None else None)
+    dropped = []
+    if args.one_core_only:
         for p in points:
-            print(p["figure"], p["series"], p["x"], describe_point(p),
-                  f"{p['spec']['steps']} steps" + (f", ~{p['estimate_s']:.0f} s"
-                                                   if "estimate_s" in p else ""))
+            if multicore(p["spec"]):
+                p["why"] = f"not run: {args.one_core_only}"
+        dropped = [p for p in points if "why" in p]
+        points = [p for p in points if "why" not in p]
+    # a dry run plans for another machine: this one's prediction time is not the node's
+    now = t0 if args.dry_run else time.time()
+    if args.order == "priority" and deadline is not None:
+        points, unchosen = choose_fig3_batches(points, deadline - now, args.margin)
+        points, cut = cut_to_budget(points, deadline - now, args.margin)
+        dropped += cut + unchosen
+    with open(os.path.join(args.out, "points.json"), "w") as f:
+        json.dump(dict(settings=S, points=points, dropped=dropped), f, indent=1, default=str)
+    if args.order == "priority" or args.dry_run:
+        print_plan(points, dropped, deadline, args.margin, log, now)
+    if args.dry_run:
         return 0
 
     made = {}
@@ -842,8 +1099,9 @@ def main(argv=None):
     if points:
         log("Measurements")
         cache = RunCache(os.path.join(args.out, "runs.csv"), machine)
-        deadline = (args.deadline_at if args.deadline_at is not None else
-                    t0 + args.deadline if args.deadline is not None else None)
+        for p in dropped:       # written down, so that the report names them
+            cache.add(p["spec"], 1, dict(error=p.get("why") or "not run: cut from the plan "
+                                         "(the deadline; lower priority)"), 0.0)
         run_points(points, cache, args.repeat, only if args.force else set(), log, args.replot,
                    deadline, args.order, args.llmc)
         if args.no_plots:

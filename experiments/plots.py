@@ -130,7 +130,10 @@ FIG4_LABELS = {"rank0": "rank 0 owns all (the paper's)", "sharded": "sharded dat
                "pipeline": "pipeline, a stage per rank"}
 
 
-def figure(fig, points, cache, S, machine, peaks, out, repeat, log, predicted=None):
+def figure(fig, points, cache, S, machine, peaks, out, repeat, log, predicted=None,
+           overlay=None):
+    """overlay (Figures 2a, 2b): extra hollow diamonds, dicts of x, tokens_per_ms, series and
+    label (eval16_report.py: where the paper's ratio to llm.c puts each StarPU series)."""
     pts = [p for p in points if p["figure"] == fig]
     if not pts:
         return None
@@ -146,7 +149,9 @@ def figure(fig, points, cache, S, machine, peaks, out, repeat, log, predicted=No
     formula = (f"utilisation = model FLOPs/token ({fpt / 1e6:.0f} M: 3 x [L(24C² + 2C(T+1)) + 2C·Vp]) "
                f"x tokens/s / sgemm peak of the cores used (experiments/sgemm_peak.py)")
     stats_note = (f"median of {repeat} interleaved runs, bars min-max; {S['steps']} timed steps "
-                  f"after 1 warm-up, T={S['T']}")
+                  f"after {S.get('warmup', 1)} warm-up"
+                  + (" (a run's median step)" if S.get("warmup", 1) > 1 else "")
+                  + f", T={S['T']}")
 
     if fig in ("fig2a", "fig2b"):
         extra = None
@@ -171,6 +176,15 @@ def figure(fig, points, cache, S, machine, peaks, out, repeat, log, predicted=No
             if len(ut) == len(xs):
                 au.plot(xs, ut, color=colour, marker=marker, lw=1.2)
             headline[s] = {x: round(stat[(s, x)][0], 4) for x in xs}
+        for q in overlay or []:
+            c = SERIES.get(q["series"], (None, "k"))[1]
+            ax.plot([q["x"]], [q["tokens_per_ms"]], marker="D", ms=8, mfc="none", mec=c, mew=1.4,
+                    ls="none", zorder=5)
+            ax.annotate(q["label"], (q["x"], q["tokens_per_ms"]), textcoords="offset points",
+                        xytext=(-6, -12), ha="right", fontsize=6.5, color=c)
+        if overlay:
+            ax.plot([], [], marker="D", ms=7, mfc="none", mec="k", ls="none",
+                    label="the paper's ratio to llm.c, applied to this llm.c")
         if weak and ("reference", 1) in stat:
             ideal = [stat[("reference", 1)][0] * x for x in xs_all]
             ax.plot(xs_all, ideal, ls=":", color="#999999", lw=1, label="linear from the reference on 1 core")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The paper's evaluation on a borrowed 16-core node (issue 34): one script, one call of the
+# The paper's evaluation on a borrowed 16-core node (issues 34, 42): one script, one call of the
 # device tool. docs/figures.md, "Figures on a node lent for minutes", gives the exact call.
 #
 #   tools/device-eval16.sh --prepare   # here (network, git): fill .device-eval/ (ignored) with
@@ -26,28 +26,49 @@
 #   commit.txt  the commit of this tree (the node's copy has no .git)
 #
 # --device (and --small) stages, with their expected time on the 16-core node:
-#   1. StarPU 1.4.12 CPU + MPI + parallel workers, --enable-maxcpus=64: the carried build
-#      unpacked (~1 s; built there, ~40 s, if it cannot run), beside it OpenBLAS unpacked,
-#      llm.c patched and built against it, llm.c's checkpoint and data (~10 s)
-#   2. starpu-llm built with the carried wheels into a --target folder (~15 s); checks: the
-#      StarPU version, the BLAS (must be OpenBLAS's OpenMP build), a 2-rank mpirun smoke run
-#   3. starpu-llm calibrate --quick (~75 s)
-#   4. experiments/figures.py: every point of Figures 2a, 2b, 3 and 4 predicted (~15 s), then
-#      measured, shortest first, each point's timed steps sized to ~EVAL_POINT_SECONDS of
-#      predicted time, no run started that would end after the deadline (the script's start
-#      + EVAL_SECONDS)
-#   5. $OUT: runs.csv, predictions.csv, autotune_rank.csv, points.json, calibration.toml,
-#      env.txt, log.txt and eval16.tar.gz (all of the work folder's results and build logs);
-#      the CSVs and the log are copied there every 10 s too, so a killed run still brings back
-#      what it measured. experiments/eval16_report.py turns them into the committed results.
+#   1. StarPU 1.4.12 CPU + MPI + parallel workers, --enable-maxcpus=64: tools/device-gpu.sh's
+#      build when the GPU run of the same device session left it (${SL_DEVICE_WORK:-/tmp/sl-gpu}/
+#      starpu; its CUDA workers stay off), else the carried build unpacked (~1 s), else built
+#      (~40 s); beside it OpenBLAS's OpenMP build unpacked (library and cblas.h), llm.c patched
+#      and built against it, llm.c's checkpoint and data (~10 s)
+#   2. starpu-llm built with the carried wheels into a --target folder (~15 s; a second call on
+#      the same warm machine reuses its build folder), linked to that OpenBLAS by meson
+#      (-Dopenblas_dir, -Dopenblas_include, -Dopenblas_required: no silent fallback); checks:
+#      ldd shows that libopenblas, blas_name says openmp, and experiments/blas_preflight.py
+#      (~20 s) times a k-core task's GEMM on 4x4 and 1x16 against one core's; if any check
+#      fails, the k > 1 points are not run and 00-status.txt says why. A 2-rank mpirun smoke run
+#   3. the calibration held out by configuration (~60 s): calibrate --quick's traced runs on
+#      EVAL_CAL_PARTITIONS only (1x16,4x4,16x1 at 1 and 6 sequences per worker), no mpirun
+#      link fit (the link stays the ping-pong's: no Figure 4 point is fitted)
+#   4. experiments/figures.py: every point predicted (~15 s; those equal to a calibration run
+#      marked in-sample), the plan by priority (Figure 3 at its first batch and the largest of
+#      the others that fits, Figure 2b, 2a, llm.c and StarPU 1x16, 16x1 at EVAL_LLMC_BATCHES,
+#      Figure 4),
+#      each point EVAL_WARMUP warm-up and at least EVAL_MIN_STEPS timed steps (their median
+#      kept), cut so that it ends EVAL_MARGIN s before the deadline: a point that does not
+#      fit is dropped (named in the log, lowest priority first, and in runs.csv), the shorter
+#      ones after it still tried; points an earlier call measured (this warm
+#      machine's, or EVAL_RESUME's runs.csv files) are not run again
+#   5. $OUT: 00-status.txt (first: the machine -- CPU, cores, the device machine's kind from
+#      nvidia-smi, StarPU, BLAS -- and every failure), runs.csv, predictions.csv,
+#      autotune_rank.csv, points.json, calibration.toml, log.txt and eval16.tar.gz (the work
+#      folder: env.txt, build, preflight and calibration logs); copied every 10 s, so a killed
+#      run still brings back what it measured. experiments/eval16_report.py turns them into
+#      the committed results.
+#   tools/device-eval16.sh --dry-run   # here: the plan for the node and its cut, predicted from
+#                                      # the reference calibration (EVAL_* settings apply)
 #
-# Settings (environment; the defaults are the node's): EVAL_SECONDS (530: measurements stop
-# starting then), EVAL_MODEL (d12), EVAL_CORE_COUNTS (1,2,4,8,16), EVAL_WEAK (sequences per
-# core, 1), EVAL_STRONG (16), EVAL_FIG3 (16,32,64,96), EVAL_RANKS (1,2,4), EVAL_RESERVE (1),
-# EVAL_MPI_BATCH (per rank, 8), EVAL_POINT_SECONDS (2), EVAL_MAX_STEPS (10), EVAL_ONLY
-# (fig3,fig4,fig2a,fig2b), EVAL_NODE_CORES (16: more CPUs are cut to the first 16), EVAL_WORK
-# (/tmp/eval16), EVAL_STARPU_PREFIX (an existing StarPU 1.4 build to use instead of building
-# one), EVAL_CAL_SECONDS (200), PYTHON (python3).
+# Settings (environment; the defaults are the node's): EVAL_SECONDS (530: the deadline after
+# the start) or EVAL_DEADLINE_AT (epoch seconds: e.g. what the device session has left after
+# the GPU run), EVAL_MARGIN (30), EVAL_MODEL (d12), EVAL_CORE_COUNTS (1,2,4,8,16), EVAL_WEAK
+# (sequences per core, 1), EVAL_STRONG (16), EVAL_FIG3 (16,160,96,64,32: the first, then the
+# largest that fits), EVAL_LLMC_BATCHES (32,64), EVAL_RANKS (1,2,4), EVAL_RESERVE (1),
+# EVAL_MPI_BATCH (per rank, 8), EVAL_WARMUP (2), EVAL_MIN_STEPS (3), EVAL_POINT_SECONDS (3),
+# EVAL_MAX_STEPS (10), EVAL_ONLY (fig3,fig2b,fig2a,fig2-llmc,fig4: also the priority),
+# EVAL_CAL_PARTITIONS (1x16,4x4,16x1), EVAL_PREFLIGHT (4x4,1x16), EVAL_RESUME (runs.csv files),
+# EVAL_NODE_CORES (16: more CPUs are cut to the first 16), EVAL_WORK (/tmp/eval16),
+# EVAL_STARPU_PREFIX (an existing StarPU 1.4 build), EVAL_CAL_SECONDS (150),
+# EVAL_SETUP_SECONDS (--dry-run: 130), PYTHON (python3).
 set -uo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -111,9 +132,10 @@ prepare() {
     rm -rf "$b" "$CARRIED_PREFIX"
   fi
 
-  echo "== Debian's OpenMP OpenBLAS and libgfortran5 -> $E/deb"
+  echo "== Debian's OpenMP OpenBLAS (library and cblas.h) and libgfortran5 -> $E/deb"
   rm -f "$E"/deb/*.deb
-  (cd "$E/deb" && apt-get download libopenblas0-openmp libgfortran5 >/dev/null)
+  (cd "$E/deb" && apt-get download libopenblas0-openmp libopenblas-openmp-dev libgfortran5 \
+     >/dev/null)
 
   echo "== llm.c $LLMC_COMMIT (train_gpt2.c, llmc/*.h, LICENSE) -> $E/llmc"
   local g=(git --git-dir="$llmc_repo")
@@ -147,12 +169,15 @@ prepare() {
 
 # ------------------------------------------------------------------------------ --device
 START=$(date +%s)
+W=${EVAL_WORK:-/tmp/eval16}
 log() { echo "$(date +%T) [$(( $(date +%s) - START )) s] $*" | tee -a "$W/log.txt"; }
+# 00-status.txt: the first file back (alphabetical) says what failed and why, and the machine
+status() { echo "$*" >>"$W/00-status.txt"; log "$*"; cp -f "$W/00-status.txt" "$OUT/" 2>/dev/null; }
 
 # the files that come back ($OUT: at most 8); run every 10 s and at the end
 sync_out() {
-  for f in fig/runs.csv fig/predictions.csv fig/autotune_rank.csv fig/points.json \
-           calibration.toml env.txt log.txt; do
+  for f in 00-status.txt fig/runs.csv fig/predictions.csv fig/autotune_rank.csv fig/points.json \
+           calibration.toml log.txt; do
     [ -f "$W/$f" ] && cp -f "$W/$f" "$OUT/$(basename "$f")"
   done
   return 0
@@ -162,32 +187,90 @@ pack() {
   [ -n "${SYNC_PID:-}" ] && kill "$SYNC_PID" 2>/dev/null
   log "packing $OUT"
   sync_out
-  tar -czf "$OUT/eval16.tar.gz" -C "$W" --exclude=build --exclude=site --exclude='starpu-1.4.12' \
+  tar -czf "$OUT/eval16.tar.gz" -C "$W" --exclude='build-*' --exclude=site --exclude='starpu-1.4.12' \
     --exclude=starpu --exclude='llmc/*.bin' --exclude=cache --exclude=ob --exclude=gf \
-    --exclude='llmc/train_gpt2' . 2>/dev/null
+    --exclude='llmc/train_gpt2' --exclude=previous . 2>/dev/null
   ls -la "$OUT" | tee -a "$W/log.txt"
+}
+
+# the settings of the plan, the same for the device run and --dry-run (figures.py's options)
+plan_args() {
+  echo --model "${EVAL_MODEL:-d12}" --only "${EVAL_ONLY:-fig3,fig2b,fig2a,fig2-llmc,fig4}" \
+    --order priority --cores "${EVAL_CORE_COUNTS:-1,2,4,8,16}" \
+    --weak-per-core "${EVAL_WEAK:-1}" --strong-batch "${EVAL_STRONG:-16}" \
+    --fig3-batches "${EVAL_FIG3:-16,160,96,64,32}" --fig3-kcore team \
+    --llmc-batches "${EVAL_LLMC_BATCHES:-32,64}" --ranks "${EVAL_RANKS:-1,2,4}" \
+    --mpi-split --mpi-reserve "${EVAL_RESERVE:-1}" --mpi-batch-per-rank "${EVAL_MPI_BATCH:-8}" \
+    --warmup "${EVAL_WARMUP:-2}" --min-steps "${EVAL_MIN_STEPS:-3}" \
+    --steps "${EVAL_MAX_STEPS:-10}" --point-seconds "${EVAL_POINT_SECONDS:-3}" \
+    --margin "${EVAL_MARGIN:-30}" --calibration-runs "$(cal_parts):1,6" --repeat 1
+}
+# the calibration's traced runs, held out by configuration: these partitions at 1 and 6
+# sequences per worker (calibrate --quick's); every other point is a prediction
+cal_parts() { echo "${EVAL_CAL_PARTITIONS:-1x16,4x4,16x1}"; }
+
+# the deadline: EVAL_DEADLINE_AT (epoch seconds, e.g. what is left after the GPU run), else
+# the start + EVAL_SECONDS
+deadline_at() { echo "${EVAL_DEADLINE_AT:-$((START + ${EVAL_SECONDS:-530}))}"; }
+
+dry_run() {
+  # the plan on the 16-core node, here: predicted from the bundled reference calibration and
+  # experiments/machines/device-node-16.toml (assumed rates), its cut at the deadline shown,
+  # less what the node spends before its first run (EVAL_SETUP_SECONDS: build ~25 s, BLAS
+  # preflight ~20 s, mpirun smoke run ~10 s, calibration ~60 s, predictions ~15 s)
+  local py=${PYTHON:-$REPO/.venv/bin/python}
+  local setup=${EVAL_SETUP_SECONDS:-130}
+  local deadline; deadline=$(( $(deadline_at) - setup ))
+  echo "dry run: the node's set-up counted as $setup s; the runs' deadline $(date -d "@$deadline" +%T)"
+  mkdir -p /tmp/eval16-dry
+  # shellcheck disable=SC2046  # (plan_args: words on purpose)
+  cd "$REPO/experiments" && $py figures.py --dry-run --node-cores "${EVAL_NODE_CORES:-16}" \
+    --machine "$REPO/experiments/machines/device-node-16.toml" \
+    --calibration "$REPO/starpu_llm/perf/reference-calibration.toml" $(plan_args) \
+    --series tensor,data,llmc --deadline-at "$deadline" --allow-dirty --no-plots \
+    --no-sgemm-peak --out /tmp/eval16-dry $(for f in ${EVAL_RESUME:-}; do echo --resume "$f"; done)
+}
+
+device_kind() {
+  # the H100 and H200 machines' CPUs report the same name: the kind from the GPU's
+  local gpu; gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1)
+  case "$gpu" in
+    *H200*) echo nvidia-h200 ;; *H100*) echo nvidia-h100 ;;
+    "") echo no-gpu ;; *) echo "gpu-$(echo "$gpu" | tr -cs 'A-Za-z0-9' - | tr A-Z a-z)" ;;
+  esac
 }
 
 device() {
   [ -n "${OUT:-}" ] || die "--device writes into \$OUT (the device tool sets it)"
   [ -f "$E/commit.txt" ] || die "no $E: run tools/device-eval16.sh --prepare here first"
-  W=${EVAL_WORK:-/tmp/eval16}
-  rm -rf "$W"; mkdir -p "$W" "$OUT"
+  # an earlier call on this warm machine: its build is reused, its runs resumed from
+  mkdir -p "$W" "$OUT"
+  if [ -f "$W/fig/runs.csv" ]; then
+    mkdir -p "$W/previous" && cp "$W/fig/runs.csv" "$W/previous/runs-$(date +%s).csv"
+  fi
+  rm -rf "$W/fig" "$W/log.txt" "$W/00-status.txt" "$W/calibration.toml"
   PY=${PYTHON:-python3}
-  local budget=${EVAL_SECONDS:-530}
-  local deadline=$((START + budget))
+  local deadline; deadline=$(deadline_at)
   local model=${EVAL_MODEL:-d12}
   trap pack EXIT
   (while sleep 10; do sync_out; done) & SYNC_PID=$!
   export STARPU_LLM_COMMIT; STARPU_LLM_COMMIT=$(cat "$E/commit.txt")
-  log "eval16 on $(hostname): $(nproc) cores; commit $STARPU_LLM_COMMIT; measurements stop" \
-      "starting $budget s after the start; python $($PY --version 2>&1)"
+  export SL_DEVICE_KIND; SL_DEVICE_KIND=$(device_kind)
+  local cpu; cpu=$(lscpu | sed -n 's/^Model name: *//p' | head -n1)
+  status "eval16 on $(hostname): $cpu, $(nproc) CPUs, device machine $SL_DEVICE_KIND;" \
+         "commit $STARPU_LLM_COMMIT; deadline $(date -d "@$deadline" +%T)" \
+         "($(( deadline - START )) s from the start); $($PY --version 2>&1)"
 
-  # ---- 1. StarPU, OpenBLAS, llm.c (side by side)
+  # ---- 1. StarPU (the GPU run's if this machine has it, else the carried one, else built),
+  # OpenBLAS's OpenMP build (runtime and headers, unpacked), llm.c
+  local gpu_starpu=${SL_DEVICE_WORK:-/tmp/sl-gpu}/starpu       # tools/device-gpu.sh's prefix
   local prefix=${EVAL_STARPU_PREFIX:-$W/starpu} build_starpu=1
-  [ -n "${EVAL_STARPU_PREFIX:-}" ] && build_starpu=0
-  if [ $build_starpu = 1 ] && [ -f "$E/starpu-1.4.12-prefix.tar.gz" ]; then
-    # the build --prepare made, where every library it needs is here (else: built here)
+  if [ -n "${EVAL_STARPU_PREFIX:-}" ]; then build_starpu=0
+  elif [ -f "$gpu_starpu/lib/pkgconfig/starpumpi-1.4.pc" ]; then
+    prefix=$gpu_starpu build_starpu=0
+    log "StarPU: the GPU run's build in $gpu_starpu (MPI, parallel workers; its CUDA workers unused)"
+  elif [ -f "$W/starpu/lib/pkgconfig/starpumpi-1.4.pc" ]; then build_starpu=0
+  elif [ -f "$E/starpu-1.4.12-prefix.tar.gz" ]; then
     rm -rf "$CARRIED_PREFIX" && tar -xzf "$E/starpu-1.4.12-prefix.tar.gz" -C "$(dirname "$CARRIED_PREFIX")"
     if ldd "$CARRIED_PREFIX"/lib/libstarpu*.so | grep -q "not found"; then
       log "the carried StarPU misses libraries here: $(ldd "$CARRIED_PREFIX"/lib/libstarpu*.so |
@@ -198,50 +281,72 @@ device() {
   fi
   if [ $build_starpu = 1 ]; then
     (
-      tar -xzf "$E/starpu-1.4.12-autogen.tar.gz" -C "$W" && mkdir -p "$W/starpu-1.4.12/build" &&
-      cd "$W/starpu-1.4.12/build" &&
+      rm -rf "$W/starpu-1.4.12" && tar -xzf "$E/starpu-1.4.12-autogen.tar.gz" -C "$W" &&
+      mkdir -p "$W/starpu-1.4.12/build" && cd "$W/starpu-1.4.12/build" &&
       ../configure --prefix="$prefix" "${STARPU_OPTIONS[@]}" >"$W/starpu-configure.log" 2>&1 &&
       make -j"$(nproc)" >"$W/starpu-make.log" 2>&1 && make install >>"$W/starpu-make.log" 2>&1
     ) & local starpu_pid=$!
   fi
-  mkdir -p "$W/ob"
-  dpkg -x "$E"/deb/libopenblas0-openmp_*.deb "$W/ob" || log "FAILED: unpacking OpenBLAS"
-  OB=$W/ob/usr/lib/x86_64-linux-gnu/openblas-openmp
-  if ldd "$OB/libopenblas.so.0" | grep -q "not found"; then
+  rm -rf "$W/ob" && mkdir -p "$W/ob"
+  for deb in "$E"/deb/libopenblas0-openmp_*.deb "$E"/deb/libopenblas-openmp-dev_*.deb; do
+    dpkg -x "$deb" "$W/ob" || status "FAILED: unpacking $(basename "$deb")"
+  done
+  local ob=$W/ob/usr/lib/x86_64-linux-gnu/openblas-openmp
+  local ob_inc=$W/ob/usr/include/x86_64-linux-gnu/openblas-openmp
+  if ldd "$ob/libopenblas.so.0" | grep -q "not found"; then
     mkdir -p "$W/gf" && dpkg -x "$E"/deb/libgfortran5_*.deb "$W/gf"
-    OB=$OB:$W/gf/usr/lib/x86_64-linux-gnu
+    export LD_LIBRARY_PATH=$W/gf/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
     log "libgfortran5 missing here: Debian's is used"
   fi
-  export LD_LIBRARY_PATH=$OB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   mkdir -p "$W/cache" && cp "$E"/cache/* "$W/cache/"
   export STARPU_LLM_CACHE=$W/cache
   (
     PYTHONPATH=$REPO $PY "$REPO/experiments/llmc.py" build "$E/llmc" "$W/llmc" \
-      --openblas "${OB%%:*}" && PYTHONPATH=$REPO $PY "$REPO/experiments/llmc.py" checkpoint \
+      --openblas "$ob" && PYTHONPATH=$REPO $PY "$REPO/experiments/llmc.py" checkpoint \
       "$W/llmc" --model "$model"
   ) >"$W/llmc-build.log" 2>&1 & local llmc_pid=$!
   if [ $build_starpu = 1 ]; then
-    wait "$starpu_pid" || { log "FAILED: StarPU's build (starpu-*.log)"; tail -n 20 \
-      "$W/starpu-configure.log" "$W/starpu-make.log" >>"$W/log.txt"; exit 1; }
+    wait "$starpu_pid" || { status "FAILED: StarPU's build (starpu-*.log): nothing measured";
+      tail -n 20 "$W/starpu-configure.log" "$W/starpu-make.log" >>"$W/00-status.txt"; exit 1; }
   fi
-  log "StarPU $(sed -n 's/^Version: *//p' "$prefix"/lib/pkgconfig/starpu-1.4.pc) in $prefix"
+  local starpu_version; starpu_version=$(sed -n 's/^Version: *//p' "$prefix"/lib/pkgconfig/starpu-1.4.pc)
+  log "StarPU $starpu_version in $prefix"
   local llmc_ok=1
-  wait "$llmc_pid" || { llmc_ok=0; log "FAILED: llm.c's build (llmc-build.log): no llmc series";
-                        tail -n 5 "$W/llmc-build.log" >>"$W/log.txt"; }
+  wait "$llmc_pid" || { llmc_ok=0; status "FAILED: llm.c's build (llmc-build.log): no llmc series";
+                        tail -n 5 "$W/llmc-build.log" >>"$W/00-status.txt"; }
 
-  # ---- 2. starpu-llm with the carried wheels
+  # ---- 2. starpu-llm with the carried wheels, linked to that OpenBLAS (rpath, no fallback)
   if [ -z "${EVAL_NO_WHEELS:-}" ]; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --target "$W/site" "$E"/whl/*.whl \
-      >"$W/pip.log" 2>&1 || { log "FAILED: the wheels (pip.log)"; exit 1; }
+    local whl=$E/whl; [ -d "$whl" ] || whl=$REPO/.device/wheels       # the GPU run's
+    $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$W/site" \
+      "$whl"/*.whl >"$W/pip.log" 2>&1 || { status "FAILED: the wheels (pip.log)"; exit 1; }
   fi
   export PYTHONPATH=$W/site
-  PKG_CONFIG_PATH=$prefix/lib/pkgconfig $PY -m pip install -q --no-index --no-deps \
-    --no-build-isolation --no-compile --target "$W/site" -Cbuild-dir="$W/build" "$REPO" \
-    >>"$W/pip.log" 2>&1 || { log "FAILED: building starpu-llm (pip.log)"; tail -n 30 \
-    "$W/pip.log" >>"$W/log.txt"; exit 1; }
+  build_starpu_llm() {    # against StarPU in $1; a build folder per StarPU (reused by a 2nd call)
+    PKG_CONFIG_PATH=$1/lib/pkgconfig $PY -m pip install -q --no-index --no-deps \
+      --no-build-isolation --no-compile --upgrade --target "$W/site" \
+      -Cbuild-dir="$W/build-$(basename "$(dirname "$1")")-$(basename "$1")" \
+      -Csetup-args=-Dcuda=disabled -Csetup-args=-Dopenblas_dir="$ob" \
+      -Csetup-args=-Dopenblas_include="$ob_inc" -Csetup-args=-Dopenblas_required=true "$REPO" \
+      >>"$W/pip.log" 2>&1
+  }
+  build_failed() {
+    status "FAILED: building starpu-llm (pip.log): nothing measured"
+    tail -n 30 "$W/pip.log" >>"$W/00-status.txt"; exit 1
+  }
+  if ! build_starpu_llm "$prefix"; then
+    [ "$prefix" = "$gpu_starpu" ] && [ -f "$E/starpu-1.4.12-prefix.tar.gz" ] || build_failed
+    status "building against the GPU run's StarPU failed (pip.log): the carried StarPU instead"
+    rm -rf "$CARRIED_PREFIX" && tar -xzf "$E/starpu-1.4.12-prefix.tar.gz" -C "$(dirname "$CARRIED_PREFIX")"
+    prefix=$CARRIED_PREFIX
+    starpu_version=$(sed -n 's/^Version: *//p' "$prefix"/lib/pkgconfig/starpu-1.4.pc)
+    build_starpu_llm "$prefix" || build_failed
+  fi
   cd "$W"     # not the checkout: its starpu_llm/ has no compiled part
   {
-    echo "host $(hostname); $(nproc) cores; $(uname -r)"; lscpu; free -g
+    echo "host $(hostname); $(nproc) cores; $(uname -r); device machine $SL_DEVICE_KIND"
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
+    lscpu; free -g
     $PY - <<'PY'
 from starpu_llm._clib import ffi, lib
 from starpu_llm.runtime.starpu import max_starpu_cpus
@@ -254,17 +359,33 @@ PY
     ldd "$W"/site/starpu_llm/_clib*.so
     ldd "$W/llmc/train_gpt2" 2>/dev/null
   } >"$W/env.txt" 2>&1
-  log "$(grep -E '^(starpu|blas) ' "$W/env.txt" | tr '\n' ';')"
-  grep -q "^blas openblas-openmp" "$W/env.txt" ||
-    log "WARNING: the BLAS is not OpenBLAS's OpenMP build: k-core tasks will not get their cores"
-  local only=${EVAL_ONLY:-fig3,fig4,fig2a,fig2b}
+  local blas; blas=$(sed -n 's/^blas //p' "$W/env.txt")
+  status "machine: $cpu; $(nproc) CPUs; device machine $SL_DEVICE_KIND; StarPU $starpu_version" \
+         "($prefix); BLAS $blas"
+  # ---- the BLAS checked: linked from $ob, the OpenMP build, and a k-core task's GEMM on k cores
+  local kcore_ok=1 why=""
+  if ! grep -q "libopenblas.so.0 => $ob/" "$W/env.txt"; then
+    kcore_ok=0 why="starpu-llm's libopenblas is not $ob's (env.txt's ldd)"
+  elif [ "${blas#openblas-openmp}" = "$blas" ]; then
+    kcore_ok=0 why="the BLAS is $blas, not OpenBLAS's OpenMP build"
+  elif ! timeout "${EVAL_PREFLIGHT_SECONDS:-90}" $PY "$REPO/experiments/blas_preflight.py" \
+         --partitions "${EVAL_PREFLIGHT:-4x4,1x16}" --model "$model" --json "$W/preflight.json" \
+         >"$W/preflight.log" 2>&1; then
+    kcore_ok=0 why="the preflight: $(tail -n 3 "$W/preflight.log" | tr '\n' ' ')"
+  fi
+  if [ $kcore_ok = 1 ]; then
+    status "BLAS preflight ok: $(grep -v '^blas preflight: ok' "$W/preflight.log" | tr '\n' ' ')"
+  else
+    status "BLAS CHECK FAILED: $why -- the k > 1 points are not run"
+  fi
+  local only=${EVAL_ONLY:-fig3,fig2b,fig2a,fig2-llmc,fig4}
   if timeout 120 env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun \
        --oversubscribe --bind-to none -np 2 $PY -m starpu_llm train --model tiny --batch 4 \
        --seq-len 16 --steps 1 >"$W/mpi-smoke.log" 2>&1; then
     log "mpirun smoke run: ok"
   else
-    log "FAILED: the mpirun smoke run (mpi-smoke.log): no Figure 4"
-    tail -n 5 "$W/mpi-smoke.log" >>"$W/log.txt"
+    status "FAILED: the mpirun smoke run (mpi-smoke.log): no Figure 4"
+    tail -n 5 "$W/mpi-smoke.log" >>"$W/00-status.txt"
     only=$(echo "$only" | tr ',' '\n' | grep -v fig4 | paste -sd,)
   fi
 
@@ -275,36 +396,43 @@ PY
     log "$(nproc) CPUs here: calibration and runs on CPUs 0-$((cores - 1))"
   fi
 
-  # ---- 3. the calibration
-  local cal=() steps=${EVAL_MAX_STEPS:-10}
-  if timeout "${EVAL_CAL_SECONDS:-200}" "${pin[@]}" $PY -m starpu_llm calibrate --quick --model "$model" \
-       --out "$W/calibration.toml" >"$W/calibrate.log" 2>&1; then
-    cal=(--calibration "$W/calibration.toml" --point-seconds "${EVAL_POINT_SECONDS:-2}")
-    log "calibrated: $(tail -n 2 "$W/calibrate.log" | head -n 1)"
+  # ---- 3. the calibration, held out by configuration: CAL_PARTS only, no MPI link fit
+  local cal=()
+  local parts_py; parts_py=$(cal_parts | sed 's/\([0-9]*\)x\([0-9]*\)/(\1, \2)/g')
+  if timeout "${EVAL_CAL_SECONDS:-150}" "${pin[@]}" $PY -c "
+from starpu_llm.perf.calibrate import calibrate
+calibrate('$W/calibration.toml', steps=1, model='$model', quick=True, only=[$parts_py],
+          link_run=False)" >"$W/calibrate.log" 2>&1; then
+    cal=(--calibration "$W/calibration.toml")
+    status "calibrated on $(cal_parts) at 1 and 6 sequences per worker: $(tail -n 2 \
+            "$W/calibrate.log" | head -n 1)"
   else
-    log "FAILED: the calibration (calibrate.log): no predictions, 2 timed steps a point"
-    steps=2
-    tail -n 5 "$W/calibrate.log" >>"$W/log.txt"
+    status "FAILED: the calibration (calibrate.log): no predictions; each point" \
+           "${EVAL_MIN_STEPS:-3} timed steps"
+    tail -n 5 "$W/calibrate.log" >>"$W/00-status.txt"
   fi
 
-  # ---- 4. predict every point, then measure
-  local series=tensor,data
+  # ---- 4. predict every point, cut the plan to the deadline, measure by priority
+  local series=tensor,data extra=()
   [ $llmc_ok = 1 ] && series=$series,llmc
+  [ $llmc_ok = 1 ] || only=$(echo "$only" | tr ',' '\n' | grep -v fig2-llmc | paste -sd,)
+  [ $kcore_ok = 1 ] || extra+=(--one-core-only "BLAS check failed: $why")
+  for f in "$W"/previous/runs-*.csv ${EVAL_RESUME:-}; do
+    [ -f "$f" ] && extra+=(--resume "$f")
+  done
   log "figures.py: $only; $(( deadline - $(date +%s) )) s left for them"
-  PYTHONUNBUFFERED=1 "${pin[@]}" $PY "$REPO/experiments/figures.py" --model "$model" --only "$only" \
-    --cores "${EVAL_CORE_COUNTS:-1,2,4,8,16}" --weak-per-core "${EVAL_WEAK:-1}" \
-    --strong-batch "${EVAL_STRONG:-16}" --fig3-batches "${EVAL_FIG3:-16,32,64,96}" \
-    --fig3-kcore team --series "$series" --llmc "$W/llmc" --ranks "${EVAL_RANKS:-1,2,4}" \
-    --mpi-split --mpi-reserve "${EVAL_RESERVE:-1}" --mpi-batch-per-rank "${EVAL_MPI_BATCH:-8}" \
-    "${cal[@]}" --steps "$steps" --order cheap --deadline-at "$deadline" \
-    --repeat 1 --no-plots --no-sgemm-peak --allow-dirty --out "$W/fig" 2>&1 |
-    tee -a "$W/log.txt" | grep -E "NOT RUN|FAILED|predicted|sized|done in|--no-plots"
+  # shellcheck disable=SC2046
+  PYTHONUNBUFFERED=1 "${pin[@]}" $PY "$REPO/experiments/figures.py" $(plan_args) --only "$only" \
+    --series "$series" --llmc "$W/llmc" "${cal[@]}" "${extra[@]}" --deadline-at "$deadline" \
+    --no-plots --no-sgemm-peak --allow-dirty --out "$W/fig" 2>&1 |
+    tee -a "$W/log.txt" | grep -E "NOT RUN|NOT IN|FAILED|predicted|sized|done in|the plan:|--resume"
   log "done"
 }
 
 case "${1:-}" in
   --prepare) prepare ;;
   --device) device ;;
+  --dry-run) dry_run ;;
   --small)
     [ "${2:-}" = "--python" ] && [ -n "${3:-}" ] || die "--small --python PY312"
     export PYTHON=$3
@@ -313,8 +441,11 @@ case "${1:-}" in
     export EVAL_RANKS=${EVAL_RANKS:-1,2} EVAL_RESERVE=${EVAL_RESERVE:-0}
     export EVAL_MPI_BATCH=${EVAL_MPI_BATCH:-2} EVAL_POINT_SECONDS=${EVAL_POINT_SECONDS:-1}
     export EVAL_MAX_STEPS=${EVAL_MAX_STEPS:-3} EVAL_SECONDS=${EVAL_SECONDS:-900}
+    export EVAL_LLMC_BATCHES=${EVAL_LLMC_BATCHES:-4} EVAL_CAL_PARTITIONS=${EVAL_CAL_PARTITIONS:-1x2}
+    export EVAL_PREFLIGHT=${EVAL_PREFLIGHT:-1x2}
     export EVAL_NODE_CORES=${EVAL_NODE_CORES:-$(nproc)}
     export EVAL_WORK=${EVAL_WORK:-/tmp/eval16-small} OUT=${OUT:-/tmp/eval16-small-out}
+    W=$EVAL_WORK
     device ;;
-  *) sed -n '2,12p' "$0"; exit 2 ;;
+  *) sed -n '2,16p' "$0"; exit 2 ;;
 esac

@@ -331,17 +331,18 @@ def total_error(samples: list, m: Machine) -> dict:
 # ---------------------------------------------------------------- the runs
 
 def traced_runs(cores: int, steps: int, log, model: str = "d12", sub_batch=FIT_SUB_BATCH,
-                long_seq: bool = True) -> tuple[list, list, list]:
-    """Traced runs of each partition at each sub_batch size (FIT_SEQ_LEN), and (long_seq) with
-    one sequence of the model's full length per sub-batch; (task samples, StarPU history
-    samples, [(one-worker run, per-task overhead s, step fixed cost s)] of the FIT_SEQ_LEN
-    runs)."""
+                long_seq: bool = True, only=None) -> tuple[list, list, list]:
+    """Traced runs of each partition (only: of those (N, K) alone) at each sub_batch size
+    (FIT_SEQ_LEN), and (long_seq) with one sequence of the model's full length per sub-batch;
+    (task samples, StarPU history samples, [(one-worker run, per-task overhead s, step fixed
+    cost s)] of the FIT_SEQ_LEN runs)."""
     samples, history, overheads = [], [], []
     long_T = MODELS[model].maxT
+    parts = [nk for nk in partitions(cores) if only is None or nk in only]
     runs = [(N, K, per_sub, FIT_SEQ_LEN, steps)
-            for (N, K), per_sub in itertools.product(partitions(cores), sub_batch)]
+            for (N, K), per_sub in itertools.product(parts, sub_batch)]
     if long_seq and long_T > FIT_SEQ_LEN:
-        runs += [(N, K, 1, long_T, LONG_SEQ_STEPS) for N, K in partitions(cores)]
+        runs += [(N, K, 1, long_T, LONG_SEQ_STEPS) for N, K in parts]
     for N, K, per_sub, T, nsteps in runs:
         home = tempfile.mkdtemp(prefix="starpu-llm-calib-")
         env = dict(os.environ, STARPU_HOME=home, STARPU_CALIBRATE="1")
@@ -384,11 +385,22 @@ def traced_runs(cores: int, steps: int, log, model: str = "d12", sub_batch=FIT_S
 
 
 def calibrate(path: str, steps: int = 2, log=print, model: str = "d12",
-              disk_bytes: int = 1 << 30, quick: bool = False) -> Machine:
+              disk_bytes: int = 1 << 30, quick: bool = False, only=None,
+              link_run: bool = True) -> Machine:
     """Calibrate this machine on `model` (GPT-2 124M; the tests use a small one) into path;
-    the disk with a file of disk_bytes. quick: the cut-down calibration of the module's doc."""
+    the disk with a file of disk_bytes. quick: the cut-down calibration of the module's doc.
+    only: the traced runs on these (N, K) partitions alone (a calibration held out by
+    configuration: the other partitions' costs are then predicted, each worker size from the
+    largest calibrated one below it); link_run=False: no mpirun -np 2 run for the link (its
+    figures stay the ping-pong's), so that no MPI run a later evaluation scores is fitted."""
     from ..runtime.starpu import usable_cores
     cores = usable_cores()
+    if only is not None:
+        only = [tuple(nk) for nk in only]
+        bad = [f"{n}x{k}" for n, k in only if (n, k) not in partitions(cores)]
+        if bad or not only:
+            raise ValueError(f"calibrate: partitions {', '.join(bad) or '(none)'} are not "
+                             f"N x K = {cores} (this machine's usable cores)")
     t0 = time.perf_counter()
     if quick:
         disk_bytes = min(disk_bytes, QUICK_DISK_BYTES)
@@ -407,21 +419,24 @@ def calibrate(path: str, steps: int = 2, log=print, model: str = "d12",
                 bandwidth_gbs=rates["stream"], first_touch_gbs=rates["touch"],
                 zero_gbs=rates["zero"], add_gbs=rates["add"],
                 disk_write_gbs=disk["write_gbs"], disk_read_gbs=disk["read_gbs"],
-                source=f"starpu-llm calibrate{' --quick' if quick else ''} on "
-                       f"{cpu_description()}, {time.strftime('%Y-%m-%d %H:%M')}")
+                source=f"starpu-llm calibrate{' --quick' if quick else ''}"
+                       + (" on partitions " + ",".join(f"{n}x{k}" for n, k in only)
+                          if only is not None else "")
+                       + ("" if link_run else ", link from the ping-pong")
+                       + f" on {cpu_description()}, {time.strftime('%Y-%m-%d %H:%M')}")
     if link:
         m.link_latency_us, m.link_bandwidth_gbs = link["latency_us"], link["bandwidth_gbs"]
         m.link_pingpong_gbs = link["bandwidth_gbs"]
     samples, history, overheads = traced_runs(cores, steps, log, model,
                                               QUICK_SUB_BATCH if quick else FIT_SUB_BATCH,
-                                              long_seq=not quick)
+                                              long_seq=not quick, only=only)
     m.codelets = fit_codelets(samples + history, m)
     log("  the fit against the traced tasks' total time, per core count: " + ", ".join(
         f"k={k} {err:+.1%}" for k, err in sorted(total_error(samples, m).items())))
     per_task = [p for _, p, _ in overheads if p is not None]
     m.task_us = max(0.0, statistics.median(per_task) * 1e6) if per_task else 5.0
     m.step_ms = max(0.0, statistics.median(f for _, _, f in overheads) * 1e3)
-    if link:
+    if link and link_run:
         fit_link(m, model, steps, log)
     save(m, path)
     log(f"  {len(samples)} traced tasks and {len(history)} StarPU perf-model entries fitted; "
