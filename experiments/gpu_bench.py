@@ -4,17 +4,17 @@ llm.c's train_gpt2_fp32.cu, all with TF32 matmuls, at B x T = 8 x 1024, 16 x 102
 from the same random init on the bundled Shakespeare tokens.
 
     python experiments/gpu_bench.py --out DIR [--llmc DIR] [--shapes 8x1024,16x1024,128x64]
-                                    [--steps 10] [--warmup 3] [--timeout 150]
+                                    [--steps 10] [--warmup 3] [--timeout 150] [--trace]
 
 Each system runs each shape in a process of its own (one CUDA context and allocator at a
 time), `warmup` untimed steps then `steps` timed ones:
-  - starpu-llm: Runtime(gpus=1, gpu_matmul="tf32", cpu_layers=False): every layer's task on
-    the CUDA worker, the batch loads on a CPU worker, StarPU moving the data; the steps
-    submitted with Engine.step_ahead (the loss read as soon as the forward has it, the GPU
-    still running the backward and the update while Python submits the next step);
-    tok/ms = steps B T / the time from the first timed submission to the end of the last
-    step. Its task trace over the timed steps goes to DIR/trace_BxT.csv (when each task's
-    kernels were queued on which worker: the CUDA tasks are asynchronous);
+  - starpu-llm: starpu_llm.train(TrainConfig(gpus=1, gpu_matmul="tf32", ...)), what
+    `starpu-llm train --gpus 1` runs: every layer's task on the CUDA worker (the batch loads
+    on a CPU worker), StarPU moving the data, step n + 1 submitted before step n's loss is
+    read; tok/ms = the trainer's own, over the timed steps (untimed_steps = warmup). With
+    --trace, a second run of warmup + 1 steps records its tasks to
+    DIR/trace_BxT.csv (when each task's kernels were queued on which worker: the CUDA tasks
+    are asynchronous); the timed run is never traced;
   - PyTorch eager: starpu_llm.baselines.torch_sdpa on "cuda", TF32 allowed;
   - llm.c (--llmc: a folder with train_gpt2_fp32.cu and llmc/, a fetched copy kept outside
     this repository): built here with nvcc -O3 --use_fast_math for this GPU, run on the same
@@ -38,10 +38,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# starpu-llm-wait: the same engine stepping with Engine.step, which waits for the whole step
-# before reading its loss (the trainer's loop today): its gap to starpu-llm is what
-# submitting ahead saves, the GPU's idle time while Python submits the next step
-SYSTEMS = ("starpu-llm", "pytorch", "llm.c", "starpu-llm-wait")
+SYSTEMS = ("starpu-llm", "pytorch", "llm.c")
 
 
 def shapes_of(text: str) -> list[tuple[int, int]]:
@@ -50,46 +47,30 @@ def shapes_of(text: str) -> list[tuple[int, int]]:
 
 # ---------------------------------------------------------------- one system, one shape
 
-def run_starpu(B: int, T: int, steps: int, warmup: int, out: str, ahead: bool = True) -> dict:
-    import numpy as np
-    from starpu_llm.config import MODELS
-    from starpu_llm.flow.engine import StarPUEngine
-    from starpu_llm.io.data import DataLoader, default_dataset
-    from starpu_llm.io.formats import read_shard
-    from starpu_llm.runtime import Runtime
-    from starpu_llm.state import TrainState, random_init
+def starpu_config(B: int, T: int, steps: int, warmup: int, trace: bool = False):
+    """The run of `starpu-llm train --gpus 1 --gpu-matmul tf32 -b B -t T` on the bundled
+    tokens, from random weights, as a TrainConfig (no setting of its own)."""
+    from starpu_llm import TrainConfig
+    return TrainConfig(model="d12", batch=B, seq_len=T, steps=warmup + steps, lr=1e-4,
+                       gpus=1, gpu_matmul="tf32", untimed_steps=warmup, trace=trace, log=None)
 
-    config = MODELS["d12"]
-    tokens = read_shard(default_dataset()[0])
-    loader = DataLoader(tokens, B, T)
-    state = TrainState(config=config, params=random_init(config))
-    with Runtime(gpus=1, gpu_matmul="tf32", cpu_layers=False) as rt:
-        engine = StarPUEngine(config, state, B, T, tokens, rt)
-        step = engine.step_ahead if ahead else engine.step
-        losses = [step(loader.next_position(), 1e-4, 0.0) for _ in range(warmup)]
-        engine.wait()
-        rt.start_trace(200_000)
-        t0 = time.perf_counter()
-        marks = []
-        for _ in range(steps):
-            losses.append(step(loader.next_position(), 1e-4, 0.0))
-            marks.append(time.perf_counter())
-        engine.wait()
-        t1 = time.perf_counter()
-        trace = rt.trace()
-        rt.stop_trace()
-        describe = rt.describe()
-        engine.close()
-    with open(os.path.join(out, f"trace_{B}x{T}{'' if ahead else '_wait'}.csv"), "w",
-              newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["job", "codelet", "worker", "start_ns", "end_ns"])
-        w.writerows((e.job, e.codelet, e.worker, e.start_ns, e.end_ns) for e in trace)
-    ms = [(b - a) * 1e3 for a, b in zip([t0] + marks[:-1], marks)]
-    ms[-1] += (t1 - marks[-1]) * 1e3          # the last step ends when its update has run
-    return dict(step_ms=ms, tok_per_ms=steps * B * T / ((t1 - t0) * 1e3),
-                losses=[float(x) for x in losses], describe=describe,
-                finite=bool(np.all(np.isfinite(losses))))
+
+def run_starpu(B: int, T: int, steps: int, warmup: int, out: str, trace: bool = False) -> dict:
+    import numpy as np
+    from starpu_llm import train
+
+    r = train(starpu_config(B, T, steps, warmup))
+    result = dict(step_ms=r.step_ms[warmup:], tok_per_ms=r.tokens_per_ms,
+                  losses=[float(x) for x in r.losses], describe=r.engine,
+                  peak_gpu_mb=r.peak_gpu_mb, finite=bool(np.all(np.isfinite(r.losses))))
+    if trace:           # a separate run: no tracing in the timed steps
+        t = train(starpu_config(B, T, 1, warmup, trace=True))
+        with open(os.path.join(out, f"trace_{B}x{T}.csv"), "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["job", "codelet", "worker", "start_ns", "end_ns"])
+            w.writerows((e.job, e.codelet, e.worker, e.start_ns, e.end_ns) for e in t.trace)
+        result["traced_tasks"] = len(t.trace)
+    return result
 
 
 def run_pytorch(B: int, T: int, steps: int, warmup: int, out: str) -> dict:
@@ -157,8 +138,8 @@ def run_llmc(B: int, T: int, steps: int, warmup: int, out: str, binary: str) -> 
 
 def child(args) -> None:
     B, T = shapes_of(args.shape)[0]
-    if args.system in ("starpu-llm", "starpu-llm-wait"):
-        r = run_starpu(B, T, args.steps, args.warmup, args.out, args.system == "starpu-llm")
+    if args.system == "starpu-llm":
+        r = run_starpu(B, T, args.steps, args.warmup, args.out, args.trace)
     elif args.system == "pytorch":
         r = run_pytorch(B, T, args.steps, args.warmup, args.out)
     else:
@@ -177,6 +158,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--timeout", type=int, default=150, help="seconds for one system at one shape")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--trace", action="store_true",
+                    help="starpu-llm: also a traced run, its tasks to DIR/trace_BxT.csv")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--system", help=argparse.SUPPRESS)
     ap.add_argument("--shape", help=argparse.SUPPRESS)
@@ -206,6 +189,7 @@ def main():
             cmd = [sys.executable, os.path.abspath(__file__), "--child", "--system", system,
                    "--shape", f"{B}x{T}", "--out", args.out, "--steps", str(args.steps),
                    "--warmup", str(args.warmup)] + (["--llmc-binary", binary] if binary else [])
+            cmd += ["--trace"] if args.trace else []
             t = time.perf_counter()
             try:
                 p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
