@@ -159,3 +159,41 @@ def test_the_end_line_has_the_peak_gpu_memory_with_gpus_only(runtime, shards, mo
     r = train(config(shards, steps=3, log=lines.append), fresh_state(), runtime)
     assert r.peak_gpu_mb == 1234.4
     assert lines[-1].endswith("peak GPU memory: 1234 MB") and "peak RSS" in lines[-1], lines[-1]
+
+
+def test_a_signal_while_a_step_is_ahead_stops_after_it_with_its_checkpoint(runtime, shards,
+                                                                          monkeypatch, tmp_path):
+    """SIGUSR1 while step 2 is submitted (step 1 not read yet): step 1 is read and watched
+    without stopping, step 2 (the step under way) drained, then the run saves and stops: the
+    checkpoint of step 2 holds the parameters Engine.step leaves after 2 steps, bit for
+    bit, and no step 3 was submitted."""
+    import os
+    import signal
+
+    from starpu_llm import signals
+
+    submitted = []
+    submit = step_module.Engine.submit_step
+
+    def signalled_submit(self, *a, **k):
+        s = submit(self, *a, **k)
+        submitted.append(s.step)
+        if s.step == 2:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return s
+
+    monkeypatch.setattr(step_module.Engine, "submit_step", signalled_submit)
+    cfg = config(shards, save_every=100, checkpoint_dir=str(tmp_path / "ck"))
+    with pytest.raises(signals.Interrupted):
+        train(cfg, fresh_state(), runtime)
+    monkeypatch.undo()
+    assert submitted == [1, 2]
+    _, params = formats.read_checkpoint(str(tmp_path / "ck" / "step_00000002.bin"))
+    state = fresh_state()
+    loader = DataLoader(cfg.train_data, B, T, vocab_size=SMALL.V)
+    with StarPUEngine(SMALL, state, B, T, loader.tokens, runtime) as eng:
+        for s in range(2):
+            lr = learning_rate(s, STEPS, cfg.lr, cfg.lr_schedule, cfg.warmup_steps, cfg.min_lr)
+            eng.step(loader.next_position(), lr, cfg.weight_decay, CLIP)
+        eng.sync()
+    assert np.array_equal(params, state.params)
