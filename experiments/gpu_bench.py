@@ -5,15 +5,16 @@ interleaved shape by shape), from the same random init on the bundled Shakespear
 
     python experiments/gpu_bench.py [--out DIR] [--llmc DIR | --llmc-binary FILE]
                                     [--shapes 16x1024,8x1024,128x64] [--steps 10] [--warmup 3]
-                                    [--timeout 150]
+                                    [--timeout 150] [--trace]
 
 Each system runs each shape in a process of its own (one CUDA context and allocator at a
 time), `warmup` untimed steps then `steps` timed ones:
-  - starpu-llm: the StarPU engine on the GPU (starpu_engine below: the one place that sets it
-    up), the steps submitted ahead (Engine.step_ahead: each step's loss read as soon as its
-    forward has it); a step's ms is the time between two consecutive steps' losses. No trace
-    in the timed steps: one more step, traced, afterwards, its Gantt in DIR/trace_BxT.csv
-    (when each task's kernels were queued on which worker: the CUDA tasks are asynchronous);
+  - starpu-llm: starpu_llm.train(TrainConfig(gpus=1, gpu_matmul="tf32", ...)), what
+    `starpu-llm train --gpus 1` runs: every layer's task on the CUDA worker (the batch loads
+    on a CPU worker), StarPU moving the data, step n + 1 submitted before step n's loss is
+    read; a step's ms is the trainer's own. With --trace, a second run of warmup + 1 steps
+    records its tasks to DIR/trace_BxT.csv (when each task's kernels were queued on which
+    worker: the CUDA tasks are asynchronous); the timed run is never traced;
   - PyTorch eager: starpu_llm.baselines.torch_sdpa on "cuda", TF32 allowed; a step's ms is
     its adamw_step's (the loss read back);
   - llm.c (--llmc: a folder with train_gpt2_fp32.cu and llmc/, a fetched copy kept outside
@@ -37,7 +38,6 @@ run.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import json
 import os
@@ -49,11 +49,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# starpu-llm-wait: the same engine stepping with Engine.step, which waits for the whole step
-# before reading its loss (the trainer's loop today): its gap to starpu-llm is what
-# submitting ahead saves, the GPU's idle time while Python submits the next step
 SYSTEMS = ("starpu-llm", "llm.c", "pytorch")
-OPTIONAL = ("starpu-llm-wait",)   # --systems starpu-llm,...,starpu-llm-wait to add it
 
 
 def shapes_of(text: str) -> list[tuple[int, int]]:
@@ -69,56 +65,30 @@ def shapes_of(text: str) -> list[tuple[int, int]]:
 
 # ---------------------------------------------------------------- one system, one shape
 
-@contextlib.contextmanager
-def starpu_engine(config, state, B: int, T: int, tokens):
-    """(engine, runtime) of starpu-llm's GPU path: the one place the benchmark sets it up."""
-    from starpu_llm.flow.engine import StarPUEngine
-    from starpu_llm.runtime import Runtime
-
-    with Runtime(gpus=1, gpu_matmul="tf32", cpu_layers=False) as rt:
-        engine = StarPUEngine(config, state, B, T, tokens, rt)
-        try:
-            yield engine, rt
-        finally:
-            engine.close()
+def starpu_config(B: int, T: int, steps: int, warmup: int, trace: bool = False):
+    """The run of `starpu-llm train --gpus 1 --gpu-matmul tf32 -b B -t T` on the bundled
+    tokens, from random weights, as a TrainConfig (no setting of its own)."""
+    from starpu_llm import TrainConfig
+    return TrainConfig(model="d12", batch=B, seq_len=T, steps=warmup + steps, lr=1e-4,
+                       gpus=1, gpu_matmul="tf32", untimed_steps=warmup, trace=trace, log=None)
 
 
-def run_starpu(B: int, T: int, steps: int, warmup: int, out: str, ahead: bool = True) -> dict:
+def run_starpu(B: int, T: int, steps: int, warmup: int, out: str, trace: bool = False) -> dict:
     import numpy as np
-    from starpu_llm.config import MODELS
-    from starpu_llm.io.data import DataLoader, default_dataset
-    from starpu_llm.io.formats import read_shard
-    from starpu_llm.state import TrainState, random_init
+    from starpu_llm import train
 
-    config = MODELS["d12"]
-    tokens = read_shard(default_dataset()[0])
-    loader = DataLoader(tokens, B, T)
-    state = TrainState(config=config, params=random_init(config))
-    with starpu_engine(config, state, B, T, tokens) as (engine, rt):
-        step = engine.step_ahead if ahead else engine.step
-        losses = [step(loader.next_position(), 1e-4, 0.0) for _ in range(warmup)]
-        engine.wait()
-        marks = [time.perf_counter()]
-        for _ in range(steps):
-            losses.append(step(loader.next_position(), 1e-4, 0.0))
-            marks.append(time.perf_counter())
-        engine.wait()
-        marks[-1] = time.perf_counter()      # the last step ends when its update has run
-        # the Gantt: one more step, traced, outside the timed ones
-        rt.start_trace(200_000)
-        step(loader.next_position(), 1e-4, 0.0)
-        engine.wait()
-        trace = rt.trace()
-        rt.stop_trace()
-        describe = rt.describe()
-    with open(os.path.join(out, f"trace_{B}x{T}{'' if ahead else '_wait'}.csv"), "w",
-              newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["job", "codelet", "worker", "start_ns", "end_ns"])
-        w.writerows((e.job, e.codelet, e.worker, e.start_ns, e.end_ns) for e in trace)
-    ms = [(b - a) * 1e3 for a, b in zip(marks, marks[1:])]
-    return dict(step_ms=ms, first_loss=float(losses[0]), losses=[float(x) for x in losses],
-                describe=describe, finite=bool(np.all(np.isfinite(losses))))
+    r = train(starpu_config(B, T, steps, warmup))
+    result = dict(step_ms=r.step_ms[warmup:], first_loss=float(r.losses[0]),
+                  losses=[float(x) for x in r.losses], describe=r.engine,
+                  peak_gpu_mb=r.peak_gpu_mb, finite=bool(np.all(np.isfinite(r.losses))))
+    if trace:           # a separate run: no tracing in the timed steps
+        t = train(starpu_config(B, T, 1, warmup, trace=True))
+        with open(os.path.join(out, f"trace_{B}x{T}.csv"), "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["job", "codelet", "worker", "start_ns", "end_ns"])
+            w.writerows((e.job, e.codelet, e.worker, e.start_ns, e.end_ns) for e in t.trace)
+        result["traced_tasks"] = len(t.trace)
+    return result
 
 
 def run_pytorch(B: int, T: int, steps: int, warmup: int, out: str) -> dict:
@@ -199,8 +169,8 @@ def run_llmc(B: int, T: int, steps: int, warmup: int, out: str, binary: str) -> 
 
 def child(args) -> None:
     B, T = shapes_of(args.shape)[0]
-    if args.system in ("starpu-llm", "starpu-llm-wait"):
-        r = run_starpu(B, T, args.steps, args.warmup, args.out, args.system == "starpu-llm")
+    if args.system == "starpu-llm":
+        r = run_starpu(B, T, args.steps, args.warmup, args.out, args.trace)
     elif args.system == "pytorch":
         r = run_pytorch(B, T, args.steps, args.warmup, args.out)
     else:
@@ -220,8 +190,9 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--timeout", type=int, default=150, help="seconds for one system at one shape")
-    ap.add_argument("--systems", default=",".join(SYSTEMS),
-                    help=f"of {', '.join(SYSTEMS + OPTIONAL)}")
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"of {', '.join(SYSTEMS)}")
+    ap.add_argument("--trace", action="store_true",
+                    help="starpu-llm: also a traced run, its tasks to DIR/trace_BxT.csv")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--system", help=argparse.SUPPRESS)
     ap.add_argument("--shape", help=argparse.SUPPRESS)
@@ -236,10 +207,10 @@ def main():
     except ValueError:
         ap.error("--shapes: BxT pairs separated by commas (e.g. 16x1024,128x64), not "
                  f"{args.shapes!r}")
-    unknown = set(args.systems.split(",")) - set(SYSTEMS + OPTIONAL)
+    unknown = set(args.systems.split(",")) - set(SYSTEMS)
     if unknown:
         ap.error(f"--systems: unknown {', '.join(sorted(unknown))} "
-                 f"(of {', '.join(SYSTEMS + OPTIONAL)})")
+                 f"(of {', '.join(SYSTEMS)})")
     args.out = args.out or os.path.join(HERE, "results", "gpu", gpu_slug())
     os.makedirs(args.out, exist_ok=True)
     if args.child:
@@ -270,6 +241,7 @@ def main():
             cmd = [sys.executable, os.path.abspath(__file__), "--child", "--system", system,
                    "--shape", f"{B}x{T}", "--out", args.out, "--steps", str(args.steps),
                    "--warmup", str(args.warmup)] + (["--llmc-binary", binary] if binary else [])
+            cmd += ["--trace"] if args.trace else []
             t = time.perf_counter()
             try:
                 p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)

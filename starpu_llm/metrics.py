@@ -16,9 +16,10 @@ from dataclasses import asdict
 from .errors import StarpuLLMError
 from .io.atomic import atomic_write
 from .record import Partition
+from .watchers import Watcher
 
 
-class Metrics:
+class Metrics(Watcher):
     """The metrics file, written row by row under its own name as the run goes: each row is
     handed to the operating system when written (a killed run leaves every row of the steps
     it finished), and fsync'ed at each checkpoint and at the end (the rows of a checkpoint's
@@ -90,15 +91,17 @@ def _lines(path: str):
         return f.readlines()
 
 
-def step_extras(cfg, engine, validation, lr: float, rank: int, last: bool) -> dict:
-    """What the metrics record of a step beyond its loss and time, when it applies: the
-    scheduled learning rate, the gradients' norm before clipping (rank 0 holds it), the
-    validation loss (after the step's update, every val_every steps and after the last)."""
+def step_extras(cfg, engine, validation, lr: float, rank: int, last: bool, step: int,
+                norm=None) -> dict:
+    """What the metrics record of update `step` beyond its loss and time, when it applies:
+    the scheduled learning rate, the gradients' norm before clipping (rank 0 holds it; norm:
+    the step's norm root, Submitted.norm), the validation loss (after the step's update,
+    every val_every steps and after the last: the trainer has drained the step then)."""
     extra = {}
     if cfg.lr_schedule != "constant" or cfg.warmup_steps:
         extra["lr"] = lr
     if cfg.grad_clip > 0 and rank == 0:
-        extra["grad_norm"] = engine.grad_norm()
-    if validation and validation.due(engine.state.step, last):
+        extra["grad_norm"] = engine.grad_norm(norm)
+    if validation and validation.due(step, last):
         extra["val_loss"] = validation.loss(engine)
     return extra

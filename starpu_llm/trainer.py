@@ -16,6 +16,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field, fields
+from typing import NamedTuple
 
 
 from . import signals
@@ -133,6 +134,7 @@ class TrainResult:
     tokens_per_ms: float = float("nan")   # over the timed (post-warmup) steps
     timed_steps: int = 0
     peak_rss_mb: float = 0.0
+    peak_gpu_mb: float | None = None      # with GPUs: the most memory in use on them
     engine: str = ""
     state: TrainState | None = None
     trace: list | None = None
@@ -320,17 +322,11 @@ def _read_inputs(cfg: TrainConfig, state, memory, comm, runtime, log, warn):
 def _run(run: Run, stop: signals.StopOnSignal) -> TrainResult:
     """The training loop: each step, then what watches it; then the run's end (saves, StarPU
     stopped). Raises signals.Interrupted after saving when a signal stopped it."""
-    cfg, state = run.cfg, run.state
     result = TrainResult(engine=run.engine.describe())
     watchers = []
     try:
         _watchers(run, result, watchers)
-        for _ in range(cfg.steps - state.step):   # --steps counts the whole run
-            done = _step(run, stop, result)
-            for watch in watchers:
-                watch.after_step(done)
-            if done.stopping:
-                break
+        _steps(run, stop, result, watchers)
         _finish(run, result)
     finally:
         for watch in reversed(watchers):
@@ -341,26 +337,69 @@ def _run(run: Run, stop: signals.StopOnSignal) -> TrainResult:
     return _end(run, stop, result)
 
 
-def _step(run: Run, stop, result: TrainResult) -> StepDone:
-    """One training step, timed, with its extras."""
-    cfg, state = run.cfg, run.state
-    run.counters.before_step()
-    lr = learning_rate(state.step, cfg.steps, cfg.lr, cfg.lr_schedule, cfg.warmup_steps,
-                       cfg.min_lr)
-    t0 = time.perf_counter()
-    loss = run.engine.step(run.loader.next_position(), lr, cfg.weight_decay, cfg.grad_clip)
-    ms = (time.perf_counter() - t0) * 1e3
+def _steps(run: Run, stop, result: TrainResult, watchers: list) -> None:
+    """The steps, each then what watches it. On an engine that can (engine.ahead: the
+    StarPU engine in one process) step n + 1 is submitted before step n's loss is read, so
+    the workers (a GPU) never wait for Python between steps: a step's line comes once the
+    next step is submitted, its loss the same value, bit for bit. Nothing is submitted past a
+    step after which something reads the model or the data position (the last step, a
+    validation, a sample, a checkpoint, a signal): that step is drained (every task waited
+    for) before its watchers run."""
+    cfg, state, engine = run.cfg, run.state, run.engine
+    pending, since = None, None       # a step submitted, not yet read; when its time began
+    for _ in range(cfg.steps - state.step):     # --steps counts the whole run
+        if pending is None:
+            since = time.perf_counter()
+        lr = learning_rate(state.step, cfg.steps, cfg.lr, cfg.lr_schedule, cfg.warmup_steps,
+                           cfg.min_lr)
+        run.counters.before_step()
+        current = (engine.submit_step(run.loader.next_position(), lr, cfg.weight_decay,
+                                      cfg.grad_clip, keep_previous=pending is not None), lr)
+        if pending is not None:         # the previous step, read while this one runs
+            since = _done(run, stop, result, watchers, pending, since, drained=False).at
+        pending = current
+        step = current[0].step
+        if not (engine.ahead and step < cfg.steps and not stop.requested
+                and not (run.validation and run.validation.due(step, False))
+                and not any(w.reads_state(step) for w in watchers)):
+            engine.wait()
+            done = _done(run, stop, result, watchers, pending, since, drained=True)
+            pending = None
+            if done.stopping:
+                break
+
+
+class _Done(NamedTuple):
+    stopping: bool
+    at: float           # when it was read: the next step's time begins
+
+
+def _done(run: Run, stop, result: TrainResult, watchers, submitted, since: float,
+          drained: bool) -> _Done:
+    """A step submitted, read (its loss, after the tasks that write it; drained: after
+    every task) and watched: its time runs from `since` (its submission, or the previous
+    step's read) to now. Only a drained step can stop the run (a signal, every rank's
+    answer): a step read while the next runs leaves that to the next."""
+    cfg, state, engine = run.cfg, run.state, run.engine
+    s, lr = submitted
+    loss = engine.loss(s.losses)
+    now = time.perf_counter()
+    ms = (now - since) * 1e3
     result.losses.append(loss)
     result.step_ms.append(ms)
     tokens_per_ms = cfg.batch * cfg.seq_len / ms
-    extra = step_extras(cfg, run.engine, run.validation, lr, run.rank,
-                        last=state.step == cfg.steps)
+    extra = step_extras(cfg, engine, run.validation, lr, run.rank, last=s.step == cfg.steps,
+                        step=s.step, norm=s.norm)
     run.counters.after_step(extra)
     if run.peak:
         extra["mfu"] = state.config.flops_per_token(cfg.seq_len) * tokens_per_ms * 1e3 / run.peak
     if "val_loss" in extra:
-        result.val_losses.append((state.step, extra["val_loss"]))
-    return StepDone(state.step, loss, ms, tokens_per_ms, extra, stop.stop(run.comm))
+        result.val_losses.append((s.step, extra["val_loss"]))
+    done = StepDone(s.step, loss, ms, tokens_per_ms, extra,
+                    bool(stop.stop(run.comm)) if drained else False)
+    for watch in watchers:
+        watch.after_step(done)
+    return _Done(done.stopping, now)
 
 
 def _watchers(run: Run, result: TrainResult, out: list) -> None:
@@ -407,8 +446,10 @@ def _end(run: Run, stop, result: TrainResult) -> TrainResult:
     if run.comm is not None:
         result.rank_peak_rss_mb = run.comm.allgather(result.peak_rss_mb)
     result.state = state
+    gpu = (f"   peak GPU memory: {result.peak_gpu_mb:.0f} MB"
+           if result.peak_gpu_mb is not None else "")
     log(f"tokens/ms over {result.timed_steps} timed step(s): {result.tokens_per_ms:.4f}"
-        f"   peak RSS: {result.peak_rss_mb:.0f} MB")
+        f"   peak RSS: {result.peak_rss_mb:.0f} MB{gpu}")
     if run.rank == 0 and run.memory is None:    # rank 0 owns the parameters
         save_final(cfg, state, run.record, log)
     if stop.requested:

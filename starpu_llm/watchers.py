@@ -30,6 +30,11 @@ class Watcher:
     def after_step(self, done: StepDone) -> None:
         pass
 
+    def reads_state(self, step: int) -> bool:
+        """Whether after update `step` it reads the model or the data position (the trainer
+        then submits nothing past that step before it has run)."""
+        return False
+
     def close(self) -> None:
         pass
 
@@ -61,8 +66,11 @@ class Samples(Watcher):
         self.sampler, self.every, self.log = TrainingSampler(run.engine, run.cfg.seed), \
             run.cfg.sample_every, run.log
 
+    def reads_state(self, step):
+        return step % self.every == 0
+
     def after_step(self, d):
-        if d.step % self.every == 0:
+        if self.reads_state(d.step):
             self.log(f"sample at step {d.step}: {self.sampler.sample()!r}")
 
     def close(self):
@@ -76,9 +84,12 @@ class Checkpoints(Watcher):
     def __init__(self, run, metrics):
         self.run, self.metrics = run, metrics
 
+    def reads_state(self, step):
+        return step % self.run.cfg.save_every == 0
+
     def after_step(self, d):
         run = self.run
-        if d.step % run.cfg.save_every == 0 or d.stopping:
+        if self.reads_state(d.step) or d.stopping:
             checkpoint_step(run.cfg, run.engine, run.state, run.loader, run.rank, run.record,
                             run.log, run.warn)
             if self.metrics:
@@ -105,18 +116,23 @@ class Counters:
         self.comm, self.runtime = comm, runtime
         self.sent = []      # under MPI, the bytes sent so far at each step's start
         self.disk = [runtime.disk_traffic()] if memory is not None else None
+        self.gpu_mb = None  # with GPUs, the most memory in use on them after a step
 
     def before_step(self):
         if self.comm is not None:
             self.sent.append(self.runtime.bytes_sent())
 
     def after_step(self, extra: dict):
+        gpu = self.runtime.gpu_memory_mb() if self.runtime is not None else None
+        if gpu is not None:     # StarPU keeps what it allocated: the peak is still there
+            self.gpu_mb = max(self.gpu_mb or 0.0, gpu)
         if self.disk is not None:
             self.disk.append(self.runtime.disk_traffic())
             (r0, w0), (r1, w1) = self.disk[-2:]
             extra.update(disk_read_mb=(r1 - r0) / 1e6, disk_written_mb=(w1 - w0) / 1e6)
 
     def results(self, result, timed: int) -> None:
+        result.peak_gpu_mb = self.gpu_mb
         if self.comm is not None and self.sent:
             result.traffic = distributed.traffic(self.comm, self.sent[len(result.step_ms) - timed],
                                                  self.runtime.bytes_sent(), timed)

@@ -1,6 +1,6 @@
 """GPT-2 on a GPU through StarPU: the StarPU engine with a CUDA worker (Runtime(gpus=1)) beside
-its CPU workers, the scheduler (dmdas) placing each task on a CPU or the GPU, StarPU moving the
-data. Every test skips without a CUDA build or without a GPU, naming which.
+its CPU workers, every layer's task on the GPU (the CPU workers load the batches), StarPU moving
+the data. Every test skips without a CUDA build or without a GPU, naming which.
 
   - 10 AdamW steps of `tiny` and `d12` against the PyTorch oracle with test_model.py's
     comparisons: matmuls in fp32 within its fp32 bounds, in TF32 within bounds.py's TF32
@@ -9,7 +9,8 @@ data. Every test skips without a CUDA build or without a GPU, naming which.
     and that the GPU ran tasks;
   - the CPU and GPU engines' losses side by side (printed), both within the oracle's bounds;
   - checkpoints written on one engine resumed on the other (trainer.train, --save then
-    --resume), the 4 steps within the oracle's bounds.
+    --resume), the 4 steps within the oracle's bounds;
+  - `--grad-clip` through train() with --gpus 1 against test_train_features' clipped oracle.
 `pytest -s` prints the errors against their bounds and where the tasks ran."""
 from collections import Counter
 from dataclasses import replace
@@ -21,7 +22,7 @@ from starpu_llm import TrainConfig, train
 from starpu_llm._clib import lib
 from starpu_llm.config import ParamLayout
 from starpu_llm.runtime import Runtime
-from starpu_llm.runtime.starpu import have_cuda
+from starpu_llm.runtime.starpu import have_cuda, placed, placement
 from test_model import STEPS, compare, make_case, param_errors, report, run_engine, run_torch
 
 
@@ -112,6 +113,7 @@ def gpu_run(request):
         where = Counter((e.codelet, "gpu" if e.worker in cuda_workers else "cpu")
                         for e in rt.trace())
         rt.stop_trace()
+        assert placed() == placement(1)     # what sl_start gave StarPU: the one decision
     errors = compare(ParamLayout(case.config), fb, trained,
                      (out["logits"], out["loss"], out["grads"]), (out["losses"], out["params"]),
                      out["bounds"].params)
@@ -130,12 +132,53 @@ def test_gpu_matches_torch(gpu_run):
         f"{case.name} ({'tf32' if case.tf32 else 'fp32'}): error / bound {ratios}"
 
 
+def on_cpu_but_loads(where: Counter) -> dict:
+    """The tasks of `where` (per (codelet, worker kind)) that ran on a CPU worker, but the
+    batch loads (they read the token shard in host memory: CPU only, on purpose)."""
+    return {c: n for (c, kind), n in where.items() if kind == "cpu" and c != "load_batch"}
+
+
 def test_the_gpu_ran_the_layers(gpu_run):
+    """Every layer task of every step (forward, backward, AdamW) ran on the CUDA worker:
+    none on a CPU worker, the batch loads only there."""
     _, _, _, where = gpu_run
-    on_gpu = sum(n for (c, kind), n in where.items() if kind == "gpu")
-    assert on_gpu > 0, f"no task ran on the GPU: {dict(where)}"
-    # the batch loads read the token shard in host memory: CPU only
+    assert not on_cpu_but_loads(where), f"layer tasks ran on a CPU worker: {dict(where)}"
+    assert where[("matmul_forward", "gpu")] > 0 and where[("adamw", "gpu")] > 0
     assert where[("load_batch", "gpu")] == 0
+
+
+def test_grad_clip_through_train_on_the_gpu(tmp_path):
+    """`train --gpus 1 --grad-clip` (TrainConfig, the CLI's path; fp32 matmuls): the
+    clipped, scheduled run of test_train_features against its PyTorch oracle within the same
+    bounds (gradient norms, losses, parameters after 10 steps): the clip scale computed on
+    the GPU from the norm tree's root by each AdamW task, no host read before the update;
+    every layer task of every step on the CUDA worker (the task trace)."""
+    import json
+    import test_train_features as tf
+    from starpu_llm.io import formats
+    from starpu_llm.state import TrainState
+
+    ref = tf.run_torch_clipped()
+    shard = formats.write_shard(str(tmp_path / "train.bin"), tf.TRAIN)
+    metrics = str(tmp_path / "m.jsonl")
+    state = TrainState(config=tf.SMALL, params=tf.PARAMS.copy())
+    r = train(TrainConfig(train_data=shard, batch=tf.B, seq_len=tf.T, steps=tf.STEPS, lr=tf.LR,
+                          lr_schedule="cosine", warmup_steps=tf.WARMUP, min_lr=tf.MIN_LR,
+                          weight_decay=tf.WEIGHT_DECAY, grad_clip=tf.CLIP, gpus=1,
+                          gpu_matmul="fp32", trace=True, metrics_jsonl=metrics, log=None), state)
+    assert np.any(ref["norms"] > tf.CLIP) and np.any(ref["norms"] < tf.CLIP)
+    norms = np.array([json.loads(line)["grad_norm"] for line in open(metrics)])
+    err = np.abs(norms - ref["norms"])
+    assert np.all(err <= ref["norm_bounds"]), f"|grad norm - torch| {err} > {ref['norm_bounds']}"
+    err = np.abs(np.array(r.losses) - ref["losses"])
+    assert np.all(err <= ref["loss_bounds"]), f"|loss - torch| {err} > {ref['loss_bounds']}"
+    ratio = tf.ratio(np.abs(r.state.params.astype(np.float64) - ref["params"]),
+                     ref["param_bound"])
+    assert ratio.max() <= 1.0, f"parameters: max |diff| / bound {ratio.max():.3e}"
+    cuda_workers = {0}          # gpus=1: StarPU numbers its CUDA worker first
+    where = Counter((e.codelet, "gpu" if e.worker in cuda_workers else "cpu") for e in r.trace)
+    assert where[("grad_sumsq", "gpu")] > 0 and where[("norm_sum", "gpu")] > 0
+    assert not on_cpu_but_loads(where), f"layer tasks ran on a CPU worker: {dict(where)}"
 
 
 def test_gpu_batched_decoding_equals_one_sequence_at_a_time():

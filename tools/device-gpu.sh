@@ -180,7 +180,7 @@ stage_bench() {
   fi
   (cd "$work" && $dry timeout "$(limit 200 30)" python3 "$repo/experiments/gpu_bench.py" \
        --out "$work/bench" "${llmc[@]}" --shapes 16x1024,8x1024,128x64 --steps 8 --warmup 2 \
-       --timeout 60)
+       --timeout 60 --trace)
   local rc=$?
   cp "$work/bench/gpu_bench.md" "$work/bench/gpu_bench.csv" "$OUT/" 2>/dev/null
   cp "$work"/bench/trace_*.csv "$work"/bench/llmc_*.log "$details/" 2>/dev/null

@@ -170,9 +170,20 @@ static void build(void)
 
 _Static_assert(SL_MAX_BUFFERS <= STARPU_NMAXBUFS, "a codelet's modes must fit in starpu_codelet");
 
-static int cuda_only;
+int sl_codelet_where(int codelet, int ncuda)
+{
+	if (codelet < 0 || codelet >= sl_codelet_count())
+		return 0;
+	return ncuda > 0 && sl_codelet_get(codelet)->cuda ? SL_ON_CUDA : SL_ON_CPU;
+}
 
-void sl_set_cuda_only(int on) { cuda_only = on != 0; }
+int sl_codelet_placed(int codelet)
+{
+	if (!built || codelet < 0 || codelet >= sl_codelet_count())
+		return 0;
+	return (cls[codelet].cpu_funcs[0] ? SL_ON_CPU : 0) |
+	       (cls[codelet].cuda_funcs[0] ? SL_ON_CUDA : 0);
+}
 
 void sl_codelets_setup(int cores_per_worker, int ncuda)
 {
@@ -180,23 +191,18 @@ void sl_codelets_setup(int cores_per_worker, int ncuda)
 		build();
 	for (int id = 0; id < sl_codelet_count(); id++) {
 		const struct sl_codelet *c = sl_codelet_get(id);
-		/* a CUDA function only when StarPU runs GPUs (without, the codelets are the CPU
-		 * build's exactly), and then, with cuda_only, no CPU function beside it */
-		cls[id].cpu_funcs[0] = c->cpu;
-		cls[id].cpu_funcs_name[0] = c->name;
+		/* where sl_codelet_where says: a CUDA function only when StarPU runs GPUs
+		 * (without, the codelets are the CPU build's exactly) */
+		int where = sl_codelet_where(id, ncuda);
+		cls[id].cpu_funcs[0] = where & SL_ON_CPU ? c->cpu : NULL;
+		cls[id].cpu_funcs_name[0] = where & SL_ON_CPU ? c->name : NULL;
 		cls[id].cuda_funcs[0] = NULL;
 		cls[id].cuda_flags[0] = 0;
 #ifdef SL_HAVE_CUDA
-		if (ncuda > 0 && c->cuda) {
+		if (where & SL_ON_CUDA) {
 			cls[id].cuda_funcs[0] = c->cuda;
 			cls[id].cuda_flags[0] = STARPU_CUDA_ASYNC;
-			if (cuda_only) {
-				cls[id].cpu_funcs[0] = NULL;
-				cls[id].cpu_funcs_name[0] = NULL;
-			}
 		}
-#else
-		(void)ncuda;
 #endif
 		/* StarPU derives where a codelet runs from its functions at its first task and
 		 * keeps it: derived again for this start's functions */

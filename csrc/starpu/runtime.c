@@ -5,6 +5,7 @@
 #include <string.h>
 #include "internal.h"
 #ifdef SL_HAVE_CUDA
+#include <cuda_runtime_api.h>
 #include <starpu_cublas.h>
 #endif
 
@@ -247,6 +248,26 @@ int sl_worker_count(void) { return (int)starpu_worker_get_count(); }
 int sl_cpu_worker_count(void) { return (int)starpu_cpu_worker_get_count(); }
 
 int sl_cuda_worker_count(void) { return (int)starpu_cuda_worker_get_count(); }
+
+int sl_gpu_memory_used(int ncuda, size_t *used)
+{
+#ifdef SL_HAVE_CUDA
+	/* the primary context of each GPU, the one StarPU's CUDA workers use */
+	size_t sum = 0;
+	for (int d = 0; d < ncuda; d++) {
+		size_t free_b, total_b;
+		if (cudaSetDevice(d) != cudaSuccess || cudaMemGetInfo(&free_b, &total_b) != cudaSuccess)
+			return -EIO;
+		sum += total_b - free_b;
+	}
+	*used = sum;
+	return 0;
+#else
+	(void)ncuda;
+	(void)used;
+	return -ENODEV;
+#endif
+}
 
 int sl_have_cuda(void)
 {

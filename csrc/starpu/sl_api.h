@@ -35,10 +35,19 @@ typedef struct _starpu_data_state *sl_handle; /* == starpu_data_handle_t */
 #define SL_MAX_GROUP	  64 /* most cores of one team worker */
 int sl_start(int workers, int cores_per_worker, int kcore, const int *cores, int ncuda,
 	     const char *sched, const void *comm);
-/* Before sl_start with ncuda > 0: on (1), the codelets with a CUDA body get no CPU function
- * (their tasks run on the GPUs only; the CPU workers run the others: the batch loads); off (0,
- * the default), the scheduler chooses between both. */
-void sl_set_cuda_only(int on);
+/* Where the tasks of a codelet may run (SL_ON_* bits) on a start with ncuda CUDA workers: the
+ * one decision, which sl_start applies (also on a build without CUDA, where ncuda > 0 cannot
+ * start: what a CUDA build would do). Without GPUs on the CPU workers; with GPUs, every codelet
+ * with a CUDA body on the GPUs only (no CPU function: dmda/dmdas never run a layer task on a
+ * CPU to calibrate it, nor move its data across the bus for that), the CPU workers keeping the
+ * codelets without one (the batch loads, which read the token shard in host memory). 0: no
+ * such codelet. */
+#define SL_ON_CPU  1
+#define SL_ON_CUDA 2
+int sl_codelet_where(int codelet, int ncuda);
+/* Where the tasks of a codelet may run as StarPU was started (SL_ON_* bits of its CPU and
+ * CUDA functions; 0 before the first start). */
+int sl_codelet_placed(int codelet);
 /* The same set-up after init as sl_start, on a StarPU that another starter (starpupy's
  * starpu.init(), starpu_llm/runtime/starpupy_face.py) has already initialised with the partition's
  * configuration; sl_shutdown then leaves starpu_shutdown to that starter. No StarPU-MPI. */
@@ -53,6 +62,10 @@ void sl_resume(void);
 int sl_worker_count(void);	    /* every StarPU worker: CPU and CUDA */
 int sl_cpu_worker_count(void);
 int sl_cuda_worker_count(void);
+/* The memory in use on GPUs 0..ncuda-1 (cudaMemGetInfo: total - free, StarPU's buffers and
+ * caches, the CUDA contexts, and any other process's on the same GPUs) into *used; -ENODEV on a
+ * build without CUDA, -EIO when CUDA fails. */
+int sl_gpu_memory_used(int ncuda, size_t *used);
 int sl_have_cuda(void);		    /* 1 in a CUDA build (StarPU with CUDA, the GPU kernels) */
 int sl_max_cpus(void);		    /* STARPU_MAXCPUS of the StarPU build */
 /* The name of the i-th scheduling policy this StarPU build has, NULL past the last (callable

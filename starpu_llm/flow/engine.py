@@ -110,9 +110,31 @@ class StarPUEngine(Engine):
         self.norm = place.norm_scalars(config)
         place.check_tags()
         self.checkpoints = None     # the starpupy face's checkpoint task, made on first use
+        # one process, no memory limit (its step's disk traffic is counted step by step), not
+        # a recording: the trainer may submit step n+1 before reading step n's loss
+        self.ahead = not self.mpi and not place.offload and sites is None
+        self._spare = None          # the other set of losses and norm root (_alternate_buffers)
         if place.offload:           # the state's buffers are the handles now (sync())
             state.params, state.grads, state.m, state.v = (
                 HandleSlices(config, group, place) for group in (self.p, self.g, self.m, self.v))
+
+    def _alternate_buffers(self):
+        """The next step writes its losses and gradient norm into the other set: each
+        sub-batch's losses and the norm tree's root, a second set registered on first use.
+        Both are written whole by one task each (crossentropy_forward, the root's norm_sum),
+        so the values are those of one set, bit for bit."""
+        if not self.ahead:
+            raise StarpuLLMError("the StarPU engine submits a step ahead in one process without "
+                                 f"{opt('memory_limit')} only")
+        if self._spare is None:
+            self._spare = ([self.handles.tensor(a.losses.name, a.losses.shape, a.losses.dtype)
+                            for a, _ in self.subs],
+                           self.handles.tensor(self.norm[-1].name, (1,), np.float64))
+        losses, root = self._spare
+        self._spare = ([a.losses for a, _ in self.subs], self.norm[-1])
+        for (a, _), t in zip(self.subs, losses):
+            a.losses = t
+        self.norm[-1] = root
 
     def check_memory(self):
         """Under a memory limit, before the first step: one clear error when the limit cannot
@@ -149,6 +171,10 @@ class StarPUEngine(Engine):
             yield t.name, t
         for t in self.norm:
             yield t.name, t
+        if self._spare is not None:         # the other set (_alternate_buffers)
+            for i, t in enumerate(self._spare[0]):
+                yield f"s{i}.{t.name}", t
+            yield self._spare[1].name, self._spare[1]
         for t in (t for copy in self.contributions for t in copy.tensors()):
             if t.name.startswith("grad@"):
                 yield t.name, t
@@ -206,11 +232,12 @@ class StarPUEngine(Engine):
     def read(self, t):
         return read_tensor(t)
 
-    def loss(self) -> float:
+    def loss(self, losses: list | None = None) -> float:
         if not self.mpi:
-            return super().loss()
-        mine = [self.read(a.losses).mean(dtype=np.float64)
-                for i, (a, _) in enumerate(self.subs) if self.sites.owner(i) == self.rank]
+            return super().loss(losses)
+        losses = losses or [a.losses for a, _ in self.subs]
+        mine = [self.read(t).mean(dtype=np.float64)
+                for i, t in enumerate(losses) if self.sites.owner(i) == self.rank]
         return float(sum(self.runtime.comm.allreduce(mine)) / self.sub_batches)
 
     def sync(self):

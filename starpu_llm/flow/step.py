@@ -9,6 +9,8 @@ same order.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from . import taskflow
@@ -19,6 +21,15 @@ from ..state import TrainState
 from .tensors import Tensor
 
 
+class Submitted(NamedTuple):
+    """A step submitted (Engine.submit_step): the update it makes (1-based), and the tensors
+    its loss (each sub-batch's losses) and its gradient norm (the norm tree's root; None
+    without clipping) are read from."""
+    step: int
+    losses: list
+    norm: Tensor | None
+
+
 class Engine:
     """The per-step orchestration shared by both engines. A subclass sets ops (the
     executor of taskflow's calls), p, g, m, v (ParameterTensors of the parameters, gradients
@@ -27,6 +38,9 @@ class Engine:
     clipping)."""
 
     name = "?"
+    # whether the trainer may submit the next step before reading this one's loss (the
+    # StarPU engine in one process: its tasks run while Python submits; see submit_step)
+    ahead = False
 
     def __init__(self, config: GPTConfig, state: TrainState, B: int, T: int, tokens: np.ndarray,
                  sub_batches: int = 1):
@@ -110,6 +124,26 @@ class Engine:
         taskflow.update(self.update_ops(), self.config, self.p, self.g, self.m, self.v, lr, weight_decay,
                         self.state.step, grad_clip, self.norm)
 
+    def _alternate_buffers(self):
+        """Have the next step write its losses and gradient norm into the other of two sets
+        (the StarPU engine's; submit_step)."""
+        raise StarpuLLMError(f"the {self.name} engine does not submit a step ahead")
+
+    def submit_step(self, pos: int, lr: float, weight_decay: float, grad_clip: float = 0.0,
+                    keep_previous: bool = False) -> Submitted:
+        """Submit the step on the batch at token position pos (forward, backward, update;
+        grad_clip > 0 clips the gradients' global norm on the workers: the AdamW tasks read
+        the norm tree's root) without waiting for it. keep_previous: the previous step's
+        loss or gradient norm is still to be read (step_loss, grad_norm) while this one
+        runs, so this one writes them into the other of two sets of buffers (engines with
+        `ahead`)."""
+        if keep_previous:
+            self._alternate_buffers()
+        self.submit_forward_backward(pos)
+        self.submit_update(lr, weight_decay, grad_clip)
+        return Submitted(self.state.step, [a.losses for a, _ in self.subs],
+                         self.norm[-1] if grad_clip > 0 else None)
+
     def forward_backward(self, pos: int) -> float:
         """Loss of the batch at token position pos; leaves its gradients in the grads buffer."""
         self.submit_forward_backward(pos)
@@ -117,24 +151,16 @@ class Engine:
         return self.loss()
 
     def step(self, pos: int, lr: float, weight_decay: float, grad_clip: float = 0.0) -> float:
-        self.submit_forward_backward(pos)
-        self.submit_update(lr, weight_decay, grad_clip)
+        """The step on the batch at pos, waited for; its loss."""
+        s = self.submit_step(pos, lr, weight_decay, grad_clip)
         self.wait()
-        return self.loss()
+        return self.loss(s.losses)
 
-    def step_ahead(self, pos: int, lr: float, weight_decay: float, grad_clip: float = 0.0) -> float:
-        """step(), returning the loss as soon as the forward has computed it: the backward and
-        the update stay queued (the StarPU engine reads the losses through an acquire, not a
-        wait for every task), so the caller can submit the next step while they run, and a
-        GPU does not wait for Python between steps. Call wait() (or sync()) before reading
-        anything else of the step; one process (no MPI)."""
-        self.submit_forward_backward(pos)
-        self.submit_update(lr, weight_decay, grad_clip)
-        return self.loss()
-
-    def grad_norm(self) -> float:
-        """The global L2 norm of the gradients of the last clipped step (before clipping)."""
-        return float(np.sqrt(self.read(self.norm[-1])[0]))
+    def grad_norm(self, norm: Tensor | None = None) -> float:
+        """The global L2 norm of the gradients (before clipping) of the last clipped step, or
+        of the step whose root `norm` is (Submitted.norm): read after the tasks that write it,
+        not after every task."""
+        return float(np.sqrt(self.read(norm or self.norm[-1])[0]))
 
     def validation_loss(self, tokens: np.ndarray, positions) -> float:
         """Mean loss over the batches of tokens (a uint16 shard) starting at positions:
@@ -154,8 +180,11 @@ class Engine:
             self._activations_used()
         return float(np.mean(losses))
 
-    def loss(self) -> float:
-        return float(np.mean([self.read(a.losses).mean(dtype=np.float64) for a, _ in self.subs]))
+    def loss(self, losses: list | None = None) -> float:
+        """The mean loss of the last forward, or of the step whose sub-batches' losses tensors
+        are `losses` (Submitted.losses): read after the tasks that write them."""
+        losses = losses or [a.losses for a, _ in self.subs]
+        return float(np.mean([self.read(t).mean(dtype=np.float64) for t in losses]))
 
     def logits(self) -> np.ndarray:
         """(B, T, Vp) logits of the last forward pass."""

@@ -72,6 +72,24 @@ def resolve_here(request: PartitionRequest, ranks: int = 1, batch: int | None = 
                              engine=engine, batch=batch, memory_limit=memory_limit)
 
 
+ON_CPU, ON_CUDA = lib.SL_ON_CPU, lib.SL_ON_CUDA
+
+
+def placement(gpus: int) -> dict[str, int]:
+    """{codelet name: where its tasks may run (ON_CPU / ON_CUDA bits)} on a start with `gpus`
+    GPUs: the C layer's one decision (sl_codelet_where), which sl_start applies; readable
+    without a GPU, on any build."""
+    return {ffi.string(lib.sl_codelet_name(i)).decode(): lib.sl_codelet_where(i, gpus)
+            for i in range(lib.sl_codelet_count())}
+
+
+def placed() -> dict[str, int]:
+    """{codelet name: where its tasks may run} as StarPU was last started (the CPU and CUDA
+    functions its codelets were given)."""
+    return {ffi.string(lib.sl_codelet_name(i)).decode(): lib.sl_codelet_placed(i)
+            for i in range(lib.sl_codelet_count())}
+
+
 class Runtime:
     """Owns starpu_init / starpu_shutdown for this process (there is one StarPU per process).
 
@@ -89,10 +107,10 @@ class Runtime:
     to a disk node in a folder of its own (removed at shutdown); None: no limit.
     With GPUs (CUDA workers, GPUs 0..gpus-1, beside the CPU workers, a CUDA build) each takes a
     core for its thread. The tasks of every codelet with a CUDA body may run on either: the
-    scheduler (dmdas by default, by the codelets' history perf models) decides and StarPU
-    moves the data. cpu_layers: with GPUs, False keeps every task that has a CUDA body on the
-    GPUs (the CPU workers then load the batches only): dmda need not try each task on a CPU
-    first to calibrate its model (at GPT-2 124M, B=16, T=1024, seconds a task).
+    scheduler (dmdas by default) places them on the GPUs and StarPU moves the data: every task
+    of a codelet with a CUDA body runs on the GPUs only (placement()), the CPU workers run
+    the rest (the batch loads), so dmda never tries a layer task on a CPU to calibrate its
+    model (at GPT-2 124M, B=16, T=1024, seconds a task).
     """
 
     _active: "Runtime | None" = None
@@ -101,8 +119,7 @@ class Runtime:
                  sched: str | None = None, oversubscribe: bool = False, comm=None,
                  kcore: str | None = None, face: str | None = None,
                  memory: offload.MemoryLimit | None = None, gpus: int = 0,
-                 gpu_matmul: str = "tf32", cpu_layers: bool = True,
-                 partition: Partition | None = None):
+                 gpu_matmul: str = "tf32", partition: Partition | None = None):
         if Runtime._active is not None:
             raise StarpuLLMError("StarPU is already running in this process; "
                                  "shut the other Runtime down first")
@@ -112,7 +129,6 @@ class Runtime:
         # every rank checks its partition before any starts StarPU-MPI (mpi.agree)
         core_ids = agree(comm, self._plan, partition, request, sched, comm, face, memory)
         p = self.partition
-        self.cpu_layers = cpu_layers or not p.gpus
         self.offload = offload.start(memory)     # the limit, before StarPU starts
         self.offload_path = self.offload.path if self.offload else None
         if self.face == "starpupy":
@@ -124,7 +140,6 @@ class Runtime:
                 from mpi4py import MPI
                 comm_addr = ffi.cast("void *", MPI._addressof(comm))
             lib.sl_gpu_set_tf32(int(p.gpu_matmul == "tf32"))
-            lib.sl_set_cuda_only(int(p.gpus > 0 and not self.cpu_layers))
             ret = lib.sl_start(p.workers, p.cores_per_worker, MECHANISMS[p.kcore],
                                ffi.new("int[]", core_ids), p.gpus, self.sched.encode(),
                                comm_addr)
@@ -234,6 +249,18 @@ class Runtime:
         if ret != 0:
             raise RuntimeError(f"starpu_task_wait_for_all failed ({ret})")
 
+    def gpu_memory_mb(self) -> float | None:
+        """The memory in use on this runtime's GPUs now, in MB (sl_gpu_memory_used: what
+        cudaMemGetInfo reports, StarPU's buffers and caches and the CUDA contexts included);
+        None without GPUs (a CPU build runs none)."""
+        if not self.gpus:
+            return None
+        used = ffi.new("size_t *")
+        ret = lib.sl_gpu_memory_used(self.gpus, used)
+        if ret != 0:
+            raise RuntimeError(f"sl_gpu_memory_used failed ({ret})")
+        return used[0] / 1e6
+
     @contextlib.contextmanager
     def paused(self):
         """Stop StarPU's idle workers from spinning during a Python-only phase."""
@@ -281,7 +308,7 @@ class Runtime:
         limit = (f", memory limit {offload.format_size(self.memory.limit)} (evicting to "
                  f"{self.offload_path})" if self.memory else "")
         gpus = (f" + {self.gpus} GPU(s) ({self.gpu_matmul.upper()} matmuls"
-                f"{'' if self.cpu_layers else ', every layer on them'})" if self.gpus else "")
+                f", every layer on them)" if self.gpus else "")
         return (f"StarPU {major[0]}.{minor[0]}.{release[0]}{face}{mpi}, {self.workers} worker(s) x "
                 f"{self.cores_per_worker} core(s) ({self.kcore}){gpus}, scheduler {self.sched}, "
                 f"BLAS {ffi.string(lib.blas_name()).decode()}{limit}")
