@@ -5,7 +5,8 @@ Errors end the command with one message and status 2; under mpirun rank 0 report
 that every rank knows (runtime/mpi.agree: a bad flag, a file missing on one node, settings
 that differ), and an error that only one rank has in the middle of the run (after the ranks
 last met) ends the whole job through MPI_Abort, so that no rank is left waiting. A signal ends
-it as signals.py says (130 for Ctrl-C, 143 for SIGTERM, 138 for SIGUSR1)."""
+it as signals.py says (130 for Ctrl-C, 143 for SIGTERM, 138 for SIGUSR1, 129 for SIGHUP; 141
+when its stdout or stderr is closed)."""
 from __future__ import annotations
 
 import argparse
@@ -376,6 +377,11 @@ COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "bench": cmd_bench,
 
 
 def main(argv=None) -> int:
+    with signals.guarded_output():   # a closed stdout or stderr stops as a signal does
+        return _main(argv)
+
+
+def _main(argv=None) -> int:
     job = {"comm": None}           # the MPI communicator, once MPI runs
     try:
         with signals.stop_on_signal():
@@ -387,12 +393,10 @@ def main(argv=None) -> int:
     except StarpuLLMError as e:
         return _failed(e, job["comm"], 2)
     except KeyboardInterrupt as e:       # signals.Interrupted, or Python's own
-        status = e.exit_status if isinstance(e, signals.Interrupted) else 130
-        if not isinstance(e, signals.Interrupted) or e.signum == signal.SIGINT:
-            print("starpu-llm: interrupted", file=sys.stderr)
-        else:
-            print(f"starpu-llm: stopped by {signals.name(e.signum)}", file=sys.stderr)
-        return _end_job(job["comm"], status, getattr(e, "agreed", False))
+        signum = e.signum if isinstance(e, signals.Interrupted) else signal.SIGINT
+        sys.stdout.flush()
+        signals.say(signals.ended(signum))      # on the stream that still works
+        return _end_job(job["comm"], 128 + signum, getattr(e, "agreed", False))
     except Exception:
         if job["comm"] is None:
             raise

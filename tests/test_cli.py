@@ -265,6 +265,47 @@ def test_a_signal_during_start_up_ends_cleanly(shard, sig, status):
                                             "starpu-llm: stopped by SIGTERM"), out
 
 
+# the console script's lines, after the editable install's build check (meson-python's loader
+# runs ninja on the first import of the package: Python's, before any starpu-llm code)
+CONSOLE_SCRIPT = ("import importlib.util, sys; importlib.util.find_spec('starpu_llm'); "
+                  "print('go', flush=True); sys.argv = ['starpu-llm', *sys.argv[1:]]; "
+                  "from starpu_llm.cli import main; sys.exit(main())")
+
+
+@pytest.mark.parametrize("sig, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_at_any_moment_of_start_up_ends_cleanly(shard, sig, status):
+    """A signal from the first 10 ms of starpu-llm's own code on (the handlers are installed by
+    the package's first line, before cli's imports): 128 + the signal, one line, no
+    traceback."""
+    for delay in (0.01, 0.02, 0.04, 0.08, 0.16, 0.32):
+        p = subprocess.Popen([sys.executable, "-c", CONSOLE_SCRIPT, "train", "--model", "micro",
+                              "--train-data", shard, "--batch", "2", "--seq-len", "16",
+                              "--steps", "100000"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            assert p.stdout.readline() == "go\n"
+            time.sleep(delay)
+            p.send_signal(sig)
+            out, _ = p.communicate(timeout=60)
+        finally:
+            if p.poll() is None:
+                p.kill()
+        assert p.returncode == status, (delay, out)
+        assert "Traceback" not in out, (delay, out)
+        assert out.strip().splitlines()[-1] in ("starpu-llm: interrupted",
+                                                "starpu-llm: stopped by SIGTERM"), (delay, out)
+
+
+def test_importing_the_package_elsewhere_leaves_the_signals_alone():
+    """Only the starpu-llm command installs handlers at import: a program importing
+    starpu_llm keeps Python's."""
+    code = ("import signal, starpu_llm; print(signal.getsignal(signal.SIGINT) is "
+            "signal.default_int_handler, signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60).stdout
+    assert out.split() == ["True", "True"], out
+
+
 @pytest.mark.parametrize("sig, status, name", [(signal.SIGTERM, 143, "SIGTERM"),
                                                (signal.SIGUSR1, 138, "SIGUSR1")])
 def test_sigterm_and_sigusr1_stop_after_the_step_and_save(shard, tmp_path, sig, status, name):
