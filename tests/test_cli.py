@@ -307,7 +307,8 @@ def test_importing_the_package_elsewhere_leaves_the_signals_alone():
 
 
 @pytest.mark.parametrize("sig, status, name", [(signal.SIGTERM, 143, "SIGTERM"),
-                                               (signal.SIGUSR1, 138, "SIGUSR1")])
+                                               (signal.SIGUSR1, 138, "SIGUSR1"),
+                                               (signal.SIGHUP, 129, "SIGHUP")])
 def test_sigterm_and_sigusr1_stop_after_the_step_and_save(shard, tmp_path, sig, status, name):
     """SIGTERM (Slurm, timeout, container stops) and SIGUSR1 (mpirun forwards it) stop the run
     as Ctrl-C does: after the step under way, saving the model and a checkpoint, the metrics
@@ -332,6 +333,34 @@ def test_sigterm_and_sigusr1_stop_after_the_step_and_save(shard, tmp_path, sig, 
     assert f"{name}: stopping after the step under way" in out
     assert f"stopped by {name} after step {last}" in out and "Traceback" not in out
     assert checkpoint.read(save).step == last == checkpoint.read(ck).step
+    assert [json.loads(l)["step"] for l in open(metrics)] == list(range(1, last + 1))
+
+
+def test_a_closed_stdout_stops_the_run_and_saves(shard, tmp_path):
+    """`starpu-llm train ... | head`: once stdout is closed, the run stops after the step under
+    way as on a signal: the model and a checkpoint saved, the metrics of every step, exit 141
+    (128 + SIGPIPE), one line on stderr saying why; no traceback."""
+    save, ck, metrics = tmp_path / "model.bin", tmp_path / "ck", tmp_path / "m.jsonl"
+    p = subprocess.Popen([sys.executable, "-u", "-m", "starpu_llm", "train", "--model", "micro",
+                          "--train-data", shard, "--batch", "2", "--seq-len", "16", "--steps",
+                          "100000", "--save", str(save), "--save-every", "1000",
+                          "--checkpoint-dir", str(ck), "--metrics-jsonl", str(metrics)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in p.stdout:
+            if line.startswith("step    3/"):
+                break
+        p.stdout.close()           # as `head` does once it has its lines
+        err = p.communicate(timeout=120)[1]
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 141, err
+    assert "Traceback" not in err and "Error" not in err, err
+    assert "stdout closed: stopping after the step under way" in err
+    assert err.strip().splitlines()[-1] == "starpu-llm: stopped by a closed output", err
+    last = checkpoint.read(save).step
+    assert last >= 3 and checkpoint.read(ck).step == last
     assert [json.loads(l)["step"] for l in open(metrics)] == list(range(1, last + 1))
 
 
