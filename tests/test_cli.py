@@ -487,6 +487,35 @@ def test_calibrate_checks_its_output_before_measuring(tmp_path):
     assert "calibrating" not in out
 
 
+def test_calibrate_and_bench_run_on_a_model_of_another_vocabulary(tmp_path):
+    """micro's 250 ids hold none of the bundled Shakespeare's: calibrate and bench time it on
+    those ids modulo 250 (data.timing_dataset) rather than ending in a traceback."""
+    out = tmp_path / "machine.toml"
+    rc, stdout, err = run("calibrate", "--model", "micro", "--quick", "--out", str(out))
+    assert rc == 0 and "Traceback" not in err, err
+    from starpu_llm.perf.machine import load
+    assert load(str(out)).cores >= 1
+    rc, stdout, err = run("bench", "--model", "micro", "--batches", "2", "--seq-len", "16",
+                          "--steps", "1", "--no-torch")
+    assert rc == 0 and "failed" not in stdout, stdout + err
+
+
+def test_bench_exits_non_zero_when_a_row_failed(tmp_path):
+    """A configuration that failed is its row, then one error and status 2 (after the CSV of
+    the others)."""
+    rc, out, err = run("bench", "--model", "micro", "--batches", "1", "--seq-len", "64",
+                       "--steps", "1", "--no-torch", "--csv", str(tmp_path / "b.csv"))
+    assert_clean_error(rc, err, "configuration(s) failed")
+    assert "failed: " in out
+
+
+def test_predict_of_a_binary_machine_file_is_one_error(tmp_path):
+    path = tmp_path / "machine.bin"
+    path.write_bytes(bytes(range(256)) * 4)
+    rc, out, err = run("predict", "--machine", str(path))
+    assert_clean_error(rc, err, str(path), "not a machine description")
+
+
 def test_a_fifo_or_folder_companion_is_an_error_not_a_hang(shard, tmp_path):
     save = str(tmp_path / "m.bin")
     rc, _, err = run("train", "--model", "micro", "--train-data", shard, "--batch", "2",

@@ -130,6 +130,25 @@ def default_dataset(cache_dir=None) -> tuple[str, str]:
     return train, val
 
 
+def timing_dataset(vocab_size: int, cache_dir=None) -> str:
+    """The training shard that bench and calibrate time a model on: the bundled Shakespeare's
+    when the model's vocabulary holds GPT-2's ids, else (micro) those ids taken modulo the
+    vocabulary, cached next to it. A step's time depends on how many ids it reads, not on
+    which, and the text's ids fit no smaller vocabulary."""
+    train = default_dataset(cache_dir)[0]
+    if vocab_size >= N_VOCAB:
+        return train
+    path = os.path.join(os.path.dirname(train), f"{DEFAULT_DATASET}_mod{vocab_size}_train.bin")
+    tokens = formats.read_shard(train, N_VOCAB)
+    try:
+        if formats.read_shard(path, vocab_size).size == tokens.size:
+            return path
+    except StarpuLLMError:
+        pass                  # missing or damaged: written again
+    formats.write_shard(path, tokens % vocab_size)
+    return path
+
+
 # --------------------------------------------------------------------------- batch loader
 
 class DataLoader:

@@ -162,6 +162,10 @@ def load(path: str) -> Machine:
             text = f.read()
     except OSError as e:
         raise StarpuLLMError(f"{path}: cannot read the machine description ({e.strerror})")
+    except UnicodeDecodeError as e:
+        raise StarpuLLMError(f"{path}: not a machine description (not UTF-8 text: byte "
+                             f"{e.start}); give a TOML file such as experiments/machines/'s, "
+                             f"or run starpu-llm calibrate")
     return loads(text, path)
 
 
