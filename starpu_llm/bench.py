@@ -137,6 +137,17 @@ def traced_run(spec: dict) -> list:
     return ms
 
 
+def is_bench_table(path: str) -> bool:
+    """a table of starpu-llm bench (CSV whose header starts with B)"""
+    try:
+        f, size = formats.open_regular(path, "bench table")
+        with f:
+            first = f.readline(1 << 12)
+    except StarpuLLMError:
+        return False
+    return size == 0 or first.rstrip(b"\r\n") == b"B" or first.startswith(b"B,")
+
+
 def run_bench(args):
     """The table (printed, and --csv); a configuration that failed is a row saying why, and
     then an error at the end (after the CSV of those that ran)."""

@@ -273,26 +273,38 @@ def cmd_train(args):
 
 
 def cmd_prepare(args):
+    from .checkpointing import Output, check_new_outputs, is_shard_file, is_tokenizer_file
     from .io import corpus, data
+    name = None if args.text else "shakespeare"
+    train, val, tokenizer = data.prepared_paths(args.text, args.out_dir, name)
+    fix = "give another --out-dir"
+    check_new_outputs({"the training shard": Output(train, is_shard_file, fix=fix),
+                       "the validation shard": Output(val, is_shard_file, fix=fix),
+                       "the tokenizer": Output(tokenizer, is_tokenizer_file, fix=fix)},
+                      {"the text": args.text})
     source = args.text if args.text else corpus.shakespeare_text()
     train_path, val_path = data.prepare(source, args.out_dir, val_tokens=args.val_tokens,
-                                        name=None if args.text else "shakespeare")
+                                        name=name)
     print(f"wrote {train_path} and {val_path}")
     return 0
 
 
 def cmd_bench(args):
-    from .bench import run_bench
+    from .bench import is_bench_table, run_bench
+    from .checkpointing import Output, check_new_outputs
+    if args.csv:                   # before minutes of runs
+        check_new_outputs({"--csv": Output(args.csv, is_bench_table)}, {})
     run_bench(args)
     return 0
 
 
 def cmd_calibrate(args):
-    from .io.atomic import check_writable
+    from .checkpointing import Output, check_new_outputs
     from .perf.calibrate import calibrate
-    from .perf.machine import default_path
+    from .perf.machine import default_path, is_machine_file
     out = args.out or default_path()
-    check_writable(out)            # before minutes of measuring
+    # before minutes of measuring; the default file, starpu-llm's own, is replaced whatever it is
+    check_new_outputs({"--out": Output(out, is_machine_file if args.out else lambda p: True)}, {})
     calibrate(out, steps=args.steps or (1 if args.quick else 2), model=args.model,
               quick=args.quick)
     return 0

@@ -429,6 +429,41 @@ def test_outputs_never_overwrite_data(shard, tmp_path):
     assert checkpoint.read(save).step == 3
 
 
+def test_every_command_refuses_an_output_onto_data(shard, tmp_path):
+    """calibrate --out, bench --csv and prepare's shards go through train's check: never onto
+    a shard, an input or a file of another kind (through a symlink too), refused before any
+    work; the files untouched."""
+    before = open(shard, "rb").read()
+    text = tmp_path / "notes.txt"
+    text.write_text("To be, or not to be, that is the question.\n\n" * 40)
+    link = tmp_path / "link.toml"
+    link.symlink_to(shard)
+    for args, says in ((["calibrate", "--out", shard], "it is not a machine description"),
+                       (["calibrate", "--out", str(link)], "it is not a machine description"),
+                       (["bench", "--csv", shard, "--model", "micro"],
+                        "it is not a table of starpu-llm bench")):
+        rc, out, err = run(*args, timeout=120)
+        assert_clean_error(rc, err, shard if "link" not in args[-1] else str(link), says)
+        assert "calibrating" not in out and "machine:" not in out
+    # prepare: a shard's name taken by the text itself (a symlink), or by a file of notes
+    out_dir = tmp_path / "prepared"
+    out_dir.mkdir()
+    (out_dir / "notes_val.bin").symlink_to(text)
+    rc, out, err = run("prepare", str(text), "--out-dir", str(out_dir), "--val-tokens", "8")
+    assert_clean_error(rc, err, "would overwrite the text", "give another --out-dir")
+    (out_dir / "notes_val.bin").unlink()
+    (out_dir / "notes_train.bin").write_text("my notes\n")
+    rc, out, err = run("prepare", str(text), "--out-dir", str(out_dir), "--val-tokens", "8")
+    assert_clean_error(rc, err, "notes_train.bin", "it is not a token shard")
+    assert (out_dir / "notes_train.bin").read_text() == "my notes\n"
+    assert open(shard, "rb").read() == before and text.read_text().startswith("To be")
+    # what each writes, written again over itself: fine
+    (out_dir / "notes_train.bin").unlink()
+    for _ in range(2):
+        rc, out, err = run("prepare", str(text), "--out-dir", str(out_dir), "--val-tokens", "8")
+        assert rc == 0, err
+
+
 def test_a_checkpoint_dir_of_another_run_is_refused(shard, tmp_path):
     """A new run writing into a --checkpoint-dir that holds another run's checkpoints would
     delete them (and a --resume of the folder would take them): refused, saying what to do.

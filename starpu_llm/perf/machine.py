@@ -169,6 +169,15 @@ def load(path: str) -> Machine:
     return loads(text, path)
 
 
+def is_machine_file(path: str) -> bool:
+    """a machine description"""
+    try:
+        load(path)
+    except StarpuLLMError:
+        return False
+    return True
+
+
 def save(m: Machine, path: str) -> None:
     from ..io.atomic import atomic_write
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
