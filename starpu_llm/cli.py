@@ -394,9 +394,9 @@ def main(argv=None) -> int:
 
 
 def _main(argv=None) -> int:
-    job = {"comm": None}           # the MPI communicator, once MPI runs
+    job = {"comm": None, "stop": None}      # the MPI communicator, once MPI runs
     try:
-        with signals.stop_on_signal():
+        with signals.stop_on_signal() as job["stop"]:
             parser = build_parser()        # the compiled modules load before MPI (runtime/mpi.py)
             from .runtime import mpi as distributed
             comm = job["comm"] = distributed.world()
@@ -406,14 +406,24 @@ def _main(argv=None) -> int:
         return _failed(e, job["comm"], 2)
     except KeyboardInterrupt as e:       # signals.Interrupted, or Python's own
         signum = e.signum if isinstance(e, signals.Interrupted) else signal.SIGINT
-        sys.stdout.flush()
-        signals.say(signals.ended(signum))      # on the stream that still works
-        return _end_job(job["comm"], 128 + signum, getattr(e, "agreed", False))
+        return _interrupted(signum, job["comm"], getattr(e, "agreed", False))
     except Exception:
+        stop = job["stop"]
+        if stop is not None and stop.signum is not None:
+            # the signal's Interrupted turned into another error by the code it interrupted
+            # (numpy's import makes it an ImportError): the signal is what ended the command
+            return _interrupted(stop.signum, job["comm"], False)
         if job["comm"] is None:
             raise
         traceback.print_exc()
         return _end_job(job["comm"], 1, False)
+
+
+def _interrupted(signum: int, comm, agreed: bool) -> int:
+    """The end on a signal (or a closed output): one line, status 128 + its number."""
+    sys.stdout.flush()
+    signals.say(signals.ended(signum))      # on the stream that still works
+    return _end_job(comm, 128 + signum, agreed)
 
 
 def _failed(e: StarpuLLMError, comm, status: int) -> int:

@@ -126,6 +126,7 @@ class StopOnSignal:
 
     def _install(self):
         self._previous_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        self._previous_hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
         self._installed = True
         # last: from here a signal may raise Interrupted, out of this very call too
         self._previous = {}
@@ -138,6 +139,7 @@ class StopOnSignal:
             signal.signal(s, h if h is not None else (signal.default_int_handler
                                                       if s == signal.SIGINT else signal.SIG_DFL))
         signal.set_wakeup_fd(self._previous_fd)
+        sys.unraisablehook = self._previous_hook
         self._installed = False
 
     @contextlib.contextmanager
@@ -160,6 +162,18 @@ class StopOnSignal:
             self.signum = signum
         if not self._deferred:
             raise Interrupted(signum)
+
+    def _unraisable(self, info):
+        """An Interrupted raised where Python can only print it and go on (a callback, a
+        __del__): the process ends at once, as _at_once does, rather than a traceback."""
+        if isinstance(info.exc_value, Interrupted):
+            try:
+                sys.stdout.flush()
+            except Exception:        # a reentrant flush: what is buffered is lost
+                pass
+            say(ended(info.exc_value.signum))
+            os._exit(info.exc_value.exit_status)
+        self._previous_hook(info)
 
     def output_closed(self, which: str) -> None:
         """stdout or stderr (`which`) cannot be written any more: a stop as by a signal (in
