@@ -178,8 +178,8 @@ class StopOnSignal:
     def output_closed(self, which: str) -> None:
         """stdout or stderr (`which`) cannot be written any more: a stop as by a signal (in
         the main thread, before the training loop, at once)."""
-        if self.signum is not None:
-            return
+        if self.signum is not None or not self._installed:
+            return           # (suspended: the command that handles signals itself goes on)
         self.signum = OUTPUT_CLOSED
         if self._deferred:
             say(f"{which} closed: stopping after the step under way, then saving")
