@@ -75,9 +75,21 @@ def at_start_up() -> None:
     if command and threading.current_thread() is threading.main_thread():
         for s in STOP_SIGNALS:
             signal.signal(s, _at_once)
+        for fd in (0, 1, 2):   # closed (`>&-`): /dev/null there, or the next file opened
+            try:               # would take its number and receive what StarPU prints
+                os.fstat(fd)
+            except OSError:
+                null = os.open(os.devnull, os.O_RDWR)
+                if null != fd:
+                    os.dup2(null, fd)
+                    os.close(null)
 
 
 def _at_once(signum, frame):
+    try:
+        sys.stdout.flush()
+    except Exception:            # a reentrant flush (the signal landed in one): lost
+        pass
     say(ended(signum))
     os._exit(128 + signum)
 
@@ -331,13 +343,15 @@ def guarded_output():
     """sys.stdout and sys.stderr guarded (_Guarded) inside the block; flushed at its end."""
     saved = sys.stdout, sys.stderr
     for which in ("stdout", "stderr"):
-        _guards[which] = _Guarded(getattr(sys, which), which)
-        setattr(sys, which, _guards[which])
+        if getattr(sys, which) is not None:     # None: closed when Python started; print() skips it
+            _guards[which] = _Guarded(getattr(sys, which), which)
+            setattr(sys, which, _guards[which])
     try:
         yield
     finally:
         for which in ("stdout", "stderr"):
-            _guards.pop(which).flush()
+            if which in _guards:
+                _guards.pop(which).flush()
         sys.stdout, sys.stderr = saved
 
 
@@ -347,6 +361,6 @@ def say(text: str) -> None:
     try:
         if lost:
             sys.stdout.flush()
-        os.write((sys.stdout if lost else sys.stderr).fileno(), f"starpu-llm: {text}\n".encode())
-    except (OSError, ValueError):
+        os.write(1 if lost else 2, f"starpu-llm: {text}\n".encode())
+    except (OSError, ValueError, AttributeError):
         pass

@@ -369,6 +369,21 @@ def test_a_closed_stdout_stops_the_run_and_saves(shard, tmp_path):
     assert [json.loads(l)["step"] for l in open(metrics)] == list(range(1, last + 1))
 
 
+@pytest.mark.parametrize("fd", [1, 2])
+def test_an_output_closed_from_the_start_loses_nothing(shard, tmp_path, fd):
+    """`starpu-llm train ... >&-` (or 2>&-): the run trains and saves; what it prints goes
+    nowhere (never into a file that took the closed descriptor's number)."""
+    save, metrics = tmp_path / "model.bin", tmp_path / "m.jsonl"
+    p = subprocess.run([sys.executable, "-m", "starpu_llm", "train", "--model", "micro",
+                        "--train-data", shard, "--batch", "2", "--seq-len", "16", "--steps", "3",
+                        "--save", str(save), "--metrics-jsonl", str(metrics)],
+                       preexec_fn=lambda: os.close(fd), capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert checkpoint.read(save).step == 3
+    assert [json.loads(l)["step"] for l in open(metrics)] == [1, 2, 3]
+
+
 def test_metrics_survive_a_kill_and_a_resumed_run_appends(shard, tmp_path):
     """kill -9 mid-run: the metrics file has a row for every step printed (under its own name,
     no hidden temporary left); the run resumed from its last checkpoint keeps the rows up to
