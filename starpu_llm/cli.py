@@ -407,16 +407,24 @@ def _main(argv=None) -> int:
     except KeyboardInterrupt as e:       # signals.Interrupted, or Python's own
         signum = e.signum if isinstance(e, signals.Interrupted) else signal.SIGINT
         return _interrupted(signum, job["comm"], getattr(e, "agreed", False))
-    except Exception:
+    except Exception as e:
         stop = job["stop"]
-        if stop is not None and stop.signum is not None:
-            # the signal's Interrupted turned into another error by the code it interrupted
-            # (numpy's import makes it an ImportError): the signal is what ended the command
+        if stop is not None and stop.signum is not None and _from_a_signal(e):
             return _interrupted(stop.signum, job["comm"], False)
         if job["comm"] is None:
             raise
         traceback.print_exc()
         return _end_job(job["comm"], 1, False)
+
+
+def _from_a_signal(e: BaseException) -> bool:
+    """Whether e is a signal's Interrupted that the code it landed in turned into another
+    error: raised while handling it, or an ImportError (numpy's import makes one of it)."""
+    while e is not None:
+        if isinstance(e, (KeyboardInterrupt, ImportError)):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _interrupted(signum: int, comm, agreed: bool) -> int:
