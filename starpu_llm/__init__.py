@@ -6,9 +6,13 @@
 The compiled part (kernels, codelets, cffi binding) is loaded on first use, so the file
 formats and data tools work without it.
 """
-import importlib
+from . import signals as _signals
 
-from .errors import StarpuLLMError
+_signals.at_start_up()        # first: the command ends cleanly on a signal from here on
+
+import importlib  # noqa: E402
+
+from .errors import StarpuLLMError  # noqa: E402
 
 __version__ = "0.1.0"
 

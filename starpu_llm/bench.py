@@ -14,6 +14,7 @@ import time
 
 from ._clib import ffi
 from .config import MODELS
+from .errors import StarpuLLMError
 from .flow.engine import StarPUEngine
 from .io import data, formats
 from .runs import cpu_description, mpi_rank, peak_rss_mb, run_in_subprocess, write_csv
@@ -61,7 +62,7 @@ def run_one(spec: dict) -> dict:
             from .baselines.torch_sdpa import torch_train_step_times
         else:
             from .baselines.torch_gpt2 import torch_train_step_times
-        tokens = formats.read_shard(data.default_dataset()[0], config.V)
+        tokens = formats.read_shard(data.timing_dataset(config.V), config.V)
         threads = spec.get("threads") or len(os.sched_getaffinity(0))
         ms = torch_train_step_times(config, random_init(config), tokens, B, T, steps + 1,
                                     threads=threads)
@@ -73,6 +74,7 @@ def run_one(spec: dict) -> dict:
         ms = traced_run(spec)
     else:   # exactly what `starpu-llm train` runs: one warm-up step, then the timed ones
         r = train(TrainConfig(model=spec["model"], batch=B, seq_len=T, steps=steps + 1,
+                              train_data=data.timing_dataset(config.V),
                               engine=spec["engine"], workers=spec.get("workers"),
                               cores_per_worker=spec.get("cores_per_worker"), kcore=spec.get("kcore"),
                               sub_batches=spec.get("sub_batches"), threads=spec.get("threads"),
@@ -103,7 +105,7 @@ def traced_run(spec: dict) -> list:
     "records" (the submitted task names, in order) and "describe"."""
     config = MODELS[spec["model"]]
     B, T = spec["batch"], spec["seq_len"]
-    loader = data.DataLoader(data.default_dataset()[0], B, T, vocab_size=config.V)
+    loader = data.DataLoader(data.timing_dataset(config.V), B, T, vocab_size=config.V)
     state = TrainState(config=config, params=random_init(config))
     ms, steps_ns = [], []
     with Runtime(spec.get("workers"), spec.get("cores_per_worker"), kcore=spec.get("kcore")) as rt:
@@ -135,13 +137,26 @@ def traced_run(spec: dict) -> list:
     return ms
 
 
+def is_bench_table(path: str) -> bool:
+    """a table of starpu-llm bench (CSV whose header starts with B)"""
+    try:
+        f, size = formats.open_regular(path, "bench table")
+        with f:
+            first = f.readline(1 << 12)
+    except StarpuLLMError:
+        return False
+    return size == 0 or first.rstrip(b"\r\n") == b"B" or first.startswith(b"B,")
+
+
 def run_bench(args):
+    """The table (printed, and --csv); a configuration that failed is a row saying why, and
+    then an error at the end (after the CSV of those that ran)."""
     partitions = bench_partitions(args.workers, args.cores_per_worker, args.kcore)
     subs = [None] if args.sub_batches in (None, "auto") else args.sub_batches
     batches = args.batches
     print(f"machine: {cpu_description()}")
     print(f"model {args.model}, T={args.seq_len}, 1 warm-up + {args.steps} timed steps per row")
-    rows = []
+    rows, failed = [], []
     repeat = max(1, getattr(args, "repeat", 1))
     print(f"{'B':>3} {'engine':<22} {'tok/ms':>8} {'ms/step':>9} {'peak RSS MB':>12}"
           + ("  runs (tok/ms)" if repeat > 1 else ""))
@@ -169,7 +184,8 @@ def run_bench(args):
                           + (f" {s['sub_batches']} subs" if s["sub_batches"] else ""))
             ok = [r for r in rs if "error" not in r]
             if not ok:
-                print(f"{B:>3} {label:<22} failed: {rs[0]['error']}")
+                print(f"{B:>3} {label:<22} failed: {rs[0]['error']}", flush=True)
+                failed.append(f"B={B} {label}")
                 continue
             ok.sort(key=lambda r: r["tokens_per_ms"])
             r = ok[len(ok) // 2]
@@ -182,6 +198,9 @@ def run_bench(args):
                              ms_per_step=ms, peak_rss_mb=rss, runs=len(ok)))
     if args.csv:
         write_csv(args.csv, rows)
+    if failed:
+        raise StarpuLLMError(f"{len(failed)} configuration(s) failed ({', '.join(failed)}): "
+                             f"see their rows above")
     return rows
 
 

@@ -23,37 +23,64 @@ from .state import TrainState
 def check_outputs(cfg) -> None:
     """Fail now, not after the training, when an output of cfg could not be written or would
     overwrite data (see the module)."""
-    inputs = {"train_data": cfg.train_data, "val_data": cfg.val_data,
-              "init_from": cfg.init_from, "resume": cfg.resume}
-    outputs = {k: v for k, v in (("save", cfg.save), ("metrics_jsonl", cfg.metrics_jsonl)) if v}
-    for out, path in outputs.items():
-        files = [path] + ([checkpoint.companion(path)] if out == "save" else [])
-        for other, given in list(inputs.items()) + list(outputs.items()):
-            if given is None or other == out or (out == "save" and other in ("init_from", "resume")):
-                continue     # a model saved over the one it started from is what was asked
-            for f in files:
-                if _same_file(f, given):
-                    raise StarpuLLMError(
-                        f"{opt(out)} {path} would overwrite {opt(other)} {given}"
-                        + ("" if f == path else f" (with {f})")
-                        + f"; give {opt(out)} another path")
+    inputs = {opt(k): getattr(cfg, k) for k in ("train_data", "val_data", "init_from", "resume")}
+    outputs = {}
     if cfg.save:
-        for p in (cfg.save, checkpoint.companion(cfg.save)):
-            _check_replaceable(p, "save", _is_checkpoint_file)
-            atomic.check_writable(p)
-    if cfg.save_hf:
-        check_model_output(cfg.save_hf, opt("save_hf"), {**{opt(k): v for k, v in inputs.items()
-                                                           if k != "init_from"},
-                                                        **{opt(k): v for k, v in outputs.items()}},
-                           hf=True)
+        # a model saved over the one it started from is what was asked
+        outputs[opt("save")] = Output(cfg.save, _is_checkpoint_file,
+                                      companions=[checkpoint.companion(cfg.save)],
+                                      may_replace=(opt("init_from"), opt("resume")))
     if cfg.metrics_jsonl:
-        _check_replaceable(cfg.metrics_jsonl, "metrics_jsonl", _is_metrics_file)
-        atomic.check_writable(cfg.metrics_jsonl)
+        outputs[opt("metrics_jsonl")] = Output(cfg.metrics_jsonl, _is_metrics_file)
+    check_new_outputs(outputs, inputs)
+    if cfg.save_hf:     # a folder written whole (io/hf.py); like --save, over its --init-from
+        check_model_output(cfg.save_hf, opt("save_hf"),
+                           {**{k: v for k, v in inputs.items() if k != opt("init_from")},
+                            **{k: out.path for k, out in outputs.items()}}, hf=True)
     if cfg.save_every:
         if os.path.exists(cfg.checkpoint_dir) and not os.path.isdir(cfg.checkpoint_dir):
             raise StarpuLLMError(f"{opt('checkpoint_dir')} {cfg.checkpoint_dir} is a file; give a "
                                  f"folder (made if missing)")
         checkpoint.check_writable(checkpoint.step_path(cfg.checkpoint_dir, 0))
+
+
+class Output:
+    """A file a command writes: its path, what an existing file there must be to be replaced
+    (is_kind, whose docstring names it), the files written beside it (companions), and the
+    inputs it may replace (may_replace: their labels)."""
+
+    def __init__(self, path: str, is_kind, companions=(), may_replace=(), fix: str = ""):
+        self.path, self.is_kind = os.fspath(path), is_kind
+        self.companions, self.may_replace = list(companions), tuple(may_replace)
+        self.fix = fix          # what to do instead (default: give the output another path)
+
+    @property
+    def files(self) -> list:
+        return [self.path] + self.companions
+
+
+def check_new_outputs(outputs: dict, inputs: dict) -> None:
+    """Every command's check before its work, of outputs {label: Output} against inputs
+    {label: path or None} (a label: a flag, opt(field) or the name of an argument): an output
+    onto an input or another output (through any path, hard link or symlink), onto an
+    existing file of another kind, or where it could not be written, is refused, naming
+    both."""
+    given = {label: p for label, p in inputs.items() if p}
+    given.update((label, out.path) for label, out in outputs.items())
+    for label, out in outputs.items():
+        for other, path in given.items():
+            if other == label or other in out.may_replace:
+                continue
+            for f in out.files:
+                if _same_file(f, path):
+                    raise StarpuLLMError(
+                        f"{label} {out.path} would overwrite {other} {path}"
+                        + ("" if f == out.path else f" (with {f})") + "; "
+                        + (out.fix or f"give {label} another path"))
+    for label, out in outputs.items():
+        for f in out.files:
+            _check_replaceable(f, label, out.is_kind)
+            atomic.check_writable(f)
 
 
 def check_model_output(path: str, what: str, inputs: dict, hf: bool) -> None:
@@ -71,12 +98,8 @@ def check_model_output(path: str, what: str, inputs: dict, hf: bool) -> None:
                                  f"{what} another path")
     if hf:
         hf_format.check_hf_output(path, what)
-        return
-    if os.path.lexists(path) and not os.path.isdir(path) and not _is_checkpoint_file(path):
-        raise StarpuLLMError(f"{what} {path}: a file is there that this output would replace, "
-                             f"and it is not {_is_checkpoint_file.__doc__}; remove it, or give "
-                             f"another path")
-    atomic.check_writable(path)
+    else:
+        check_new_outputs({what: Output(path, _is_checkpoint_file)}, {})
 
 
 def _same_file(a: str, b: str) -> bool:
@@ -86,25 +109,40 @@ def _same_file(a: str, b: str) -> bool:
         return os.path.realpath(a) == os.path.realpath(b)
 
 
-def _check_replaceable(path: str, setting: str, is_kind) -> None:
+def _check_replaceable(path: str, label: str, is_kind) -> None:
     """An existing file at path that is not of the kind the output writes is not replaced."""
     if not os.path.lexists(path) or os.path.isdir(path):
         return               # a folder: check_writable says so
     if not is_kind(path):
-        raise StarpuLLMError(f"{opt(setting)} {path}: a file is there that this output would "
+        raise StarpuLLMError(f"{label} {path}: a file is there that this output would "
                              f"replace, and it is not {is_kind.__doc__}; remove it, or give "
                              f"another path")
 
 
-def _is_checkpoint_file(path: str) -> bool:
-    """a checkpoint (an llm.c model or its .state companion)"""
+def _magic_in(path: str, *magics) -> bool:
+    """Whether the file at path starts with one of these llm.c magic numbers."""
     try:
-        f, size = formats.open_regular(path, "checkpoint")
+        f, size = formats.open_regular(path, "output")
         with f:
             magic = int.from_bytes(f.read(4), "little")
     except StarpuLLMError:
         return False
-    return magic in (formats.CHECKPOINT_MAGIC, checkpoint.MAGIC)
+    return magic in magics
+
+
+def _is_checkpoint_file(path: str) -> bool:
+    """a checkpoint (an llm.c model or its .state companion)"""
+    return _magic_in(path, formats.CHECKPOINT_MAGIC, checkpoint.MAGIC)
+
+
+def is_shard_file(path: str) -> bool:
+    """a token shard"""
+    return _magic_in(path, formats.SHARD_MAGIC)
+
+
+def is_tokenizer_file(path: str) -> bool:
+    """a tokenizer file"""
+    return _magic_in(path, formats.TOKENIZER_MAGIC)
 
 
 def _is_metrics_file(path: str) -> bool:

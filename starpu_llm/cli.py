@@ -5,7 +5,8 @@ Errors end the command with one message and status 2; under mpirun rank 0 report
 that every rank knows (runtime/mpi.agree: a bad flag, a file missing on one node, settings
 that differ), and an error that only one rank has in the middle of the run (after the ranks
 last met) ends the whole job through MPI_Abort, so that no rank is left waiting. A signal ends
-it as signals.py says (130 for Ctrl-C, 143 for SIGTERM, 138 for SIGUSR1)."""
+it as signals.py says (130 for Ctrl-C, 143 for SIGTERM, 138 for SIGUSR1, 129 for SIGHUP; 141
+when its stdout or stderr is closed)."""
 from __future__ import annotations
 
 import argparse
@@ -311,26 +312,38 @@ def cmd_train(args):
 
 
 def cmd_prepare(args):
+    from .checkpointing import Output, check_new_outputs, is_shard_file, is_tokenizer_file
     from .io import corpus, data
+    name = None if args.text else "shakespeare"
+    train, val, tokenizer = data.prepared_paths(args.text, args.out_dir, name)
+    fix = "give another --out-dir"
+    check_new_outputs({"the training shard": Output(train, is_shard_file, fix=fix),
+                       "the validation shard": Output(val, is_shard_file, fix=fix),
+                       "the tokenizer": Output(tokenizer, is_tokenizer_file, fix=fix)},
+                      {"the text": args.text})
     source = args.text if args.text else corpus.shakespeare_text()
     train_path, val_path = data.prepare(source, args.out_dir, val_tokens=args.val_tokens,
-                                        name=None if args.text else "shakespeare")
+                                        name=name)
     print(f"wrote {train_path} and {val_path}")
     return 0
 
 
 def cmd_bench(args):
-    from .bench import run_bench
+    from .bench import is_bench_table, run_bench
+    from .checkpointing import Output, check_new_outputs
+    if args.csv:                   # before minutes of runs
+        check_new_outputs({"--csv": Output(args.csv, is_bench_table)}, {})
     run_bench(args)
     return 0
 
 
 def cmd_calibrate(args):
-    from .io.atomic import check_writable
+    from .checkpointing import Output, check_new_outputs
     from .perf.calibrate import calibrate
-    from .perf.machine import default_path
+    from .perf.machine import default_path, is_machine_file
     out = args.out or default_path()
-    check_writable(out)            # before minutes of measuring
+    # before minutes of measuring; the default file, starpu-llm's own, is replaced whatever it is
+    check_new_outputs({"--out": Output(out, is_machine_file if args.out else lambda p: True)}, {})
     calibrate(out, steps=args.steps or (1 if args.quick else 2), model=args.model,
               quick=args.quick)
     return 0
@@ -435,9 +448,14 @@ COMMANDS = {"convert": cmd_convert, "train": cmd_train, "prepare": cmd_prepare, 
 
 
 def main(argv=None) -> int:
-    job = {"comm": None}           # the MPI communicator, once MPI runs
+    with signals.guarded_output():   # a closed stdout or stderr stops as a signal does
+        return _main(argv)
+
+
+def _main(argv=None) -> int:
+    job = {"comm": None, "stop": None}      # the MPI communicator, once MPI runs
     try:
-        with signals.stop_on_signal():
+        with signals.stop_on_signal() as job["stop"]:
             parser = build_parser()        # the compiled modules load before MPI (runtime/mpi.py)
             from .runtime import mpi as distributed
             comm = job["comm"] = distributed.world()
@@ -446,17 +464,33 @@ def main(argv=None) -> int:
     except StarpuLLMError as e:
         return _failed(e, job["comm"], 2)
     except KeyboardInterrupt as e:       # signals.Interrupted, or Python's own
-        status = e.exit_status if isinstance(e, signals.Interrupted) else 130
-        if not isinstance(e, signals.Interrupted) or e.signum == signal.SIGINT:
-            print("starpu-llm: interrupted", file=sys.stderr)
-        else:
-            print(f"starpu-llm: stopped by {signals.name(e.signum)}", file=sys.stderr)
-        return _end_job(job["comm"], status, getattr(e, "agreed", False))
-    except Exception:
+        signum = e.signum if isinstance(e, signals.Interrupted) else signal.SIGINT
+        return _interrupted(signum, job["comm"], getattr(e, "agreed", False))
+    except Exception as e:
+        stop = job["stop"]
+        if stop is not None and stop.signum is not None and _from_a_signal(e):
+            return _interrupted(stop.signum, job["comm"], False)
         if job["comm"] is None:
             raise
         traceback.print_exc()
         return _end_job(job["comm"], 1, False)
+
+
+def _from_a_signal(e: BaseException) -> bool:
+    """Whether e is a signal's Interrupted that the code it landed in turned into another
+    error: raised while handling it, or an ImportError (numpy's import makes one of it)."""
+    while e is not None:
+        if isinstance(e, (KeyboardInterrupt, ImportError)):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _interrupted(signum: int, comm, agreed: bool) -> int:
+    """The end on a signal (or a closed output): one line, status 128 + its number."""
+    sys.stdout.flush()
+    signals.say(signals.ended(signum))      # on the stream that still works
+    return _end_job(comm, 128 + signum, agreed)
 
 
 def _failed(e: StarpuLLMError, comm, status: int) -> int:

@@ -1,6 +1,13 @@
 """Stopping a run on a signal without losing it: SIGINT (Ctrl-C), SIGTERM (what Slurm's scancel
-and time limit, `timeout`, `kill`, container and systemd stops send) and SIGUSR1 (what mpirun
-forwards to every rank, and what Slurm's --signal sends ahead of a time limit).
+and time limit, `timeout`, `kill`, container and systemd stops send), SIGUSR1 (what mpirun
+forwards to every rank, and what Slurm's --signal sends ahead of a time limit) and SIGHUP (a
+terminal closed, an SSH session that drops).
+
+A closed stdout or stderr (`starpu-llm train ... | head`, a terminal closed, `tee` killed) is a
+stop like them (guarded_output): the run stops after the step under way and saves; what goes to
+that stream from then on is dropped; the exit status is 141, 128 + SIGPIPE, what a shell
+reports for a process that a closed pipe ends. Output that cannot be written never ends a run
+by itself.
 
 While a run trains, the first of them asks it to stop after the step under way, as after its
 last step: the run saves (--save, a checkpoint with --save-every), flushes its metrics, shuts
@@ -9,7 +16,10 @@ signal's number from the CLI: 130, 143, 138). A second signal ends the process a
 the middle of a step: a watcher thread sees it even while the main thread waits inside StarPU
 (Python runs its own handlers only between two bytecodes of the main thread), removes the
 offload folders and exits without saving. Before the training loop (start-up) the first signal
-interrupts at once: there is nothing to save yet.
+interrupts at once: there is nothing to save yet. The starpu-llm command handles them from the
+first line of its package on (at_start_up, called by starpu_llm/__init__.py): before that only
+Python's own start-up runs (the interpreter, site, and in an editable install meson-python's
+build check).
 
 Under mpirun, every rank stops after the same step (stop() agrees across the ranks), so a
 signal that reaches one rank stops the job. mpirun itself kills its ranks one second after it
@@ -24,7 +34,9 @@ import signal
 import sys
 import threading
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
+# a closed stdout or stderr stops a run as a signal would, with this one's status (141)
+OUTPUT_CLOSED = signal.SIGPIPE
 
 # Folders removed when a second signal ends the process at once (atexit does not run then):
 # the offload folders of a memory limit (runtime/offload.py).
@@ -40,8 +52,46 @@ def forget(path: str) -> None:
 
 
 def name(signum: int) -> str:
-    """How a signal is named to the user: Ctrl-C for SIGINT."""
+    """How a signal is named to the user: Ctrl-C for SIGINT; OUTPUT_CLOSED, a closed output."""
+    if signum == OUTPUT_CLOSED:
+        return "a closed output"
     return "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+
+
+def ended(signum: int) -> str:
+    """The one line that says why the command ended."""
+    return "interrupted" if signum == signal.SIGINT else f"stopped by {name(signum)}"
+
+
+def at_start_up() -> None:
+    """In the starpu-llm command (its console script, or python -m starpu_llm), from the
+    package's first line: a stop signal ends the process at once, with one line and 128 + its
+    number (nothing is written yet); main() then installs StopOnSignal. Elsewhere (a program
+    that imports starpu_llm) nothing changes."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    # while -m locates the package, sys.argv[0] is "-m"; the module is in sys.orig_argv
+    command = (os.path.basename(argv0) == "starpu-llm"
+               or (argv0 == "-m" and "starpu_llm" in getattr(sys, "orig_argv", ())))
+    if command and threading.current_thread() is threading.main_thread():
+        for s in STOP_SIGNALS:
+            signal.signal(s, _at_once)
+        for fd in (0, 1, 2):   # closed (`>&-`): /dev/null there, or the next file opened
+            try:               # would take its number and receive what StarPU prints
+                os.fstat(fd)
+            except OSError:
+                null = os.open(os.devnull, os.O_RDWR)
+                if null != fd:
+                    os.dup2(null, fd)
+                    os.close(null)
+
+
+def _at_once(signum, frame):
+    try:
+        sys.stdout.flush()
+    except Exception:            # a reentrant flush (the signal landed in one): lost
+        pass
+    say(ended(signum))
+    os._exit(128 + signum)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -88,6 +138,7 @@ class StopOnSignal:
 
     def _install(self):
         self._previous_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        self._previous_hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
         self._installed = True
         # last: from here a signal may raise Interrupted, out of this very call too
         self._previous = {}
@@ -100,6 +151,7 @@ class StopOnSignal:
             signal.signal(s, h if h is not None else (signal.default_int_handler
                                                       if s == signal.SIGINT else signal.SIG_DFL))
         signal.set_wakeup_fd(self._previous_fd)
+        sys.unraisablehook = self._previous_hook
         self._installed = False
 
     @contextlib.contextmanager
@@ -123,6 +175,29 @@ class StopOnSignal:
         if not self._deferred:
             raise Interrupted(signum)
 
+    def _unraisable(self, info):
+        """An Interrupted raised where Python can only print it and go on (a callback, a
+        __del__): the process ends at once, as _at_once does, rather than a traceback."""
+        if isinstance(info.exc_value, Interrupted):
+            try:
+                sys.stdout.flush()
+            except Exception:        # a reentrant flush: what is buffered is lost
+                pass
+            say(ended(info.exc_value.signum))
+            os._exit(info.exc_value.exit_status)
+        self._previous_hook(info)
+
+    def output_closed(self, which: str) -> None:
+        """stdout or stderr (`which`) cannot be written any more: a stop as by a signal (in
+        the main thread, before the training loop, at once)."""
+        if self.signum is not None or not self._installed:
+            return           # (suspended: the command that handles signals itself goes on)
+        self.signum = OUTPUT_CLOSED
+        if self._deferred:
+            say(f"{which} closed: stopping after the step under way, then saving")
+        elif threading.current_thread() is threading.main_thread():
+            raise Interrupted(OUTPUT_CLOSED)
+
     def _watch(self):
         """Sees each signal as it arrives (Python writes its number to the wakeup pipe from
         the C-level handler): the first is announced, the second ends the process now."""
@@ -143,10 +218,10 @@ class StopOnSignal:
             self.signum = signum
         if self._count == 1:
             if self._deferred:
-                _say(f"{name(signum)}: stopping after the step under way, then saving "
+                say(f"{name(signum)}: stopping after the step under way, then saving "
                      f"(send it again to stop at once, without saving)")
             return
-        _say(f"{name(signum)} again: stopped at once, without saving")
+        say(f"{name(signum)} again: stopped at once, without saving")
         if _remove_at_once:
             _remove_once_gone(sorted(_remove_at_once))
         os._exit(128 + signum)
@@ -221,8 +296,71 @@ def _remove_once_gone(paths: list) -> None:
         pass
 
 
-def _say(text: str) -> None:
+class _Guarded:
+    """sys.stdout or sys.stderr (`which`), whose write errors (a closed pipe, a terminal gone)
+    stop the run instead of raising: the stream's file descriptor then points to /dev/null, so
+    that what follows (Python's last flush, StarPU's messages) goes nowhere without an error."""
+
+    def __init__(self, stream, which: str):
+        self._stream, self._which = stream, which
+        self.lost = False
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except OSError:
+            self._lose()
+            return len(text)
+
+    def flush(self):
+        try:
+            self._stream.flush()
+        except OSError:
+            self._lose()
+
+    def __getattr__(self, attr):
+        return getattr(self._stream, attr)
+
+    def _lose(self):
+        first = not self.lost
+        self.lost = True
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self._stream.fileno())
+            os.close(null)
+            self._stream.flush()        # what was buffered goes to /dev/null
+        except (OSError, ValueError):
+            pass
+        if first and _current is not None:
+            _current.output_closed(self._which)
+
+
+_guards: dict = {}       # "stdout"/"stderr": its _Guarded, inside guarded_output
+
+
+@contextlib.contextmanager
+def guarded_output():
+    """sys.stdout and sys.stderr guarded (_Guarded) inside the block; flushed at its end."""
+    saved = sys.stdout, sys.stderr
+    for which in ("stdout", "stderr"):
+        if getattr(sys, which) is not None:     # None: closed when Python started; print() skips it
+            _guards[which] = _Guarded(getattr(sys, which), which)
+            setattr(sys, which, _guards[which])
     try:
-        os.write(sys.stderr.fileno(), f"starpu-llm: {text}\n".encode())
-    except (OSError, ValueError):
+        yield
+    finally:
+        for which in ("stdout", "stderr"):
+            if which in _guards:
+                _guards.pop(which).flush()
+        sys.stdout, sys.stderr = saved
+
+
+def say(text: str) -> None:
+    """`starpu-llm: text` on stderr, or on stdout when stderr was closed (one that works)."""
+    lost = "stderr" in _guards and _guards["stderr"].lost
+    try:
+        if lost:
+            sys.stdout.flush()
+        os.write(1 if lost else 2, f"starpu-llm: {text}\n".encode())
+    except (OSError, ValueError, AttributeError):
         pass

@@ -265,8 +265,55 @@ def test_a_signal_during_start_up_ends_cleanly(shard, sig, status):
                                             "starpu-llm: stopped by SIGTERM"), out
 
 
+def test_the_command_handles_signals_from_its_package_first_line():
+    """The starpu-llm command's handlers are in once its package is imported, before cli's
+    imports (only Python's start-up comes before: the interpreter, site, and in an editable
+    install meson-python's build check)."""
+    code = ("import signal, sys; sys.argv = ['/bin/starpu-llm']; import starpu_llm; "
+            "print(all(signal.getsignal(s) not in (signal.SIG_DFL, signal.default_int_handler) "
+            "for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)), 'starpu_llm.cli' in "
+            "sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60).stdout
+    assert out.split() == ["True", "False"], out
+
+
+@pytest.mark.parametrize("sig, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_at_any_moment_of_start_up_ends_cleanly(shard, sig, status):
+    """A signal from 10 ms after the handlers are in (the package's first line) through cli's
+    imports, numpy's (which turns an exception raised inside it into an ImportError), the
+    files and StarPU's start: 128 + the signal, one line, no traceback."""
+    for delay in [0.01 * i for i in range(1, 21)] + [0.32, 0.64]:
+        p = running("--model", "micro", "--train-data", shard, "--batch", "2", "--seq-len", "16",
+                    "--steps", "100000")
+        try:
+            while not handles_stop_signals(p.pid):
+                time.sleep(0.001)
+            time.sleep(delay)
+            p.send_signal(sig)
+            out, _ = p.communicate(timeout=60)
+        finally:
+            if p.poll() is None:
+                p.kill()
+        assert p.returncode == status, (delay, out)
+        assert "Traceback" not in out, (delay, out)
+        assert out.strip().splitlines()[-1] in ("starpu-llm: interrupted",
+                                                "starpu-llm: stopped by SIGTERM"), (delay, out)
+
+
+def test_importing_the_package_elsewhere_leaves_the_signals_alone():
+    """Only the starpu-llm command installs handlers at import: a program importing
+    starpu_llm keeps Python's."""
+    code = ("import signal, starpu_llm; print(signal.getsignal(signal.SIGINT) is "
+            "signal.default_int_handler, signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60).stdout
+    assert out.split() == ["True", "True"], out
+
+
 @pytest.mark.parametrize("sig, status, name", [(signal.SIGTERM, 143, "SIGTERM"),
-                                               (signal.SIGUSR1, 138, "SIGUSR1")])
+                                               (signal.SIGUSR1, 138, "SIGUSR1"),
+                                               (signal.SIGHUP, 129, "SIGHUP")])
 def test_sigterm_and_sigusr1_stop_after_the_step_and_save(shard, tmp_path, sig, status, name):
     """SIGTERM (Slurm, timeout, container stops) and SIGUSR1 (mpirun forwards it) stop the run
     as Ctrl-C does: after the step under way, saving the model and a checkpoint, the metrics
@@ -292,6 +339,49 @@ def test_sigterm_and_sigusr1_stop_after_the_step_and_save(shard, tmp_path, sig, 
     assert f"stopped by {name} after step {last}" in out and "Traceback" not in out
     assert checkpoint.read(save).step == last == checkpoint.read(ck).step
     assert [json.loads(l)["step"] for l in open(metrics)] == list(range(1, last + 1))
+
+
+def test_a_closed_stdout_stops_the_run_and_saves(shard, tmp_path):
+    """`starpu-llm train ... | head`: once stdout is closed, the run stops after the step under
+    way as on a signal: the model and a checkpoint saved, the metrics of every step, exit 141
+    (128 + SIGPIPE), one line on stderr saying why; no traceback."""
+    save, ck, metrics = tmp_path / "model.bin", tmp_path / "ck", tmp_path / "m.jsonl"
+    p = subprocess.Popen([sys.executable, "-u", "-m", "starpu_llm", "train", "--model", "micro",
+                          "--train-data", shard, "--batch", "2", "--seq-len", "16", "--steps",
+                          "100000", "--save", str(save), "--save-every", "1000",
+                          "--checkpoint-dir", str(ck), "--metrics-jsonl", str(metrics)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in p.stdout:
+            if line.startswith("step    3/"):
+                break
+        p.stdout.close()           # as `head` does once it has its lines
+        err = p.communicate(timeout=120)[1]
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 141, err
+    assert "Traceback" not in err and "Error" not in err, err
+    assert "stdout closed: stopping after the step under way" in err
+    assert err.strip().splitlines()[-1] == "starpu-llm: stopped by a closed output", err
+    last = checkpoint.read(save).step
+    assert last >= 3 and checkpoint.read(ck).step == last
+    assert [json.loads(l)["step"] for l in open(metrics)] == list(range(1, last + 1))
+
+
+@pytest.mark.parametrize("fd", [1, 2])
+def test_an_output_closed_from_the_start_loses_nothing(shard, tmp_path, fd):
+    """`starpu-llm train ... >&-` (or 2>&-): the run trains and saves; what it prints goes
+    nowhere (never into a file that took the closed descriptor's number)."""
+    save, metrics = tmp_path / "model.bin", tmp_path / "m.jsonl"
+    p = subprocess.run([sys.executable, "-m", "starpu_llm", "train", "--model", "micro",
+                        "--train-data", shard, "--batch", "2", "--seq-len", "16", "--steps", "3",
+                        "--save", str(save), "--metrics-jsonl", str(metrics)],
+                       preexec_fn=lambda: os.close(fd), capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert checkpoint.read(save).step == 3
+    assert [json.loads(l)["step"] for l in open(metrics)] == [1, 2, 3]
 
 
 def test_metrics_survive_a_kill_and_a_resumed_run_appends(shard, tmp_path):
@@ -359,6 +449,41 @@ def test_outputs_never_overwrite_data(shard, tmp_path):
     assert checkpoint.read(save).step == 3
 
 
+def test_every_command_refuses_an_output_onto_data(shard, tmp_path):
+    """calibrate --out, bench --csv and prepare's shards go through train's check: never onto
+    a shard, an input or a file of another kind (through a symlink too), refused before any
+    work; the files untouched."""
+    before = open(shard, "rb").read()
+    text = tmp_path / "notes.txt"
+    text.write_text("To be, or not to be, that is the question.\n\n" * 40)
+    link = tmp_path / "link.toml"
+    link.symlink_to(shard)
+    for args, says in ((["calibrate", "--out", shard], "it is not a machine description"),
+                       (["calibrate", "--out", str(link)], "it is not a machine description"),
+                       (["bench", "--csv", shard, "--model", "micro"],
+                        "it is not a table of starpu-llm bench")):
+        rc, out, err = run(*args, timeout=120)
+        assert_clean_error(rc, err, shard if "link" not in args[-1] else str(link), says)
+        assert "calibrating" not in out and "machine:" not in out
+    # prepare: a shard's name taken by the text itself (a symlink), or by a file of notes
+    out_dir = tmp_path / "prepared"
+    out_dir.mkdir()
+    (out_dir / "notes_val.bin").symlink_to(text)
+    rc, out, err = run("prepare", str(text), "--out-dir", str(out_dir), "--val-tokens", "8")
+    assert_clean_error(rc, err, "would overwrite the text", "give another --out-dir")
+    (out_dir / "notes_val.bin").unlink()
+    (out_dir / "notes_train.bin").write_text("my notes\n")
+    rc, out, err = run("prepare", str(text), "--out-dir", str(out_dir), "--val-tokens", "8")
+    assert_clean_error(rc, err, "notes_train.bin", "it is not a token shard")
+    assert (out_dir / "notes_train.bin").read_text() == "my notes\n"
+    assert open(shard, "rb").read() == before and text.read_text().startswith("To be")
+    # what each writes, written again over itself: fine
+    (out_dir / "notes_train.bin").unlink()
+    for _ in range(2):
+        rc, out, err = run("prepare", str(text), "--out-dir", str(out_dir), "--val-tokens", "8")
+        assert rc == 0, err
+
+
 def test_a_checkpoint_dir_of_another_run_is_refused(shard, tmp_path):
     """A new run writing into a --checkpoint-dir that holds another run's checkpoints would
     delete them (and a --resume of the folder would take them): refused, saying what to do.
@@ -415,6 +540,35 @@ def test_calibrate_checks_its_output_before_measuring(tmp_path):
     rc, out, err = run("calibrate", "--out", str(folder), timeout=60)
     assert_clean_error(rc, err, str(folder), "is a directory")
     assert "calibrating" not in out
+
+
+def test_calibrate_and_bench_run_on_a_model_of_another_vocabulary(tmp_path):
+    """micro's 250 ids hold none of the bundled Shakespeare's: calibrate and bench time it on
+    those ids modulo 250 (data.timing_dataset) rather than ending in a traceback."""
+    out = tmp_path / "machine.toml"
+    rc, stdout, err = run("calibrate", "--model", "micro", "--quick", "--out", str(out))
+    assert rc == 0 and "Traceback" not in err, err
+    from starpu_llm.perf.machine import load
+    assert load(str(out)).cores >= 1
+    rc, stdout, err = run("bench", "--model", "micro", "--batches", "2", "--seq-len", "16",
+                          "--steps", "1", "--no-torch")
+    assert rc == 0 and "failed" not in stdout, stdout + err
+
+
+def test_bench_exits_non_zero_when_a_row_failed(tmp_path):
+    """A configuration that failed is its row, then one error and status 2 (after the CSV of
+    the others)."""
+    rc, out, err = run("bench", "--model", "micro", "--batches", "1", "--seq-len", "64",
+                       "--steps", "1", "--no-torch", "--csv", str(tmp_path / "b.csv"))
+    assert_clean_error(rc, err, "configuration(s) failed")
+    assert "failed: " in out
+
+
+def test_predict_of_a_binary_machine_file_is_one_error(tmp_path):
+    path = tmp_path / "machine.bin"
+    path.write_bytes(bytes(range(256)) * 4)
+    rc, out, err = run("predict", "--machine", str(path))
+    assert_clean_error(rc, err, str(path), "not a machine description")
 
 
 def test_a_fifo_or_folder_companion_is_an_error_not_a_hang(shard, tmp_path):

@@ -305,6 +305,30 @@ def test_ctrl_c_of_one_rank_stops_every_rank_after_the_same_step(shard, tmp_path
     assert f"stopped by Ctrl-C after step {last}" in out
 
 
+def test_a_closed_stdout_of_mpirun_stops_every_rank_and_saves(shard, tmp_path):
+    """`mpirun ... | head`: mpirun sees the closed pipe and ends the job with SIGTERM to every
+    rank, which stop after the same step; rank 0 saves the model there with a metrics row
+    for every step; no traceback."""
+    save, metrics = tmp_path / "model.bin", tmp_path / "m.jsonl"
+    args = train_args(shard, str(metrics), batch=4, steps=100000) + ["--save", str(save)]
+    p = subprocess.Popen([MPIRUN, "--oversubscribe", "-np", "2", sys.executable, "-u", *args],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        for line in p.stdout:
+            if line.startswith("step    3/"):
+                break
+        p.stdout.close()
+        err = p.communicate(timeout=120)[1]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode != 0 and "Traceback" not in err, err
+    assert "starpu-llm: stopped by SIGTERM" in err, err
+    last = checkpoint.read(save).step
+    assert last >= 3 and [json.loads(l)["step"] for l in open(metrics)] == list(range(1, last + 1))
+
+
 @pytest.mark.parametrize("flags", [[], ["--pipeline-stages", "2", "--sub-batches", "3"]],
                          ids=["sharded", "pipeline"])
 def test_resumed_run_equals_uninterrupted(shard, tmp_path, flags):

@@ -68,22 +68,28 @@ def prepare(source, out_dir, val_tokens: int = 32768, name: str | None = None) -
     if int(val_tokens) < 1:
         raise StarpuLLMError(f"the validation split needs at least 1 token, got val_tokens={val_tokens}")
     val_tokens = int(val_tokens)
-    if name is None:
-        name = os.path.splitext(os.path.basename(path))[0] if path else "data"
-    if not name or os.sep in name or (os.altsep and os.altsep in name):
-        raise StarpuLLMError(f"dataset name {name!r} is not a plain file name; give a name without slashes")
+    train_path, val_path, tokenizer_path = prepared_paths(path, out_dir, name)
     tokens = tokenize_documents(text)
     if tokens.size <= val_tokens:
         raise StarpuLLMError(f"{what} is too short for a validation split: it has {tokens.size} tokens, but "
                              f"the first {val_tokens} go to validation and training needs the rest; use a "
                              f"longer text or fewer validation tokens")
-    out_dir = os.fspath(out_dir)
-    train_path = os.path.join(out_dir, f"{name}_train.bin")
-    val_path = os.path.join(out_dir, f"{name}_val.bin")
-    formats.write_tokenizer(os.path.join(out_dir, TOKENIZER_FILENAME), gpt2())
+    formats.write_tokenizer(tokenizer_path, gpt2())
     formats.write_shard(val_path, tokens[:val_tokens])
     formats.write_shard(train_path, tokens[val_tokens:])
     return train_path, val_path
+
+
+def prepared_paths(path: str | None, out_dir, name: str | None = None) -> tuple[str, str, str]:
+    """The files prepare() writes for the text file at path (None: a text given as such):
+    (train shard, validation shard, tokenizer)."""
+    if name is None:
+        name = os.path.splitext(os.path.basename(path))[0] if path else "data"
+    if not name or os.sep in name or (os.altsep and os.altsep in name):
+        raise StarpuLLMError(f"dataset name {name!r} is not a plain file name; give a name without slashes")
+    out_dir = os.fspath(out_dir)
+    return (os.path.join(out_dir, f"{name}_train.bin"), os.path.join(out_dir, f"{name}_val.bin"),
+            os.path.join(out_dir, TOKENIZER_FILENAME))
 
 
 def default_cache_dir() -> str:
@@ -128,6 +134,25 @@ def default_dataset(cache_dir=None) -> tuple[str, str]:
     # written last: its presence marks a complete cache
     atomic_write_text(meta_path, json.dumps(meta, indent=1) + "\n")
     return train, val
+
+
+def timing_dataset(vocab_size: int, cache_dir=None) -> str:
+    """The training shard that bench and calibrate time a model on: the bundled Shakespeare's
+    when the model's vocabulary holds GPT-2's ids, else (micro) those ids taken modulo the
+    vocabulary, cached next to it. A step's time depends on how many ids it reads, not on
+    which, and the text's ids fit no smaller vocabulary."""
+    train = default_dataset(cache_dir)[0]
+    if vocab_size >= N_VOCAB:
+        return train
+    path = os.path.join(os.path.dirname(train), f"{DEFAULT_DATASET}_mod{vocab_size}_train.bin")
+    tokens = formats.read_shard(train, N_VOCAB)
+    try:
+        if formats.read_shard(path, vocab_size).size == tokens.size:
+            return path
+    except StarpuLLMError:
+        pass                  # missing or damaged: written again
+    formats.write_shard(path, tokens % vocab_size)
+    return path
 
 
 # --------------------------------------------------------------------------- batch loader

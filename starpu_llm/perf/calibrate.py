@@ -44,10 +44,16 @@ import time
 import numpy as np
 
 from ..config import MODELS
+from ..errors import StarpuLLMError
 from ..runs import cpu_description, run_in_subprocess
 from .machine import Machine, partitions, save
 
-FIT_SEQ_LEN = 64            # tokens per sequence of the calibration runs
+FIT_SEQ_LEN = 64            # tokens per sequence of the calibration runs (fit_seq_len)
+
+
+def fit_seq_len(model: str) -> int:
+    """FIT_SEQ_LEN, or the model's whole length when shorter (micro's 32)."""
+    return min(FIT_SEQ_LEN, MODELS[model].maxT)
 FIT_SUB_BATCH = (1, 3, 6)   # sequences per sub-batch of those runs
 # Why a run at the model's full length too: at T = 64 alone, an attention task's flops and bytes
 # both grow with the batch only, in a fixed ratio, so the fit cannot tell them apart, yet its
@@ -202,7 +208,7 @@ def fit_link(m: Machine, model: str, steps: int, log) -> None:
     from .predict import Mode, predict
     k = max(1, m.cores // 2)
     B = 2 * MPI_FIT_SUB_BATCH
-    r = run_in_subprocess(dict(engine="starpu", model=model, batch=B, seq_len=FIT_SEQ_LEN,
+    r = run_in_subprocess(dict(engine="starpu", model=model, batch=B, seq_len=fit_seq_len(model),
                                steps=max(steps, 4),     # one sample for one number: a few steps
                                workers=1, cores_per_worker=k, sub_batches=1, ranks=2,
                                ownership="sharded"))
@@ -213,7 +219,7 @@ def fit_link(m: Machine, model: str, steps: int, log) -> None:
 
     def step_at(gbs):
         m.link_bandwidth_gbs = gbs
-        return predict(model, B, FIT_SEQ_LEN, 1, k, ranks=2, sub_batches=1, calibration=m,
+        return predict(model, B, fit_seq_len(model), 1, k, ranks=2, sub_batches=1, calibration=m,
                        ranks_per_node=2, mode=Mode("sharded")).schedule.step_s
     lo, hi = 0.01, 1000.0
     if step_at(hi) > measured:          # slower than measured even with an infinite link
@@ -338,10 +344,11 @@ def traced_runs(cores: int, steps: int, log, model: str = "d12", sub_batch=FIT_S
     cost s)] of the FIT_SEQ_LEN runs)."""
     samples, history, overheads = [], [], []
     long_T = MODELS[model].maxT
+    fit_T = fit_seq_len(model)
     parts = [nk for nk in partitions(cores) if only is None or nk in only]
-    runs = [(N, K, per_sub, FIT_SEQ_LEN, steps)
+    runs = [(N, K, per_sub, fit_T, steps)
             for (N, K), per_sub in itertools.product(parts, sub_batch)]
-    if long_seq and long_T > FIT_SEQ_LEN:
+    if long_seq and long_T > fit_T:
         runs += [(N, K, 1, long_T, LONG_SEQ_STEPS) for N, K in parts]
     for N, K, per_sub, T, nsteps in runs:
         home = tempfile.mkdtemp(prefix="starpu-llm-calib-")
@@ -352,7 +359,7 @@ def traced_runs(cores: int, steps: int, log, model: str = "d12", sub_batch=FIT_S
         r = run_in_subprocess(spec, env=env)
         if "error" in r:
             shutil.rmtree(home, ignore_errors=True)
-            raise RuntimeError(f"calibration run {N}x{K} B={N * per_sub} T={T} failed: "
+            raise StarpuLLMError(f"calibration run {N}x{K} B={N * per_sub} T={T} failed: "
                                f"{r['error']}")
         log(f"  {N}x{K} B={N * per_sub} T={T}: {len(r['events'])} tasks traced, "
             f"{time.perf_counter() - t0:.0f} s")
@@ -364,7 +371,7 @@ def traced_runs(cores: int, steps: int, log, model: str = "d12", sub_batch=FIT_S
                 continue
             size = sum(sizes.get(int(h), 0) for h, _ in bufs)
             samples.append((c, k, N, flops, size, (e - s) * 1e-9, 1.0))
-        for t0_ns, t1_ns in steps_ns if T == FIT_SEQ_LEN else ():
+        for t0_ns, t1_ns in steps_ns if T == fit_T else ():
             ev = [(s, e) for _, _, _, s, e, b, _, _ in r["events"] if t0_ns <= s <= t1_ns]
             if not ev:
                 continue

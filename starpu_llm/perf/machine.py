@@ -162,7 +162,20 @@ def load(path: str) -> Machine:
             text = f.read()
     except OSError as e:
         raise StarpuLLMError(f"{path}: cannot read the machine description ({e.strerror})")
+    except UnicodeDecodeError as e:
+        raise StarpuLLMError(f"{path}: not a machine description (not UTF-8 text: byte "
+                             f"{e.start}); give a TOML file such as experiments/machines/'s, "
+                             f"or run starpu-llm calibrate")
     return loads(text, path)
+
+
+def is_machine_file(path: str) -> bool:
+    """a machine description"""
+    try:
+        load(path)
+    except StarpuLLMError:
+        return False
+    return True
 
 
 def save(m: Machine, path: str) -> None:
