@@ -38,8 +38,8 @@ import numpy as np
 
 from ..errors import StarpuLLMError
 from ..flow.batch import DEFAULT_ROWS, Feed, SlotDecoder
-from ..flow.generate import sample
 from ..io.tokenizer import StreamDecoder
+from . import scoring
 
 
 class QueueFull(Exception):
@@ -58,23 +58,35 @@ class ShuttingDown(Exception):
 class Sampling:
     """How one sequence is continued: at most max_tokens new tokens, drawn as
     flow/generate.sample does (temperature 0 or top_k 1: greedy), ended early by a stop
-    string (not included in the text) or by <|endoftext|> unless ignore_eos."""
+    string (not included in the text) or by <|endoftext|> unless ignore_eos. Scoring
+    (serve/scoring.py): logprobs, the most likely tokens listed beside each token's
+    log-probability (None: no log-probabilities); prompt_logprobs: the prompt's tokens scored
+    too (one step a prompt token); logit_bias ((token, bias), ...) and the penalties change the
+    logits a token is drawn from. max_tokens 0: the prompt scored, nothing generated."""
     max_tokens: int = 16
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     stop: tuple = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: bool = False
+    logit_bias: tuple = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
 
 class Event(NamedTuple):
     """What a request hears from the engine: text (possibly empty); at the end, finish
-    ("stop", "length", or "cancelled") or error (a message), and the usage."""
+    ("stop", "length", or "cancelled") or error (a message), and the usage. logprobs: the
+    scoring.Logprob of the tokens scored since the last event (the prompt's, from its second
+    token, then the generated ones), when the request asks for them."""
     text: str = ""
     finish: str | None = None
     error: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    logprobs: tuple = ()
 
 
 class Request:
@@ -156,6 +168,9 @@ class _Sequence:
     def __init__(self, req: Request, slot: int, text: _Text):
         self.req, self.slot, self.text = req, slot, text
         self.pending, self.pos = list(req.prompt), 0
+        sp = req.sampling
+        if sp.max_tokens == 0:      # scoring only: the last prompt token is never fed
+            self.pending = self.pending[:-1] if sp.prompt_logprobs else []
 
 
 class Engine:
@@ -354,6 +369,8 @@ class Engine:
             slot = min(free, key=lambda s: (load[groups(s)], s))
             free.remove(slot)
             self._running[slot] = _Sequence(req, slot, _Text(self.tokenizer, req.sampling.stop))
+            if not self._running[slot].pending:         # nothing to compute (max_tokens 0)
+                self._end(self._running[slot], "length")
         if self.metrics:
             self.metrics.queue_length(self.waiting())
 
@@ -367,10 +384,13 @@ class Engine:
         for seq in decoding + prefilling:
             g = self.decoder.group_of(seq.slot)
             n = min(len(seq.pending), self.rows - budget[g])
+            scored = seq.req.sampling.prompt_logprobs and not seq.req.tokens
+            n = min(n, 1) if scored else n      # the logits after every prompt token
             if n < 1:
                 continue
             budget[g] += n
-            feeds.append(Feed(seq.slot, seq.pos, seq.pending[:n], n == len(seq.pending)))
+            feeds.append(Feed(seq.slot, seq.pos, seq.pending[:n],
+                              n == len(seq.pending) or scored))
         t0 = time.monotonic()
         logits = self.decoder.step(feeds)
         now = time.monotonic()
@@ -380,7 +400,9 @@ class Engine:
             seq = self._running[f.slot]
             seq.pos += len(f.tokens)
             seq.pending = seq.pending[len(f.tokens):]
-            if f.logits:
+            if f.logits and (seq.pending or seq.req.sampling.max_tokens == 0):
+                self._score_prompt(seq, next(rows))
+            elif f.logits:
                 new_tokens += 1
                 self._next_token(seq, next(rows), now)
         if self.metrics:
@@ -389,7 +411,8 @@ class Engine:
 
     def _next_token(self, seq: _Sequence, logits, now: float):
         req, sp = seq.req, seq.req.sampling
-        token = sample(logits, sp.temperature, sp.top_k, req.rng, sp.top_p)
+        token, scored = scoring.choose(logits, sp, req.tokens, req.rng)
+        scored = (scored,) if scored else ()
         req.tokens.append(token)
         if req.first_token is None:
             req.first_token = now
@@ -397,13 +420,22 @@ class Engine:
                 self.metrics.first_token(now - req.submitted)
         if token == self.eot and not sp.ignore_eos:
             text, _ = seq.text.add(None, final=True)
-            self._emit(req, Event(text))
+            self._emit(req, Event(text, logprobs=scored))
             return self._end(seq, "stop")
         last = (len(req.tokens) == sp.max_tokens
                 or len(req.prompt) + len(req.tokens) >= self.cache_len)
         text, stopped = seq.text.add(token, final=last)
-        if text:
-            self._emit(req, Event(text))
+        if text or scored:
+            self._emit(req, Event(text, logprobs=scored))
         if stopped or last:
             return self._end(seq, "stop" if stopped else "length")
         seq.pending = [token]
+
+    def _score_prompt(self, seq: _Sequence, logits):
+        """The prompt token after those fed so far scored by their logits; a request that
+        only scores (max_tokens 0) ends with its last prompt token."""
+        req = seq.req
+        self._emit(req, Event(logprobs=(scoring.score(logits, req.prompt[seq.pos],
+                                                      req.sampling.logprobs or 0),)))
+        if req.sampling.max_tokens == 0 and seq.pos == len(req.prompt) - 1:
+            self._end(seq, "length")
