@@ -168,10 +168,18 @@ def test_completion_logprobs_against_the_logits(server, oracle):
     tokens = oracle.greedy(ids, 6)
     lp = r.choices[0].logprobs
     assert lp.tokens == [TOK.decode([t]) for t in tokens]
+    # streamed: each event carries the scores of its tokens
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=6,
+                                            logprobs=3, stream=True, **GREEDY))
+    streamed = [(t, v) for c in chunks if c.choices and c.choices[0].logprobs
+                for t, v in zip(c.choices[0].logprobs.tokens,
+                                c.choices[0].logprobs.token_logprobs)]
+    assert [t for t, _ in streamed] == lp.tokens
     for i, (t, logits) in enumerate(zip(tokens, oracle.logits(ids + tokens)[len(ids) - 1:])):
         want = log_softmax(logits)
         bound = lp_bound(logits, len(ids) + i)
         assert abs(lp.token_logprobs[i] - want[t]) <= bound
+        assert abs(streamed[i][1] - want[t]) <= bound
         got_top = sorted(lp.top_logprobs[i].values(), reverse=True)
         assert len(got_top) == 3
         assert np.abs(np.array(got_top) - np.sort(want)[::-1][:3]).max() <= bound
@@ -215,6 +223,12 @@ def test_chat_logprobs(server, oracle):
         assert e.bytes == list(TOK.decode_bytes([tokens[i]]))
         assert np.abs(np.array([t.logprob for t in e.top_logprobs])
                       - np.sort(want)[::-1][:2]).max() <= bound
+    chunks = list(client.chat.completions.create(model="tiny", messages=CONVERSATION,
+                                                 max_tokens=4, logprobs=True, top_logprobs=2,
+                                                 stream=True, **GREEDY))
+    streamed = [e.token for c in chunks if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
+    assert streamed == [e.token for e in content]
 
 
 def test_penalties_and_logit_bias(server, oracle):
