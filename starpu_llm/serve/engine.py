@@ -14,10 +14,12 @@ with a retry time; ShuttingDown while the server stops). The engine thread loops
   3. one decode step carries every running sequence's last token, and the prompt rows of
      new sequences (up to `rows` rows a step and group, several prompts side by side, a long
      prompt over several steps);
-  4. each sequence whose step gave logits draws its next token with its own sampling
-     settings and generator (flow/generate.sample), turns it into text (whole UTF-8
-     characters, stop strings held back until they can no longer match) and hands the text
-     to its request's callback, which must not block (the HTTP side puts it on its event
+  4. the sequences whose step gave logits draw their next tokens together, each with its
+     own sampling settings and generator (serve/scoring.choose_batch: the request's bias and
+     penalties, then flow/generate.sample_batch for the whole batch at once; a sequence
+     still in a prompt it scores gets the log-probability of its next prompt token
+     instead); each turns its token into text (whole UTF-8 characters, stop strings held
+     back until they can no longer match) and hands the text to its request's callback, which must not block (the HTTP side puts it on its event
      loop); a sequence that reaches its max tokens, a stop string or <|endoftext|> leaves
      and frees its slot.
 
@@ -396,22 +398,34 @@ class Engine:
         now = time.monotonic()
         new_tokens = 0
         rows = iter(logits)
+        wanted = []         # (sequence, its logits row)
         for f in feeds:
             seq = self._running[f.slot]
             seq.pos += len(f.tokens)
             seq.pending = seq.pending[len(f.tokens):]
-            if f.logits and (seq.pending or seq.req.sampling.max_tokens == 0):
-                self._score_prompt(seq, next(rows))
-            elif f.logits:
+            if f.logits:
+                wanted.append((seq, next(rows)))
+        # the next token of every sequence past its prompt, drawn for the whole batch at once
+        drawing = [k for k, (seq, _) in enumerate(wanted)
+                   if not (seq.pending or seq.req.sampling.max_tokens == 0)]
+        chosen = dict(zip(drawing, scoring.choose_batch(
+            logits[drawing], [(wanted[k][0].req.sampling, wanted[k][0].req.tokens,
+                               wanted[k][0].req.rng) for k in drawing]))) if drawing else {}
+        for k, (seq, row) in enumerate(wanted):
+            if k in chosen:
                 new_tokens += 1
-                self._next_token(seq, next(rows), now)
+                self._next_token(seq, row, now, chosen[k])
+            else:
+                self._score_prompt(seq, row)
         if self.metrics:
             self.metrics.step(len(feeds), sum(len(f.tokens) for f in feeds), new_tokens,
                               now - t0)
 
-    def _next_token(self, seq: _Sequence, logits, now: float):
+    def _next_token(self, seq: _Sequence, logits, now: float, chosen=None):
+        """seq's next token: chosen, (token, its scoring.Logprob or None), drawn from logits
+        by scoring.choose when not given."""
         req, sp = seq.req, seq.req.sampling
-        token, scored = scoring.choose(logits, sp, req.tokens, req.rng)
+        token, scored = chosen or scoring.choose(logits, sp, req.tokens, req.rng)
         scored = (scored,) if scored else ()
         req.tokens.append(token)
         if req.first_token is None:

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..flow.generate import sample
+from ..flow.generate import sample_batch
 
 MAX_COMPLETION_LOGPROBS = 5      # OpenAI's limit on the completions API's logprobs
 MAX_TOP_LOGPROBS = 20            # and on the chat API's top_logprobs
@@ -69,10 +69,24 @@ def adjusted(logits, sampling, drawn) -> np.ndarray:
 
 def choose(logits, sampling, drawn, rng) -> tuple[int, Logprob | None]:
     """The next token of a sequence (drawn: its tokens so far) and, when the request asks for
-    log-probabilities (sampling.logprobs not None), its score."""
-    sp = sampling
-    token = sample(adjusted(logits, sp, drawn), sp.temperature, sp.top_k, rng, sp.top_p)
-    return token, (score(logits, token, sp.logprobs) if sp.logprobs is not None else None)
+    log-probabilities (sampling.logprobs not None), its score: choose_batch's row."""
+    return choose_batch(np.asarray(logits)[None], [(sampling, drawn, rng)])[0]
+
+
+def choose_batch(logits, rows) -> list:
+    """choose() of every row of logits (M, V) at once: rows[i] = (Sampling, tokens drawn so
+    far, generator) of row i; the tokens drawn together (flow/generate.sample_batch).
+    [(token, Logprob or None)]; ValueError for a row whose logits are not all finite."""
+    x = np.array(logits, np.float64)
+    for i, (sp, drawn, _) in enumerate(rows):
+        x[i] = adjusted(x[i], sp, drawn)
+    tokens = sample_batch(x, [sp.temperature for sp, _, _ in rows],
+                          [sp.top_k for sp, _, _ in rows], [rng for _, _, rng in rows],
+                          [sp.top_p for sp, _, _ in rows])
+    if (tokens < 0).any():
+        raise ValueError("the logits are not all finite: no token can be drawn")
+    return [(int(t), score(logits[i], t, sp.logprobs) if sp.logprobs is not None else None)
+            for i, (t, (sp, _, _)) in enumerate(zip(tokens, rows))]
 
 
 # ---- request fields

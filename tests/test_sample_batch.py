@@ -1,0 +1,52 @@
+"""flow/generate.sample_batch: the whole batch's tokens drawn at once (the serving engine's
+sampling) are the tokens the one-row definition draws, row by row, from the same generators."""
+import numpy as np
+
+from starpu_llm.flow import generate as gen
+
+
+def one_row(logits, temperature, top_k, rng, top_p):
+    """The definition, one row at a time with a full sort (the former flow/generate.sample):
+    greedy, or softmax(logits / T) over the top_k largest, cut to the nucleus, drawn with
+    Generator.choice."""
+    x = np.asarray(logits, np.float64)
+    if top_k == 1 or temperature == 0:
+        return int(np.argmax(x))
+    ids = np.arange(x.size)
+    if 0 < top_k < x.size:
+        ids = np.sort(np.argpartition(x, x.size - top_k)[x.size - top_k:])
+    w = np.exp((x[ids] - x[ids].max()) / temperature)
+    p = w / w.sum()
+    if top_p < 1.0:
+        order = np.argsort(-p, kind="stable")
+        keep = np.sort(order[:int(np.searchsorted(np.cumsum(p[order]), top_p)) + 1])
+        ids, p = ids[keep], p[keep] / p[keep].sum()
+    return int(ids[rng.choice(ids.size, p=p)])
+
+
+def test_sample_batch_draws_what_each_row_draws():
+    rng = np.random.default_rng(11)
+    M, V = 12, 8000
+    for trial in range(25):
+        # flat rows (a nucleus of thousands of tokens, past the bins' first guess) and peaked
+        logits = (rng.standard_normal((M, V)) * rng.choice([0.5, 2.0, 8.0])).astype(np.float32)
+        logits[0, :5] = logits[0].max()              # ties at the top: broken by id
+        T = rng.choice([0.0, 0.6, 1.0, 1.7], M)
+        K = rng.choice([0, 0, 1, 3, 50, 4000], M)
+        P = rng.choice([1.0, 0.95, 0.9, 0.5, 0.1], M)
+        seeds = rng.integers(0, 2 ** 32, M)
+        got = gen.sample_batch(logits, T, K, [np.random.default_rng(s) for s in seeds], P)
+        want = [one_row(logits[i], T[i], K[i], np.random.default_rng(seeds[i]), P[i])
+                for i in range(M)]
+        assert got.tolist() == want, trial
+        # a row alone draws as in the batch
+        assert gen.sample(logits[3], T[3], K[3], np.random.default_rng(seeds[3]), P[3]) == want[3]
+
+
+def test_sample_batch_marks_rows_that_are_not_finite():
+    logits = np.zeros((3, 10), np.float32)
+    logits[:, 4] = 5
+    logits[1, 2] = np.nan
+    rngs = [np.random.default_rng(0) for _ in range(3)]
+    assert gen.sample_batch(logits, [1.0, 1.0, 0.0], [0, 0, 0], rngs, [0.9, 1.0, 1.0]).tolist() \
+        == [4, -1, 4]
