@@ -50,3 +50,19 @@ def test_sample_batch_marks_rows_that_are_not_finite():
     rngs = [np.random.default_rng(0) for _ in range(3)]
     assert gen.sample_batch(logits, [1.0, 1.0, 0.0], [0, 0, 0], rngs, [0.9, 1.0, 1.0]).tolist() \
         == [4, -1, 4]
+
+
+def test_choose_batch_leaves_a_row_that_is_not_finite_to_its_request():
+    """The serving engine's draw: a row of NaN logits (a diverged model) is that request's
+    fault alone: its entry is None (scoring.choose on the row raises); the others are drawn."""
+    import pytest
+    from starpu_llm.serve import scoring
+    from starpu_llm.serve.engine import Sampling
+    logits = np.zeros((3, 10), np.float32)
+    logits[:, 7] = 4
+    logits[1] = np.nan
+    rows = [(Sampling(temperature=1.0), [], np.random.default_rng(k)) for k in range(3)]
+    chosen = scoring.choose_batch(logits, rows)
+    assert chosen[1] is None and chosen[0][0] in range(10) and chosen[2][0] in range(10)
+    with pytest.raises(ValueError, match="not all finite"):
+        scoring.choose(logits[1], *rows[1])

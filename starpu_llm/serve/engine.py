@@ -423,7 +423,7 @@ class Engine:
 
     def _next_token(self, seq: _Sequence, logits, now: float, chosen=None):
         """seq's next token: chosen, (token, its scoring.Logprob or None), drawn from logits
-        by scoring.choose when not given."""
+        by scoring.choose when not given (or None: logits not finite, and choose raises)."""
         req, sp = seq.req, seq.req.sampling
         token, scored = chosen or scoring.choose(logits, sp, req.tokens, req.rng)
         scored = (scored,) if scored else ()

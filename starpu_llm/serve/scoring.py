@@ -70,22 +70,25 @@ def adjusted(logits, sampling, drawn) -> np.ndarray:
 def choose(logits, sampling, drawn, rng) -> tuple[int, Logprob | None]:
     """The next token of a sequence (drawn: its tokens so far) and, when the request asks for
     log-probabilities (sampling.logprobs not None), its score: choose_batch's row."""
-    return choose_batch(np.asarray(logits)[None], [(sampling, drawn, rng)])[0]
+    chosen = choose_batch(np.asarray(logits)[None], [(sampling, drawn, rng)])[0]
+    if chosen is None:
+        raise ValueError("the logits are not all finite: no token can be drawn")
+    return chosen
 
 
 def choose_batch(logits, rows) -> list:
     """choose() of every row of logits (M, V) at once: rows[i] = (Sampling, tokens drawn so
     far, generator) of row i; the tokens drawn together (flow/generate.sample_batch).
-    [(token, Logprob or None)]; ValueError for a row whose logits are not all finite."""
+    [(token, Logprob or None)], None for a row whose logits are not all finite (its
+    request's fault alone: choose() on that row raises)."""
     x = np.array(logits, np.float64)
     for i, (sp, drawn, _) in enumerate(rows):
         x[i] = adjusted(x[i], sp, drawn)
     tokens = sample_batch(x, [sp.temperature for sp, _, _ in rows],
                           [sp.top_k for sp, _, _ in rows], [rng for _, _, rng in rows],
                           [sp.top_p for sp, _, _ in rows])
-    if (tokens < 0).any():
-        raise ValueError("the logits are not all finite: no token can be drawn")
-    return [(int(t), score(logits[i], t, sp.logprobs) if sp.logprobs is not None else None)
+    return [None if t < 0 else
+            (int(t), score(logits[i], t, sp.logprobs) if sp.logprobs is not None else None)
             for i, (t, (sp, _, _)) in enumerate(zip(tokens, rows))]
 
 
