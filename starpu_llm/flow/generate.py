@@ -201,11 +201,12 @@ def sample_batch(logits, temperature, top_k, rngs, top_p) -> np.ndarray:
     finite. Array operations over the rows (top_k per distinct k; top_p with the tokens
     binned by probability, only the boundary bin sorted: _nucleus), no loop over the
     vocabulary; each row's token depends on that row alone."""
-    x = np.asarray(logits, np.float64)
+    x = np.asarray(logits)
     M, V = x.shape
     temperature = np.asarray(temperature, np.float64)
     top_k, top_p = np.asarray(top_k, np.int64), np.asarray(top_p, np.float64)
-    finite = np.isfinite(x.sum(axis=1))          # a NaN or an infinity makes the sum so
+    # a NaN or an infinity makes the sum so (float64: no overflow of float32 values)
+    finite = np.isfinite(x.sum(axis=1, dtype=np.float64))
     drawn = finite & (top_k != 1) & (temperature != 0)
     tokens = np.full(M, -1, np.int64)
     greedy = np.flatnonzero(finite & ~drawn)
@@ -213,7 +214,7 @@ def sample_batch(logits, temperature, top_k, rngs, top_p) -> np.ndarray:
     r = np.flatnonzero(drawn)
     if r.size == 0:
         return tokens
-    x, k, P = x[r], top_k[r], top_p[r]
+    x, k, P = x[r].astype(np.float64), top_k[r], top_p[r]
     z = x - x.max(axis=1, keepdims=True)
     z /= temperature[r, None]           # log-probabilities up to a constant per row
     for kk in np.unique(k[(k > 0) & (k < V)]):           # the top_k largest logits

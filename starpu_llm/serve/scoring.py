@@ -81,9 +81,13 @@ def choose_batch(logits, rows) -> list:
     far, generator) of row i; the tokens drawn together (flow/generate.sample_batch).
     [(token, Logprob or None)], None for a row whose logits are not all finite (its
     request's fault alone: choose() on that row raises)."""
-    x = np.array(logits, np.float64)
-    for i, (sp, drawn, _) in enumerate(rows):
-        x[i] = adjusted(x[i], sp, drawn)
+    x = np.asarray(logits)
+    changed = [i for i, (sp, _, _) in enumerate(rows)
+               if sp.logit_bias or sp.presence_penalty or sp.frequency_penalty]
+    if changed:                 # float64 copies only for requests that change their logits
+        x = np.array(x, np.float64)
+        for i in changed:
+            x[i] = adjusted(x[i], rows[i][0], rows[i][1])
     tokens = sample_batch(x, [sp.temperature for sp, _, _ in rows],
                           [sp.top_k for sp, _, _ in rows], [rng for _, _, rng in rows],
                           [sp.top_p for sp, _, _ in rows])
