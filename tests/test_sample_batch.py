@@ -1,27 +1,18 @@
 """flow/generate.sample_batch: the whole batch's tokens drawn at once (the serving engine's
 sampling) are the tokens the one-row definition draws, row by row, from the same generators."""
+import importlib.util
+import os
+
 import numpy as np
 
 from starpu_llm.flow import generate as gen
 
-
-def one_row(logits, temperature, top_k, rng, top_p):
-    """The definition, one row at a time with a full sort (the former flow/generate.sample):
-    greedy, or softmax(logits / T) over the top_k largest, cut to the nucleus, drawn with
-    Generator.choice."""
-    x = np.asarray(logits, np.float64)
-    if top_k == 1 or temperature == 0:
-        return int(np.argmax(x))
-    ids = np.arange(x.size)
-    if 0 < top_k < x.size:
-        ids = np.sort(np.argpartition(x, x.size - top_k)[x.size - top_k:])
-    w = np.exp((x[ids] - x[ids].max()) / temperature)
-    p = w / w.sum()
-    if top_p < 1.0:
-        order = np.argsort(-p, kind="stable")
-        keep = np.sort(order[:int(np.searchsorted(np.cumsum(p[order]), top_p)) + 1])
-        ids, p = ids[keep], p[keep] / p[keep].sum()
-    return int(ids[rng.choice(ids.size, p=p)])
+_spec = importlib.util.spec_from_file_location(
+    "sampling_bench", os.path.join(os.path.dirname(__file__), "..", "experiments",
+                                   "sampling_bench.py"))
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+one_row = bench.row_by_row       # the former definition: one row at a time, a full sort
 
 
 def test_sample_batch_draws_what_each_row_draws():
