@@ -26,7 +26,11 @@ TOK = tokenizer.gpt2()
 ROUNDING = 1e-9
 CONVERSATION = [{"role": "system", "content": "You are brief."},
                 {"role": "user", "content": "What is StarPU?"}]
-CUSTOM = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant]"
+# a template as Hugging Face tokenizers ship them: raise_exception for a conversation it refuses
+CUSTOM = ("{% for m in messages %}{% if loop.first and m['role'] == 'assistant' %}"
+          "{{ raise_exception('a conversation starts with a system or user message') }}"
+          "{% endif %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+          "{% if add_generation_prompt %}[assistant]{% endif %}")
 
 
 class Oracle:
@@ -141,6 +145,13 @@ def test_bad_chat_input_is_400_naming_the_field(server, body, message):
     assert message in r.json()["error"]["message"], r.json()
 
 
+def test_the_templates_refusal_is_400(server):
+    """raise_exception in a template: a 400 with its message."""
+    with pytest.raises(openai.BadRequestError, match="starts with a system or user message"):
+        server[1].client(max_retries=0, timeout=120).chat.completions.create(
+            model="tiny", messages=[{"role": "assistant", "content": "Hi"}])
+
+
 def test_bad_template_file_exits_2(ckpts, tmp_path):
     import subprocess
     import sys
@@ -203,6 +214,17 @@ def test_echo_scores_the_prompt(server, oracle):
         (top,) = c.logprobs.top_logprobs[i + 1].values()
         assert abs(top - want.max()) <= bound
     assert c.logprobs.text_offset == [len(TOK.decode(ids[:i])) for i in range(len(ids))]
+    # echo with max_tokens > 0: the prompt's scores, then the generated tokens'
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, echo=True,
+                                  logprobs=0, **GREEDY)
+    new = oracle.greedy(ids, 3)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == prompt + text_of(new)
+    assert lp.tokens == [TOK.decode([t]) for t in ids + new]
+    assert lp.token_logprobs[0] is None
+    for i, logits in enumerate(oracle.logits(ids + new[:-1])):
+        want = log_softmax(logits)[(ids + new)[i + 1]]
+        assert abs(lp.token_logprobs[i + 1] - want) <= lp_bound(logits, i + 1)
     # echo alone with max_tokens 0: the prompt back, nothing computed
     r = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True)
     assert r.choices[0].text == prompt and r.choices[0].logprobs is None
