@@ -19,9 +19,9 @@ with a retry time; ShuttingDown while the server stops). The engine thread loops
      penalties, then flow/generate.sample_batch for the whole batch at once; a sequence
      still in a prompt it scores gets the log-probability of its next prompt token
      instead); each turns its token into text (whole UTF-8 characters, stop strings held
-     back until they can no longer match) and hands the text to its request's callback, which must not block (the HTTP side puts it on its event
-     loop); a sequence that reaches its max tokens, a stop string or <|endoftext|> leaves
-     and frees its slot.
+     back until they can no longer match) and hands the text to its request's callback,
+     which must not block (the HTTP side puts it on its event loop); a sequence that
+     reaches its max tokens, a stop string or <|endoftext|> leaves and frees its slot.
 
 With nothing to do, the thread sleeps on a condition, StarPU paused (its idle workers would
 otherwise spin). drain() stops accepting and lets the accepted requests finish until a
@@ -408,9 +408,11 @@ class Engine:
         # the next token of every sequence past its prompt, drawn for the whole batch at once
         drawing = [k for k, (seq, _) in enumerate(wanted)
                    if not (seq.pending or seq.req.sampling.max_tokens == 0)]
-        chosen = dict(zip(drawing, scoring.choose_batch(
-            logits[drawing], [(wanted[k][0].req.sampling, wanted[k][0].req.tokens,
-                               wanted[k][0].req.rng) for k in drawing]))) if drawing else {}
+        reqs = [wanted[k][0].req for k in drawing]
+        chosen = {}
+        if drawing:
+            chosen = dict(zip(drawing, scoring.choose_batch(
+                logits[drawing], [(r.sampling, r.tokens, r.rng) for r in reqs])))
         for k, (seq, row) in enumerate(wanted):
             if k in chosen:
                 new_tokens += 1

@@ -107,7 +107,8 @@ def _penalty(obj, name) -> float:
     v = obj.get(name)
     if v is None:
         return 0.0
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not -MAX_PENALTY <= v <= MAX_PENALTY:
+    if (isinstance(v, bool) or not isinstance(v, (int, float))
+            or not -MAX_PENALTY <= v <= MAX_PENALTY):
         raise _bad(f"{name} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got "
                    f"{json.dumps(v)}", name)
     return float(v)
