@@ -225,6 +225,17 @@ def test_echo_scores_the_prompt(server, oracle):
     for i, logits in enumerate(oracle.logits(ids + new[:-1])):
         want = log_softmax(logits)[(ids + new)[i + 1]]
         assert abs(lp.token_logprobs[i + 1] - want) <= lp_bound(logits, i + 1)
+    # two choices of a 40-token prompt: more scored rows than one step's head gives a group
+    # (its slots + engine.SCORED_ROWS): the second choice's prompt goes over two steps
+    ids = TOK.encode(" ".join(["to be, or not"] * 10))[:40]
+    r = client.completions.create(model="tiny", prompt=ids, max_tokens=0, echo=True,
+                                  logprobs=0, n=2, temperature=0)
+    logits = oracle.logits(ids[:-1])
+    for c in r.choices:
+        assert len(c.logprobs.token_logprobs) == 40 and c.logprobs.token_logprobs[0] is None
+        for i, x in enumerate(logits):
+            assert abs(c.logprobs.token_logprobs[i + 1] - log_softmax(x)[ids[i + 1]]) \
+                <= lp_bound(x, i + 1)
     # echo alone with max_tokens 0: the prompt back, nothing computed
     r = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True)
     assert r.choices[0].text == prompt and r.choices[0].logprobs is None

@@ -43,6 +43,9 @@ from ..flow.batch import DEFAULT_ROWS, Feed, SlotDecoder
 from ..io.tokenizer import StreamDecoder
 from . import scoring
 
+# a step's logits for this many rows of scored prompts (echo with logprobs) a group, beside
+# one a slot: a scored prompt goes in this many tokens a step (GPT-2: 13 MB of logits)
+SCORED_ROWS = 64
 
 class QueueFull(Exception):
     """The queue cannot take the request: retry after retry_after seconds."""
@@ -63,8 +66,9 @@ class Sampling:
     string (not included in the text) or by <|endoftext|> unless ignore_eos. Scoring
     (serve/scoring.py): logprobs, the most likely tokens listed beside each token's
     log-probability (None: no log-probabilities); prompt_logprobs: the prompt's tokens scored
-    too (one step a prompt token); logit_bias ((token, bias), ...) and the penalties change the
-    logits a token is drawn from. max_tokens 0: the prompt scored, nothing generated."""
+    too (up to SCORED_ROWS of them a step); logit_bias ((token, bias), ...) and the penalties
+    change the logits a token is drawn from. max_tokens 0: the prompt scored, nothing
+    generated."""
     max_tokens: int = 16
     temperature: float = 1.0
     top_k: int = 0
@@ -285,7 +289,7 @@ class Engine:
             loaded = self._load()
             self.describe = loaded.describe
             self.decoder = SlotDecoder(loaded.backend, self.max_batch, self.rows,
-                                       self.cache_len, loaded.groups)
+                                       self.cache_len, loaded.groups, extra_heads=SCORED_ROWS)
         except BaseException as e:          # noqa: BLE001 (re-raised by start())
             self._load_error = e
             if loaded is not None:
@@ -379,6 +383,7 @@ class Engine:
     def _step(self):
         # every running sequence's next token first, then prompt rows while the group has room
         budget = collections.Counter()
+        extra = collections.Counter()       # head rows taken beyond one a sequence
         feeds = []
         decoding = [s for s in self._running.values() if s.req.tokens]
         prefilling = sorted((s for s in self._running.values() if not s.req.tokens),
@@ -387,38 +392,40 @@ class Engine:
             g = self.decoder.group_of(seq.slot)
             n = min(len(seq.pending), self.rows - budget[g])
             scored = seq.req.sampling.prompt_logprobs and not seq.req.tokens
-            n = min(n, 1) if scored else n      # the logits after every prompt token
+            if scored:      # the logits after every prompt token: a head row each
+                spare = self.decoder.head_rows(g) - self.decoder.groups[g].n - extra[g]
+                n = min(n, 1 + spare)
+                extra[g] += max(0, n - 1)
             if n < 1:
                 continue
             budget[g] += n
             feeds.append(Feed(seq.slot, seq.pos, seq.pending[:n],
-                              n == len(seq.pending) or scored))
+                              n if scored else n == len(seq.pending)))
         t0 = time.monotonic()
         logits = self.decoder.step(feeds)
         now = time.monotonic()
         new_tokens = 0
         rows = iter(logits)
-        wanted = []         # (sequence, its logits row)
+        wanted = []         # (sequence, the tokens fed up to its logits row, the row)
         for f in feeds:
             seq = self._running[f.slot]
             seq.pos += len(f.tokens)
             seq.pending = seq.pending[len(f.tokens):]
-            if f.logits:
-                wanted.append((seq, next(rows)))
+            w = int(f.logits)
+            wanted += [(seq, seq.pos - w + j + 1, next(rows)) for j in range(w)]
         # the next token of every sequence past its prompt, drawn for the whole batch at once
-        drawing = [k for k, (seq, _) in enumerate(wanted)
-                   if not (seq.pending or seq.req.sampling.max_tokens == 0)]
+        drawing = [k for k, (seq, fed, _) in enumerate(wanted) if fed >= len(seq.req.prompt)]
         reqs = [wanted[k][0].req for k in drawing]
         chosen = {}
         if drawing:
             chosen = dict(zip(drawing, scoring.choose_batch(
                 logits[drawing], [(r.sampling, r.tokens, r.rng) for r in reqs])))
-        for k, (seq, row) in enumerate(wanted):
+        for k, (seq, fed, row) in enumerate(wanted):
             if k in chosen:
                 new_tokens += 1
                 self._next_token(seq, row, now, chosen[k])
             else:
-                self._score_prompt(seq, row)
+                self._score_prompt(seq, fed, row)
         if self.metrics:
             self.metrics.step(len(feeds), sum(len(f.tokens) for f in feeds), new_tokens,
                               now - t0)
@@ -447,11 +454,11 @@ class Engine:
             return self._end(seq, "stop" if stopped else "length")
         seq.pending = [token]
 
-    def _score_prompt(self, seq: _Sequence, logits):
-        """The prompt token after those fed so far scored by their logits; a request that
+    def _score_prompt(self, seq: _Sequence, fed: int, logits):
+        """Prompt token `fed` scored by the logits after the tokens before it; a request that
         only scores (max_tokens 0) ends with its last prompt token."""
         req = seq.req
-        self._emit(req, Event(logprobs=(scoring.score(logits, req.prompt[seq.pos],
+        self._emit(req, Event(logprobs=(scoring.score(logits, req.prompt[fed],
                                                       req.sampling.logprobs or 0),)))
-        if req.sampling.max_tokens == 0 and seq.pos == len(req.prompt) - 1:
+        if req.sampling.max_tokens == 0 and fed == len(req.prompt) - 1:
             self._end(seq, "length")
