@@ -77,9 +77,10 @@ class Completion:
 
     def chunk(self, index: int, text: str, finish=None, logprobs=()) -> dict:
         """A server-sent event's object: a piece of choice index's text (and the scores of
-        its tokens, scoring.Logprob, when the request asks for them)."""
+        its tokens, scoring.Logprob, when the request asks for them; null in an event without
+        tokens)."""
         lp = None
-        if self.sampling.logprobs is not None:
+        if self.sampling.logprobs is not None and logprobs:
             lp = scoring.completion_logprobs(logprobs, self.tokenizer, 0)
         out = {"id": self.id, "object": "text_completion", "created": self.created,
                "model": self.model,

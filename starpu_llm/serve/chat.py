@@ -103,7 +103,7 @@ class ChatCompletion(api.Completion):
         out = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                "model": self.model,
                "choices": [{"index": index, "delta": delta,
-                            "logprobs": self._logprobs(None, logprobs),
+                            "logprobs": self._logprobs(None, logprobs) if logprobs else None,
                             "finish_reason": finish}]}
         if self.include_usage:
             out["usage"] = None
