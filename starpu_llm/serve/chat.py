@@ -13,6 +13,7 @@ with "Assistant:" for the model to continue (docs/serving.md). `starpu-llm serve
 """
 from __future__ import annotations
 
+import functools
 import json
 
 from ..errors import StarpuLLMError
@@ -197,10 +198,7 @@ def parse_chat(obj: dict, model: str, tokenizer, V: int, cache_len: int, max_bat
                          "messages") from None
 
 
-_DEFAULT = []
-
-
+@functools.lru_cache(maxsize=1)
 def _default() -> Template:
-    if not _DEFAULT:
-        _DEFAULT.append(Template(DEFAULT_TEMPLATE))
-    return _DEFAULT[0]
+    """DEFAULT_TEMPLATE, compiled once."""
+    return Template(DEFAULT_TEMPLATE)

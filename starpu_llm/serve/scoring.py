@@ -99,7 +99,7 @@ def choose_batch(logits, rows) -> list:
 # ---- request fields
 
 def _bad(message, param):
-    from .api import BadRequest
+    from .api import BadRequest      # here: api imports this module
     return BadRequest(message, param)
 
 
