@@ -258,6 +258,10 @@ def build_parser():
     sv.add_argument("--model-name", type=_model_name, default=None, help="the model's name in the API (default: "
                                                        "the checkpoint's file name, without "
                                                        "its extension)")
+    sv.add_argument("--chat-template", default=None, metavar="FILE",
+                    help="Jinja2 chat template of /v1/chat/completions, as Hugging Face "
+                         "tokenizers ship them (default: 'Role: content' lines ending in "
+                         "'Assistant:', docs/serving.md)")
     sv.add_argument("--shutdown-timeout", type=_CHECKS["nonneg"]("--shutdown-timeout"),
                     default=30.0, help="seconds the running requests get to finish after "
                                        "SIGINT or SIGTERM, before they are cancelled (default 30)")
@@ -419,7 +423,7 @@ def cmd_serve(args):
     request = PartitionRequest(**{name: getattr(args, name) for name in SERVE_PARTITION})
     return run_serve(args.init_from, args.host, args.port, args.max_batch, args.max_queue,
                      args.engine, request, args.model_name, args.shutdown_timeout,
-                     args.log_level, edges=_serve_edges(args))
+                     args.log_level, edges=_serve_edges(args), chat_template=args.chat_template)
 
 
 def _serve_edges(args) -> dict:

@@ -26,6 +26,7 @@ SERVE_INSTALL = "pip install 'starpu-llm[serve]' (make install does it)"
 def _web():
     """uvicorn and the application, or a clear error when the serve extra is missing."""
     try:
+        import jinja2  # noqa: F401 (the chat templates)
         import uvicorn
         from .serve.app import create_app
         from .serve.metrics import Metrics
@@ -93,10 +94,12 @@ def listen_socket(host: str, port: int):
 
 def run_serve(init_from, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8,
               max_queue: int = 64, engine: str = "starpu", request=None, model_name=None,
-              shutdown_timeout: float = 30.0, log_level: str = "info", edges=None) -> int:
+              shutdown_timeout: float = 30.0, log_level: str = "info", edges=None,
+              chat_template=None) -> int:
     """`starpu-llm serve` (see the module docstring): request, a partition.PartitionRequest
     (None: the default partition); edges: serve/middleware.Edges' fields (the key, CORS, the
-    timeouts; None: the defaults). Prints "serving MODEL on http://HOST:PORT" once it takes
+    timeouts; None: the defaults); chat_template: the --chat-template file (None: the default
+    template, serve/chat.py). Prints "serving MODEL on http://HOST:PORT" once it takes
     requests (port 0: a free port, the one printed)."""
     from .partition import PartitionRequest
     from .runtime.starpu import resolve_here
@@ -104,8 +107,10 @@ def run_serve(init_from, host: str = "127.0.0.1", port: int = 8000, max_batch: i
     partition = resolve_here(request, engine=engine)      # bad flags fail before the model loads
     uvicorn, create_app, Metrics = _web()
     from .serve import middleware
+    from .serve.chat import load_template
     from .serve.engine import Engine
     edges = middleware.Edges(**(edges or {}))
+    template = load_template(chat_template) if chat_template is not None else None
     if max_batch < 1 or max_queue < 0:
         raise StarpuLLMError(f"--max-batch must be at least 1 and --max-queue at least 0 (got "
                              f"{max_batch} and {max_queue})")
@@ -142,7 +147,7 @@ def run_serve(init_from, host: str = "127.0.0.1", port: int = 8000, max_batch: i
                 eng.drain(0.0 if len(stopped) > 1 else shutdown_timeout)
                 super().handle_exit(sig, frame)
 
-        app = middleware.wrap(create_app(eng, model), edges, metrics)
+        app = middleware.wrap(create_app(eng, model, template), edges, metrics)
         server = Server(uvicorn.Config(app, log_level=log_level, lifespan="off",
                                        timeout_graceful_shutdown=shutdown_timeout + 5,
                                        http=middleware.http_protocol(edges.header_timeout),

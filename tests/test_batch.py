@@ -152,6 +152,28 @@ def test_step_rows_and_slots(backend):
         decoder.step([Feed(1, 0, [250])])
 
 
+def test_step_gives_the_logits_after_each_of_a_feeds_last_tokens(backend):
+    """Feed.logits = k: the logits after each of the feed's last k tokens (a scored prompt),
+    beside another feed's last row, within the bound of one token at a time; more wanted rows
+    than the group's head rows (slots + extra_heads) is an error."""
+    decoder = SlotDecoder(backend, 2, rows=16, extra_heads=4)
+    assert decoder.head_rows(0) == 6
+    ps = prompts(2)
+    a, b = ps[3][:9], ps[1][:4]
+    logits = decoder.step([Feed(0, 0, b, True), Feed(1, 0, a, 5)])
+    assert logits.shape == (6, MICRO.V)
+    one = gen.Decoder(backend)
+    ref = [one.feed([[t]])[0] for t in a]           # after a[0], after a[:2], ...
+    ref_b = gen.Decoder(backend).feed([b])[0]
+    assert_within(logits[0], ref_b, logits_bound(MICRO, 1, 4, np.abs(ref_b).max()), "b")
+    for j in range(5):
+        r = ref[len(a) - 5 + j]
+        assert_within(logits[1 + j], r, logits_bound(MICRO, 1, len(a) - 4 + j, np.abs(r).max()),
+                      f"after {len(a) - 4 + j} tokens")
+    with pytest.raises(ValueError, match="the logits of 7 rows"):
+        decoder.step([Feed(0, 0, b, True), Feed(1, 0, a, 6)])
+
+
 def test_sample_top_p():
     """top_p keeps the fewest most likely tokens whose probabilities reach it."""
     rng = np.random.default_rng(0)

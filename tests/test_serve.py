@@ -272,7 +272,7 @@ BAD = [
     ({"model": "tiny", "prompt": [1, 2, 50257]}, 400, "token id 50257"),
     ({"model": "tiny", "prompt": []}, 400, "prompt must be"),
     ({"model": "tiny"}, 400, "prompt is required"),
-    ({"model": "tiny", "prompt": "Hi", "logprobs": 3}, 400, "logprobs is not supported"),
+    ({"model": "tiny", "prompt": "Hi", "best_of": 2}, 400, "best_of is not supported"),
     ({"model": "tiny", "prompt": "Hi", "stream_options": {"include_usage": True}}, 400,
      "only allowed with stream"),
     (b'{"model": "tiny", "prompt": "\\ud800"}', 400, "lone surrogate"),

@@ -16,8 +16,8 @@ row's key and value to its slot (kv_append) and lets its query attend to its slo
 0..position (attention_decode). So one step carries, side by side, the next token of every
 running sequence and whole prompts of new ones (prefill), and submits the same tasks however
 many sequences it carries: one per layer operation, each over all the rows. The rows whose
-logits are wanted (a sequence's last row) come first, and the final layernorm and the lm
-head run on those M rows only.
+logits are wanted (a sequence's last row; each row of a prompt being scored) come first, and
+the final layernorm and the lm head run on those M rows only.
 
 With several StarPU workers of one core each, the slots are split into groups, one per
 worker: each group has its own cache and buffers, so the steps of two groups are independent
@@ -38,7 +38,8 @@ DEFAULT_ROWS = 256      # rows per step (and group): the new tokens a step takes
 
 class Feed(NamedTuple):
     """What one sequence brings to a step: tokens at positions pos, pos + 1, ... of the
-    sequence in `slot`; logits: whether the logits after its last token are wanted."""
+    sequence in `slot`; logits: whether the logits after its last token are wanted (True), or
+    the number of its last tokens after each of which they are (an int: a prompt scored)."""
     slot: int
     pos: int
     tokens: Sequence[int]
@@ -63,22 +64,26 @@ def decode_step(ops, cfg, p, kv, d, h, N: int, M: int):
 
 
 class _Group:
-    """Slots first .. first + n - 1, with their cache and a step's buffers."""
+    """Slots first .. first + n - 1, with their cache and a step's buffers (the logits of up to
+    n + extra rows)."""
 
-    def __init__(self, cfg, first: int, n: int, rows: int, Tc: int, tensor):
+    def __init__(self, cfg, first: int, n: int, rows: int, Tc: int, tensor, extra: int = 0):
         self.first, self.n = first, n
         self.kv = KVCache.create(cfg, n, Tc, tensor)
         self.d = DecodeTensors.create(cfg, rows, 1, tensor)
-        self.h = HeadTensors.create(cfg, n, 1, tensor)
+        self.h = HeadTensors.create(cfg, n + extra, 1, tensor)
+        self.heads = n + extra
 
 
 class SlotDecoder:
     """`slots` sequences with a key/value cache of cache_len positions each (default: the
     model's maxT), stepped together (see the module docstring); at most `rows` new tokens
-    per step in each of `groups` groups of slots. Tensors are made by `backend` once, here."""
+    per step in each of `groups` groups of slots, and the logits of at most head_rows(g) of
+    them (a group's slots, plus extra_heads for the rows of scored prompts). Tensors are made
+    by `backend` once, here."""
 
     def __init__(self, backend, slots: int, rows: int = DEFAULT_ROWS,
-                 cache_len: int | None = None, groups: int = 1):
+                 cache_len: int | None = None, groups: int = 1, extra_heads: int = 0):
         cfg = self.config = backend.config
         self.backend = backend
         self.Tc = cache_len or cfg.maxT
@@ -90,7 +95,8 @@ class SlotDecoder:
         self.slots, self.rows = slots, rows
         groups = max(1, min(groups, slots))
         per = -(-slots // groups)
-        self.groups = [_Group(cfg, first, min(per, slots - first), rows, self.Tc, backend.tensor)
+        self.groups = [_Group(cfg, first, min(per, slots - first), rows, self.Tc, backend.tensor,
+                              max(0, min(extra_heads, rows - 1)))
                        for first in range(0, slots, per)]
         self._per = per
 
@@ -98,10 +104,14 @@ class SlotDecoder:
         """The group that holds slot."""
         return slot // self._per
 
+    def head_rows(self, g: int) -> int:
+        """The most rows of group g whose logits one step gives."""
+        return self.groups[g].heads
+
     def step(self, feeds: Sequence[Feed]) -> np.ndarray:
         """One step of the feeds (each slot at most once; see Feed): their tokens through the
-        model, into the cache. Returns the (M, V) logits after the last token of each feed
-        with logits, in the feeds' order."""
+        model, into the cache. Returns the (M, V) logits after each wanted token (a feed's
+        last, or its last `logits` ones), in the feeds' order and each feed's token order."""
         cfg = self.config
         per_group = [[] for _ in self.groups]
         seen = set()
@@ -123,11 +133,17 @@ class SlotDecoder:
                 raise StarpuLLMError(f"token ids must be in [0, {cfg.V}), the model's "
                                      f"vocabulary; got {tokens.min()}..{tokens.max()}")
             # the rows of the wanted logits first, then every other row
-            first = [(f, len(f.tokens) - 1) for f in fs if f.logits]
-            rest = [(f, i) for f in fs for i in range(len(f.tokens) - (1 if f.logits else 0))]
+            first = [(f, i) for f in fs
+                     for i in range(len(f.tokens) - min(int(f.logits), len(f.tokens)),
+                                    len(f.tokens))]
+            rest = [(f, i) for f in fs
+                    for i in range(len(f.tokens) - min(int(f.logits), len(f.tokens)))]
             if len(first) + len(rest) > self.rows:
                 raise ValueError(f"{len(first) + len(rest)} rows in one step of a group "
                                  f"of {self.rows}")
+            if len(first) > group.heads:
+                raise ValueError(f"the logits of {len(first)} rows in one step of a group "
+                                 f"that gives {group.heads}")
             idx = np.array([(f.tokens[i], f.slot - group.first, f.pos + i)
                             for f, i in first + rest], np.int32)
             self.backend.write(group.d.idx, idx)

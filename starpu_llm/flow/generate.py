@@ -179,27 +179,83 @@ class Recompute:
 
 # ---- sampling
 
+NUCLEUS_BINS = 32     # top_p's bins a nat of log-probability (sample_batch)
+
+
 def sample(logits, temperature: float, top_k: int, rng, top_p: float = 1.0) -> int:
     """A token id from one row of logits: the argmax when top_k is 1 or temperature 0
     (greedy); else drawn with rng (a numpy Generator) from softmax(logits / temperature) over
     the top_k largest logits (top_k 0: all), and of those, with top_p < 1, over the most
     likely ones whose probabilities add up to top_p (nucleus sampling: the fewest tokens,
-    taken in decreasing probability, whose sum reaches top_p)."""
-    x = np.asarray(logits, np.float64)
-    if top_k == 1 or temperature == 0:
-        return int(np.argmax(x))
-    ids = np.arange(x.size)
-    if 0 < top_k < x.size:
-        ids = np.sort(np.argpartition(x, x.size - top_k)[x.size - top_k:])
-    z = (x[ids] - x[ids].max()) / temperature
-    w = np.exp(z)
-    p = w / w.sum()
-    if top_p < 1.0:
-        order = np.argsort(-p, kind="stable")
-        keep = np.sort(order[:int(np.searchsorted(np.cumsum(p[order]), top_p)) + 1])
-        ids, p = ids[keep], p[keep]
-        p = p / p.sum()
-    return int(ids[rng.choice(ids.size, p=p)])
+    taken in decreasing probability, whose sum reaches top_p). sample_batch's row."""
+    token = sample_batch(np.asarray(logits)[None], [temperature], [top_k], [rng], [top_p])[0]
+    if token < 0:
+        raise ValueError("the logits are not all finite: no token can be drawn")
+    return int(token)
+
+
+def sample_batch(logits, temperature, top_k, rngs, top_p) -> np.ndarray:
+    """sample() of every row of logits (M, V) at once, row i with temperature[i], top_k[i],
+    top_p[i] and its generator rngs[i] (one uniform draw per row that is not greedy, as
+    Generator.choice makes): the (M,) token ids, -1 for a row whose logits are not all
+    finite. Array operations over the rows (top_k per distinct k; top_p with the tokens
+    binned by probability, only the boundary bin sorted: _nucleus), no loop over the
+    vocabulary; each row's token depends on that row alone."""
+    x = np.asarray(logits)
+    M, V = x.shape
+    temperature = np.asarray(temperature, np.float64)
+    top_k, top_p = np.asarray(top_k, np.int64), np.asarray(top_p, np.float64)
+    # a NaN or an infinity makes the sum so (float64: no overflow of float32 values)
+    finite = np.isfinite(x.sum(axis=1, dtype=np.float64))
+    drawn = finite & (top_k != 1) & (temperature != 0)
+    tokens = np.full(M, -1, np.int64)
+    greedy = np.flatnonzero(finite & ~drawn)
+    tokens[greedy] = np.argmax(x[greedy], axis=1)
+    r = np.flatnonzero(drawn)
+    if r.size == 0:
+        return tokens
+    x, k, P = x[r].astype(np.float64), top_k[r], top_p[r]
+    z = x - x.max(axis=1, keepdims=True)
+    z /= temperature[r, None]           # log-probabilities up to a constant per row
+    for kk in np.unique(k[(k > 0) & (k < V)]):           # the top_k largest logits
+        rows = np.flatnonzero(k == kk)
+        ids = np.argpartition(x[rows], V - kk, axis=1)[:, V - kk:]
+        kept = np.take_along_axis(z[rows], ids, axis=1)
+        z[rows] = -np.inf
+        z[rows[:, None], ids] = kept
+    p = np.exp(z)
+    p /= p.sum(axis=1, keepdims=True)
+    nucleus = np.flatnonzero(P < 1.0)
+    if nucleus.size:
+        p[nucleus] = _nucleus(p[nucleus], z[nucleus], P[nucleus])
+    # Generator.choice's draw: the first place where the cumulative probability passes u
+    cdf = np.cumsum(p, axis=1, out=p)
+    u = np.array([rngs[i].random() for i in r]) * cdf[:, -1]
+    tokens[r] = [min(int(np.searchsorted(c, v, side="right")), V - 1) for c, v in zip(cdf, u)]
+    return tokens
+
+
+def _nucleus(p, z, top_p) -> np.ndarray:
+    """Rows of probabilities p (n, V) kept to their nucleus (the fewest most likely tokens,
+    ties by id, whose sum reaches top_p[i]) and renormalised; z: their log-probabilities up
+    to a constant per row (<= 0). No full sort: the tokens are binned by z (NUCLEUS_BINS a
+    nat), the bins' masses summed from the top give the bin where the sum reaches top_p, and
+    only that bin's tokens are sorted."""
+    n, V = p.shape
+    nb = NUCLEUS_BINS * 64                       # beyond 64 nats below the top: the last bin
+    bins = np.minimum(-z * NUCLEUS_BINS, nb - 1).astype(np.int64)
+    mass = np.bincount((bins + nb * np.arange(n)[:, None]).ravel(), p.ravel(),
+                       minlength=n * nb).reshape(n, nb)
+    below = np.cumsum(mass, axis=1)
+    edge = np.minimum((below < top_p[:, None]).sum(axis=1), nb - 1)     # the boundary bin
+    out = np.where(bins < edge[:, None], p, 0.0)
+    for i in range(n):                           # the boundary bin's tokens, most likely first
+        ids = np.flatnonzero(bins[i] == edge[i])
+        ids = ids[np.lexsort((ids, -p[i, ids]))]
+        before = below[i, edge[i] - 1] if edge[i] else 0.0
+        count = int((before + np.cumsum(p[i, ids]) < top_p[i]).sum()) + 1
+        out[i, ids[:count]] = p[i, ids[:count]]
+    return out / out.sum(axis=1, keepdims=True)
 
 
 def check_request(config, prompt_len: int, max_new_tokens: int, temperature: float, top_k: int):

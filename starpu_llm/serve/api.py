@@ -4,11 +4,13 @@ into engine requests, and the response objects. No HTTP here (serve/app.py).
 POST /v1/completions takes OpenAI's fields: model, prompt (a string, a list of strings, a
 list of token ids or a list of such lists), max_tokens (default 16), temperature (default 1;
 0: greedy), top_p, n, stop (a string or up to 4), seed, stream, stream_options
-({"include_usage": true}), echo, user; and two of vLLM's: top_k (0 or -1: all tokens) and
-ignore_eos. Fields OpenAI has and this server does not implement (logprobs, suffix, best_of,
-logit_bias, presence_penalty, frequency_penalty) are accepted only at their neutral value
-(null, 1, {}, 0). Anything else, and every value out of range, is an error with one message
-naming the field (BadRequest: HTTP 400; an unknown model: 404).
+({"include_usage": true}), echo, user, and the scoring fields (serve/scoring.py): logprobs
+(0..5), presence_penalty, frequency_penalty, logit_bias; echo with max_tokens 0 scores the
+prompt; and two of vLLM's: top_k (0 or -1: all tokens) and ignore_eos. Fields OpenAI has and
+this server does not implement (suffix, best_of) are accepted only at their neutral value
+(null, 1). Anything else, and every value out of range, is an error with one message naming
+the field (BadRequest: HTTP 400; an unknown model: 404). The chat API (serve/chat.py) is
+checked through the same function.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import uuid
 
 import numpy as np
 
+from . import scoring
 from .engine import Sampling
 
 DEFAULT_MAX_TOKENS = 16     # OpenAI's default for completions
@@ -46,10 +49,10 @@ def error_body(message: str, kind: str = "invalid_request_error", param=None, co
 
 
 # name -> the neutral value: OpenAI fields accepted only at it (not implemented here)
-_NEUTRAL = {"logprobs": None, "suffix": None, "best_of": 1, "logit_bias": {},
-            "presence_penalty": 0, "frequency_penalty": 0}
+_NEUTRAL = {"suffix": None, "best_of": 1}
 _FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop",
-           "seed", "stream", "stream_options", "echo", "user", "ignore_eos"} | set(_NEUTRAL)
+           "seed", "stream", "stream_options", "echo", "user", "ignore_eos", "logprobs",
+           "logit_bias", "presence_penalty", "frequency_penalty"} | set(_NEUTRAL)
 
 
 class Choice:
@@ -79,11 +82,16 @@ class Completion:
             return np.random.default_rng(self.seed)
         return np.random.default_rng(np.random.SeedSequence(self.seed, spawn_key=(k,)))
 
-    def chunk(self, index: int, text: str, finish=None) -> dict:
-        """A server-sent event's object: a piece of choice index's text."""
+    def chunk(self, index: int, text: str, finish=None, logprobs=()) -> dict:
+        """A server-sent event's object: a piece of choice index's text (and the scores of
+        its tokens, scoring.Logprob, when the request asks for them; null in an event without
+        tokens)."""
+        lp = None
+        if self.sampling.logprobs is not None and logprobs:
+            lp = scoring.completion_logprobs(logprobs, self.tokenizer, 0)
         out = {"id": self.id, "object": "text_completion", "created": self.created,
                "model": self.model,
-               "choices": [{"index": index, "text": text, "logprobs": None,
+               "choices": [{"index": index, "text": text, "logprobs": lp,
                             "finish_reason": finish}]}
         if self.include_usage:
             out["usage"] = None
@@ -94,13 +102,26 @@ class Completion:
                 "model": self.model, "choices": [],
                 "usage": usage(prompt_tokens, completion_tokens)}
 
-    def response(self, texts, finishes, prompt_tokens: int, completion_tokens: int) -> dict:
+    def response(self, texts, finishes, prompt_tokens: int, completion_tokens: int,
+                 logprobs=None) -> dict:
+        """logprobs: each choice's scoring.Logprob list (with echo, the prompt's from its
+        second token first)."""
         return {"id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.model,
                 "choices": [{"index": c.index, "text": (c.text if self.echo else "") + t,
-                             "logprobs": None, "finish_reason": f}
-                            for c, t, f in zip(self.choices, texts, finishes)],
+                             "logprobs": self._logprobs(c, logprobs[k] if logprobs else []),
+                             "finish_reason": f}
+                            for k, (c, t, f) in enumerate(zip(self.choices, texts, finishes))],
                 "usage": usage(prompt_tokens, completion_tokens)}
+
+    def _logprobs(self, choice, entries):
+        if self.sampling.logprobs is None:
+            return None
+        if not self.echo:
+            return scoring.completion_logprobs(entries, self.tokenizer, len(choice.text))
+        # the prompt's first token has no score (nothing before it), as in OpenAI's API
+        first = scoring.Logprob(choice.ids[0], None)
+        return scoring.completion_logprobs([first, *entries], self.tokenizer, 0)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -266,10 +287,12 @@ def _prompts(v, tokenizer, V: int, cache_len: int | None = None) -> list:
 
 
 def parse_completion(obj: dict, model: str, tokenizer, V: int, cache_len: int,
-                     max_batch: int) -> Completion:
+                     max_batch: int, max_logprobs: int = scoring.MAX_COMPLETION_LOGPROBS,
+                     kind=None) -> Completion:
     """A completion request's body (parse_json's object) checked: BadRequest names the first
     field in error. cache_len: the positions a sequence may reach (prompt + max_tokens);
-    max_batch: the most choices (prompts x n) one request may ask for."""
+    max_batch: the most choices (prompts x n) one request may ask for; max_logprobs: the
+    most logprobs asked for; kind: the Completion class made (chat: serve/chat.py)."""
     unknown = sorted(set(obj) - _FIELDS)
     if unknown:
         raise BadRequest(f"unknown field {unknown[0]!r}; this server takes "
@@ -292,7 +315,10 @@ def parse_completion(obj: dict, model: str, tokenizer, V: int, cache_len: int,
     longest = max(len(ids) for ids, _ in prompts)
     if longest >= cache_len:
         raise _too_long(longest, cache_len)
-    max_tokens = _int(obj, "max_tokens", min(DEFAULT_MAX_TOKENS, cache_len - longest), low=1)
+    echo = _bool(obj, "echo")
+    # max_tokens 0 with echo: the prompt alone (scored with logprobs), as OpenAI's API takes it
+    max_tokens = _int(obj, "max_tokens", min(DEFAULT_MAX_TOKENS, cache_len - longest),
+                      low=0 if echo else 1)
     if longest + max_tokens > cache_len:
         raise BadRequest(f"the prompt ({longest} tokens) + max_tokens {max_tokens} = "
                          f"{longest + max_tokens} tokens exceed the model's maximum sequence "
@@ -329,11 +355,17 @@ def parse_completion(obj: dict, model: str, tokenizer, V: int, cache_len: int,
     user = obj.get("user")
     if user is not None and not isinstance(user, str):
         raise BadRequest(f"user must be a string, got {json.dumps(user)}", "user")
+    scored = scoring.parse_fields(obj, V, obj.get("logprobs"), max_logprobs)
+    if echo and stream and scored["logprobs"] is not None:
+        raise BadRequest("echo with logprobs is answered whole: set stream to false",
+                         "stream")
     sampling = Sampling(max_tokens=max_tokens, temperature=temperature,
                         top_k=0 if top_k == -1 else top_k, top_p=top_p,
                         stop=tuple(_utf8(s, "stop") for s in stop),
-                        ignore_eos=_bool(obj, "ignore_eos"))
+                        ignore_eos=_bool(obj, "ignore_eos"),
+                        prompt_logprobs=echo and scored["logprobs"] is not None, **scored)
     choices = [Choice(i * n + j, ids, text, j == 0) for i, (ids, text) in enumerate(prompts)
                for j in range(n)]
-    return Completion(model, choices, sampling, seed, stream, include_usage,
-                      _bool(obj, "echo"))
+    c = (kind or Completion)(model, choices, sampling, seed, stream, include_usage, echo)
+    c.tokenizer = tokenizer
+    return c

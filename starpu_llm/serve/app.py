@@ -2,6 +2,7 @@
 engine (serve/engine.py), served by uvicorn (cli_serve.py).
 
   POST /v1/completions   a completion, whole or streamed as server-sent events (stream: true)
+  POST /v1/chat/completions  the same for a conversation (serve/chat.py)
   GET  /v1/models        the one model served (and GET /v1/models/{id})
   GET  /health           200 {"status": "ok", ...} while serving, 503 once stopping or failed
   GET  /metrics          Prometheus metrics (serve/metrics.py)
@@ -24,7 +25,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from . import api
+from . import api, chat
 from .engine import Event, QueueFull, Request, ShuttingDown
 from .metrics import CONTENT_TYPE
 
@@ -55,21 +56,21 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", param
     return JSONResponse(api.error_body(message, kind, param, code), status, headers=headers)
 
 
-def create_app(engine, model: str) -> Starlette:
+def create_app(engine, model: str, chat_template=None) -> Starlette:
     """The application serving `engine` (started) under the model name `model`, with the
-    engine's metrics."""
+    engine's metrics; chat_template: chat.Template of the chat API (None: the default)."""
     created = int(time.time())
     config, metrics = engine.config, engine.metrics
     most = api.max_values(engine.max_batch, engine.cache_len, config.V)
 
-    def checked(raw: bytes) -> api.Completion:
-        return api.parse_completion(api.parse_json(raw, most), model, engine.tokenizer,
-                                    config.V, engine.cache_len, engine.max_batch)
+    def checked(raw: bytes, parse) -> api.Completion:
+        return parse(api.parse_json(raw, most), model, engine.tokenizer, config.V,
+                     engine.cache_len, engine.max_batch)
 
-    async def completions(request: HTTPRequest):
+    async def completions(request: HTTPRequest, parse=api.parse_completion):
         try:
             # parsed and tokenized in a thread: a large body never holds the event loop
-            c = await asyncio.to_thread(checked, await _body(request))
+            c = await asyncio.to_thread(checked, await _body(request), parse)
         except api.BadRequest as e:
             kind = "not_found_error" if e.status == 404 else "invalid_request_error"
             return _error(e.status, e.message, kind, e.param, e.code)
@@ -91,6 +92,9 @@ def create_app(engine, model: str) -> Starlette:
             return StreamingResponse(_stream(c, reqs, events), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         return await _whole(request, c, reqs, events)
+
+    async def chat_completions(request: HTTPRequest):
+        return await completions(request, lambda *a: chat.parse_chat(*a, chat_template))
 
     async def list_models(request):
         return JSONResponse(api.models(model, created))
@@ -119,6 +123,7 @@ def create_app(engine, model: str) -> Starlette:
                       "not_found_error" if exc.status_code == 404 else "invalid_request_error")
 
     routes = [Route("/v1/completions", completions, methods=["POST"]),
+              Route("/v1/chat/completions", chat_completions, methods=["POST"]),
               Route("/v1/models", list_models, methods=["GET"]),
               Route("/v1/models/{name:path}", one_model, methods=["GET"]),
               Route("/health", health, methods=["GET"]),
@@ -129,6 +134,7 @@ def create_app(engine, model: str) -> Starlette:
 async def _whole(request: HTTPRequest, c: api.Completion, reqs, events: asyncio.Queue):
     """The whole completion as one JSON response; the requests cancelled if the client goes."""
     texts, finishes = [""] * len(reqs), [None] * len(reqs)
+    logprobs = [[] for _ in reqs]
     usage = [0, 0]
     left = len(reqs)
     gone = asyncio.ensure_future(_disconnected(request))
@@ -141,13 +147,14 @@ async def _whole(request: HTTPRequest, c: api.Completion, reqs, events: asyncio.
                 return Response(status_code=499)      # nobody reads it
             k, ev = get.result()
             texts[k] += ev.text
+            logprobs[k] += ev.logprobs
             if ev.error:
                 return _error(ev.status, ev.error, "server_error")
             if ev.finish:
                 finishes[k], left = ev.finish, left - 1
                 usage[0] += ev.prompt_tokens if c.choices[k].first else 0
                 usage[1] += ev.completion_tokens
-        return JSONResponse(c.response(texts, finishes, *usage))
+        return JSONResponse(c.response(texts, finishes, *usage, logprobs=logprobs))
     finally:
         gone.cancel()
         for r in reqs:
@@ -180,8 +187,8 @@ async def _stream(c: api.Completion, reqs, events: asyncio.Queue):
             if ev.error:
                 yield _sse(api.error_body(ev.error, "server_error"))
                 break
-            if ev.text or ev.finish:
-                yield _sse(c.chunk(c.choices[k].index, ev.text, ev.finish))
+            if ev.text or ev.finish or ev.logprobs:
+                yield _sse(c.chunk(c.choices[k].index, ev.text, ev.finish, ev.logprobs))
             if ev.finish:
                 left -= 1
                 usage[0] += ev.prompt_tokens if c.choices[k].first else 0

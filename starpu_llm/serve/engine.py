@@ -14,12 +14,14 @@ with a retry time; ShuttingDown while the server stops). The engine thread loops
   3. one decode step carries every running sequence's last token, and the prompt rows of
      new sequences (up to `rows` rows a step and group, several prompts side by side, a long
      prompt over several steps);
-  4. each sequence whose step gave logits draws its next token with its own sampling
-     settings and generator (flow/generate.sample), turns it into text (whole UTF-8
-     characters, stop strings held back until they can no longer match) and hands the text
-     to its request's callback, which must not block (the HTTP side puts it on its event
-     loop); a sequence that reaches its max tokens, a stop string or <|endoftext|> leaves
-     and frees its slot.
+  4. the sequences whose step gave logits draw their next tokens together, each with its
+     own sampling settings and generator (serve/scoring.choose_batch: the request's bias and
+     penalties, then flow/generate.sample_batch for the whole batch at once; a sequence
+     still in a prompt it scores gets the log-probability of its next prompt token
+     instead); each turns its token into text (whole UTF-8 characters, stop strings held
+     back until they can no longer match) and hands the text to its request's callback,
+     which must not block (the HTTP side puts it on its event loop); a sequence that
+     reaches its max tokens, a stop string or <|endoftext|> leaves and frees its slot.
 
 Faults stay with their request: an exception while one sequence's next token is drawn (NaN
 logits with temperature > 0 make the draw raise) ends that request with an error (HTTP 500)
@@ -44,9 +46,12 @@ import numpy as np
 
 from ..errors import StarpuLLMError
 from ..flow.batch import DEFAULT_ROWS, Feed, SlotDecoder
-from ..flow.generate import sample
 from ..io.tokenizer import StreamDecoder
+from . import scoring
 
+# a step's logits for this many rows of scored prompts (echo with logprobs) a group, beside
+# one a slot: a scored prompt goes in this many tokens a step (GPT-2: 13 MB of logits)
+SCORED_ROWS = 64
 
 class QueueFull(Exception):
     """The queue cannot take the request: retry after retry_after seconds."""
@@ -64,18 +69,30 @@ class ShuttingDown(Exception):
 class Sampling:
     """How one sequence is continued: at most max_tokens new tokens, drawn as
     flow/generate.sample does (temperature 0 or top_k 1: greedy), ended early by a stop
-    string (not included in the text) or by <|endoftext|> unless ignore_eos."""
+    string (not included in the text) or by <|endoftext|> unless ignore_eos. Scoring
+    (serve/scoring.py): logprobs, the most likely tokens listed beside each token's
+    log-probability (None: no log-probabilities); prompt_logprobs: the prompt's tokens scored
+    too (up to SCORED_ROWS of them a step); logit_bias ((token, bias), ...) and the penalties
+    change the logits a token is drawn from. max_tokens 0: the prompt scored, nothing
+    generated."""
     max_tokens: int = 16
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     stop: tuple = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: bool = False
+    logit_bias: tuple = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
 
 class Event(NamedTuple):
     """What a request hears from the engine: text (possibly empty); at the end, finish
-    ("stop", "length", or "cancelled") or error (a message), and the usage."""
+    ("stop", "length", or "cancelled") or error (a message), and the usage. logprobs: the
+    scoring.Logprob of the tokens scored since the last event (the prompt's, from its second
+    token, then the generated ones), when the request asks for them."""
     text: str = ""
     finish: str | None = None
     error: str | None = None
@@ -83,6 +100,7 @@ class Event(NamedTuple):
     completion_tokens: int = 0
     # with error, the HTTP status: 500 a fault of this request alone, 503 of the engine
     status: int = 503
+    logprobs: tuple = ()
 
 
 class _Tally:
@@ -177,6 +195,9 @@ class _Sequence:
     def __init__(self, req: Request, slot: int, text: _Text):
         self.req, self.slot, self.text = req, slot, text
         self.pending, self.pos = list(req.prompt), 0
+        sp = req.sampling
+        if sp.max_tokens == 0:      # scoring only: the last prompt token is never fed
+            self.pending = self.pending[:-1] if sp.prompt_logprobs else []
 
 
 class Engine:
@@ -292,7 +313,7 @@ class Engine:
             loaded = self._load()
             self.describe = loaded.describe
             self.decoder = SlotDecoder(loaded.backend, self.max_batch, self.rows,
-                                       self.cache_len, loaded.groups)
+                                       self.cache_len, loaded.groups, extra_heads=SCORED_ROWS)
         except BaseException as e:          # noqa: BLE001 (re-raised by start())
             self._load_error = e
             if loaded is not None:
@@ -402,12 +423,15 @@ class Engine:
             slot = min(free, key=lambda s: (load[groups(s)], s))
             free.remove(slot)
             self._running[slot] = _Sequence(req, slot, _Text(self.tokenizer, req.sampling.stop))
+            if not self._running[slot].pending:         # nothing to compute (max_tokens 0)
+                self._end(self._running[slot], "length")
         if self.metrics:
             self.metrics.queue_length(self.waiting())
 
     def _step(self):
         # every running sequence's next token first, then prompt rows while the group has room
         budget = collections.Counter()
+        extra = collections.Counter()       # head rows taken beyond one a sequence
         feeds = []
         decoding = [s for s in self._running.values() if s.req.tokens]
         prefilling = sorted((s for s in self._running.values() if not s.req.tokens),
@@ -415,35 +439,56 @@ class Engine:
         for seq in decoding + prefilling:
             g = self.decoder.group_of(seq.slot)
             n = min(len(seq.pending), self.rows - budget[g])
+            scored = seq.req.sampling.prompt_logprobs and not seq.req.tokens
+            if scored:      # the logits after every prompt token: a head row each
+                spare = self.decoder.head_rows(g) - self.decoder.groups[g].n - extra[g]
+                n = min(n, 1 + spare)
+                extra[g] += max(0, n - 1)
             if n < 1:
                 continue
             budget[g] += n
-            feeds.append(Feed(seq.slot, seq.pos, seq.pending[:n], n == len(seq.pending)))
+            feeds.append(Feed(seq.slot, seq.pos, seq.pending[:n],
+                              n if scored else n == len(seq.pending)))
         t0 = time.monotonic()
         logits = self.decoder.step(feeds)
         now = time.monotonic()
         new_tokens = 0
         rows = iter(logits)
+        wanted = []         # (sequence, the tokens fed up to its logits row, the row)
         for f in feeds:
             seq = self._running[f.slot]
             seq.pos += len(f.tokens)
             seq.pending = seq.pending[len(f.tokens):]
-            if f.logits:
+            w = int(f.logits)
+            wanted += [(seq, seq.pos - w + j + 1, next(rows)) for j in range(w)]
+        # the next token of every sequence past its prompt, drawn for the whole batch at once
+        drawing = [k for k, (seq, fed, _) in enumerate(wanted) if fed >= len(seq.req.prompt)]
+        reqs = [wanted[k][0].req for k in drawing]
+        chosen = {}
+        if drawing:
+            chosen = dict(zip(drawing, scoring.choose_batch(
+                logits[drawing], [(r.sampling, r.tokens, r.rng) for r in reqs])))
+        for k, (seq, fed, row) in enumerate(wanted):
+            if k in chosen:
                 new_tokens += 1
-                row = next(rows)
                 try:
-                    self._next_token(seq, row, now)
+                    self._next_token(seq, row, now, chosen[k])
                 except Exception as e:      # noqa: BLE001 (this request's fault: it alone ends)
-                    if self._running.get(f.slot) is seq:
+                    if self._running.get(seq.slot) is seq:
                         self._end(seq, error=f"drawing this request's next token failed: "
                                              f"{type(e).__name__}: {e}", status=500)
+            else:
+                self._score_prompt(seq, fed, row)
         if self.metrics:
             self.metrics.step(len(feeds), sum(len(f.tokens) for f in feeds), new_tokens,
                               now - t0)
 
-    def _next_token(self, seq: _Sequence, logits, now: float):
+    def _next_token(self, seq: _Sequence, logits, now: float, chosen=None):
+        """seq's next token: chosen, (token, its scoring.Logprob or None), drawn from logits
+        by scoring.choose when not given (or None: logits not finite, and choose raises)."""
         req, sp = seq.req, seq.req.sampling
-        token = sample(logits, sp.temperature, sp.top_k, req.rng, sp.top_p)
+        token, scored = chosen or scoring.choose(logits, sp, req.tokens, req.rng)
+        scored = (scored,) if scored else ()
         req.tokens.append(token)
         if req.first_token is None:
             req.first_token = now
@@ -452,13 +497,22 @@ class Engine:
                 self.metrics.first_token(now - req.submitted)
         if token == self.eot and not sp.ignore_eos:
             text, _ = seq.text.add(None, final=True)
-            self._emit(req, Event(text))
+            self._emit(req, Event(text, logprobs=scored))
             return self._end(seq, "stop")
         last = (len(req.tokens) == sp.max_tokens
                 or len(req.prompt) + len(req.tokens) >= self.cache_len)
         text, stopped = seq.text.add(token, final=last)
-        if text:
-            self._emit(req, Event(text))
+        if text or scored:
+            self._emit(req, Event(text, logprobs=scored))
         if stopped or last:
             return self._end(seq, "stop" if stopped else "length")
         seq.pending = [token]
+
+    def _score_prompt(self, seq: _Sequence, fed: int, logits):
+        """Prompt token `fed` scored by the logits after the tokens before it; a request that
+        only scores (max_tokens 0) ends with its last prompt token."""
+        req = seq.req
+        self._emit(req, Event(logprobs=(scoring.score(logits, req.prompt[fed],
+                                                      req.sampling.logprobs or 0),)))
+        if req.sampling.max_tokens == 0 and fed == len(req.prompt) - 1:
+            self._end(seq, "length")
