@@ -323,7 +323,7 @@ class Handles:
         return sub_batch_tensors(
             config, B, T, at(0),
             lambda name, shape, dtype, l: at(self.layer_stage[l])(name, shape, dtype),
-            [at(s) for s in range(self.stages)])
+            [at(s) for s in range(self.stages)], self.runtime.attention)
 
     def tensor(self, name, shape, dtype=np.float32, owner=None) -> Tensor:
         """A new tensor registered as a handle; under MPI owned by rank `owner` (None: this

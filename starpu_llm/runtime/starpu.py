@@ -15,6 +15,7 @@ from typing import NamedTuple
 from .. import partition
 from .._clib import ffi, lib
 from ..errors import StarpuLLMError, opt
+from ..flow.tensors import ATTENTIONS
 from ..partition import Build, PartitionRequest, scheduler
 from ..record import Partition
 from . import offload, starpupy_face
@@ -93,6 +94,9 @@ class Runtime:
     moves the data. cpu_layers: with GPUs, False keeps every task that has a CUDA body on the
     GPUs (the CPU workers then load the batches only): dmda need not try each task on a CPU
     first to calibrate its model (at GPT-2 124M, B=16, T=1024, seconds a task).
+    attention: the attention the layer tasks run (flow.tensors.ATTENTIONS), decided here once
+    and read by the task flow's tensors: None gives the fused one ("flash": no (T, T) tensor,
+    csrc/cuda/attention.cu) with GPUs, the batched-GEMM one ("gemm", the CPU engine's) without.
     """
 
     _active: "Runtime | None" = None
@@ -102,7 +106,7 @@ class Runtime:
                  kcore: str | None = None, face: str | None = None,
                  memory: offload.MemoryLimit | None = None, gpus: int = 0,
                  gpu_matmul: str = "tf32", cpu_layers: bool = True,
-                 partition: Partition | None = None):
+                 partition: Partition | None = None, attention: str | None = None):
         if Runtime._active is not None:
             raise StarpuLLMError("StarPU is already running in this process; "
                                  "shut the other Runtime down first")
@@ -113,6 +117,10 @@ class Runtime:
         core_ids = agree(comm, self._plan, partition, request, sched, comm, face, memory)
         p = self.partition
         self.cpu_layers = cpu_layers or not p.gpus
+        self.attention = attention or ("flash" if p.gpus else "gemm")
+        if self.attention not in ATTENTIONS:
+            raise StarpuLLMError(f"attention {self.attention!r}: choose one of "
+                                 f"{', '.join(ATTENTIONS)}")
         self.offload = offload.start(memory)     # the limit, before StarPU starts
         self.offload_path = self.offload.path if self.offload else None
         if self.face == "starpupy":
