@@ -73,6 +73,11 @@ def test_update_reads_final_gradient(runtime):
             ("v.qkvw[1]", rw)] in updates
 
 
+def test_the_cpu_engine_keeps_the_gemm_attention(runtime):
+    # without GPUs the attention is the CPU engine's (att (B,NH,T,T)), to the bit as before
+    assert runtime.attention == "gemm"
+
+
 def test_attention_backward_declares_its_scratch(runtime):
     """The attention backward's scratch buffer is written inside the task: StarPU must have
     been told so (W), or two layers' backward tasks could overlap on it."""
