@@ -9,8 +9,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from starpu_llm import Runtime
-from starpu_llm.config import ParamLayout
+from starpu_llm import Runtime, StarpuLLMError
+from starpu_llm.config import GPTConfig, ParamLayout
 from starpu_llm.flow.engine import StarPUEngine
 from starpu_llm.state import TrainState
 from test_model import compare, make_case, report, run_engine, run_torch
@@ -60,3 +60,24 @@ def test_fused_attention_flow_matches_reference_and_torch(runtime):
     report("small] [starpu flash", e, case, bounds)
     ratios = e.ratios(case, bounds)
     assert all(r <= 1.0 for r in ratios.values()), ratios
+
+
+def test_a_head_too_wide_for_the_cuda_kernels_is_refused_before_any_task(runtime, monkeypatch):
+    """The fused attention's CUDA kernels keep a row in registers, heads of up to
+    SL_FLASH_MAX_HS channels: with GPUs a wider head is refused with the setting to change,
+    before any task (the CPU body takes any head, as this CPU runtime shows)."""
+    from starpu_llm._clib import lib
+    from starpu_llm.state import random_init
+    wide = GPTConfig(max_seq_len=16, vocab_size=97, padded_vocab_size=128, num_layers=1,
+                     num_heads=1, channels=2 * lib.SL_FLASH_MAX_HS)
+    tokens = np.arange(200, dtype=np.uint16) % 97
+
+    def engine():
+        state = TrainState(config=wide, params=random_init(wide))
+        return StarPUEngine(wide, state, 1, 16, tokens, runtime=runtime)
+    engine().close()                                  # CPU workers only: runs
+    monkeypatch.setattr(runtime, "gpus", 1)           # as a GPU runtime would start it
+    with pytest.raises(StarpuLLMError, match=r'heads of up to 64 channels, and this model\'s '
+                       r'have 128 \(128 channels / 1 heads\): start the runtime with '
+                       r'attention="gemm"'):
+        engine()

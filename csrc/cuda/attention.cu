@@ -146,13 +146,14 @@ void attention_backward_cuda(const struct sl_gpu *g, float *dqkv, float *dpreatt
  * The backward is deterministic: dq per query row, dk and dv per key row, each written by
  * the one thread that owns it (no atomics), the scores recomputed in each pass. */
 #define FLASH_ROWS 64 /* rows per block: a multiple of SL_FLASH_TILE */
-#define FLASH_HS 64   /* the largest head size (GPT-2's at every size: C / NH = 64) */
+#define FLASH_HS SL_FLASH_MAX_HS /* the largest head size (kernels.h) */
 
 static __device__ __forceinline__ int flash_min(int a, int b) { return a < b ? a : b; }
 
 static void flash_check(int hs)
 {
 	if (hs > FLASH_HS) {
+		/* refused before any task (flow/handles.py): reached only by a direct call */
 		fprintf(stderr, "starpu_llm: the fused attention takes head sizes up to %d, not %d "
 				"(use the batched-GEMM attention)\n", FLASH_HS, hs);
 		abort();

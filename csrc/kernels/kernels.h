@@ -73,6 +73,9 @@ void attention_backward(float *dqkv, float *dpreatt, float *datt, const float *d
  * and lse (B,NH,T), each query row's log(sum_j exp(score_j)); the backward reads them back,
  * dsum (B,NH,T) its scratch. Keys go in tiles of SL_FLASH_TILE (the CUDA kernels' too). */
 #define SL_FLASH_TILE 32
+/* The CUDA kernels' largest head size (a row's q and accumulators live in registers; GPT-2's
+ * is 64 at every size); the CPU twin takes any. */
+#define SL_FLASH_MAX_HS 64
 void attention_flash_forward(float *out, float *lse, const float *qkv, int B, int T, int C,
 			     int NH);
 void attention_flash_backward(float *dqkv, float *dsum, const float *dout, const float *qkv,
