@@ -18,6 +18,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from starpu_llm._kernels import lib as _klib
+
+FLASH_TILE = _klib.SL_FLASH_TILE   # the fused attention's tiles of keys (kernels.h)
+
 U = 2.0 ** -24            # unit roundoff of fp32 (round to nearest)
 
 
@@ -201,7 +205,8 @@ def tf32_dot_bound(n: int, abs_terms):
     return tf32_gamma(n) * np.asarray(abs_terms, dtype=np.float64)
 
 
-def gpt2_chain_lengths(config, B: int, T: int, tf32: bool = False) -> dict:
+def gpt2_chain_lengths(config, B: int, T: int, tf32: bool = False,
+                       attention: str = "gemm") -> dict:
     """Chain lengths N (see above) of the logits and of the gradients of GPT-2 (`config`:
     L, C, NH, V, Vp) on a (B, T) batch. Per operation (engine and torch alike):
 
@@ -229,11 +234,25 @@ def gpt2_chain_lengths(config, B: int, T: int, tf32: bool = False) -> dict:
         the deepest gradient (wte's embedding rows, wpe): a sum over <= BT positions and
           the add to the head's part                                    BT + 1
       (every weight gradient is a sum over the BT positions of a chain no longer than this)
+    attention "flash", the fused attention (csrc/kernels/attention.c, nt = ceil(T / tile)
+    tiles of keys), instead of the scores to att @ v above (hs + 2T + 8) and the attention
+    backward (hs + 2T + 5):
+      forward: scores hs + 1; exp(s - m) 5; the nt - 1 rescalings' exps 4 each; o's sum over
+        <= T and its nt rescalings; l's sum over <= T and its nt rescalings, both into o / l
+        (1)                                                             hs + 2T + 6 nt + 3
+      backward: a = exp(s - lse) recomputed: log and + of lse 3, - and exp 5; dy . out (the
+        row sum, dot over hs, beside da's); a (da - sum) 2 roundings; scale 3; dot over
+        <= T                                                            hs + T + 13
     """
     C, L, V, Vp = config.C, config.L, config.V, config.Vp
     hs = C // config.NH
-    logits = 1 + L * (11 * C + 2 * T + hs + 50) + (2 * C + 10) + C
-    grads = (logits + (V + 9) + Vp + (C + 10) + L * (11 * C + 2 * T + hs + 52)
+    if attention == "flash":
+        nt = -(-T // FLASH_TILE)
+        att_fwd, att_bwd = hs + 2 * T + 6 * nt + 3, hs + T + 13
+    else:
+        att_fwd, att_bwd = hs + 2 * T + 8, hs + 2 * T + 5
+    logits = 1 + L * (11 * C + 42 + att_fwd) + (2 * C + 10) + C
+    grads = (logits + (V + 9) + Vp + (C + 10) + L * (11 * C + 47 + att_bwd)
              + B * T + 1)
     if tf32:      # the TF32 matmuls along each chain (see above)
         logits += (6 * L + 1) * TF32_MATMUL
@@ -241,22 +260,24 @@ def gpt2_chain_lengths(config, B: int, T: int, tf32: bool = False) -> dict:
     return {"logits": logits, "grads": grads}
 
 
-def _two_runs(config, B: int, T: int, what: str, tf32: bool) -> float:
-    """gamma(N_a) + gamma(N_b) of `what` ("logits" or "grads") for two runs, the second's
-    matmuls in TF32 when tf32 (the TF32 matmuls section)."""
+def _two_runs(config, B: int, T: int, what: str, tf32: bool, attention: str = "gemm") -> float:
+    """gamma(N_a) + gamma(N_b) of `what` ("logits" or "grads") for two runs, the first in fp32
+    with the batched-GEMM attention (the oracle's), the second's matmuls in TF32 when tf32
+    (the TF32 matmuls section) and its attention form `attention`."""
     return (gamma(gpt2_chain_lengths(config, B, T)[what])
-            + gamma(gpt2_chain_lengths(config, B, T, tf32)[what]))
+            + gamma(gpt2_chain_lengths(config, B, T, tf32, attention)[what]))
 
 
-def logits_bound(config, B: int, T: int, scale: float, tf32: bool = False) -> float:
+def logits_bound(config, B: int, T: int, scale: float, tf32: bool = False,
+                 attention: str = "gemm") -> float:
     """max |logits_a - logits_b| for two runs at the same parameters: 2 gamma(N_logits) scale,
-    scale = max |logits| of the reference. tf32: one run's matmuls in TF32, the other's in
-    fp32: gamma(N_tf32) + gamma(N_fp32)."""
-    return _two_runs(config, B, T, "logits", tf32) * scale
+    scale = max |logits| of the reference. tf32, attention: the second run's matmuls in TF32
+    and its attention form (_two_runs: gamma(N_second) + gamma(N_fp32))."""
+    return _two_runs(config, B, T, "logits", tf32, attention) * scale
 
 
 def loss_bound(config, B: int, T: int, loss: float, logits_scale: float,
-               tf32: bool = False) -> float:
+               tf32: bool = False, attention: str = "gemm") -> float:
     """|loss_a - loss_b| at the same parameters. One run: every logit is within
     delta = gamma(N_logits) logits_scale of exact; a cross-entropy log(sum_j e^{x_j - max}) -
     (x_t - max) moves by at most 2 delta under such errors (both terms are 1-Lipschitz in the
@@ -264,16 +285,16 @@ def loss_bound(config, B: int, T: int, loss: float, logits_scale: float,
     i.e. an absolute error gamma(V + 6) after the log, and log, + and - add gamma(3) of
     log V + |x_t - max| <= log V + 2 logits_scale; the mean over BT cross-entropies (>= 0)
     adds gamma(BT + 1) loss. Twice that for two runs."""
-    two_d = _two_runs(config, B, T, "logits", tf32) * logits_scale   # both runs' logits
+    two_d = _two_runs(config, B, T, "logits", tf32, attention) * logits_scale   # both runs' logits
     one = (gamma(config.V + 6) + gamma(3) * (np.log(config.V) + 2.0 * logits_scale)
            + gamma(B * T + 1) * loss)
     return 2.0 * two_d + 2.0 * one
 
 
-def grad_rel_bound(config, B: int, T: int, tf32: bool = False) -> float:
+def grad_rel_bound(config, B: int, T: int, tf32: bool = False, attention: str = "gemm") -> float:
     """|grad_a - grad_b| <= grad_rel_bound * max |grad| of the tensor's slice (slice_scales):
-    2 gamma(N_grads) (tf32: one run in TF32, gamma(N_tf32) + gamma(N_fp32))."""
-    return _two_runs(config, B, T, "grads", tf32)
+    2 gamma(N_grads) (tf32, attention: the second run's, _two_runs)."""
+    return _two_runs(config, B, T, "grads", tf32, attention)
 
 
 def slice_scales(layout, flat) -> dict:
@@ -341,11 +362,12 @@ class AdamDrift:
 
     def __init__(self, layout, B: int, T: int, lr: float, weight_decay: float,
                  grad_rel: float, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
-                 tf32: bool = False):
+                 tf32: bool = False, attention: str = "gemm"):
         self.layout, self.B, self.T = layout, B, T
         self.lr, self.wd, self.b1, self.b2, self.eps = lr, weight_decay, beta1, beta2, eps
         self.grad_rel = grad_rel
         self.tf32 = tf32          # one run's matmuls in TF32: its loss bounds (above)
+        self.attention = attention  # and its attention's form
         self.bound = np.zeros(layout.total, np.float64)
         self.t = 0
         self.loss_drift = []
@@ -366,7 +388,8 @@ class AdamDrift:
                 first_order += float(np.dot(np.abs(g2[rows].astype(np.float64)).ravel(),
                                             drift.ravel()))
         self.loss_drift.append(first_order)
-        return loss_bound(self.layout.config, self.B, self.T, loss, logits_scale, self.tf32)
+        return loss_bound(self.layout.config, self.B, self.T, loss, logits_scale, self.tf32,
+                          self.attention)
 
     def update(self, m, v, params):
         self.t += 1

@@ -87,8 +87,15 @@ class GPUKernels:
         self.run("matmul_backward", [dinp, dweight, dout, inp, weight]
                  + ([dbias] if dbias is not None else []), N=N, C=C, OC=OC, blocks=1)
 
-    def attention_forward(self, out, preatt, att, qkv, B, T, C, NH):
-        self.run("attention_forward", [out, preatt, att, qkv], B=B, T=T, C=C, NH=NH)
+    def attention_forward(self, out, att, qkv, B, T, C, NH):
+        self.run("attention_forward", [out, att, qkv], B=B, T=T, C=C, NH=NH)
+
+    def attention_flash_forward(self, out, lse, qkv, B, T, C, NH):
+        self.run("attention_flash_forward", [out, lse, qkv], B=B, T=T, C=C, NH=NH)
+
+    def attention_flash_backward(self, dqkv, dsum, dout, qkv, out, lse, B, T, C, NH):
+        self.run("attention_flash_backward", [dqkv, dsum, dout, qkv, out, lse], B=B, T=T, C=C,
+                 NH=NH)
 
     def attention_backward(self, dqkv, dpreatt, datt, dout, qkv, att, B, T, C, NH):
         scratch = np.concatenate([dpreatt.reshape(-1), datt.reshape(-1)])  # (2,B,NH,T,T)

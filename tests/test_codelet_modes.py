@@ -175,11 +175,13 @@ def test_flops_come_from_the_declaration():
 
 def test_attention_flops_count_the_causal_pairs():
     """The attention's flops: B NH T(T+1)/2 (query, key) pairs of hs-long products, two per
-    pair forward (q.k, a v) and four backward, counted by brute force over the pairs."""
+    pair forward (q.k, a v) and four backward; the fused backward five (it recomputes q.k),
+    counted by brute force over the pairs."""
     B, T, C, NH = 2, 5, 12, 3
     hs = C // NH
     pairs = sum(1 for _ in range(B) for _ in range(NH) for t in range(T) for _ in range(t + 1))
-    for name, products in (("attention_forward", 2), ("attention_backward", 4)):
+    for name, products in (("attention_forward", 2), ("attention_backward", 4),
+                           ("attention_flash_forward", 2), ("attention_flash_backward", 5)):
         cd = TABLE[name]
         a = ffi.new(cd.args_type + " *", dict(B=B, T=T, C=C, NH=NH))
         counts = ffi.new("size_t[]", [1] * cd.nbuffers)

@@ -38,8 +38,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bounds import (EXP_FLOOR, TF32_U, U, U64, assert_within, dot_bound, exp_rel, gamma,
-                    gamma64, gamma_n, softmax_bound, tf32_dot_bound)
+from bounds import (EXP_FLOOR, U, U64, VEXPF_REL, assert_within, dot_bound, exp_rel,
+                    gamma, gamma64, gamma_n, softmax_bound, tf32_dot_bound)
 from kernel_impls import CPUKernels, GPUKernels, gpu_available
 from starpu_llm._kernels import ffi, lib
 
@@ -552,9 +552,11 @@ def _attention_ref(qkv_t, B, T, C, NH):
     return out, preatt, att, mask
 
 
-def _attention_bounds(qkv, dout, B, T, C, NH):
+def _attention_bounds(qkv, dout, B, T, C, NH, tile=None):
     """Bounds of the attention kernels' outputs, carried through csrc/kernels/attention.c in
-    float64 per (b, h): Q, K, V, dY (B,NH,T,hs), exact scores P, att A, datt DA, dpreatt DP."""
+    float64 per (b, h): Q, K, V, dY (B,NH,T,hs), exact scores P, att A, datt DA, dpreatt DP.
+    tile: the fused attention's (attention_flash_*, tiles of `tile` keys) instead of the
+    batched-GEMM one's."""
     hs = C // NH
     Q, K, Vv = f64(qkv).reshape(B, T, 3, NH, hs).transpose(2, 0, 3, 1, 4)
     dY = f64(dout).reshape(B, T, NH, hs).transpose(0, 2, 1, 3)
@@ -564,23 +566,53 @@ def _attention_bounds(qkv, dout, B, T, C, NH):
     n = np.arange(1, T + 1, dtype=np.float64)[:, None]  # query t sees n = t + 1 keys
     scale = 1 / math.sqrt(hs)
     P = np.where(causal, Q @ tT(K) * scale, -np.inf)
-    Z = np.where(causal, P - P.max(-1, keepdims=True), 0.0)
+    Pmax = P.max(-1, keepdims=True)
+    Z = np.where(causal, P - Pmax, 0.0)
     A = np.where(causal, np.exp(Z), 0.0)
     A /= A.sum(-1, keepdims=True)
     bd = {}
     # pre = fl(fl(q . k) * scale), scale = 1.0f / sqrtf(hs): hs products-and-sums, the scale
     # (2 roundings) and the product: gamma(hs + 3) on sum|q k| / sqrt(hs)
     e_pre = np.where(causal, gamma(hs + 3) * (aQ @ tT(aK)) * scale, 0.0)
-    bd["preatt"] = e_pre
-    # exp's argument fl(pre - max): the score's own error (an error of the max shifts the whole
-    # row and cancels in the normalisation) and the subtraction's rounding; vexpf's 2 ulp
-    phi = exp_rel(e_pre + U * np.abs(Z))
-    # normalisation: t additions of t + 1 exps, 1 / sum, * inv: gamma(n + 1)
-    e_att = np.where(causal, softmax_bound(A, phi, gamma_n(n + 1)), 0.0)
-    bd["att"] = e_att
-    bd["rowsum"] = gamma_n(n + 1)[:, 0]  # sum_j e_j inv / sum = 1 up to those roundings only
-    # out = sum_t2 a[t2] v[t2]: a's error times |v|, and n products accumulated onto 0
-    e_out = e_att @ aV + gamma_n(n) * (A @ aV)
+    if tile is None:
+        bd["preatt"] = e_pre
+        # exp's argument fl(pre - max): the score's own error (an error of the max shifts the
+        # whole row and cancels in the normalisation) and the subtraction's rounding; vexpf's
+        # 2 ulp
+        phi = exp_rel(e_pre + U * np.abs(Z))
+        # normalisation: t additions of t + 1 exps, 1 / sum, * inv: gamma(n + 1)
+        e_att = np.where(causal, softmax_bound(A, phi, gamma_n(n + 1)), 0.0)
+        bd["att"] = e_att
+        bd["rowsum"] = gamma_n(n + 1)[:, 0]  # sum_j e_j inv / sum = 1 up to those roundings
+        # out = sum_t2 a[t2] v[t2]: a's error times |v|, and n products accumulated onto 0
+        e_out = e_att @ aV + gamma_n(n) * (A @ aV)
+    else:
+        # Online softmax over nt = ceil(n / tile) tiles. Key j of tile k gets exp(s_j - m_k)
+        # (m_k the running max then), times the rescalings exp(m_k' - m_k'+1) of the later
+        # tiles, each computed once and applied to both l and o. Their arguments' roundings add
+        # up to U (m_k - s_j) + U (M - m_k) = U |Z_j| (M the row max, s_j <= m_k <= M), their
+        # exps' 2 ulp to at most nt - 1 more of vexpf's; the rescalings' products round o's
+        # partial sums (nt roundings, on the weights of o) and l's (in the normalisation with
+        # l's n additions: gamma(n + nt)); o / l is one more rounding on out.
+        nt = np.ceil(n / tile)
+        phi = exp_rel(e_pre + U * np.abs(Z) + (nt - 1) * VEXPF_REL)
+        g_l = gamma_n(n + nt)
+        phi_o = (1 + phi) * (1 + gamma_n(nt)) - 1
+        e_w = np.where(causal, softmax_bound(A, phi_o, g_l), 0.0)
+        e_out = e_w @ aV + gamma_n(n + 1) * (A @ aV)
+        # lse = fl(m + fl(log l)): m is a computed score (an error <= the row's largest score
+        # error, which moves the logsumexp by at most as much), l's relative error
+        # eps <= sum_j A_j phi_j + g_l, log's 1 ulp of log l, the add's rounding
+        eps = np.where(causal, A * phi, 0.0).sum(-1, keepdims=True) + g_l
+        assert np.all(eps < 0.5)
+        logl = np.log(np.where(causal, np.exp(Z), 0.0).sum(-1, keepdims=True))
+        LSE = Pmax + logl
+        e_lse = e_pre.max(-1, keepdims=True) + eps / (1 - eps) + 2 * U * logl + U * np.abs(LSE)
+        bd["lse"] = e_lse[..., 0]
+        # the backward's weights a = exp(fl(s - lse)): the score's and lse's errors, the
+        # subtraction's rounding, vexpf's 2 ulp (and its flush to 0 below e^-87)
+        phi_b = exp_rel(e_pre + e_lse + U * np.abs(np.where(causal, P - LSE, 0.0)))
+        e_att = np.where(causal, A * phi_b + EXP_FLOOR, 0.0)
     bd["out"] = e_out.transpose(0, 2, 1, 3).reshape(B, T, C)
 
     # backward, with the kernel's att (error e_att) as its input
@@ -590,11 +622,18 @@ def _attention_bounds(qkv, dout, B, T, C, NH):
     bd["datt"] = e_datt
     # dv[t2] = sum_{t >= t2} a[t, t2] dy[t]: a's error, and <= T products onto 0
     e_dv = tT(e_att) @ adY + gamma(T) * (tT(A) @ adY)
-    # s = sum a da (n products), dp = a (da - s): da - s cancels for a peaked softmax, so the
-    # roundings are bounded on |da| + |s| and s's on sum a |da|, never on the result
+    # s = sum a da, dp = a (da - s): da - s cancels for a peaked softmax, so the roundings are
+    # bounded on |da| + |s| and s's on sum a |da|, never on the result
     S = (A * DA).sum(-1, keepdims=True)
-    e_s = ((e_att * np.abs(DA) + A * e_datt).sum(-1, keepdims=True)
-           + gamma_n(n) * (A * np.abs(DA)).sum(-1, keepdims=True))
+    if tile is None:
+        # s: n products of a (error e_att) and da (error e_datt)
+        e_s = ((e_att * np.abs(DA) + A * e_datt).sum(-1, keepdims=True)
+               + gamma_n(n) * (A * np.abs(DA)).sum(-1, keepdims=True))
+    else:
+        # the fused backward's s = dy . out (hs products; out's error e_out), = sum a da exactly
+        Out = A @ Vv
+        e_s = ((adY * e_out).sum(-1, keepdims=True)
+               + gamma(hs) * (adY * np.abs(Out)).sum(-1, keepdims=True))
     DP = A * (DA - S)
     e_dp = np.where(causal, e_att * np.abs(DA - S) + A * (e_datt + e_s)
                     + gamma(2) * A * (np.abs(DA) + np.abs(S)), 0.0)
@@ -604,6 +643,8 @@ def _attention_bounds(qkv, dout, B, T, C, NH):
     e_dq = scale * (e_dp @ aK + gamma_n(n + 3) * (np.abs(DP) @ aK))
     e_dk = scale * (tT(e_dp) @ aQ + gamma(T + 3) * (tT(np.abs(DP)) @ aQ))
     bd["dqkv"] = np.stack([e_dq, e_dk, e_dv]).transpose(1, 3, 0, 2, 4).reshape(B, T, 3 * C)
+    if tile is not None:
+        bd["LSE"] = LSE[..., 0]  # the exact logsumexp, for the test
     return bd
 
 
@@ -611,9 +652,8 @@ def _attention_case(kern, rng, B, T, C, NH, qscale=1.0):
     qkv = randn(rng, B, T, 3 * C)
     qkv[..., :C] *= qscale
     out = np.full((B, T, C), np.nan, np.float32)
-    preatt = np.full((B, NH, T, T), np.nan, np.float32)
     att = np.full((B, NH, T, T), np.nan, np.float32)
-    kern.attention_forward(out, preatt, att, qkv, B, T, C, NH)
+    kern.attention_forward(out, att, qkv, B, T, C, NH)
 
     qkv_t = t64(qkv, True)
     ref_out, ref_pre, ref_att, mask = _attention_ref(qkv_t, B, T, C, NH)
@@ -624,8 +664,8 @@ def _attention_case(kern, rng, B, T, C, NH, qscale=1.0):
     bd = _attention_bounds(qkv, dout, B, T, C, NH)  # each bound derived in there
     close(out, ref_out, bd["out"], "attention out")
     close(att, ref_att, bd["att"], "attention att")
-    close(preatt[..., ~m], f64(ref_pre)[..., ~m], bd["preatt"][..., ~m], "attention preatt")
-    assert np.all(preatt[..., m] == 0) and np.all(att[..., m] == 0)
+    # (the CUDA body of the backward reads the whole (T, T) att: the triangle is 0)
+    assert np.all(att[..., m] == 0)
     close(f64(att).sum(-1), np.ones((B, NH, T)), bd["rowsum"], "attention att row sums")
 
     ref_out.backward(t64(dout))
@@ -634,10 +674,10 @@ def _attention_case(kern, rng, B, T, C, NH, qscale=1.0):
     datt = np.full((B, NH, T, T), np.nan, np.float32)
     kern.attention_backward(dqkv, dpreatt, datt, dout, qkv, att, B, T, C, NH)
     close(dqkv, qkv_t.grad, bd["dqkv"], "attention dqkv")
-    # torch's dpreatt is 0 above the diagonal too
-    close(dpreatt, ref_pre.grad, bd["dpreatt"], "attention dpreatt")
+    # the scratch below the diagonal (above it: whatever the kernel leaves, read by no one)
+    close(dpreatt[..., ~m], f64(ref_pre.grad)[..., ~m], bd["dpreatt"][..., ~m],
+          "attention dpreatt")
     close(datt[..., ~m], f64(ref_att.grad)[..., ~m], bd["datt"][..., ~m], "attention datt")
-    assert np.all(datt[..., m] == 0) and np.all(dpreatt[..., m] == 0)
     return qkv, out
 
 
@@ -665,10 +705,78 @@ def test_attention_is_causal(kern, rng):
     qkv2 = qkv.copy()
     qkv2[:, t0:] = randn(rng, B, T - t0, 3 * C, scale=10)  # change q, k, v of tokens >= t0
     out2 = np.empty_like(out)
-    pre, att = (np.empty((B, NH, T, T), np.float32) for _ in range(2))
-    kern.attention_forward(out2, pre, att, qkv2, B, T, C, NH)
+    att = np.empty((B, NH, T, T), np.float32)
+    kern.attention_forward(out2, att, qkv2, B, T, C, NH)
     assert np.array_equal(out2[:, :t0], out[:, :t0])
     assert not np.allclose(out2[:, t0:], out[:, t0:])
+
+
+# ---- the fused attention (attention_flash_*: tiles, online softmax, no (T, T) tensor)
+
+FLASH_TILE = lib.SL_FLASH_TILE
+
+
+def _flash_case(kern, rng, B, T, C, NH, qscale=1.0):
+    """attention_flash_forward / _backward against the float64 reference: out, the row
+    logsumexp and dqkv, each within _attention_bounds(tile=) (the online softmax's own)."""
+    qkv = randn(rng, B, T, 3 * C)
+    qkv[..., :C] *= qscale
+    out = np.full((B, T, C), np.nan, np.float32)
+    lse = np.full((B, NH, T), np.nan, np.float32)
+    kern.attention_flash_forward(out, lse, qkv, B, T, C, NH)
+
+    qkv_t = t64(qkv, True)
+    ref_out = _attention_ref(qkv_t, B, T, C, NH)[0]
+    dout = randn(rng, B, T, C)
+    bd = _attention_bounds(qkv, dout, B, T, C, NH, tile=FLASH_TILE)
+    close(out, ref_out, bd["out"], "flash attention out")
+    close(lse, bd["LSE"], bd["lse"], "flash attention lse")
+
+    ref_out.backward(t64(dout))
+    dqkv = np.full((B, T, 3 * C), np.nan, np.float32)  # written, not accumulated
+    dsum = np.full((B, NH, T), np.nan, np.float32)
+    kern.attention_flash_backward(dqkv, dsum, dout, qkv, out, lse, B, T, C, NH)
+    close(dqkv, qkv_t.grad, bd["dqkv"], "flash attention dqkv")
+    return qkv, dout, out, dqkv
+
+
+# T across several tiles and several 64-row blocks of the CUDA kernels (T = 70, 130), a head
+# size below 32 and not a power of 2 (12)
+@pytest.mark.parametrize("B,T,C,NH", [(2, 5, 16, 2), (1, 70, 48, 4), (2, 130, 36, 3)])
+def test_flash_attention_small(kern, rng, B, T, C, NH):
+    _flash_case(kern, rng, B, T, C, NH)
+
+
+def test_flash_attention_large_scores(kern, rng):
+    # scores of +-100s over several tiles: the running max rises from tile to tile, so the
+    # rescalings exp(m_old - m_new) underflow to 0 or carry large arguments
+    _flash_case(kern, rng, B=1, T=96, C=32, NH=2, qscale=60.0)
+
+
+def test_flash_attention_production_shape(kern, rng):
+    # GPT-2 124M's layer at T = 1024: C = 768, NH = 12, B = 1
+    _flash_case(kern, rng, B=1, T=1024, C=768, NH=12)
+
+
+def test_flash_attention_is_causal(kern, rng):
+    """Out row t and dq of row t never depend on later tokens; dk, dv of a row never on
+    earlier queries' gradients (dout rows before it)."""
+    B, T, C, NH = 1, 100, 32, 2
+    qkv, dout, out, dqkv = _flash_case(kern, rng, B, T, C, NH)
+    t0 = 37
+    qkv2 = qkv.copy()
+    qkv2[:, t0:] = randn(rng, B, T - t0, 3 * C, scale=10)  # q, k, v of tokens >= t0
+    dout2 = dout.copy()
+    dout2[:, t0:] = randn(rng, B, T - t0, C, scale=10)
+    out2 = np.empty_like(out)
+    lse2 = np.empty((B, NH, T), np.float32)
+    kern.attention_flash_forward(out2, lse2, qkv2, B, T, C, NH)
+    assert np.array_equal(out2[:, :t0], out[:, :t0])
+    assert not np.allclose(out2[:, t0:], out[:, t0:])
+    dqkv2, dsum = np.empty_like(dqkv), np.empty((B, NH, T), np.float32)
+    kern.attention_flash_backward(dqkv2, dsum, dout2, qkv2, out2, lse2, B, T, C, NH)
+    assert np.array_equal(dqkv2[:, :t0, :C], dqkv[:, :t0, :C])  # dq of the earlier rows
+    assert not np.allclose(dqkv2[:, :t0, C:], dqkv[:, :t0, C:])  # their dk, dv see later dout
 
 
 # ---------------------------------------------------------------- gelu

@@ -84,6 +84,7 @@ class Case:
     T: int
     lr: float
     tf32: bool = False      # the run compared with torch has its matmuls in TF32 (GPUs)
+    attention: str = "gemm"  # and its attention's form (flow.tensors.ATTENTIONS)
     steps: int = STEPS
 
     def positions(self):
@@ -93,7 +94,7 @@ class Case:
     @property
     def grad_rel(self) -> float:
         """Relative bound of two runs' gradients (bounds.grad_rel_bound)."""
-        return grad_rel_bound(self.config, self.B, self.T, self.tf32)
+        return grad_rel_bound(self.config, self.B, self.T, self.tf32, self.attention)
 
 
 @dataclass
@@ -147,12 +148,12 @@ def make_engine(kind, case, state, runtime, sub_batches=None):
     if kind == "cuda-bodies":
         # the codelets' CUDA bodies in the reference loop (tests/test_model_cuda.py)
         return ReferenceEngine(case.config, state, case.B, case.T, case.tokens, gpu=True,
-                               tf32=case.tf32)
+                               tf32=case.tf32, attention=case.attention)
     if kind == "reference":
         # the same OpenMP team size as the StarPU engine's tasks, so that both run the
         # kernels' reductions in the same order
         return ReferenceEngine(case.config, state, case.B, case.T, case.tokens,
-                               threads=runtime.cores_per_worker)
+                               threads=runtime.cores_per_worker, attention=case.attention)
     return StarPUEngine(case.config, state, case.B, case.T, case.tokens, runtime=runtime,
                         sub_batches=sub_batches)
 
@@ -166,7 +167,8 @@ def run_torch(case: Case, out: dict, tf32s=None):
     layout = model.layout
     tf32s = (case.tf32,) if tf32s is None else tuple(tf32s)
     drifts = {f: AdamDrift(layout, case.B, case.T, case.lr, WEIGHT_DECAY,
-                           grad_rel_bound(case.config, case.B, case.T, f), tf32=f)
+                           grad_rel_bound(case.config, case.B, case.T, f, case.attention),
+                           tf32=f, attention=case.attention)
               for f in tf32s}
     losses, loss_bounds, fb_bounds = [], {f: [] for f in tf32s}, {}
     for i, pos in enumerate(case.positions()):
@@ -177,8 +179,9 @@ def run_torch(case: Case, out: dict, tf32s=None):
             loss_bounds[f].append(drift.gradients(grads, loss, scale))
         if i == 0:   # the forward/backward check: the first batch, before any update
             out["logits"], out["loss"], out["grads"] = logits, loss, model.grads_flat()
-            fb_bounds = {f: (logits_bound(case.config, case.B, case.T, scale, f),
-                             loss_bound(case.config, case.B, case.T, loss, scale, f),
+            fb_bounds = {f: (logits_bound(case.config, case.B, case.T, scale, f, case.attention),
+                             loss_bound(case.config, case.B, case.T, loss, scale, f,
+                                        case.attention),
                              slice_scales(layout, grads)) for f in tf32s}
         model.adamw_update(case.lr, WEIGHT_DECAY)
         state = model.optimizer.state

@@ -21,13 +21,15 @@ from starpu_llm.config import MODELS, ParamLayout
 from test_model import compare, make_case, report, run_engine, run_torch
 
 
-@pytest.fixture(scope="module", params=["fp32", "tf32"])
+@pytest.fixture(scope="module", params=["fp32", "tf32", "flash"])
 def cuda_bodies(request):
-    """(case, errors against torch, bounds) of the small model through the CUDA bodies."""
+    """(case, errors against torch, bounds) of the small model through the CUDA bodies
+    (flash: the fused attention, matmuls in fp32; its chain lengths in bounds.py)."""
     why = gpu_available()
     if why:
         pytest.skip(why)
-    case = replace(make_case("small"), tf32=request.param == "tf32")
+    case = replace(make_case("small"), tf32=request.param == "tf32",
+                   attention="flash" if request.param == "flash" else "gemm")
     out = {}
     run_torch(case, out)
     bounds = out["bounds"]

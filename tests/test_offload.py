@@ -8,7 +8,7 @@ task, an offload folder that is not one, unwritable or too small) or, for a disk
 mid-run, with one clear error, status 2, the last checkpoint intact and no file left behind.
 
 The model is small in flops and large in activations (12 layers of C = 64 over B x T = 16 x
-128 tokens, a 512-token vocabulary): 242 MiB of tensors of which no task holds more than 16
+128 tokens, a 512-token vocabulary): 194 MiB of tensors of which no task holds more than 16
 MiB, so that a cap of 64 MiB makes StarPU evict most of a step while the run stays fast.
 """
 import json
@@ -222,7 +222,7 @@ def test_an_offload_folder_without_room_fails_before_the_first_step(files, tmp_p
     monkeypatch.setattr(OffloadFolder, "free_bytes", lambda self: 100 << 20)
     lines = []
     with pytest.raises(StarpuLLMError, match="has 100 MiB free, but StarPU may have to evict up "
-                                             "to 242 MiB there"):
+                                             "to 194 MiB there"):
         train(TrainConfig(**dict(settings(files, tmp_path, memory_limit=CAP), log=lines.append)))
     assert not any(line.startswith("step") for line in lines)
 

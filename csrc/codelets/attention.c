@@ -9,15 +9,15 @@
  * calibration's T to another. */
 #define SL_ATTENTION_FLOPS(a) (2.0 * (a)->B * (a)->T * ((a)->T + 1.0) * (a)->C)
 
-/* out (B,T,C), preatt (B,NH,T,T), att (B,NH,T,T), qkv (B,T,3C) */
+/* out (B,T,C), att (B,NH,T,T), qkv (B,T,3C) */
 SL_CODELET(attention_forward, struct sl_attention_args, 0, SL_ATTENTION_FLOPS(a), SL_W, SL_W,
-	   SL_W, SL_R)
+	   SL_R)
 {
-	attention_forward(SL_F(0), SL_F(1), SL_F(2), SL_F(3), a->B, a->T, a->C, a->NH);
+	attention_forward(SL_F(0), SL_F(1), SL_F(2), a->B, a->T, a->C, a->NH);
 }
 SL_CUDA(attention_forward)
 {
-	attention_forward_cuda(g, SL_F(0), SL_F(1), SL_F(2), SL_F(3), a->B, a->T, a->C, a->NH);
+	attention_forward_cuda(g, SL_F(0), SL_F(1), SL_F(2), a->B, a->T, a->C, a->NH);
 }
 
 /* dqkv (B,T,3C), scratch (2,B,NH,T,T), dout (B,T,C), qkv, att.
@@ -38,4 +38,35 @@ SL_CUDA(attention_backward)
 	float *datt = dpreatt + (size_t)a->B * a->NH * a->T * a->T;
 	attention_backward_cuda(g, SL_F(0), dpreatt, datt, SL_F(2), SL_F(3), SL_F(4), a->B, a->T,
 				a->C, a->NH);
+}
+
+/* The fused attention (kernels.h, attention_flash_*): its own codelets, since what the forward
+ * leaves for the backward differs (lse (B,NH,T) instead of att (B,NH,T,T)) and a codelet's
+ * buffers are shared by its CPU and CUDA bodies. The CPU body is the same tiled algorithm, so
+ * the flow that a GPU run submits runs, and is tested, with StarPU on CPUs too. The backward
+ * recomputes the scores: five products per (query, key) pair (q.k, dy.v, dq, dk, dv), 2.5
+ * times the forward's two. */
+
+/* out (B,T,C), lse (B,NH,T), qkv (B,T,3C) */
+SL_CODELET(attention_flash_forward, struct sl_attention_args, 0, SL_ATTENTION_FLOPS(a), SL_W,
+	   SL_W, SL_R)
+{
+	attention_flash_forward(SL_F(0), SL_F(1), SL_F(2), a->B, a->T, a->C, a->NH);
+}
+SL_CUDA(attention_flash_forward)
+{
+	attention_flash_forward_cuda(g, SL_F(0), SL_F(1), SL_F(2), a->B, a->T, a->C, a->NH);
+}
+
+/* dqkv (B,T,3C), dsum (B,NH,T) scratch, dout (B,T,C), qkv, out (B,T,C), lse (B,NH,T) */
+SL_CODELET(attention_flash_backward, struct sl_attention_args, 0, 2.5 * SL_ATTENTION_FLOPS(a),
+	   SL_W, SL_W, SL_R, SL_R, SL_R, SL_R)
+{
+	attention_flash_backward(SL_F(0), SL_F(1), SL_F(2), SL_F(3), SL_F(4), SL_F(5), a->B, a->T,
+				 a->C, a->NH);
+}
+SL_CUDA(attention_flash_backward)
+{
+	attention_flash_backward_cuda(g, SL_F(0), SL_F(1), SL_F(2), SL_F(3), SL_F(4), SL_F(5),
+				      a->B, a->T, a->C, a->NH);
 }

@@ -1,22 +1,27 @@
-/* Causal multi-head self-attention: per head h, over the batch's B sequences at once (one
- * strided batched GEMM, the sequences T 3C floats apart in qkv), the scores
- * preatt = scale q k^T, a softmax kernel (causal mask, preatt and att above the diagonal
+/* Causal multi-head self-attention, two ways.
+ *
+ * Batched GEMMs (attention_forward/backward_cuda, the reference): per head h, over the batch's
+ * B sequences at once (one strided batched GEMM, the sequences T 3C floats apart in qkv), the
+ * scores scale q k^T into att, a softmax kernel in place (causal mask, att above the diagonal
  * written 0, as the CPU kernel does), and out = att v. Row-major (r, c) with leading
  * dimension ld is, to cuBLAS (column-major), its transpose (c, r): each product is written
  * for the transposes below. The full T x T products are computed; the mask zeroes the upper
  * triangle, whose products then add exact zeros. */
 #include "gpu.h"
+extern "C" {
+#include "../kernels/kernels.h" /* SL_FLASH_TILE: the CPU twin's tiles */
+}
 
 #define ROWS_PER_BLOCK 8 /* softmax kernels: a warp per row */
 
 /* Rows r of (B*NH*T, T): the query is t = r % T and sees keys 0..t.
- * pre holds scale q.k for every key; att = softmax over keys 0..t; both 0 beyond t. */
-static __global__ void attention_softmax_kernel(float *preatt, float *att, int rows, int T)
+ * att holds scale q.k for every key, replaced by the softmax over keys 0..t; 0 beyond t. */
+static __global__ void attention_softmax_kernel(float *att, int rows, int T)
 {
 	int lane = threadIdx.x % 32;
 	for (int r = blockIdx.x * ROWS_PER_BLOCK + threadIdx.x / 32; r < rows;
 	     r += gridDim.x * ROWS_PER_BLOCK) {
-		float *pre = preatt + (size_t)r * T, *a = att + (size_t)r * T;
+		float *pre = att + (size_t)r * T, *a = pre;
 		int t = r % T;
 		float mx = -INFINITY;
 		for (int j = lane; j <= t; j += 32)
@@ -30,12 +35,10 @@ static __global__ void attention_softmax_kernel(float *preatt, float *att, int r
 		}
 		float inv = 1.0f / sl_warp_sum(sum);
 		for (int j = lane; j < T; j += 32) {
-			if (j <= t) {
+			if (j <= t)
 				a[j] *= inv;
-			} else {
-				pre[j] = 0.0f;
+			else
 				a[j] = 0.0f;
-			}
 		}
 	}
 }
@@ -68,9 +71,9 @@ static __global__ void attention_softmax_backward_kernel(float *dpreatt, float *
 
 static unsigned softmax_blocks(int rows) { return sl_blocks((size_t)rows, ROWS_PER_BLOCK, 65535); }
 
-// out (B,T,C), preatt (B,NH,T,T), att (B,NH,T,T), qkv (B,T,3C) = [q | k | v] per token
-void attention_forward_cuda(const struct sl_gpu *g, float *out, float *preatt, float *att,
-			    const float *qkv, int B, int T, int C, int NH)
+// out (B,T,C), att (B,NH,T,T), qkv (B,T,3C) = [q | k | v] per token
+void attention_forward_cuda(const struct sl_gpu *g, float *out, float *att, const float *qkv,
+			    int B, int T, int C, int NH)
 {
 	if (B <= 0 || T <= 0)
 		return;
@@ -79,13 +82,13 @@ void attention_forward_cuda(const struct sl_gpu *g, float *out, float *preatt, f
 	const float scale = 1.0f / sqrtf((float)hs);
 	for (int h = 0; h < NH; h++) {
 		const float *q = qkv + h * hs, *k = qkv + C + h * hs;
-		/* preatt[t][j] = scale q_t . k_j: preatt^T (T, T) = k (T, hs) @ q^T (hs, T) */
+		/* att[t][j] = scale q_t . k_j: att^T (T, T) = k (T, hs) @ q^T (hs, T) */
 		sl_gemm_batched(g, CUBLAS_OP_T, CUBLAS_OP_N, T, T, hs, scale, k, C3, seq, q, C3, seq,
-				0.0f, preatt + (size_t)h * T * T, T, head, B);
+				0.0f, att + (size_t)h * T * T, T, head, B);
 	}
 	int rows = B * NH * T;
 	SL_LAUNCH(attention_softmax_kernel, softmax_blocks(rows), 32 * ROWS_PER_BLOCK, 0,
-		  sl_stream(g), preatt, att, rows, T);
+		  sl_stream(g), att, rows, T);
 	for (int h = 0; h < NH; h++) {
 		/* out_t = sum_j att[t][j] v_j: out^T (hs, T) = v^T (hs, T) @ att^T (T, T) */
 		sl_gemm_batched(g, CUBLAS_OP_N, CUBLAS_OP_N, hs, T, T, 1.0f, qkv + 2 * C + h * hs, C3,
@@ -128,4 +131,295 @@ void attention_backward_cuda(const struct sl_gpu *g, float *dqkv, float *dpreatt
 		sl_gemm_batched(g, CUBLAS_OP_N, CUBLAS_OP_T, hs, T, T, scale, q, C3, seq, dp, T, head,
 				0.0f, dqkv + C + h * hs, C3, seq, B);
 	}
+}
+
+/* ---- Fused (attention_flash_forward/backward_cuda): no (T, T) tensor in global memory ----
+ * The algorithm is csrc/kernels/attention.c's (FlashAttention, Dao et al. 2022, in
+ * FlashAttention-2's loop order), row by row in the same tile order: a block of FLASH_ROWS
+ * threads takes FLASH_ROWS consecutive rows of one (b, h), one row per thread (its q, its
+ * running max, sum and output in registers), and the tiles of SL_FLASH_TILE keys (or, for dk
+ * and dv, queries) it walks are staged in shared memory by all its threads, read by every
+ * thread at the same address (a broadcast). fp32 FMAs on CUDA cores, fp32 accumulation. What
+ * tensor cores would add: a warp computing a tile's q k^T and p v (and the backward's four
+ * products) as mma.sync m16n8k8 in TF32, ~8x the fp32 FMA rate, with a 16-row slab per warp
+ * instead of a row per thread; the online softmax between the two products stays as here.
+ * The backward is deterministic: dq per query row, dk and dv per key row, each written by
+ * the one thread that owns it (no atomics), the scores recomputed in each pass. */
+#define FLASH_ROWS 64 /* rows per block: a multiple of SL_FLASH_TILE */
+#define FLASH_HS SL_FLASH_MAX_HS /* the largest head size (kernels.h) */
+
+static __device__ __forceinline__ int flash_min(int a, int b) { return a < b ? a : b; }
+
+static void flash_check(int hs)
+{
+	if (hs > FLASH_HS) {
+		/* refused before any task (flow/handles.py): reached only by a direct call */
+		fprintf(stderr, "starpu_llm: the fused attention takes head sizes up to %d, not %d "
+				"(use the batched-GEMM attention)\n", FLASH_HS, hs);
+		abort();
+	}
+}
+
+static dim3 flash_grid(int B, int T, int NH)
+{
+	return dim3((unsigned)((T + FLASH_ROWS - 1) / FLASH_ROWS), (unsigned)(B * NH));
+}
+
+/* Stages rows r0 .. r0 + SL_FLASH_TILE - 1 (those below T) of an hs-wide slice x of a
+ * (T, ld) matrix into shared a, the block's threads side by side along the rows. */
+static __device__ void flash_stage(float (*a)[FLASH_HS], const float *x, size_t ld, int r0,
+				   int T, int hs)
+{
+	for (int e = threadIdx.x; e < SL_FLASH_TILE * hs; e += blockDim.x) {
+		int j = e / hs, i = e % hs;
+		if (r0 + j < T)
+			a[j][i] = x[(size_t)(r0 + j) * ld + i];
+	}
+}
+
+// out (B,T,C), lse (B,NH,T), qkv (B,T,3C); grid (T / FLASH_ROWS, B NH), block FLASH_ROWS
+static __global__ void __launch_bounds__(FLASH_ROWS)
+	attention_flash_forward_kernel(float *out, float *lse, const float *qkv, int T, int C,
+				       int NH, float scale)
+{
+	__shared__ float ks[SL_FLASH_TILE][FLASH_HS], vs[SL_FLASH_TILE][FLASH_HS];
+	const int bh = blockIdx.y, b = bh / NH, h = bh % NH, hs = C / NH, C3 = 3 * C;
+	const int t0 = blockIdx.x * FLASH_ROWS, t = t0 + threadIdx.x;
+	const int last = flash_min(t0 + FLASH_ROWS, T) - 1; /* the block's last query */
+	const bool live = t < T;
+	const float *head = qkv + (size_t)b * T * C3 + h * hs;
+	float q[FLASH_HS], o[FLASH_HS], s[SL_FLASH_TILE];
+#pragma unroll
+	for (int i = 0; i < FLASH_HS; i++) {
+		q[i] = live && i < hs ? head[(size_t)t * C3 + i] : 0.0f;
+		o[i] = 0.0f;
+	}
+	float m = -INFINITY, l = 0.0f;
+	// causal: the key tiles up to the block's last query; each row uses keys 0..t
+	for (int j0 = 0; j0 <= last; j0 += SL_FLASH_TILE) {
+		flash_stage(ks, head + C, C3, j0, T, hs);
+		flash_stage(vs, head + 2 * C, C3, j0, T, hs);
+		__syncthreads();
+		if (live && j0 <= t) {
+			const int n = flash_min(SL_FLASH_TILE, t + 1 - j0);
+			float mt = m;
+#pragma unroll
+			for (int j = 0; j < SL_FLASH_TILE; j++) {
+				if (j < n) {
+					float dot = 0.0f;
+#pragma unroll
+					for (int i = 0; i < FLASH_HS; i++)
+						if (i < hs)
+							dot += q[i] * ks[j][i];
+					s[j] = dot * scale;
+					mt = fmaxf(mt, s[j]);
+				}
+			}
+			const float corr = j0 == 0 ? 0.0f : expf(m - mt);
+			float sum = 0.0f;
+#pragma unroll
+			for (int j = 0; j < SL_FLASH_TILE; j++) {
+				if (j < n) {
+					s[j] = expf(s[j] - mt);
+					sum += s[j];
+				}
+			}
+			l = l * corr + sum;
+#pragma unroll
+			for (int i = 0; i < FLASH_HS; i++)
+				o[i] *= corr;
+#pragma unroll
+			for (int j = 0; j < SL_FLASH_TILE; j++) {
+				if (j < n) {
+#pragma unroll
+					for (int i = 0; i < FLASH_HS; i++)
+						if (i < hs)
+							o[i] += s[j] * vs[j][i];
+				}
+			}
+			m = mt;
+		}
+		__syncthreads(); /* the next tile overwrites ks, vs */
+	}
+	if (live) {
+		float *y = out + ((size_t)b * T + t) * C + h * hs;
+#pragma unroll
+		for (int i = 0; i < FLASH_HS; i++)
+			if (i < hs)
+				y[i] = o[i] / l;
+		lse[(size_t)bh * T + t] = m + logf(l);
+	}
+}
+
+/* dsum (B,NH,T) = dout . out per row: sum_j att[t][j] (dy_t . v_j), the softmax backward's
+ * row sum; rows r = (b NH + h) T + t, a warp per row */
+static __global__ void attention_flash_dsum_kernel(float *dsum, const float *dout,
+						   const float *out, int rows, int T, int C, int NH)
+{
+	const int lane = threadIdx.x % 32, hs = C / NH;
+	for (int r = blockIdx.x * ROWS_PER_BLOCK + threadIdx.x / 32; r < rows;
+	     r += gridDim.x * ROWS_PER_BLOCK) {
+		const int t = r % T, bh = r / T, b = bh / NH, h = bh % NH;
+		const size_t at = ((size_t)b * T + t) * C + h * hs;
+		float d = 0.0f;
+		for (int i = lane; i < hs; i += 32)
+			d += dout[at + i] * out[at + i];
+		d = sl_warp_sum(d);
+		if (lane == 0)
+			dsum[r] = d;
+	}
+}
+
+/* dq (the q part of dqkv) per query row over its key tiles: a = exp(scale q.k - lse),
+ * da = dy . v, dq += scale a (da - dsum) k */
+static __global__ void __launch_bounds__(FLASH_ROWS)
+	attention_flash_dq_kernel(float *dqkv, const float *dsum, const float *dout,
+				  const float *qkv, const float *lse, int T, int C, int NH,
+				  float scale)
+{
+	__shared__ float ks[SL_FLASH_TILE][FLASH_HS], vs[SL_FLASH_TILE][FLASH_HS];
+	const int bh = blockIdx.y, b = bh / NH, h = bh % NH, hs = C / NH, C3 = 3 * C;
+	const int t0 = blockIdx.x * FLASH_ROWS, t = t0 + threadIdx.x;
+	const int last = flash_min(t0 + FLASH_ROWS, T) - 1;
+	const bool live = t < T;
+	const float *head = qkv + (size_t)b * T * C3 + h * hs;
+	const float *dyp = dout + ((size_t)b * T + t) * C + h * hs;
+	float q[FLASH_HS], dy[FLASH_HS], dq[FLASH_HS];
+#pragma unroll
+	for (int i = 0; i < FLASH_HS; i++) {
+		q[i] = live && i < hs ? head[(size_t)t * C3 + i] : 0.0f;
+		dy[i] = live && i < hs ? dyp[i] : 0.0f;
+		dq[i] = 0.0f;
+	}
+	const float lt = live ? lse[(size_t)bh * T + t] : 0.0f;
+	const float dt = live ? dsum[(size_t)bh * T + t] : 0.0f;
+	for (int j0 = 0; j0 <= last; j0 += SL_FLASH_TILE) {
+		flash_stage(ks, head + C, C3, j0, T, hs);
+		flash_stage(vs, head + 2 * C, C3, j0, T, hs);
+		__syncthreads();
+		if (live && j0 <= t) {
+			const int n = flash_min(SL_FLASH_TILE, t + 1 - j0);
+			for (int j = 0; j < n; j++) {
+				float dot = 0.0f, da = 0.0f;
+#pragma unroll
+				for (int i = 0; i < FLASH_HS; i++) {
+					if (i < hs) {
+						dot += q[i] * ks[j][i];
+						da += dy[i] * vs[j][i];
+					}
+				}
+				const float g = scale * (expf(dot * scale - lt) * (da - dt));
+#pragma unroll
+				for (int i = 0; i < FLASH_HS; i++)
+					if (i < hs)
+						dq[i] += g * ks[j][i];
+			}
+		}
+		__syncthreads();
+	}
+	if (live) {
+		float *d = dqkv + ((size_t)b * T + t) * C3 + h * hs;
+#pragma unroll
+		for (int i = 0; i < FLASH_HS; i++)
+			if (i < hs)
+				d[i] = dq[i];
+	}
+}
+
+/* dk, dv (the k and v parts of dqkv) per key row j over the query tiles from j's on (the
+ * queries t >= j see it): dv += a dy_t, dk += scale a (da - dsum_t) q_t */
+static __global__ void __launch_bounds__(FLASH_ROWS)
+	attention_flash_dkv_kernel(float *dqkv, const float *dsum, const float *dout,
+				   const float *qkv, const float *lse, int T, int C, int NH,
+				   float scale)
+{
+	__shared__ float qs[SL_FLASH_TILE][FLASH_HS], dys[SL_FLASH_TILE][FLASH_HS];
+	__shared__ float ls[SL_FLASH_TILE], ds[SL_FLASH_TILE];
+	const int bh = blockIdx.y, b = bh / NH, h = bh % NH, hs = C / NH, C3 = 3 * C;
+	const int j0 = blockIdx.x * FLASH_ROWS, j = j0 + threadIdx.x;
+	const bool live = j < T;
+	const float *head = qkv + (size_t)b * T * C3 + h * hs;
+	float k[FLASH_HS], v[FLASH_HS], dk[FLASH_HS], dv[FLASH_HS];
+#pragma unroll
+	for (int i = 0; i < FLASH_HS; i++) {
+		k[i] = live && i < hs ? head[(size_t)j * C3 + C + i] : 0.0f;
+		v[i] = live && i < hs ? head[(size_t)j * C3 + 2 * C + i] : 0.0f;
+		dk[i] = 0.0f;
+		dv[i] = 0.0f;
+	}
+	// the query tiles from the block's first key (j0, a multiple of SL_FLASH_TILE) to T
+	for (int t0 = j0; t0 < T; t0 += SL_FLASH_TILE) {
+		flash_stage(qs, head, C3, t0, T, hs);
+		flash_stage(dys, dout + (size_t)b * T * C + h * hs, C, t0, T, hs);
+		for (int e = threadIdx.x; e < SL_FLASH_TILE; e += blockDim.x) {
+			if (t0 + e < T) {
+				ls[e] = lse[(size_t)bh * T + t0 + e];
+				ds[e] = dsum[(size_t)bh * T + t0 + e];
+			}
+		}
+		__syncthreads();
+		if (live && t0 + SL_FLASH_TILE > j) {
+			const int n = flash_min(SL_FLASH_TILE, T - t0);
+			for (int e = j > t0 ? j - t0 : 0; e < n; e++) {
+				float dot = 0.0f, da = 0.0f;
+#pragma unroll
+				for (int i = 0; i < FLASH_HS; i++) {
+					if (i < hs) {
+						dot += qs[e][i] * k[i];
+						da += dys[e][i] * v[i];
+					}
+				}
+				const float a = expf(dot * scale - ls[e]);
+				const float g = scale * (a * (da - ds[e]));
+#pragma unroll
+				for (int i = 0; i < FLASH_HS; i++) {
+					if (i < hs) {
+						dk[i] += g * qs[e][i];
+						dv[i] += a * dys[e][i];
+					}
+				}
+			}
+		}
+		__syncthreads();
+	}
+	if (live) {
+		float *d = dqkv + ((size_t)b * T + j) * C3 + C + h * hs;
+#pragma unroll
+		for (int i = 0; i < FLASH_HS; i++) {
+			if (i < hs) {
+				d[i] = dk[i];
+				d[C + i] = dv[i];
+			}
+		}
+	}
+}
+
+// out (B,T,C), lse (B,NH,T), qkv (B,T,3C) = [q | k | v] per token
+void attention_flash_forward_cuda(const struct sl_gpu *g, float *out, float *lse,
+				  const float *qkv, int B, int T, int C, int NH)
+{
+	if (B <= 0 || T <= 0)
+		return;
+	const int hs = C / NH;
+	flash_check(hs);
+	SL_LAUNCH(attention_flash_forward_kernel, flash_grid(B, T, NH), FLASH_ROWS, 0, sl_stream(g),
+		  out, lse, qkv, T, C, NH, 1.0f / sqrtf((float)hs));
+}
+
+// dqkv (B,T,3C) =, dsum (B,NH,T) scratch, dout (B,T,C), qkv, out (B,T,C), lse (B,NH,T)
+void attention_flash_backward_cuda(const struct sl_gpu *g, float *dqkv, float *dsum,
+				   const float *dout, const float *qkv, const float *out,
+				   const float *lse, int B, int T, int C, int NH)
+{
+	if (B <= 0 || T <= 0)
+		return;
+	const int hs = C / NH, rows = B * NH * T;
+	const float scale = 1.0f / sqrtf((float)hs);
+	flash_check(hs);
+	SL_LAUNCH(attention_flash_dsum_kernel, softmax_blocks(rows), 32 * ROWS_PER_BLOCK, 0,
+		  sl_stream(g), dsum, dout, out, rows, T, C, NH);
+	SL_LAUNCH(attention_flash_dq_kernel, flash_grid(B, T, NH), FLASH_ROWS, 0, sl_stream(g),
+		  dqkv, dsum, dout, qkv, lse, T, C, NH, scale);
+	SL_LAUNCH(attention_flash_dkv_kernel, flash_grid(B, T, NH), FLASH_ROWS, 0, sl_stream(g),
+		  dqkv, dsum, dout, qkv, lse, T, C, NH, scale);
 }

@@ -67,13 +67,19 @@ void matmul_backward_cuda(const struct sl_gpu *g, float *dinp, float *const *dwe
 			  float *dbias, const float *dout, const float *inp,
 			  const float *const *weight, const int *rows, int nb, int N, int C, int OC);
 
-/* attention_forward, attention_backward: per head, batched GEMMs (cuBLAS) for the scores and
- * the weighted values, a softmax kernel between them */
-void attention_forward_cuda(const struct sl_gpu *g, float *out, float *preatt, float *att,
-			    const float *qkv, int B, int T, int C, int NH);
+/* attention_forward, attention_backward: batched GEMMs (cuBLAS) for the scores and the
+ * weighted values, a softmax kernel between them */
+void attention_forward_cuda(const struct sl_gpu *g, float *out, float *att, const float *qkv,
+			    int B, int T, int C, int NH);
 void attention_backward_cuda(const struct sl_gpu *g, float *dqkv, float *dpreatt, float *datt,
 			     const float *dout, const float *qkv, const float *att, int B, int T,
 			     int C, int NH);
+/* attention_flash_forward, attention_flash_backward: fused kernels, no (T, T) tensor */
+void attention_flash_forward_cuda(const struct sl_gpu *g, float *out, float *lse,
+				  const float *qkv, int B, int T, int C, int NH);
+void attention_flash_backward_cuda(const struct sl_gpu *g, float *dqkv, float *dsum,
+				   const float *dout, const float *qkv, const float *out,
+				   const float *lse, int B, int T, int C, int NH);
 
 /* kv_append, attention_decode */
 void kv_append_cuda(const struct sl_gpu *g, float *kcache, float *vcache, const float *qkv,

@@ -4,9 +4,8 @@
 #include <omp.h>
 #include "attend.h"
 
-// out (B,T,C), preatt (B,NH,T,T), att (B,NH,T,T), qkv (B,T,3C) = [q | k | v] per token
-void attention_forward(float *out, float *preatt, float *att, const float *qkv, int B, int T, int C,
-		       int NH)
+// out (B,T,C), att (B,NH,T,T), qkv (B,T,3C) = [q | k | v] per token
+void attention_forward(float *out, float *att, const float *qkv, int B, int T, int C, int NH)
 {
 	const int C3 = 3 * C;
 	const int hs = C / NH;
@@ -19,23 +18,24 @@ void attention_forward(float *out, float *preatt, float *att, const float *qkv, 
 			for (int t = 0; t < T; t++) {
 				// q, k, v of this head at position 0; position t2 is t2 * 3C further
 				const float *head = qkv + (size_t)b * T * C3 + h * hs;
-				float *pre = preatt + (((size_t)b * NH + h) * T + t) * T;
 				float *a = att + (((size_t)b * NH + h) * T + t) * T;
-				// causal: query t sees keys t2 <= t
-				attend(out + ((size_t)b * T + t) * C + h * hs, pre, a,
+				// causal: query t sees keys t2 <= t; the scores are overwritten by
+				// their softmax (no backward reads them)
+				attend(out + ((size_t)b * T + t) * C + h * hs, a, a,
 				       head + (size_t)t * C3, head + C, head + 2 * C, C3, t + 1, hs,
 				       scale);
-				for (int t2 = t + 1; t2 < T; t2++) {
-					pre[t2] = 0.0f;
+				/* the masked triangle is written 0 for the CUDA body of
+				 * attention_backward, whose GEMMs read the whole (T, T) att
+				 * (the codelet's buffers are shared by its CPU and CUDA bodies) */
+				for (int t2 = t + 1; t2 < T; t2++)
 					a[t2] = 0.0f;
-				}
 			}
 		}
 	}
 }
 
-// dqkv (B,T,3C) =, dpreatt (B,NH,T,T) =, datt (B,NH,T,T) =, dout (B,T,C), qkv (B,T,3C),
-// att (B,NH,T,T)
+// dqkv (B,T,3C) =, dpreatt (B,NH,T,T) scratch, datt (B,NH,T,T) scratch, dout (B,T,C),
+// qkv (B,T,3C), att (B,NH,T,T)
 void attention_backward(float *dqkv, float *dpreatt, float *datt, const float *dout,
 			const float *qkv, const float *att, int B, int T, int C, int NH)
 {
@@ -88,10 +88,7 @@ void attention_backward(float *dqkv, float *dpreatt, float *datt, const float *d
 #pragma omp simd
 				for (int t2 = 0; t2 <= t; t2++)
 					dp[t2] = a[t2] * (da[t2] - s);
-				for (int t2 = t + 1; t2 < T; t2++) {
-					da[t2] = 0.0f;
-					dp[t2] = 0.0f;
-				}
+				// (beyond t: scratch that nothing reads, left as it is)
 				// preatt = scale * q . k[t2]:  dq += scale dp k[t2],  dk[t2] +=
 				// scale dp q
 				for (int t2 = 0; t2 <= t; t2++) {
@@ -103,6 +100,167 @@ void attention_backward(float *dqkv, float *dpreatt, float *datt, const float *d
 					for (int i = 0; i < hs; i++) {
 						dq[i] += g * k[i];
 						dk[i] += g * q[i];
+					}
+				}
+			}
+		}
+	}
+}
+
+/* ---- fused causal attention: the (T, T) scores never stored ----
+ * FlashAttention (Dao et al. 2022) in FlashAttention-2's loop order, one query row at a time:
+ * the row walks its keys in tiles of SL_FLASH_TILE keeping a running max m, the running sum l
+ * of exp(score - m) and the unnormalised output o; a tile that raises the max rescales l and o
+ * by exp(m_old - m_new) (the same factor on both, so its rounding cancels in o / l). The
+ * forward keeps only out and lse = m + log(l) per row; the backward recomputes each weight
+ * as exp(score - lse). This is the CPU twin of csrc/cuda/attention.cu's fused kernels (the
+ * same tiles in the same order per row): the codelet's CPU body, and the flow run with StarPU
+ * on CPUs exactly as on a GPU. */
+
+// out (B,T,C), lse (B,NH,T), qkv (B,T,3C) = [q | k | v] per token
+void attention_flash_forward(float *out, float *lse, const float *qkv, int B, int T, int C,
+			     int NH)
+{
+	const int C3 = 3 * C, hs = C / NH;
+	const float scale = 1.0f / sqrtf((float)hs);
+
+#pragma omp parallel for collapse(3) schedule(static)
+	for (int b = 0; b < B; b++) {
+		for (int h = 0; h < NH; h++) {
+			for (int t = 0; t < T; t++) {
+				const float *head = qkv + (size_t)b * T * C3 + h * hs;
+				const float *q = head + (size_t)t * C3;
+				float *o = out + ((size_t)b * T + t) * C + h * hs;
+				float s[SL_FLASH_TILE];
+				float m = -INFINITY, l = 0.0f;
+				for (int i = 0; i < hs; i++)
+					o[i] = 0.0f;
+				// causal: the tiles of keys 0..t
+				for (int j0 = 0; j0 <= t; j0 += SL_FLASH_TILE) {
+					int n = t + 1 - j0 < SL_FLASH_TILE ? t + 1 - j0 : SL_FLASH_TILE;
+					float mt = m;
+					for (int j = 0; j < n; j++) {
+						const float *k = head + C + (size_t)(j0 + j) * C3;
+						float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+						for (int i = 0; i < hs; i++)
+							dot += q[i] * k[i];
+						s[j] = dot * scale;
+						if (s[j] > mt)
+							mt = s[j];
+					}
+					float corr = j0 == 0 ? 0.0f : vexpf(m - mt);
+					float sum = 0.0f;
+					for (int j = 0; j < n; j++) {
+						s[j] = vexpf(s[j] - mt);
+						sum += s[j];
+					}
+					l = l * corr + sum;
+#pragma omp simd
+					for (int i = 0; i < hs; i++)
+						o[i] *= corr;
+					for (int j = 0; j < n; j++) {
+						const float *v = head + 2 * C + (size_t)(j0 + j) * C3;
+						float w = s[j];
+#pragma omp simd
+						for (int i = 0; i < hs; i++)
+							o[i] += w * v[i];
+					}
+					m = mt;
+				}
+				for (int i = 0; i < hs; i++)
+					o[i] /= l;
+				lse[((size_t)b * NH + h) * T + t] = m + logf(l);
+			}
+		}
+	}
+}
+
+// dqkv (B,T,3C) =, dsum (B,NH,T) scratch, dout (B,T,C), qkv (B,T,3C), out (B,T,C), lse (B,NH,T)
+void attention_flash_backward(float *dqkv, float *dsum, const float *dout, const float *qkv,
+			      const float *out, const float *lse, int B, int T, int C, int NH)
+{
+	const int C3 = 3 * C, hs = C / NH;
+	const float scale = 1.0f / sqrtf((float)hs);
+
+	/* dsum[t] = dy_t . out_t = sum_j att[t][j] (dy_t . v_j): the softmax backward's row sum,
+	 * from out instead of the weights */
+#pragma omp parallel for collapse(3) schedule(static)
+	for (int b = 0; b < B; b++) {
+		for (int h = 0; h < NH; h++) {
+			for (int t = 0; t < T; t++) {
+				const float *dy = dout + ((size_t)b * T + t) * C + h * hs;
+				const float *o = out + ((size_t)b * T + t) * C + h * hs;
+				float d = 0.0f;
+#pragma omp simd reduction(+ : d)
+				for (int i = 0; i < hs; i++)
+					d += dy[i] * o[i];
+				dsum[((size_t)b * NH + h) * T + t] = d;
+			}
+		}
+	}
+	/* Weight a = exp(s - lse), da = dy_t . v_j, ds = a (da - dsum_t); dq_t += scale ds k_j,
+	 * dk_j += scale ds q_t, dv_j += a dy_t. Two passes that each own what they write, so no
+	 * two threads add into one row (deterministic, no atomics): dq per query over its keys
+	 * (the forward's tiles), dk and dv per key over its queries t >= j. */
+#pragma omp parallel for collapse(3) schedule(static)
+	for (int b = 0; b < B; b++) {
+		for (int h = 0; h < NH; h++) {
+			for (int t = 0; t < T; t++) {
+				const float *head = qkv + (size_t)b * T * C3 + h * hs;
+				const float *q = head + (size_t)t * C3;
+				const float *dy = dout + ((size_t)b * T + t) * C + h * hs;
+				float *dq = dqkv + ((size_t)b * T + t) * C3 + h * hs;
+				size_t row = ((size_t)b * NH + h) * T + t;
+				const float lt = lse[row], dt = dsum[row];
+				for (int i = 0; i < hs; i++)
+					dq[i] = 0.0f;
+				for (int j = 0; j <= t; j++) {
+					const float *k = head + C + (size_t)j * C3;
+					const float *v = head + 2 * C + (size_t)j * C3;
+					float dot = 0.0f, da = 0.0f;
+#pragma omp simd reduction(+ : dot, da)
+					for (int i = 0; i < hs; i++) {
+						dot += q[i] * k[i];
+						da += dy[i] * v[i];
+					}
+					float g = scale * (vexpf(dot * scale - lt) * (da - dt));
+#pragma omp simd
+					for (int i = 0; i < hs; i++)
+						dq[i] += g * k[i];
+				}
+			}
+		}
+	}
+#pragma omp parallel for collapse(3) schedule(static)
+	for (int b = 0; b < B; b++) {
+		for (int h = 0; h < NH; h++) {
+			for (int j = 0; j < T; j++) {
+				const float *head = qkv + (size_t)b * T * C3 + h * hs;
+				const float *k = head + C + (size_t)j * C3;
+				const float *v = head + 2 * C + (size_t)j * C3;
+				float *dk = dqkv + ((size_t)b * T + j) * C3 + C + h * hs;
+				float *dv = dk + C;
+				for (int i = 0; i < hs; i++) {
+					dk[i] = 0.0f;
+					dv[i] = 0.0f;
+				}
+				for (int t = j; t < T; t++) {
+					const float *q = head + (size_t)t * C3;
+					const float *dy = dout + ((size_t)b * T + t) * C + h * hs;
+					size_t row = ((size_t)b * NH + h) * T + t;
+					float dot = 0.0f, da = 0.0f;
+#pragma omp simd reduction(+ : dot, da)
+					for (int i = 0; i < hs; i++) {
+						dot += q[i] * k[i];
+						da += dy[i] * v[i];
+					}
+					float a = vexpf(dot * scale - lse[row]);
+					float g = scale * (a * (da - dsum[row]));
+#pragma omp simd
+					for (int i = 0; i < hs; i++) {
+						dk[i] += g * q[i];
+						dv[i] += a * dy[i];
 					}
 				}
 			}

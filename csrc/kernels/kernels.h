@@ -63,13 +63,23 @@ void matmul_backward_blocks(float *dinp, float *const *dweight, float *dbias, co
 			    int N, int C, int OC);
 
 /* Causal self-attention over qkv (B,T,3C) laid out [q | k | v] per token, heads of size
- * hs = C/NH. preatt, att (B,NH,T,T): scores scaled by 1/sqrt(hs) and their softmax
- * (entries above the diagonal are written as 0). out (B,T,C). */
-void attention_forward(float *out, float *preatt, float *att, const float *qkv, int B, int T, int C,
-		       int NH);
-/* dqkv (B,T,3C) written; dpreatt, datt (B,NH,T,T) are scratch (written). */
+ * hs = C/NH. att (B,NH,T,T): the softmax of the scores scaled by 1/sqrt(hs) (entries above the
+ * diagonal are written as 0). out (B,T,C). */
+void attention_forward(float *out, float *att, const float *qkv, int B, int T, int C, int NH);
+/* dqkv (B,T,3C) written; dpreatt, datt (B,NH,T,T) are scratch (written below the diagonal). */
 void attention_backward(float *dqkv, float *dpreatt, float *datt, const float *dout,
 			const float *qkv, const float *att, int B, int T, int C, int NH);
+/* The same attention fused (attention.c says how): no (T, T) tensor. The forward writes out
+ * and lse (B,NH,T), each query row's log(sum_j exp(score_j)); the backward reads them back,
+ * dsum (B,NH,T) its scratch. Keys go in tiles of SL_FLASH_TILE (the CUDA kernels' too). */
+#define SL_FLASH_TILE 32
+/* The CUDA kernels' largest head size (a row's q and accumulators live in registers; GPT-2's
+ * is 64 at every size); the CPU twin takes any. */
+#define SL_FLASH_MAX_HS 64
+void attention_flash_forward(float *out, float *lse, const float *qkv, int B, int T, int C,
+			     int NH);
+void attention_flash_backward(float *dqkv, float *dsum, const float *dout, const float *qkv,
+			      const float *out, const float *lse, int B, int T, int C, int NH);
 
 /* Generation with a key/value cache in slots (kvcache.c). Per layer, kcache and vcache
  * (S,NH,Tc,hs): slot s holds the keys and values of the positions its sequence has processed.

@@ -141,7 +141,8 @@ class StarPUEngine(Engine):
         hold what the workers' tasks hold at once (each worker's largest task; with a
         reduction, each worker's copy of every gradient, which StarPU never evicts), or when
         the offload folder has no room for every tensor StarPU may evict."""
-        needs = step_needs(self.config, self.Bs, self.T, self.subs_per_rank)
+        needs = step_needs(self.config, self.Bs, self.T, self.subs_per_rank,
+                           self.runtime.attention)
         workers = self.runtime.workers      # a worker (team or parallel) runs a task at a time
         minimum = workers * needs.largest_task
         why = (f"{needs.largest_name} holds {format_size(needs.largest_task)} of buffers, "

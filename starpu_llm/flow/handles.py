@@ -306,6 +306,12 @@ class Handles:
         run, so a stage holds at most self.sets micro-batches' activations. What outlives the
         step (tensors.PER_MICRO_BATCH: the losses, which loss() reads; the inputs and targets)
         stays each micro-batch's own."""
+        hs = config.C // config.NH
+        if self.runtime.attention == "flash" and self.runtime.gpus and hs > lib.SL_FLASH_MAX_HS:
+            raise StarpuLLMError(
+                f"the fused attention on GPUs takes heads of up to {lib.SL_FLASH_MAX_HS} "
+                f"channels, and this model's have {hs} ({config.C} channels / {config.NH} "
+                f"heads): start the runtime with attention=\"gemm\"")
         topo, d = self.topology, self.sites.copy(i)
         j = i % self.subs_per_copy
 
@@ -323,7 +329,7 @@ class Handles:
         return sub_batch_tensors(
             config, B, T, at(0),
             lambda name, shape, dtype, l: at(self.layer_stage[l])(name, shape, dtype),
-            [at(s) for s in range(self.stages)])
+            [at(s) for s in range(self.stages)], self.runtime.attention)
 
     def tensor(self, name, shape, dtype=np.float32, owner=None) -> Tensor:
         """A new tensor registered as a handle; under MPI owned by rank `owner` (None: this

@@ -46,28 +46,34 @@ def _account(self, cd, args, kwargs):
 add_methods(_TaskBytes, TABLE, _account)
 
 
-def step_needs(config: GPTConfig, B: int, T: int, sub_batches: int = 1) -> StepNeeds:
+def step_needs(config: GPTConfig, B: int, T: int, sub_batches: int = 1,
+               attention: str = "gemm") -> StepNeeds:
     """The needs of a step of `sub_batches` sub-batches of B sequences of T tokens each, with
-    gradient clipping (its tasks too), in one process holding every tensor."""
+    gradient clipping (its tasks too), in one process holding every tensor; attention: the
+    attention's form (tensors.ATTENTIONS)."""
     layout = ParamLayout(config)
     p, g, m, v = (ParameterTensors.of_shapes(kind, layout) for kind in ("param", "grad", "m", "v"))
     tensor = lambda name, shape, dtype: Tensor(name, shape, dtype)    # noqa: E731
-    a = ActivationTensors.create(config, B, T, tensor)
-    s = BackwardScratch.create(config, B, T, tensor)
+    a = ActivationTensors.create(config, B, T, tensor, attention=attention)
+    s = BackwardScratch.create(config, B, T, tensor, attention=attention)
     norm = [Tensor(f"gradnorm[{k}]", (1,), "float64") for k in range(taskflow.norm_nodes(config))]
     ops = _TaskBytes()
     taskflow.forward(ops, config, p, a, B, T)
     taskflow.backward(ops, config, p, g, a, [s], B, T, 1.0, 0)
     taskflow.update(ops, config, p, g, m, v, 1e-4, 0.0, 1, 1.0, norm)
-    return StepNeeds(ops.largest[0], ops.largest[1], footprint(config, B, T, sub_batches))
+    return StepNeeds(ops.largest[0], ops.largest[1],
+                     footprint(config, B, T, sub_batches, attention=attention))
 
 
-def footprint(config: GPTConfig, B: int, T: int, sub_batches: int = 1, state_copies: int = 4) -> int:
+def footprint(config: GPTConfig, B: int, T: int, sub_batches: int = 1, state_copies: int = 4,
+              attention: str = "gemm") -> int:
     """Bytes of every tensor of a process running `sub_batches` sub-batches of B sequences of
     T tokens: state_copies of the parameters (parameters, gradients, two AdamW moments), and
-    each sub-batch's activations and backward scratch."""
+    each sub-batch's activations and backward scratch (attention: the attention's form,
+    tensors.ATTENTIONS)."""
     tensor = lambda name, shape, dtype: Tensor(name, shape, dtype)    # noqa: E731
-    per_sub = sum(nbytes(t) for group in (ActivationTensors.create(config, B, T, tensor),
-                                          BackwardScratch.create(config, B, T, tensor))
+    per_sub = sum(nbytes(t) for group in (
+        ActivationTensors.create(config, B, T, tensor, attention=attention),
+        BackwardScratch.create(config, B, T, tensor, attention=attention))
                   for t in group.tensors())
     return 4 * state_copies * ParamLayout(config).total + sub_batches * per_sub

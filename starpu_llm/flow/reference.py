@@ -21,12 +21,13 @@ class ReferenceEngine(Engine):
     """The kernels in a plain loop with OpenMP, no StarPU (paper's baseline). gpu: the
     codelets' CUDA bodies instead, each on copies of its buffers (codelets.DirectOps: on GPU
     0 of a CUDA build, in the CPU emulation of CUDA otherwise), matmuls in TF32 when tf32: the
-    GPU kernels' own check against the same oracle, without StarPU."""
+    GPU kernels' own check against the same oracle, without StarPU. attention: the attention's
+    form (tensors.ATTENTIONS; the fused one's CPU or CUDA body likewise)."""
 
     name = "reference"
 
     def __init__(self, config, state, B, T, tokens, threads: int | None = None, sub_batches: int = 1,
-                 gpu: bool = False, tf32: bool = False):
+                 gpu: bool = False, tf32: bool = False, attention: str = "gemm"):
         super().__init__(config, state, B, T, tokens, sub_batches)
         if threads:
             lib.kernels_set_threads(threads)
@@ -41,7 +42,8 @@ class ReferenceEngine(Engine):
         def new_tensor(name, shape, dtype):
             return Tensor(name, shape, dtype, array=np.zeros(shape, dtype))
 
-        self.subs = [sub_batch_tensors(config, self.Bs, T, new_tensor) for _ in range(sub_batches)]
+        self.subs = [sub_batch_tensors(config, self.Bs, T, new_tensor, attention=attention)
+                     for _ in range(sub_batches)]
         norm = np.zeros(taskflow.norm_nodes(config), np.float64)
         self.norm = [Tensor(f"gradnorm[{k}]", (1,), np.float64, array=norm[k:k + 1])
                      for k in range(norm.size)]

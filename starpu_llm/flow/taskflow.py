@@ -33,10 +33,12 @@ def forward(ops, cfg: GPTConfig, p, a, B: int, T: int, head_ops=None):
     BT = B * T
     ops.encoder_forward(a.encoded, a.inputs, p.wte, p.wpe, B, T, C)
     x = a.encoded
+    # the attention of a's form (tensors.ATTENTIONS): the fused one keeps the logsumexp in att
+    attend = (ops.attention_flash_forward if a.attention == "flash" else ops.attention_forward)
     for l in range(L):
         b = a.layer(l)
         block_forward(ops, cfg, p, l, x, b, BT,
-                      lambda b: ops.attention_forward(b.atty, b.preatt, b.att, b.qkv, B, T, C, NH))
+                      lambda b: attend(b.atty, b.att, b.qkv, B, T, C, NH))
         x = b.res3
     head = head_ops or ops
     head.layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, x, p.lnfw, p.lnfb, BT, C)
@@ -105,8 +107,12 @@ def backward(ops, cfg: GPTConfig, p, g, a, s, B: int, T: int, dloss: float, redu
                                a.ln2_mean[l], a.ln2_rstd[l], BT, C, 1, redux=redux)
         ops.matmul_backward(cur.datty, g.attprojw[l], cur.dres, a.atty[l], p.attprojw[l],
                             g.attprojb[l], BT, C, C, redux=redux)
-        ops.attention_backward(cur.dqkv, cur.att_scratch, cur.datty, a.qkv[l], a.att[l], B, T,
-                               C, NH)
+        if a.attention == "flash":
+            ops.attention_flash_backward(cur.dqkv, cur.att_scratch, cur.datty, a.qkv[l],
+                                         a.atty[l], a.att[l], B, T, C, NH)
+        else:
+            ops.attention_backward(cur.dqkv, cur.att_scratch, cur.datty, a.qkv[l], a.att[l], B,
+                                   T, C, NH)
         ops.matmul_backward(cur.dln, g.qkvw[l], cur.dqkv, a.ln1[l], p.qkvw[l], g.qkvb[l], BT, C,
                             3 * C, redux=redux)
         ops.layernorm_backward(cur.dres, g.ln1w[l], g.ln1b[l], cur.dln, x, p.ln1w[l],

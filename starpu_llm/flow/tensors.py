@@ -99,13 +99,21 @@ ParameterTensors = make_dataclass(
     bases=(_ParameterGroup,))
 
 
+# The attention's two forms (csrc/kernels/kernels.h): "gemm" keeps the weights att (B,NH,T,T)
+# for the backward (the CPU engine's, and the batched-GEMM CUDA reference); "flash", fused,
+# keeps each query row's logsumexp (B,NH,T), and no (T, T) tensor exists.
+ATTENTIONS = ("gemm", "flash")
+
+
 class Dims(NamedTuple):
-    """The sizes an activation's shape is made of: a (sub-)batch of B sequences of T tokens."""
+    """The sizes an activation's shape is made of: a (sub-)batch of B sequences of T tokens,
+    and the attention's form (ATTENTIONS), which sets what the attention keeps."""
     B: int
     T: int
     C: int
     NH: int
     Vp: int
+    attention: str = "gemm"
 
 
 def single(shape, dtype=np.float32):
@@ -119,15 +127,21 @@ def per_layer(shape):
 
 
 class SubBatchGroup(TensorGroup):
-    """A group whose fields declare their shapes (single / per_layer): one sub-batch's."""
+    """A group whose fields declare their shapes (single / per_layer): one sub-batch's.
+    attention: the attention's form its tensors are laid out for (ATTENTIONS), which the task
+    flow reads to submit that attention's codelets (decided once, where the tensors are made)."""
+    attention = "gemm"
 
     @classmethod
-    def create(cls, cfg: GPTConfig, B: int, T: int, new_tensor, layer_tensor=None):
+    def create(cls, cfg: GPTConfig, B: int, T: int, new_tensor, layer_tensor=None,
+               attention: str = "gemm"):
         """The group of a (sub-)batch of B x T tokens: every tensor is
         new_tensor(name, shape, dtype), per-layer ones named "name[l]" (made by
         layer_tensor(name, shape, dtype, l) when given: a pipeline places layers apart); in
-        field order."""
-        dims = Dims(B, T, cfg.C, cfg.NH, cfg.Vp)
+        field order; attention: the attention's form (ATTENTIONS)."""
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention {attention!r}: one of {', '.join(ATTENTIONS)}")
+        dims = Dims(B, T, cfg.C, cfg.NH, cfg.Vp, attention)
         layer_tensor = layer_tensor or (lambda name, shape, dtype, l: new_tensor(name, shape, dtype))
         out = {}
         for f in fields(cls):
@@ -137,7 +151,9 @@ class SubBatchGroup(TensorGroup):
                                for l in range(cfg.L)]
             else:
                 out[f.name] = new_tensor(f.name, shape, dtype)
-        return cls(**out)
+        group = cls(**out)
+        group.attention = attention
+        return group
 
     def layer(self, l: int) -> SimpleNamespace:
         """Layer l's tensor of each per-layer field, by the field's name."""
@@ -162,8 +178,9 @@ class ActivationTensors(SubBatchGroup):
     ln1_rstd: list = per_layer(lambda d: (d.B, d.T))
     qkv: list = per_layer(lambda d: (d.B, d.T, 3 * d.C))
     atty: list = per_layer(lambda d: (d.B, d.T, d.C))
-    preatt: list = per_layer(lambda d: (d.B, d.NH, d.T, d.T))
-    att: list = per_layer(lambda d: (d.B, d.NH, d.T, d.T))
+    # what the attention keeps for its backward: the weights, or each row's logsumexp (fused)
+    att: list = per_layer(lambda d: (d.B, d.NH, d.T) if d.attention == "flash"
+                          else (d.B, d.NH, d.T, d.T))
     attproj: list = per_layer(lambda d: (d.B, d.T, d.C))
     res2: list = per_layer(lambda d: (d.B, d.T, d.C))
     ln2: list = per_layer(lambda d: (d.B, d.T, d.C))
@@ -185,7 +202,9 @@ class BackwardScratch(SubBatchGroup):
     dfch_gelu: Tensor = single(lambda d: (d.B, d.T, 4 * d.C))
     dfch: Tensor = single(lambda d: (d.B, d.T, 4 * d.C))
     dqkv: Tensor = single(lambda d: (d.B, d.T, 3 * d.C))
-    att_scratch: Tensor = single(lambda d: (2, d.B, d.NH, d.T, d.T))  # dpreatt, datt
+    # the attention backward's: dpreatt and datt, or the fused one's row sums dout . out
+    att_scratch: Tensor = single(lambda d: (d.B, d.NH, d.T) if d.attention == "flash"
+                                 else (2, d.B, d.NH, d.T, d.T))
 
 
 # The activations that outlive a step: the losses (the step's loss reads them after it) and
@@ -196,14 +215,15 @@ PER_MICRO_BATCH = ("inputs", "targets", "losses")
 
 
 def sub_batch_tensors(cfg: GPTConfig, B: int, T: int, new_tensor, layer_tensor=None,
-                      stage_tensors=None):
+                      stage_tensors=None, attention: str = "gemm"):
     """(activations, [backward scratch of each pipeline stage]) of one (sub-)batch, in this
     order (the MPI tags follow it): each tensor made by new_tensor(name, shape, dtype), a
     per-layer activation by layer_tensor(name, shape, dtype, l) when given, and stage s's
     scratch by stage_tensors[s](name, shape, dtype) when given (else one stage's, by
-    new_tensor)."""
-    return (ActivationTensors.create(cfg, B, T, new_tensor, layer_tensor),
-            [BackwardScratch.create(cfg, B, T, make) for make in (stage_tensors or [new_tensor])])
+    new_tensor); attention: the attention's form (ATTENTIONS)."""
+    return (ActivationTensors.create(cfg, B, T, new_tensor, layer_tensor, attention),
+            [BackwardScratch.create(cfg, B, T, make, attention=attention)
+             for make in (stage_tensors or [new_tensor])])
 
 
 # ---- generation (flow/batch.py)
@@ -219,10 +239,10 @@ class KVCache(SubBatchGroup):
 
 def _decode_fields():
     """DecodeTensors' fields: the rows' (token, slot, position); one of each of a transformer
-    block's activations (ActivationTensors' per-layer fields, without preatt and att, whose
-    place the cache takes)."""
+    block's activations (ActivationTensors' per-layer fields, without att, whose place the
+    cache takes)."""
     block = [(f.name, Tensor, single(f.metadata["shape"])) for f in fields(ActivationTensors)
-             if f.metadata["layered"] and f.name not in ("preatt", "att")]
+             if f.metadata["layered"] and f.name != "att"]
     return [("idx", Tensor, single(lambda d: (d.B * d.T, 3), np.int32))] + block
 
 

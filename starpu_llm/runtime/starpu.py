@@ -15,6 +15,7 @@ from typing import NamedTuple
 from .. import partition
 from .._clib import ffi, lib
 from ..errors import StarpuLLMError, opt
+from ..flow.tensors import ATTENTIONS
 from ..partition import Build, PartitionRequest, scheduler
 from ..record import Partition
 from . import offload, starpupy_face
@@ -111,6 +112,9 @@ class Runtime:
     of a codelet with a CUDA body runs on the GPUs only (placement()), the CPU workers run
     the rest (the batch loads), so dmda never tries a layer task on a CPU to calibrate its
     model (at GPT-2 124M, B=16, T=1024, seconds a task).
+    attention: the attention the layer tasks run (flow.tensors.ATTENTIONS), decided here once
+    and read by the task flow's tensors: None gives the fused one ("flash": no (T, T) tensor,
+    csrc/cuda/attention.cu) with GPUs, the batched-GEMM one ("gemm", the CPU engine's) without.
     """
 
     _active: "Runtime | None" = None
@@ -119,7 +123,8 @@ class Runtime:
                  sched: str | None = None, oversubscribe: bool = False, comm=None,
                  kcore: str | None = None, face: str | None = None,
                  memory: offload.MemoryLimit | None = None, gpus: int = 0,
-                 gpu_matmul: str = "tf32", partition: Partition | None = None):
+                 gpu_matmul: str = "tf32", partition: Partition | None = None,
+                 attention: str | None = None):
         if Runtime._active is not None:
             raise StarpuLLMError("StarPU is already running in this process; "
                                  "shut the other Runtime down first")
@@ -129,6 +134,10 @@ class Runtime:
         # every rank checks its partition before any starts StarPU-MPI (mpi.agree)
         core_ids = agree(comm, self._plan, partition, request, sched, comm, face, memory)
         p = self.partition
+        self.attention = attention or ("flash" if p.gpus else "gemm")
+        if self.attention not in ATTENTIONS:
+            raise StarpuLLMError(f"attention {self.attention!r}: choose one of "
+                                 f"{', '.join(ATTENTIONS)}")
         self.offload = offload.start(memory)     # the limit, before StarPU starts
         self.offload_path = self.offload.path if self.offload else None
         if self.face == "starpupy":
