@@ -372,7 +372,8 @@ def test_tf32_gemm_bound_can_fail_on_the_gpu_kernels(rng):
     """The TF32 GEMM bound (bounds.tf32_dot_bound: inputs rounded to nearest TF32, unit
     roundoff 2^-11) on inputs that make every product's rounding error one-signed:
       - the GPU matmul in TF32 (the emulation rounds as cvt.rna.tf32) is within it, and
-        outside the fp32 bound (the TF32 rounding did happen);
+        outside the fp32 bound (the TF32 rounding did happen); also on inputs that only
+        rounding to nearest keeps within it (on a GPU: cuBLAS's conversion is not truncation);
       - it fails for a GEMM that truncates to TF32 instead (errors up to 2^-10 an input:
         about 1.7x the bound here), and for a bf16-like rounding (7 bits, to nearest)."""
     why = gpu_available()
@@ -390,6 +391,13 @@ def test_tf32_gemm_bound_can_fail_on_the_gpu_kernels(rng):
         close(out, ref, dot_bound(C, terms), "TF32 matmul against the fp32 bound")
     # a deliberately wrong TF32: truncation, on inputs 0.95 of an ulp above a TF32 value
     a, w = _adversarial(rng, (N, C), 10, 0.95), _adversarial(rng, (OC, C), 10, 0.95)
+    # the GPU matmul on them within the bound: the inputs above (0.45 ulp) round down either
+    # way, these tell rounding to nearest from truncation, so that on a GPU this checks the
+    # bound's premise about cuBLAS's (undocumented) TF32 conversion
+    out = np.full((N, OC), np.nan, np.float32)
+    GPUKernels(tf32=True).matmul_forward(out, a, w, None, N, C, OC)
+    close(out, f64(a) @ f64(w).T, tf32_dot_bound(C, np.abs(f64(a)) @ np.abs(f64(w)).T),
+          "TF32 matmul, inputs 0.95 of a TF32 ulp above one")
     trunc = (f64(_round_significand(a, 10, "truncate"))
              @ f64(_round_significand(w, 10, "truncate")).T)
     with pytest.raises(AssertionError):
