@@ -270,6 +270,13 @@ def test_layernorm_gpt2_width(kern, rng):
     _layernorm_case(kern, rng, N=64, C=768)
 
 
+def test_column_sums_ragged_chunks(kern, rng):
+    # the GPU's two-pass column sums (gpu.h) on ragged edges: N = 1001 rows in 8 chunks of
+    # 126 (the last 119), C = 40 and OC = 72 columns (a partial column tile)
+    _layernorm_case(kern, rng, N=1001, C=40)
+    _matmul_case(kern, rng, N=1001, C=24, OC=72, use_bias=True)
+
+
 # ---------------------------------------------------------------- matmul
 
 
