@@ -74,8 +74,9 @@ static unsigned softmax_blocks(int rows) { return sl_blocks((size_t)rows, ROWS_P
 /* One call per product over the B x NH (b, h) pairs: cublasGemmBatchedEx on device arrays of
  * B NH pointers per operand, because q, k, v are read in place in qkv (B, T, 3C), heads hs
  * floats apart and sequences T 3C apart, which no single stride of a strided-batched call
- * walks (that needs T 3C = NH hs). A task's arrays (3 per product) are written by one small
- * kernel into the worker's scratch, in stream order before the GEMMs that read them. */
+ * walks (that needs T 3C = NH hs). A task's arrays, one per operand (5 forward, 10 backward),
+ * are written by one small kernel into the worker's scratch, in stream order before the GEMMs
+ * that read them (and after the previous task's, which read the last ones). */
 #define ATT_ARRAYS 10 /* pointer arrays of one task, at most: the backward's operands */
 
 /* the operand of pair (b, h) at base + b seq + h head */
