@@ -729,6 +729,25 @@ def test_attention_is_causal(kern, rng):
     assert not np.allclose(out2[:, t0:], out[:, t0:])
 
 
+def test_gemm_attention_one_cublas_call_per_product(rng):
+    """The batched-GEMM attention's CUDA bodies make one cuBLAS call per product over all
+    B x NH (sequence, head) pairs: 2 in the forward (scores, att @ v), 4 in the backward
+    (datt, dv, dq, dk), whatever NH (a loop over heads made NH times as many)."""
+    _emulated_only()
+    kern = GPUKernels()
+    B, T, C, NH = 2, 6, 24, 3
+    qkv, dout = randn(rng, B, T, 3 * C), randn(rng, B, T, C)
+    out = np.zeros((B, T, C), np.float32)
+    att = np.zeros((B, NH, T, T), np.float32)
+    lib.sl_gpu_emulated_blas_calls()
+    kern.attention_forward(out, att, qkv, B, T, C, NH)
+    assert lib.sl_gpu_emulated_blas_calls() == 2, "forward: scores and att @ v, one call each"
+    scratch = [np.zeros((B, NH, T, T), np.float32) for _ in range(2)]
+    kern.attention_backward(np.zeros((B, T, 3 * C), np.float32), *scratch, dout, qkv, att,
+                            B, T, C, NH)
+    assert lib.sl_gpu_emulated_blas_calls() == 4, "backward: datt, dv, dq, dk, one call each"
+
+
 # ---- the fused attention (attention_flash_*: tiles, online softmax, no (T, T) tensor)
 
 FLASH_TILE = lib.SL_FLASH_TILE

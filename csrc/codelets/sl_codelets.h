@@ -121,6 +121,9 @@ int sl_gpu_devices(void);  /* the GPUs CUDA sees (0 without a CUDA build, driver
 /* The emulation's launches since the last call: their count, and the block count of each of
  * the first max in blocks (the grids the kernels chose); -ENOSYS in a CUDA build. */
 int sl_gpu_emulated_launches(unsigned *blocks, int max);
+/* The emulation's cuBLAS GEMM calls since the last call (a batched call counts one); -ENOSYS
+ * in a CUDA build. */
+int sl_gpu_emulated_blas_calls(void);
 /* The matmul precision of the StarPU engine's CUDA tasks: 1 TF32 (the default), 0 fp32. */
 void sl_gpu_set_tf32(int tf32);
 int sl_gpu_tf32(void);

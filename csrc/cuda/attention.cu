@@ -1,12 +1,12 @@
 /* Causal multi-head self-attention, two ways.
  *
- * Batched GEMMs (attention_forward/backward_cuda, the reference): per head h, over the batch's
- * B sequences at once (one strided batched GEMM, the sequences T 3C floats apart in qkv), the
- * scores scale q k^T into att, a softmax kernel in place (causal mask, att above the diagonal
- * written 0, as the CPU kernel does), and out = att v. Row-major (r, c) with leading
- * dimension ld is, to cuBLAS (column-major), its transpose (c, r): each product is written
- * for the transposes below. The full T x T products are computed; the mask zeroes the upper
- * triangle, whose products then add exact zeros. */
+ * Batched GEMMs (attention_forward/backward_cuda, the reference): each product is one cuBLAS
+ * call over the B x NH (sequence, head) pairs (attention_gemm below): the scores scale q k^T
+ * into att, a softmax kernel in place (causal mask, att above the diagonal written 0, as the
+ * CPU kernel does), and out = att v. Row-major (r, c) with leading dimension ld is, to cuBLAS
+ * (column-major), its transpose (c, r): each product is written for the transposes below.
+ * The full T x T products are computed; the mask zeroes the upper triangle, whose products
+ * then add exact zeros. */
 #include "gpu.h"
 extern "C" {
 #include "../kernels/kernels.h" /* SL_FLASH_TILE: the CPU twin's tiles */
@@ -71,30 +71,89 @@ static __global__ void attention_softmax_backward_kernel(float *dpreatt, float *
 
 static unsigned softmax_blocks(int rows) { return sl_blocks((size_t)rows, ROWS_PER_BLOCK, 65535); }
 
+/* One call per product over the B x NH (b, h) pairs: cublasGemmBatchedEx on device arrays of
+ * B NH pointers per operand, because q, k, v are read in place in qkv (B, T, 3C), heads hs
+ * floats apart and sequences T 3C apart, which no single stride of a strided-batched call
+ * walks (that needs T 3C = NH hs). A task's arrays, one per operand (5 forward, 10 backward),
+ * are written by one small kernel into the worker's scratch, in stream order before the GEMMs
+ * that read them (and after the previous task's, which read the last ones). */
+#define ATT_ARRAYS 10 /* pointer arrays of one task, at most: the backward's operands */
+
+/* the operand of pair (b, h) at base + b seq + h head */
+struct att_operand {
+	const float *base;
+	long long seq, head;
+};
+struct att_operands {
+	att_operand op[ATT_ARRAYS];
+	int n;
+};
+
+// ptrs (ops.n, pairs): ptrs[i][b NH + h] = the i-th operand of (b, h); pairs = B NH
+static __global__ void attention_pointers_kernel(const float **ptrs, att_operands ops,
+						 int pairs, int NH)
+{
+	for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < ops.n * pairs;
+	     e += gridDim.x * blockDim.x) {
+		const att_operand o = ops.op[e / pairs];
+		const int b = e % pairs / NH, h = e % NH;
+		ptrs[e] = o.base + b * o.seq + h * o.head;
+	}
+}
+
+/* The pointer arrays of ops for B x NH pairs, built in g's scratch: array i at the result
+ * + i B NH. */
+static const float *const *attention_pointers(const struct sl_gpu *g, const att_operands &ops,
+					      int B, int NH)
+{
+	const int pairs = B * NH;
+	sl_require_scratch(g, "the batched-GEMM attention's pointer arrays");
+	if ((size_t)ops.n * pairs * sizeof(float *) > SL_GPU_SCRATCH_BYTES) {
+		fprintf(stderr, "starpu_llm: the batched-GEMM attention takes B x NH up to %zu "
+				"pairs, not %d x %d (use the fused attention or a smaller batch)\n",
+			SL_GPU_SCRATCH_BYTES / sizeof(float *) / ops.n, B, NH);
+		abort();
+	}
+	const float **ptrs = (const float **)g->scratch;
+	SL_LAUNCH(attention_pointers_kernel, sl_blocks((size_t)ops.n * pairs, 256), 256, 0,
+		  sl_stream(g), ptrs, ops, pairs, NH);
+	return ptrs;
+}
+
+/* C_p = alpha op(A_p) op(B_p) for every pair p, the operands the arrays a, b, c of ptrs */
+static void attention_gemm(const struct sl_gpu *g, const float *const *ptrs, int pairs, int a,
+			   int b, int c, cublasOperation_t ta, cublasOperation_t tb, int m, int n,
+			   int k, float alpha, int lda, int ldb, int ldc)
+{
+	sl_gemm_array(g, ta, tb, m, n, k, alpha, ptrs + (size_t)a * pairs, lda,
+		      ptrs + (size_t)b * pairs, ldb, 0.0f, (float *const *)(ptrs + (size_t)c * pairs),
+		      ldc, pairs);
+}
+
 // out (B,T,C), att (B,NH,T,T), qkv (B,T,3C) = [q | k | v] per token
 void attention_forward_cuda(const struct sl_gpu *g, float *out, float *att, const float *qkv,
 			    int B, int T, int C, int NH)
 {
 	if (B <= 0 || T <= 0)
 		return;
-	const int C3 = 3 * C, hs = C / NH;
-	const long long seq = (long long)T * C3, head = (long long)NH * T * T;
+	const int C3 = 3 * C, hs = C / NH, pairs = B * NH;
+	const long long seq = (long long)T * C3, TT = (long long)T * T;
 	const float scale = 1.0f / sqrtf((float)hs);
-	for (int h = 0; h < NH; h++) {
-		const float *q = qkv + h * hs, *k = qkv + C + h * hs;
-		/* att[t][j] = scale q_t . k_j: att^T (T, T) = k (T, hs) @ q^T (hs, T) */
-		sl_gemm_batched(g, CUBLAS_OP_T, CUBLAS_OP_N, T, T, hs, scale, k, C3, seq, q, C3, seq,
-				0.0f, att + (size_t)h * T * T, T, head, B);
-	}
+	enum { Q, K, V, ATT, OUT };
+	const att_operands ops = { { { qkv, seq, hs },
+				     { qkv + C, seq, hs },
+				     { qkv + 2 * C, seq, hs },
+				     { att, NH * TT, TT },
+				     { out, (long long)T * C, hs } },
+				   5 };
+	const float *const *p = attention_pointers(g, ops, B, NH);
+	/* att[t][j] = scale q_t . k_j: att^T (T, T) = k (T, hs) @ q^T (hs, T) */
+	attention_gemm(g, p, pairs, K, Q, ATT, CUBLAS_OP_T, CUBLAS_OP_N, T, T, hs, scale, C3, C3, T);
 	int rows = B * NH * T;
 	SL_LAUNCH(attention_softmax_kernel, softmax_blocks(rows), 32 * ROWS_PER_BLOCK, 0,
 		  sl_stream(g), att, rows, T);
-	for (int h = 0; h < NH; h++) {
-		/* out_t = sum_j att[t][j] v_j: out^T (hs, T) = v^T (hs, T) @ att^T (T, T) */
-		sl_gemm_batched(g, CUBLAS_OP_N, CUBLAS_OP_N, hs, T, T, 1.0f, qkv + 2 * C + h * hs, C3,
-				seq, att + (size_t)h * T * T, T, head, 0.0f, out + h * hs, C,
-				(long long)T * C, B);
-	}
+	/* out_t = sum_j att[t][j] v_j: out^T (hs, T) = v^T (hs, T) @ att^T (T, T) */
+	attention_gemm(g, p, pairs, V, ATT, OUT, CUBLAS_OP_N, CUBLAS_OP_N, hs, T, T, 1.0f, C3, T, C);
 }
 
 // dqkv (B,T,3C) =, dpreatt (B,NH,T,T) =, datt (B,NH,T,T) =, dout (B,T,C), qkv, att
@@ -104,33 +163,33 @@ void attention_backward_cuda(const struct sl_gpu *g, float *dqkv, float *dpreatt
 {
 	if (B <= 0 || T <= 0)
 		return;
-	const int C3 = 3 * C, hs = C / NH;
-	const long long seq = (long long)T * C3, head = (long long)NH * T * T;
-	const long long dseq = (long long)T * C;
+	const int C3 = 3 * C, hs = C / NH, pairs = B * NH;
+	const long long seq = (long long)T * C3, TT = (long long)T * T;
 	const float scale = 1.0f / sqrtf((float)hs);
-	for (int h = 0; h < NH; h++) {
-		const float *v = qkv + 2 * C + h * hs, *dy = dout + h * hs;
-		const float *a = att + (size_t)h * T * T;
-		/* datt[t][j] = dy_t . v_j: datt^T (T, T) = v (T, hs) @ dy^T (hs, T) */
-		sl_gemm_batched(g, CUBLAS_OP_T, CUBLAS_OP_N, T, T, hs, 1.0f, v, C3, seq, dy, C, dseq,
-				0.0f, datt + (size_t)h * T * T, T, head, B);
-		/* dv_j = sum_t att[t][j] dy_t: dv^T (hs, T) = dy^T (hs, T) @ att (T, T) */
-		sl_gemm_batched(g, CUBLAS_OP_N, CUBLAS_OP_T, hs, T, T, 1.0f, dy, C, dseq, a, T, head,
-				0.0f, dqkv + 2 * C + h * hs, C3, seq, B);
-	}
+	enum { Q, K, V, DY, ATT, DATT, DP, DQ, DK, DV };
+	const att_operands ops = { { { qkv, seq, hs },
+				     { qkv + C, seq, hs },
+				     { qkv + 2 * C, seq, hs },
+				     { dout, (long long)T * C, hs },
+				     { att, NH * TT, TT },
+				     { datt, NH * TT, TT },
+				     { dpreatt, NH * TT, TT },
+				     { dqkv, seq, hs },
+				     { dqkv + C, seq, hs },
+				     { dqkv + 2 * C, seq, hs } },
+				   10 };
+	const float *const *p = attention_pointers(g, ops, B, NH);
+	/* datt[t][j] = dy_t . v_j: datt^T (T, T) = v (T, hs) @ dy^T (hs, T) */
+	attention_gemm(g, p, pairs, V, DY, DATT, CUBLAS_OP_T, CUBLAS_OP_N, T, T, hs, 1.0f, C3, C, T);
+	/* dv_j = sum_t att[t][j] dy_t: dv^T (hs, T) = dy^T (hs, T) @ att (T, T) */
+	attention_gemm(g, p, pairs, DY, ATT, DV, CUBLAS_OP_N, CUBLAS_OP_T, hs, T, T, 1.0f, C, T, C3);
 	int rows = B * NH * T;
 	SL_LAUNCH(attention_softmax_backward_kernel, softmax_blocks(rows), 32 * ROWS_PER_BLOCK, 0,
 		  sl_stream(g), dpreatt, datt, att, rows, T);
-	for (int h = 0; h < NH; h++) {
-		const float *q = qkv + h * hs, *k = qkv + C + h * hs;
-		const float *dp = dpreatt + (size_t)h * T * T;
-		/* dq_t = scale sum_j dp[t][j] k_j: dq^T (hs, T) = k^T (hs, T) @ dp^T (T, T) */
-		sl_gemm_batched(g, CUBLAS_OP_N, CUBLAS_OP_N, hs, T, T, scale, k, C3, seq, dp, T, head,
-				0.0f, dqkv + h * hs, C3, seq, B);
-		/* dk_j = scale sum_t dp[t][j] q_t: dk^T (hs, T) = q^T (hs, T) @ dp (T, T) */
-		sl_gemm_batched(g, CUBLAS_OP_N, CUBLAS_OP_T, hs, T, T, scale, q, C3, seq, dp, T, head,
-				0.0f, dqkv + C + h * hs, C3, seq, B);
-	}
+	/* dq_t = scale sum_j dp[t][j] k_j: dq^T (hs, T) = k^T (hs, T) @ dp^T (T, T) */
+	attention_gemm(g, p, pairs, K, DP, DQ, CUBLAS_OP_N, CUBLAS_OP_N, hs, T, T, scale, C3, T, C3);
+	/* dk_j = scale sum_t dp[t][j] q_t: dk^T (hs, T) = q^T (hs, T) @ dp (T, T) */
+	attention_gemm(g, p, pairs, Q, DP, DK, CUBLAS_OP_N, CUBLAS_OP_T, hs, T, T, scale, C3, T, C3);
 }
 
 /* ---- Fused (attention_flash_forward/backward_cuda): no (T, T) tensor in global memory ----

@@ -474,6 +474,27 @@ static cublasStatus_t gemm(cublasOperation_t ta, cublasOperation_t tb, int m, in
 	return CUBLAS_STATUS_SUCCESS;
 }
 
+static int blas_calls; /* cuBLAS GEMM calls since the last take_blas_calls */
+
+int sl_emu::take_blas_calls()
+{
+	int n = blas_calls;
+	blas_calls = 0;
+	return n;
+}
+
+/* one product of a GEMM call: the types checked, then gemm */
+static cublasStatus_t gemm_ex(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
+			      const void *alpha, const void *A, cudaDataType at, int lda,
+			      const void *B, cudaDataType bt, int ldb, const void *beta, void *C,
+			      cudaDataType ct, int ldc, cublasComputeType_t compute)
+{
+	if (at != CUDA_R_32F || bt != CUDA_R_32F || ct != CUDA_R_32F)
+		return CUBLAS_STATUS_INVALID_VALUE;
+	return gemm(ta, tb, m, n, k, *(const float *)alpha, (const float *)A, lda,
+		    (const float *)B, ldb, *(const float *)beta, (float *)C, ldc, compute);
+}
+
 cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m,
 			    int n, int k, const void *alpha, const void *A, cudaDataType at,
 			    int lda, const void *B, cudaDataType bt, int ldb, const void *beta,
@@ -482,28 +503,28 @@ cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperat
 {
 	if (!h)
 		return CUBLAS_STATUS_NOT_INITIALIZED;
-	if (at != CUDA_R_32F || bt != CUDA_R_32F || ct != CUDA_R_32F)
-		return CUBLAS_STATUS_INVALID_VALUE;
-	return gemm(ta, tb, m, n, k, *(const float *)alpha, (const float *)A, lda,
-		    (const float *)B, ldb, *(const float *)beta, (float *)C, ldc, compute);
+	blas_calls++;
+	return gemm_ex(ta, tb, m, n, k, alpha, A, at, lda, B, bt, ldb, beta, C, ct, ldc, compute);
 }
 
-cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperation_t ta,
-					  cublasOperation_t tb, int m, int n, int k,
-					  const void *alpha, const void *A, cudaDataType at,
-					  int lda, long long strideA, const void *B,
-					  cudaDataType bt, int ldb, long long strideB,
-					  const void *beta, void *C, cudaDataType ct, int ldc,
-					  long long strideC, int batch, cublasComputeType_t compute,
-					  cublasGemmAlgo_t algo)
+/* cuBLAS's batched GEMM: the products C[i] = alpha op(A[i]) op(B[i]) + beta C[i], i < batch,
+ * each as cublasGemmEx (same m, n, k, ops, leading dimensions and compute type); the pointer
+ * arrays live in device memory (here: the host's), as the kernels wrote them */
+cublasStatus_t cublasGemmBatchedEx(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb,
+				   int m, int n, int k, const void *alpha, const void *const A[],
+				   cudaDataType at, int lda, const void *const B[],
+				   cudaDataType bt, int ldb, const void *beta, void *const C[],
+				   cudaDataType ct, int ldc, int batch,
+				   cublasComputeType_t compute, cublasGemmAlgo_t)
 {
-	if (batch < 0)
+	if (!h)
+		return CUBLAS_STATUS_NOT_INITIALIZED;
+	if (batch < 0 || (batch > 0 && (!A || !B || !C)))
 		return CUBLAS_STATUS_INVALID_VALUE;
+	blas_calls++;
 	for (int i = 0; i < batch; i++) {
-		cublasStatus_t s = cublasGemmEx(h, ta, tb, m, n, k, alpha,
-						(const float *)A + i * strideA, at, lda,
-						(const float *)B + i * strideB, bt, ldb, beta,
-						(float *)C + i * strideC, ct, ldc, compute, algo);
+		cublasStatus_t s = gemm_ex(ta, tb, m, n, k, alpha, A[i], at, lda, B[i], bt, ldb,
+					   beta, C[i], ct, ldc, compute);
 		if (s != CUBLAS_STATUS_SUCCESS)
 			return s;
 	}

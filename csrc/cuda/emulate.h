@@ -14,7 +14,8 @@
  * asked for end the program with a message. Atomics are plain read-modify-writes (fibers
  * never interleave inside one).
  *
- * cuBLAS: GEMMs in column-major order through the CPU BLAS (cblas); TF32 compute rounds
+ * cuBLAS: GEMMs in column-major order through the CPU BLAS (cblas), a batched call one product
+ * after another (counted as one call, for the tests); TF32 compute rounds
  * every element of A and B to TF32 (10 explicit mantissa bits) to nearest (PTX's
  * cvt.rna.tf32.f32: unit roundoff 2^-11, tests/bounds.py's TF32 bound) before the fp32 GEMM.
  *
@@ -162,13 +163,17 @@ cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperat
 			    int lda, const void *B, cudaDataType bt, int ldb, const void *beta,
 			    void *C, cudaDataType ct, int ldc, cublasComputeType_t compute,
 			    cublasGemmAlgo_t algo);
-cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperation_t ta,
-					  cublasOperation_t tb, int m, int n, int k,
-					  const void *alpha, const void *A, cudaDataType at,
-					  int lda, long long strideA, const void *B,
-					  cudaDataType bt, int ldb, long long strideB,
-					  const void *beta, void *C, cudaDataType ct, int ldc,
-					  long long strideC, int batch, cublasComputeType_t compute,
-					  cublasGemmAlgo_t algo);
+cublasStatus_t cublasGemmBatchedEx(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb,
+				   int m, int n, int k, const void *alpha, const void *const A[],
+				   cudaDataType at, int lda, const void *const B[],
+				   cudaDataType bt, int ldb, const void *beta, void *const C[],
+				   cudaDataType ct, int ldc, int batch,
+				   cublasComputeType_t compute, cublasGemmAlgo_t algo);
+
+namespace sl_emu {
+/* How many cuBLAS GEMM calls (a batched call counts one) since the last call, for the tests
+ * (sl_gpu_emulated_blas_calls). */
+int take_blas_calls();
+} // namespace sl_emu
 
 #endif

@@ -208,10 +208,10 @@ static inline cublasComputeType_t sl_compute(const struct sl_gpu *g)
 void sl_gemm(const struct sl_gpu *g, cublasOperation_t ta, cublasOperation_t tb, int m, int n,
 	     int k, float alpha, const float *A, int lda, const float *B, int ldb, float beta,
 	     float *C, int ldc);
-/* The same for `batch` products, the i-th on A + i sA, B + i sB, C + i sC. */
-void sl_gemm_batched(const struct sl_gpu *g, cublasOperation_t ta, cublasOperation_t tb, int m,
-		     int n, int k, float alpha, const float *A, int lda, long long sA,
-		     const float *B, int ldb, long long sB, float beta, float *C, int ldc,
-		     long long sC, int batch);
+/* The same for `batch` products, the i-th on A[i], B[i], C[i]: arrays of pointers in device
+ * memory. */
+void sl_gemm_array(const struct sl_gpu *g, cublasOperation_t ta, cublasOperation_t tb, int m,
+		   int n, int k, float alpha, const float *const *A, int lda,
+		   const float *const *B, int ldb, float beta, float *const *C, int ldc, int batch);
 
 #endif

@@ -35,6 +35,15 @@ extern "C" int sl_gpu_emulated_launches(unsigned *blocks, int max)
 #endif
 }
 
+extern "C" int sl_gpu_emulated_blas_calls(void)
+{
+#ifdef SL_CUDA_EMULATION
+	return sl_emu::take_blas_calls();
+#else
+	return -ENOSYS;
+#endif
+}
+
 extern "C" int sl_gpu_devices(void)
 {
 	int n = 0;

@@ -53,15 +53,15 @@ void sl_gemm(const struct sl_gpu *g, cublasOperation_t ta, cublasOperation_t tb,
 				     CUBLAS_GEMM_DEFAULT));
 }
 
-void sl_gemm_batched(const struct sl_gpu *g, cublasOperation_t ta, cublasOperation_t tb, int m,
-		     int n, int k, float alpha, const float *A, int lda, long long sA,
-		     const float *B, int ldb, long long sB, float beta, float *C, int ldc,
-		     long long sC, int batch)
+void sl_gemm_array(const struct sl_gpu *g, cublasOperation_t ta, cublasOperation_t tb, int m,
+		   int n, int k, float alpha, const float *const *A, int lda,
+		   const float *const *B, int ldb, float beta, float *const *C, int ldc, int batch)
 {
-	SL_CUBLAS_CHECK(cublasGemmStridedBatchedEx(sl_blas(g), ta, tb, m, n, k, &alpha, A,
-						   CUDA_R_32F, lda, sA, B, CUDA_R_32F, ldb, sB,
-						   &beta, C, CUDA_R_32F, ldc, sC, batch,
-						   sl_compute(g), CUBLAS_GEMM_DEFAULT));
+	SL_CUBLAS_CHECK(cublasGemmBatchedEx(sl_blas(g), ta, tb, m, n, k, &alpha,
+					    (const void *const *)A, CUDA_R_32F, lda,
+					    (const void *const *)B, CUDA_R_32F, ldb, &beta,
+					    (void *const *)C, CUDA_R_32F, ldc, batch, sl_compute(g),
+					    CUBLAS_GEMM_DEFAULT));
 }
 
 // dst (n) += src (n)
