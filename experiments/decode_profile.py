@@ -24,6 +24,7 @@ import numpy as np
 from starpu_llm.config import MODELS
 from starpu_llm.flow import generate as gen
 from starpu_llm.flow.batch import Feed, SlotDecoder, decode_step
+from starpu_llm.serve.engine import SCORED_ROWS
 from starpu_llm.state import random_init
 
 
@@ -63,7 +64,9 @@ def main():
     backend = gen.StarPUBackend(runtime, cfg, random_init(cfg, 1337))
     rng = np.random.default_rng(0)
     try:
-        dec = {n: SlotDecoder(backend, n, rows=max(n, args.pos), cache_len=args.pos + args.steps + 8)
+        # as the server makes it: room for the logits of scored prompts' rows beside the slots'
+        dec = {n: SlotDecoder(backend, n, rows=max(n, args.pos), extra_heads=SCORED_ROWS,
+                              cache_len=args.pos + args.steps + 8)
                for n in args.rows}
 
         def step(n, i):
@@ -87,8 +90,10 @@ def main():
         traces = {}
         for n in args.rows:
             runtime.start_trace()
-            t = _timed(lambda: step(n, 1))
-            traces[n] = (runtime.trace(), t)
+            t0 = time.perf_counter_ns()     # CLOCK_MONOTONIC, as the trace's times
+            step(n, 1)
+            t1 = time.perf_counter_ns()
+            traces[n] = (runtime.trace(), (t1 - t0) / 1e9, t0, t1)
             runtime.stop_trace()
         logits = {n: step(n, 2) for n in args.rows}
         sampled = {}
@@ -109,7 +114,7 @@ def main():
           f"after: {' '.join(f'{x:.2f}' for x in load_after)} ({os.cpu_count()} logical cores)")
     print(f"memory bandwidth (numpy copy of 256 MiB, read + write): {bw:.1f} GB/s")
     for n in args.rows:
-        events, t = traces[n]
+        events, t, t0, t1 = traces[n]
         ms = statistics.median(wall[n]) * 1e3
         by = collections.defaultdict(lambda: [0, 0.0])
         for e in events:
@@ -123,6 +128,10 @@ def main():
         print(f"  {len(events)} tasks; their run times sum to {busy:.2f} ms "
               f"(first start to last end {span:.2f} ms); the rest of the step "
               f"{t * 1e3 - busy:.2f} ms = {(t * 1e3 - busy) / len(events) * 1e3:.0f} us a task")
+        first, last = min(e.start_ns for e in events), max(e.end_ns for e in events)
+        print(f"  gaps between the tasks {span - busy:.2f} ms; before the first task "
+              f"{(first - t0) / 1e6:.2f} ms, after the last {(t1 - last) / 1e6:.2f} ms (the "
+              f"step's Python: rows, submission, reading the logits)")
         print(f"  Python submission of the step's tasks: "
               f"{statistics.median(submit[n]) * 1e3:.2f} ms")
         for name, (count, tms) in sorted(by.items(), key=lambda kv: -kv[1][1]):
