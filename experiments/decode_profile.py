@@ -28,6 +28,9 @@ from starpu_llm.serve.engine import SCORED_ROWS
 from starpu_llm.state import random_init
 
 
+BLAS_PATH = "/usr/lib/x86_64-linux-gnu/openblas-openmp/libopenblas.so.0"
+
+
 def bandwidth_gbs(mib=256, repeat=5) -> float:
     """The machine's memory bandwidth: bytes read + written by a numpy copy, best of repeat."""
     a = np.ones(mib << 18, np.float32)
@@ -48,6 +51,39 @@ def weight_bytes(cfg, M: int) -> int:
     C = cfg.C
     per_layer = (3 * C * C + C * C + 4 * C * C + 4 * C * C) * 4
     return cfg.L * per_layer + (cfg.Vp * C * 4 if M else 0)
+
+
+def matmul_ab(cfg, rows, repeat=7) -> dict:
+    """{N: (this build's ms, OpenBLAS sgemm's ms)} for the matmuls of one decode step of N rows
+    (each layer's 4, the lm head), taking turns call by call; each the best of repeat, so
+    that a change of the machine's load falls on both alike."""
+    import ctypes
+    from starpu_llm._kernels import ffi, lib
+    blas = ctypes.CDLL(BLAS_PATH)       # the one our kernels link (already loaded)
+    f = ctypes.c_float
+    P = ctypes.c_void_p
+    C = cfg.C
+    shapes = [(C, 3 * C, cfg.L), (C, C, cfg.L), (C, 4 * C, cfg.L), (4 * C, C, cfg.L),
+              (C, cfg.Vp, 1)]
+    rng = np.random.default_rng(0)
+    out = {}
+    for n in rows:
+        ours = theirs = 0.0
+        for c, oc, times in shapes:
+            w = rng.standard_normal((oc, c)).astype(np.float32)
+            x = rng.standard_normal((n, c)).astype(np.float32)
+            y = np.empty((n, oc), np.float32)
+            yp, xp, wp = (ffi.cast("float *", a.ctypes.data) for a in (y, x, w))
+            a, b = [], []
+            for _ in range(repeat):
+                a.append(_timed(lambda: lib.matmul_forward(yp, xp, wp, ffi.NULL, n, c, oc)))
+                b.append(_timed(lambda: blas.cblas_sgemm(
+                    101, 111, 112, n, oc, c, f(1.0), P(x.ctypes.data), c, P(w.ctypes.data), c,
+                    f(0.0), P(y.ctypes.data), oc)))     # row major, inp @ weight^T
+            ours += min(a) * times
+            theirs += min(b) * times
+        out[n] = (ours * 1e3, theirs * 1e3)
+    return out
 
 
 def main():
@@ -105,6 +141,7 @@ def main():
                 logits[n], [1.0] * n, [0] * n, rngs, [0.9] * n)) for _ in range(5))
             sampled[n] = (greedy, top_p)
         where = runtime.describe()
+        ab = matmul_ab(cfg, args.rows) if os.path.exists(BLAS_PATH) else {}
     finally:
         backend.close()
         runtime.shutdown()
@@ -123,7 +160,8 @@ def main():
         busy = sum(v[1] for v in by.values())
         span = (max(e.end_ns for e in events) - min(e.start_ns for e in events)) / 1e6
         mm = by.get("matmul_forward", [0, 0.0])[1]
-        print(f"\nN = {n} rows: step {ms:.2f} ms (median of {args.steps}), "
+        print(f"\nN = {n} rows: step {ms:.2f} ms (median of {args.steps}; best "
+              f"{min(wall[n]) * 1e3:.2f}), "
               f"{ms / n:.2f} ms per token; traced step {t * 1e3:.2f} ms")
         print(f"  {len(events)} tasks; their run times sum to {busy:.2f} ms "
               f"(first start to last end {span:.2f} ms); the rest of the step "
@@ -140,6 +178,12 @@ def main():
         print(f"  matmuls: {wb / 1e6:.0f} MB of weights in {mm:.2f} ms = "
               f"{wb / mm / 1e6:.1f} GB/s ({wb / mm / 1e6 / bw * 100:.0f} % of the copy's "
               f"bandwidth; at it, {wb / bw / 1e6:.2f} ms)")
+        if n in ab:
+            ours, theirs = ab[n]
+            wb = weight_bytes(cfg, 1)
+            print(f"  the step's matmuls alone (best of 7, taking turns): this build "
+                  f"{ours:.2f} ms ({wb / ours / 1e6:.1f} GB/s), OpenBLAS sgemm {theirs:.2f} ms "
+                  f"({wb / theirs / 1e6:.1f} GB/s): {theirs / ours:.2f} x")
         g, p = sampled[n]
         print(f"  sampling {n} rows: greedy {g * 1e3:.2f} ms, temperature 1 top_p 0.9 "
               f"{p * 1e3:.2f} ms ({p * 1e3 / n:.2f} ms a token)")
