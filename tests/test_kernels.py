@@ -1187,7 +1187,13 @@ def test_attention_decode_small(kern, rng, B, Tn, pos, C, NH):
 
 
 def test_attention_decode_gpt2_width(kern, rng):
+    # one row on the task's thread (too little work for a team: kvcache.c)
     _attention_decode_case(kern, rng, B=1, Tn=1, pos=63, C=768, NH=12)
+
+
+def test_attention_decode_team(kern, rng):
+    # rows x heads x positions enough for the OpenMP team (kvcache.c)
+    _attention_decode_case(kern, rng, B=2, Tn=3, pos=120, C=128, NH=4)
 
 
 def test_attention_decode_large_scores(kern, rng):
