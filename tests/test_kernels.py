@@ -333,6 +333,28 @@ def test_matmul_gpt2_width(kern, rng, C, OC):
     _matmul_case(kern, rng, N=64, C=C, OC=OC, use_bias=True)
 
 
+# decoding's few rows (N <= SL_MATMUL_FEW_ROWS, kernels.h): the CPU's own kernel instead of sgemm,
+# its tiles of 4 input rows x 4 weight rows with their tails (N % 4, OC % 4, C % 16)
+@pytest.mark.parametrize("N,C,OC", [(1, 40, 14), (3, 40, 14), (5, 40, 14), (16, 3072, 771),
+                                    (lib.SL_MATMUL_FEW_ROWS, 768, 2304)])
+def test_matmul_few_rows(kern, rng, N, C, OC):
+    _matmul_case(kern, rng, N=N, C=C, OC=OC, use_bias=True)
+
+
+def test_matmul_few_rows_alone_or_together(rng):
+    # a row's output is the same bits alone or with other rows (a sequence decoded alone or in
+    # a batch of the server's: the same answer)
+    kern = CPUKernels()
+    N, C, OC = lib.SL_MATMUL_FEW_ROWS, 776, 70
+    inp, weight, bias = randn(rng, N, C), randn(rng, OC, C), randn(rng, OC)
+    out = np.full((N, OC), np.nan, np.float32)
+    kern.matmul_forward(out, inp, weight, bias, N, C, OC)
+    for n in (1, 3, 4, 7):
+        part = np.full((n, OC), np.nan, np.float32)
+        kern.matmul_forward(part, inp[-n:].copy(), weight, bias, n, C, OC)
+        assert np.array_equal(part, out[-n:]), f"the last {n} rows alone differ"
+
+
 # ---------------------------------------------------------------- TF32, production shapes
 
 
@@ -1235,7 +1257,13 @@ def test_attention_decode_small(kern, rng, B, Tn, pos, C, NH):
 
 
 def test_attention_decode_gpt2_width(kern, rng):
+    # one row on the task's thread (too little work for a team: kvcache.c)
     _attention_decode_case(kern, rng, B=1, Tn=1, pos=63, C=768, NH=12)
+
+
+def test_attention_decode_team(kern, rng):
+    # rows x heads x positions enough for the OpenMP team (kvcache.c)
+    _attention_decode_case(kern, rng, B=2, Tn=3, pos=120, C=128, NH=4)
 
 
 def test_attention_decode_large_scores(kern, rng):

@@ -44,7 +44,9 @@ void layernorm_backward(float *dinp, float *dweight, float *dbias, const float *
 			const float *inp, const float *weight, const float *mean, const float *rstd,
 			int N, int C, int accumulate);
 
-/* out (N,OC) = inp (N,C) @ weight(OC,C)^T + bias (OC); bias may be NULL. cblas_sgemm. */
+/* out (N,OC) = inp (N,C) @ weight(OC,C)^T + bias (OC); bias may be NULL. cblas_sgemm, or
+ * with N <= SL_MATMUL_FEW_ROWS (decoding) a kernel that streams the weight once (matmul.c). */
+#define SL_MATMUL_FEW_ROWS 16
 void matmul_forward(float *out, const float *inp, const float *weight, const float *bias, int N,
 		    int C, int OC);
 /* The same with weight in nb row blocks: out's columns of block b (leading dimension OC) =

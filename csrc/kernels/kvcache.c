@@ -52,7 +52,8 @@ void attention_decode(float *out, const float *qkv, const float *kcache, const f
 		if (idx[3 * r + 2] + 1 > longest)
 			longest = idx[3 * r + 2] + 1;
 
-#pragma omp parallel
+/* a few short rows (decoding one sequence) on this thread: a team's start would cost more */
+#pragma omp parallel if ((size_t)N * NH * longest * hs > 65536)
 	{
 		/* the scores, then the weights, of one query */
 		float *a = malloc((size_t)longest * sizeof *a);

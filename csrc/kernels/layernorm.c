@@ -10,7 +10,7 @@
 void layernorm_forward(float *out, float *mean, float *rstd, const float *inp, const float *weight,
 		       const float *bias, int N, int C)
 {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if ((size_t)N * C > 32768)
 	for (int i = 0; i < N; i++) {
 		const float *x = inp + (size_t)i * C;
 		float *o = out + (size_t)i * C;

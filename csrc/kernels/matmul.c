@@ -5,14 +5,80 @@
 #include <omp.h>
 #include "parallel.h"
 
+/* A few rows (decoding: one new position of each sequence) make sgemm stream the weight at a
+ * fraction of the memory bandwidth (it packs the weight for each call, and its kernels are
+ * tuned for many rows). With N <= SL_MATMUL_FEW_ROWS the product is this kernel's instead: the
+ * threads split the weight's rows, and each tile of 4 weight rows, read from memory once, is
+ * multiplied with every input row from cache (tiles of 4 input rows x 4 weight rows, 16 vector
+ * accumulators). Each entry is one fixed sequence of operations, 16 lane sums over k = l mod 16
+ * then the lanes added in order and the tail (C mod 16) last, whatever N, the tile, the thread or
+ * the team: a row's output does not depend on the other rows of the step (a sequence decoded
+ * alone or in a batch gives the same bits). */
+typedef float v16 __attribute__((vector_size(64), aligned(4), may_alias));
+
+static inline __attribute__((always_inline)) void
+matmul_tile(float *out, const float *inp, const float *w, int ni, int nj, int C, int OC)
+{
+	// out (ni,OC) columns 0..nj-1, inp (ni,C), w (nj,C): ni, nj <= 4 and constants when inlined
+	v16 acc[4][4] = { { { 0 } } };
+	const int C16 = C & ~15;
+	for (int k = 0; k < C16; k += 16) {
+		v16 wv[4], xv[4];
+		for (int j = 0; j < nj; j++)
+			wv[j] = *(const v16 *)(w + (size_t)j * C + k);
+		for (int i = 0; i < ni; i++)
+			xv[i] = *(const v16 *)(inp + (size_t)i * C + k);
+		for (int i = 0; i < ni; i++)
+			for (int j = 0; j < nj; j++)
+				acc[i][j] += xv[i] * wv[j];
+	}
+	for (int i = 0; i < ni; i++)
+		for (int j = 0; j < nj; j++) {
+			float s = 0.0f, t = 0.0f;
+			for (int l = 0; l < 16; l++)
+				s += acc[i][j][l];
+			for (int k = C16; k < C; k++)
+				t += inp[(size_t)i * C + k] * w[(size_t)j * C + k];
+			out[(size_t)i * OC + j] = s + t;
+		}
+}
+
+// out (N,OC) columns 0..R-1 = inp (N,C) @ w (R,C)^T
+static void matmul_few_rows(float *out, const float *inp, const float *w, int R, int N, int C,
+			    int OC)
+{
+#pragma omp parallel for schedule(static) if ((size_t)R * C > 65536)
+	for (int j = 0; j < R; j += 4) {
+		const float *wj = w + (size_t)j * C;
+		float *oj = out + j;
+		int i = 0;
+		if (R - j >= 4) {
+			for (; i + 4 <= N; i += 4)
+				matmul_tile(oj + (size_t)i * OC, inp + (size_t)i * C, wj, 4, 4, C, OC);
+			switch (N - i) {
+			case 3: matmul_tile(oj + (size_t)i * OC, inp + (size_t)i * C, wj, 3, 4, C, OC); break;
+			case 2: matmul_tile(oj + (size_t)i * OC, inp + (size_t)i * C, wj, 2, 4, C, OC); break;
+			case 1: matmul_tile(oj + (size_t)i * OC, inp + (size_t)i * C, wj, 1, 4, C, OC); break;
+			}
+		} else {	// the last 1..3 weight rows
+			for (; i < N; i++)
+				matmul_tile(oj + (size_t)i * OC, inp + (size_t)i * C, wj, 1, R - j, C, OC);
+		}
+	}
+}
+
 // out (N,OC), inp (N,C), weight (OC,C) in nb row blocks, bias (OC) or NULL
 void matmul_forward_blocks(float *out, const float *inp, const float *const *weight,
 			   const int *rows, int nb, const float *bias, int N, int C, int OC)
 {
 	// out[:, r:r+rows[b]] = inp @ weight_b^T: block b's columns of out
-	for (int b = 0, r = 0; b < nb; r += rows[b], b++)
-		cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, rows[b], C, 1.0f, inp, C,
-			    weight[b], C, 0.0f, out + r, OC);
+	for (int b = 0, r = 0; b < nb; r += rows[b], b++) {
+		if (N <= SL_MATMUL_FEW_ROWS)
+			matmul_few_rows(out + r, inp, weight[b], rows[b], N, C, OC);
+		else
+			cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, rows[b], C, 1.0f,
+				    inp, C, weight[b], C, 0.0f, out + r, OC);
+	}
 	if (bias != NULL) {
 #pragma omp parallel for schedule(static) if ((size_t)N * OC > 32768)
 		for (int i = 0; i < N; i++) {

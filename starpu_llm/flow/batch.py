@@ -25,6 +25,7 @@ task chains that StarPU runs side by side (data parallelism, as training's sub-b
 """
 from __future__ import annotations
 
+import collections
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -152,8 +153,12 @@ class SlotDecoder:
             heads += [(f.slot, g, r) for r, (f, _) in enumerate(first)]
         if not heads:
             return np.zeros((0, cfg.V), np.float32)
-        logits = {g: self.backend.read(self.groups[g].h.logits)
-                  for g in sorted({g for _, g, _ in heads})}
+        # only the rows written this step, without the padding columns (the lm head's Vp)
+        used = collections.Counter(g for _, g, _ in heads)
+        logits = {g: self.backend.read(self.groups[g].h.logits, n, cfg.V)
+                  for g, n in used.items()}
+        if len(logits) == 1:        # one group: its rows are already in the feeds' order
+            return next(iter(logits.values()))
         order = {f.slot: k for k, f in enumerate(f for f in feeds if f.logits)}
         heads.sort(key=lambda x: order[x[0]])
-        return np.stack([logits[g][r, :cfg.V] for _, g, r in heads])
+        return np.stack([logits[g][r] for _, g, r in heads])

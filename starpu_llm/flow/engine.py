@@ -22,10 +22,12 @@ from .topology import Topology, gradient_mode, schedule_order
 from ..runtime.submit import StarPUOps
 
 
-def read_tensor(t):
-    """A copy of tensor t as the tasks submitted so far leave it."""
+def read_tensor(t, rows: int | None = None, cols: int | None = None):
+    """A copy of tensor t as the tasks submitted so far leave it (its first `rows` rows and
+    `cols` columns only, when given)."""
     with acquired(t, READ) as x:
-        return x.reshape(t.shape).copy()
+        x = x.reshape(t.shape)
+        return (x if rows is None and cols is None else x[:rows, :cols]).copy()
 
 
 def write_tensor(t, values):

@@ -53,8 +53,9 @@ class DirectBackend:
     def tensor(self, name, shape, dtype=np.float32) -> Tensor:
         return Tensor(name, shape, dtype, array=np.zeros(shape, dtype))
 
-    def read(self, t) -> np.ndarray:
-        return t.array.copy()
+    def read(self, t, rows: int | None = None, cols: int | None = None) -> np.ndarray:
+        """A copy of t (its first rows and cols only, when given)."""
+        return (t.array if rows is None and cols is None else t.array[:rows, :cols]).copy()
 
     def write(self, t, values):
         """values into the first values.size elements of t."""
@@ -88,9 +89,10 @@ class StarPUBackend:
     def tensor(self, name, shape, dtype=np.float32) -> Tensor:
         return self.handles.tensor(name, shape, dtype)
 
-    def read(self, t) -> np.ndarray:
+    def read(self, t, rows: int | None = None, cols: int | None = None) -> np.ndarray:
+        """A copy of t (its first rows and cols only, when given) after the tasks submitted."""
         self.runtime.wait()     # the whole step, which also frees its tasks' arguments
-        return read_tensor(t)
+        return read_tensor(t, rows, cols)
 
     def scratch(self) -> "StarPUBackend":
         """A backend for temporary tensors over the same parameters (close() unregisters them)."""
