@@ -204,7 +204,13 @@ def save_final(cfg, state: TrainState, record: RunRecord, log) -> None:
         save_model(cfg.save, state, record, log)
     if cfg.save_hf:
         from .io.hf import write_hf
-        log(f"saved {write_hf(cfg.save_hf, state.config, state.params)} (Hugging Face)")
+        try:
+            written = write_hf(cfg.save_hf, state.config, state.params)
+        except StarpuLLMError as e:
+            if cfg.save:        # the model is there already
+                raise StarpuLLMError(f"{e.args[0]}; the trained model is in {cfg.save}") from e
+            _fallback(state, record, e)
+        log(f"saved {written} (Hugging Face)")
 
 
 def save_model(path, state: TrainState, record: RunRecord, log) -> None:
@@ -214,12 +220,18 @@ def save_model(path, state: TrainState, record: RunRecord, log) -> None:
     try:
         checkpoint.write(path, state, record)
     except StarpuLLMError as e:
-        fallback = os.path.abspath(f"starpu-llm-unsaved-{os.getpid()}-step{state.step}.bin")
-        try:
-            checkpoint.write(fallback, state, record)
-        except StarpuLLMError as again:
-            raise StarpuLLMError(f"{e.args[0]}; writing the fallback {fallback} failed too "
-                                 f"({again.args[0]}): the trained model is lost") from e
-        raise StarpuLLMError(f"{e.args[0]}; the trained model was written to {fallback} "
-                             f"instead (and its state to {checkpoint.companion(fallback)})") from e
+        _fallback(state, record, e)
     log(f"saved {path} and {checkpoint.companion(path)}")
+
+
+def _fallback(state: TrainState, record: RunRecord, e: StarpuLLMError):
+    """The final save failed with e: the model written to a fallback file in the working
+    directory instead, e raised saying where."""
+    fallback = os.path.abspath(f"starpu-llm-unsaved-{os.getpid()}-step{state.step}.bin")
+    try:
+        checkpoint.write(fallback, state, record)
+    except StarpuLLMError as again:
+        raise StarpuLLMError(f"{e.args[0]}; writing the fallback {fallback} failed too "
+                             f"({again.args[0]}): the trained model is lost") from e
+    raise StarpuLLMError(f"{e.args[0]}; the trained model was written to {fallback} "
+                         f"instead (and its state to {checkpoint.companion(fallback)})") from e
