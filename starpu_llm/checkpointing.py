@@ -34,9 +34,11 @@ def check_outputs(cfg) -> None:
         outputs[opt("metrics_jsonl")] = Output(cfg.metrics_jsonl, _is_metrics_file)
     check_new_outputs(outputs, inputs)
     if cfg.save_hf:     # a folder written whole (io/hf.py); like --save, over its --init-from
+        # the checkpoints too: the folder's replacement would remove them
+        written = {opt("checkpoint_dir"): cfg.checkpoint_dir if cfg.save_every else None}
         check_model_output(cfg.save_hf, opt("save_hf"),
                            {**{k: v for k, v in inputs.items() if k != opt("init_from")},
-                            **{k: out.path for k, out in outputs.items()}}, hf=True)
+                            **{k: out.path for k, out in outputs.items()}, **written}, hf=True)
     if cfg.save_every:
         if os.path.exists(cfg.checkpoint_dir) and not os.path.isdir(cfg.checkpoint_dir):
             raise StarpuLLMError(f"{opt('checkpoint_dir')} {cfg.checkpoint_dir} is a file; give a "

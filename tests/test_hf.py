@@ -351,6 +351,20 @@ def test_train_save_hf_checked_before_training(saved, tmp_path, capsys):
     assert "--save-hf" in err and "a.txt" in err and "step" not in capsys.readouterr().out
 
 
+def test_train_save_hf_over_the_checkpoint_dir_is_refused(saved, tmp_path, capsys):
+    """--save-hf replaces its folder whole at the end: a --checkpoint-dir that is that folder
+    or inside it (its checkpoints would go with it) is refused before training."""
+    shard = str(tmp_path / "train.bin")
+    formats.write_shard(shard, np.arange(200, dtype=np.uint16) % 97)
+    for ck in ("out", os.path.join("out", "ck")):
+        err = error_of("train", "--init-from", saved, "--train-data", shard, "--steps", "1",
+                       "--batch", "1", "--seq-len", "8", "--engine", "reference",
+                       "--save-hf", str(tmp_path / "out"), "--save-every", "1",
+                       "--checkpoint-dir", str(tmp_path / ck), capsys=capsys)
+        assert "--save-hf" in err and "--checkpoint-dir" in err, err
+        assert "step" not in capsys.readouterr().out
+
+
 def test_train_save_hf_needs_safetensors_before_training(saved, tmp_path, capsys, monkeypatch):
     """Without the safetensors package --save-hf is refused before the first step, not after
     the training."""
