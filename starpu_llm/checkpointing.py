@@ -237,3 +237,18 @@ def _fallback(state: TrainState, record: RunRecord, e: StarpuLLMError):
                              f"({again.args[0]}): the trained model is lost") from e
     raise StarpuLLMError(f"{e.args[0]}; the trained model was written to {fallback} "
                          f"instead (and its state to {checkpoint.companion(fallback)})") from e
+
+
+def convert(src, dst) -> str:
+    """`starpu-llm convert`: the model at src (an llm.c checkpoint, a Hugging Face GPT-2
+    folder, or a Hub name in the local cache) written at dst: an llm.c checkpoint when dst
+    ends in .bin, else a Hugging Face folder. Refuses a dst that is src or that would lose
+    data, before reading anything."""
+    from .io import formats, hf
+    src, dst = os.fspath(src), os.fspath(dst)
+    to_llmc = dst.endswith(".bin")
+    check_model_output(dst, "DST", {"SRC": src}, hf=not to_llmc)
+    config, flat = hf.read_model(src)
+    if to_llmc:
+        return formats.write_checkpoint(dst, config, flat)
+    return hf.write_hf(dst, config, flat)

@@ -441,7 +441,7 @@ def _serve_edges(args) -> dict:
 
 
 def cmd_convert(args):
-    from .io.hf import convert
+    from .checkpointing import convert
     print(f"wrote {convert(args.src, args.dst)}")
     return 0
 

@@ -362,20 +362,23 @@ def test_train_save_hf_over_the_checkpoint_dir_is_refused(saved, tmp_path, capsy
                        "--save-hf", str(tmp_path / "out"), "--save-every", "1",
                        "--checkpoint-dir", str(tmp_path / ck), capsys=capsys)
         assert "--save-hf" in err and "--checkpoint-dir" in err, err
-        assert "step" not in capsys.readouterr().out
+        assert not (tmp_path / "out").exists()          # nothing trained, nothing written
 
 
 def test_train_save_hf_needs_safetensors_before_training(saved, tmp_path, capsys, monkeypatch):
     """Without the safetensors package --save-hf is refused before the first step, not after
     the training."""
-    llmc = hf.convert(saved, str(tmp_path / "model.bin"))
+    llmc = str(tmp_path / "model.bin")
+    assert cli.main(["convert", saved, llmc]) == 0
     shard = str(tmp_path / "train.bin")
     formats.write_shard(shard, np.arange(200, dtype=np.uint16) % 97)
     monkeypatch.setitem(__import__("sys").modules, "safetensors", None)    # import fails
     err = error_of("train", "--init-from", llmc, "--train-data", shard, "--steps", "1",
                    "--batch", "1", "--seq-len", "8", "--engine", "reference", "--save-hf",
-                   str(tmp_path / "out"), capsys=capsys)
-    assert "--save-hf" in err and "safetensors" in err and "step" not in capsys.readouterr().out
+                   str(tmp_path / "out"), "--metrics-jsonl", str(tmp_path / "m.jsonl"),
+                   capsys=capsys)
+    assert "--save-hf" in err and "safetensors" in err, err
+    assert not (tmp_path / "m.jsonl").exists()          # not a step trained
 
 
 def test_train_save_hf_failing_at_the_end_keeps_the_model(saved, tmp_path, monkeypatch):

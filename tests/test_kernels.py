@@ -31,6 +31,9 @@ Structural properties (padding, causality, accumulate vs write, in place) are ch
 """
 
 import math
+import os
+import subprocess
+import sys
 import zlib
 
 import numpy as np
@@ -267,6 +270,13 @@ def test_layernorm_gpt2_width(kern, rng):
     _layernorm_case(kern, rng, N=64, C=768)
 
 
+def test_column_sums_ragged_chunks(kern, rng):
+    # the GPU's two-pass column sums (gpu.h) on ragged edges: N = 1001 rows in 8 chunks of
+    # 126 (the last 119), C = 40 and OC = 72 columns (a partial column tile)
+    _layernorm_case(kern, rng, N=1001, C=40)
+    _matmul_case(kern, rng, N=1001, C=24, OC=72, use_bias=True)
+
+
 # ---------------------------------------------------------------- matmul
 
 
@@ -372,7 +382,8 @@ def test_tf32_gemm_bound_can_fail_on_the_gpu_kernels(rng):
     """The TF32 GEMM bound (bounds.tf32_dot_bound: inputs rounded to nearest TF32, unit
     roundoff 2^-11) on inputs that make every product's rounding error one-signed:
       - the GPU matmul in TF32 (the emulation rounds as cvt.rna.tf32) is within it, and
-        outside the fp32 bound (the TF32 rounding did happen);
+        outside the fp32 bound (the TF32 rounding did happen); also on inputs that only
+        rounding to nearest keeps within it (on a GPU: cuBLAS's conversion is not truncation);
       - it fails for a GEMM that truncates to TF32 instead (errors up to 2^-10 an input:
         about 1.7x the bound here), and for a bf16-like rounding (7 bits, to nearest)."""
     why = gpu_available()
@@ -390,6 +401,13 @@ def test_tf32_gemm_bound_can_fail_on_the_gpu_kernels(rng):
         close(out, ref, dot_bound(C, terms), "TF32 matmul against the fp32 bound")
     # a deliberately wrong TF32: truncation, on inputs 0.95 of an ulp above a TF32 value
     a, w = _adversarial(rng, (N, C), 10, 0.95), _adversarial(rng, (OC, C), 10, 0.95)
+    # the GPU matmul on them within the bound: the inputs above (0.45 ulp) round down either
+    # way, these tell rounding to nearest from truncation, so that on a GPU this checks the
+    # bound's premise about cuBLAS's (undocumented) TF32 conversion
+    out = np.full((N, OC), np.nan, np.float32)
+    GPUKernels(tf32=True).matmul_forward(out, a, w, None, N, C, OC)
+    close(out, f64(a) @ f64(w).T, tf32_dot_bound(C, np.abs(f64(a)) @ np.abs(f64(w)).T),
+          "TF32 matmul, inputs 0.95 of a TF32 ulp above one")
     trunc = (f64(_round_significand(a, 10, "truncate"))
              @ f64(_round_significand(w, 10, "truncate")).T)
     with pytest.raises(AssertionError):
@@ -777,6 +795,39 @@ def test_flash_attention_is_causal(kern, rng):
     kern.attention_flash_backward(dqkv2, dsum, dout2, qkv2, out2, lse2, B, T, C, NH)
     assert np.array_equal(dqkv2[:, :t0, :C], dqkv[:, :t0, :C])  # dq of the earlier rows
     assert not np.allclose(dqkv2[:, :t0, C:], dqkv[:, :t0, C:])  # their dk, dv see later dout
+
+
+_FLASH_MANY_PAIRS = """
+import sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from kernel_impls import GPUKernels
+B, T, C, NH = 4096, 1, 32, 16
+rng = np.random.default_rng(0)
+qkv = rng.standard_normal((B, T, 3 * C), dtype=np.float32)
+dout = rng.standard_normal((B, T, C), dtype=np.float32)
+out, lse = np.full((B, T, C), np.nan, np.float32), np.full((B, NH, T), np.nan, np.float32)
+kern = GPUKernels()
+kern.attention_flash_forward(out, lse, qkv, B, T, C, NH)
+dqkv, dsum = np.full((B, T, 3 * C), np.nan, np.float32), np.empty((B, NH, T), np.float32)
+kern.attention_flash_backward(dqkv, dsum, dout, qkv, out, lse, B, T, C, NH)
+assert np.array_equal(out, qkv[:, :, 2 * C:]), "out: one key, its value"
+assert np.allclose(dqkv[:, :, 2 * C:], dout, rtol=1e-5, atol=0), "dv: dout (weight 1)"
+assert np.allclose(dqkv[:, :, :2 * C], 0, atol=1e-5), "dq, dk: 0 (a softmax over one key)"
+print("ok")
+"""
+
+
+def test_flash_attention_more_pairs_than_a_grid_column():
+    """B NH = 65536 (batch, head) pairs, one past what a grid's y (and z) dimension takes: the
+    fused kernels launch (a launch error ends the process, hence a child) and, at T = 1, give
+    out = v, dv = dout, dq = dk = 0."""
+    why = gpu_available()
+    if why:
+        pytest.skip(why)
+    r = subprocess.run([sys.executable, "-c", _FLASH_MANY_PAIRS, os.path.dirname(__file__)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
 # ---------------------------------------------------------------- gelu

@@ -160,9 +160,11 @@ static void flash_check(int hs)
 	}
 }
 
+/* (b, h) along x, up to 2^31 - 1 of them (y and z stop at 65535, which B NH passes from
+ * B = 5462 at GPT-2's 12 heads), the row tiles along y */
 static dim3 flash_grid(int B, int T, int NH)
 {
-	return dim3((unsigned)((T + FLASH_ROWS - 1) / FLASH_ROWS), (unsigned)(B * NH));
+	return dim3((unsigned)(B * NH), (unsigned)((T + FLASH_ROWS - 1) / FLASH_ROWS));
 }
 
 /* Stages rows r0 .. r0 + SL_FLASH_TILE - 1 (those below T) of an hs-wide slice x of a
@@ -177,14 +179,14 @@ static __device__ void flash_stage(float (*a)[FLASH_HS], const float *x, size_t 
 	}
 }
 
-// out (B,T,C), lse (B,NH,T), qkv (B,T,3C); grid (T / FLASH_ROWS, B NH), block FLASH_ROWS
+// out (B,T,C), lse (B,NH,T), qkv (B,T,3C); grid (B NH, T / FLASH_ROWS), block FLASH_ROWS
 static __global__ void __launch_bounds__(FLASH_ROWS)
 	attention_flash_forward_kernel(float *out, float *lse, const float *qkv, int T, int C,
 				       int NH, float scale)
 {
 	__shared__ float ks[SL_FLASH_TILE][FLASH_HS], vs[SL_FLASH_TILE][FLASH_HS];
-	const int bh = blockIdx.y, b = bh / NH, h = bh % NH, hs = C / NH, C3 = 3 * C;
-	const int t0 = blockIdx.x * FLASH_ROWS, t = t0 + threadIdx.x;
+	const int bh = blockIdx.x, b = bh / NH, h = bh % NH, hs = C / NH, C3 = 3 * C;
+	const int t0 = blockIdx.y * FLASH_ROWS, t = t0 + threadIdx.x;
 	const int last = flash_min(t0 + FLASH_ROWS, T) - 1; /* the block's last query */
 	const bool live = t < T;
 	const float *head = qkv + (size_t)b * T * C3 + h * hs;
@@ -278,8 +280,8 @@ static __global__ void __launch_bounds__(FLASH_ROWS)
 				  float scale)
 {
 	__shared__ float ks[SL_FLASH_TILE][FLASH_HS], vs[SL_FLASH_TILE][FLASH_HS];
-	const int bh = blockIdx.y, b = bh / NH, h = bh % NH, hs = C / NH, C3 = 3 * C;
-	const int t0 = blockIdx.x * FLASH_ROWS, t = t0 + threadIdx.x;
+	const int bh = blockIdx.x, b = bh / NH, h = bh % NH, hs = C / NH, C3 = 3 * C;
+	const int t0 = blockIdx.y * FLASH_ROWS, t = t0 + threadIdx.x;
 	const int last = flash_min(t0 + FLASH_ROWS, T) - 1;
 	const bool live = t < T;
 	const float *head = qkv + (size_t)b * T * C3 + h * hs;
@@ -335,8 +337,8 @@ static __global__ void __launch_bounds__(FLASH_ROWS)
 {
 	__shared__ float qs[SL_FLASH_TILE][FLASH_HS], dys[SL_FLASH_TILE][FLASH_HS];
 	__shared__ float ls[SL_FLASH_TILE], ds[SL_FLASH_TILE];
-	const int bh = blockIdx.y, b = bh / NH, h = bh % NH, hs = C / NH, C3 = 3 * C;
-	const int j0 = blockIdx.x * FLASH_ROWS, j = j0 + threadIdx.x;
+	const int bh = blockIdx.x, b = bh / NH, h = bh % NH, hs = C / NH, C3 = 3 * C;
+	const int j0 = blockIdx.y * FLASH_ROWS, j = j0 + threadIdx.x;
 	const bool live = j < T;
 	const float *head = qkv + (size_t)b * T * C3 + h * hs;
 	float k[FLASH_HS], v[FLASH_HS], dk[FLASH_HS], dv[FLASH_HS];

@@ -252,13 +252,27 @@ int sl_cuda_worker_count(void) { return (int)starpu_cuda_worker_get_count(); }
 int sl_gpu_memory_used(int ncuda, size_t *used)
 {
 #ifdef SL_HAVE_CUDA
-	/* the primary context of each GPU, the one StarPU's CUDA workers use */
+	/* the primary context of each GPU, the one StarPU's CUDA workers use; the calling
+	 * thread's current device put back after (its direct runs' stream is on it), and a
+	 * failure's error taken off the thread (else its next launch check reports it) */
+	int cur, ret = 0;
 	size_t sum = 0;
-	for (int d = 0; d < ncuda; d++) {
+	if (cudaGetDevice(&cur) != cudaSuccess) {
+		(void)cudaGetLastError();
+		return -EIO;
+	}
+	for (int d = 0; d < ncuda && !ret; d++) {
 		size_t free_b, total_b;
 		if (cudaSetDevice(d) != cudaSuccess || cudaMemGetInfo(&free_b, &total_b) != cudaSuccess)
-			return -EIO;
-		sum += total_b - free_b;
+			ret = -EIO;
+		else
+			sum += total_b - free_b;
+	}
+	if (cudaSetDevice(cur) != cudaSuccess)
+		ret = -EIO;
+	if (ret) {
+		(void)cudaGetLastError();
+		return ret;
 	}
 	*used = sum;
 	return 0;

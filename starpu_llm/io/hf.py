@@ -459,18 +459,3 @@ def check_hf_output(path, what: str) -> None:
     parent = os.path.dirname(os.path.abspath(path)) or "."
     probe = os.path.join(parent, f".{os.path.basename(os.path.abspath(path))}.probe")
     atomic.check_writable(probe)
-
-
-def convert(src, dst) -> str:
-    """`starpu-llm convert`: the model at src (an llm.c checkpoint, a Hugging Face GPT-2
-    folder, or a Hub name in the local cache) written at dst: an llm.c checkpoint when dst
-    ends in .bin, else a Hugging Face folder. Refuses a dst that is src or that would lose
-    data, before reading anything."""
-    from ..checkpointing import check_model_output
-    src, dst = os.fspath(src), os.fspath(dst)
-    to_llmc = dst.endswith(".bin")
-    check_model_output(dst, "DST", {"SRC": src}, hf=not to_llmc)
-    config, flat = read_model(src)
-    if to_llmc:
-        return formats.write_checkpoint(dst, config, flat)
-    return write_hf(dst, config, flat)

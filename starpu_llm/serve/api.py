@@ -24,6 +24,7 @@ import uuid
 import numpy as np
 
 from . import scoring
+from .errors import BadRequest
 from .engine import Sampling
 
 DEFAULT_MAX_TOKENS = 16     # OpenAI's default for completions
@@ -32,20 +33,6 @@ MAX_STOP = 4                # OpenAI's limit on stop strings
 # brackets were a RecursionError); the API's deepest body (a chat message's content parts)
 # nests far less.
 MAX_DEPTH = 16
-
-
-class BadRequest(Exception):
-    """A request this server refuses: HTTP `status` with an OpenAI error object."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 code: str | None = None):
-        super().__init__(message)
-        self.message, self.param, self.status, self.code = message, param, status, code
-
-
-def error_body(message: str, kind: str = "invalid_request_error", param=None, code=None) -> dict:
-    """OpenAI's error object."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 # name -> the neutral value: OpenAI fields accepted only at it (not implemented here)

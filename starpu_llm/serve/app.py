@@ -27,6 +27,7 @@ from starlette.routing import Route
 
 from . import api, chat
 from .engine import Event, QueueFull, Request, ShuttingDown
+from .errors import BadRequest, error_body
 from .metrics import CONTENT_TYPE
 
 
@@ -36,8 +37,8 @@ MAX_BODY = 16 << 20
 
 
 async def _body(request: HTTPRequest) -> bytearray:
-    """The request's body, read up to MAX_BODY bytes (api.BadRequest 413 beyond)."""
-    too_large = api.BadRequest(f"the request body is larger than {MAX_BODY >> 20} MiB; a "
+    """The request's body, read up to MAX_BODY bytes (BadRequest 413 beyond)."""
+    too_large = BadRequest(f"the request body is larger than {MAX_BODY >> 20} MiB; a "
                                f"prompt must fit the model's context: send fewer or shorter "
                                f"prompts", status=413)
     declared = request.headers.get("content-length", "")
@@ -53,7 +54,7 @@ async def _body(request: HTTPRequest) -> bytearray:
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", param=None,
            code=None, headers=None) -> JSONResponse:
-    return JSONResponse(api.error_body(message, kind, param, code), status, headers=headers)
+    return JSONResponse(error_body(message, kind, param, code), status, headers=headers)
 
 
 def create_app(engine, model: str, chat_template=None) -> Starlette:
@@ -71,7 +72,7 @@ def create_app(engine, model: str, chat_template=None) -> Starlette:
         try:
             # parsed and tokenized in a thread: a large body never holds the event loop
             c = await asyncio.to_thread(checked, await _body(request), parse)
-        except api.BadRequest as e:
+        except BadRequest as e:
             kind = "not_found_error" if e.status == 404 else "invalid_request_error"
             return _error(e.status, e.message, kind, e.param, e.code)
         loop = asyncio.get_running_loop()
@@ -185,7 +186,7 @@ async def _stream(c: api.Completion, reqs, events: asyncio.Queue):
             k, ev = await events.get()
             ev: Event
             if ev.error:
-                yield _sse(api.error_body(ev.error, "server_error"))
+                yield _sse(error_body(ev.error, "server_error"))
                 break
             if ev.text or ev.finish or ev.logprobs:
                 yield _sse(c.chunk(c.choices[k].index, ev.text, ev.finish, ev.logprobs))

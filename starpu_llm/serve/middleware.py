@@ -32,7 +32,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from . import api
+from .errors import error_body
 
 log = logging.getLogger("uvicorn.error")
 HEALTH = ("GET", "/health")            # open without the key: a supervisor's probe
@@ -139,7 +139,7 @@ class _Key:
             return await self.app(scope, receive, send)
         why = ("no API key was sent" if given is None else
                "the API key sent is not this server's")
-        await _json(send, 401, api.error_body(
+        await _json(send, 401, error_body(
             f"{why}: send the header 'Authorization: Bearer KEY' with the key the server was "
             f"started with (--api-key or STARPU_LLM_API_KEY)", code="invalid_api_key"),
             [(b"www-authenticate", b"Bearer")])
@@ -186,7 +186,7 @@ class _BodyGuard:
             state["why"] = (f"its body stopped arriving for {self.timeout:g} s after {got} "
                             f"bytes; answered 408 and closed")
             if not started:
-                await _json(send, 408, api.error_body(
+                await _json(send, 408, error_body(
                     f"the request body stopped arriving: nothing for {self.timeout:g} s after "
                     f"{got} bytes; send the whole body without pauses", code="timeout"),
                     [(b"connection", b"close")])

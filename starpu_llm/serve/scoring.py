@@ -18,6 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..flow.generate import sample_batch
+from .errors import BadRequest
 
 MAX_COMPLETION_LOGPROBS = 5      # OpenAI's limit on the completions API's logprobs
 MAX_TOP_LOGPROBS = 20            # and on the chat API's top_logprobs
@@ -99,7 +100,6 @@ def choose_batch(logits, rows) -> list:
 # ---- request fields
 
 def _bad(message, param):
-    from .api import BadRequest      # here: api imports this module
     return BadRequest(message, param)
 
 
