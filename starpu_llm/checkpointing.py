@@ -34,9 +34,11 @@ def check_outputs(cfg) -> None:
         outputs[opt("metrics_jsonl")] = Output(cfg.metrics_jsonl, _is_metrics_file)
     check_new_outputs(outputs, inputs)
     if cfg.save_hf:     # a folder written whole (io/hf.py); like --save, over its --init-from
+        # the checkpoints too: the folder's replacement would remove them
+        written = {opt("checkpoint_dir"): cfg.checkpoint_dir if cfg.save_every else None}
         check_model_output(cfg.save_hf, opt("save_hf"),
                            {**{k: v for k, v in inputs.items() if k != opt("init_from")},
-                            **{k: out.path for k, out in outputs.items()}}, hf=True)
+                            **{k: out.path for k, out in outputs.items()}, **written}, hf=True)
     if cfg.save_every:
         if os.path.exists(cfg.checkpoint_dir) and not os.path.isdir(cfg.checkpoint_dir):
             raise StarpuLLMError(f"{opt('checkpoint_dir')} {cfg.checkpoint_dir} is a file; give a "
@@ -204,7 +206,13 @@ def save_final(cfg, state: TrainState, record: RunRecord, log) -> None:
         save_model(cfg.save, state, record, log)
     if cfg.save_hf:
         from .io.hf import write_hf
-        log(f"saved {write_hf(cfg.save_hf, state.config, state.params)} (Hugging Face)")
+        try:
+            written = write_hf(cfg.save_hf, state.config, state.params)
+        except StarpuLLMError as e:
+            if cfg.save:        # the model is there already
+                raise StarpuLLMError(f"{e.args[0]}; the trained model is in {cfg.save}") from e
+            _fallback(state, record, e)
+        log(f"saved {written} (Hugging Face)")
 
 
 def save_model(path, state: TrainState, record: RunRecord, log) -> None:
@@ -214,15 +222,21 @@ def save_model(path, state: TrainState, record: RunRecord, log) -> None:
     try:
         checkpoint.write(path, state, record)
     except StarpuLLMError as e:
-        fallback = os.path.abspath(f"starpu-llm-unsaved-{os.getpid()}-step{state.step}.bin")
-        try:
-            checkpoint.write(fallback, state, record)
-        except StarpuLLMError as again:
-            raise StarpuLLMError(f"{e.args[0]}; writing the fallback {fallback} failed too "
-                                 f"({again.args[0]}): the trained model is lost") from e
-        raise StarpuLLMError(f"{e.args[0]}; the trained model was written to {fallback} "
-                             f"instead (and its state to {checkpoint.companion(fallback)})") from e
+        _fallback(state, record, e)
     log(f"saved {path} and {checkpoint.companion(path)}")
+
+
+def _fallback(state: TrainState, record: RunRecord, e: StarpuLLMError):
+    """The final save failed with e: the model written to a fallback file in the working
+    directory instead, e raised saying where."""
+    fallback = os.path.abspath(f"starpu-llm-unsaved-{os.getpid()}-step{state.step}.bin")
+    try:
+        checkpoint.write(fallback, state, record)
+    except StarpuLLMError as again:
+        raise StarpuLLMError(f"{e.args[0]}; writing the fallback {fallback} failed too "
+                             f"({again.args[0]}): the trained model is lost") from e
+    raise StarpuLLMError(f"{e.args[0]}; the trained model was written to {fallback} "
+                         f"instead (and its state to {checkpoint.companion(fallback)})") from e
 
 
 def convert(src, dst) -> str:

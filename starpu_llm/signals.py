@@ -340,12 +340,18 @@ _guards: dict = {}       # "stdout"/"stderr": its _Guarded, inside guarded_outpu
 
 @contextlib.contextmanager
 def guarded_output():
-    """sys.stdout and sys.stderr guarded (_Guarded) inside the block; flushed at its end."""
+    """sys.stdout and sys.stderr guarded (_Guarded) inside the block; flushed at its end. A
+    stream closed when Python started (sys.stdout None) is /dev/null inside it, so that what
+    writes to it or flushes it (not only print()) goes nowhere without an error."""
     saved = sys.stdout, sys.stderr
+    sinks = []
     for which in ("stdout", "stderr"):
-        if getattr(sys, which) is not None:     # None: closed when Python started; print() skips it
-            _guards[which] = _Guarded(getattr(sys, which), which)
-            setattr(sys, which, _guards[which])
+        stream = getattr(sys, which)
+        if stream is None:
+            stream = open(os.devnull, "w")
+            sinks.append(stream)
+        _guards[which] = _Guarded(stream, which)
+        setattr(sys, which, _guards[which])
     try:
         yield
     finally:
@@ -353,6 +359,8 @@ def guarded_output():
             if which in _guards:
                 _guards.pop(which).flush()
         sys.stdout, sys.stderr = saved
+        for sink in sinks:
+            sink.close()
 
 
 def say(text: str) -> None:

@@ -384,6 +384,29 @@ def test_an_output_closed_from_the_start_loses_nothing(shard, tmp_path, fd):
     assert [json.loads(l)["step"] for l in open(metrics)] == [1, 2, 3]
 
 
+def test_a_signal_with_stdout_closed_from_the_start_is_one_line(shard, tmp_path):
+    """`starpu-llm train ... >&-`, then SIGTERM: the run stops after its step and saves, with
+    the usual status and one line on stderr (no traceback of the missing sys.stdout)."""
+    save, metrics = tmp_path / "model.bin", tmp_path / "m.jsonl"
+    p = subprocess.Popen([sys.executable, "-m", "starpu_llm", "train", "--model", "micro",
+                          "--train-data", shard, "--batch", "2", "--seq-len", "16", "--steps",
+                          "100000", "--save", str(save), "--metrics-jsonl", str(metrics)],
+                         preexec_fn=lambda: os.close(1), stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and metrics.stat().st_size) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        p.send_signal(signal.SIGTERM)
+        err = p.communicate(timeout=120)[1]
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 143, err
+    assert "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == "starpu-llm: stopped by SIGTERM", err
+    assert checkpoint.read(save).step >= 1
+
+
 def test_metrics_survive_a_kill_and_a_resumed_run_appends(shard, tmp_path):
     """kill -9 mid-run: the metrics file has a row for every step printed (under its own name,
     no hidden temporary left); the run resumed from its last checkpoint keeps the rows up to

@@ -351,6 +351,58 @@ def test_train_save_hf_checked_before_training(saved, tmp_path, capsys):
     assert "--save-hf" in err and "a.txt" in err and "step" not in capsys.readouterr().out
 
 
+def test_train_save_hf_over_the_checkpoint_dir_is_refused(saved, tmp_path, capsys):
+    """--save-hf replaces its folder whole at the end: a --checkpoint-dir that is that folder
+    or inside it (its checkpoints would go with it) is refused before training."""
+    shard = str(tmp_path / "train.bin")
+    formats.write_shard(shard, np.arange(200, dtype=np.uint16) % 97)
+    for ck in ("out", os.path.join("out", "ck")):
+        err = error_of("train", "--init-from", saved, "--train-data", shard, "--steps", "1",
+                       "--batch", "1", "--seq-len", "8", "--engine", "reference",
+                       "--save-hf", str(tmp_path / "out"), "--save-every", "1",
+                       "--checkpoint-dir", str(tmp_path / ck), capsys=capsys)
+        assert "--save-hf" in err and "--checkpoint-dir" in err, err
+        assert not (tmp_path / "out").exists()          # nothing trained, nothing written
+
+
+def test_train_save_hf_needs_safetensors_before_training(saved, tmp_path, capsys, monkeypatch):
+    """Without the safetensors package --save-hf is refused before the first step, not after
+    the training."""
+    llmc = str(tmp_path / "model.bin")
+    assert cli.main(["convert", saved, llmc]) == 0
+    shard = str(tmp_path / "train.bin")
+    formats.write_shard(shard, np.arange(200, dtype=np.uint16) % 97)
+    monkeypatch.setitem(__import__("sys").modules, "safetensors", None)    # import fails
+    err = error_of("train", "--init-from", llmc, "--train-data", shard, "--steps", "1",
+                   "--batch", "1", "--seq-len", "8", "--engine", "reference", "--save-hf",
+                   str(tmp_path / "out"), "--metrics-jsonl", str(tmp_path / "m.jsonl"),
+                   capsys=capsys)
+    assert "--save-hf" in err and "safetensors" in err, err
+    assert not (tmp_path / "m.jsonl").exists()          # not a step trained
+
+
+def test_train_save_hf_failing_at_the_end_keeps_the_model(saved, tmp_path, monkeypatch):
+    """--save-hf's folder cannot be written after the training after all (its parent
+    replaced by a file during the run): the model goes to --save's fallback file in the
+    working directory, named in the error, as a failed --save's does."""
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def log(line):
+        if line.startswith("step") and out.is_dir():
+            out.rmdir()
+            out.write_text("")
+
+    shard = str(tmp_path / "train.bin")
+    formats.write_shard(shard, np.arange(200, dtype=np.uint16) % 97)
+    with pytest.raises(StarpuLLMError, match="written to (.*starpu-llm-unsaved-.*-step1.bin)") as e:
+        train(TrainConfig(init_from=saved, train_data=shard, steps=1, batch=1, seq_len=8,
+                          engine="reference", save_hf=str(out / "hf"), log=log))
+    fallback = e.value.args[0].split("written to ")[1].split(" ")[0]
+    assert formats.read_checkpoint(fallback)[0].num_layers > 0
+
+
 # --------------------------------------------------------------------------- --init-from a Hub name
 
 @contextlib.contextmanager

@@ -439,7 +439,12 @@ def _swap_in(tmp: str, path: str) -> None:
 
 def check_hf_output(path, what: str) -> None:
     """Refuse now a folder write_hf could not write or would lose data by replacing: a file, a
-    folder holding anything but a GPT-2 model's files (what = the flag or argument named)."""
+    folder holding anything but a GPT-2 model's files (what = the flag or argument named), or
+    one that this Python cannot write (no safetensors package)."""
+    try:
+        _safetensors_api()
+    except StarpuLLMError as e:
+        raise StarpuLLMError(f"{what} {path}: {e}") from None
     path = os.fspath(path)
     if os.path.lexists(path) and not os.path.isdir(path):
         raise StarpuLLMError(f"{what} {path} is a file; give a folder (a Hugging Face model "

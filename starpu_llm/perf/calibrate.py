@@ -49,11 +49,6 @@ from ..runs import cpu_description, run_in_subprocess
 from .machine import Machine, partitions, save
 
 FIT_SEQ_LEN = 64            # tokens per sequence of the calibration runs (fit_seq_len)
-
-
-def fit_seq_len(model: str) -> int:
-    """FIT_SEQ_LEN, or the model's whole length when shorter (micro's 32)."""
-    return min(FIT_SEQ_LEN, MODELS[model].maxT)
 FIT_SUB_BATCH = (1, 3, 6)   # sequences per sub-batch of those runs
 # Why a run at the model's full length too: at T = 64 alone, an attention task's flops and bytes
 # both grow with the batch only, in a fixed ratio, so the fit cannot tell them apart, yet its
@@ -66,6 +61,11 @@ LONG_SEQ_STEPS = 1
 QUICK_SUB_BATCH = (1, 6)    # --quick: the two ends of FIT_SUB_BATCH
 QUICK_RATE_SECONDS = 0.15   # --quick: each rate's timing window (the full one: 0.5 s)
 QUICK_DISK_BYTES = 256 << 20
+
+
+def fit_seq_len(model: str) -> int:
+    """FIT_SEQ_LEN, or the model's whole length when shorter (micro's 32)."""
+    return min(FIT_SEQ_LEN, MODELS[model].maxT)
 
 
 # ---------------------------------------------------------------- rates
@@ -360,7 +360,7 @@ def traced_runs(cores: int, steps: int, log, model: str = "d12", sub_batch=FIT_S
         if "error" in r:
             shutil.rmtree(home, ignore_errors=True)
             raise StarpuLLMError(f"calibration run {N}x{K} B={N * per_sub} T={T} failed: "
-                               f"{r['error']}")
+                                 f"{r['error']}")
         log(f"  {N}x{K} B={N * per_sub} T={T}: {len(r['events'])} tasks traced, "
             f"{time.perf_counter() - t0:.0f} s")
         sizes = {int(h): n for h, n in r["sizes"].items()}

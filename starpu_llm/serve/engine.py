@@ -412,9 +412,10 @@ class Engine:
                 if not self._queue:
                     break
                 req = self._queue.popleft()
-                if not req.cancelled:
+                cancelled = req.cancelled       # read once: a client may cancel right now
+                if not cancelled:
                     self._free -= 1
-            if req.cancelled:          # cancelled as it left the queue: it ends here
+            if cancelled:              # cancelled as it left the queue: it ends here
                 self._emit(req, Event("", "cancelled", None, len(req.prompt), 0))
                 self._count(req, "cancelled")
                 continue

@@ -98,8 +98,9 @@ class Metrics:
         self._requests.labels(outcome).inc()
         self._latency.observe(seconds)
 
-    def rejected(self, n: int = 1):
-        self._requests.labels("rejected").inc(n)
+    def rejected(self):
+        """An HTTP request refused at once (queue full or stopping), whatever its n."""
+        self._requests.labels("rejected").inc()
 
     def outcome(self, name: str):
         """A request that ended before the engine had it (serve/middleware.py): "invalid"
