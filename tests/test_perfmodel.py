@@ -23,6 +23,7 @@ from starpu_llm.perf.predict import Mode, predict, sites_of, task_graph
 from starpu_llm.perf.simulate import SEQUENTIAL
 from starpu_llm.runtime import usable_cores
 from starpu_llm.errors import StarpuLLMError
+from partitions import here
 
 
 def test_recorded_graph_is_the_traced_step():
@@ -33,7 +34,7 @@ def test_recorded_graph_is_the_traced_step():
     from starpu_llm.config import MODELS
     g = graph.record("micro", 4, 16, sites_of("micro", 4, 16, sub_batches=2))
     tokens = np.random.default_rng(0).integers(0, MODELS["micro"].V, 4000).astype(np.uint16)
-    with Runtime(1, 1) as rt:
+    with Runtime(here(1, 1)) as rt:
         events, _ = traced_step(rt, MODELS["micro"], tokens, B=4, T=16, sub_batches=2)
     real = sorted((e for e in events if e.buffers is not None), key=lambda e: e.job)
     assert [t.codelet for t in g.tasks] == [e.codelet for e in real]
