@@ -266,6 +266,13 @@ def partitions_that_fit(cores: int, build: Build) -> list[tuple[int, int, str]]:
     return out
 
 
+def shapes(cores: int) -> list[tuple[int, int]]:
+    """Every (N workers, K cores) with N x K = cores, N from 1 up: partitions_that_fit on a
+    machine of that many cores whose build limits none (the performance model's candidates)."""
+    build = Build(max_cpus=cores, parallel_workers=False, max_group=cores)
+    return list(dict.fromkeys((n, k) for n, k, _ in partitions_that_fit(cores, build)))
+
+
 def scheduler(partition: Partition, sched: str | None, policies, env: str | None = None) -> str:
     """The StarPU scheduler of a partition: the one asked for (sched, else `env`, the
     environment's STARPU_SCHED), else dmdas with GPUs, peager under forkjoin, lws otherwise;
