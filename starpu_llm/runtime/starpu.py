@@ -75,6 +75,14 @@ def resolve_here(request: PartitionRequest, ranks: int = 1, batch: int | None = 
                              sched_env=os.environ.get("STARPU_SCHED"))
 
 
+def c_partition(p: Partition, sched):
+    """The partition p as sl_start takes it (struct sl_partition, sl_api.h): every field the
+    C layer reads, in one struct; sched: p.sched as a char[] the caller keeps alive."""
+    return ffi.new("struct sl_partition *", dict(
+        workers=p.workers, cores_per_worker=p.cores_per_worker, kcore=MECHANISMS[p.kcore],
+        ncuda=p.gpus, tf32=int(p.gpu_matmul == "tf32"), sched=sched))
+
+
 ON_CPU, ON_CUDA = lib.SL_ON_CPU, lib.SL_ON_CUDA
 
 
@@ -135,18 +143,16 @@ class Runtime:
                                  f"{', '.join(ATTENTIONS)}")
         self.offload = offload.start(memory)     # the limit, before StarPU starts
         self.offload_path = self.offload.path if self.offload else None
+        sched = ffi.new("char[]", p.sched.encode())      # alive through the start
+        started = c_partition(p, sched)
         if self.face == "starpupy":
-            starpupy_face.start(p, MECHANISMS[p.kcore], core_ids[:p.workers * p.cores_per_worker],
-                                p.sched)
+            starpupy_face.start(p, started, core_ids[:p.workers * p.cores_per_worker])
         else:
             comm_addr = ffi.NULL
             if comm is not None:
                 from mpi4py import MPI
                 comm_addr = ffi.cast("void *", MPI._addressof(comm))
-            lib.sl_gpu_set_tf32(int(p.gpu_matmul == "tf32"))
-            ret = lib.sl_start(p.workers, p.cores_per_worker, MECHANISMS[p.kcore],
-                               ffi.new("int[]", core_ids), p.gpus, p.sched.encode(),
-                               comm_addr)
+            ret = lib.sl_start(started, ffi.new("int[]", core_ids), comm_addr)
             if ret != 0:
                 self._stop_offload()
                 if ret == -errno.ENODEV and p.gpus:
@@ -185,9 +191,6 @@ class Runtime:
             raise StarpuLLMError(f"the StarPU runtime starts a StarPU partition (resolved), not "
                                  f"{p.describe()}")
         os.environ.setdefault("STARPU_SILENT", "1")
-        # The CUDA workers asked for, no other accelerator (the variable would override the
-        # count sl_start gives StarPU)
-        os.environ["STARPU_NCUDA"] = str(p.gpus)
         os.environ.setdefault("STARPU_NOPENCL", "0")
         n = p.workers * p.cores_per_worker
         core_ids = sorted(os.sched_getaffinity(0))
