@@ -39,7 +39,8 @@ import time
 from starpu_llm.runs import run_in_subprocess, write_csv
 from starpu_llm.config import MODELS
 from starpu_llm.perf.machine import default_path, load
-from starpu_llm.perf.predict import Mode, predict
+from starpu_llm.partition import PartitionRequest
+from starpu_llm.perf.predict import predict, target_partition
 from starpu_llm.partition import Build, partitions_that_fit as build_partitions
 from starpu_llm.runtime import partitions_that_fit as partitions_here, usable_cores
 
@@ -227,12 +228,14 @@ def predicted_fig4(S, machine_file, calibration_file, log) -> list[dict]:
     calibration, target = load(calibration_file), load(machine_file)
     rows = []
     for R in (1, 2, 4, 8, 16):
-        modes = ([("one process", Mode())] if R == 1 else
-                 [("rank0", Mode("rank0")), ("sharded", Mode("sharded")),
-                  (f"pipeline 2 stages x {R // 2}", Mode("sharded", 2))])
-        for label, mode in modes:
-            p = predict(S["model"], 72 * R, S["T"], 4, 8, ranks=R, calibration=calibration,
-                        machine=target, parallel_workers=True, mode=mode)
+        layouts = ([("one process", ("sharded", 1))] if R == 1 else
+                   [("rank0", ("rank0", 1)), ("sharded", ("sharded", 1)),
+                    (f"pipeline 2 stages x {R // 2}", ("sharded", 2))])
+        for label, (ownership, stages) in layouts:
+            p = predict(S["model"], 72 * R, S["T"], target_partition(
+                PartitionRequest(workers=4, cores_per_worker=8, ownership=ownership,
+                                 pipeline_stages=stages), R, 72 * R, parallel_workers=True),
+                calibration=calibration, machine=target)
             rows.append(dict(figure="fig4-predicted", series=label.split(" x ")[0], x=R,
                              mode=label, tokens_per_ms=round(p.tokens_per_ms, 5),
                              tokens_per_ms_per_node=round(p.tokens_per_ms / R, 5),
@@ -275,17 +278,20 @@ def _predict_one(job):
     """One point's prediction, in a worker process: job = (config key, spec, calibration
     path); (key, {predicted_tokens_per_ms, predicted_ms_per_step, ...} or {error})."""
     key, spec, cal_path, machine_path = job
-    from starpu_llm.perf.predict import Mode, load_calibration, predict
+    from starpu_llm.partition import PartitionRequest
+    from starpu_llm.perf.predict import load_calibration, predict, target_partition
     try:
         R = int(spec.get("ranks") or 1)
         stages = int(spec.get("pipeline_stages") or 1)
         n, k = int(spec["workers"]), int(spec["cores_per_worker"])
         # no sub-batches given: predict takes the engine's default, as the run does
-        p = predict(spec["model"], spec["batch"], spec["seq_len"], n, k, ranks=R,
-                    sub_batches=spec.get("sub_batches"), calibration=load_calibration(cal_path), ranks_per_node=R,
-                    mode=Mode(spec.get("ownership") or "sharded", stages),
-                    machine=load(machine_path) if machine_path else None,
-                    parallel_workers=True if machine_path else None)
+        partition = target_partition(PartitionRequest(
+            workers=n, cores_per_worker=k, sub_batches=spec.get("sub_batches"),
+            ownership=spec.get("ownership") or "sharded", pipeline_stages=stages), R,
+            spec["batch"], parallel_workers=True if machine_path else None)
+        p = predict(spec["model"], spec["batch"], spec["seq_len"], partition,
+                    calibration=load_calibration(cal_path), ranks_per_node=R,
+                    machine=load(machine_path) if machine_path else None)
         return key, dict(predicted_tokens_per_ms=round(p.tokens_per_ms, 5),
                          predicted_ms_per_step=round(p.schedule.step_s * 1e3, 1),
                          predicted_critical_path_ms=round(p.schedule.critical_path_s * 1e3, 1),
@@ -303,7 +309,8 @@ def _rank_one(job):
         ranked = autotune.rank(model, B, T, load_calibration(cal_path))
     except Exception as e:
         return B, [dict(B=B, error=f"{type(e).__name__}: {e}")]
-    return B, [dict(B=B, rank=i + 1, workers=p.workers, cores_per_worker=p.cores_per_worker,
+    return B, [dict(B=B, rank=i + 1, workers=p.partition.workers,
+                    cores_per_worker=p.partition.cores_per_worker,
                     sub_batches=p.sub_batches, predicted_tokens_per_ms=round(p.tokens_per_ms, 5))
                for i, p in enumerate(ranked)]
 

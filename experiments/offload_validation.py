@@ -18,7 +18,8 @@ import os
 from dataclasses import replace
 
 from provenance import cpu_kind
-from starpu_llm.perf.predict import load_calibration, predict
+from starpu_llm.partition import PartitionRequest
+from starpu_llm.perf.predict import load_calibration, predict, target_partition
 from starpu_llm.runs import write_csv
 from starpu_llm.runtime.offload import parse_size
 from starpu_llm.runtime.starpu import usable_cores
@@ -50,7 +51,8 @@ def main():
         disk = {k: float(r.get(k) or info[k]) if args.disk == "beside" else getattr(calibration, k)
                 for k in ("disk_write_gbs", "disk_read_gbs")}
         limit = parse_size(f"{r['memory_limit_mb']}M") if r["memory_limit_mb"] else None
-        p = predict(r["model"], int(r["batch"]), int(r["seq_len"]), 1, usable_cores(),
+        p = predict(r["model"], int(r["batch"]), int(r["seq_len"]), target_partition(
+            PartitionRequest(workers=1, cores_per_worker=usable_cores()), batch=int(r["batch"])),
                     calibration=replace(calibration, **disk), memory_limit=limit)
         notes = p.schedule.notes
         row = dict(config=r["config"], memory_limit_mb=r["memory_limit_mb"], **disk,

@@ -30,7 +30,8 @@ import sys
 
 from starpu_llm.errors import StarpuLLMError
 from starpu_llm.flow.topology import OWNERSHIPS
-from starpu_llm.perf.predict import Mode, load_calibration, predict
+from starpu_llm.partition import PartitionRequest
+from starpu_llm.perf.predict import layout_label, load_calibration, predict, target_partition
 from starpu_llm.runs import write_csv
 
 KEY = ("model", "seq_len", "batch", "ranks", "workers", "cores_per_worker", "sub_batches",
@@ -87,11 +88,14 @@ def compare(rows: list, calibration=None) -> list:
     out = []
     for key, speeds in measured.items():
         c = dict(zip(KEY, key))
-        p = predict(c["model"], c["batch"], c["seq_len"], c["workers"], c["cores_per_worker"],
-                    ranks=c["ranks"], sub_batches=c["sub_batches"], calibration=calibration,
-                    ranks_per_node=c["ranks"], mode=Mode(c["mode"], c["stages"]))
+        partition = target_partition(PartitionRequest(
+            workers=c["workers"], cores_per_worker=c["cores_per_worker"],
+            sub_batches=c["sub_batches"], ownership=c["mode"], pipeline_stages=c["stages"]),
+            c["ranks"], c["batch"])
+        p = predict(c["model"], c["batch"], c["seq_len"], partition, calibration=calibration,
+                    ranks_per_node=c["ranks"])
         m = statistics.median(speeds)
-        out.append(dict(c, label=p.mode.label(c["ranks"]), runs=len(speeds), measured=m,
+        out.append(dict(c, label=layout_label(p.partition), runs=len(speeds), measured=m,
                         predicted=p.tokens_per_ms, error=p.tokens_per_ms / m - 1,
                         sent_mb=max(p.schedule.sent) / 1e6, received_mb=max(p.schedule.received) / 1e6))
     return out

@@ -41,7 +41,8 @@ from starpu_llm.runs import cpu_description, run_in_subprocess, write_csv
 from starpu_llm.io.atomic import atomic_write_text
 from starpu_llm.perf import autotune
 from starpu_llm.perf.machine import default_path
-from starpu_llm.perf.predict import load_calibration, predict
+from starpu_llm.partition import PartitionRequest
+from starpu_llm.perf.predict import load_calibration, predict, target_partition
 from starpu_llm.runtime.starpu import usable_cores
 
 from provenance import cpu_kind, machine_info, reusable
@@ -177,7 +178,8 @@ def validation_rows(configs: list, runs: dict, cal, model: str, T: int) -> list:
     rows = []
     for c in configs:
         B, n, k, s, R = c
-        p = predict(model, B, T, n, k, ranks=R, sub_batches=s, calibration=cal, ranks_per_node=R)
+        p = predict(model, B, T, target_partition(PartitionRequest(
+            workers=n, cores_per_worker=k, sub_batches=s), R, B), calibration=cal, ranks_per_node=R)
         speeds = [r["tokens_per_ms"] for r in runs[c]]
         m = statistics.median(speeds)
         rows.append(dict(B=B, workers=n, cores_per_worker=k, sub_batches=s, ranks=R, measured=m,
@@ -215,7 +217,7 @@ def autotuner_rows(batches: list, rows: list, cal, model: str, T: int) -> list:
                         choice_predicted=mine["predicted"], choice_measured=mine["measured"],
                         best=label(best["workers"], best["cores_per_worker"], best["sub_batches"], 1),
                         best_measured=best["measured"], gap=gap,
-                        ranking=" > ".join(f"{label(p.workers, p.cores_per_worker, p.sub_batches, 1)} "
+                        ranking=" > ".join(f"{label(p.partition.workers, p.partition.cores_per_worker, p.sub_batches, 1)} "
                                            f"{p.tokens_per_ms:.4f}" for p in ranking),
                         trials=" | ".join(trials)))
         print(f"| {B} | {out[-1]['choice']} | {mine['measured']:.4f} | {out[-1]['best']}: "

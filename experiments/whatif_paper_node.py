@@ -22,8 +22,10 @@ import os
 import sys
 
 from starpu_llm.runs import write_csv
-from starpu_llm.perf.machine import load, partitions
-from starpu_llm.perf.predict import Mode, load_calibration, predict
+from starpu_llm.partition import shapes
+from starpu_llm.perf.machine import load
+from starpu_llm.partition import PartitionRequest
+from starpu_llm.perf.predict import layout_label, load_calibration, predict, target_partition
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PAPER_FIG3 = {(12, 3): 2.70, (3, 12): 2.53}          # tok/ms at B=360 (section 3)
@@ -62,11 +64,12 @@ def main(argv=None) -> int:
     rows = []
     print(f"machine: {node.name}; codelet ratios from {cal.name} ({cal.source})")
     print(f"\nFigure 3: B={args.batch}, T=64, N x K = {node.cores}")
-    for n, k in partitions(node.cores):
+    for n, k in shapes(node.cores):
         if args.batch % n:
             continue
-        p = predict("d12", args.batch, 64, n, k, calibration=cal, machine=node,
-                    parallel_workers=True)
+        p = predict("d12", args.batch, 64, target_partition(
+            PartitionRequest(workers=n, cores_per_worker=k), batch=args.batch,
+            parallel_workers=True), calibration=cal, machine=node)
         paper = PAPER_FIG3.get((n, k))
         err = f"  paper {paper:.2f}, error {p.tokens_per_ms / paper - 1:+.0%}" if paper else ""
         print(f"  {n:>2}x{k:<2} predicted {p.tokens_per_ms:.3f} tok/ms{err}", flush=True)
@@ -74,30 +77,33 @@ def main(argv=None) -> int:
                          wte_blocks=1, predicted=p.tokens_per_ms, efficiency="",
                          paper=paper or ""))
     print(f"\nFigure 4: 4 parallel workers x 8 cores per node, B={args.per_node_batch} per node")
-    one = predict("d12", args.per_node_batch, 64, 4, 8, calibration=cal, machine=node,
-                  parallel_workers=True).tokens_per_ms
+    one = predict("d12", args.per_node_batch, 64, target_partition(
+        PartitionRequest(workers=4, cores_per_worker=8), batch=args.per_node_batch,
+        parallel_workers=True), calibration=cal, machine=node).tokens_per_ms
     print(f"  {'one process':>28},  1 node:   predicted {one:.3f} tok/ms  paper "
           f"{PAPER_FIG4[1]:.2f}, error {one / PAPER_FIG4[1] - 1:+.0%}")
     rows.append(dict(figure=4, partition="4x8", nodes=1, batch=args.per_node_batch, mode="",
                      wte_blocks=1, predicted=one, efficiency=1.0, paper=PAPER_FIG4[1]))
     for text in args.modes.split(","):
         stages = int(text.split()[1]) if text.startswith("pipeline") else 1
-        mode = Mode("sharded" if stages > 1 else text, stages)
+        ownership = "sharded" if stages > 1 else text
         for R in (int(x) for x in args.nodes.split(",")):
             if R == 1 or R % stages:
                 continue
             subs = args.micro_batches if stages > 1 else None
-            p = predict("d12", args.per_node_batch * R, 64, 4, 8, ranks=R, sub_batches=subs,
-                        calibration=cal, machine=node, parallel_workers=True, mode=mode)
+            p = predict("d12", args.per_node_batch * R, 64, target_partition(
+                PartitionRequest(workers=4, cores_per_worker=8, sub_batches=subs,
+                                 ownership=ownership, pipeline_stages=stages), R,
+                args.per_node_batch * R, parallel_workers=True), calibration=cal, machine=node)
             per_node = p.tokens_per_ms / R
-            paper = PAPER_FIG4.get(R) if mode == Mode("rank0") else None
+            paper = PAPER_FIG4.get(R) if (ownership, stages) == ("rank0", 1) else None
             err = f"  paper {paper:.2f}, error {per_node / paper - 1:+.0%}" if paper else ""
-            print(f"  {mode.label(R):>28}, {R:>2} nodes: predicted {per_node:.3f} tok/ms per "
+            print(f"  {layout_label(p.partition):>28}, {R:>2} nodes: predicted {per_node:.3f} tok/ms per "
                   f"node, {per_node / one:.0%} of one node's; per node up to "
                   f"{max(p.schedule.sent) / 1e6:.0f} MB sent; wte in {p.wte_blocks} "
                   f"block(s){err}", flush=True)
             rows.append(dict(figure=4, partition="4x8", nodes=R, batch=args.per_node_batch * R,
-                             mode=mode.label(R), wte_blocks=p.wte_blocks, predicted=per_node,
+                             mode=layout_label(p.partition), wte_blocks=p.wte_blocks, predicted=per_node,
                              efficiency=per_node / one, paper=paper or ""))
     if args.csv:
         write_csv(args.csv, rows)

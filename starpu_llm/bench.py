@@ -108,9 +108,11 @@ def traced_run(spec: dict) -> list:
     loader = data.DataLoader(data.timing_dataset(config.V), B, T, vocab_size=config.V)
     state = TrainState(config=config, params=random_init(config))
     ms, steps_ns = [], []
-    with Runtime(spec.get("workers"), spec.get("cores_per_worker"), kcore=spec.get("kcore")) as rt:
-        engine = StarPUEngine(config, state, B, T, loader.tokens, rt,
-                              sub_batches=spec.get("sub_batches"), record=True)
+    partition = resolve_here(PartitionRequest(
+        workers=spec.get("workers"), cores_per_worker=spec.get("cores_per_worker"),
+        kcore=spec.get("kcore"), sub_batches=spec.get("sub_batches")), batch=B)
+    with Runtime(partition) as rt:
+        engine = StarPUEngine(config, state, B, T, loader.tokens, rt, record=True)
         rt.start_trace(400_000)
         try:
             for _ in range(spec["steps"] + 1):

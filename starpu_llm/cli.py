@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 import traceback
-from dataclasses import fields, replace
+from dataclasses import fields
 
 # Only what a signal during start-up needs is imported here: the rest is imported by the
 # commands, once main() handles signals (a Ctrl-C while numpy loads is no traceback).
@@ -354,29 +354,26 @@ def cmd_calibrate(args):
 
 
 def cmd_predict(args):
-    from .partition import Build, PartitionRequest, resolve
-    from .perf.machine import load, partitions
-    from .perf.predict import calibration_for, modes, predict
+    from .partition import PartitionRequest
+    from .perf.machine import load
+    from .partition import shapes
+    from .perf.predict import calibration_for, layouts, predict, target_partition
     from .runtime.offload import parse_size
-    from .runtime.starpu import this_build
     machine = load(args.machine) if args.machine else None      # its errors name the file
     calibration, note = calibration_for(args.calibration, machine)
     target = machine or calibration
     limit = parse_size(args.memory_limit) if args.memory_limit else None
-    # a described machine runs K-core workers as StarPU 1.4 parallel workers (the clusters')
-    here = this_build()
-    build = Build(max_cpus=max(target.cores, 1024), parallel_workers=True) if machine else \
-        replace(here, max_cpus=max(target.cores, here.max_cpus))
     if args.workers == "auto":
         if args.cores_per_worker:
             raise StarpuLLMError("--workers auto takes every N x K of the machine's cores: "
                                  "leave --cores-per-worker out")
-        shapes = [(n, k) for n, k in partitions(target.cores) if args.batch % n == 0]
+        found = [(n, k) for n, k in shapes(target.cores) if args.batch % n == 0]
     else:
-        shapes = [(n, k) for n in args.workers or [None] for k in args.cores_per_worker or [None]]
-    layouts = {R: modes(R, args.ownership, args.pipeline_stages, args.model) for R in args.ranks}
-    for R, found in layouts.items():
-        if not found:
+        found = [(n, k) for n in args.workers or [None] for k in args.cores_per_worker or [None]]
+    ranks_layouts = {R: layouts(R, args.ownership, args.pipeline_stages, args.model)
+                     for R in args.ranks}
+    for R, found_layouts in ranks_layouts.items():
+        if not found_layouts:
             raise StarpuLLMError(
                 f"--pipeline-stages {','.join(map(str, args.pipeline_stages))} with --ranks {R}: "
                 f"no pipeline of "
@@ -386,21 +383,21 @@ def cmd_predict(args):
     print(f"machine: {target.name}")
     if note:
         print(note, file=sys.stderr)
-    for shape in shapes:
+    for shape in found:
         for subs in args.sub_batches or [None]:
-            def at(R, mode):
+            def at(R, layout):
                 B = args.batch * R if weak else args.batch
-                p = resolve(PartitionRequest(workers=shape[0], cores_per_worker=shape[1],
-                                             sub_batches=subs, ownership=mode.ownership,
-                                             pipeline_stages=mode.stages, oversubscribe=True),
-                            cores=target.cores, build=build, ranks=R, batch=B)
-                return predict(args.model, B, args.seq_len, p.workers, p.cores_per_worker,
-                               ranks=R, sub_batches=subs, calibration=calibration,
-                               machine=machine, parallel_workers=p.kcore == "parallel-workers",
-                               mode=mode, memory_limit=limit)
-            one = at(1, modes(1)[0]).tokens_per_ms if weak else None
+                # a described machine runs K-core workers as StarPU 1.4 parallel workers (the
+                # clusters'); this one as its build does
+                p = target_partition(PartitionRequest(
+                    workers=shape[0], cores_per_worker=shape[1], sub_batches=subs,
+                    ownership=layout[0], pipeline_stages=layout[1]), R, B, target.cores,
+                    True if machine else None)
+                return predict(args.model, B, args.seq_len, p, calibration=calibration,
+                               machine=machine, memory_limit=limit)
+            one = at(1, layouts(1)[0]).tokens_per_ms if weak else None
             for R in args.ranks:
-                ranked = sorted((at(R, mode) for mode in layouts[R]),
+                ranked = sorted((at(R, layout) for layout in ranks_layouts[R]),
                                 key=lambda p: -p.tokens_per_ms)
                 for p in ranked:
                     per_node = (f" ({p.tokens_per_ms / R:.4f} tok/ms per node"

@@ -36,7 +36,7 @@ def _web():
     return uvicorn, create_app, Metrics
 
 
-def load_model(config, params, engine: str = "starpu", partition=None, sched=None):
+def load_model(config, params, engine: str = "starpu", partition=None):
     """The engine's load callable: run in the engine thread, it starts StarPU on the partition
     (a record.Partition, partition.resolve's) or the reference engine, registers params and
     returns an engine.Loaded."""
@@ -48,7 +48,7 @@ def load_model(config, params, engine: str = "starpu", partition=None, sched=Non
             backend = DirectBackend(config, params)
             return Loaded(backend, 1, contextlib.nullcontext, backend.close,
                           "reference engine (the kernels in a plain loop, no StarPU)")
-        runtime = Runtime(partition=partition, sched=sched)
+        runtime = Runtime(partition)
         try:
             backend = StarPUBackend(runtime, config, params)
         except BaseException:
@@ -58,7 +58,7 @@ def load_model(config, params, engine: str = "starpu", partition=None, sched=Non
         def close():
             backend.close()
             runtime.shutdown()
-        return Loaded(backend, runtime.workers, runtime.paused, close, runtime.describe())
+        return Loaded(backend, runtime.partition.workers, runtime.paused, close, runtime.describe())
     return load
 
 
@@ -120,7 +120,7 @@ def run_serve(init_from, host: str = "127.0.0.1", port: int = 8000, max_batch: i
         model = model_name or os.path.splitext(os.path.basename(os.path.normpath(init_from)))[0]
         tok = tokenizer.gpt2()
         metrics = Metrics(max_batch)
-        load = load_model(config, params, engine, partition, request.sched)
+        load = load_model(config, params, engine, partition)
         eng = Engine(load, config, tok, tok.eot, max_batch=max_batch, max_queue=max_queue,
                      metrics=metrics)
         eng.start()              # StarPU up, the model registered; an error is raised here

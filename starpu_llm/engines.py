@@ -53,13 +53,14 @@ def run_partition(cfg, comm=None, runtime=None, memory=None) -> Partition:
                           oversubscribe=True)
     p = resolve_here(request, comm.Get_size() if comm is not None else 1, cfg.batch,
                      memory is not None, cfg.engine)
-    return replace(p, kcore=started.kcore, gpu_matmul=started.gpu_matmul) if started else p
+    return (replace(p, kcore=started.kcore, gpu_matmul=started.gpu_matmul, sched=started.sched)
+            if started else p)
 
 
 def start_runtime(cfg, partition: Partition, comm=None, memory=None) -> Runtime:
-    """A StarPU Runtime for the partition (on comm, under StarPU-MPI), with cfg's scheduler
-    and the memory budget given (runtime.offload.MemoryLimit)."""
-    return Runtime(partition=partition, sched=cfg.sched, comm=comm, memory=memory)
+    """A StarPU Runtime for the partition (on comm, under StarPU-MPI) and the memory budget
+    given (runtime.offload.MemoryLimit)."""
+    return Runtime(partition, comm=comm, memory=memory)
 
 
 def check_memory(cfg, config, ranks: int = 1) -> None:
@@ -94,9 +95,8 @@ def _make_engine(cfg, p: Partition, state, tokens, runtime=None):
     if p.engine == "reference":
         return ReferenceEngine(state.config, state, cfg.batch, cfg.seq_len, tokens,
                                threads=p.cores_per_worker, sub_batches=p.sub_batches)
-    return StarPUEngine(state.config, state, cfg.batch, cfg.seq_len, tokens, runtime,
-                        sub_batches=p.sub_batches, record=cfg.record, ownership=p.ownership,
-                        pipeline_stages=p.stages, pipeline_schedule=cfg.pipeline_schedule,
+    return StarPUEngine(state.config, state, cfg.batch, cfg.seq_len, tokens, runtime, p,
+                        record=cfg.record,
                         stage_costs=stage_costs(p, cfg, state.config) if p.stages > 1 else None)
 
 

@@ -18,7 +18,7 @@ K cores, scheduler peager). "single" for K = 1; the reference engine's "openmp".
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from .errors import StarpuLLMError, opt
 from .flow.sites import default_sub_batches
@@ -47,6 +47,7 @@ class Build:
     parallel_workers: bool          # parallel workers (1.4) / clusters (1.3), and not turned off
     cuda: bool = False              # a CUDA build (GPUs)
     max_group: int = 64             # cores of one team worker (SL_MAX_GROUP)
+    schedulers: tuple = ()          # its scheduling policies by name (empty: not checked)
 
 
 # The fields that give the partition's shape (PartitionRequest.given)
@@ -120,7 +121,8 @@ class PartitionRequest:
 
 def request_of(p: Partition) -> PartitionRequest:
     """The request that gives the partition p again (a resume's): team and forkjoin are asked
-    for; single (K = 1) and parallel-workers follow from N x K."""
+    for; single (K = 1) and parallel-workers follow from N x K; the scheduler and a pipeline's
+    schedule where recorded (None, the default, in a record saved before they were)."""
     if p.engine == "reference":
         return PartitionRequest(threads=p.cores_per_worker, sub_batches=p.sub_batches)
     return PartitionRequest(
@@ -128,17 +130,19 @@ def request_of(p: Partition) -> PartitionRequest:
         kcore=p.kcore if p.kcore in KCORE_REQUESTS else None,
         ownership=p.ownership if p.ranks > 1 else None,
         pipeline_stages=p.stages if p.ranks > 1 else None,
-        gpus=p.gpus, gpu_matmul=p.gpu_matmul or "tf32")
+        gpus=p.gpus, gpu_matmul=p.gpu_matmul or "tf32", sched=p.sched or None,
+        pipeline_schedule=p.pipeline_schedule or None)
 
 
 def resolve(req: PartitionRequest, *, cores: int, build: Build, ranks: int = 1,
             engine: str = "starpu", batch: int | None = None,
-            memory_limit: bool = False) -> Partition:
+            memory_limit: bool = False, sched_env: str | None = None) -> Partition:
     """The partition req asks for, on a process of `cores` usable cores among `ranks` MPI
     ranks, with a StarPU `build`: the defaults filled in (one worker on all cores; K = cores /
     N; with GPUs a core for each GPU's worker thread; sub-batches, when `batch` is given:
-    flow/sites.default_sub_batches), the mechanism chosen, every rule checked (a clear
-    StarpuLLMError naming the setting). Pure: the same arguments, the same partition."""
+    with_batch; the scheduler: scheduler(), `sched_env` being $STARPU_SCHED; a pipeline's
+    schedule: eager), the mechanism chosen, every rule checked (a clear StarpuLLMError naming
+    the setting). Pure: the same arguments, the same partition."""
     if engine == "reference":
         if req.gpus:
             raise StarpuLLMError(f"{opt('gpus')} {req.gpus} runs the StarPU engine's tasks on "
@@ -198,13 +202,28 @@ def resolve(req: PartitionRequest, *, cores: int, build: Build, ranks: int = 1,
             f"StarPU 1.3's FORKJOIN tasks (peager) cannot run: use {opt('kcore')} team (the "
             f"default) or one core per worker")
     stages = req.pipeline_stages or 1
-    subs = req.sub_batches or 0
-    if not subs and batch is not None:
-        copies = max(1, ranks // stages)
-        subs = default_sub_batches(max(1, batch // copies), stages, workers, gpus)
-    return Partition("starpu", workers, cores_per_worker, subs, mechanism, ranks,
-                     (req.ownership or "sharded") if ranks > 1 else "rank0", stages, gpus,
-                     req.gpu_matmul if gpus else "")
+    schedule = ""
+    if stages > 1:
+        schedule = req.pipeline_schedule or PIPELINE_SCHEDULES[0]
+        if schedule not in PIPELINE_SCHEDULES:
+            raise StarpuLLMError(f"{opt('pipeline_schedule')} {schedule!r}: choose one of "
+                                 f"{', '.join(PIPELINE_SCHEDULES)}")
+    p = Partition("starpu", workers, cores_per_worker, req.sub_batches or 0, mechanism, ranks,
+                  (req.ownership or "sharded") if ranks > 1 else "rank0", stages, gpus,
+                  req.gpu_matmul if gpus else "", pipeline_schedule=schedule)
+    p = replace(p, sched=scheduler(p, req.sched, build.schedulers, sched_env))
+    return with_batch(p, batch) if batch is not None else p
+
+
+def with_batch(p: Partition, batch: int) -> Partition:
+    """p with its sub-batches for a `batch` of sequences (over all ranks) where it has none
+    (0): the one place their default is decided (flow/sites.default_sub_batches: a pipeline's
+    micro-batches, else one per worker, one per GPU with GPUs) on each data-parallel copy's
+    share of the batch."""
+    if p.sub_batches or p.engine != "starpu":
+        return p
+    per_copy = max(1, batch // max(1, p.ranks // p.stages))
+    return replace(p, sub_batches=default_sub_batches(per_copy, p.stages, p.workers, p.gpus))
 
 
 def _mechanism(kcore, workers, cores_per_worker, oversubscribed, memory_limit, gpus,
@@ -247,14 +266,21 @@ def partitions_that_fit(cores: int, build: Build) -> list[tuple[int, int, str]]:
     return out
 
 
+def shapes(cores: int) -> list[tuple[int, int]]:
+    """Every (N workers, K cores) with N x K = cores, N from 1 up: partitions_that_fit on a
+    machine of that many cores whose build limits none (the performance model's candidates)."""
+    build = Build(max_cpus=cores, parallel_workers=False, max_group=cores)
+    return list(dict.fromkeys((n, k) for n, k, _ in partitions_that_fit(cores, build)))
+
+
 def scheduler(partition: Partition, sched: str | None, policies, env: str | None = None) -> str:
     """The StarPU scheduler of a partition: the one asked for (sched, else `env`, the
     environment's STARPU_SCHED), else dmdas with GPUs, peager under forkjoin, lws otherwise;
-    checked against the build's `policies`."""
+    checked against the build's `policies` (none given: another machine's, not checked)."""
     given = f"{opt('sched')} {sched}" if sched else f"STARPU_SCHED={env} (in the environment)"
     sched = sched or env or (GPU_SCHED if partition.gpus else
                              "peager" if partition.kcore == "forkjoin" else "lws")
-    if sched not in policies:
+    if policies and sched not in policies:
         raise StarpuLLMError(f"{given}: this StarPU has no such scheduler; choose one of "
                              f"{', '.join(policies)}")
     if partition.gpus and sched in NOT_WITH_GPUS:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 import numpy as np
 
@@ -26,6 +26,10 @@ class Partition:
     stages: int = 1         # pipeline stages (ranks = stages x data-parallel copies)
     gpus: int = 0           # GPUs (StarPU CUDA workers) beside the N CPU workers
     gpu_matmul: str = ""    # their matmul precision, "tf32" or "fp32" ("" without GPUs)
+    sched: str = ""         # the StarPU scheduler (partition.scheduler; "": the reference
+                            # engine, or a record saved before it was kept)
+    pipeline_schedule: str = ""   # a pipeline's schedule (flow/topology.PIPELINE_SCHEDULES;
+                                  # "": no pipeline, or a record saved before it was kept)
 
     @property
     def starpu_workers(self) -> int:
@@ -35,10 +39,17 @@ class Partition:
 
     @property
     def pins_sub_batches(self) -> bool:
-        """Whether sub-batch i runs on worker i mod N: where StarPU's workers are the
-        partition's (team or one-core workers; not parallel or combined workers, built over a
-        worker per core)."""
-        return self.workers > 1 and self.starpu_workers == self.workers
+        """The pinning rule, stated here only: sub-batch i runs on worker i mod N where
+        partition worker i is StarPU worker i (N > 1 team or one-core workers); not on parallel
+        or combined workers (built over a worker per core), nor with GPUs (their CUDA workers
+        come first in StarPU's numbering, and a pinned task would never reach them)."""
+        return self.workers > 1 and self.gpus == 0 and self.starpu_workers == self.workers
+
+    def same_shape(self, other: "Partition") -> bool:
+        """Whether other runs the same roundings: every field but the scheduler and a
+        pipeline's schedule (the same bits under any schedule; absent from older records)."""
+        return replace(self, sched="", pipeline_schedule="") == replace(other, sched="",
+                                                                        pipeline_schedule="")
 
     def describe(self) -> str:
         if self.stages > 1:
@@ -51,8 +62,10 @@ class Partition:
             return f"reference engine, {self.cores_per_worker} thread(s), {self.sub_batches} sub-batch(es)"
         gpus = (f" + {self.gpus} GPU(s) ({self.gpu_matmul.upper()} matmuls)" if self.gpus
                 else "")
+        sched = f", scheduler {self.sched}" if self.sched else ""
+        schedule = f", {self.pipeline_schedule} schedule" if self.pipeline_schedule else ""
         return (f"{self.workers} worker(s) x {self.cores_per_worker} core(s) ({self.kcore}){gpus}, "
-                f"{self.sub_batches} sub-batch(es){ranks}")
+                f"{self.sub_batches} sub-batch(es){ranks}{schedule}{sched}")
 
 
 @dataclass(frozen=True)

@@ -85,8 +85,12 @@ def on_recorded_partition(cfg, record: RunRecord | None, ranks: int, warn):
         warn(f"the recorded partition ({p.describe()}) cannot run here ({e.render(flag)}): the "
              f"run goes on on the default partition")
         return cfg
+    # the scheduler and a pipeline's schedule (not the partition's shape: PartitionRequest.given)
+    # resumed where this run names none
     return replace(cfg, **{f.name: getattr(recorded, f.name) for f in fields(recorded)
-                           if f.name not in ("oversubscribe", "sched", "pipeline_schedule")})
+                           if f.name != "oversubscribe"
+                           and not (f.name in ("sched", "pipeline_schedule")
+                                    and getattr(cfg, f.name) is not None)})
 
 
 def say_resumed(saved: checkpoint.Saved, log, warn) -> None:
@@ -103,7 +107,7 @@ def warn_changes(saved: RunRecord | None, now: RunRecord, warn) -> None:
         warn("the checkpoint records no partition or settings (saved by an older starpu-llm): "
              "whether this run continues the saved one unchanged is not checked")
         return
-    if saved.partition != now.partition:
+    if not saved.partition.same_shape(now.partition):
         warn(f"the run continues on {now.partition.describe()}, it was saved on "
              f"{saved.partition.describe()}: roundings will differ from the uninterrupted run")
     changed = saved.settings.changed(now.settings)

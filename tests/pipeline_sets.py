@@ -15,16 +15,17 @@ from starpu_llm.io import formats
 from starpu_llm.runtime import mpi
 from starpu_llm.runtime.starpu import Runtime
 from starpu_llm.state import TrainState, random_init
+from partitions import here
 
 
 def main(schedule, micro, shard):
     cfg, comm = MODELS["micro"], mpi.world()
     S, B, T = comm.Get_size(), 2 * int(micro), 16
     tokens = formats.read_shard(shard, cfg.V)
-    with Runtime(1, 1, comm=comm, oversubscribe=True) as rt:
+    with Runtime(here(1, 1, oversubscribe=True, comm=comm), comm=comm) as rt:
         eng = StarPUEngine(cfg, TrainState(config=cfg, params=random_init(cfg)), B, T, tokens,
-                           rt, sub_batches=int(micro), pipeline_stages=S,
-                           pipeline_schedule=schedule)
+                           rt, here(1, 1, oversubscribe=True, comm=comm, sub_batches=int(micro),
+                                    pipeline_stages=S, pipeline_schedule=schedule))
         rt.start_trace(100_000)
         try:
             eng.step(0, 1e-3, 0.0)

@@ -15,15 +15,16 @@ from starpu_llm.io import formats
 from starpu_llm.runtime import mpi
 from starpu_llm.runtime.starpu import Runtime
 from starpu_llm.state import TrainState, random_init
+from partitions import here, subs
 
 
 def main(ownership, shard):
     cfg, comm = MODELS["micro"], mpi.world()
     R, rank = comm.Get_size(), comm.Get_rank()
     tokens = formats.read_shard(shard, cfg.V)
-    with Runtime(1, 1, comm=comm, oversubscribe=True) as rt:
+    with Runtime(here(1, 1, oversubscribe=True, comm=comm), comm=comm) as rt:
         eng = StarPUEngine(cfg, TrainState(config=cfg, params=random_init(cfg)), 2 * R, 16,
-                           tokens, rt, ownership=ownership)
+                           tokens, rt, subs(rt, ownership=ownership))
         mine = {key for key, owner in eng.sites.topology.owners.items() if owner == rank}
         keys = [key for key, _, _ in eng.layout.slice_list(eng.sites.topology.wte_blocks)]
         received = [t for d, group in enumerate(eng.contributions) if d != rank

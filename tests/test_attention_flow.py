@@ -13,12 +13,13 @@ from starpu_llm import Runtime, StarpuLLMError
 from starpu_llm.config import GPTConfig, ParamLayout
 from starpu_llm.flow.engine import StarPUEngine
 from starpu_llm.state import TrainState
+from partitions import here
 from test_model import compare, make_case, report, run_engine, run_torch
 
 
 @pytest.fixture(scope="module")
 def runtime():
-    rt = Runtime(1, 1, attention="flash")
+    rt = Runtime(here(1, 1), attention="flash")
     yield rt
     rt.shutdown()
 
@@ -76,7 +77,8 @@ def test_a_head_too_wide_for_the_cuda_kernels_is_refused_before_any_task(runtime
         state = TrainState(config=wide, params=random_init(wide))
         return StarPUEngine(wide, state, 1, 16, tokens, runtime=runtime)
     engine().close()                                  # CPU workers only: runs
-    monkeypatch.setattr(runtime, "gpus", 1)           # as a GPU runtime would start it
+    monkeypatch.setattr(runtime, "partition",         # as a GPU runtime would start it
+                        replace(runtime.partition, gpus=1))
     with pytest.raises(StarpuLLMError, match=r'heads of up to 64 channels, and this model\'s '
                        r'have 128 \(128 channels / 1 heads\): start the runtime with '
                        r'attention="gemm"'):

@@ -13,6 +13,7 @@ from starpu_llm.codelets import DirectOps, TABLE as KERNEL_TABLE
 from starpu_llm.runtime.submit import TABLE, StarPUOps, Where
 from starpu_llm.config import MODELS
 from starpu_llm.runtime import usable_cores
+from partitions import here
 from tracing import traced_step
 
 MICRO = MODELS["micro"]
@@ -72,7 +73,7 @@ def test_traced_modes_are_the_declared_ones(workers, sub_batches, redux, grad_cl
     if workers > usable_cores():
         pytest.skip(f"{workers} one-core workers need {workers} cores; this process may use "
                     f"{usable_cores()}")
-    with Runtime(workers, 1) as rt:
+    with Runtime(here(workers, 1)) as rt:
         events, _ = traced_step(rt, MICRO, TOKENS, sub_batches=sub_batches, grad_clip=grad_clip)
     ids = {ffi.string(lib.sl_codelet_name(i)).decode(): i for i in range(lib.sl_codelet_count())}
     seen = set()
@@ -101,7 +102,7 @@ def test_wte_blocks_run_with_every_buffer():
     its buffers in the declared modes, each repeated one 5 times in its place (the lm head's
     backward has 3 + 2 x 5 = 13 buffers, past the 8 a task may have on Debian's StarPU 1.3
     without STARPU_VARIABLE_NBUFFERS), and every block gets its own update."""
-    with Runtime(1, 1) as rt:
+    with Runtime(here(1, 1)) as rt:
         events, names = traced_step(rt, MICRO, TOKENS, wte_blocks=5)
     ids = {ffi.string(lib.sl_codelet_name(i)).decode(): i for i in range(lib.sl_codelet_count())}
     counts = {}
@@ -124,7 +125,7 @@ def test_submission_checks_the_repeat_count():
     as the task's count says (sl_submit)."""
     with pytest.raises(TypeError, match="different counts"):
         DirectOps().matmul_backward(None, [1, 2], None, None, [1, 2, 3], None, 1, 1, 1)
-    with Runtime(1, 1) as rt:
+    with Runtime(here(1, 1)) as rt:
         arrays = [np.ones(4, np.float32) for _ in range(4)]
         h = [lib.sl_register_vector(ffi.from_buffer(x), 4, 4) for x in arrays]
         cd = TABLE["matmul_forward"]
@@ -191,7 +192,7 @@ def test_attention_flops_count_the_causal_pairs():
 def test_submission_checks_the_declaration_and_the_site():
     """sl_submit refuses a task that does not match the declaration (a missing buffer, too
     many, arguments of the wrong size) or a site that cannot be (node or worker below -1)."""
-    with Runtime(1, 1) as rt:
+    with Runtime(here(1, 1)) as rt:
         arrays = [np.ones(4, np.float32) for _ in range(3)]
         h = [lib.sl_register_vector(ffi.from_buffer(x), 4, 4) for x in arrays]
         cd = TABLE["gelu_forward"]
@@ -217,7 +218,7 @@ def test_each_task_runs_where_its_submission_says():
     that worker, in any order of submission (no state carried from one task to the next)."""
     if usable_cores() < 2:
         pytest.skip("two one-core workers need two cores")
-    with Runtime(2, 1) as rt:
+    with Runtime(here(2, 1)) as rt:
         rt.start_trace(1000)
         outs = []
         for i in range(40):
@@ -242,7 +243,7 @@ def test_tasks_ready_together_run_highest_priority_first():
     worker's queue by priority, StarPU 1.3 and 1.4 alike). The gate waits for this thread to
     release its input, so every task is submitted before any can run; the worker running the
     gate makes them all ready before it takes the next task."""
-    with Runtime(1, 1, sched="lws") as rt:
+    with Runtime(here(1, 1, sched="lws")) as rt:
         arrays = [np.ones(64, np.float32) for _ in range(2 + len(PRIORITIES))]
         hs = [lib.sl_register_vector(ffi.from_buffer(x), x.size, 4) for x in arrays]
         gate_in, gate_out, outs = hs[0], hs[1], hs[2:]
@@ -268,7 +269,7 @@ def test_a_repeated_buffer_past_the_declared_maximum():
     k = lib.SL_MAX_BUFFERS + 4
     sources = [np.full(3, i, np.float32) for i in range(k)]
     dst = np.zeros(3 * k, np.float32)
-    with Runtime(1, 1) as rt:
+    with Runtime(here(1, 1)) as rt:
         hs = [lib.sl_register_vector(ffi.from_buffer(x), x.size, 4) for x in [dst, *sources]]
         StarPUOps().gather(hs[0], hs[1:], ffi.cast("char *", ffi.from_buffer(dst)))
         rt.wait()
@@ -283,7 +284,7 @@ def test_threads_submitting_at_once_keep_their_arguments():
     with N=8 and one with N=4 over 8-element vectors, each task sees its own N (with one
     set shared by both, 32 tasks of these 6000 got the other thread's N in a trial run)."""
     k = 3000
-    with Runtime(1, 1) as rt:
+    with Runtime(here(1, 1)) as rt:
         arrays = {N: [(np.ones(8, np.float32), np.full(8, np.nan, np.float32)) for _ in range(k)]
                   for N in (8, 4)}
         handles = {N: [tuple(lib.sl_register_vector(ffi.from_buffer(x), 8, 4) for x in pair)

@@ -23,6 +23,7 @@ sys.path.insert(0, EXPERIMENTS)
 import llmc  # noqa: E402
 from series import config_key  # noqa: E402
 
+from starpu_llm.partition import shapes  # noqa: E402
 from starpu_llm.perf import machine  # noqa: E402
 from starpu_llm.perf.calibrate import calibrate  # noqa: E402
 from starpu_llm.runtime import usable_cores  # noqa: E402
@@ -171,7 +172,7 @@ def test_quick_calibration_covers_every_partition(quick_calibration):
     cores = usable_cores()
     assert len(back.sgemm_gflops) == len(back.bandwidth_gbs) == cores
     assert "--quick" in back.source
-    ks = {k for _, k in machine.partitions(cores)}
+    ks = {k for _, k in shapes(cores)}
     assert ks <= set(back.codelets["matmul_forward"]["a"])
 
 

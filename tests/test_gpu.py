@@ -24,6 +24,7 @@ from starpu_llm._clib import lib
 from starpu_llm.config import ParamLayout
 from starpu_llm.runtime import Runtime
 from starpu_llm.runtime.starpu import have_cuda, placed, placement
+from partitions import here
 from test_model import STEPS, compare, make_case, param_errors, report, run_engine, run_torch
 
 
@@ -55,7 +56,7 @@ def oracle(case):
 
 
 def gpu_runtime(matmul: str) -> Runtime:
-    return Runtime(gpus=1, gpu_matmul=matmul)
+    return Runtime(here(gpus=1, gpu_matmul=matmul))
 
 
 def test_cpu_and_gpu_losses_side_by_side(runtime):

@@ -14,6 +14,7 @@ from starpu_llm.record import Partition, RunRecord, Settings
 from starpu_llm.runtime import Runtime
 from starpu_llm.partition import Build, PartitionRequest, resolve
 from starpu_llm.runtime.starpu import have_cuda, this_build, usable_cores
+from partitions import here
 
 
 def test_every_layer_has_a_cuda_body():
@@ -48,14 +49,14 @@ def test_partition_records_the_gpus():
 def test_gpus_refused_where_they_cannot_run():
     for bad, what in ((dict(gpus=-1), "--gpus"), (dict(gpus=1, gpu_matmul="bf16"), "--gpu-matmul")):
         with pytest.raises(StarpuLLMError, match=what.strip("-").replace("-", "_")):
-            Runtime(**bad)
+            Runtime(here(**bad))
     if not have_cuda():
         with pytest.raises(StarpuLLMError, match="CPU build"):
-            Runtime(gpus=1)
+            Runtime(here(gpus=1))
     else:   # a CUDA build refuses what GPUs cannot run yet, before starting anything
         for kw, what in ((dict(sched="lws"), "lws"), (dict(kcore="forkjoin"), "forkjoin")):
             with pytest.raises(StarpuLLMError, match=what):
-                Runtime(gpus=1, **kw)
+                Runtime(here(gpus=1, **kw))
     with pytest.raises(StarpuLLMError, match="reference engine"):
         resolve(PartitionRequest(gpus=1), cores=2, build=this_build(), engine="reference")
 

@@ -61,6 +61,7 @@ from starpu_llm.io.formats import read_shard
 from starpu_llm.flow.reference import ReferenceEngine
 from starpu_llm.runtime import usable_cores
 from starpu_llm.state import TrainState, random_init
+from partitions import subs
 
 from bounds import AdamDrift, grad_rel_bound, logits_bound, loss_bound, ratio, slice_scales
 
@@ -153,9 +154,9 @@ def make_engine(kind, case, state, runtime, sub_batches=None):
         # the same OpenMP team size as the StarPU engine's tasks, so that both run the
         # kernels' reductions in the same order
         return ReferenceEngine(case.config, state, case.B, case.T, case.tokens,
-                               threads=runtime.cores_per_worker, attention=case.attention)
+                               threads=runtime.partition.cores_per_worker, attention=case.attention)
     return StarPUEngine(case.config, state, case.B, case.T, case.tokens, runtime=runtime,
-                        sub_batches=sub_batches)
+                        partition=subs(runtime, sub_batches))
 
 
 def run_torch(case: Case, out: dict, tf32s=None):

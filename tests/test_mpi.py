@@ -378,9 +378,12 @@ if sys.argv[1] == "mpi4py-first":
 from starpu_llm.runtime import mpi as distributed
 from starpu_llm.runtime.starpu import Runtime
 from starpu_llm.trainer import TrainConfig, train
+from starpu_llm.partition import PartitionRequest
+from starpu_llm.runtime import resolve_here
 comm = distributed.world()
 distributed.pin_rank(comm)
-with Runtime(1, 1, comm=comm) as rt:
+with Runtime(resolve_here(PartitionRequest(workers=1, cores_per_worker=1), comm.Get_size()),
+             comm=comm) as rt:
     r = train(TrainConfig(model="micro", train_data=sys.argv[2], batch=4, seq_len=16, steps=3,
                           log=None), runtime=rt)
     # a file per rank: mpirun may interleave the ranks' stdout within a line

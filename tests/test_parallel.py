@@ -11,6 +11,7 @@ from starpu_llm.partition import PartitionRequest
 from starpu_llm.runtime import resolve_here
 from starpu_llm.state import TrainState, random_init
 from starpu_llm.flow.taskflow import update_order
+from partitions import here, subs
 
 from bounds import AdamDrift, grad_rel_bound, ratio, slice_scales
 
@@ -46,8 +47,8 @@ def run(workers, cores, sub_batches=None, oversubscribe=False, kcore=None, drift
     same tasks as step()), and the step's gradients, moments and parameters feed the drift
     bound and the step losses' bounds; without, the bounds are None."""
     state = TrainState(config=CFG, params=random_init(CFG, seed=5))
-    with Runtime(workers, cores, oversubscribe=oversubscribe, kcore=kcore) as rt:
-        eng = StarPUEngine(CFG, state, B, T, TOKENS, rt, sub_batches=sub_batches)
+    with Runtime(here(workers, cores, oversubscribe=oversubscribe, kcore=kcore)) as rt:
+        eng = StarPUEngine(CFG, state, B, T, TOKENS, rt, subs(rt, sub_batches))
         try:
             eng.forward_backward(0)
             eng.sync()
@@ -127,9 +128,9 @@ def test_partition_equals_single_worker(single, workers, cores, sub_batches, ove
 
 def test_indivisible_batch_is_a_clear_error():
     state = TrainState(config=CFG, params=random_init(CFG))
-    with Runtime(1, 1) as rt:
+    with Runtime(here(1, 1)) as rt:
         with pytest.raises(StarpuLLMError, match="choose sub_batches dividing"):
-            StarPUEngine(CFG, state, 4, T, TOKENS, rt, sub_batches=3)
+            StarPUEngine(CFG, state, 4, T, TOKENS, rt, subs(rt, 3))
 
 
 @pytest.mark.parametrize("sub_batches", [2, 4])
@@ -138,10 +139,10 @@ def test_sub_batches_stay_on_their_worker(sub_batches):
     while reductions and updates run wherever a worker is free."""
     skip_unless_it_fits(2, 1)
     state = TrainState(config=CFG, params=random_init(CFG, seed=5))
-    with Runtime(2, 1) as rt:
+    with Runtime(here(2, 1)) as rt:
         rt.start_trace(100_000)
         try:
-            eng = StarPUEngine(CFG, state, B, T, TOKENS, rt, sub_batches=sub_batches)
+            eng = StarPUEngine(CFG, state, B, T, TOKENS, rt, subs(rt, sub_batches))
             try:
                 for i in range(2):
                     eng.step(i * B * T, LR, WEIGHT_DECAY)

@@ -20,6 +20,7 @@ from starpu_llm.flow.engine import StarPUEngine
 from starpu_llm.runtime import usable_cores
 from starpu_llm.runtime.submit import StarPUOps
 from starpu_llm.state import TrainState, random_init
+from partitions import here, subs
 from bounds import loss_bound
 
 pytestmark = pytest.mark.skipif(usable_cores() < 2, reason="needs 2 cores")
@@ -39,8 +40,8 @@ def train(name, workers, cores, sub_batches=None):
     cfg, B, T, steps, _ = CASES[name]
     tokens = np.random.default_rng(7).integers(0, cfg.V, B * T * steps + 1).astype(np.uint16)
     state = TrainState(config=cfg, params=random_init(cfg, seed=11))
-    with Runtime(workers, cores) as rt:
-        eng = StarPUEngine(cfg, state, B, T, tokens, rt, sub_batches=sub_batches)
+    with Runtime(here(workers, cores)) as rt:
+        eng = StarPUEngine(cfg, state, B, T, tokens, rt, subs(rt, sub_batches))
         try:
             losses = [eng.step(0, 1e-3, 0.01)]
             logits_scale = float(np.abs(eng.logits()).max())   # of the first step's forward
@@ -87,7 +88,7 @@ def test_two_core_worker_repeats_exactly(one_core, name, workers, cores, sub_bat
 def test_wait_returns_after_every_task():
     """After Runtime.wait, every task submitted before has run: each probe task has written
     its team size (on parallel workers, the last one used to be still queued or running)."""
-    with Runtime(1, 2) as rt:
+    with Runtime(here(1, 2)) as rt:
         for _ in range(100):
             outs = [ffi.new("uint64_t[]", 3) for _ in range(20)]
             for out in outs:

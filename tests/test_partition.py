@@ -108,7 +108,8 @@ def test_sub_batches_and_ranks():
 @pytest.mark.parametrize("build, cores, ask, ranks", [
     (DEBIAN, 2, {}, 1), (DEBIAN, 2, dict(workers=2), 1), (DEBIAN, 2, dict(kcore="forkjoin"), 1),
     (CLUSTER, 16, dict(workers=4), 1), (CLUSTER, 4, dict(ownership="rank0"), 2),
-    (CLUSTER, 4, dict(pipeline_stages=2, sub_batches=3), 2), (GPU, 8, dict(gpus=1), 1)])
+    (CLUSTER, 4, dict(pipeline_stages=2, sub_batches=3), 2), (GPU, 8, dict(gpus=1), 1),
+    (CLUSTER, 4, dict(pipeline_stages=2, pipeline_schedule="1f1b", sched="dmda"), 2)])
 def test_a_recorded_partition_asked_for_again_is_the_same(build, cores, ask, ranks):
     p = resolve(PartitionRequest(**ask), cores=cores, build=build, ranks=ranks, batch=24)
     again = request_of(p)
@@ -133,3 +134,45 @@ def test_what_counts_as_given_and_the_scheduler():
         scheduler(p, None, policies, env="nosuch")
     with pytest.raises(StarpuLLMError, match="lws"):
         scheduler(resolve(PartitionRequest(gpus=1), cores=4, build=GPU), "lws", policies)
+
+
+def test_the_scheduler_and_a_pipelines_schedule_are_the_partitions():
+    """resolve decides them (the one asked for, else $STARPU_SCHED, else the default; a
+    pipeline's schedule, eager by default), the partition prints them, and a record saved
+    before they were kept reads with neither, the same shape as one with them."""
+    import json
+    from dataclasses import asdict, replace
+    from starpu_llm.record import RunRecord, Settings
+    from starpu_llm.trainer import TrainConfig
+    policies = ("lws", "peager", "dmdas", "eager")
+    build = replace(DEBIAN, schedulers=policies)
+    p = resolve(PartitionRequest(), cores=2, build=build)
+    assert (p.sched, p.pipeline_schedule) == ("lws", "")
+    assert resolve(PartitionRequest(), cores=2, build=build, sched_env="eager").sched == "eager"
+    pipe = resolve(PartitionRequest(pipeline_stages=2), cores=2, build=build, ranks=2, batch=8)
+    assert (pipe.sched, pipe.pipeline_schedule) == ("lws", "eager")
+    assert pipe.describe().endswith(", eager schedule, scheduler lws")
+    with pytest.raises(StarpuLLMError, match="sched nosuch"):
+        resolve(PartitionRequest(sched="nosuch"), cores=2, build=build)
+    with pytest.raises(StarpuLLMError, match="pipeline_schedule 'fast'"):
+        resolve(PartitionRequest(pipeline_stages=2, pipeline_schedule="fast"), cores=2,
+                build=build, ranks=2)
+    old = json.loads(RunRecord(p, Settings.of(TrainConfig())).to_json())
+    del old["partition"]["sched"], old["partition"]["pipeline_schedule"]
+    was = RunRecord.from_json(json.dumps(old)).partition
+    assert (was.sched, was.pipeline_schedule) == ("", "") and was.same_shape(p)
+    assert request_of(was).sched is None and request_of(p).sched == "lws"
+    assert asdict(was) != asdict(p)
+
+
+def test_the_pinning_rule_with_gpus():
+    """Sub-batch i runs on worker i mod N where partition worker i is StarPU worker i: team
+    or one-core workers, N > 1; not parallel workers, nor with GPUs (their CUDA workers come
+    first in StarPU's numbering)."""
+    def pins(build, cores, **ask):
+        return resolve(PartitionRequest(**ask), cores=cores, build=build).pins_sub_batches
+    assert pins(DEBIAN, 2, workers=2) and pins(DEBIAN, 4, workers=2, cores_per_worker=2)
+    assert not pins(DEBIAN, 2, workers=1)
+    assert not pins(CLUSTER, 8, workers=2, cores_per_worker=4)        # parallel workers
+    assert not pins(GPU, 4, workers=2, cores_per_worker=1, gpus=1)
+    assert not pins(GPU, 8, workers=2, cores_per_worker=2, gpus=1)

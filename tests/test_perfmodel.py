@@ -19,10 +19,20 @@ from starpu_llm.perf import autotune, graph, machine, memory
 from starpu_llm.perf.calibrate import calibrate, fit_codelets, nnls3, read_starpu_history, total_error
 from starpu_llm.config import MODELS, PARAMETER_SPECS, ParamLayout
 from starpu_llm.flow.topology import Topology, placement_shares
-from starpu_llm.perf.predict import Mode, predict, sites_of, task_graph
+from starpu_llm.partition import PartitionRequest, shapes
+from starpu_llm.perf.predict import predict, sites_of, target_partition, task_graph
 from starpu_llm.perf.simulate import SEQUENTIAL
 from starpu_llm.runtime import usable_cores
 from starpu_llm.errors import StarpuLLMError
+from partitions import here
+
+
+def on(n=1, k=1, ranks=1, sub_batches=None, ownership=None, stages=None):
+    """The predicted partition of N x K workers (no parallel workers) on `ranks` ranks
+    (predict.target_partition)."""
+    return target_partition(PartitionRequest(workers=n, cores_per_worker=k, sub_batches=sub_batches,
+                                             ownership=ownership, pipeline_stages=stages),
+                            ranks, parallel_workers=False)
 
 
 def test_recorded_graph_is_the_traced_step():
@@ -31,9 +41,9 @@ def test_recorded_graph_is_the_traced_step():
     from starpu_llm import Runtime
     from tracing import traced_step
     from starpu_llm.config import MODELS
-    g = graph.record("micro", 4, 16, sites_of("micro", 4, 16, sub_batches=2))
+    g = graph.record("micro", 4, 16, sites_of("micro", 4, 16, on(sub_batches=2)))
     tokens = np.random.default_rng(0).integers(0, MODELS["micro"].V, 4000).astype(np.uint16)
-    with Runtime(1, 1) as rt:
+    with Runtime(here(1, 1)) as rt:
         events, _ = traced_step(rt, MODELS["micro"], tokens, B=4, T=16, sub_batches=2)
     real = sorted((e for e in events if e.buffers is not None), key=lambda e: e.job)
     assert [t.codelet for t in g.tasks] == [e.codelet for e in real]
@@ -131,7 +141,7 @@ def step_by_hand(m, B, k):
 def test_one_worker_step_is_the_sum_of_its_tasks(k):
     m = synthetic(4, [3.0, 5.0, 6.0, 7.5], [2.0, 3.0, 3.5, 4.0], task_us=7.0, team_us=40.0,
                   step_ms=2.5)
-    p = predict(MODEL, 8, T, 1, k, sub_batches=1, calibration=m, parallel_workers=False)
+    p = predict(MODEL, 8, T, on(1, k, sub_batches=1), calibration=m)
     assert p.schedule.step_s == pytest.approx(step_by_hand(m, 8, k), rel=1e-9)
     assert p.tokens_per_ms == pytest.approx(8 * T / (step_by_hand(m, 8, k) * 1e3), rel=1e-9)
     assert p.schedule.idle == [pytest.approx(0.0, abs=1e-9)]      # one worker never waits
@@ -146,8 +156,7 @@ def test_predictions_move_the_right_way():
                            task_us=2.0, reduction_gbs=2.0)
     costly = linear(4, task_us=20.0, reduction_gbs=2.0)
     for n, k in [(1, 1), (1, 4), (2, 2), (4, 1)]:
-        runs = {name: predict(MODEL, 8, T, n, k, sub_batches=n, calibration=mm,
-                              parallel_workers=False).schedule
+        runs = {name: predict(MODEL, 8, T, on(n, k, sub_batches=n), calibration=mm).schedule
                 for name, mm in (("base", base), ("slow", slow_sgemm), ("costly", costly))}
         assert runs["slow"].step_s > runs["base"].step_s, (n, k)
         assert runs["costly"].step_s > runs["base"].step_s, (n, k)
@@ -155,9 +164,9 @@ def test_predictions_move_the_right_way():
             assert s.critical_path_s <= s.step_s + 1e-12
             assert len(s.idle) == n and all(0 <= x <= 1 for x in s.idle)
             assert s.tasks == len(task_graph(MODEL, 8, T, sites_of(
-                MODEL, 8, T, n, k, sub_batches=n, parallel_workers=False)).tasks)
-    one = [predict(MODEL, 8, T, 1, k, sub_batches=1, calibration=base,
-                   parallel_workers=False).schedule.step_s for k in (1, 2, 4)]
+                MODEL, 8, T, on(n, k, sub_batches=n))).tasks)
+    one = [predict(MODEL, 8, T, on(1, k, sub_batches=1),
+                   calibration=base).schedule.step_s for k in (1, 2, 4)]
     assert one[0] > one[1] > one[2], one
 
 
@@ -165,16 +174,15 @@ def test_predictions_move_the_right_way():
 
 def best_per_partition(ranked):
     """[(N, K)] in the order of each partition's best candidate."""
-    return list(dict.fromkeys((p.workers, p.cores_per_worker) for p in ranked))
+    return list(dict.fromkeys((p.partition.workers, p.partition.cores_per_worker) for p in ranked))
 
 
 def speeds_against_one_core(m, ranked):
     """{(N, K): best tokens/ms over one 1 x 1 worker's on the same machine}."""
-    one = predict(MODEL, 8, T, 1, 1, sub_batches=1, calibration=m,
-                  parallel_workers=False).tokens_per_ms
+    one = predict(MODEL, 8, T, on(1, 1, sub_batches=1), calibration=m).tokens_per_ms
     best = {}
     for p in ranked:
-        best.setdefault((p.workers, p.cores_per_worker), p.tokens_per_ms / one)
+        best.setdefault((p.partition.workers, p.partition.cores_per_worker), p.tokens_per_ms / one)
     return best
 
 
@@ -196,7 +204,7 @@ def test_autotuner_picks_one_worker_where_cores_scale_and_reductions_cost():
                                parallel_workers=False)
         assert len(ranked) == len(autotune.candidates(cores, 8)) >= 4
         top = ranked[0]
-        assert (top.workers, top.cores_per_worker, top.sub_batches) == (1, cores, 1), \
+        assert (top.partition.workers, top.partition.cores_per_worker, top.sub_batches) == (1, cores, 1), \
             [p.describe() for p in ranked]
 
 
@@ -218,7 +226,7 @@ def test_autotuner_avoids_a_costly_team():
     (the k-core per-task cost): on 8 cores the one-core workers must win."""
     m = linear(8, team_us=1000.0)
     ranked = autotune.rank(MODEL, 8, T, m, parallel_workers=False)
-    assert (ranked[0].workers, ranked[0].cores_per_worker) == (8, 1), [p.describe() for p in ranked]
+    assert (ranked[0].partition.workers, ranked[0].partition.cores_per_worker) == (8, 1), [p.describe() for p in ranked]
     assert best_per_partition(ranked)[-1] == (1, 8)
 
 
@@ -238,9 +246,9 @@ def test_autotuner_picks_the_middle_partition_where_it_must():
 
 def test_ranking_is_a_pure_function_of_the_description():
     m = synthetic(4, [1.0, 2.5, 2.5, 2.5], [1e6] * 4)
-    one = [(p.workers, p.cores_per_worker, p.sub_batches, p.tokens_per_ms)
+    one = [(p.partition.workers, p.partition.cores_per_worker, p.sub_batches, p.tokens_per_ms)
            for p in autotune.rank(MODEL, 8, T, m, parallel_workers=False)]
-    again = [(p.workers, p.cores_per_worker, p.sub_batches, p.tokens_per_ms)
+    again = [(p.partition.workers, p.partition.cores_per_worker, p.sub_batches, p.tokens_per_ms)
              for p in autotune.rank(MODEL, 8, T, machine.loads(machine.dumps(m)),
                                     parallel_workers=False)]
     assert one == again
@@ -267,7 +275,7 @@ def test_calibration_describes_every_partition(calibrated):
     assert back.cores == cores and len(back.sgemm_gflops) == len(back.bandwidth_gbs) == cores
     assert min(back.sgemm_gflops + back.bandwidth_gbs) > 0 and back.task_us >= 0
     assert back.disk_write_gbs > 0 and back.disk_read_gbs > 0
-    ks = {k for _, k in machine.partitions(cores)}
+    ks = {k for _, k in shapes(cores)}
     assert ks <= set(back.codelets["matmul_forward"]["a"]), back.codelets["matmul_forward"]
     for name, c in back.codelets.items():
         assert all(v >= 0 for key in ("a", "b", "c_us") for v in c[key].values()), name
@@ -420,12 +428,12 @@ def test_bytes_per_rank_are_the_closed_form(R, workers):
     m, M = linear(2), model_bytes()
     shares = placement_shares(MODELS[MODEL], R)
     assert len(set(shares)) > 1            # the closed form is checked on unequal shares
-    sharded = predict(MODEL, 4 * R, T, workers, 1, ranks=R, calibration=m,
-                      parallel_workers=False, mode=Mode("sharded")).schedule
+    sharded = predict(MODEL, 4 * R, T, on(workers, 1, R, ownership="sharded"),
+                      calibration=m).schedule
     expected = [round((1 - f) * M + (R - 1) * f * M) for f in shares]
     assert sharded.sent == expected and sharded.received == expected
-    rank0 = predict(MODEL, 4 * R, T, workers, 1, ranks=R, calibration=m,
-                    parallel_workers=False, mode=Mode("rank0")).schedule
+    rank0 = predict(MODEL, 4 * R, T, on(workers, 1, R, ownership="rank0"),
+                    calibration=m).schedule
     assert rank0.sent == rank0.received == [(R - 1) * M] + [M] * (R - 1)
 
 
@@ -434,8 +442,8 @@ def test_pipeline_moves_only_activations():
     stream at the boundary goes forward and its gradient back, the last stage's output to
     the head on stage 0 and the head's gradient back: 2 x T x C floats each way."""
     C, B = MODELS[MODEL].C, 8
-    s = predict(MODEL, B, T, 1, 1, ranks=2, sub_batches=4, calibration=linear(2),
-                parallel_workers=False, mode=Mode("sharded", 2)).schedule
+    s = predict(MODEL, B, T, on(1, 1, 2, sub_batches=4, stages=2),
+                calibration=linear(2)).schedule
     assert s.sent == s.received == [2 * B * T * C * 4] * 2
 
 
@@ -449,9 +457,9 @@ def test_pipeline_embedding_adds_its_wte_gradient_apart():
     from starpu_llm.perf.model import CostModel
     from starpu_llm.perf.simulate import simulate
     m = CostModel(linear(2))
-    pipe_g = task_graph("d12", 8, 64, sites_of("d12", 8, 64, ranks=2, sub_batches=4,
-                                                mode=Mode("sharded", 2)))
-    one_g = task_graph("d12", 8, 64, sites_of("d12", 8, 64, sub_batches=4))
+    pipe_g = task_graph("d12", 8, 64, sites_of("d12", 8, 64, on(1, 1, 2, sub_batches=4,
+                                                              stages=2)))
+    one_g = task_graph("d12", 8, 64, sites_of("d12", 8, 64, on(sub_batches=4)))
 
     def start(g, sched, codelet, sub):
         return next(sched.notes["starts"][i] for i, t in enumerate(g.tasks)
@@ -482,13 +490,12 @@ def test_owner_maps():
     assert set(two.owners.values()) == {0, 1, 2, 3}
     assert two.wte_blocks == 2 and {two.owners[("wte", b)] for b in range(2)} == {0, 2}
     m = linear(2)
-    for R, mode in ((3, Mode("sharded")), (4, Mode("sharded", 2)), (2, Mode("rank0"))):
-        p = predict(MODEL, 12 if R == 3 else 8, T, 1, 1, ranks=R, calibration=m,
-                    parallel_workers=False, mode=mode)
-        nb = Topology(MODELS[MODEL], R, mode.stages, mode.ownership).wte_blocks
-        assert nb == (1 if mode.ownership == "rank0" else R // mode.stages) == p.wte_blocks
-        g = task_graph(MODEL, p.B, T, sites_of(MODEL, p.B, T, 1, 1, R, p.sub_batches, mode,
-                                               parallel_workers=False))
+    for R, (ownership, stages) in ((3, ("sharded", 1)), (4, ("sharded", 2)), (2, ("rank0", 1))):
+        p = predict(MODEL, 12 if R == 3 else 8, T, on(1, 1, R, ownership=ownership,
+                                                      stages=stages), calibration=m)
+        nb = Topology(MODELS[MODEL], R, stages, ownership).wte_blocks
+        assert nb == (1 if ownership == "rank0" else R // stages) == p.wte_blocks
+        g = task_graph(MODEL, p.B, T, sites_of(MODEL, p.B, T, p.partition))
         assert g.wte_blocks == nb
         # the embedding and the lm head take every block; wte's updates are one per block
         heads = [t for t in g.tasks if t.sub == 0 and t.codelet in ("encoder_forward",
@@ -505,8 +512,8 @@ def test_sharded_beats_rank0_on_a_slow_link():
     models (rank0) is slower than every rank sending and receiving about two (sharded)."""
     m = linear(2)
     m.link_bandwidth_gbs = 1e-3
-    speed = {o: predict(MODEL, 16, T, 1, 1, ranks=4, calibration=m, parallel_workers=False,
-                        mode=Mode(o)).tokens_per_ms for o in ("rank0", "sharded")}
+    speed = {o: predict(MODEL, 16, T, on(1, 1, 4, ownership=o), calibration=m).tokens_per_ms
+             for o in ("rank0", "sharded")}
     assert speed["sharded"] > speed["rank0"], speed
     # and a link this slow is what the step is made of: rank 0's R - 1 = 3 models out at the
     # step's start (the parameters), then 3 in (the gradients, once the backward has run)
@@ -521,13 +528,13 @@ def test_mode_predictions_are_deterministic():
     from starpu_llm.perf.simulate import simulate
     m = linear(2, reduction_gbs=2.0)
     m.link_bandwidth_gbs = 0.01
-    modes = (Mode("rank0"), Mode("sharded"), Mode("sharded", 2))
+    layouts = (("rank0", 1), ("sharded", 1), ("sharded", 2))
     runs = []
     for cal in (m, machine.loads(machine.dumps(m))):
         runs.append([(s.step_s, s.critical_path_s, s.busy_s, s.sent, s.received)
                      for s in (simulate(graph.record(MODEL, 16, T, sites_of(
-                         MODEL, 16, T, 2, 1, 4, 2 if mode.stages == 1 else 4, mode,
-                         parallel_workers=False)), CostModel(cal), 1) for mode in modes)])
+                         MODEL, 16, T, on(2, 1, 4, 2 if stages == 1 else 4, ownership, stages))),
+                         CostModel(cal), 1) for ownership, stages in layouts)])
     assert runs[0] == runs[1]
 
 
@@ -594,8 +601,8 @@ def test_ownership_validation_script(tmp_path):
         [("rank0", "2", "3", 2.0), ("sharded", "2", "1", 2.5), ("sharded", "1", "1", 1.5)]
     for x in rows:
         assert float(x["error"]) == pytest.approx(float(x["predicted"]) / float(x["measured"]) - 1)
-        p = predict("tiny", 4, 16, 1, 1, ranks=int(x["ranks"]), calibration=machine.load(str(cal)),
-                    ranks_per_node=int(x["ranks"]), mode=Mode(x["mode"]))
+        p = predict("tiny", 4, 16, on(1, 1, int(x["ranks"]), ownership=x["mode"]),
+                    calibration=machine.load(str(cal)), ranks_per_node=int(x["ranks"]))
         assert float(x["predicted"]) == pytest.approx(p.tokens_per_ms, rel=1e-9)
     assert "| rank0 | 3 |" in r.stdout.replace("1x1 ", "")
     assert "1 runs over another transport than the default left out" in r.stdout
@@ -613,7 +620,7 @@ def test_autotuner_keeps_each_candidates_best_round(tmp_path, monkeypatch):
     hand the choice to the other; a candidate slower in every round loses. No clock: the
     trials' speeds are scripted."""
     m = synthetic(4, [1.0, 2.5, 2.5, 2.5], [1e6] * 4)
-    top, second = [(p.workers, p.cores_per_worker, p.sub_batches)
+    top, second = [(p.partition.workers, p.partition.cores_per_worker, p.sub_batches)
                    for p in autotune.rank(MODEL, 8, T, m)[:2]]
     for script, expect in (({top: [0.10, 0.30], second: [0.20, 0.21]}, top),
                            ({top: [0.10, 0.12], second: [0.20, 0.19]}, second)):
@@ -702,12 +709,12 @@ def test_predictions_under_a_memory_limit_wait_for_new_memory():
     m = synthetic(2, [3.0, 5.0], [2.0, 3.0], task_us=5.0)
     m.disk_read_gbs, m.disk_write_gbs = 0.5, 0.25
     model, B, T64 = "tiny", 4, 64      # its logits and probabilities above MMAP_MAX
-    free = predict(model, B, T64, 1, 2, calibration=m, parallel_workers=False).schedule
+    free = predict(model, B, T64, on(1, 2), calibration=m).schedule
     m.first_touch_gbs = [1.0, 1.5]
     g = task_graph(model, B, T64, sites_of(model, B, T64))
     dropped = sum(n for name, n in g.handles
                   if memory.dropped_after_use(name) and n > memory.MMAP_MAX)
-    roomy = predict(model, B, T64, 1, 2, calibration=m, parallel_workers=False,
+    roomy = predict(model, B, T64, on(1, 2), calibration=m,
                     memory_limit=1 << 40).schedule
     assert (roomy.notes["disk_read"], roomy.notes["disk_written"]) == (0, 0)
     assert dropped > 0
@@ -729,14 +736,14 @@ def test_predictions_under_a_memory_limit():
     for t in g.tasks:
         whole.task(t.accesses)
         peak = max(peak, whole.used)
-    free = predict(model, B, T, 1, 2, calibration=m, parallel_workers=False).schedule
-    roomy = predict(model, B, T, 1, 2, calibration=m, parallel_workers=False,
+    free = predict(model, B, T, on(1, 2), calibration=m).schedule
+    roomy = predict(model, B, T, on(1, 2), calibration=m,
                     memory_limit=peak + (1 << 20)).schedule
     assert (roomy.notes["disk_read"], roomy.notes["disk_written"]) == (0, 0)
     assert roomy.step_s == pytest.approx(free.step_s, rel=1e-12)
     moved = []
     for cap in (peak // 2, peak // 4):
-        s = predict(model, B, T, 1, 2, calibration=m, parallel_workers=False,
+        s = predict(model, B, T, on(1, 2), calibration=m,
                     memory_limit=cap).schedule
         read, written = s.notes["disk_read"], s.notes["disk_written"]
         assert read > 0 and written > 0
@@ -746,4 +753,4 @@ def test_predictions_under_a_memory_limit():
     assert moved[1] > moved[0]
     m.disk_read_gbs = 0.0
     with pytest.raises(StarpuLLMError, match="no disk bandwidth"):
-        predict(model, B, T, 1, 2, calibration=m, parallel_workers=False, memory_limit=peak // 2)
+        predict(model, B, T, on(1, 2), calibration=m, memory_limit=peak // 2)

@@ -446,6 +446,32 @@ def test_resume_continues_on_the_recorded_partition(shard, tmp_path):
         and "2 worker(s) x 1 core(s)" in warnings[0] and "roundings will differ" in warnings[0]
 
 
+def test_resume_keeps_the_recorded_scheduler_and_reads_older_records(shard, tmp_path,
+                                                                     monkeypatch):
+    """The scheduler is the partition's: recorded, and resumed where the resumed run names
+    none; a checkpoint saved before it was recorded resumes on the default one, with no
+    warning (the partition's shape is the same)."""
+    kw = dict(engine="starpu", workers=1, cores_per_worker=1)
+    ck, old = str(tmp_path / "ck"), str(tmp_path / "old")
+    train(config(shard, steps=2, save_every=2, checkpoint_dir=ck, sched="eager", **kw))
+    assert checkpoint.read_with_record(ck)[1].partition.sched == "eager"
+    to_json = RunRecord.to_json
+
+    def before_the_scheduler_was_kept(record):
+        d = json.loads(to_json(record))
+        del d["partition"]["sched"], d["partition"]["pipeline_schedule"]
+        return json.dumps(d, separators=(",", ":"))
+    monkeypatch.setattr(RunRecord, "to_json", before_the_scheduler_was_kept)
+    train(config(shard, steps=2, save_every=2, checkpoint_dir=old, sched="eager", **kw))
+    monkeypatch.undo()
+    assert checkpoint.read_with_record(old)[1].partition.sched == ""
+    for path, sched in ((ck, "eager"), (old, "lws")):
+        warnings, metrics = [], str(tmp_path / f"{sched}.jsonl")
+        train(config(shard, steps=3, resume=path, engine="starpu", metrics_jsonl=metrics,
+                     warn=warnings.append))
+        assert warnings == [] and {r["partition"]["sched"] for r in rows(metrics)} == {sched}
+
+
 def test_resume_refuses_another_model_and_warns_on_changed_settings(shard, tmp_path):
     ck = str(tmp_path / "ck")
     train(config(shard, steps=2, engine="reference", save_every=2, checkpoint_dir=ck))

@@ -6,6 +6,7 @@ import pytest
 from starpu_llm import StarpuLLMError
 from starpu_llm.errors import flag
 from starpu_llm.runtime import Runtime, partitions_that_fit, usable_cores
+from partitions import here
 
 CORES = usable_cores()
 
@@ -19,7 +20,7 @@ def bits(mask):
                          list(dict.fromkeys(partitions_that_fit(CORES) + [(1, 1, "team")])))
 def test_task_threads_and_affinity(workers, cores, kcore):
     """A task of a k-core worker runs a k-thread team, one thread per core, all distinct."""
-    with Runtime(workers, cores, kcore=kcore) as rt:
+    with Runtime(here(workers, cores, kcore=kcore)) as rt:
         for _ in range(4):   # several tasks: whichever worker is master, the layout holds
             nthreads, masks = rt.probe()
             assert nthreads == cores
@@ -31,25 +32,25 @@ def test_task_threads_and_affinity(workers, cores, kcore):
 
 def test_default_partition_uses_every_core():
     with Runtime() as rt:
-        assert rt.workers * rt.cores_per_worker == CORES
+        assert rt.partition.workers * rt.partition.cores_per_worker == CORES
 
 
 def test_restart_after_shutdown():
     for _ in range(2):
-        rt = Runtime(1, 1)
+        rt = Runtime(here(1, 1))
         assert rt.running
         rt.shutdown()
         assert not rt.running
 
 
 def test_only_one_runtime_per_process():
-    with Runtime(1, 1):
+    with Runtime(here(1, 1)):
         with pytest.raises(StarpuLLMError, match="already running"):
-            Runtime(1, 1)
+            Runtime(here(1, 1))
 
 
 def test_unknown_kcore_mode():
     # the library names the setting as TrainConfig does; the CLI renders it as the flag
     with pytest.raises(StarpuLLMError, match="^kcore 'threads': choose one of") as e:
-        Runtime(1, 1, kcore="threads")
+        Runtime(here(1, 1, kcore="threads"))
     assert e.value.render(flag).startswith("--kcore 'threads'")

@@ -19,6 +19,7 @@ from starpu_llm.config import MODELS, GPTConfig                      # noqa: E40
 from starpu_llm.flow.engine import StarPUEngine                           # noqa: E402
 from starpu_llm.runtime import usable_cores                          # noqa: E402
 from starpu_llm.state import TrainState, random_init                 # noqa: E402
+from partitions import here, subs
 
 starpupy_face.import_starpupy()   # its reference repair, whatever runs first
 
@@ -45,9 +46,9 @@ def train(face, workers, cores, checkpoint_dir=None):
     checkpoint is submitted after each step (it runs during the next one)."""
     state = TrainState(config=SMALL, params=random_init(SMALL, seed=11))
     losses, params = [], []
-    with Runtime(workers, cores, face=face) as rt:
+    with Runtime(here(workers, cores), face=face) as rt:
         assert rt.face == face
-        eng = StarPUEngine(SMALL, state, B, T, tokens(), rt, sub_batches=1)
+        eng = StarPUEngine(SMALL, state, B, T, tokens(), rt, subs(rt, 1))
         try:
             for s in range(STEPS):
                 losses.append(eng.step(s * B * T, 1e-3, 0.01))
@@ -79,8 +80,8 @@ def test_checkpoint_submitted_before_the_next_step_without_waiting(tmp_path):
     snapshot after that update and before the next one."""
     _, ref_params = train("cffi", 1, 1)
     state = TrainState(config=SMALL, params=random_init(SMALL, seed=11))
-    with Runtime(1, 1, face="starpupy") as rt:
-        eng = StarPUEngine(SMALL, state, B, T, tokens(), rt, sub_batches=1)
+    with Runtime(here(1, 1), face="starpupy") as rt:
+        eng = StarPUEngine(SMALL, state, B, T, tokens(), rt, subs(rt, 1))
         try:
             for s in range(STEPS):
                 eng.submit_forward_backward(s * B * T)
@@ -98,8 +99,8 @@ def test_checkpoint_submitted_before_the_next_step_without_waiting(tmp_path):
 
 def test_checkpoint_error_is_raised(tmp_path):
     state = TrainState(config=SMALL, params=random_init(SMALL, seed=11))
-    with Runtime(1, 1, face="starpupy") as rt:
-        eng = StarPUEngine(SMALL, state, B, T, tokens(), rt, sub_batches=1)
+    with Runtime(here(1, 1), face="starpupy") as rt:
+        eng = StarPUEngine(SMALL, state, B, T, tokens(), rt, subs(rt, 1))
         try:
             eng.step(0, 1e-3, 0.01)
             (tmp_path / "file").write_text("not a directory")
@@ -115,9 +116,9 @@ def test_face_choice(monkeypatch):
     assert starpupy_face.resolve(None) == "cffi"
     monkeypatch.setenv(starpupy_face.ENV, "starpupy")
     assert starpupy_face.resolve(None) == "starpupy"
-    with Runtime(1, 1) as rt:                      # the environment asks for it
+    with Runtime(here(1, 1)) as rt:                      # the environment asks for it
         assert rt.face == "starpupy" and "starpupy" in rt.describe()
-    with Runtime(1, 1, face="cffi") as rt:         # an explicit choice wins
+    with Runtime(here(1, 1), face="cffi") as rt:         # an explicit choice wins
         assert rt.face == "cffi"
     with pytest.raises(StarpuLLMError, match="choose one of"):
         starpupy_face.resolve("ctypes")
@@ -126,7 +127,7 @@ def test_face_choice(monkeypatch):
 def test_starpupy_handle_pointer_is_a_starpu_handle():
     """The raw handle of a starpupy Handle (its capsule) is the StarPU handle C code orders
     on: a C task writing it (the snapshot copy) runs before the starpupy task reading it."""
-    with Runtime(1, 1, face="starpupy") as rt:
+    with Runtime(here(1, 1), face="starpupy") as rt:
         from starpu_llm.flow.handles import Handles
         place = Handles(rt, MODELS["micro"])
         src = [np.arange(5, dtype=np.float32), np.arange(5, 8, dtype=np.float32)]
@@ -149,7 +150,7 @@ def test_many_starts_in_one_process():
     """starpu.init() registers starpupy's data interfaces anew each time; StarPU 1.4.12's
     table of them overflowed from the 7th start of a process (sl_reserve_interface_ids)."""
     for _ in range(12):
-        with Runtime(1, 1, face="starpupy") as rt:
+        with Runtime(here(1, 1), face="starpupy") as rt:
             h = starpu.Handle(np.zeros(4, np.float32))
             seen = []
             starpu.task_submit(ret_fut=False)(lambda a: seen.append(a.sum()), h)

@@ -7,6 +7,7 @@ from starpu_llm._clib import lib
 from starpu_llm.config import MODELS
 from starpu_llm.flow.taskflow import norm_nodes, norm_tree, update_order
 from starpu_llm.runtime import usable_cores
+from partitions import here
 from tracing import named_buffers, traced_step
 
 MICRO = MODELS["micro"]
@@ -22,7 +23,7 @@ def test_update_starts_after_its_gradient_is_final(workers, cores, sub_batches):
     if workers * cores > usable_cores():
         pytest.skip(f"a {workers}x{cores} partition needs {workers * cores} cores; "
                     f"this process may use {usable_cores()}")
-    with Runtime(workers, cores) as rt:
+    with Runtime(here(workers, cores)) as rt:
         events, names = traced_step(rt, MICRO, TOKENS, sub_batches=sub_batches)
     writes = lib.SL_ACCESS_W | lib.SL_ACCESS_REDUX
     last_write = {}   # gradient handle -> end of the last task writing it, other than AdamW
@@ -95,7 +96,7 @@ def traced(workers, cores, sub_batches, grad_clip):
     if workers * cores > usable_cores():
         pytest.skip(f"a {workers}x{cores} partition needs {workers * cores} cores; "
                     f"this process may use {usable_cores()}")
-    with Runtime(workers, cores) as rt:
+    with Runtime(here(workers, cores)) as rt:
         return traced_step(rt, MICRO, TOKENS, sub_batches=sub_batches, grad_clip=grad_clip)
 
 

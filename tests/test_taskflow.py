@@ -15,6 +15,7 @@ from starpu_llm.flow.tensors import ATTENTIONS, ParameterTensors, Tensor, sub_ba
 from starpu_llm.flow.engine import StarPUEngine
 from starpu_llm.state import TrainState, random_init
 from starpu_llm.trainer import TrainConfig, train
+from partitions import here
 
 MICRO = MODELS["micro"]
 
@@ -30,7 +31,7 @@ def rss_mb():
 
 @pytest.fixture(scope="module")
 def runtime():
-    rt = Runtime(1, 1)
+    rt = Runtime(here(1, 1))
     yield rt
     rt.shutdown()
 

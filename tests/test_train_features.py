@@ -36,6 +36,7 @@ from starpu_llm.io import formats
 from starpu_llm.runtime import usable_cores
 from starpu_llm.schedule import learning_rate
 from starpu_llm.state import TrainState, random_init
+from partitions import subs
 
 from bounds import AdamDrift, clipped_grad_rel, grad_rel_bound, gradnorm_bound, loss_bound, ratio
 from tracing import named_buffers
@@ -67,9 +68,9 @@ def engine_of(kind, runtime, state, sub_batches=None):
     with runtime.paused() if kind == "reference" else contextlib.nullcontext():
         if kind == "reference":
             # the StarPU tasks' team size: the same reduction order, bitwise equal results
-            eng = ReferenceEngine(SMALL, state, B, T, TRAIN, threads=runtime.cores_per_worker)
+            eng = ReferenceEngine(SMALL, state, B, T, TRAIN, threads=runtime.partition.cores_per_worker)
         else:
-            eng = StarPUEngine(SMALL, state, B, T, TRAIN, runtime, sub_batches=sub_batches)
+            eng = StarPUEngine(SMALL, state, B, T, TRAIN, runtime, subs(runtime, sub_batches))
         try:
             yield eng
         finally:

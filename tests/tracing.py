@@ -3,6 +3,7 @@ from starpu_llm.flow.engine import StarPUEngine
 from starpu_llm.flow.sites import Sites
 from starpu_llm.flow.topology import Topology
 from starpu_llm.state import TrainState, random_init
+from partitions import subs
 
 
 def traced_step(runtime, config, tokens, B=4, T=16, sub_batches=None, grad_clip=0.0,
@@ -15,9 +16,9 @@ def traced_step(runtime, config, tokens, B=4, T=16, sub_batches=None, grad_clip=
         # wte's blocks: the sites of a topology with that many (as the performance model
         # records a partition's step), else the engine's own
         sites = (Sites(Topology(config, 1, wte_blocks=wte_blocks), sub_batches or 1,
-                       runtime.workers, runtime.workers_are_starpu_workers)
+                       runtime.partition.workers, runtime.partition.pins_sub_batches)
                  if wte_blocks else None)
-        eng = StarPUEngine(config, state, B, T, tokens, runtime, sub_batches=sub_batches,
+        eng = StarPUEngine(config, state, B, T, tokens, runtime, subs(runtime, sub_batches),
                            sites=sites)
         try:
             eng.step(0, 1e-3, 0.0, grad_clip)

@@ -48,13 +48,14 @@ enum starpu_data_access_mode sl_starpu_mode(int32_t access);
 /* The cores of the worker running the task: sizes this thread's OpenMP team and BLAS, binds
  * the team; returns the team size. */
 int sl_task_threads(void);
-/* With parallel workers the task's team size is set by StarPU's OpenMP prologue (the
- * parallel worker's cores): tasks then take it from omp_get_max_threads(). */
-void sl_codelets_set_team_from_runtime(int on);
-/* Team mode: CPU worker w's tasks (the w-th CPU worker: GPU workers come first in StarPU's
- * numbering) run a cores_per_worker-thread team bound to cores[w * cores_per_worker + t]
- * (cores NULL: core w * cores_per_worker + t); nworkers 0 turns team mode off. */
-void sl_codelets_set_team_groups(int nworkers, int cores_per_worker, const int *cores);
+/* The partition as started (sl_start; SL_KCORE_SINGLE, 0, 1, NULL when stopped), once:
+ * kcore SL_KCORE_TEAM: CPU worker w's tasks (the w-th CPU worker: GPU workers come first in
+ * StarPU's numbering) run a cores_per_worker-thread team bound to
+ * cores[w * cores_per_worker + t] (cores NULL: core w * cores_per_worker + t);
+ * SL_KCORE_PARALLEL: the task's team size is set by StarPU's OpenMP prologue (the parallel
+ * worker's cores): tasks take it from omp_get_max_threads(); otherwise the combined worker's
+ * size (FORKJOIN), 1 on a basic worker. */
+void sl_codelets_set_partition(int kcore, int nworkers, int cores_per_worker, const int *cores);
 
 /* ---- trace.c ---- */
 /* Opens the record of a task of codelet running on ncores; returns its slot (-1: none). */

@@ -65,6 +65,12 @@ static int start(int nworkers, int cores_per_worker, int kcore, const int *cores
 	int ret = starpu_conf_init(&conf);
 	if (ret)
 		return ret;
+	if (!attach) {
+		/* the CUDA workers asked for, no other count (the variable overrides conf.ncuda) */
+		char n[16];
+		snprintf(n, sizeof n, "%d", ncuda);
+		setenv("STARPU_NCUDA", n, 1);
+	}
 	conf.ncpus = ncpus;
 	conf.ncuda = ncuda;
 	conf.nopencl = 0;
@@ -135,11 +141,9 @@ static int start(int nworkers, int cores_per_worker, int kcore, const int *cores
 			sl_shutdown();
 			return -ENODEV;
 		}
-		sl_codelets_set_team_from_runtime(1);
 	}
 #endif
-	if (use_team)
-		sl_codelets_set_team_groups(nworkers, cores_per_worker, cores);
+	sl_codelets_set_partition(kcore, nworkers, cores_per_worker, cores);
 	return 0;
 }
 
@@ -152,15 +156,19 @@ const char *sl_sched_policy_name(int i)
 	return NULL;
 }
 
-int sl_start(int workers, int cores_per_worker, int kcore, const int *cores, int ncuda,
-	     const char *sched, const void *comm)
+int sl_start(const struct sl_partition *p, const int *cores, const void *comm)
 {
-	return start(workers, cores_per_worker, kcore, cores, ncuda, sched, comm, 0);
+	if (!p)
+		return -EINVAL;
+	sl_gpu_set_tf32(p->tf32);
+	return start(p->workers, p->cores_per_worker, p->kcore, cores, p->ncuda, p->sched, comm, 0);
 }
 
-int sl_attach(int workers, int cores_per_worker, int kcore, const int *cores)
+int sl_attach(const struct sl_partition *p, const int *cores)
 {
-	return start(workers, cores_per_worker, kcore, cores, 0, NULL, NULL, 1);
+	if (!p)
+		return -EINVAL;
+	return start(p->workers, p->cores_per_worker, p->kcore, cores, 0, NULL, NULL, 1);
 }
 
 #if SL_HAVE_PARALLEL_WORKERS
@@ -213,10 +221,9 @@ int sl_shutdown(void)
 	if (parallel_workers) {
 		sl_parallel_workers_shutdown(parallel_workers);
 		parallel_workers = NULL;
-		sl_codelets_set_team_from_runtime(0);
 	}
 #endif
-	sl_codelets_set_team_groups(0, 1, NULL);
+	sl_codelets_set_partition(SL_KCORE_SINGLE, 0, 1, NULL);
 #ifdef SL_HAVE_CUDA
 	if (cublas_on) {
 		sl_codelets_cuda_workers(0);

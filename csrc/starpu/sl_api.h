@@ -10,15 +10,26 @@
 typedef struct _starpu_data_state *sl_handle; /* == starpu_data_handle_t */
 
 /* ---- runtime (runtime.c) ---- */
+/* A partition as Python resolved it (starpu_llm/partition.py's record.Partition), everything
+ * sl_start needs of it: the flags --workers, --cores-per-worker, --kcore, --gpus,
+ * --gpu-matmul and --sched arrive here, in one call. */
+struct sl_partition {
+	int workers;	      /* N */
+	int cores_per_worker; /* K */
+	int kcore;	      /* SL_KCORE_*: what gives a task its K cores */
+	int ncuda;	      /* CUDA workers, GPUs 0..ncuda-1 */
+	int tf32;	      /* their matmuls in TF32 (1) or fp32 (0) */
+	const char *sched;    /* the StarPU scheduler; NULL or "": StarPU's choice */
+};
 /* Starts StarPU (StarPU-MPI when comm is not NULL: the address of an MPI_Comm, e.g.
  * mpi4py's MPI._addressof(comm); MPI must already run with at least MPI_THREAD_SERIALIZED)
- * for the partition `workers` workers x `cores_per_worker` cores, with the mechanism that gives
- * a task its cores, and ncuda CUDA workers (GPUs 0..ncuda-1; -ENODEV when this is no CUDA
- * build (sl_have_cuda) or StarPU finds fewer GPUs). Python decides the partition
- * (starpu_llm/partition.py); this starts it and decides nothing (-EINVAL for a mechanism it
- * cannot run). cores lists the workers x cores_per_worker logical core ids, group by group,
- * then one core for each CUDA worker's thread (NULL: 0..). sched NULL or "" keeps StarPU's
- * choice. The mechanisms (cores_per_worker > 1):
+ * for the partition p: workers x cores_per_worker cores, with the mechanism that gives
+ * a task its cores, and ncuda CUDA workers (GPUs 0..ncuda-1, and no other accelerator;
+ * -ENODEV when this is no CUDA build (sl_have_cuda) or StarPU finds fewer GPUs). Python
+ * decides the partition (starpu_llm/partition.py); this starts it and decides nothing (-EINVAL
+ * for a mechanism it cannot run). cores lists the workers x cores_per_worker logical core ids,
+ * group by group, then one core for each CUDA worker's thread (NULL: 0..). The mechanisms
+ * (cores_per_worker > 1):
  *   - SL_KCORE_PARALLEL: StarPU parallel workers (1.4) / clusters (1.3), where the build has
  *     them (sl_have_parallel_workers), on distinct cores, no memory limit, no GPUs;
  *   - SL_KCORE_TEAM: one StarPU worker per group of cores, running sequential tasks with an
@@ -33,8 +44,7 @@ typedef struct _starpu_data_state *sl_handle; /* == starpu_data_handle_t */
 #define SL_KCORE_PARALLEL 2
 #define SL_KCORE_SINGLE	  3
 #define SL_MAX_GROUP	  64 /* most cores of one team worker */
-int sl_start(int workers, int cores_per_worker, int kcore, const int *cores, int ncuda,
-	     const char *sched, const void *comm);
+int sl_start(const struct sl_partition *p, const int *cores, const void *comm);
 /* Where the tasks of a codelet may run (SL_ON_* bits) on a start with ncuda CUDA workers: the
  * one decision, which sl_start applies (also on a build without CUDA, where ncuda > 0 cannot
  * start: what a CUDA build would do). Without GPUs on the CPU workers; with GPUs, every codelet
@@ -51,7 +61,7 @@ int sl_codelet_placed(int codelet);
 /* The same set-up after init as sl_start, on a StarPU that another starter (starpupy's
  * starpu.init(), starpu_llm/runtime/starpupy_face.py) has already initialised with the partition's
  * configuration; sl_shutdown then leaves starpu_shutdown to that starter. No StarPU-MPI. */
-int sl_attach(int workers, int cores_per_worker, int kcore, const int *cores);
+int sl_attach(const struct sl_partition *p, const int *cores);
 /* Before starpu.init(): room in StarPU's table of data interfaces for the next n interface
  * ids (works around a StarPU 1.4.12 overflow from the 7th starpupy init in a process). */
 void sl_reserve_interface_ids(int n);

@@ -1,6 +1,8 @@
 /* The cores a task owns: sizing the OpenMP team and BLAS of the thread running a task, and
- * binding the team's threads, for each of the three ways a task gets its cores_per_worker
- * cores (FORKJOIN on a combined worker, a team worker's group, a parallel worker). */
+ * binding the team's threads. sl_start tells the partition's mechanism once
+ * (sl_codelets_set_partition); at task time each mechanism's cores are where it keeps them:
+ * a team worker's K (its group), a parallel worker's team (StarPU sized it), a FORKJOIN task's
+ * combined worker (1 on a basic worker: a sequential codelet, or one core per worker). */
 #define _GNU_SOURCE
 #include <omp.h>
 #include "internal.h"
@@ -44,24 +46,22 @@ static void bind_team(int cores_per_worker)
 	starpu_sched_ctx_bind_current_thread_to_cpuid(starpu_worker_get_bindid(ids[0]));
 }
 
-/* ---- parallel workers: the team is StarPU's ---- */
-
-static int team_from_runtime;
-
-void sl_codelets_set_team_from_runtime(int on) { team_from_runtime = on; }
-
-/* ---- team mode: a worker owns a group of cores_per_worker cores ---- */
+/* ---- the partition, as started ---- */
 
 static struct {
-	int cores_per_worker; /* 0: no team workers */
-	int groups[STARPU_NMAXWORKERS][SL_MAX_GROUP];
-} team;
+	int kcore;	      /* SL_KCORE_*; SL_KCORE_SINGLE when stopped */
+	int cores_per_worker; /* K */
+	int groups[STARPU_NMAXWORKERS][SL_MAX_GROUP]; /* team mode: each CPU worker's cores */
+} team = { .kcore = SL_KCORE_SINGLE, .cores_per_worker = 1 };
 static int cpu_rank[STARPU_NMAXWORKERS]; /* StarPU worker id -> its rank among the CPU workers */
 static __thread int team_bound; /* this worker's team threads are bound (once) */
 
-void sl_codelets_set_team_groups(int nworkers, int cores_per_worker, const int *cores)
+void sl_codelets_set_partition(int kcore, int nworkers, int cores_per_worker, const int *cores)
 {
-	team.cores_per_worker = nworkers > 0 ? cores_per_worker : 0;
+	team.kcore = kcore;
+	team.cores_per_worker = cores_per_worker;
+	if (kcore != SL_KCORE_TEAM)
+		nworkers = 0;
 	int ids[STARPU_NMAXWORKERS];
 	int ncpu = nworkers > 0 ? starpu_worker_get_ids_by_type(STARPU_CPU_WORKER, ids,
 								STARPU_NMAXWORKERS) :
@@ -95,14 +95,17 @@ static void bind_team_group(int cores_per_worker)
 int sl_task_threads(void)
 {
 	int cores_per_worker;
-	if (team_from_runtime) {
+	switch (team.kcore) {
+	case SL_KCORE_PARALLEL:
 		cores_per_worker = omp_get_max_threads(); /* the parallel worker's team, bound by StarPU */
 		blas_set_threads(cores_per_worker);
-	} else if (team.cores_per_worker > 1) {
+		break;
+	case SL_KCORE_TEAM:
 		cores_per_worker = team.cores_per_worker;
 		kernels_set_threads(cores_per_worker);
 		bind_team_group(cores_per_worker);
-	} else {
+		break;
+	default: /* FORKJOIN, or one core per worker */
 		cores_per_worker = starpu_combined_worker_get_size(); /* 1 on a basic worker */
 		kernels_set_threads(cores_per_worker);
 		if (cores_per_worker > 1)

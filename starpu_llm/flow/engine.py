@@ -16,7 +16,9 @@ from . import taskflow
 from .checkpoint_task import CheckpointTask
 from .memory import step_needs
 from .handles import READ, READ_WRITE, HandleSlices, Handles, acquired
-from .sites import Sites, default_sub_batches
+from ..partition import with_batch
+from ..record import Partition
+from .sites import Sites
 from .step import Engine
 from .topology import Topology, gradient_mode, schedule_order
 from ..runtime.submit import StarPUOps
@@ -53,18 +55,20 @@ class StarPUEngine(Engine):
 
     name = "starpu"
 
-    def __init__(self, config, state, B, T, tokens, runtime, sub_batches: int | None = None,
-                 record: bool = False, ownership: str | None = None, pipeline_stages: int = 1,
-                 stage_costs=None, pipeline_schedule: str | None = None,
-                 sites: Sites | None = None):
+    def __init__(self, config, state, B, T, tokens, runtime, partition: Partition | None = None,
+                 record: bool = False, stage_costs=None, sites: Sites | None = None):
         if not runtime.running:
             raise RuntimeError("the StarPU runtime is not running")
         nranks = runtime.size
+        # the resolved partition (default: the runtime's), its sub-batches for this batch
+        given = partition or runtime.partition
+        p = with_batch(given, B // max(1, nranks // given.stages))
         if sites is not None:
             topology, sub_batches = sites.topology, sites.subs_per_copy
-            pipeline_stages = topology.stages
         else:
-            topology = Topology.of(config, nranks, pipeline_stages, ownership, T, stage_costs)
+            topology = Topology.of(config, nranks, p.stages, p.ownership, T, stage_costs)
+            sub_batches = p.sub_batches
+        pipeline_stages = topology.stages
         copies = topology.copies      # data-parallel copies: every rank's without a pipeline
         where = (f"{copies} data-parallel copies of the pipeline" if pipeline_stages > 1
                  else f"{nranks} MPI processes")
@@ -72,18 +76,16 @@ class StarPUEngine(Engine):
             raise StarpuLLMError(f"{opt('batch')} {B} cannot be split over {where}; "
                                  f"use a {opt('batch')} divisible by {copies}")
         per_copy = B // copies
-        gpus = runtime.gpus
-        if sub_batches is None:
-            sub_batches = default_sub_batches(per_copy, pipeline_stages, runtime.workers, gpus)
-            if per_copy % sub_batches:
+        if per_copy % sub_batches:
+            if not given.sub_batches and sites is None:
                 raise StarpuLLMError(
                     f"{opt('batch')} {B} cannot be split over {sub_batches} workers (one sub-batch "
                     f"each) x {where}; use a {opt('batch')} divisible by "
                     f"{sub_batches * copies}, or {opt('sub_batches')}")
-        elif per_copy % sub_batches:
             raise StarpuLLMError(f"{opt('batch')} {B} ({per_copy} per copy) cannot be split into "
                                  f"{sub_batches} equal sub-batches; choose {opt('sub_batches')} "
                                  f"dividing {per_copy}")
+        self.partition = p
         self.subs_per_rank = sub_batches     # per data-parallel copy (a rank's, or a pipeline's)
         super().__init__(config, state, B, T, tokens, sub_batches * copies)
         self.runtime = runtime
@@ -91,9 +93,8 @@ class StarPUEngine(Engine):
         self.memory = runtime.memory
         if self.memory is not None:
             self.check_memory()      # before StarPU allocates anything of ours
-        self.sites = sites or Sites(topology, self.subs_per_rank, runtime.workers,
-                                    runtime.workers_are_starpu_workers,
-                                    pipeline_schedule or "eager", gpus)
+        self.sites = sites or Sites(topology, self.subs_per_rank, p.workers,
+                                    p.pins_sub_batches, p.pipeline_schedule or "eager", p.gpus)
         self.handles = place = Handles(runtime, config, self.sites, self.memory,
                                        everywhere=sites is not None)
         self.layer_stage = place.layer_stage if place.stages > 1 else None
@@ -145,7 +146,7 @@ class StarPUEngine(Engine):
         the offload folder has no room for every tensor StarPU may evict."""
         needs = step_needs(self.config, self.Bs, self.T, self.subs_per_rank,
                            self.runtime.attention)
-        workers = self.runtime.workers      # a worker (team or parallel) runs a task at a time
+        workers = self.partition.workers    # a worker (team or parallel) runs a task at a time
         minimum = workers * needs.largest_task
         why = (f"{needs.largest_name} holds {format_size(needs.largest_task)} of buffers, "
                f"x {workers} worker(s)")

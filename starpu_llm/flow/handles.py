@@ -307,7 +307,7 @@ class Handles:
         step (tensors.PER_MICRO_BATCH: the losses, which loss() reads; the inputs and targets)
         stays each micro-batch's own."""
         hs = config.C // config.NH
-        if self.runtime.attention == "flash" and self.runtime.gpus and hs > lib.SL_FLASH_MAX_HS:
+        if self.runtime.attention == "flash" and self.runtime.partition.gpus and hs > lib.SL_FLASH_MAX_HS:
             raise StarpuLLMError(
                 f"the fused attention on GPUs takes heads of up to {lib.SL_FLASH_MAX_HS} "
                 f"channels, and this model's have {hs} ({config.C} channels / {config.NH} "

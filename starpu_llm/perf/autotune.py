@@ -12,10 +12,10 @@ import os
 from dataclasses import dataclass
 
 from ..io.atomic import atomic_write
-from ..partition import PartitionRequest
+from ..partition import PartitionRequest, shapes
 from ..runs import run_in_subprocess
-from .machine import Machine, default_path, partitions
-from .predict import predict
+from .machine import Machine, default_path
+from .predict import predict, target_partition
 
 
 @dataclass
@@ -29,7 +29,7 @@ def candidates(cores: int, B: int) -> list:
     """(N, K, sub-batches): every N x K = cores with one or two sub-batches per worker that
     split B; where neither splits B (B below N), the most sub-batches below N that do."""
     out = []
-    for n, k in sorted(partitions(cores), key=lambda p: p[1]):
+    for n, k in sorted(shapes(cores), key=lambda p: p[1]):
         split = [s for s in (n, 2 * n) if B % s == 0]
         out += [(n, k, s) for s in split or [max(s for s in range(1, n) if B % s == 0)]]
     return out
@@ -40,8 +40,9 @@ def rank(model: str, B: int, T: int, calibration: Machine, machine: Machine | No
     """The candidates of (model, B, T) on `machine` (default: the calibrated one), as
     Predictions, fastest predicted first (ties: fewer workers first, the candidates' order)."""
     target = machine or calibration
-    ranked = [predict(model, B, T, n, k, sub_batches=s, calibration=calibration, machine=machine,
-                      parallel_workers=parallel_workers)
+    ranked = [predict(model, B, T, target_partition(
+        PartitionRequest(workers=n, cores_per_worker=k, sub_batches=s), batch=B,
+        parallel_workers=parallel_workers), calibration=calibration, machine=machine)
               for n, k, s in candidates(target.cores, B)]
     ranked.sort(key=lambda p: -p.tokens_per_ms)      # stable: ties keep the candidates' order
     if not ranked:
@@ -74,7 +75,7 @@ def choose(model: str, B: int, T: int, calibration: Machine, trial_steps: int = 
     best = {}
     for _ in range(rounds):
         for p in ranked[:2]:
-            n, k, s = p.workers, p.cores_per_worker, p.sub_batches
+            n, k, s = p.partition.workers, p.partition.cores_per_worker, p.sub_batches
             r = run_in_subprocess(dict(engine="starpu", model=model, batch=B, seq_len=T,
                                        steps=trial_steps, workers=n, cores_per_worker=k,
                                        sub_batches=s))

@@ -46,7 +46,8 @@ import numpy as np
 from ..config import MODELS
 from ..errors import StarpuLLMError
 from ..runs import cpu_description, run_in_subprocess
-from .machine import Machine, partitions, save
+from ..partition import shapes
+from .machine import Machine, save
 
 FIT_SEQ_LEN = 64            # tokens per sequence of the calibration runs (fit_seq_len)
 FIT_SUB_BATCH = (1, 3, 6)   # sequences per sub-batch of those runs
@@ -205,7 +206,8 @@ def fit_link(m: Machine, model: str, steps: int, log) -> None:
     each rank sends and receives about the model's bytes), then the bandwidth
     at which the simulated step takes the measured time (bisection: the step time falls as
     the bandwidth grows). Kept as it is when mpirun is missing or the run fails."""
-    from .predict import Mode, predict
+    from ..partition import PartitionRequest
+    from .predict import predict, target_partition
     k = max(1, m.cores // 2)
     B = 2 * MPI_FIT_SUB_BATCH
     r = run_in_subprocess(dict(engine="starpu", model=model, batch=B, seq_len=fit_seq_len(model),
@@ -216,11 +218,13 @@ def fit_link(m: Machine, model: str, steps: int, log) -> None:
         log(f"  mpirun -np 2 run failed ({r['error']}): the link keeps the ping-pong's figures")
         return
     measured = statistics.median(r["step_ms"]) * 1e-3
+    partition = target_partition(PartitionRequest(workers=1, cores_per_worker=k, sub_batches=1,
+                                                  ownership="sharded"), ranks=2)
 
     def step_at(gbs):
         m.link_bandwidth_gbs = gbs
-        return predict(model, B, fit_seq_len(model), 1, k, ranks=2, sub_batches=1, calibration=m,
-                       ranks_per_node=2, mode=Mode("sharded")).schedule.step_s
+        return predict(model, B, fit_seq_len(model), partition, calibration=m,
+                       ranks_per_node=2).schedule.step_s
     lo, hi = 0.01, 1000.0
     if step_at(hi) > measured:          # slower than measured even with an infinite link
         m.link_bandwidth_gbs = m.link_pingpong_gbs or 10.0
@@ -345,7 +349,7 @@ def traced_runs(cores: int, steps: int, log, model: str = "d12", sub_batch=FIT_S
     samples, history, overheads = [], [], []
     long_T = MODELS[model].maxT
     fit_T = fit_seq_len(model)
-    parts = [nk for nk in partitions(cores) if only is None or nk in only]
+    parts = [nk for nk in shapes(cores) if only is None or nk in only]
     runs = [(N, K, per_sub, fit_T, steps)
             for (N, K), per_sub in itertools.product(parts, sub_batch)]
     if long_seq and long_T > fit_T:
@@ -404,7 +408,7 @@ def calibrate(path: str, steps: int = 2, log=print, model: str = "d12",
     cores = usable_cores()
     if only is not None:
         only = [tuple(nk) for nk in only]
-        bad = [f"{n}x{k}" for n, k in only if (n, k) not in partitions(cores)]
+        bad = [f"{n}x{k}" for n, k in only if (n, k) not in shapes(cores)]
         if bad or not only:
             raise ValueError(f"calibrate: partitions {', '.join(bad) or '(none)'} are not "
                              f"N x K = {cores} (this machine's usable cores)")

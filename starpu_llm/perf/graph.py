@@ -145,7 +145,8 @@ def record(model: str, B: int, T: int, sites: Sites, grad_clip: float = 0.0) -> 
     (on a fresh one-worker runtime: no runtime may be running in this process)."""
     from ..config import MODELS, ParamLayout
     from ..flow.engine import StarPUEngine
-    from ..runtime.starpu import Runtime
+    from ..partition import PartitionRequest
+    from ..runtime.starpu import Runtime, resolve_here
     from ..state import TrainState
 
     config = MODELS[model]
@@ -155,7 +156,7 @@ def record(model: str, B: int, T: int, sites: Sites, grad_clip: float = 0.0) -> 
     tokens = np.zeros(B * T + 1, np.uint16)
     subs = sites.subs_per_copy * sites.topology.copies
     capacity = 64 + 600 * config.L * subs
-    with Runtime(1, 1) as rt:
+    with Runtime(resolve_here(PartitionRequest(workers=1, cores_per_worker=1))) as rt:
         eng = StarPUEngine(config, state, B, T, tokens, rt, sites=sites)
         try:
             table = {int(ffi.cast("uintptr_t", t.h)): (name, t.size * t.dtype.itemsize)

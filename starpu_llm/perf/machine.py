@@ -87,11 +87,6 @@ class Machine:
         return (self.add_gbs or self._per_core(self.bandwidth_gbs, 1)) * 1e9
 
 
-def partitions(cores: int) -> list:
-    """Every (N workers, K cores) with N x K = cores, N from 1 up."""
-    return [(n, cores // n) for n in range(1, cores + 1) if cores % n == 0]
-
-
 def _fmt(v) -> str:
     if isinstance(v, str):
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'

@@ -1,7 +1,7 @@
 """starpu-llm predict: the step time of a configuration, from the recorded task graph
 (graph.py), the cost model (model.py) and the list scheduler (simulate.py); across ranks
-under each way of spreading the model over them (a Mode: flow/topology.py's ownership, and
-pipeline stages)."""
+on a resolved partition (target_partition: its workers, how the ranks share the model:
+flow/topology.py's ownership, and pipeline stages)."""
 from __future__ import annotations
 
 import os
@@ -9,13 +9,14 @@ import pickle
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, replace
 
 from ..config import MODELS
 from ..errors import StarpuLLMError, opt
-from ..flow.sites import Sites, default_sub_batches
+from ..flow.sites import Sites
 from ..flow.topology import OWNERSHIPS, Topology
+from ..partition import Build, PartitionRequest, resolve, with_batch
+from ..record import Partition
 from . import graph as graphs
 from . import memory
 from .machine import Machine, default_path, load
@@ -57,29 +58,13 @@ def _record_apart(model: str, B: int, T: int, sites: Sites):
             return pickle.load(f)
 
 
-class Mode(NamedTuple):
-    """How R ranks share the model: `ownership` (topology.OWNERSHIPS) of the parameter
-    slices, over all ranks, or with `stages` > 1 over the R / stages data-parallel copies of
-    each pipeline stage (stage s of copy d is rank d * stages + s)."""
-    ownership: str = "sharded"
-    stages: int = 1
-
-    def label(self, ranks: int) -> str:
-        if ranks == 1:
-            return "one process"
-        if self.stages == 1:
-            return self.ownership
-        if self.stages == ranks:
-            return f"pipeline {self.stages} stages"
-        return f"pipeline {self.stages} stages x {ranks // self.stages} {self.ownership}"
-
-
-def modes(ranks: int, ownership=None, stages=None, model: str = "d12") -> list:
-    """The distinct Modes of `ranks` ranks for the ownerships and stage counts asked for
-    (predict's --ownership and --pipeline-stages: a list, or auto: every one; None: sharded, 1
-    stage): each ownership with each number of stages that divides the ranks (a pipeline of
-    one rank per stage is one mode whatever the ownership; a pipeline's copies are sharded, as
-    topology.Topology has them; one rank is one mode)."""
+def layouts(ranks: int, ownership=None, stages=None, model: str = "d12") -> list:
+    """The distinct (ownership, pipeline stages) of `ranks` ranks for the ownerships and stage
+    counts asked for (predict's --ownership and --pipeline-stages: a list, or auto: every one;
+    None: sharded, 1 stage), each to resolve into a Partition (target_partition): each
+    ownership with each number of stages that divides the ranks (a pipeline of one rank per
+    stage is one layout whatever the ownership; a pipeline's copies are sharded, as
+    topology.Topology has them; one rank is one layout)."""
     owns = list(OWNERSHIPS) if ownership == "auto" else ownership or ["sharded"]
     for o in owns:
         if o not in OWNERSHIPS:
@@ -91,47 +76,59 @@ def modes(ranks: int, ownership=None, stages=None, model: str = "d12") -> list:
         raise StarpuLLMError(f"{opt('pipeline_stages')} {counts}: give whole numbers >= 1 "
                              "separated by commas, or auto")
     if ranks == 1:
-        return [Mode()]
-    found = [Mode("sharded" if s > 1 else o, s) for s in counts if ranks % s == 0
+        return [("sharded", 1)]
+    found = [("sharded" if s > 1 else o, s) for s in counts if ranks % s == 0
              and s <= L + 1 for o in owns]
     return list(dict.fromkeys(found))
 
 
-def pins_sub_batches(workers: int, cores_per_worker: int, parallel_workers: bool | None = None) -> bool:
-    """Whether the engine pins sub-batch i to worker i mod N on that partition
-    (Partition.pins_sub_batches, as partition.resolve resolves it): where StarPU's workers are
-    the partition's (one-core or team workers; not parallel workers). parallel_workers: whether
-    the target has parallel workers (default: as this build)."""
-    from ..partition import Build, PartitionRequest, resolve
+def target_partition(request: PartitionRequest, ranks: int = 1, batch: int | None = None,
+                     cores: int | None = None, parallel_workers: bool | None = None) -> Partition:
+    """The partition `request` resolves into on the predicted machine (partition.resolve, the
+    one decision; N x K may exceed this process's cores): `cores` its cores (default N x K),
+    `parallel_workers` whether it runs K-core workers as StarPU 1.4 parallel workers
+    (default: as this build does), its sub-batches those of a `batch` of sequences."""
     from ..runtime.starpu import this_build
-    build = this_build()
-    if parallel_workers is not None:
-        build = Build(max_cpus=max(build.max_cpus, workers * cores_per_worker),
-                      parallel_workers=parallel_workers)
-    return resolve(PartitionRequest(workers=workers, cores_per_worker=cores_per_worker,
-                                    oversubscribe=True),
-                   cores=workers * cores_per_worker, build=build).pins_sub_batches
+    cores = cores or (request.workers or 1) * (request.cores_per_worker or 1)
+    here = this_build()
+    build = Build(max_cpus=max(here.max_cpus, cores), max_group=here.max_group,
+                  parallel_workers=here.parallel_workers if parallel_workers is None
+                  else parallel_workers)
+    return resolve(replace(request, oversubscribe=True), cores=cores, build=build, ranks=ranks,
+                   batch=batch)
 
 
-def sites_of(model: str, B: int, T: int, workers: int = 1, cores_per_worker: int = 1,
-             ranks: int = 1, sub_batches: int | None = None, mode: Mode = Mode(),
-             parallel_workers: bool | None = None, cost: CostModel | None = None) -> Sites:
-    """The engine's placement of (model, B, T) on that partition (flow/topology.py,
-    flow/sites.py), as the engine makes it: the default sub-batches, a pipeline's stages
-    balanced on the layers' predicted costs (on `cost`'s machine; by flops without one), as
-    the engine balances them with the calibration (engines.stage_costs)."""
-    copies = ranks // mode.stages
+
+def layout_label(p: Partition) -> str:
+    """How p's ranks share the model, in words."""
+    if p.ranks == 1:
+        return "one process"
+    if p.stages == 1:
+        return p.ownership
+    if p.stages == p.ranks:
+        return f"pipeline {p.stages} stages"
+    return f"pipeline {p.stages} stages x {p.ranks // p.stages} {p.ownership}"
+
+
+def sites_of(model: str, B: int, T: int, partition: Partition | None = None,
+             cost: CostModel | None = None) -> Sites:
+    """The engine's placement of (model, B, T) on that partition (default: one worker of one
+    core; flow/topology.py, flow/sites.py), as the engine makes it: its sub-batches (the
+    default for B where it has none: partition.with_batch), a pipeline's stages balanced on
+    the layers' predicted costs (on `cost`'s machine; by flops without one), as the engine
+    balances them with the calibration (engines.stage_costs)."""
+    p = with_batch(partition or target_partition(PartitionRequest()), B)
+    copies = p.ranks // p.stages
     config = MODELS[model]
-    S = sub_batches or default_sub_batches(max(1, B // copies), mode.stages, workers)
+    S = p.sub_batches
     if B % (S * copies):
-        over = f"{ranks} rank(s)" if mode.stages == 1 else f"{copies} pipeline cop(ies)"
+        over = f"{p.ranks} rank(s)" if p.stages == 1 else f"{copies} pipeline cop(ies)"
         raise StarpuLLMError(f"{opt('batch')} {B} does not split into {S} sub-batch(es) x {over}; "
                              f"choose a {opt('batch')} divisible by {S * copies}")
-    costs = (layer_costs(config, B // copies // S, T, cost, cores_per_worker)
-             if mode.stages > 1 and cost is not None else None)
-    topology = Topology.of(config, ranks, mode.stages, mode.ownership, T, costs)
-    return Sites(topology, S, workers,
-                 pins_sub_batches(workers, cores_per_worker, parallel_workers))
+    costs = (layer_costs(config, B // copies // S, T, cost, p.cores_per_worker)
+             if p.stages > 1 and cost is not None else None)
+    topology = Topology.of(config, p.ranks, p.stages, p.ownership, T, costs)
+    return Sites(topology, S, p.workers, p.pins_sub_batches)
 
 
 @dataclass
@@ -139,28 +136,32 @@ class Prediction:
     model: str
     B: int
     T: int
-    workers: int
-    cores_per_worker: int
-    sub_batches: int        # per rank (a pipeline: per data-parallel copy)
-    ranks: int
+    partition: Partition    # as predicted: its sub-batches per rank (a pipeline: per copy)
     schedule: Schedule
     reduction: bool
-    mode: Mode = Mode()
     wte_blocks: int = 1     # wte's row blocks (placement.Topology's)
 
     @property
     def tokens_per_ms(self) -> float:
         return self.schedule.tokens_per_ms
 
+    @property
+    def sub_batches(self) -> int:
+        return self.partition.sub_batches
+
+    @property
+    def ranks(self) -> int:
+        return self.partition.ranks
+
     def describe(self) -> str:
-        s = self.schedule
-        part = f"{self.workers}x{self.cores_per_worker}" + (
-            f" x {self.ranks} ranks, {self.mode.label(self.ranks)}" if self.ranks > 1 else "") + (
+        s, p = self.schedule, self.partition
+        part = f"{p.workers}x{p.cores_per_worker}" + (
+            f" x {p.ranks} ranks, {layout_label(p)}" if p.ranks > 1 else "") + (
             f", wte in {self.wte_blocks} row blocks" if self.wte_blocks > 1 else "")
         idle = ", ".join(f"{x:.0%}" for x in s.idle[:16]) + (" ..." if len(s.idle) > 16 else "")
         how = "reduction" if self.reduction else ("chained" if self.sub_batches * self.ranks > 1
                                                   else "one sub-batch")
-        per = "per rank" if self.mode.stages == 1 else "per copy"
+        per = "per rank" if p.stages == 1 else "per copy"
         disk = (f"; disk {s.notes['disk_read'] / 1e6:.0f} MB read, "
                 f"{s.notes['disk_written'] / 1e6:.0f} MB written per step"
                 if "disk_read" in s.notes else "")
@@ -202,37 +203,32 @@ def load_calibration(path: str | None = None) -> Machine:
         raise
 
 
-def predict(model: str, B: int, T: int, workers: int, cores_per_worker: int, ranks: int = 1,
-            sub_batches: int | None = None, calibration: Machine | None = None,
-            machine: Machine | None = None, parallel_workers: bool | None = None,
-            ranks_per_node: int = 1, mode: Mode = Mode(), memory_limit: int | None = None) -> Prediction:
-    """Predict one configuration. calibration: this machine's (default: its file);
-    machine: another machine's description (what-if), its codelet ratios taken from the
-    calibration; parallel_workers: whether the target runs k-core workers as StarPU 1.4
-    parallel workers (default: as this build does); mode: how the ranks share the model;
-    sub_batches: per rank, or in a pipeline per data-parallel copy (its micro-batches);
-    memory_limit: bytes (one process): the disk traffic StarPU's eviction makes
-    (memory.replay, in the order the tasks run without it), each task also waiting for its
-    bytes at the disk's bandwidth and for its new memory at the machine's first-touch rate,
-    and the step scheduled again; the schedule's notes then
-    have disk_read and disk_written, bytes per step."""
+def predict(model: str, B: int, T: int, partition: Partition,
+            calibration: Machine | None = None, machine: Machine | None = None,
+            ranks_per_node: int = 1, memory_limit: int | None = None) -> Prediction:
+    """Predict one configuration: `partition` (target_partition: its workers, cores, ranks,
+    how they share the model, its sub-batches per rank or in a pipeline per data-parallel
+    copy, its micro-batches; none: the default for B). calibration: this machine's (default:
+    its file); machine: another machine's description (what-if), its codelet ratios taken
+    from the calibration; memory_limit: bytes (one process): the disk traffic StarPU's
+    eviction makes (memory.replay, in the order the tasks run without it), each task also
+    waiting for its bytes at the disk's bandwidth and for its new memory at the machine's
+    first-touch rate, and the step scheduled again; the schedule's notes then have
+    disk_read and disk_written, bytes per step."""
     calibration = calibration or load_calibration()
     target = machine or calibration
-    if workers < 1 or cores_per_worker < 1 or ranks < 1:
-        raise StarpuLLMError(f"{opt('workers')}, {opt('cores_per_worker')} and ranks must be >= 1")
+    p = partition
+    workers, cores_per_worker, ranks = p.workers, p.cores_per_worker, p.ranks
     if workers * cores_per_worker > target.cores:
         raise StarpuLLMError(f"{workers} x {cores_per_worker} cores do not fit in {target.name}'s "
                              f"{target.cores} cores")
-    if mode.ownership not in OWNERSHIPS:
-        raise StarpuLLMError(f"{opt('ownership')} {mode.ownership!r}: choose one of {', '.join(OWNERSHIPS)}")
-    if mode.stages < 1 or ranks % mode.stages:
-        raise StarpuLLMError(f"{mode.stages} pipeline stages do not divide {ranks} rank(s); choose "
+    if p.stages < 1 or ranks % p.stages:
+        raise StarpuLLMError(f"{p.stages} pipeline stages do not divide {ranks} rank(s); choose "
                              f"a number of stages dividing the ranks")
     if T > MODELS[model].max_seq_len:
         raise StarpuLLMError(f"{opt('seq_len')} {T} is above the model's {MODELS[model].max_seq_len}")
     cost = CostModel(target, calibration)
-    sites = sites_of(model, B, T, workers, cores_per_worker, ranks, sub_batches, mode,
-                     parallel_workers, cost)
+    sites = sites_of(model, B, T, p, cost)
     S, topology = sites.subs_per_copy, sites.topology
     g = task_graph(model, B, T, sites)
 
@@ -255,5 +251,5 @@ def predict(model: str, B: int, T: int, workers: int, cores_per_worker: int, ran
                  for r, w, a in zip(traffic.read, traffic.written, traffic.allocated)]
         sched = schedule(extra)
         sched.notes["disk_read"], sched.notes["disk_written"] = traffic.step
-    return Prediction(model, B, T, workers, cores_per_worker, S, ranks, sched, bool(sites.redux),
-                      mode, topology.wte_blocks)
+    return Prediction(model, B, T, replace(p, sub_batches=S), sched, bool(sites.redux),
+                      topology.wte_blocks)

@@ -16,7 +16,7 @@ from .. import partition
 from .._clib import ffi, lib
 from ..errors import StarpuLLMError, opt
 from ..flow.tensors import ATTENTIONS
-from ..partition import Build, PartitionRequest, scheduler
+from ..partition import Build, PartitionRequest
 from ..record import Partition
 from . import offload, starpupy_face
 from .mpi import BACKOFF_MAX_US, agree, mpi_polling
@@ -50,7 +50,8 @@ def this_build() -> Build:
     return Build(max_cpus=max_starpu_cpus(),
                  parallel_workers=bool(lib.sl_have_parallel_workers())
                  and not os.environ.get("SL_NO_PARALLEL_WORKERS"),
-                 cuda=have_cuda(), max_group=lib.SL_MAX_GROUP)
+                 cuda=have_cuda(), max_group=lib.SL_MAX_GROUP,
+                 schedulers=tuple(sched_policies()))
 
 
 def sched_policies() -> list[str]:
@@ -68,9 +69,18 @@ def partitions_that_fit(cores: int | None = None) -> list[tuple[int, int, str]]:
 
 def resolve_here(request: PartitionRequest, ranks: int = 1, batch: int | None = None,
                  memory_limit: bool = False, engine: str = "starpu") -> Partition:
-    """partition.resolve on this process's cores and StarPU build."""
+    """partition.resolve on this process's cores and StarPU build (and $STARPU_SCHED)."""
     return partition.resolve(request, cores=usable_cores(), build=this_build(), ranks=ranks,
-                             engine=engine, batch=batch, memory_limit=memory_limit)
+                             engine=engine, batch=batch, memory_limit=memory_limit,
+                             sched_env=os.environ.get("STARPU_SCHED"))
+
+
+def c_partition(p: Partition, sched):
+    """The partition p as sl_start takes it (struct sl_partition, sl_api.h): every field the
+    C layer reads, in one struct; sched: p.sched as a char[] the caller keeps alive."""
+    return ffi.new("struct sl_partition *", dict(
+        workers=p.workers, cores_per_worker=p.cores_per_worker, kcore=MECHANISMS[p.kcore],
+        ncuda=p.gpus, tf32=int(p.gpu_matmul == "tf32"), sched=sched))
 
 
 ON_CPU, ON_CUDA = lib.SL_ON_CPU, lib.SL_ON_CUDA
@@ -95,12 +105,11 @@ class Runtime:
     """Owns starpu_init / starpu_shutdown for this process (there is one StarPU per process).
 
     It starts the partition it is given (`partition`, a record.Partition from
-    partition.resolve), or that of the settings given here resolved on this process (N
-    workers x K cores per worker, kcore, oversubscribe, gpus, gpu_matmul: partition.py says
-    what each means): with K = 1 tasks are sequential and the N workers run independent
-    sub-batches; with K > 1 each task runs on its worker's K cores.
-    sched: the StarPU scheduler (partition.scheduler: the default of the partition, else
-    $STARPU_SCHED). comm: an mpi4py communicator to start StarPU-MPI on.
+    partition.resolve: N workers x K cores per worker, their mechanism, the GPUs and their
+    matmuls, the scheduler; partition.py says what each means; None: the default partition
+    of this process) and decides nothing about it: with K = 1 tasks are sequential and the N
+    workers run independent sub-batches; with K > 1 each task runs on its worker's K cores.
+    comm: an mpi4py communicator to start StarPU-MPI on.
     face: who starts and stops StarPU: "cffi" (sl_start, the default) or "starpupy" (StarPU's
     own Python interface, where the StarPU build has it; see starpupy_face.py). None: "cffi",
     or $STARPU_LLM_FACE=starpupy where starpupy is importable.
@@ -119,20 +128,14 @@ class Runtime:
 
     _active: "Runtime | None" = None
 
-    def __init__(self, workers: int | None = None, cores_per_worker: int | None = None,
-                 sched: str | None = None, oversubscribe: bool = False, comm=None,
-                 kcore: str | None = None, face: str | None = None,
-                 memory: offload.MemoryLimit | None = None, gpus: int = 0,
-                 gpu_matmul: str = "tf32", partition: Partition | None = None,
+    def __init__(self, partition: Partition | None = None, *, comm=None,
+                 face: str | None = None, memory: offload.MemoryLimit | None = None,
                  attention: str | None = None):
         if Runtime._active is not None:
             raise StarpuLLMError("StarPU is already running in this process; "
                                  "shut the other Runtime down first")
-        request = PartitionRequest(workers=workers, cores_per_worker=cores_per_worker,
-                                   kcore=kcore, oversubscribe=oversubscribe, gpus=gpus,
-                                   gpu_matmul=gpu_matmul)
         # every rank checks its partition before any starts StarPU-MPI (mpi.agree)
-        core_ids = agree(comm, self._plan, partition, request, sched, comm, face, memory)
+        core_ids = agree(comm, self._plan, partition, comm, face, memory)
         p = self.partition
         self.attention = attention or ("flash" if p.gpus else "gemm")
         if self.attention not in ATTENTIONS:
@@ -140,25 +143,23 @@ class Runtime:
                                  f"{', '.join(ATTENTIONS)}")
         self.offload = offload.start(memory)     # the limit, before StarPU starts
         self.offload_path = self.offload.path if self.offload else None
+        sched = ffi.new("char[]", p.sched.encode())      # alive through the start
+        started = c_partition(p, sched)
         if self.face == "starpupy":
-            starpupy_face.start(p, MECHANISMS[p.kcore], core_ids[:p.workers * p.cores_per_worker],
-                                self.sched)
+            starpupy_face.start(p, started, core_ids[:p.workers * p.cores_per_worker])
         else:
             comm_addr = ffi.NULL
             if comm is not None:
                 from mpi4py import MPI
                 comm_addr = ffi.cast("void *", MPI._addressof(comm))
-            lib.sl_gpu_set_tf32(int(p.gpu_matmul == "tf32"))
-            ret = lib.sl_start(p.workers, p.cores_per_worker, MECHANISMS[p.kcore],
-                               ffi.new("int[]", core_ids), p.gpus, self.sched.encode(),
-                               comm_addr)
+            ret = lib.sl_start(started, ffi.new("int[]", core_ids), comm_addr)
             if ret != 0:
                 self._stop_offload()
                 if ret == -errno.ENODEV and p.gpus:
                     raise StarpuLLMError(f"{opt('gpus')} {p.gpus}: StarPU started fewer CUDA "
                                          f"workers (no GPU, or fewer GPUs, visible to CUDA here)")
                 raise StarpuLLMError(f"starpu_init failed ({ret}) for {p.describe()} with "
-                                     f"scheduler {self.sched!r}"
+                                     f"scheduler {p.sched!r}"
                                      + (f", or its disk node in {self.offload_path}"
                                         if self.offload_path else ""))
         Runtime._active = self
@@ -180,19 +181,16 @@ class Runtime:
                                  f"{p.starpu_workers} (STARPU_NCPU or "
                                  "STARPU_WORKERS_CPUID in the environment?)")
 
-    def _plan(self, partition, request, sched, comm, face, memory) -> list:
-        """Resolve and check the partition, settle what the start needs (no side effect on
-        StarPU): the cores of the workers, then one for each GPU's worker thread."""
+    def _plan(self, partition, comm, face, memory) -> list:
+        """The partition (None: the default one here), settle what the start needs (no side
+        effect on StarPU): the cores of the workers, then one for each GPU's worker thread."""
         ranks = comm.Get_size() if comm is not None else 1
-        p = self.partition = partition or resolve_here(request, ranks,
+        p = self.partition = partition or resolve_here(PartitionRequest(), ranks,
                                                        memory_limit=memory is not None)
-        self.workers, self.cores_per_worker, self.kcore = p.workers, p.cores_per_worker, p.kcore
-        self.gpus, self.gpu_matmul = p.gpus, p.gpu_matmul or "tf32"
-        self.sched = scheduler(p, sched, sched_policies(), os.environ.get("STARPU_SCHED"))
+        if p.engine != "starpu" or not p.sched:
+            raise StarpuLLMError(f"the StarPU runtime starts a StarPU partition (resolved), not "
+                                 f"{p.describe()}")
         os.environ.setdefault("STARPU_SILENT", "1")
-        # The CUDA workers asked for, no other accelerator (the variable would override the
-        # count sl_start gives StarPU)
-        os.environ["STARPU_NCUDA"] = str(p.gpus)
         os.environ.setdefault("STARPU_NOPENCL", "0")
         n = p.workers * p.cores_per_worker
         core_ids = sorted(os.sched_getaffinity(0))
@@ -216,13 +214,6 @@ class Runtime:
                 self.face = face = "cffi"
         self.memory = memory
         return core_ids
-
-    @property
-    def workers_are_starpu_workers(self) -> bool:
-        """Partition worker i is StarPU worker i (team or one-core workers), so a task can be
-        pinned to it; not so for combined or parallel workers, built over a worker per core,
-        nor with GPUs (their workers come first, and a pinned task would not reach them)."""
-        return self.gpus == 0 and self.starpu_workers == self.workers
 
     @property
     def rank(self) -> int:
@@ -262,10 +253,10 @@ class Runtime:
         """The memory in use on this runtime's GPUs now, in MB (sl_gpu_memory_used: what
         cudaMemGetInfo reports, StarPU's buffers and caches and the CUDA contexts included);
         None without GPUs (a CPU build runs none)."""
-        if not self.gpus:
+        if not self.partition.gpus:
             return None
         used = ffi.new("size_t *")
-        ret = lib.sl_gpu_memory_used(self.gpus, used)
+        ret = lib.sl_gpu_memory_used(self.partition.gpus, used)
         if ret != 0:
             raise RuntimeError(f"sl_gpu_memory_used failed ({ret})")
         return used[0] / 1e6
@@ -316,10 +307,11 @@ class Runtime:
         face = ", started by starpupy" if self.face == "starpupy" else ""
         limit = (f", memory limit {offload.format_size(self.memory.limit)} (evicting to "
                  f"{self.offload_path})" if self.memory else "")
-        gpus = (f" + {self.gpus} GPU(s) ({self.gpu_matmul.upper()} matmuls"
-                f", every layer on them)" if self.gpus else "")
-        return (f"StarPU {major[0]}.{minor[0]}.{release[0]}{face}{mpi}, {self.workers} worker(s) x "
-                f"{self.cores_per_worker} core(s) ({self.kcore}){gpus}, scheduler {self.sched}, "
+        p = self.partition
+        gpus = (f" + {p.gpus} GPU(s) ({p.gpu_matmul.upper()} matmuls"
+                f", every layer on them)" if p.gpus else "")
+        return (f"StarPU {major[0]}.{minor[0]}.{release[0]}{face}{mpi}, {p.workers} worker(s) x "
+                f"{p.cores_per_worker} core(s) ({p.kcore}){gpus}, scheduler {p.sched}, "
                 f"BLAS {ffi.string(lib.blas_name()).decode()}{limit}")
 
     # --- the task trace (one per process; its events stay readable after shutdown) ---

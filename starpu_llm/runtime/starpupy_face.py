@@ -125,13 +125,15 @@ def _environment(values: dict):
         apply(saved)
 
 
-def start(partition, mechanism: int, core_ids: list, sched: str) -> None:
+def start(partition, started, core_ids: list) -> None:
     """starpu.init() with the configuration sl_start would make for `partition` (a resolved
-    record.Partition), then sl_attach; mechanism: its kcore's C constant."""
+    record.Partition), then sl_attach; started: the partition as the C layer takes it
+    (runtime.starpu.c_partition)."""
     starpu = import_starpupy()
 
     workers, cores_per_worker = partition.workers, partition.cores_per_worker
-    env = {"STARPU_SCHED": sched, "STARPU_NCPU": str(workers * cores_per_worker),
+    env = {"STARPU_SCHED": partition.sched, "STARPU_NCPU": str(workers * cores_per_worker),
+           "STARPU_NCUDA": "0",
            "STARPU_NCPUS": None, "STARPU_WORKERS_CPUID": None, "STARPU_MIN_WORKERSIZE": None,
            "STARPU_MAX_WORKERSIZE": None}
     if partition.kcore == "team":      # one worker on the first core of each group
@@ -143,7 +145,7 @@ def start(partition, mechanism: int, core_ids: list, sched: str) -> None:
     lib.sl_reserve_interface_ids(16)    # starpupy's 3 interfaces (see csrc/starpu/runtime.c)
     with _environment(env):
         starpu.init()
-    ret = lib.sl_attach(workers, cores_per_worker, mechanism, ffi.new("int[]", core_ids))
+    ret = lib.sl_attach(started, ffi.new("int[]", core_ids))
     if ret != 0:
         starpu.shutdown()
         raise StarpuLLMError(f"setting up the StarPU started by starpupy failed ({ret})")
