@@ -199,7 +199,8 @@ def streamed(http, url: str, body: dict) -> dict:
     events = []
     start = time.perf_counter()
     with http.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as r:
-        r.raise_for_status()
+        if r.status_code != 200:
+            raise RuntimeError(f"{url} answered {r.status_code}: {r.read().decode()[:500]}")
         for line in r.iter_lines():
             if not line.startswith("data:"):
                 continue
@@ -222,7 +223,7 @@ def stream_loop(url, texts, concurrency, new, body) -> list[dict]:
             if got["tokens"] is None:       # no usage in the stream: ignore_eos made them all
                 got["tokens"] = new
             return got
-        send(-1, texts[0])                      # warm-up (first-touch pages, perf models)
+        send(0, texts[0])                       # warm-up (first-touch pages, perf models)
         return closed_loop(concurrency, texts, send)
 
 
