@@ -423,7 +423,7 @@ def torch_info() -> dict:
     """transformers' and torch's versions and the BLAS under torch (its build configuration),
     from a process of their own (importing torch here would load its OpenMP into ours)."""
     code = ("import json, torch, transformers, re; c = torch.__config__.show(); "
-            "blas = re.findall(r'(?:BLAS_INFO|LAPACK_INFO)=([^,\\s]+)', c); "
+            "blas = re.findall(r'((?:BLAS|LAPACK)_INFO=[^,\\s]+)', c); "
             "mkl = 'MKL' if torch.backends.mkl.is_available() else ''; "
             "print(json.dumps({'transformers_version': transformers.__version__, "
             "'torch_version': torch.__version__, 'torch_blas': ' '.join(blas) or mkl or "
@@ -526,7 +526,7 @@ def main():
     if llama and not os.path.exists(args.llamacpp_model):
         llamacpp_gguf(ckpt, args.llamacpp_model, args.llamacpp_convert, tmp)
     info = machine_info()
-    extra = torch_info() if "d" in systems else {}
+    extra = torch_info()         # transformers (system d, llama.cpp's converter) and torch's BLAS
     if llama:
         extra["llamacpp_version"] = llamacpp_version(args.llamacpp_server)
         extra["llamacpp_model"] = os.path.abspath(args.llamacpp_model)
