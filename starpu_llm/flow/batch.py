@@ -121,7 +121,7 @@ class SlotDecoder:
         last, or its last `logits` ones), in the feeds' order and each feed's token order."""
         return self.collect(self.submit(feeds))
 
-    def submit(self, feeds: Sequence[Feed]) -> "Submitted":
+    def submit(self, feeds: Sequence[Feed]) -> Submitted:
         """step()'s first half: the step's tasks submitted (on the StarPU engine they run while
         the caller goes on); collect() of what it returns waits for them and gives the logits."""
         cfg = self.config
@@ -164,7 +164,7 @@ class SlotDecoder:
             heads += [(f.slot, g, r) for r, (f, _) in enumerate(first)]
         return Submitted(tuple(feeds), heads)
 
-    def collect(self, step: "Submitted") -> np.ndarray:
+    def collect(self, step: Submitted) -> np.ndarray:
         """step()'s second half: the logits of a submitted step, once its tasks have run."""
         cfg, feeds, heads = self.config, step.feeds, step.heads
         if not heads:
