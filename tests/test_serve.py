@@ -480,19 +480,19 @@ def faulty_step(self):
     if any(s.req.prompt[0] == {STEP_MARK} for s in self._running.values()):
         raise RuntimeError("injected fault in a decode step")
     nan = {{slot for slot, s in self._running.items() if s.req.prompt[0] == {NAN_MARK}}}
-    decoder_step = type(self.decoder).step
+    decoder_collect = type(self.decoder).collect
 
-    def step(feeds):        # NaN logits for the marked sequences, as a diverged model gives
-        logits = decoder_step(self.decoder, feeds)
-        for row, f in zip(logits, [f for f in feeds if f.logits]):
+    def collect(step):      # NaN logits for the marked sequences, as a diverged model gives
+        logits = decoder_collect(self.decoder, step)
+        for row, f in zip(logits, [f for f in step.feeds if f.logits]):
             if f.slot in nan:
                 row[:] = np.nan
         return logits
-    self.decoder.step = step
+    self.decoder.collect = collect
     try:
         return engine_step(self)
     finally:
-        del self.decoder.step
+        del self.decoder.collect
 
 Engine._step = faulty_step
 from starpu_llm.cli import main
@@ -748,3 +748,57 @@ def test_serve_access_flag_errors(ckpts):
     assert "Traceback" not in err
     rc, err = serve("--body-timeout", 0)
     assert rc == 2 and "--body-timeout" in err, err
+
+
+def test_text_is_sent_while_the_next_step_runs(monkeypatch, expected):
+    """The engine submits a step, then sends the text of the tokens drawn after the last one
+    (while the tasks run), then collects the step's logits: every piece of text but the last
+    arrives between a step's submission and its collection; the answers stay the
+    single-prompt generations, and a stop string met that way ends the text before it."""
+    from starpu_llm.cli_serve import load_model
+    from starpu_llm.flow import batch
+    from starpu_llm.serve import engine as eng
+    log = []
+
+    class Recording(batch.SlotDecoder):
+        def submit(self, feeds):
+            log.append("submit")
+            return super().submit(feeds)
+
+        def collect(self, step):
+            log.append("collect")
+            return super().collect(step)
+
+    monkeypatch.setattr(eng, "SlotDecoder", Recording)
+    tok = tokenizer.gpt2()
+    engine = eng.Engine(load_model(TINY, peaked_params(TINY), engine="reference"), TINY, tok,
+                        tok.eot, max_batch=2)
+    engine.start(START_S)
+    texts, done = {}, {}
+
+    def listen(name):
+        def on_event(ev):
+            if ev.text:
+                log.append(("text", name))
+                texts[name] = texts.get(name, "") + ev.text
+            if ev.finish or ev.error:
+                done[name] = (ev.finish, ev.error, ev.completion_tokens)
+        return on_event
+    whole = text_of(expected[PROMPTS[1]][:8])
+    stop = whole[len(whole) // 2:len(whole) // 2 + 2]   # met in the middle of the text
+    try:
+        engine.submit([eng.Request(tok.encode(PROMPTS[0]), eng.Sampling(8, top_k=1),
+                                   listen("a")),
+                       eng.Request(tok.encode(PROMPTS[1]), eng.Sampling(8, top_k=1,
+                                                                       stop=(stop,)),
+                                   listen("b"))])
+        wait_for("both answers", lambda: len(done) == 2)
+    finally:
+        assert engine.close(30)
+    assert texts["a"] == text_of(expected[PROMPTS[0]][:8]) and done["a"][:2] == ("length", None)
+    assert texts["b"] == whole[:whole.index(stop)] and done["b"][:2] == ("stop", None)
+    pieces = [k for k, e in enumerate(log) if isinstance(e, tuple) and e[1] == "a"]
+    assert len(pieces) >= 4
+    for k in pieces[:-1]:          # the last piece comes with the end, after the last step
+        calls = [e for e in log[:k] if not isinstance(e, tuple)]
+        assert calls[-1] == "submit", f"piece {pieces.index(k)} of a came after {calls[-1]}"

@@ -47,6 +47,13 @@ class Feed(NamedTuple):
     logits: bool = True
 
 
+class Submitted(NamedTuple):
+    """A step submitted (SlotDecoder.submit): its feeds and (slot, group, row) of each wanted
+    logits row."""
+    feeds: tuple
+    heads: list
+
+
 def decode_step(ops, cfg, p, kv, d, h, N: int, M: int):
     """N rows (their token, slot and position in d.idx) through the model, their keys and
     values into the cache kv (Tc positions a slot); the logits of the first M rows into
@@ -113,6 +120,11 @@ class SlotDecoder:
         """One step of the feeds (each slot at most once; see Feed): their tokens through the
         model, into the cache. Returns the (M, V) logits after each wanted token (a feed's
         last, or its last `logits` ones), in the feeds' order and each feed's token order."""
+        return self.collect(self.submit(feeds))
+
+    def submit(self, feeds: Sequence[Feed]) -> Submitted:
+        """step()'s first half: the step's tasks submitted (on the StarPU engine they run while
+        the caller goes on); collect() of what it returns waits for them and gives the logits."""
         cfg = self.config
         per_group = [[] for _ in self.groups]
         seen = set()
@@ -151,6 +163,11 @@ class SlotDecoder:
             decode_step(self.backend.ops, cfg, self.backend.p, group.kv, group.d, group.h,
                         len(idx), len(first))
             heads += [(f.slot, g, r) for r, (f, _) in enumerate(first)]
+        return Submitted(tuple(feeds), heads)
+
+    def collect(self, step: Submitted) -> np.ndarray:
+        """step()'s second half: the logits of a submitted step, once its tasks have run."""
+        cfg, feeds, heads = self.config, step.feeds, step.heads
         if not heads:
             return np.zeros((0, cfg.V), np.float32)
         # only the rows written this step, without the padding columns (the lm head's Vp)

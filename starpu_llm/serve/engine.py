@@ -14,14 +14,18 @@ with a retry time; ShuttingDown while the server stops). The engine thread loops
   3. one decode step carries every running sequence's last token, and the prompt rows of
      new sequences (up to `rows` rows a step and group, several prompts side by side, a long
      prompt over several steps);
-  4. the sequences whose step gave logits draw their next tokens together, each with its
+  4. while the step's tasks run, the tokens drawn after the last step become text (whole
+     UTF-8 characters, stop strings held back until they can no longer match) handed to
+     their requests' callbacks, which must not block (the HTTP side puts it on its event
+     loop); a sequence that meets a stop string leaves and frees its slot (its row in the
+     step under way is computed and not used);
+  5. the sequences whose step gave logits draw their next tokens together, each with its
      own sampling settings and generator (serve/scoring.choose_batch: the request's bias and
      penalties, then flow/generate.sample_batch for the whole batch at once; a sequence
      still in a prompt it scores gets the log-probability of its next prompt token
-     instead); each turns its token into text (whole UTF-8 characters, stop strings held
-     back until they can no longer match) and hands the text to its request's callback,
-     which must not block (the HTTP side puts it on its event loop); a sequence that
-     reaches its max tokens, a stop string or <|endoftext|> leaves and frees its slot.
+     instead); a sequence that reaches its max tokens or <|endoftext|> sends its last text
+     and leaves at once; the others' tokens are the next step's rows, their text waits for
+     step 4 of the next round.
 
 Faults stay with their request: an exception while one sequence's next token is drawn (NaN
 logits with temperature > 0 make the draw raise) ends that request with an error (HTTP 500)
@@ -224,6 +228,8 @@ class Engine:
         self._queue: collections.deque = collections.deque()
         self._free = max_batch          # slots not taken (under _cond)
         self._running: dict[int, _Sequence] = {}      # slot -> sequence (engine thread)
+        # (sequence, token, its scores): drawn, their text not sent yet (engine thread)
+        self._unsent: list = []
         self._draining = False
         self._deadline = None
         self._failed: str | None = None
@@ -450,18 +456,22 @@ class Engine:
             budget[g] += n
             feeds.append(Feed(seq.slot, seq.pos, seq.pending[:n],
                               n if scored else n == len(seq.pending)))
+        fed_seqs = [self._running[f.slot] for f in feeds]
         t0 = time.monotonic()
-        logits = self.decoder.step(feeds)
+        submitted = self.decoder.submit(feeds)
+        self._send_drawn()          # Python's share of the last tokens while the tasks run
+        logits = self.decoder.collect(submitted)
         now = time.monotonic()
         new_tokens = 0
         rows = iter(logits)
         wanted = []         # (sequence, the tokens fed up to its logits row, the row)
-        for f in feeds:
-            seq = self._running[f.slot]
+        for f, seq in zip(feeds, fed_seqs):
             seq.pos += len(f.tokens)
             seq.pending = seq.pending[len(f.tokens):]
             w = int(f.logits)
             wanted += [(seq, seq.pos - w + j + 1, next(rows)) for j in range(w)]
+        # a sequence that ended while the step ran (a stop string) has a row no one uses
+        wanted = [w for w in wanted if self._running.get(w[0].slot) is w[0]]
         # the next token of every sequence past its prompt, drawn for the whole batch at once
         drawing = [k for k, (seq, fed, _) in enumerate(wanted) if fed >= len(seq.req.prompt)]
         reqs = [wanted[k][0].req for k in drawing]
@@ -502,12 +512,30 @@ class Engine:
             return self._end(seq, "stop")
         last = (len(req.tokens) == sp.max_tokens
                 or len(req.prompt) + len(req.tokens) >= self.cache_len)
-        text, stopped = seq.text.add(token, final=last)
-        if text or scored:
-            self._emit(req, Event(text, logprobs=scored))
-        if stopped or last:
+        if last:
+            text, stopped = seq.text.add(token, final=True)
+            if text or scored:
+                self._emit(req, Event(text, logprobs=scored))
             return self._end(seq, "stop" if stopped else "length")
-        seq.pending = [token]
+        seq.pending = [token]       # the next step's row; its text is sent while that step runs
+        self._unsent.append((seq, token, scored))
+
+    def _send_drawn(self):
+        """The text of the tokens drawn after the last step (_next_token) to their requests; a
+        sequence whose text meets a stop string ends. A failure here is its request's alone."""
+        unsent, self._unsent = self._unsent, []
+        for seq, token, scored in unsent:
+            if self._running.get(seq.slot) is not seq:      # ended since (cancelled, drained)
+                continue
+            try:
+                text, stopped = seq.text.add(token)
+                if text or scored:
+                    self._emit(seq.req, Event(text, logprobs=scored))
+                if stopped:
+                    self._end(seq, "stop")
+            except Exception as e:      # noqa: BLE001 (this request's fault: it alone ends)
+                self._end(seq, error=f"sending this request's text failed: "
+                                     f"{type(e).__name__}: {e}", status=500)
 
     def _score_prompt(self, seq: _Sequence, fed: int, logits):
         """Prompt token `fed` scored by the logits after the tokens before it; a request that
