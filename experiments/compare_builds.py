@@ -26,7 +26,7 @@ import os
 import statistics
 import sys
 
-from starpu_llm.bench import bench_partitions
+from starpu_llm.bench import bench_partitions, label_of, spec_of
 from starpu_llm.cli import add_setting_args, partition_settings
 from starpu_llm.runs import cpu_description, run_in_subprocess, write_csv
 
@@ -55,14 +55,12 @@ def plan(args, cores: int) -> list[tuple[str, dict]]:
     rows = []
     for B in (int(b) for b in args.batches.split(",") if b):
         rows.append((f"B={B} reference", dict(engine="reference", batch=B)))
-        for n, k, mode in bench_partitions(args.workers, args.cores_per_worker, args.kcore, cores):
+        for p in bench_partitions(args.workers, args.cores_per_worker, args.kcore, cores):
             for sub in [int(x) for x in args.sub_batches.split(",") if x] or [None]:
-                if B % n or (sub and B % sub):
+                if B % p.workers or (sub and B % sub):
                     continue
-                label = f"B={B} {n}x{k}" + (f" {mode}" if k > 1 else "") + \
-                    (f" {sub} sub-batches" if sub else "")
-                rows.append((label, dict(engine="starpu", batch=B, workers=n, cores_per_worker=k, kcore=mode,
-                                         sub_batches=sub)))
+                rows.append((f"B={B} {label_of(p, sub)}",
+                             dict(engine="starpu", batch=B, **spec_of(p), sub_batches=sub)))
     for R in (int(r) for r in args.mpi_ranks.split(",") if r):
         k = args.mpi_cores_per_rank
         spec = dict(engine="starpu", batch=R * args.mpi_batch_per_rank, workers=1, cores_per_worker=k,

@@ -18,28 +18,45 @@ from .errors import StarpuLLMError
 from .flow.engine import StarPUEngine
 from .io import data, formats
 from .runs import cpu_description, mpi_rank, peak_rss_mb, run_in_subprocess, write_csv
-from .partition import DEFAULT_KCORE, KCORE_REQUESTS, PartitionRequest
+from .partition import KCORE_REQUESTS, PartitionRequest, request_of
+from .record import Partition
 from .runtime.starpu import Runtime, partitions_that_fit, resolve_here, usable_cores
 from .state import TrainState, random_init
 from .trainer import TrainConfig, train
 
 
-def bench_partitions(workers=None, cores_per_worker=None, kcore=None, cores: int | None = None):
-    """[(N, K, kcore asked)] of bench's partition flags (lists, or auto; cli.add_setting_args):
-    --workers auto: every N x K = cores this build runs (both mechanisms for K > 1, or those of
-    --kcore); else each N x K given, resolved as train resolves it (partition.resolve: K
-    defaults to the cores over N). No flag: the default partition."""
+def bench_partitions(workers=None, cores_per_worker=None, kcore=None,
+                     cores: int | None = None) -> list[Partition]:
+    """The partitions of bench's partition flags (lists, or auto; cli.add_setting_args), each
+    resolved once, here (partition.resolve, as train resolves it: K defaults to the cores over
+    N), duplicates dropped: --workers auto: every N x K = cores this build runs (both
+    mechanisms for K > 1, or those of --kcore); else each N x K given. No flag: the default
+    partition. A row's subprocess trains on spec_of(p), which asks for p again."""
     cores = cores or usable_cores()
     kcores = KCORE_REQUESTS if kcore in (None, "auto") else kcore
     if workers == "auto":
-        return [p for p in partitions_that_fit(cores) if p[2] in kcores or p[1] == 1]
-    out = []
-    for n in workers or [None]:
-        for k in (None if cores_per_worker == "auto" else cores_per_worker) or [None]:
-            for mode in (kcores if kcore else [None]):
-                p = resolve_here(PartitionRequest(workers=n, cores_per_worker=k, kcore=mode))
-                out.append((p.workers, p.cores_per_worker, mode or DEFAULT_KCORE))
-    return list(dict.fromkeys(out))
+        asked = [PartitionRequest(workers=n, cores_per_worker=k, kcore=m)
+                 for n, k, m in partitions_that_fit(cores) if m in kcores or k == 1]
+    else:
+        asked = [PartitionRequest(workers=n, cores_per_worker=k, kcore=mode)
+                 for n in workers or [None]
+                 for k in (None if cores_per_worker == "auto" else cores_per_worker) or [None]
+                 for mode in (kcores if kcore else [None])]
+    return list(dict.fromkeys(resolve_here(r, cores=cores) for r in asked))
+
+
+def spec_of(p: Partition) -> dict:
+    """The run_one settings that ask for the partition p's shape (partition.request_of; the
+    scheduler as the subprocess's environment and build give it)."""
+    r = request_of(p)
+    return dict(workers=r.workers, cores_per_worker=r.cores_per_worker, kcore=r.kcore)
+
+
+def label_of(p: Partition, sub_batches: int | None) -> str:
+    """A bench row's name of a StarPU partition: N x K, its mechanism where K > 1, the
+    sub-batches where given."""
+    return (f"{p.workers}x{p.cores_per_worker}" + (f" {p.kcore}" if p.cores_per_worker > 1 else "")
+            + (f" {sub_batches} subs" if sub_batches else ""))
 
 
 TORCH_ENGINES = ("torch", "torch-readable")
@@ -164,10 +181,8 @@ def run_bench(args):
           + ("  runs (tok/ms)" if repeat > 1 else ""))
     for B in batches:
         specs = [dict(engine="reference")]
-        specs += [dict(engine="starpu", workers=n, cores_per_worker=cores_per_worker, kcore=kcore,
-                       sub_batches=s)
-                  for n, cores_per_worker, kcore in partitions for s in subs
-                  if B % (s or n) == 0]
+        specs += [dict(engine="starpu", label=label_of(p, s), **spec_of(p), sub_batches=s)
+                  for p in partitions for s in subs if B % (s or p.workers) == 0]
         if not args.no_torch:
             specs.append(dict(engine="torch"))
         for s in specs:
@@ -179,11 +194,7 @@ def run_bench(args):
             for i, s in enumerate(specs):
                 runs[i].append(run_in_subprocess(dict(s)))
         for s, rs in zip(specs, runs):
-            label = s["engine"]
-            if s["engine"] == "starpu":
-                label += (f" {s['workers']}x{s['cores_per_worker']}"
-                          + (f" {s['kcore']}" if s["cores_per_worker"] > 1 else "")
-                          + (f" {s['sub_batches']} subs" if s["sub_batches"] else ""))
+            label = s["engine"] + (f" {s['label']}" if "label" in s else "")
             ok = [r for r in rs if "error" not in r]
             if not ok:
                 print(f"{B:>3} {label:<22} failed: {rs[0]['error']}", flush=True)

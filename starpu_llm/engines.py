@@ -16,6 +16,7 @@ from .perf import autotune
 from .perf.model import CostModel
 from .perf.predict import load_calibration
 from .perf.stages import layer_costs
+from .partition import on_runtime
 from .record import Partition
 from .runtime.offload import available_memory, format_size
 from .runtime.starpu import Runtime, resolve_here
@@ -43,18 +44,13 @@ def autotuned(cfg, config, comm, runtime, log):
 
 
 def run_partition(cfg, comm=None, runtime=None, memory=None) -> Partition:
-    """The partition cfg runs on (partition.resolve, on this process): on a runtime given,
-    its workers with cfg's sub-batches and ownership."""
-    request = cfg.partition_request()
-    started = runtime.partition if runtime is not None and cfg.engine == "starpu" else None
-    if started is not None:         # its workers, already checked and started
-        request = replace(request, workers=started.workers,
-                          cores_per_worker=started.cores_per_worker, gpus=started.gpus,
-                          oversubscribe=True)
-    p = resolve_here(request, comm.Get_size() if comm is not None else 1, cfg.batch,
-                     memory is not None, cfg.engine)
-    return (replace(p, kcore=started.kcore, gpu_matmul=started.gpu_matmul, sched=started.sched)
-            if started else p)
+    """The partition cfg runs on, decided once: cfg's request resolved on this process
+    (partition.resolve); on a runtime given, the runtime's partition with cfg's sub-batches
+    (partition.on_runtime: any other difference refused)."""
+    if runtime is not None and cfg.engine == "starpu":
+        return on_runtime(runtime.partition, cfg.partition_request(), cfg.batch)
+    return resolve_here(cfg.partition_request(), comm.Get_size() if comm is not None else 1,
+                        cfg.batch, memory is not None, cfg.engine)
 
 
 def start_runtime(cfg, partition: Partition, comm=None, memory=None) -> Runtime:

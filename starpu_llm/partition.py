@@ -226,6 +226,25 @@ def with_batch(p: Partition, batch: int) -> Partition:
     return replace(p, sub_batches=default_sub_batches(per_copy, p.stages, p.workers, p.gpus))
 
 
+def on_runtime(started: Partition, req: PartitionRequest, batch: int) -> Partition:
+    """The partition a run on a runtime already started trains on: the runtime's own
+    (resolved when it started: its workers, mechanism, GPUs, scheduler, ranks' split), with the
+    run's sub-batches (req's, else with_batch's default for `batch`). Any other field that req
+    sets to something else is refused: a runtime keeps the workers it started (a kcore asked
+    for only where it is in effect: single and parallel-workers follow from N x K)."""
+    runs = request_of(started)
+    for f in fields(PartitionRequest):
+        asked = getattr(req, f.name)
+        if (f.name in ("sub_batches", "oversubscribe", "threads") or asked == f.default
+                or asked == getattr(runs, f.name)
+                or (f.name == "kcore" and started.kcore not in KCORE_REQUESTS)):
+            continue
+        raise StarpuLLMError(f"{opt(f.name)} {asked}: the runtime given runs "
+                             f"{started.describe()}; leave {opt(f.name)} out, or start the "
+                             f"runtime on the partition asked for (Runtime(resolve_here(...)))")
+    return with_batch(replace(started, sub_batches=req.sub_batches or 0), batch)
+
+
 def _mechanism(kcore, workers, cores_per_worker, oversubscribed, memory_limit, gpus,
                build: Build) -> str:
     """What gives a task its K cores. Parallel workers need a StarPU worker on each of the

@@ -65,32 +65,34 @@ def load_model(cfg, lazy: bool = False) -> tuple[TrainState, checkpoint.Saved | 
     return TrainState(config=config, params=params), None
 
 
-def on_recorded_partition(cfg, record: RunRecord | None, ranks: int, warn):
-    """cfg set to the recorded partition (Partition.request), when it gives none, runs the
-    recorded engine on as many processes, and the recorded partition resolves on this process;
-    else cfg as it is (the default partition then), with a warning where the record could not
-    be followed."""
+def on_recorded_partition(cfg, record: RunRecord | None, ranks: int, warn,
+                          memory_limit: bool = False):
+    """(cfg, the partition the run resumes on) when cfg gives no partition, runs the recorded
+    engine on as many processes, and the recorded partition (Partition.request) resolves on
+    this process (for cfg's batch, under a memory limit or not): cfg set to it, and it
+    resolved, once; else (cfg as it is, None: the run resolves its default partition), with a
+    warning where the record could not be followed."""
     if record is None or cfg.given() or record.partition.engine != cfg.engine:
-        return cfg
+        return cfg, None
     p = record.partition
     if p.ranks != ranks:
         warn(f"the checkpoint was saved by {p.ranks} process(es) and this run has {ranks}: it "
              f"runs on the default partition, not on the recorded one ({p.describe()})")
-        return cfg
+        return cfg, None
+    # the scheduler and a pipeline's schedule (not the partition's shape: PartitionRequest.given)
+    # resumed where this run names none
     recorded = request_of(p)
+    resumed = replace(cfg, **{f.name: getattr(recorded, f.name) for f in fields(recorded)
+                              if f.name != "oversubscribe"
+                              and not (f.name in ("sched", "pipeline_schedule")
+                                       and getattr(cfg, f.name) is not None)})
     try:
-        resolve_here(replace(recorded, oversubscribe=cfg.oversubscribe), ranks,
-                     engine=p.engine)
+        return resumed, resolve_here(resumed.partition_request(), ranks, cfg.batch,
+                                     memory_limit, p.engine)
     except StarpuLLMError as e:
         warn(f"the recorded partition ({p.describe()}) cannot run here ({e.render(flag)}): the "
              f"run goes on on the default partition")
-        return cfg
-    # the scheduler and a pipeline's schedule (not the partition's shape: PartitionRequest.given)
-    # resumed where this run names none
-    return replace(cfg, **{f.name: getattr(recorded, f.name) for f in fields(recorded)
-                           if f.name != "oversubscribe"
-                           and not (f.name in ("sched", "pipeline_schedule")
-                                    and getattr(cfg, f.name) is not None)})
+        return cfg, None
 
 
 def say_resumed(saved: checkpoint.Saved, log, warn) -> None:

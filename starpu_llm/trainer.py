@@ -299,11 +299,13 @@ def _read_inputs(cfg: TrainConfig, state, memory, comm, runtime, log, warn):
         validation = Validation(cfg.val_data or data.default_dataset()[1], cfg.batch,
                                 cfg.seq_len, config.V, cfg.val_every, cfg.val_batches)
     # the partition: the default, or --workers auto's, or a --resume's recorded one
-    if saved is not None:
-        cfg = on_recorded_partition(cfg, saved.record, comm.Get_size() if comm else 1, warn)
+    partition = None        # resolved once: the recorded one, else cfg's (run_partition)
+    if saved is not None and (runtime is None or cfg.engine != "starpu"):   # else the runtime's
+        cfg, partition = on_recorded_partition(cfg, saved.record, comm.Get_size() if comm else 1,
+                                               warn, memory is not None)
     if cfg.workers == "auto":
         cfg = autotuned(cfg, config, comm, runtime, log)
-    partition = run_partition(cfg, comm, runtime, memory)   # the partition that runs
+    partition = partition or run_partition(cfg, comm, runtime, memory)   # the partition that runs
     if memory is None:
         check_memory(cfg, config, comm.Get_size() if comm else 1)
     # the run's identity (record.run_identity), kept by its resumed parts; None for one

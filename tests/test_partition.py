@@ -2,6 +2,8 @@
 of the request, the cores, the ranks and the StarPU build, so these tests give it any machine
 (no test double of the process): defaults, the mechanism that gives a task its cores, every
 rule's error, and a recorded partition asked for again giving the same partition."""
+from dataclasses import replace
+
 import pytest
 
 from starpu_llm import StarpuLLMError
@@ -176,3 +178,29 @@ def test_the_pinning_rule_with_gpus():
     assert not pins(CLUSTER, 8, workers=2, cores_per_worker=4)        # parallel workers
     assert not pins(GPU, 4, workers=2, cores_per_worker=1, gpus=1)
     assert not pins(GPU, 8, workers=2, cores_per_worker=2, gpus=1)
+
+
+def test_a_run_on_a_started_runtime_takes_its_partition_without_resolving_again(monkeypatch):
+    """engines.run_partition on a runtime given: the runtime's partition (its mechanism,
+    scheduler, GPUs as started) with the run's sub-batches, no second resolve; a request for
+    another shape or scheduler is one clear error, not silently replaced."""
+    from types import SimpleNamespace
+
+    from starpu_llm import engines, partition
+    from starpu_llm.trainer import TrainConfig
+    started = resolve(PartitionRequest(workers=2, kcore="forkjoin", sched="eager"), cores=4,
+                      build=CLUSTER)
+    runtime = SimpleNamespace(partition=started)
+    calls = []
+    real = partition.resolve
+    monkeypatch.setattr(partition, "resolve", lambda *a, **k: calls.append(1) or real(*a, **k))
+    p = engines.run_partition(TrainConfig(batch=8, sub_batches=4), runtime=runtime)
+    assert calls == []
+    assert p == partition.with_batch(replace(started, sub_batches=4), 8)
+    assert engines.run_partition(TrainConfig(batch=8, workers=2), runtime=runtime).sub_batches == 2
+    assert engines.run_partition(TrainConfig(batch=8, kcore="team"), runtime=runtime) == \
+        partition.with_batch(started, 8)        # parallel workers whatever kcore: as resolve
+    for ask in (dict(workers=3), dict(sched="lws"), dict(cores_per_worker=1), dict(gpus=1)):
+        with pytest.raises(StarpuLLMError, match=f"^{next(iter(ask))} "):
+            engines.run_partition(TrainConfig(batch=8, **ask), runtime=runtime)
+    assert calls == []

@@ -493,3 +493,18 @@ def test_resume_refuses_another_model_and_warns_on_changed_settings(shard, tmp_p
     train(config(other, steps=3, engine="reference", resume=ck, warn=warnings.append))
     assert warnings == ["--train-data: these are not the tokens the run was saved with (200 "
                         "tokens then, 300 now): the run is no longer the uninterrupted one"]
+
+
+def test_a_resumed_run_resolves_its_partition_once(shard, tmp_path, monkeypatch):
+    """--resume on the recorded partition: resolved once (resume.on_recorded_partition, for
+    the run's batch), not checked by one resolve and then resolved again by the run."""
+    from starpu_llm import partition
+    ck = str(tmp_path / "ck")
+    train(config(shard, steps=2, save_every=2, checkpoint_dir=ck, engine="reference",
+                 threads=1))
+    calls = []
+    real = partition.resolve
+    monkeypatch.setattr(partition, "resolve", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    r = train(config(shard, steps=3, resume=ck, engine="reference"))
+    assert len(calls) == 1 and calls[0].threads == 1
+    assert r.engine.startswith("reference engine, 1 OpenMP thread(s)"), r.engine

@@ -52,9 +52,9 @@ int sl_task_threads(void);
  * kcore SL_KCORE_TEAM: CPU worker w's tasks (the w-th CPU worker: GPU workers come first in
  * StarPU's numbering) run a cores_per_worker-thread team bound to
  * cores[w * cores_per_worker + t] (cores NULL: core w * cores_per_worker + t);
- * SL_KCORE_PARALLEL: the task's team size is set by StarPU's OpenMP prologue (the parallel
- * worker's cores): tasks take it from omp_get_max_threads(); otherwise the combined worker's
- * size (FORKJOIN), 1 on a basic worker. */
+ * every task reads cores_per_worker (K; SL_KCORE_PARALLEL: the team StarPU's OpenMP prologue
+ * sized, of the parallel worker's K cores), but a FORKJOIN codelet run sequentially on a
+ * basic worker: 1. */
 void sl_codelets_set_partition(int kcore, int nworkers, int cores_per_worker, const int *cores);
 
 /* ---- trace.c ---- */

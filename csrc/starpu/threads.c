@@ -1,8 +1,8 @@
 /* The cores a task owns: sizing the OpenMP team and BLAS of the thread running a task, and
- * binding the team's threads. sl_start tells the partition's mechanism once
- * (sl_codelets_set_partition); at task time each mechanism's cores are where it keeps them:
- * a team worker's K (its group), a parallel worker's team (StarPU sized it), a FORKJOIN task's
- * combined worker (1 on a basic worker: a sequential codelet, or one core per worker). */
+ * binding the team's threads. sl_start tells the partition once (sl_codelets_set_partition):
+ * its mechanism and K, the cores of a worker, which every task reads (a FORKJOIN codelet run
+ * sequentially on a basic worker: 1); binding needs the cores themselves: a team worker's
+ * group, a FORKJOIN task's combined worker (StarPU binds a parallel worker's team). */
 #define _GNU_SOURCE
 #include <omp.h>
 #include "internal.h"
@@ -92,24 +92,29 @@ static void bind_team_group(int cores_per_worker)
 
 /* ---- per task ---- */
 
+/* K, the cores of a worker as sl_start was told (team.cores_per_worker), is the task's team;
+ * only a FORKJOIN codelet asks StarPU where it landed: on a combined worker (of exactly K
+ * cores: STARPU_MIN/MAX_WORKERSIZE) or, run sequentially, on a basic worker (1 core). */
 int sl_task_threads(void)
 {
-	int cores_per_worker;
+	int cores_per_worker = team.cores_per_worker;
 	switch (team.kcore) {
-	case SL_KCORE_PARALLEL:
-		cores_per_worker = omp_get_max_threads(); /* the parallel worker's team, bound by StarPU */
+	case SL_KCORE_PARALLEL: /* StarPU sized and bound the parallel worker's OpenMP team */
 		blas_set_threads(cores_per_worker);
 		break;
 	case SL_KCORE_TEAM:
-		cores_per_worker = team.cores_per_worker;
 		kernels_set_threads(cores_per_worker);
 		bind_team_group(cores_per_worker);
 		break;
-	default: /* FORKJOIN, or one core per worker */
-		cores_per_worker = starpu_combined_worker_get_size(); /* 1 on a basic worker */
+	case SL_KCORE_FORKJOIN:
+		if (starpu_combined_worker_get_size() != cores_per_worker)
+			cores_per_worker = 1;
 		kernels_set_threads(cores_per_worker);
 		if (cores_per_worker > 1)
 			bind_team(cores_per_worker);
+		break;
+	default: /* one core per worker */
+		kernels_set_threads(cores_per_worker);
 	}
 	return cores_per_worker;
 }

@@ -68,9 +68,11 @@ def partitions_that_fit(cores: int | None = None) -> list[tuple[int, int, str]]:
 
 
 def resolve_here(request: PartitionRequest, ranks: int = 1, batch: int | None = None,
-                 memory_limit: bool = False, engine: str = "starpu") -> Partition:
-    """partition.resolve on this process's cores and StarPU build (and $STARPU_SCHED)."""
-    return partition.resolve(request, cores=usable_cores(), build=this_build(), ranks=ranks,
+                 memory_limit: bool = False, engine: str = "starpu",
+                 cores: int | None = None) -> Partition:
+    """partition.resolve on this process's cores (or `cores` of them) and StarPU build (and
+    $STARPU_SCHED)."""
+    return partition.resolve(request, cores=cores or usable_cores(), build=this_build(), ranks=ranks,
                              engine=engine, batch=batch, memory_limit=memory_limit,
                              sched_env=os.environ.get("STARPU_SCHED"))
 
