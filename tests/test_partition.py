@@ -204,3 +204,17 @@ def test_a_run_on_a_started_runtime_takes_its_partition_without_resolving_again(
         with pytest.raises(StarpuLLMError, match=f"^{next(iter(ask))} "):
             engines.run_partition(TrainConfig(batch=8, **ask), runtime=runtime)
     assert calls == []
+
+
+def test_bench_resolves_each_configuration_once():
+    """bench's partitions are resolved Partitions (one resolve each, duplicates dropped: 2 x 1
+    is one partition whichever kcore is asked), and the settings its subprocess trains on
+    (bench.spec_of) ask for the same partition again."""
+    from starpu_llm.bench import bench_partitions, spec_of
+    from starpu_llm.record import Partition
+    from starpu_llm.runtime import resolve_here
+    ps = bench_partitions([1, 2], None, ["team", "forkjoin"], cores=2)
+    assert all(isinstance(p, Partition) for p in ps) and len(set(ps)) == len(ps)
+    assert [(p.workers, p.cores_per_worker) for p in ps].count((2, 1)) == 1
+    for p in ps:
+        assert resolve_here(PartitionRequest(**spec_of(p)), cores=2) == p
