@@ -113,18 +113,17 @@ def compare(a_path: str, b_path: str) -> int:
             continue
         rel = max((abs(u - v) / abs(u) for u, v in zip(x, y)), default=0.0)
         if case in NOT_BITWISE and len(x) == len(y) and rel <= NOT_BITWISE[case][1]:
-            print(f"{key:24} {'within':10} {len(x)}  rel {rel:.1e} <= {NOT_BITWISE[case][1]:.0e}: "
+            print(f"{key:24} {'within':10} {len(x)}  rel {rel:.1e} <= {NOT_BITWISE[case][1]:.1e}: "
                   f"{NOT_BITWISE[case][0]}")
             continue
         bad += 1
         print(f"{key:24} {'DIFFER':10} {len(x)}  rel {rel:.1e}: {a[key]} vs {b[key]}")
     for key in sorted(set(a) ^ set(b)):
         print(f"{key:24} only in {a_path if key in a else b_path}")
-    for key in sorted(k for k in set(a) | set(b) if "#" in k):
-        first = (a if key in a else b)
-        same = first[key] == first.get(key.split("#")[0])
-        print(f"{key:24} repeats {'bitwise' if same else 'NOT bitwise'} in "
-              f"{a_path if key in a else b_path}")
+    for path, runs in ((a_path, a), (b_path, b)):
+        for key in sorted(k for k in runs if "#" in k):
+            same = runs[key] == runs.get(key.split("#")[0])
+            print(f"{key:24} repeats {'bitwise' if same else 'NOT bitwise'} in {path}")
     return 1 if bad else 0
 
 
