@@ -76,7 +76,8 @@ static unsigned softmax_blocks(int rows) { return sl_blocks((size_t)rows, ROWS_P
  * floats apart and sequences T 3C apart, which no single stride of a strided-batched call
  * walks (that needs T 3C = NH hs). A task's arrays, one per operand (5 forward, 10 backward),
  * are written by one small kernel into the worker's scratch, in stream order before the GEMMs
- * that read them (and after the previous task's, which read the last ones). */
+ * that read them (and after the previous task's, which read the last ones). A product with
+ * a matrix not 16-byte aligned (att_aligned) goes one GEMM a pair instead. */
 #define ATT_ARRAYS 10 /* pointer arrays of one task, at most: the backward's operands */
 
 /* the operand of pair (b, h) at base + b seq + h head */
