@@ -539,6 +539,28 @@ def test_outputs_never_overwrite_data(shard, tmp_path):
     assert checkpoint.read(save).step == 3
 
 
+@pytest.mark.parametrize("kind", ["metrics", "bench"])
+def test_whose_file_is_told_by_its_first_line(tmp_path, kind):
+    """What may be replaced as a metrics file or a bench table (one helper,
+    checkpointing.first_line_is, for both): an empty file or one whose first line is theirs
+    (CRLF too), not another file, a folder, a FIFO or nothing."""
+    from starpu_llm.bench import is_bench_table
+    from starpu_llm.checkpointing import _is_metrics_file
+    is_kind, ours = {"metrics": (_is_metrics_file, b'{"step": 1, "loss": 2.5}'),
+                     "bench": (is_bench_table, b"B,engine,tok/ms")}[kind]
+    cases = {"empty": (b"", True), "ours": (ours + b"\nmore\n", True),
+             "ours, CRLF": (ours + b"\r\n", True), "notes": (b"my notes\n", False),
+             "blank first line": (b"\n" + ours + b"\n", False)}
+    for name, (content, expect) in cases.items():
+        path = tmp_path / f"{kind}-{name}"
+        path.write_bytes(content)
+        assert is_kind(str(path)) is expect, name
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path in (tmp_path, fifo, tmp_path / "missing"):
+        assert is_kind(str(path)) is False, path
+
+
 def test_every_command_refuses_an_output_onto_data(shard, tmp_path):
     """calibrate --out, bench --csv and prepare's shards go through train's check: never onto
     a shard, an input or a file of another kind (through a symlink too), refused before any

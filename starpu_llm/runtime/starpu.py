@@ -249,6 +249,13 @@ class Runtime:
         if ret != 0:
             raise RuntimeError(f"starpu_task_wait_for_all failed ({ret})")
 
+    def cuda_devices(self) -> list[int]:
+        """The CUDA devices this runtime's CUDA workers run on (sl_cuda_worker_devices: StarPU's
+        device id of each, each once); [] without CUDA workers."""
+        n = lib.sl_cuda_worker_devices(ffi.NULL, 0)
+        devs = ffi.new("int[]", max(n, 1))
+        return list(devs[0:lib.sl_cuda_worker_devices(devs, n)])
+
     def gpu_memory_mb(self) -> float | None:
         """The memory in use on this runtime's GPUs now, in MB (sl_gpu_memory_used: what
         cudaMemGetInfo reports, StarPU's buffers and caches and the CUDA contexts included);
@@ -256,7 +263,7 @@ class Runtime:
         if not self.partition.gpus:
             return None
         used = ffi.new("size_t *")
-        ret = lib.sl_gpu_memory_used(self.partition.gpus, used)
+        ret = lib.sl_gpu_memory_used(used)
         if ret != 0:
             raise RuntimeError(f"sl_gpu_memory_used failed ({ret})")
         return used[0] / 1e6
