@@ -22,8 +22,8 @@ from typing import NamedTuple
 from . import resume, signals
 from .checkpointing import check_outputs, check_checkpoint_dir, save_final
 from .config import MODELS, GPTConfig, check_batch_shape
-from .engines import (autotuned, calibrated_peak, check_memory, make_engine, run_partition,
-                      start_runtime)
+from .engines import (autotuned, calibrated_peak, calibration, check_memory, make_engine,
+                      run_partition, start_runtime)
 from .errors import StarpuLLMError, opt
 from .io import data
 from .metrics import Metrics, step_extras
@@ -203,9 +203,9 @@ class Run:
 def _set_up(cfg: TrainConfig, state: TrainState | None, runtime) -> Run:
     """The run set up, top to bottom: the settings checked; what it starts from (the model: a
     checkpoint with its recorded partition and settings, or an initialisation); the data and
-    the validation; the partition that runs (resolved once); the run's record; StarPU
-    started; the engine; what is said of them. Under mpirun in phases that every rank ends together
-    (distributed.phase)."""
+    the validation; the partition that runs (resolved once) and the run's record; StarPU
+    started; the engine; what is said of them. Under mpirun in phases that every rank ends
+    together (distributed.phase)."""
     comm = distributed.world() if runtime is None else runtime.comm
     rank, ranks = (comm.Get_rank(), comm.Get_size()) if comm is not None else (0, 1)
     log = (cfg.log if rank == 0 else None) or (lambda *a, **k: None)
@@ -220,11 +220,13 @@ def _set_up(cfg: TrainConfig, state: TrainState | None, runtime) -> Run:
         start = resume.start(cfg, state, ranks, lazy=memory is not None)
         cfg, state, config = start.cfg, start.state, start.state.config
         loader, validation = _read_data(cfg, config, state.data)
+        machine = calibration()         # this machine's (None: uncalibrated), read once
         if cfg.workers == "auto":
-            cfg = autotuned(cfg, config, comm, runtime, log)
+            cfg = autotuned(cfg, config, comm, runtime, log, machine)
         partition = run_partition(cfg, comm, runtime, memory)   # the partition that runs
         if memory is None:
             check_memory(cfg, config, ranks)
+        peak = calibrated_peak(partition, machine)      # what a step's "mfu" is of
         fingerprint = data_fingerprint(loader.tokens)
         run_id = (start.run if start.saved is not None      # the run's identity (record.py)
                   else run_identity(Settings.of(cfg), config, start.origin, fingerprint))
@@ -239,7 +241,7 @@ def _set_up(cfg: TrainConfig, state: TrainState | None, runtime) -> Run:
     runtime = own_runtime or runtime
     try:
         with distributed.phase(comm, "making the engine"):
-            engine = make_engine(cfg, partition, state, loader.tokens, runtime)
+            engine = make_engine(cfg, partition, state, loader.tokens, runtime, machine)
     except BaseException:       # e.g. a memory limit too small: StarPU stops (and its folder goes)
         if own_runtime:
             own_runtime.shutdown()
@@ -258,8 +260,7 @@ def _set_up(cfg: TrainConfig, state: TrainState | None, runtime) -> Run:
     if validation:
         log(validation.describe())
     return Run(cfg, comm, rank, log, warn, memory, state, loader, validation, runtime,
-               own_runtime, engine, record, Counters(comm, runtime, memory),
-               calibrated_peak(partition))
+               own_runtime, engine, record, Counters(comm, runtime, memory), peak)
 
 
 def _check_settings(cfg: TrainConfig, comm, rank: int, runtime) -> MemoryLimit | None:
