@@ -14,7 +14,7 @@ from .config import MODELS, GPTConfig
 from .errors import StarpuLLMError, flag, opt
 from .io import checkpoint, hf
 from .io.formats import params_crc
-from .record import RunRecord
+from .record import Partition, RunRecord
 from .partition import request_of
 from .runtime.starpu import resolve_here
 from .state import RandomInit, TrainState, random_init
@@ -47,6 +47,8 @@ class Start:
     cfg: object                 # the run's settings; a resume's on its recorded partition
     state: TrainState
     saved: checkpoint.Saved | None = None   # the checkpoint a --resume continues; None: new
+    partition: Partition | None = None  # a resume's recorded partition, resolved here (None:
+                                        # the run resolves its own, engines.run_partition)
     origin: str | None = None   # a new run's start, for its identity (record.run_identity):
                                 # "seed N" or "weights CRC"
     run: str | None = None      # a resumed run's identity (None: saved before it was kept)
@@ -54,22 +56,26 @@ class Start:
                                 # recorded partition not followed, newer checkpoints skipped
 
 
-def start(cfg, state: TrainState | None, ranks: int, lazy: bool = False) -> Start:
+def start(cfg, state: TrainState | None, ranks: int, memory_limit: bool = False,
+          on_runtime: bool = False) -> Start:
     """What the run of cfg on `ranks` processes starts from: the state given, else the model
-    (load_model; lazy: read slice by slice); a resume's checkpoint, with cfg on its recorded
-    partition (on_recorded_partition); refused when it is at --steps already."""
+    (load_model; under --memory-limit read slice by slice); a resume's checkpoint, with cfg on
+    its recorded partition (on_recorded_partition) unless the run trains on a StarPU runtime
+    already started (on_runtime: the runtime's); refused when it is at --steps already."""
     saved = None
     given = state is not None
     if state is None:
-        state, saved = load_model(cfg, lazy)
+        state, saved = load_model(cfg, lazy=memory_limit)
     if state.step >= cfg.steps:
         raise StarpuLLMError(f"the run is at step {state.step} already and {opt('steps')} counts "
                              f"the steps of the whole run: give {opt('steps')} above {state.step}")
     if saved is None:
         return Start(cfg, state, origin=(f"weights {params_crc(state.params)}"
                                          if given or cfg.init_from else f"seed {cfg.seed}"))
-    cfg, warnings = on_recorded_partition(cfg, saved.record, ranks)
-    return Start(cfg, state, saved, run=saved.record.run if saved.record else None,
+    partition, warnings = None, []
+    if not on_runtime:
+        cfg, partition, warnings = on_recorded_partition(cfg, saved.record, ranks, memory_limit)
+    return Start(cfg, state, saved, partition, run=saved.record.run if saved.record else None,
                  warnings=warnings + [
         f"{path} cannot be resumed ({why}); resuming from {saved.path} instead"
         for path, why in saved.skipped])
@@ -101,28 +107,29 @@ def load_model(cfg, lazy: bool = False) -> tuple[TrainState, checkpoint.Saved | 
     return TrainState(config=config, params=params), None
 
 
-def on_recorded_partition(cfg, record: RunRecord | None, ranks: int) -> tuple[object, list]:
-    """(cfg, []) with cfg set to the recorded partition (Partition.request), when it gives none,
-    runs the recorded engine on as many processes, and the recorded partition resolves on this
-    process; else (cfg as it is: the default partition then, [a warning where the record
+def on_recorded_partition(cfg, record: RunRecord | None, ranks: int, memory_limit: bool):
+    """(cfg set to it, the recorded partition resolved once (for cfg's batch, under a memory
+    limit or not), []) when cfg gives no partition, runs the recorded engine on as many
+    processes, and the recorded partition (Partition.request) resolves on this process; else
+    (cfg as it is, None: the run resolves its default partition, [a warning where the record
     could not be followed])."""
     if record is None or cfg.given() or record.partition.engine != cfg.engine:
-        return cfg, []
+        return cfg, None, []
     p = record.partition
     if p.ranks != ranks:
-        return cfg, [f"the checkpoint was saved by {p.ranks} process(es) and this run has "
-                     f"{ranks}: it runs on the default partition, not on the recorded one "
-                     f"({p.describe()})"]
-    recorded = request_of(p)
-    try:
-        resolve_here(replace(recorded, oversubscribe=cfg.oversubscribe), ranks,
-                     engine=p.engine)
-    except StarpuLLMError as e:
-        return cfg, [f"the recorded partition ({p.describe()}) cannot run here "
-                     f"({e.render(flag)}): the run goes on on the default partition"]
+        return cfg, None, [f"the checkpoint was saved by {p.ranks} process(es) and this run has "
+                           f"{ranks}: it runs on the default partition, not on the recorded one "
+                           f"({p.describe()})"]
     # the scheduler and a pipeline's schedule (not the partition's shape: PartitionRequest.given)
     # resumed where this run names none
-    return replace(cfg, **{f.name: getattr(recorded, f.name) for f in fields(recorded)
-                           if f.name != "oversubscribe"
-                           and not (f.name in ("sched", "pipeline_schedule")
-                                    and getattr(cfg, f.name) is not None)}), []
+    recorded = request_of(p)
+    resumed = replace(cfg, **{f.name: getattr(recorded, f.name) for f in fields(recorded)
+                              if f.name != "oversubscribe"
+                              and not (f.name in ("sched", "pipeline_schedule")
+                                       and getattr(cfg, f.name) is not None)})
+    try:
+        return resumed, resolve_here(resumed.partition_request(), ranks, cfg.batch,
+                                     memory_limit, p.engine), []
+    except StarpuLLMError as e:
+        return cfg, None, [f"the recorded partition ({p.describe()}) cannot run here "
+                           f"({e.render(flag)}): the run goes on on the default partition"]

@@ -217,13 +217,14 @@ def _set_up(cfg: TrainConfig, state: TrainState | None, runtime) -> Run:
     if comm is not None and runtime is None:
         distributed.pin_rank(comm)
     with distributed.phase(comm, "reading the inputs"):
-        start = resume.start(cfg, state, ranks, lazy=memory is not None)
+        start = resume.start(cfg, state, ranks, memory is not None,
+                             on_runtime=runtime is not None and cfg.engine == "starpu")
         cfg, state, config = start.cfg, start.state, start.state.config
         loader, validation = _read_data(cfg, config, state.data)
         machine = calibration()         # this machine's (None: uncalibrated), read once
         if cfg.workers == "auto":
             cfg = autotuned(cfg, config, comm, runtime, log, machine)
-        partition = run_partition(cfg, comm, runtime, memory)   # the partition that runs
+        partition = start.partition or run_partition(cfg, comm, runtime, memory)   # resolved once
         if memory is None:
             check_memory(cfg, config, ranks)
         peak = calibrated_peak(partition, machine)      # what a step's "mfu" is of
