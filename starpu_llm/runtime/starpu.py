@@ -19,7 +19,7 @@ from ..flow.tensors import ATTENTIONS
 from ..partition import Build, PartitionRequest
 from ..record import Partition
 from . import offload, starpupy_face
-from .mpi import BACKOFF_MAX_US, agree, mpi_polling
+from .mpi import BACKOFF_MAX_US, mpi_polling, phase
 from .submit import StarPUOps
 
 
@@ -134,8 +134,8 @@ class Runtime:
         if Runtime._active is not None:
             raise StarpuLLMError("StarPU is already running in this process; "
                                  "shut the other Runtime down first")
-        # every rank checks its partition before any starts StarPU-MPI (mpi.agree)
-        core_ids = agree(comm, self._plan, partition, comm, face, memory)
+        with phase(comm, "planning StarPU's start"):   # every rank, before any starts StarPU-MPI
+            core_ids = self._plan(partition, comm, face, memory)
         p = self.partition
         self.attention = attention or ("flash" if p.gpus else "gemm")
         if self.attention not in ATTENTIONS:
