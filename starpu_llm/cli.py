@@ -2,7 +2,7 @@
 serve | convert (also python -m starpu_llm).
 
 Errors end the command with one message and status 2; under mpirun rank 0 reports an error
-that every rank knows (runtime/mpi.agree: a bad flag, a file missing on one node, settings
+that every rank knows (runtime/mpi.phase: a bad flag, a file missing on one node, settings
 that differ), and an error that only one rank has in the middle of the run (after the ranks
 last met) ends the whole job through MPI_Abort, so that no rank is left waiting. A signal ends
 it as signals.py says (130 for Ctrl-C, 143 for SIGTERM, 138 for SIGUSR1, 129 for SIGHUP; 141
@@ -460,7 +460,8 @@ def _main(argv=None) -> int:
             parser = build_parser()        # the compiled modules load before MPI (runtime/mpi.py)
             from .runtime import mpi as distributed
             comm = job["comm"] = distributed.world()
-            args = distributed.agree(comm, parser.parse_args, argv)
+            with distributed.phase(comm, "reading the command line"):
+                args = parser.parse_args(argv)
             return COMMANDS[args.cmd](args)
     except StarpuLLMError as e:
         return _failed(e, job["comm"], 2)

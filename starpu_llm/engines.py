@@ -21,8 +21,9 @@ from .record import Partition
 from .runtime.offload import available_memory, format_size
 from .runtime.starpu import Runtime, resolve_here
 
-def autotuned(cfg, config, comm, runtime, log):
-    """cfg with the partition the autotuner (perf/autotune.py) chooses for its batch."""
+def autotuned(cfg, config, comm, runtime, log, calibration=None):
+    """cfg with the partition the autotuner (perf/autotune.py) chooses for its batch, on this
+    machine's calibration (None: the error that says why there is none)."""
     if comm is not None or runtime is not None or cfg.engine != "starpu":
         raise StarpuLLMError(f"{opt('workers')} auto chooses the partition of a single process "
                              f"starting its own StarPU engine: give {opt('workers')} N there")
@@ -36,7 +37,8 @@ def autotuned(cfg, config, comm, runtime, log):
     if model is None:
         raise StarpuLLMError(f"{opt('workers')} auto: the model is none of {', '.join(MODELS)}; "
                              f"give {opt('workers')} N")
-    choice = autotune.choose(model, cfg.batch, cfg.seq_len, load_calibration(), log=log)
+    choice = autotune.choose(model, cfg.batch, cfg.seq_len, calibration or load_calibration(),
+                             log=log)
     r = choice.request
     log(f"autotune: {r.workers}x{r.cores_per_worker}, {r.sub_batches} sub-batch(es): {choice.why}")
     return replace(cfg, workers=r.workers, cores_per_worker=r.cores_per_worker,
@@ -76,33 +78,32 @@ def check_memory(cfg, config, ranks: int = 1) -> None:
             f"not fit on disk)")
 
 
-def make_engine(cfg, partition: Partition, state, tokens, runtime=None):
+def make_engine(cfg, partition: Partition, state, tokens, runtime=None, calibration=None):
     """The engine of the partition (its engine) over state; the StarPU engine runs on
-    `runtime`."""
+    `runtime`, a pipeline's stages balanced on this machine's calibration (None: flops)."""
     try:
-        return _make_engine(cfg, partition, state, tokens, runtime)
+        return _make_engine(cfg, partition, state, tokens, runtime, calibration)
     except MemoryError as e:
         raise StarpuLLMError(f"out of memory while allocating the run's tensors ({e}): give a "
                              f"smaller {opt('batch')} or {opt('seq_len')}, or train under "
                              f"{opt('memory_limit')}") from None
 
 
-def _make_engine(cfg, p: Partition, state, tokens, runtime=None):
+def _make_engine(cfg, p: Partition, state, tokens, runtime, calibration):
     if p.engine == "reference":
         return ReferenceEngine(state.config, state, cfg.batch, cfg.seq_len, tokens,
                                threads=p.cores_per_worker, sub_batches=p.sub_batches)
     return StarPUEngine(state.config, state, cfg.batch, cfg.seq_len, tokens, runtime, p,
                         record=cfg.record,
-                        stage_costs=stage_costs(p, cfg, state.config) if p.stages > 1 else None)
+                        stage_costs=(stage_costs(p, cfg, state.config, calibration)
+                                     if p.stages > 1 else None))
 
 
-def stage_costs(p: Partition, cfg, config):
+def stage_costs(p: Partition, cfg, config, calibration):
     """The layers' predicted seconds for a pipeline's stage boundaries (perf/stages.py) from
     this machine's calibration; None without one (the boundaries then balance flops). The
     boundaries change no result, only the speed."""
-    try:
-        calibration = load_calibration()
-    except StarpuLLMError:
+    if calibration is None:
         return None
     per_copy = cfg.batch // max(1, p.ranks // p.stages)
     if not p.sub_batches or per_copy % p.sub_batches:
@@ -111,13 +112,20 @@ def stage_costs(p: Partition, cfg, config):
                        p.cores_per_worker)
 
 
-def calibrated_peak(partition: Partition) -> float | None:
-    """The sgemm FLOP/s of the cores a run uses (per rank, times the ranks) on this machine's
-    calibration: what a step's model FLOPs per second are compared with (its "mfu"); None
-    without a calibration."""
+def calibration():
+    """This machine's calibration (perf/predict.load_calibration), read once by a run's set-up;
+    None without one (or an unreadable one): the run then goes without what it gives."""
     try:
-        machine = load_calibration()
+        return load_calibration()
     except StarpuLLMError:
+        return None
+
+
+def calibrated_peak(partition: Partition, machine) -> float | None:
+    """The sgemm FLOP/s of the cores a run uses (per rank, times the ranks) on this machine's
+    calibration (`machine`): what a step's model FLOPs per second are compared with (its
+    "mfu"); None without a calibration."""
+    if machine is None:
         return None
     cores = min(machine.cores, partition.workers * partition.cores_per_worker)
     return machine.sgemm(cores) * partition.ranks

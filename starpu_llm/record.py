@@ -9,6 +9,8 @@ from dataclasses import asdict, dataclass, fields, replace
 
 import numpy as np
 
+from .errors import flag
+
 
 @dataclass(frozen=True)
 class Partition:
@@ -133,3 +135,28 @@ class RunRecord:
         d = json.loads(text)
         return cls(Partition(**d["partition"]), Settings(**d["settings"]), d.get("run"),
                    d.get("data"))
+
+    def changes_since(self, saved: "RunRecord | None") -> list[str]:
+        """One warning each for another partition, changed settings, other training data,
+        against `saved`, the record of the checkpoint resumed (None: one saved before records
+        were kept)."""
+        if saved is None:
+            return ["the checkpoint records no partition or settings (saved by an older "
+                    "starpu-llm): whether this run continues the saved one unchanged is not "
+                    "checked"]
+        out = []
+        if not saved.partition.same_shape(self.partition):
+            out.append(f"the run continues on {self.partition.describe()}, it was saved on "
+                       f"{saved.partition.describe()}: roundings will differ from the "
+                       f"uninterrupted run")
+        changed = saved.settings.changed(self.settings)
+        if changed:
+            out.append(", ".join(f"{flag(name)} {new} (saved with {was})"
+                                 for name, was, new in changed)
+                       + ": the run is no longer the uninterrupted one")
+        if saved.data is not None and saved.data != self.data:
+            detail = (f"{saved.data[0]:,} tokens then, {self.data[0]:,} now"
+                      if saved.data[0] != self.data[0] else "as many, but others")
+            out.append(f"{flag('train_data')}: these are not the tokens the run was saved with "
+                       f"({detail}): the run is no longer the uninterrupted one")
+        return out

@@ -1,18 +1,20 @@
-"""What a run starts from: a random init of --model (default d12), the weights of
---init-from, or the run saved at --resume with its record (record.RunRecord). And what a
-resumed run keeps: the model (a contradicting --model is refused), the recorded partition
-unless one is given or it cannot run here (another is accepted with a warning: roundings will
-differ), the settings and the training data (a change is named in a warning: the run is no
-longer the uninterrupted one). The checkpoint resumed is named, and so is any newer one that
-could not be read (io/checkpoint.load)."""
+"""What a run starts from (start(): one Start, read once): a random init of --model (default
+d12), the weights of --init-from, or the run saved at --resume with its record
+(record.RunRecord). And what a resumed run keeps: the model (a contradicting --model is
+refused), the recorded partition unless one is given or it cannot run here (another is
+accepted with a warning: roundings will differ), the settings and the training data (a change
+is named in a warning, RunRecord.changes_since: the run is no longer the uninterrupted one).
+The checkpoint resumed is named, and so is any newer one that could not be read
+(io/checkpoint.load)."""
 from __future__ import annotations
 
-from dataclasses import fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 from .config import MODELS, GPTConfig
 from .errors import StarpuLLMError, flag, opt
 from .io import checkpoint, hf
-from .record import RunRecord
+from .io.formats import params_crc
+from .record import Partition, RunRecord
 from .partition import request_of
 from .runtime.starpu import resolve_here
 from .state import RandomInit, TrainState, random_init
@@ -37,6 +39,46 @@ def check_model(model: str | None, config: GPTConfig, path) -> None:
         raise StarpuLLMError(f"{opt('model')} {model} contradicts {path}, which holds "
                              f"{model_name(config)}: leave {opt('model')} out to go on with the "
                              f"checkpoint's model, or start a new run without it")
+
+
+@dataclass
+class Start:
+    """What a run starts from (start()), handed to the set-up in one piece."""
+    cfg: object                 # the run's settings; a resume's on its recorded partition
+    state: TrainState
+    saved: checkpoint.Saved | None = None   # the checkpoint a --resume continues; None: new
+    partition: Partition | None = None  # a resume's recorded partition, resolved here (None:
+                                        # the run resolves its own, engines.run_partition)
+    origin: str | None = None   # a new run's start, for its identity (record.run_identity):
+                                # "seed N" or "weights CRC"
+    run: str | None = None      # a resumed run's identity (None: saved before it was kept)
+    warnings: list = field(default_factory=list)    # to print once the run is set up: a
+                                # recorded partition not followed, newer checkpoints skipped
+
+
+def start(cfg, state: TrainState | None, ranks: int, memory_limit: bool = False,
+          on_runtime: bool = False) -> Start:
+    """What the run of cfg on `ranks` processes starts from: the state given, else the model
+    (load_model; under --memory-limit read slice by slice); a resume's checkpoint, with cfg on
+    its recorded partition (on_recorded_partition) unless the run trains on a StarPU runtime
+    already started (on_runtime: the runtime's); refused when it is at --steps already."""
+    saved = None
+    given = state is not None
+    if state is None:
+        state, saved = load_model(cfg, lazy=memory_limit)
+    if state.step >= cfg.steps:
+        raise StarpuLLMError(f"the run is at step {state.step} already and {opt('steps')} counts "
+                             f"the steps of the whole run: give {opt('steps')} above {state.step}")
+    if saved is None:
+        return Start(cfg, state, origin=(f"weights {params_crc(state.params)}"
+                                         if given or cfg.init_from else f"seed {cfg.seed}"))
+    partition, warnings = None, []
+    if not on_runtime:
+        cfg, partition, warnings = on_recorded_partition(cfg, saved.record, ranks, memory_limit)
+    return Start(cfg, state, saved, partition, run=saved.record.run if saved.record else None,
+                 warnings=warnings + [
+        f"{path} cannot be resumed ({why}); resuming from {saved.path} instead"
+        for path, why in saved.skipped])
 
 
 def load_model(cfg, lazy: bool = False) -> tuple[TrainState, checkpoint.Saved | None]:
@@ -65,20 +107,19 @@ def load_model(cfg, lazy: bool = False) -> tuple[TrainState, checkpoint.Saved | 
     return TrainState(config=config, params=params), None
 
 
-def on_recorded_partition(cfg, record: RunRecord | None, ranks: int, warn,
-                          memory_limit: bool = False):
-    """(cfg, the partition the run resumes on) when cfg gives no partition, runs the recorded
-    engine on as many processes, and the recorded partition (Partition.request) resolves on
-    this process (for cfg's batch, under a memory limit or not): cfg set to it, and it
-    resolved, once; else (cfg as it is, None: the run resolves its default partition), with a
-    warning where the record could not be followed."""
+def on_recorded_partition(cfg, record: RunRecord | None, ranks: int, memory_limit: bool):
+    """(cfg set to it, the recorded partition resolved once (for cfg's batch, under a memory
+    limit or not), []) when cfg gives no partition, runs the recorded engine on as many
+    processes, and the recorded partition (Partition.request) resolves on this process; else
+    (cfg as it is, None: the run resolves its default partition, [a warning where the record
+    could not be followed])."""
     if record is None or cfg.given() or record.partition.engine != cfg.engine:
-        return cfg, None
+        return cfg, None, []
     p = record.partition
     if p.ranks != ranks:
-        warn(f"the checkpoint was saved by {p.ranks} process(es) and this run has {ranks}: it "
-             f"runs on the default partition, not on the recorded one ({p.describe()})")
-        return cfg, None
+        return cfg, None, [f"the checkpoint was saved by {p.ranks} process(es) and this run has "
+                           f"{ranks}: it runs on the default partition, not on the recorded one "
+                           f"({p.describe()})"]
     # the scheduler and a pipeline's schedule (not the partition's shape: PartitionRequest.given)
     # resumed where this run names none
     recorded = request_of(p)
@@ -88,36 +129,7 @@ def on_recorded_partition(cfg, record: RunRecord | None, ranks: int, warn,
                                        and getattr(cfg, f.name) is not None)})
     try:
         return resumed, resolve_here(resumed.partition_request(), ranks, cfg.batch,
-                                     memory_limit, p.engine)
+                                     memory_limit, p.engine), []
     except StarpuLLMError as e:
-        warn(f"the recorded partition ({p.describe()}) cannot run here ({e.render(flag)}): the "
-             f"run goes on on the default partition")
-        return cfg, None
-
-
-def say_resumed(saved: checkpoint.Saved, log, warn) -> None:
-    """The line naming the checkpoint resumed, and a warning for each newer one skipped."""
-    for path, why in saved.skipped:
-        warn(f"{path} cannot be resumed ({why}); resuming from {saved.path} instead")
-    log(f"resuming: {saved.path} (step {saved.state.step})")
-
-
-def warn_changes(saved: RunRecord | None, now: RunRecord, warn) -> None:
-    """One warning each for another partition, changed settings, other training data,
-    against the record of the checkpoint resumed."""
-    if saved is None:
-        warn("the checkpoint records no partition or settings (saved by an older starpu-llm): "
-             "whether this run continues the saved one unchanged is not checked")
-        return
-    if not saved.partition.same_shape(now.partition):
-        warn(f"the run continues on {now.partition.describe()}, it was saved on "
-             f"{saved.partition.describe()}: roundings will differ from the uninterrupted run")
-    changed = saved.settings.changed(now.settings)
-    if changed:
-        warn(", ".join(f"{flag(name)} {new} (saved with {was})" for name, was, new in changed)
-             + ": the run is no longer the uninterrupted one")
-    if saved.data is not None and saved.data != now.data:
-        detail = (f"{saved.data[0]:,} tokens then, {now.data[0]:,} now"
-                  if saved.data[0] != now.data[0] else "as many, but others")
-        warn(f"{flag('train_data')}: these are not the tokens the run was saved with "
-             f"({detail}): the run is no longer the uninterrupted one")
+        return cfg, None, [f"the recorded partition ({p.describe()}) cannot run here "
+                           f"({e.render(flag)}): the run goes on on the default partition"]

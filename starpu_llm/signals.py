@@ -16,10 +16,11 @@ signal's number from the CLI: 130, 143, 138). A second signal ends the process a
 the middle of a step: a watcher thread sees it even while the main thread waits inside StarPU
 (Python runs its own handlers only between two bytecodes of the main thread), removes the
 offload folders and exits without saving. Before the training loop (start-up) the first signal
-interrupts at once: there is nothing to save yet. The starpu-llm command handles them from the
-first line of its package on (at_start_up, called by starpu_llm/__init__.py): before that only
-Python's own start-up runs (the interpreter, site, and in an editable install meson-python's
-build check).
+interrupts at once: there is nothing to save yet. The starpu-llm command handles them from
+Python's site on (tools/00-starpu-llm-start.pth, installed beside the package: the console script's
+imports and an editable install's rebuild come after it), then from the first line of its
+package (at_start_up, called by starpu_llm/__init__.py); before site only the interpreter's own
+initialisation runs (a few ms).
 
 Under mpirun, every rank stops after the same step (stop() agrees across the ranks), so a
 signal that reaches one rank stops the job. mpirun itself kills its ranks one second after it

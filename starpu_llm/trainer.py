@@ -3,8 +3,8 @@ settings and the training loop. Around it: what the run starts from and what a r
 keeps (resume.py), its engine and partition (engines.py), signals (signals.py), what watches
 each step (watchers.py: the metrics file, metrics.py; the line; samples, sampler.py;
 checkpoints and the other files a run writes, checkpointing.py). Under mpirun every rank
-runs the same set-up in phases that end together (runtime/mpi.agree): an error on one rank
-ends every rank at once, reported by rank 0.
+runs the same set-up (_set_up) in phases that end together (runtime/mpi.phase): an error on
+one rank ends every rank at once, reported by rank 0.
 
     from starpu_llm import TrainConfig, train
     result = train(TrainConfig(model="d12", batch=4, seq_len=64, steps=10))
@@ -19,18 +19,16 @@ from dataclasses import dataclass, field, fields
 from typing import NamedTuple
 
 
-from . import signals
+from . import resume, signals
 from .checkpointing import check_outputs, check_checkpoint_dir, save_final
 from .config import MODELS, GPTConfig, check_batch_shape
-from .engines import (autotuned, calibrated_peak, check_memory, make_engine, run_partition,
-                      start_runtime)
+from .engines import (autotuned, calibrated_peak, calibration, check_memory, make_engine,
+                      run_partition, start_runtime)
 from .errors import StarpuLLMError, opt
 from .io import data
-from .io.formats import params_crc
 from .metrics import Metrics, step_extras
 from .partition import PartitionRequest
 from .record import RunRecord, Settings, data_fingerprint, run_identity
-from .resume import load_model, on_recorded_partition, say_resumed, warn_changes
 from .runs import peak_rss_mb
 from .runtime import mpi as distributed
 from .runtime.offload import MemoryLimit
@@ -203,54 +201,70 @@ class Run:
 
 
 def _set_up(cfg: TrainConfig, state: TrainState | None, runtime) -> Run:
-    """Check the settings and files, read the model and data, start StarPU and make the
-    engine: under mpirun in phases that every rank ends together (distributed.agree)."""
+    """The run set up, top to bottom: the settings checked; what it starts from (the model: a
+    checkpoint with its recorded partition and settings, or an initialisation); the data and
+    the validation; the partition that runs (resolved once) and the run's record; StarPU
+    started; the engine; what is said of them. Under mpirun in phases that every rank ends
+    together (distributed.phase)."""
     comm = distributed.world() if runtime is None else runtime.comm
-    rank = comm.Get_rank() if comm is not None else 0
+    rank, ranks = (comm.Get_rank(), comm.Get_size()) if comm is not None else (0, 1)
     log = (cfg.log if rank == 0 else None) or (lambda *a, **k: None)
     warn = (cfg.warn or _to_stderr) if rank == 0 else (lambda *a, **k: None)
-    memory = distributed.agree(comm, _check_settings, cfg, comm, rank)
+    with distributed.phase(comm, "checking the settings"):
+        memory = _check_settings(cfg, comm, rank, runtime)
     if memory is not None:
         log = _flushed(log)   # a disk that fills ends the process from inside StarPU
     if comm is not None and runtime is None:
         distributed.pin_rank(comm)
-    cfg, partition, state, saved, loader, validation, run_id = distributed.agree(
-        comm, _read_inputs, cfg, state, memory, comm, runtime, log, warn)
+    with distributed.phase(comm, "reading the inputs"):
+        start = resume.start(cfg, state, ranks, memory is not None,
+                             on_runtime=runtime is not None and cfg.engine == "starpu")
+        cfg, state, config = start.cfg, start.state, start.state.config
+        loader, validation = _read_data(cfg, config, state.data)
+        machine = calibration()         # this machine's (None: uncalibrated), read once
+        if cfg.workers == "auto":
+            cfg = autotuned(cfg, config, comm, runtime, log, machine)
+        partition = start.partition or run_partition(cfg, comm, runtime, memory)   # resolved once
+        if memory is None:
+            check_memory(cfg, config, ranks)
+        peak = calibrated_peak(partition, machine)      # what a step's "mfu" is of
+        fingerprint = data_fingerprint(loader.tokens)
+        run_id = (start.run if start.saved is not None      # the run's identity (record.py)
+                  else run_identity(Settings.of(cfg), config, start.origin, fingerprint))
+        record = RunRecord(partition, Settings.of(cfg), run=run_id, data=fingerprint)
+        if cfg.save_every and rank == 0:
+            check_checkpoint_dir(cfg.checkpoint_dir, run_id,
+                                 legacy=start.saved is not None and run_id is None)
     if comm is not None:
-        problem = distributed.differences(comm.allgather(run_settings(cfg, state.config, loader)))
-        if problem:
-            distributed.fail_together(comm, problem)
-    own_runtime = None
-    if runtime is None and cfg.engine == "starpu":
-        runtime = own_runtime = start_runtime(cfg, partition, comm, memory)
-    elif memory is not None and runtime.memory != memory:
-        raise StarpuLLMError(f"{opt('memory_limit')}: the runtime given was started with "
-                             f"{runtime.memory}; start it with the run's (Runtime(memory=...))")
+        distributed.same_everywhere(comm, run_settings(cfg, config, loader))
+    own_runtime = (start_runtime(cfg, partition, comm, memory)
+                   if runtime is None and cfg.engine == "starpu" else None)
+    runtime = own_runtime or runtime
     try:
-        engine = distributed.agree(comm, make_engine, cfg, partition, state, loader.tokens,
-                                   runtime)
+        with distributed.phase(comm, "making the engine"):
+            engine = make_engine(cfg, partition, state, loader.tokens, runtime, machine)
     except BaseException:       # e.g. a memory limit too small: StarPU stops (and its folder goes)
         if own_runtime:
             own_runtime.shutdown()
         raise
-    record = RunRecord(partition, Settings.of(cfg), run=run_id,
-                       data=data_fingerprint(loader.tokens))
-    log(f"model: L={state.config.L} NH={state.config.NH} C={state.config.C} V={state.config.V} "
-        f"Vp={state.config.Vp} maxT={state.config.maxT}, {state.config.num_parameters:,} parameters")
+    log(f"model: L={config.L} NH={config.NH} C={config.C} V={config.V} Vp={config.Vp} "
+        f"maxT={config.maxT}, {config.num_parameters:,} parameters")
     log(f"data: {loader.path} ({loader.num_tokens:,} tokens), B={cfg.batch} T={cfg.seq_len}")
     log(f"engine: {engine.describe()}")
-    log(f"partition: {record.partition.describe()}")
-    if saved is not None:
-        say_resumed(saved, log, warn)
-        warn_changes(saved.record, record, warn)
+    log(f"partition: {partition.describe()}")
+    for text in start.warnings:
+        warn(text)
+    if start.saved is not None:
+        log(f"resuming: {start.saved.path} (step {state.step})")
+        for text in record.changes_since(start.saved.record):
+            warn(text)
     if validation:
         log(validation.describe())
     return Run(cfg, comm, rank, log, warn, memory, state, loader, validation, runtime,
-               own_runtime, engine, record, Counters(comm, runtime, memory),
-               calibrated_peak(record.partition))
+               own_runtime, engine, record, Counters(comm, runtime, memory), peak)
 
 
-def _check_settings(cfg: TrainConfig, comm, rank: int) -> MemoryLimit | None:
+def _check_settings(cfg: TrainConfig, comm, rank: int, runtime) -> MemoryLimit | None:
     """The settings alone, and the files rank 0 will write: a clear error now rather than
     after the training. The memory budget of the settings."""
     if cfg.steps < 1:
@@ -266,6 +280,9 @@ def _check_settings(cfg: TrainConfig, comm, rank: int) -> MemoryLimit | None:
     if memory is not None and cfg.engine != "starpu":
         raise StarpuLLMError(f"{opt('memory_limit')} needs {opt('engine')} starpu (the reference "
                              f"engine keeps every tensor in numpy arrays)")
+    if memory is not None and runtime is not None and runtime.memory != memory:
+        raise StarpuLLMError(f"{opt('memory_limit')}: the runtime given was started with "
+                             f"{runtime.memory}; start it with the run's (Runtime(memory=...))")
     if comm is not None and cfg.engine != "starpu":
         raise StarpuLLMError(f"under mpirun only {opt('engine')} starpu runs (the reference engine "
                              "is a single process)")
@@ -276,49 +293,19 @@ def _check_settings(cfg: TrainConfig, comm, rank: int) -> MemoryLimit | None:
     return memory
 
 
-def _read_inputs(cfg: TrainConfig, state, memory, comm, runtime, log, warn):
-    """The model, the data and the partition the run starts from: (cfg with the partition
-    asked for settled, the partition that runs (partition.resolve), the state, the checkpoint
-    resumed (checkpoint.Saved) or None, the loader, the validation or None, the run's
-    identity)."""
-    saved = None            # the checkpoint a --resume continues
-    given = state is not None
-    if state is None:       # under a limit, kept in its files (or drawn) until StarPU has it
-        state, saved = load_model(cfg, lazy=memory is not None)
-    if state.step >= cfg.steps:
-        raise StarpuLLMError(f"the run is at step {state.step} already and {opt('steps')} counts the "
-                             f"steps of the whole run: give {opt('steps')} above {state.step}")
-    config = state.config
+def _read_data(cfg: TrainConfig, config: GPTConfig, position: dict | None):
+    """The training data (at the position a resumed state records) and the validation (None
+    without --val-every), for config's batch shape."""
     check_batch_shape(config, cfg.batch, cfg.seq_len)
     loader = data.DataLoader(cfg.train_data or data.default_dataset()[0], cfg.batch,
                              cfg.seq_len, vocab_size=config.V)
-    if state.data:
-        loader.load_state(state.data)
+    if position:
+        loader.load_state(position)
     validation = None
     if cfg.val_every:
         validation = Validation(cfg.val_data or data.default_dataset()[1], cfg.batch,
                                 cfg.seq_len, config.V, cfg.val_every, cfg.val_batches)
-    # the partition: the default, or --workers auto's, or a --resume's recorded one
-    partition = None        # resolved once: the recorded one, else cfg's (run_partition)
-    if saved is not None and (runtime is None or cfg.engine != "starpu"):   # else the runtime's
-        cfg, partition = on_recorded_partition(cfg, saved.record, comm.Get_size() if comm else 1,
-                                               warn, memory is not None)
-    if cfg.workers == "auto":
-        cfg = autotuned(cfg, config, comm, runtime, log)
-    partition = partition or run_partition(cfg, comm, runtime, memory)   # the partition that runs
-    if memory is None:
-        check_memory(cfg, config, comm.Get_size() if comm else 1)
-    # the run's identity (record.run_identity), kept by its resumed parts; None for one
-    # resumed from a checkpoint saved before identities were kept
-    if saved is None:
-        start = (f"weights {params_crc(state.params)}" if given or cfg.init_from
-                 else f"seed {cfg.seed}")
-        run = run_identity(Settings.of(cfg), config, start, data_fingerprint(loader.tokens))
-    else:
-        run = saved.record.run if saved.record else None
-    if cfg.save_every and (comm is None or comm.Get_rank() == 0):
-        check_checkpoint_dir(cfg.checkpoint_dir, run, legacy=saved is not None and run is None)
-    return cfg, partition, state, saved, loader, validation, run
+    return loader, validation
 
 
 def _run(run: Run, stop: signals.StopOnSignal) -> TrainResult:

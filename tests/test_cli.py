@@ -13,6 +13,7 @@ from starpu_llm.io import checkpoint, formats
 from starpu_llm.config import MODELS
 from starpu_llm.runtime import usable_cores
 from starpu_llm.state import random_init
+from starpu_llm import signals
 
 MICRO = MODELS["micro"]   # V=250: tiny random shards stand in for real data
 
@@ -312,6 +313,71 @@ def test_importing_the_package_elsewhere_leaves_the_signals_alone():
     assert out.split() == ["True", "True"], out
 
 
+START_PTH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools",
+                         "00-starpu-llm-start.pth")
+
+
+def test_the_start_pth_is_installed_where_the_tests_run():
+    """The .pth that covers Python's own start-up is in this environment's site-packages (the
+    Makefile copies it into its editable venvs; a wheel installs it), as tools/ has it."""
+    import site
+    want = open(START_PTH).read()
+    found = [os.path.join(d, "00-starpu-llm-start.pth") for d in site.getsitepackages()]
+    assert any(os.path.exists(f) and open(f).read() == want for f in found), found
+
+
+@pytest.mark.parametrize("sig", signals.STOP_SIGNALS, ids=lambda s: signal.Signals(s).name)
+def test_a_signal_before_the_package_is_imported_ends_cleanly(tmp_path, sig):
+    """A signal while the console script is still importing, before the package's first line
+    (the script's `import re`, an editable install's rebuild; here a stand-in script named
+    starpu-llm that sleeps there): the handlers are already in from Python's site on
+    (tools/00-starpu-llm-start.pth), for each of the package's stop signals, with the package's
+    one line and 128 + the signal's number, no traceback."""
+    script = tmp_path / "starpu-llm"
+    script.write_text("import time\ntime.sleep(20)\nfrom starpu_llm.cli import main\nmain()\n")
+    p = subprocess.Popen([sys.executable, str(script), "--version"], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not handles_stop_signals(p.pid) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert handles_stop_signals(p.pid), "no handlers while the script imports"
+        p.send_signal(sig)
+        out, _ = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 128 + sig, out
+    assert out == f"starpu-llm: {signals.ended(sig)}\n", out
+
+
+@pytest.mark.parametrize("sig, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_from_pythons_start_up_on_ends_cleanly(shard, sig, status):
+    """The starpu-llm console script from the moment Python's site has run (a few ms after
+    the process starts; before that only the interpreter's own initialisation) through its
+    imports to the package's first line and on: one line, 128 + the signal, no traceback,
+    for each delay after the handlers are seen in place."""
+    command = os.path.join(os.path.dirname(sys.executable), "starpu-llm")
+    assert os.path.exists(command), command
+    for delay in (0, 0.001, 0.002, 0.003, 0.005, 0.008, 0.012, 0.02, 0.03, 0.05, 0.08):
+        p = subprocess.Popen([command, "train", "--model", "micro", "--train-data", shard,
+                              "--batch", "2", "--seq-len", "16", "--steps", "100000"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            while not handles_stop_signals(p.pid):
+                time.sleep(0.0002)
+            time.sleep(delay)
+            p.send_signal(sig)
+            out, _ = p.communicate(timeout=60)
+        finally:
+            if p.poll() is None:
+                p.kill()
+        assert p.returncode == status, (delay, out)
+        assert "Traceback" not in out and "Fatal" not in out, (delay, out)
+        assert out.strip().splitlines()[-1] in ("starpu-llm: interrupted",
+                                                "starpu-llm: stopped by SIGTERM"), (delay, out)
+
+
 @pytest.mark.parametrize("sig, status, name", [(signal.SIGTERM, 143, "SIGTERM"),
                                                (signal.SIGUSR1, 138, "SIGUSR1"),
                                                (signal.SIGHUP, 129, "SIGHUP")])
@@ -471,6 +537,28 @@ def test_outputs_never_overwrite_data(shard, tmp_path):
                      str(tmp_path / "m.jsonl"))
     assert rc == 0, err
     assert checkpoint.read(save).step == 3
+
+
+@pytest.mark.parametrize("kind", ["metrics", "bench"])
+def test_whose_file_is_told_by_its_first_line(tmp_path, kind):
+    """What may be replaced as a metrics file or a bench table (one helper,
+    checkpointing.first_line_is, for both): an empty file or one whose first line is theirs
+    (CRLF too), not another file, a folder, a FIFO or nothing."""
+    from starpu_llm.bench import is_bench_table
+    from starpu_llm.checkpointing import _is_metrics_file
+    is_kind, ours = {"metrics": (_is_metrics_file, b'{"step": 1, "loss": 2.5}'),
+                     "bench": (is_bench_table, b"B,engine,tok/ms")}[kind]
+    cases = {"empty": (b"", True), "ours": (ours + b"\nmore\n", True),
+             "ours, CRLF": (ours + b"\r\n", True), "notes": (b"my notes\n", False),
+             "blank first line": (b"\n" + ours + b"\n", False)}
+    for name, (content, expect) in cases.items():
+        path = tmp_path / f"{kind}-{name}"
+        path.write_bytes(content)
+        assert is_kind(str(path)) is expect, name
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path in (tmp_path, fifo, tmp_path / "missing"):
+        assert is_kind(str(path)) is False, path
 
 
 def test_every_command_refuses_an_output_onto_data(shard, tmp_path):

@@ -85,3 +85,35 @@ def test_bench_same_start_check():
     assert len(lines) == 2
     assert "starpu-llm" in lines[0] and "<= the TF32 bound" in lines[0], lines
     assert "llm.c" in lines[1] and "EXCEEDS the TF32 bound" in lines[1], lines
+
+
+PTXAS = """\
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function '_Z10add_kernelPfPKfm' for 'sm_90'
+ptxas info    : Function properties for _Z10add_kernelPfPKfm
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 14 registers, used 0 barriers, 376 bytes cmem[0]
+ptxas info    : Compiling entry function '_Z3dkvPf' for 'sm_90'
+ptxas info    : Function properties for _Z3dkvPf
+    104 bytes stack frame, 100 bytes spill stores, 96 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 16640 bytes smem, 412 bytes cmem[0]
+"""
+
+
+def test_gpu_static_reads_ptxas_report(tmp_path):
+    """experiments/gpu_static.py: a row a kernel from ptxas' -v report (registers, stack,
+    spills, static shared memory, barriers); without nvcc, one clear error, exit status 2."""
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    try:
+        import gpu_static
+    finally:
+        sys.path.pop(0)
+    rows = gpu_static.parse_ptxas(PTXAS, "x.cu")
+    assert [(r["kernel"], r["registers"], r["stack_bytes"], r["spill_store_bytes"],
+             r["spill_load_bytes"], r["shared_bytes"], r["barriers"]) for r in rows] == [
+        ("_Z10add_kernelPfPKfm", 14, 0, 0, 0, 0, 0), ("_Z3dkvPf", 255, 104, 100, 96, 16640, 1)]
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "gpu_static.py"),
+                        "--nvcc", str(tmp_path / "nvcc"), "--out", str(tmp_path / "t.csv")],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "no nvcc at" in p.stderr and "Traceback" not in p.stderr
+    assert not (tmp_path / "t.csv").exists()

@@ -228,3 +228,24 @@ def test_gpu_batched_decoding_equals_one_sequence_at_a_time():
     print("\n[decode] tasks on the GPU / on CPUs: " + ", ".join(
         f"{c} {where[(c, 'gpu')]}/{where[(c, 'cpu')]}" for c in sorted({c for c, _ in where})))
     assert sum(n for (c, kind), n in where.items() if kind == "gpu") > 0, dict(where)
+
+
+def test_gpu_memory_is_read_on_the_cuda_workers_devices():
+    """The peak GPU memory is read on the devices StarPU's CUDA workers run on (their device
+    ids from StarPU), not on GPUs 0..n-1: with STARPU_WORKERS_CUDAID naming the last GPU, the
+    one CUDA worker's device is that one, and the memory read there holds the CUDA context."""
+    import json
+    import os
+    import subprocess
+    import sys
+    last = lib.sl_gpu_devices() - 1
+    code = ("import json\nfrom starpu_llm.runtime import Runtime\nfrom partitions import here\n"
+            "with Runtime(here(gpus=1)) as rt:\n"
+            "    print(json.dumps([rt.cuda_devices(), rt.gpu_memory_mb()]))\n")
+    env = dict(os.environ, STARPU_WORKERS_CUDAID=str(last))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       cwd=os.path.dirname(__file__), timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    devices, mb = json.loads(r.stdout.strip().splitlines()[-1])
+    assert devices == [last], devices
+    assert mb > 0, mb

@@ -152,6 +152,7 @@ def test_the_end_line_has_the_peak_gpu_memory_with_gpus_only(runtime, shards, mo
     lines = []
     r = train(config(shards, steps=2, log=lines.append), fresh_state(), runtime)
     assert r.peak_gpu_mb is None and runtime.gpu_memory_mb() is None
+    assert runtime.cuda_devices() == []     # the devices it would read: no CUDA worker's
     assert "peak RSS" in lines[-1] and "GPU" not in lines[-1], lines[-1]
     seen = iter([1000.0, 1234.4, 900.0])
     monkeypatch.setattr(rt_module.Runtime, "gpu_memory_mb", lambda self: next(seen))

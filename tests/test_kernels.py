@@ -770,6 +770,72 @@ def test_gemm_attention_one_cublas_call_per_product(rng):
     assert lib.sl_gpu_emulated_blas_calls() == 4, "backward: datt, dv, dq, dk, one call each"
 
 
+def test_gemm_attention_misaligned_pairs_one_gemm_each(rng):
+    """T = 5: the scores' (b, h) matrices are T T = 25 floats apart, not 16-byte aligned,
+    which a batched cuBLAS call cannot take (it reads the pointers on the GPU: the emulation
+    refuses them, as emulate.cpp says). Those products go one GEMM a pair, the aligned ones
+    (T = 6) one batched call each; the results equal the CPU kernel's within the bound."""
+    _emulated_only()
+    kern, cpu = GPUKernels(), CPUKernels()
+    B, T, C, NH = 2, 5, 24, 3
+    pairs = B * NH
+    qkv = randn(rng, B, T, 3 * C)
+    out, ref = (np.zeros((B, T, C), np.float32) for _ in range(2))
+    att, ref_att = (np.zeros((B, NH, T, T), np.float32) for _ in range(2))
+    lib.sl_gpu_emulated_blas_calls()
+    kern.attention_forward(out, att, qkv, B, T, C, NH)
+    # scores (k q^T into att) and att @ v: each touches the misaligned att
+    assert lib.sl_gpu_emulated_blas_calls() == 2 * pairs
+    cpu.attention_forward(ref, ref_att, qkv, B, T, C, NH)
+    assert np.allclose(out, ref, rtol=1e-5, atol=1e-6), np.abs(out - ref).max()
+
+
+_DIRECT_THREADS = """
+import sys, threading
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from kernel_impls import GPUKernels
+B, T, C, NH = 2, 8, 32, 4
+rng = np.random.default_rng(0)
+cases = [rng.standard_normal((B, T, 3 * C), dtype=np.float32) for _ in range(2)]
+
+def run(qkv):
+    out, att = np.zeros((B, T, C), np.float32), np.zeros((B, NH, T, T), np.float32)
+    GPUKernels().attention_forward(out, att, qkv, B, T, C, NH)
+    return out
+
+alone = [run(q) for q in cases]
+bad = []
+
+def worker(i):
+    for _ in range(300):
+        if not np.array_equal(run(cases[i]), alone[i]):
+            bad.append(i)
+
+threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print("wrong results in threads", sorted(set(bad)) if bad else "none")
+"""
+
+
+def test_direct_cuda_runs_from_two_threads():
+    """Two Python threads running CUDA bodies directly at once (sl_codelet_run_cuda: the
+    server's engine thread and a test, say) share one stream and scratch: the batched
+    attention's pointer arrays, written into the scratch and read by its GEMMs, must be each
+    thread's own. Each thread's 300 results equal the same run alone, bit for bit (a child
+    process: a race may also crash it)."""
+    why = gpu_available()
+    if why:
+        pytest.skip(why)
+    r = subprocess.run([sys.executable, "-c", _DIRECT_THREADS, os.path.dirname(__file__)],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().endswith("none"), r.stdout
+
+
 # ---- the fused attention (attention_flash_*: tiles, online softmax, no (T, T) tensor)
 
 FLASH_TILE = lib.SL_FLASH_TILE

@@ -16,6 +16,7 @@ import time
 import numpy as np
 import pytest
 
+from starpu_llm import StarpuLLMError
 from starpu_llm.io import checkpoint, formats
 from starpu_llm._clib import lib
 from starpu_llm.config import MODELS
@@ -256,6 +257,67 @@ def test_the_same_error_on_every_rank_is_printed_once(shard, tmp_path):
     assert p.returncode == 2
     assert p.stderr.count("error:") == 1 and "rank" not in p.stderr.split("error:")[1].split("\n")[0]
     assert "step    1" not in p.stdout                    # nothing trained
+
+
+class OneRankOf:
+    """This rank of a job whose other ranks ended their phase with `others` (None: they
+    succeeded, else (kind, message)), for runtime.mpi.phase without mpirun."""
+    def __init__(self, rank, others):
+        self.rank, self.others = rank, list(others)
+
+    def Get_rank(self):
+        return self.rank
+
+    def Get_size(self):
+        return len(self.others) + 1
+
+    def allgather(self, mine):
+        return self.others[:self.rank] + [mine] + self.others[self.rank:]
+
+
+def test_a_phase_ends_every_rank_with_the_lowest_failing_ranks_one_message(capsys):
+    """`with phase(comm, what)`: the block runs on every rank, then they meet; any rank's error
+    ends every rank: rank 0 raises the lowest failing rank's message (its kind kept), the
+    others PeerFailed (ending quietly), both agreed; another exception is a bug: its traceback
+    printed on its rank, and "unexpected ..., please report it" naming the phase; comm None:
+    a plain block."""
+    from starpu_llm.cli import UsageError
+    from starpu_llm.runtime.mpi import PeerFailed, phase
+
+    def ends(comm, body=None):
+        ran = []
+        with pytest.raises(StarpuLLMError) as e:
+            with phase(comm, "reading the inputs"):
+                ran.append(True)
+                if body:
+                    body()
+        assert ran and e.value.agreed
+        return e.value
+
+    def fails(error):
+        def body():
+            raise error
+        return body
+    e = ends(OneRankOf(0, [(StarpuLLMError, "token shard file nope.bin is missing")]))
+    assert type(e) is StarpuLLMError
+    assert e.args[0] == "rank 1: token shard file nope.bin is missing"
+    e = ends(OneRankOf(1, [None]), fails(UsageError("usage: --lr fast")))
+    assert type(e) is PeerFailed and e.args[0] == "rank 1: usage: --lr fast"
+    e = ends(OneRankOf(0, [(UsageError, "usage: --lr fast")]))
+    assert type(e) is UsageError                           # the kind the CLI prints as it is
+    e = ends(OneRankOf(0, [(StarpuLLMError, "x")]), fails(StarpuLLMError("x")))
+    assert e.args[0] == "x"                                # the same error everywhere
+    e = ends(OneRankOf(0, [(StarpuLLMError, "y"), None]), fails(StarpuLLMError("x")))
+    assert e.args[0] == "rank 0 (and 1 more of the ranks that failed): x"
+    e = ends(OneRankOf(0, [None]), fails(ZeroDivisionError("division by zero")))
+    assert e.args[0].startswith("unexpected ZeroDivisionError while reading the inputs: "
+                                "division by zero") and "please report it" in e.args[0]
+    assert "Traceback" in capsys.readouterr().err
+    with phase(OneRankOf(1, [None, None]), "reading the inputs"):
+        pass                                               # every rank succeeded
+    with pytest.raises(ZeroDivisionError):
+        with phase(None, "reading the inputs"):
+            1 / 0
 
 
 def signal_a_rank(tmp_path, args, rank, sig):

@@ -495,6 +495,45 @@ def test_resume_refuses_another_model_and_warns_on_changed_settings(shard, tmp_p
                         "tokens then, 300 now): the run is no longer the uninterrupted one"]
 
 
+# --------------------------------------------------------------------------- the set-up reads top to bottom
+
+def test_the_set_up_enters_resume_and_the_calibration_once(shard, tmp_path, monkeypatch):
+    """A resumed run's set-up (trainer._set_up, up to its training loop) takes what it
+    continues from in one call into resume.py (the model, the checkpoint, its recorded
+    partition and settings, what to say), and this machine's calibration in one call into
+    perf/predict.py (the autotuner's, a pipeline's stages and the mfu's): no return trips."""
+    import starpu_llm
+    from starpu_llm import trainer
+    root = os.path.dirname(starpu_llm.__file__)
+    # each watched file and the code whose calls into it are its own (the autotuner's
+    # predictions); the count of entries into it from the rest
+    own = {os.path.join(root, "resume.py"): os.path.join(root, "resume.py"),
+           os.path.join(root, "perf", "predict.py"): os.path.join(root, "perf", "")}
+    watched = dict.fromkeys(own, 0)
+    monkeypatch.setenv("STARPU_LLM_HOME", str(tmp_path / "home"))
+    calibrate_synthetically()
+    ck = str(tmp_path / "ck")
+    train(config(shard, steps=2, save_every=2, checkpoint_dir=ck, engine="starpu"))
+    setting_up = [False]
+
+    def tracer(frame, event, arg):
+        code = frame.f_code
+        if code.co_filename == trainer.__file__ and code.co_name in ("_set_up", "_run"):
+            setting_up[0] = code.co_name == "_set_up"
+        caller = frame.f_back.f_code.co_filename if frame.f_back else ""
+        if (setting_up[0] and code.co_filename in watched
+                and not caller.startswith(own[code.co_filename])):
+            watched[code.co_filename] += 1
+        return None
+
+    sys.settrace(tracer)
+    try:
+        train(config(shard, steps=4, resume=ck, engine="starpu", workers="auto"))
+    finally:
+        sys.settrace(None)
+    assert list(watched.values()) == [1, 1], watched
+
+
 def test_a_resumed_run_resolves_its_partition_once(shard, tmp_path, monkeypatch):
     """--resume on the recorded partition: resolved once (resume.on_recorded_partition, for
     the run's batch), not checked by one resolve and then resolved again by the run."""

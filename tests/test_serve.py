@@ -653,6 +653,21 @@ def test_a_sampling_fault_ends_its_request_alone(edged):
     assert r.usage.completion_tokens == 3
 
 
+def test_a_scoring_fault_ends_its_request_alone(edged):
+    """NaN logits while scoring a prompt (echo, max_tokens 0, logprobs): that request is a 500
+    naming it, not a body of NaN (not JSON); the server goes on."""
+    client = edged.client(KEY, max_retries=0, timeout=300)
+    with pytest.raises(openai.InternalServerError) as e:
+        client.completions.create(model="tiny", prompt=[NAN_MARK, 11, 12, 13], max_tokens=0,
+                                  echo=True, logprobs=1)
+    assert e.value.status_code == 500
+    assert "scoring this request's prompt failed: ValueError" in e.value.body["message"]
+    assert edged.get("/health").json()["status"] == "ok"
+    r = client.completions.create(model="tiny", prompt=[11, 12, 13], max_tokens=0, echo=True,
+                                  logprobs=1)
+    assert all(np.isfinite(r.choices[0].logprobs.token_logprobs[1:]))
+
+
 def test_usage_and_counting_per_request(server):
     """n > 1: the prompt counted once in the usage (OpenAI's and vLLM's way), the request once
     in starpu_llm_requests_total; a bad request once, as invalid."""

@@ -150,3 +150,27 @@ def test_clipped_update_waits_for_the_global_norm(workers, cores, sub_batches):
         assert bufs[4] == (root, lib.SL_ACCESS_R), bufs
         assert e[3] >= end_of_write[root] >= last_gradient, bufs
 
+
+
+def test_the_alternating_buffers_have_names_of_their_own():
+    """The submit-ahead loop's two sets of losses and gradient-norm root (step n + 1 writes
+    into the other set while step n's is still to be read: Engine.submit_step with
+    keep_previous): in a trace of 2 such steps every handle has a name of its own, the first
+    step's crossentropy_forward and norm tree root writing one set, the second's the other."""
+    with Runtime(here(1, 1)) as rt:
+        events, names = traced_step(rt, MICRO, TOKENS, grad_clip=1.0, steps=2)
+    seen = {}
+    for h, n in names.items():
+        seen.setdefault(n, []).append(h)
+    assert not {n: hs for n, hs in seen.items() if len(hs) > 1}, "handles named alike"
+
+    def written(codelet, pick):
+        return [n for e in events if e[0] == codelet
+                for n, mode in named_buffers(e, names) if mode & lib.SL_ACCESS_W and pick(n)]
+
+    losses = written("crossentropy_forward", lambda n: "losses" in n)
+    assert len(losses) == 2 and len(set(losses)) == 2, losses
+    root = names[max((h for h in names if names[h].startswith("gradnorm[")),
+                     key=lambda h: int(names[h][9:].split("]")[0]))].split("#")[0]
+    roots = written("norm_sum", lambda n: n.split("#")[0] == root)
+    assert len(roots) == 2 and len(set(roots)) == 2, roots

@@ -7,9 +7,11 @@ from partitions import subs
 
 
 def traced_step(runtime, config, tokens, B=4, T=16, sub_batches=None, grad_clip=0.0,
-                wte_blocks=None):
+                wte_blocks=None, steps=1):
     """One training step under a task trace: (events, {handle address: tensor name}); wte in
-    wte_blocks row blocks when given (else the placement's: one in one process)."""
+    wte_blocks row blocks when given (else the placement's: one in one process). steps > 1:
+    that many, each after the first submitted before the previous one is waited for (the
+    trainer's submit-ahead loop: Engine.submit_step with keep_previous)."""
     state = TrainState(config=config, params=random_init(config))
     runtime.start_trace(100_000)
     try:
@@ -21,7 +23,9 @@ def traced_step(runtime, config, tokens, B=4, T=16, sub_batches=None, grad_clip=
         eng = StarPUEngine(config, state, B, T, tokens, runtime, subs(runtime, sub_batches),
                            sites=sites)
         try:
-            eng.step(0, 1e-3, 0.0, grad_clip)
+            for k in range(steps):
+                eng.submit_step(0, 1e-3, 0.0, grad_clip, keep_previous=k > 0)
+            eng.wait()
             names = eng.tensor_names()
         finally:
             eng.close()

@@ -49,6 +49,7 @@ portable_venv() {   # the kernels built without -march=native, beside the main b
   echo "$site" > "$own/main-venv-packages.pth"   # torch, numpy, cffi, meson-python, pytest
   PATH="$PWD/.venv/bin:$PATH" .venv-portable/bin/python -m pip install -q --no-deps \
     --no-build-isolation -Cbuild-dir=build/portable -Csetup-args=-Dnative=false -e .
+  cp tools/00-starpu-llm-start.pth "$own/"   # what the Makefile's venvs carry (signals.py)
   touch .venv-portable/.installed
 }
 

@@ -76,7 +76,8 @@ static unsigned softmax_blocks(int rows) { return sl_blocks((size_t)rows, ROWS_P
  * floats apart and sequences T 3C apart, which no single stride of a strided-batched call
  * walks (that needs T 3C = NH hs). A task's arrays, one per operand (5 forward, 10 backward),
  * are written by one small kernel into the worker's scratch, in stream order before the GEMMs
- * that read them (and after the previous task's, which read the last ones). */
+ * that read them (and after the previous task's, which read the last ones). A product with
+ * a matrix not 16-byte aligned (att_aligned) goes one GEMM a pair instead. */
 #define ATT_ARRAYS 10 /* pointer arrays of one task, at most: the backward's operands */
 
 /* the operand of pair (b, h) at base + b seq + h head */
@@ -120,14 +121,37 @@ static const float *const *attention_pointers(const struct sl_gpu *g, const att_
 	return ptrs;
 }
 
-/* C_p = alpha op(A_p) op(B_p) for every pair p, the operands the arrays a, b, c of ptrs */
-static void attention_gemm(const struct sl_gpu *g, const float *const *ptrs, int pairs, int a,
-			   int b, int c, cublasOperation_t ta, cublasOperation_t tb, int m, int n,
-			   int k, float alpha, int lda, int ldb, int ldc)
+/* Whether every matrix of operand o over B x NH pairs starts 16-byte aligned: the batched
+ * GEMM reads its pointers on the GPU, where cuBLAS cannot check them, and its kernels load 16
+ * bytes at a time. Not always so: the scores' pairs are T T floats apart (T odd: not a
+ * multiple of 4), a head hs floats (hs = C / NH need not be one either). */
+static bool att_aligned(const att_operand &o, int B, int NH)
 {
-	sl_gemm_array(g, ta, tb, m, n, k, alpha, ptrs + (size_t)a * pairs, lda,
-		      ptrs + (size_t)b * pairs, ldb, 0.0f, (float *const *)(ptrs + (size_t)c * pairs),
-		      ldc, pairs);
+	return (uintptr_t)o.base % 16 == 0 && (B == 1 || o.seq % 4 == 0) &&
+	       (NH == 1 || o.head % 4 == 0);
+}
+
+/* C_p = alpha op(A_p) op(B_p) for every pair p, the operands the arrays a, b, c of ptrs (ops
+ * on the host); one batched call when every matrix is aligned, else one GEMM a pair (cuBLAS
+ * sees those pointers and picks kernels that fit them) */
+static void attention_gemm(const struct sl_gpu *g, const att_operands &ops,
+			   const float *const *ptrs, int B, int NH, int a, int b, int c,
+			   cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
+			   float alpha, int lda, int ldb, int ldc)
+{
+	const int pairs = B * NH;
+	const att_operand &A = ops.op[a], &Bo = ops.op[b], &Co = ops.op[c];
+	if (att_aligned(A, B, NH) && att_aligned(Bo, B, NH) && att_aligned(Co, B, NH)) {
+		sl_gemm_array(g, ta, tb, m, n, k, alpha, ptrs + (size_t)a * pairs, lda,
+			      ptrs + (size_t)b * pairs, ldb, 0.0f,
+			      (float *const *)(ptrs + (size_t)c * pairs), ldc, pairs);
+		return;
+	}
+	for (int bb = 0; bb < B; bb++)
+		for (int h = 0; h < NH; h++)
+			sl_gemm(g, ta, tb, m, n, k, alpha, A.base + bb * A.seq + h * A.head, lda,
+				Bo.base + bb * Bo.seq + h * Bo.head, ldb, 0.0f,
+				(float *)(Co.base + bb * Co.seq + h * Co.head), ldc);
 }
 
 // out (B,T,C), att (B,NH,T,T), qkv (B,T,3C) = [q | k | v] per token
@@ -136,7 +160,7 @@ void attention_forward_cuda(const struct sl_gpu *g, float *out, float *att, cons
 {
 	if (B <= 0 || T <= 0)
 		return;
-	const int C3 = 3 * C, hs = C / NH, pairs = B * NH;
+	const int C3 = 3 * C, hs = C / NH;
 	const long long seq = (long long)T * C3, TT = (long long)T * T;
 	const float scale = 1.0f / sqrtf((float)hs);
 	enum { Q, K, V, ATT, OUT };
@@ -148,12 +172,12 @@ void attention_forward_cuda(const struct sl_gpu *g, float *out, float *att, cons
 				   5 };
 	const float *const *p = attention_pointers(g, ops, B, NH);
 	/* att[t][j] = scale q_t . k_j: att^T (T, T) = k (T, hs) @ q^T (hs, T) */
-	attention_gemm(g, p, pairs, K, Q, ATT, CUBLAS_OP_T, CUBLAS_OP_N, T, T, hs, scale, C3, C3, T);
+	attention_gemm(g, ops, p, B, NH, K, Q, ATT, CUBLAS_OP_T, CUBLAS_OP_N, T, T, hs, scale, C3, C3, T);
 	int rows = B * NH * T;
 	SL_LAUNCH(attention_softmax_kernel, softmax_blocks(rows), 32 * ROWS_PER_BLOCK, 0,
 		  sl_stream(g), att, rows, T);
 	/* out_t = sum_j att[t][j] v_j: out^T (hs, T) = v^T (hs, T) @ att^T (T, T) */
-	attention_gemm(g, p, pairs, V, ATT, OUT, CUBLAS_OP_N, CUBLAS_OP_N, hs, T, T, 1.0f, C3, T, C);
+	attention_gemm(g, ops, p, B, NH, V, ATT, OUT, CUBLAS_OP_N, CUBLAS_OP_N, hs, T, T, 1.0f, C3, T, C);
 }
 
 // dqkv (B,T,3C) =, dpreatt (B,NH,T,T) =, datt (B,NH,T,T) =, dout (B,T,C), qkv, att
@@ -163,7 +187,7 @@ void attention_backward_cuda(const struct sl_gpu *g, float *dqkv, float *dpreatt
 {
 	if (B <= 0 || T <= 0)
 		return;
-	const int C3 = 3 * C, hs = C / NH, pairs = B * NH;
+	const int C3 = 3 * C, hs = C / NH;
 	const long long seq = (long long)T * C3, TT = (long long)T * T;
 	const float scale = 1.0f / sqrtf((float)hs);
 	enum { Q, K, V, DY, ATT, DATT, DP, DQ, DK, DV };
@@ -180,16 +204,16 @@ void attention_backward_cuda(const struct sl_gpu *g, float *dqkv, float *dpreatt
 				   10 };
 	const float *const *p = attention_pointers(g, ops, B, NH);
 	/* datt[t][j] = dy_t . v_j: datt^T (T, T) = v (T, hs) @ dy^T (hs, T) */
-	attention_gemm(g, p, pairs, V, DY, DATT, CUBLAS_OP_T, CUBLAS_OP_N, T, T, hs, 1.0f, C3, C, T);
+	attention_gemm(g, ops, p, B, NH, V, DY, DATT, CUBLAS_OP_T, CUBLAS_OP_N, T, T, hs, 1.0f, C3, C, T);
 	/* dv_j = sum_t att[t][j] dy_t: dv^T (hs, T) = dy^T (hs, T) @ att (T, T) */
-	attention_gemm(g, p, pairs, DY, ATT, DV, CUBLAS_OP_N, CUBLAS_OP_T, hs, T, T, 1.0f, C, T, C3);
+	attention_gemm(g, ops, p, B, NH, DY, ATT, DV, CUBLAS_OP_N, CUBLAS_OP_T, hs, T, T, 1.0f, C, T, C3);
 	int rows = B * NH * T;
 	SL_LAUNCH(attention_softmax_backward_kernel, softmax_blocks(rows), 32 * ROWS_PER_BLOCK, 0,
 		  sl_stream(g), dpreatt, datt, att, rows, T);
 	/* dq_t = scale sum_j dp[t][j] k_j: dq^T (hs, T) = k^T (hs, T) @ dp^T (T, T) */
-	attention_gemm(g, p, pairs, K, DP, DQ, CUBLAS_OP_N, CUBLAS_OP_N, hs, T, T, scale, C3, T, C3);
+	attention_gemm(g, ops, p, B, NH, K, DP, DQ, CUBLAS_OP_N, CUBLAS_OP_N, hs, T, T, scale, C3, T, C3);
 	/* dk_j = scale sum_t dp[t][j] q_t: dk^T (hs, T) = q^T (hs, T) @ dp (T, T) */
-	attention_gemm(g, p, pairs, Q, DP, DK, CUBLAS_OP_N, CUBLAS_OP_T, hs, T, T, scale, C3, T, C3);
+	attention_gemm(g, ops, p, B, NH, Q, DP, DK, CUBLAS_OP_N, CUBLAS_OP_T, hs, T, T, scale, C3, T, C3);
 }
 
 /* ---- Fused (attention_flash_forward/backward_cuda): no (T, T) tensor in global memory ----

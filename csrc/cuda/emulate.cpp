@@ -521,6 +521,14 @@ cublasStatus_t cublasGemmBatchedEx(cublasHandle_t h, cublasOperation_t ta, cubla
 		return CUBLAS_STATUS_NOT_INITIALIZED;
 	if (batch < 0 || (batch > 0 && (!A || !B || !C)))
 		return CUBLAS_STATUS_INVALID_VALUE;
+	/* strict where cuBLAS cannot check: the pointer arrays are in device memory, so its
+	 * batched kernels take every matrix 16-byte aligned (attention.cu's att_aligned) */
+	for (int i = 0; i < batch; i++)
+		if ((uintptr_t)A[i] % 16 || (uintptr_t)B[i] % 16 || (uintptr_t)C[i] % 16) {
+			fprintf(stderr, "emulated cublasGemmBatchedEx: matrix %d of %d not 16-byte "
+					"aligned\n", i, batch);
+			return CUBLAS_STATUS_INVALID_VALUE;
+		}
 	blas_calls++;
 	for (int i = 0; i < batch; i++) {
 		cublasStatus_t s = gemm_ex(ta, tb, m, n, k, alpha, A[i], at, lda, B[i], bt, ldb,

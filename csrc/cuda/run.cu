@@ -4,6 +4,7 @@
  * process's GPU 0, or in the CPU emulation of the CPU build). */
 #include "gpu.h"
 #include <errno.h>
+#include <mutex>
 #include <string.h>
 extern "C" {
 #include "../codelets/codelet.h"
@@ -66,7 +67,11 @@ extern "C" int sl_codelet_run_cuda(int codelet, void *const *ptr, const size_t *
 		return -ENOSYS;
 	if (!sl_gpu_emulated() && sl_gpu_devices() < 1)
 		return -ENODEV;
-	/* one stream, cuBLAS handle and scratch for the process's direct runs, as a worker's */
+	/* one stream, cuBLAS handle and scratch for the process's direct runs, as a worker's;
+	 * the lock makes two threads' runs (the server's engine thread and another, say) take
+	 * them in turn: at once they would share the scratch, and the emulation's state */
+	static std::mutex direct;
+	std::lock_guard<std::mutex> hold(direct);
 	static cudaStream_t stream;
 	static cublasHandle_t blas;
 	static void *scratch;

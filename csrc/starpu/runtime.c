@@ -256,21 +256,47 @@ int sl_cpu_worker_count(void) { return (int)starpu_cpu_worker_get_count(); }
 
 int sl_cuda_worker_count(void) { return (int)starpu_cuda_worker_get_count(); }
 
-int sl_gpu_memory_used(int ncuda, size_t *used)
+int sl_cuda_worker_devices(int *devs, int max)
+{
+	int ids[STARPU_NMAXWORKERS];
+	int nw = starpu_worker_get_ids_by_type(STARPU_CUDA_WORKER, ids, STARPU_NMAXWORKERS);
+	int n = 0, seen[STARPU_NMAXWORKERS];
+	for (int w = 0; w < nw; w++) {
+		/* several workers may drive one device (STARPU_NWORKER_PER_CUDA): count it once */
+		int d = starpu_worker_get_devid(ids[w]), k = 0;
+		while (k < n && seen[k] != d)
+			k++;
+		if (k < n)
+			continue;
+		if (n < max)
+			devs[n] = d;
+		seen[n++] = d;
+	}
+	return n;
+}
+
+int sl_gpu_memory_used(size_t *used)
 {
 #ifdef SL_HAVE_CUDA
-	/* the primary context of each GPU, the one StarPU's CUDA workers use; the calling
-	 * thread's current device put back after (its direct runs' stream is on it), and a
-	 * failure's error taken off the thread (else its next launch check reports it) */
+	/* the primary context of each CUDA worker's device, the one the worker uses (its device
+	 * id from StarPU: STARPU_WORKERS_CUDAID or CUDA_VISIBLE_DEVICES may name others than
+	 * 0..n-1); the calling thread's current device put back after (its direct runs' stream
+	 * is on it), and a failure's error taken off the thread (else its next launch check
+	 * reports it) */
+	int devs[STARPU_NMAXWORKERS];
+	int ndev = sl_cuda_worker_devices(devs, STARPU_NMAXWORKERS);
 	int cur, ret = 0;
 	size_t sum = 0;
+	if (ndev < 1)
+		return -ENODEV;
 	if (cudaGetDevice(&cur) != cudaSuccess) {
 		(void)cudaGetLastError();
 		return -EIO;
 	}
-	for (int d = 0; d < ncuda && !ret; d++) {
+	for (int i = 0; i < ndev && !ret; i++) {
 		size_t free_b, total_b;
-		if (cudaSetDevice(d) != cudaSuccess || cudaMemGetInfo(&free_b, &total_b) != cudaSuccess)
+		if (cudaSetDevice(devs[i]) != cudaSuccess ||
+		    cudaMemGetInfo(&free_b, &total_b) != cudaSuccess)
 			ret = -EIO;
 		else
 			sum += total_b - free_b;
@@ -284,7 +310,6 @@ int sl_gpu_memory_used(int ncuda, size_t *used)
 	*used = sum;
 	return 0;
 #else
-	(void)ncuda;
 	(void)used;
 	return -ENODEV;
 #endif

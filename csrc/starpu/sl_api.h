@@ -72,10 +72,14 @@ void sl_resume(void);
 int sl_worker_count(void);	    /* every StarPU worker: CPU and CUDA */
 int sl_cpu_worker_count(void);
 int sl_cuda_worker_count(void);
-/* The memory in use on GPUs 0..ncuda-1 (cudaMemGetInfo: total - free, StarPU's buffers and
+/* The CUDA devices StarPU's CUDA workers run on (starpu_worker_get_devid: what
+ * STARPU_WORKERS_CUDAID and CUDA_VISIBLE_DEVICES made of them), each once, in worker order,
+ * the first `max` into devs; returns how many there are (0 without CUDA workers). */
+int sl_cuda_worker_devices(int *devs, int max);
+/* The memory in use on those devices (cudaMemGetInfo: total - free, StarPU's buffers and
  * caches, the CUDA contexts, and any other process's on the same GPUs) into *used; -ENODEV on a
- * build without CUDA, -EIO when CUDA fails. */
-int sl_gpu_memory_used(int ncuda, size_t *used);
+ * build without CUDA or a run without CUDA workers, -EIO when CUDA fails. */
+int sl_gpu_memory_used(size_t *used);
 int sl_have_cuda(void);		    /* 1 in a CUDA build (StarPU with CUDA, the GPU kernels) */
 int sl_max_cpus(void);		    /* STARPU_MAXCPUS of the StarPU build */
 /* The name of the i-th scheduling policy this StarPU build has, NULL past the last (callable

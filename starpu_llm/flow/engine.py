@@ -22,6 +22,7 @@ from .sites import Sites
 from .step import Engine
 from .topology import Topology, gradient_mode, schedule_order
 from ..runtime.submit import StarPUOps
+from .tensors import SECOND_SET
 
 
 def read_tensor(t, rows: int | None = None, cols: int | None = None):
@@ -129,10 +130,11 @@ class StarPUEngine(Engine):
         if not self.ahead:
             raise StarpuLLMError("the StarPU engine submits a step ahead in one process without "
                                  f"{opt('memory_limit')} only")
-        if self._spare is None:
-            self._spare = ([self.handles.tensor(a.losses.name, a.losses.shape, a.losses.dtype)
-                            for a, _ in self.subs],
-                           self.handles.tensor(self.norm[-1].name, (1,), np.float64))
+        if self._spare is None:     # named apart from the first set's, for the trace
+            self._spare = ([self.handles.tensor(a.losses.name + SECOND_SET, a.losses.shape,
+                                                a.losses.dtype) for a, _ in self.subs],
+                           self.handles.tensor(self.norm[-1].name + SECOND_SET, (1,),
+                                               np.float64))
         losses, root = self._spare
         self._spare = ([a.losses for a, _ in self.subs], self.norm[-1])
         for (a, _), t in zip(self.subs, losses):

@@ -213,6 +213,16 @@ class BackwardScratch(SubBatchGroup):
 # (handles.Handles.sub_batch).
 PER_MICRO_BATCH = ("inputs", "targets", "losses")
 
+# The suffix of the second set of losses and gradient-norm root that steps submitted ahead
+# alternate with the first (engine.StarPUEngine._alternate_buffers): "s0.losses#1" in a trace
+# is the other buffer of "s0.losses", the same tensor.
+SECOND_SET = "#1"
+
+
+def set_free_name(name: str) -> str:
+    """A tensor's name without the second set's suffix: the same tensor in either set."""
+    return name[:-len(SECOND_SET)] if name.endswith(SECOND_SET) else name
+
 
 def sub_batch_tensors(cfg: GPTConfig, B: int, T: int, new_tensor, layer_tensor=None,
                       stage_tensors=None, attention: str = "gemm"):

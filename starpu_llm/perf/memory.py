@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from ..flow.tensors import set_free_name
 from .graph import R, REDUX, W, TaskGraph
 
 RECLAIM = 2         # StarPU frees this many times the size it needs (memalloc.c)
@@ -41,7 +42,7 @@ def dropped_after_use(name: str) -> bool:
     """Whether the engine drops a tensor at the end of each step: a sub-batch's activations and
     backward scratch ("s0.qkv[3]", "s1.stage1.dres"), not its losses."""
     head = name.split(".", 1)[0]
-    return head[:1] == "s" and head[1:].isdigit() and not name.endswith(".losses")
+    return head[:1] == "s" and head[1:].isdigit() and not set_free_name(name).endswith(".losses")
 
 
 @dataclass

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
+from contextlib import contextmanager
 
 from ..errors import StarpuLLMError
 
@@ -125,29 +127,31 @@ def mpi_polling(worker_cores, env=os.environ) -> str:
 
 
 class PeerFailed(StarpuLLMError):
-    """Another rank failed before training; rank 0 reports its error (agree()), this rank
+    """Another rank failed before training; rank 0 reports its error (phase()), this rank
     ends quietly with the same exit status."""
 
 
-def agree(comm, work, *args):
-    """Run work(*args) on every rank, then meet: its result (this rank's) when every rank
-    succeeded; else, on every rank, the error of the lowest failing rank (fail_together). So
-    an error on one rank (a file missing on one node) ends every rank at once with one
-    message, instead of leaving the others waiting in their next collective call. An error of
-    another kind than StarpuLLMError is a bug: the rank that has it prints its traceback and
-    the others are told. comm None: work(*args)."""
+@contextmanager
+def phase(comm, what: str):
+    """A step of the set-up that every rank ends together: `with phase(comm, "reading the
+    inputs"): ...` runs the block on every rank, then the ranks meet. When the block failed on
+    any rank, every rank raises the error of the lowest failing rank (fail_together); so an
+    error on one rank (a file missing on one node) ends every rank at once with one message,
+    instead of leaving the others waiting in their next collective call. An error of another
+    kind than StarpuLLMError is a bug: the rank that has it prints its traceback and the others
+    are told, naming `what` the phase does. comm None: a plain block."""
     if comm is None:
-        return work(*args)
-    error = result = None
+        yield
+        return
+    error = None
     try:
-        result = work(*args)
+        yield
     except StarpuLLMError as e:
         error = (type(e), e.args[0])
     except Exception as e:
-        import traceback
         traceback.print_exc()
-        error = (StarpuLLMError, f"unexpected {type(e).__name__}: {e} (its traceback is above; "
-                                 f"please report it)")
+        error = (StarpuLLMError, f"unexpected {type(e).__name__} while {what}: {e} (its "
+                                 f"traceback is above; please report it)")
     failed = [(r, e) for r, e in enumerate(comm.allgather(error)) if e is not None]
     if failed:
         rank, (kind, message) = failed[0]
@@ -158,7 +162,14 @@ def agree(comm, work, *args):
         else:
             where = f"rank {rank} (and {len(failed) - 1} more of the ranks that failed): "
         fail_together(comm, where + message, kind)
-    return result
+
+
+def same_everywhere(comm, settings: dict) -> None:
+    """Fail together (fail_together) unless every rank has rank 0's settings (run_settings):
+    ranks started with other arguments or files would train something else."""
+    problem = differences(comm.allgather(settings))
+    if problem:
+        fail_together(comm, problem)
 
 
 def fail_together(comm, message: str, kind=StarpuLLMError):

@@ -19,7 +19,7 @@ from ..flow.tensors import ATTENTIONS
 from ..partition import Build, PartitionRequest
 from ..record import Partition
 from . import offload, starpupy_face
-from .mpi import BACKOFF_MAX_US, agree, mpi_polling
+from .mpi import BACKOFF_MAX_US, mpi_polling, phase
 from .submit import StarPUOps
 
 
@@ -136,8 +136,8 @@ class Runtime:
         if Runtime._active is not None:
             raise StarpuLLMError("StarPU is already running in this process; "
                                  "shut the other Runtime down first")
-        # every rank checks its partition before any starts StarPU-MPI (mpi.agree)
-        core_ids = agree(comm, self._plan, partition, comm, face, memory)
+        with phase(comm, "planning StarPU's start"):   # every rank, before any starts StarPU-MPI
+            core_ids = self._plan(partition, comm, face, memory)
         p = self.partition
         self.attention = attention or ("flash" if p.gpus else "gemm")
         if self.attention not in ATTENTIONS:
@@ -251,6 +251,13 @@ class Runtime:
         if ret != 0:
             raise RuntimeError(f"starpu_task_wait_for_all failed ({ret})")
 
+    def cuda_devices(self) -> list[int]:
+        """The CUDA devices this runtime's CUDA workers run on (sl_cuda_worker_devices: StarPU's
+        device id of each, each once); [] without CUDA workers."""
+        n = lib.sl_cuda_worker_devices(ffi.NULL, 0)
+        devs = ffi.new("int[]", max(n, 1))
+        return list(devs[0:lib.sl_cuda_worker_devices(devs, n)])
+
     def gpu_memory_mb(self) -> float | None:
         """The memory in use on this runtime's GPUs now, in MB (sl_gpu_memory_used: what
         cudaMemGetInfo reports, StarPU's buffers and caches and the CUDA contexts included);
@@ -258,7 +265,7 @@ class Runtime:
         if not self.partition.gpus:
             return None
         used = ffi.new("size_t *")
-        ret = lib.sl_gpu_memory_used(self.partition.gpus, used)
+        ret = lib.sl_gpu_memory_used(used)
         if ret != 0:
             raise RuntimeError(f"sl_gpu_memory_used failed ({ret})")
         return used[0] / 1e6

@@ -482,14 +482,11 @@ class Engine:
         for k, (seq, fed, row) in enumerate(wanted):
             if k in chosen:
                 new_tokens += 1
-                try:
-                    self._next_token(seq, row, now, chosen[k])
-                except Exception as e:      # noqa: BLE001 (this request's fault: it alone ends)
-                    if self._running.get(seq.slot) is seq:
-                        self._end(seq, error=f"drawing this request's next token failed: "
-                                             f"{type(e).__name__}: {e}", status=500)
+                self._alone(seq, "drawing this request's next token", self._next_token, seq,
+                            row, now, chosen[k])
             else:
-                self._score_prompt(seq, fed, row)
+                self._alone(seq, "scoring this request's prompt", self._score_prompt, seq, fed,
+                            row)
         if self.metrics:
             self.metrics.step(len(feeds), sum(len(f.tokens) for f in feeds), new_tokens,
                               now - t0)
@@ -527,15 +524,23 @@ class Engine:
         for seq, token, scored in unsent:
             if self._running.get(seq.slot) is not seq:      # ended since (cancelled, drained)
                 continue
-            try:
-                text, stopped = seq.text.add(token)
-                if text or scored:
-                    self._emit(seq.req, Event(text, logprobs=scored))
-                if stopped:
-                    self._end(seq, "stop")
-            except Exception as e:      # noqa: BLE001 (this request's fault: it alone ends)
-                self._end(seq, error=f"sending this request's text failed: "
-                                     f"{type(e).__name__}: {e}", status=500)
+            self._alone(seq, "sending this request's text", self._send_text, seq, token, scored)
+
+    def _send_text(self, seq: _Sequence, token: int, scored):
+        text, stopped = seq.text.add(token)
+        if text or scored:
+            self._emit(seq.req, Event(text, logprobs=scored))
+        if stopped:
+            self._end(seq, "stop")
+
+    def _alone(self, seq: _Sequence, what: str, work, *args):
+        """work(*args) for seq: an error there is this request's fault, so it alone ends (a 500
+        saying what failed) and the batch goes on."""
+        try:
+            work(*args)
+        except Exception as e:      # noqa: BLE001
+            if self._running.get(seq.slot) is seq:
+                self._end(seq, error=f"{what} failed: {type(e).__name__}: {e}", status=500)
 
     def _score_prompt(self, seq: _Sequence, fed: int, logits):
         """Prompt token `fed` scored by the logits after the tokens before it; a request that

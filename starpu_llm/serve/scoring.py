@@ -44,6 +44,8 @@ def log_softmax(logits) -> np.ndarray:
 def score(logits, token: int, top: int) -> Logprob:
     """token's log-probability under logits, and the top most likely tokens (by decreasing
     log-probability, ties by id)."""
+    if not np.isfinite(np.sum(logits, dtype=np.float64)):    # NaN or inf: not JSON, no score
+        raise ValueError("the logits are not all finite: the token cannot be scored")
     lp = log_softmax(logits)
     best = ()
     if top:
