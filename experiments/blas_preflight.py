@@ -20,7 +20,7 @@ import argparse
 import json
 import sys
 
-from starpu_llm.runs import run_in_subprocess
+from starpu_llm.perf.runs import run_in_subprocess
 
 CODELET = "matmul_forward"
 PER_SUB = 4          # sequences per worker: a (4 x 64) x 768 x 3072 sgemm, wide enough for 16

@@ -28,7 +28,7 @@ import sys
 
 from starpu_llm.bench import bench_partitions, label_of, spec_of
 from starpu_llm.cli import add_setting_args, partition_settings
-from starpu_llm.runs import cpu_description, run_in_subprocess, write_csv
+from starpu_llm.perf.runs import cpu_description, run_in_subprocess, write_csv
 
 
 def parse_side(text: str) -> tuple[str, str, dict]:

@@ -21,11 +21,11 @@ import time
 
 import numpy as np
 
-from starpu_llm.config import MODELS
+from starpu_llm.model.config import MODELS
 from starpu_llm.flow import generate as gen
 from starpu_llm.flow.batch import Feed, SlotDecoder, decode_step
 from starpu_llm.serve.engine import SCORED_ROWS
-from starpu_llm.state import random_init
+from starpu_llm.model.state import random_init
 
 
 BLAS_PATH = "/usr/lib/x86_64-linux-gnu/openblas-openmp/libopenblas.so.0"

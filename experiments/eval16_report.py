@@ -32,7 +32,7 @@ import statistics
 import sys
 import tarfile
 
-from starpu_llm.runs import write_csv
+from starpu_llm.perf.runs import write_csv
 
 from provenance import kind_of
 from series import config_key

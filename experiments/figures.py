@@ -21,7 +21,7 @@ git commit; a run already there for the same configuration, machine, commit and 
 run again (--force reruns the selected figures). Only a clean commit's runs are reused: the
 script refuses a tree with uncommitted changes, unless --allow-dirty (a smoke test, a trial):
 then nothing is reused, every caption says "<commit>-dirty", and docs/figures is not touched. Each run is one subprocess
-(starpu_llm.runs.run_in_subprocess), pinned to the cores the point uses.
+(starpu_llm.perf.runs.run_in_subprocess), pinned to the cores the point uses.
 """
 from __future__ import annotations
 
@@ -36,12 +36,12 @@ import subprocess
 import sys
 import time
 
-from starpu_llm.runs import run_in_subprocess, write_csv
-from starpu_llm.config import MODELS
+from starpu_llm.perf.runs import run_in_subprocess, write_csv
+from starpu_llm.model.config import MODELS
 from starpu_llm.perf.machine import default_path, load
-from starpu_llm.partition import PartitionRequest
+from starpu_llm.plan.partition import PartitionRequest
 from starpu_llm.perf.predict import predict, target_partition
-from starpu_llm.partition import Build, partitions_that_fit as build_partitions
+from starpu_llm.plan.partition import Build, partitions_that_fit as build_partitions
 from starpu_llm.runtime import partitions_that_fit as partitions_here, usable_cores
 
 import taskgraph
@@ -278,7 +278,7 @@ def _predict_one(job):
     """One point's prediction, in a worker process: job = (config key, spec, calibration
     path); (key, {predicted_tokens_per_ms, predicted_ms_per_step, ...} or {error})."""
     key, spec, cal_path, machine_path = job
-    from starpu_llm.partition import PartitionRequest
+    from starpu_llm.plan.partition import PartitionRequest
     from starpu_llm.perf.predict import load_calibration, predict, target_partition
     try:
         R = int(spec.get("ranks") or 1)

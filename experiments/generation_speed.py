@@ -19,9 +19,9 @@ import time
 
 import numpy as np
 
-from starpu_llm.config import MODELS
+from starpu_llm.model.config import MODELS
 from starpu_llm.flow import generate as gen
-from starpu_llm.state import random_init
+from starpu_llm.model.state import random_init
 
 POSITIONS = (20, 200)
 

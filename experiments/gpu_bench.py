@@ -95,10 +95,10 @@ def run_pytorch(B: int, T: int, steps: int, warmup: int, out: str) -> dict:
     import torch
     from starpu_llm.baselines.common import batch
     from starpu_llm.baselines.torch_sdpa import SdpaGPT2
-    from starpu_llm.config import MODELS
+    from starpu_llm.model.config import MODELS
     from starpu_llm.io.data import default_dataset
     from starpu_llm.io.formats import read_shard
-    from starpu_llm.state import random_init
+    from starpu_llm.model.state import random_init
 
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
@@ -137,10 +137,10 @@ def build_llmc(src: str, work: str) -> str:
 
 
 def run_llmc(B: int, T: int, steps: int, warmup: int, out: str, binary: str) -> dict:
-    from starpu_llm.config import MODELS
+    from starpu_llm.model.config import MODELS
     from starpu_llm.io.data import default_dataset
     from starpu_llm.io.formats import write_checkpoint
-    from starpu_llm.state import random_init
+    from starpu_llm.model.state import random_init
 
     d = os.path.dirname(binary)
     ckpt = os.path.join(d, "gpt2_124M.bin")      # the name llm.c reads
@@ -282,7 +282,7 @@ def first_loss_bound(B: int, T: int, loss: float, logits_scale: float) -> float:
     run against an fp32 one)."""
     sys.path.insert(0, os.path.join(HERE, "..", "tests"))
     from bounds import loss_bound
-    from starpu_llm.config import MODELS
+    from starpu_llm.model.config import MODELS
     return 2.0 * loss_bound(MODELS["d12"], B, T, loss, logits_scale, tf32=True)
 
 

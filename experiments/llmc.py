@@ -161,9 +161,9 @@ def build(src: str, out: str, openblas: str, cc: str = "gcc", log=print) -> str:
 def checkpoint(out: str, model: str = "d12", log=print) -> None:
     """llm.c's inputs in out: `model`'s GPT-2 initialisation as an llm.c checkpoint, and the
     bundled Shakespeare's token shards where train_gpt2.c looks for them."""
-    from starpu_llm.config import MODELS
+    from starpu_llm.model.config import MODELS
     from starpu_llm.io import data, formats
-    from starpu_llm.state import random_init
+    from starpu_llm.model.state import random_init
     t0 = time.time()
     config = MODELS[model]
     formats.write_checkpoint(os.path.join(out, CHECKPOINT), config, random_init(config))
@@ -191,7 +191,7 @@ def run(spec: dict, folder: str, timeout: float | None = None) -> dict:
     with step_ms (the timed steps: all but the first), tokens_per_ms, peak_rss_mb, describe
     and losses; or spec with "error". spec: batch, seq_len, steps (timed), threads (OpenMP
     threads, default every usable core), cpus (the first cpus of this process's cores)."""
-    from starpu_llm.runs import run_sampling_rss
+    from starpu_llm.perf.runs import run_sampling_rss
     binary = os.path.join(folder, "train_gpt2")
     try:
         with open(os.path.join(folder, "model.json")) as f:

@@ -9,7 +9,7 @@ contributes. Writes experiments/out/memory_subbatches.csv.
 import argparse
 import os
 
-from starpu_llm.runs import run_in_subprocess, write_csv
+from starpu_llm.perf.runs import run_in_subprocess, write_csv
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--batch", type=int, default=8)

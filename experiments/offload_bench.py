@@ -23,10 +23,10 @@ import tempfile
 import time
 
 from provenance import cpu_kind, machine_info
-from starpu_llm.config import MODELS
+from starpu_llm.model.config import MODELS
 from starpu_llm.flow.memory import step_needs
 from starpu_llm.perf.calibrate import measure_disk
-from starpu_llm.runs import run_in_subprocess, write_csv
+from starpu_llm.perf.runs import run_in_subprocess, write_csv
 from starpu_llm.runtime.offload import RSS_OVERHEAD
 
 HERE = os.path.dirname(os.path.abspath(__file__))

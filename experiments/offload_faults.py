@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import resource
 
-from starpu_llm.runs import run_in_subprocess
+from starpu_llm.perf.runs import run_in_subprocess
 from starpu_llm.runtime import usable_cores
 
 

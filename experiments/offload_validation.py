@@ -18,9 +18,9 @@ import os
 from dataclasses import replace
 
 from provenance import cpu_kind
-from starpu_llm.partition import PartitionRequest
+from starpu_llm.plan.partition import PartitionRequest
 from starpu_llm.perf.predict import load_calibration, predict, target_partition
-from starpu_llm.runs import write_csv
+from starpu_llm.perf.runs import write_csv
 from starpu_llm.runtime.offload import parse_size
 from starpu_llm.runtime.starpu import usable_cores
 

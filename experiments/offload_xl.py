@@ -31,9 +31,9 @@ import sys
 import time
 
 from offload_bench import GIB, start, wait_for_memory
-from starpu_llm.config import MODELS
+from starpu_llm.model.config import MODELS
 from starpu_llm.flow.memory import step_needs
-from starpu_llm.runs import run_sampling_rss
+from starpu_llm.perf.runs import run_sampling_rss
 from starpu_llm.runtime.offload import RSS_OVERHEAD, parse_size
 
 CAPS = {"d48": "16G", "d36": None}       # None: half the uncapped footprint

@@ -26,10 +26,10 @@ import re
 import time
 
 from provenance import cpu_kind, machine_info
-from starpu_llm.config import MODELS
-from starpu_llm.flow.sites import default_micro_batches
-from starpu_llm.flow.topology import WTE_BLOCKS_ENV
-from starpu_llm.runs import run_in_subprocess, write_csv
+from starpu_llm.model.config import MODELS
+from starpu_llm.plan.sites import default_micro_batches
+from starpu_llm.plan.topology import WTE_BLOCKS_ENV
+from starpu_llm.perf.runs import run_in_subprocess, write_csv
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -29,10 +29,10 @@ import statistics
 import sys
 
 from starpu_llm.errors import StarpuLLMError
-from starpu_llm.flow.topology import OWNERSHIPS
-from starpu_llm.partition import PartitionRequest
+from starpu_llm.plan.topology import OWNERSHIPS
+from starpu_llm.plan.partition import PartitionRequest
 from starpu_llm.perf.predict import layout_label, load_calibration, predict, target_partition
-from starpu_llm.runs import write_csv
+from starpu_llm.perf.runs import write_csv
 
 KEY = ("model", "seq_len", "batch", "ranks", "workers", "cores_per_worker", "sub_batches",
        "mode", "stages")

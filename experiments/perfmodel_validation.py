@@ -37,11 +37,11 @@ import statistics
 import sys
 import tempfile
 
-from starpu_llm.runs import cpu_description, run_in_subprocess, write_csv
+from starpu_llm.perf.runs import cpu_description, run_in_subprocess, write_csv
 from starpu_llm.io.atomic import atomic_write_text
 from starpu_llm.perf import autotune
 from starpu_llm.perf.machine import default_path
-from starpu_llm.partition import PartitionRequest
+from starpu_llm.plan.partition import PartitionRequest
 from starpu_llm.perf.predict import load_calibration, predict, target_partition
 from starpu_llm.runtime.starpu import usable_cores
 

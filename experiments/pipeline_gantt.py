@@ -44,8 +44,8 @@ def phase(codelet: str) -> str:
 
 def child(args):
     """Under mpirun: train with the trace on, write this rank's last step."""
-    from starpu_llm.runs import mpi_rank
-    from starpu_llm.trainer import TrainConfig, train
+    from starpu_llm.perf.runs import mpi_rank
+    from starpu_llm.train.trainer import TrainConfig, train
     r = train(TrainConfig(model=args.model, batch=args.batch, seq_len=args.seq_len,
                           steps=args.steps, workers=1, cores_per_worker=1,
                           pipeline_stages=args.stages,
@@ -62,7 +62,7 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--stages", type=int, default=2)
-    from starpu_llm.flow.topology import PIPELINE_SCHEDULES
+    from starpu_llm.plan.topology import PIPELINE_SCHEDULES
     ap.add_argument("--schedule", default="eager", choices=PIPELINE_SCHEDULES)
     ap.add_argument("--ranks", type=int, default=None, help="MPI processes (default: --stages)")
     ap.add_argument("--ownership", default="sharded", choices=["sharded", "rank0"])
@@ -113,7 +113,7 @@ def main(argv=None):
                 mb = (sum(x <= j for x in starts) - 1) if ph in ("forward", "backward") else ""
                 rows.append(dict(rank=r, codelet=c, phase=ph, micro_batch=mb,
                                  start_ms=round((s - t0) / 1e6, 3), end_ms=round((e - t0) / 1e6, 3)))
-    from starpu_llm.runs import write_csv
+    from starpu_llm.perf.runs import write_csv
     name = "pipeline" if args.stages > 1 else args.ownership
     write_csv(os.path.join(out, f"{name}_gantt.csv"), rows)
     import matplotlib

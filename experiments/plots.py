@@ -106,7 +106,7 @@ def _write_fig_csv(path, fig, runs, S, machine, peaks, extra=None):
                                                 "torch_version", "commit", "host")})
             row["machine_cores"] = machine["cores"]
             rows.append(row)
-    from starpu_llm.runs import write_csv
+    from starpu_llm.perf.runs import write_csv
     if rows:
         write_csv(path, rows)
     return rows

@@ -11,7 +11,7 @@ import subprocess
 from importlib.metadata import PackageNotFoundError, version
 
 from starpu_llm._clib import ffi, lib
-from starpu_llm.runs import cpu_description
+from starpu_llm.perf.runs import cpu_description
 from starpu_llm.runtime import usable_cores
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

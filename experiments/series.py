@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from starpu_llm.config import MODELS
+from starpu_llm.model.config import MODELS
 
 # the configuration fields of a run (its cache key, with the machine and the commit)
 CONFIG_FIELDS = ("engine", "model", "batch", "seq_len", "steps", "workers", "cores_per_worker", "kcore",

@@ -106,9 +106,9 @@ def prompts(n: int, length: int) -> list[str]:
 
 
 def checkpoint(model: str, path: str):
-    from starpu_llm.config import MODELS
+    from starpu_llm.model.config import MODELS
     from starpu_llm.io import formats
-    from starpu_llm.state import random_init
+    from starpu_llm.model.state import random_init
     formats.write_checkpoint(path, MODELS[model], random_init(MODELS[model], 1337))
 
 
@@ -327,7 +327,7 @@ def hf_worker(ckpt, texts_json, concurrency, new, out_json):
     texts generated in batches of `concurrency` (greedy, exactly `new` tokens)."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
-    from starpu_llm.config import ParamLayout
+    from starpu_llm.model.config import ParamLayout
     from starpu_llm.io import formats, tokenizer
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     config, params = formats.read_checkpoint(ckpt)

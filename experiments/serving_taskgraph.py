@@ -25,11 +25,11 @@ import tempfile
 import numpy as np
 
 from starpu_llm._clib import ffi
-from starpu_llm.config import MODELS, ParamLayout
+from starpu_llm.model.config import MODELS, ParamLayout
 from starpu_llm.flow import batch, generate as gen
 from starpu_llm.flow.tensors import DecodeTensors, HeadTensors, KVCache, ParameterTensors, Tensor
 from starpu_llm.runtime.starpu import Runtime
-from starpu_llm.state import random_init
+from starpu_llm.model.state import random_init
 from taskgraph import ACCESS_R, ACCESS_W, _reachability, dependencies, load_events, render
 
 HERE = os.path.dirname(os.path.abspath(__file__))

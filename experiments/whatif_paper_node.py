@@ -21,10 +21,10 @@ import ctypes
 import os
 import sys
 
-from starpu_llm.runs import write_csv
-from starpu_llm.partition import shapes
+from starpu_llm.perf.runs import write_csv
+from starpu_llm.plan.partition import shapes
 from starpu_llm.perf.machine import load
-from starpu_llm.partition import PartitionRequest
+from starpu_llm.plan.partition import PartitionRequest
 from starpu_llm.perf.predict import layout_label, load_calibration, predict, target_partition
 
 HERE = os.path.dirname(os.path.abspath(__file__))

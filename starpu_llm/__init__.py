@@ -17,9 +17,9 @@ from .errors import StarpuLLMError  # noqa: E402
 __version__ = "0.1.0"
 
 _LAZY = {   # imported on first use: `import starpu_llm` loads no numpy (signals.py says why)
-    "MODELS": "config", "GPTConfig": "config", "ParamLayout": "config",
-    "TrainConfig": "trainer", "TrainResult": "trainer", "train": "trainer",
-    "TrainState": "state", "Runtime": "runtime",
+    "MODELS": "model.config", "GPTConfig": "model.config", "ParamLayout": "model.config",
+    "TrainConfig": "train.trainer", "TrainResult": "train.trainer", "train": "train.trainer",
+    "TrainState": "model.state", "Runtime": "runtime",
     "StarPUEngine": "flow.engine", "ReferenceEngine": "flow.reference",
 }
 

@@ -13,16 +13,16 @@ import sys
 import time
 
 from ._clib import ffi
-from .config import MODELS
+from .model.config import MODELS
 from .errors import StarpuLLMError
 from .flow.engine import StarPUEngine
 from .io import data, formats
-from .runs import cpu_description, mpi_rank, peak_rss_mb, run_in_subprocess, write_csv
-from .partition import KCORE_REQUESTS, PartitionRequest, request_of
-from .record import Partition
+from .perf.runs import cpu_description, mpi_rank, peak_rss_mb, run_in_subprocess, write_csv
+from .plan.partition import KCORE_REQUESTS, PartitionRequest, request_of
+from .plan.record import Partition
 from .runtime.starpu import Runtime, partitions_that_fit, resolve_here, usable_cores
-from .state import TrainState, random_init
-from .trainer import TrainConfig, train
+from .model.state import TrainState, random_init
+from .train.trainer import TrainConfig, train
 
 
 def bench_partitions(workers=None, cores_per_worker=None, kcore=None,
@@ -158,7 +158,7 @@ def traced_run(spec: dict) -> list:
 
 def is_bench_table(path: str) -> bool:
     """a table of starpu-llm bench (CSV whose header starts with B)"""
-    from .checkpointing import first_line_is
+    from .train.checkpointing import first_line_is
     return first_line_is(path, lambda line: line == b"B" or line.startswith(b"B,"))
 
 

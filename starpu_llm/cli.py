@@ -57,7 +57,7 @@ def _int_list(s):
 
 
 def _train_settings():
-    from .trainer import TrainConfig
+    from .train.trainer import TrainConfig
     return [f for f in fields(TrainConfig) if "help" in f.metadata]
 
 
@@ -146,7 +146,7 @@ def add_train_args(p):
 
 def partition_settings(*names):
     """The PartitionRequest fields of these names, in declaration order."""
-    from .partition import PartitionRequest
+    from .plan.partition import PartitionRequest
     return [f for f in fields(PartitionRequest) if f.name in names]
 
 
@@ -155,7 +155,7 @@ SERVE_PARTITION = ("workers", "cores_per_worker", "kcore", "sched", "gpus", "gpu
 
 
 def build_parser():
-    from .config import MODELS
+    from .model.config import MODELS
     ap = _Parser(prog="starpu-llm", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
 
@@ -310,13 +310,13 @@ INIT_FROM_HELP = ("the model: an llm.c fp32 checkpoint, a Hugging Face GPT-2 fol
 
 
 def cmd_train(args):
-    from .trainer import TrainConfig, train
+    from .train.trainer import TrainConfig, train
     train(TrainConfig(**{f.name: getattr(args, f.name) for f in train_settings()}))
     return 0
 
 
 def cmd_prepare(args):
-    from .checkpointing import Output, check_new_outputs, is_shard_file, is_tokenizer_file
+    from .train.checkpointing import Output, check_new_outputs, is_shard_file, is_tokenizer_file
     from .io import corpus, data
     name = None if args.text else "shakespeare"
     train, val, tokenizer = data.prepared_paths(args.text, args.out_dir, name)
@@ -334,7 +334,7 @@ def cmd_prepare(args):
 
 def cmd_bench(args):
     from .bench import is_bench_table, run_bench
-    from .checkpointing import Output, check_new_outputs
+    from .train.checkpointing import Output, check_new_outputs
     if args.csv:                   # before minutes of runs
         check_new_outputs({"--csv": Output(args.csv, is_bench_table)}, {})
     run_bench(args)
@@ -342,7 +342,7 @@ def cmd_bench(args):
 
 
 def cmd_calibrate(args):
-    from .checkpointing import Output, check_new_outputs
+    from .train.checkpointing import Output, check_new_outputs
     from .perf.calibrate import calibrate
     from .perf.machine import default_path, is_machine_file
     out = args.out or default_path()
@@ -354,9 +354,9 @@ def cmd_calibrate(args):
 
 
 def cmd_predict(args):
-    from .partition import PartitionRequest
+    from .plan.partition import PartitionRequest
     from .perf.machine import load
-    from .partition import shapes
+    from .plan.partition import shapes
     from .perf.predict import calibration_for, layouts, predict, target_partition
     from .runtime.offload import parse_size
     machine = load(args.machine) if args.machine else None      # its errors name the file
@@ -416,7 +416,7 @@ def cmd_generate(args):
 
 def cmd_serve(args):
     from .cli_serve import run_serve
-    from .partition import PartitionRequest
+    from .plan.partition import PartitionRequest
     request = PartitionRequest(**{name: getattr(args, name) for name in SERVE_PARTITION})
     return run_serve(args.init_from, args.host, args.port, args.max_batch, args.max_queue,
                      args.engine, request, args.model_name, args.shutdown_timeout,
@@ -438,7 +438,7 @@ def _serve_edges(args) -> dict:
 
 
 def cmd_convert(args):
-    from .checkpointing import convert
+    from .train.checkpointing import convert
     print(f"wrote {convert(args.src, args.dst)}")
     return 0
 

@@ -101,7 +101,7 @@ def run_serve(init_from, host: str = "127.0.0.1", port: int = 8000, max_batch: i
     timeouts; None: the defaults); chat_template: the --chat-template file (None: the default
     template, serve/chat.py). Prints "serving MODEL on http://HOST:PORT" once it takes
     requests (port 0: a free port, the one printed)."""
-    from .partition import PartitionRequest
+    from .plan.partition import PartitionRequest
     from .runtime.starpu import resolve_here
     request = request or PartitionRequest()
     partition = resolve_here(request, engine=engine)      # bad flags fail before the model loads

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from starpu_llm._kernels import ffi, lib
-from starpu_llm.codelets import TABLE
+from starpu_llm.kernels.codelets import TABLE
 
 _PTR = {np.dtype(np.float32): "float *", np.dtype(np.int32): "int32_t *",
         np.dtype(np.uint16): "uint16_t *", np.dtype(np.float64): "double *"}

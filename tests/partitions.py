@@ -1,7 +1,7 @@
 """The tests' short way to the resolved partition a Runtime starts (runtime.resolve_here)."""
 from dataclasses import replace
 
-from starpu_llm.partition import PartitionRequest
+from starpu_llm.plan.partition import PartitionRequest
 from starpu_llm.runtime import resolve_here
 
 

@@ -9,12 +9,12 @@ import json
 import sys
 
 
-from starpu_llm.config import MODELS
+from starpu_llm.model.config import MODELS
 from starpu_llm.flow.engine import StarPUEngine
 from starpu_llm.io import formats
 from starpu_llm.runtime import mpi
 from starpu_llm.runtime.starpu import Runtime
-from starpu_llm.state import TrainState, random_init
+from starpu_llm.model.state import TrainState, random_init
 from partitions import here
 
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from starpu_llm import Runtime, StarpuLLMError
-from starpu_llm.config import GPTConfig, ParamLayout
+from starpu_llm.model.config import GPTConfig, ParamLayout
 from starpu_llm.flow.engine import StarPUEngine
-from starpu_llm.state import TrainState
+from starpu_llm.model.state import TrainState
 from partitions import here
 from test_model import compare, make_case, report, run_engine, run_torch
 
@@ -68,7 +68,7 @@ def test_a_head_too_wide_for_the_cuda_kernels_is_refused_before_any_task(runtime
     SL_FLASH_MAX_HS channels: with GPUs a wider head is refused with the setting to change,
     before any task (the CPU body takes any head, as this CPU runtime shows)."""
     from starpu_llm._clib import lib
-    from starpu_llm.state import random_init
+    from starpu_llm.model.state import random_init
     wide = GPTConfig(max_seq_len=16, vocab_size=97, padded_vocab_size=128, num_layers=1,
                      num_heads=1, channels=2 * lib.SL_FLASH_MAX_HS)
     tokens = np.arange(200, dtype=np.uint16) % 97

@@ -19,8 +19,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from starpu_llm.baselines.torch_sdpa import SdpaGPT2  # noqa: E402
-from starpu_llm.config import GPTConfig, ParamLayout  # noqa: E402
-from starpu_llm.state import random_init  # noqa: E402
+from starpu_llm.model.config import GPTConfig, ParamLayout  # noqa: E402
+from starpu_llm.model.state import random_init  # noqa: E402
 from starpu_llm.baselines.torch_gpt2 import TorchGPT2, batch  # noqa: E402
 
 from bounds import (AdamDrift, assert_within, grad_rel_bound, logits_bound,  # noqa: E402

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from bounds import assert_within, logits_bound
-from starpu_llm.config import MODELS, ParamLayout
+from starpu_llm.model.config import MODELS, ParamLayout
 from starpu_llm.errors import StarpuLLMError
 from starpu_llm.flow import generate as gen
 from starpu_llm.flow.batch import Feed, SlotDecoder
-from starpu_llm.state import random_init
+from starpu_llm.model.state import random_init
 
 MICRO = MODELS["micro"]
 

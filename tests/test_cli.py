@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from starpu_llm.io import checkpoint, formats
-from starpu_llm.config import MODELS
+from starpu_llm.model.config import MODELS
 from starpu_llm.runtime import usable_cores
-from starpu_llm.state import random_init
+from starpu_llm.model.state import random_init
 from starpu_llm import signals
 
 MICRO = MODELS["micro"]   # V=250: tiny random shards stand in for real data
@@ -545,7 +545,7 @@ def test_whose_file_is_told_by_its_first_line(tmp_path, kind):
     checkpointing.first_line_is, for both): an empty file or one whose first line is theirs
     (CRLF too), not another file, a folder, a FIFO or nothing."""
     from starpu_llm.bench import is_bench_table
-    from starpu_llm.checkpointing import _is_metrics_file
+    from starpu_llm.train.checkpointing import _is_metrics_file
     is_kind, ours = {"metrics": (_is_metrics_file, b'{"step": 1, "loss": 2.5}'),
                      "bench": (is_bench_table, b"B,engine,tok/ms")}[kind]
     cases = {"empty": (b"", True), "ours": (ours + b"\nmore\n", True),

@@ -9,9 +9,9 @@ import pytest
 
 from starpu_llm import Runtime
 from starpu_llm._clib import ffi, lib
-from starpu_llm.codelets import DirectOps, TABLE as KERNEL_TABLE
+from starpu_llm.kernels.codelets import DirectOps, TABLE as KERNEL_TABLE
 from starpu_llm.runtime.submit import TABLE, StarPUOps, Where
-from starpu_llm.config import MODELS
+from starpu_llm.model.config import MODELS
 from starpu_llm.runtime import usable_cores
 from partitions import here
 from tracing import traced_step

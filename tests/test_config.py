@@ -6,7 +6,7 @@ import argparse
 import pytest
 
 from starpu_llm.cli import build_parser
-from starpu_llm.config import MODELS, ParamLayout
+from starpu_llm.model.config import MODELS, ParamLayout
 
 # name, its GPT-2 release's name, (L, NH, C), the size OpenAI published (GPT-2 paper and model
 # cards: 124M, 355M, 774M, 1558M = "1.5B")

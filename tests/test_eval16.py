@@ -23,7 +23,7 @@ sys.path.insert(0, EXPERIMENTS)
 import llmc  # noqa: E402
 from series import config_key  # noqa: E402
 
-from starpu_llm.partition import shapes  # noqa: E402
+from starpu_llm.plan.partition import shapes  # noqa: E402
 from starpu_llm.perf import machine  # noqa: E402
 from starpu_llm.perf.calibrate import calibrate  # noqa: E402
 from starpu_llm.runtime import usable_cores  # noqa: E402

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from starpu_llm.io import formats
-from starpu_llm.config import MODELS, GPTConfig, ParamLayout
+from starpu_llm.model.config import MODELS, GPTConfig, ParamLayout
 from starpu_llm.errors import StarpuLLMError
 from starpu_llm.io.tokenizer import decode, encode, gpt2_encoding
 

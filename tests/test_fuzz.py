@@ -33,11 +33,11 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, find, given, settings, strategies as st
 
-from starpu_llm.config import GPTConfig
+from starpu_llm.model.config import GPTConfig
 from starpu_llm.errors import StarpuLLMError
 from starpu_llm.io import checkpoint, data, formats, hf
 from starpu_llm.io.tokenizer import Tokenizer
-from starpu_llm.state import TrainState
+from starpu_llm.model.state import TrainState
 
 # Writing the valid files (fsync'ed by the writers) makes data generation slowish on a busy disk.
 _COMMON = dict(deadline=5000, suppress_health_check=[HealthCheck.too_slow])

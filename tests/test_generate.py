@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 
 from bounds import assert_within, logits_bound
-from starpu_llm.config import MODELS
+from starpu_llm.model.config import MODELS
 from starpu_llm.errors import StarpuLLMError
 from starpu_llm.flow import generate as gen
 from starpu_llm.runtime.submit import StarPUOps
 from starpu_llm.io import formats, tokenizer
-from starpu_llm.state import random_init
-from starpu_llm.trainer import TrainConfig, train
+from starpu_llm.model.state import random_init
+from starpu_llm.train.trainer import TrainConfig, train
 
 MICRO, TINY = MODELS["micro"], MODELS["tiny"]
 

@@ -21,7 +21,7 @@ import pytest
 
 from starpu_llm import TrainConfig, train
 from starpu_llm._clib import lib
-from starpu_llm.config import ParamLayout
+from starpu_llm.model.config import ParamLayout
 from starpu_llm.runtime import Runtime
 from starpu_llm.runtime.starpu import have_cuda, placed, placement
 from partitions import here
@@ -165,7 +165,7 @@ def test_grad_clip_through_train_on_the_gpu(tmp_path):
     import json
     import test_train_features as tf
     from starpu_llm.io import formats
-    from starpu_llm.state import TrainState
+    from starpu_llm.model.state import TrainState
 
     ref = tf.run_torch_clipped()
     shard = formats.write_shard(str(tmp_path / "train.bin"), tf.TRAIN)

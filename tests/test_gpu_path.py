@@ -20,15 +20,15 @@ import numpy as np
 import pytest
 
 from starpu_llm import TrainConfig, train
-from starpu_llm.config import GPTConfig
+from starpu_llm.model.config import GPTConfig
 from starpu_llm.flow import step as step_module
 from starpu_llm.flow.engine import StarPUEngine
 from starpu_llm.io import formats
 from starpu_llm.io.data import DataLoader
 from starpu_llm.runtime import starpu as rt_module
 from starpu_llm.runtime.starpu import ON_CPU, ON_CUDA, placed, placement
-from starpu_llm.schedule import learning_rate
-from starpu_llm.state import TrainState, random_init
+from starpu_llm.train.schedule import learning_rate
+from starpu_llm.model.state import TrainState, random_init
 
 SMALL = GPTConfig(max_seq_len=32, vocab_size=97, padded_vocab_size=128,
                   num_layers=2, num_heads=4, channels=32)
@@ -83,7 +83,7 @@ def reference_run(runtime, cfg):
     state = fresh_state()
     loader = DataLoader(cfg.train_data, B, T, vocab_size=SMALL.V)
     val = DataLoader(cfg.val_data, B, T, vocab_size=SMALL.V)
-    positions = [val.next_position() for _ in range(cfg.val_batches)]    # as validation.py's
+    positions = [val.next_position() for _ in range(cfg.val_batches)]    # as train/validation.py's
     losses, norms, vals = [], [], []
     with StarPUEngine(SMALL, state, B, T, loader.tokens, runtime) as eng:
         for s in range(STEPS):

@@ -9,10 +9,10 @@ import pytest
 from starpu_llm import StarpuLLMError, TrainConfig
 from starpu_llm._kernels import lib as klib
 from starpu_llm.cli import build_parser
-from starpu_llm.codelets import CUDA_BODIES, TABLE
-from starpu_llm.record import Partition, RunRecord, Settings
+from starpu_llm.kernels.codelets import CUDA_BODIES, TABLE
+from starpu_llm.plan.record import Partition, RunRecord, Settings
 from starpu_llm.runtime import Runtime
-from starpu_llm.partition import Build, PartitionRequest, resolve
+from starpu_llm.plan.partition import Build, PartitionRequest, resolve
 from starpu_llm.runtime.starpu import have_cuda, this_build, usable_cores
 from partitions import here
 

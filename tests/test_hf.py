@@ -18,14 +18,14 @@ transformers = pytest.importorskip("transformers")
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
 from starpu_llm import cli  # noqa: E402
-from starpu_llm.config import GPTConfig  # noqa: E402
+from starpu_llm.model.config import GPTConfig  # noqa: E402
 from starpu_llm.errors import StarpuLLMError  # noqa: E402
 from starpu_llm.flow import generate as gen  # noqa: E402
 from starpu_llm.flow.engine import StarPUEngine  # noqa: E402
 from starpu_llm.flow.reference import ReferenceEngine  # noqa: E402
 from starpu_llm.io import formats, hf, tokenizer  # noqa: E402
-from starpu_llm.state import TrainState  # noqa: E402
-from starpu_llm.trainer import TrainConfig, train  # noqa: E402
+from starpu_llm.model.state import TrainState  # noqa: E402
+from starpu_llm.train.trainer import TrainConfig, train  # noqa: E402
 
 from bounds import logits_bound  # noqa: E402
 

@@ -522,8 +522,8 @@ def test_row_blocks_agree_with_one_block(kern, rng, nb):
     On the GPU the embedding's dwte adds a repeated token's rows by atomic additions, in an
     order that can change from run to run: its k_v additions, gamma(k_v) each
     (_encoder_backward_bounds), 2 gamma(k_v) apart."""
-    from starpu_llm.codelets import DirectOps
-    from starpu_llm.config import row_blocks
+    from starpu_llm.kernels.codelets import DirectOps
+    from starpu_llm.model.config import row_blocks
     from starpu_llm.flow.tensors import Tensor
     B, T, C, Vp, maxT = 3, 8, 40, 203, 16
     N = B * T

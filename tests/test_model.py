@@ -54,13 +54,13 @@ import pytest
 import torch
 
 from starpu_llm.baselines.torch_gpt2 import TorchGPT2, batch
-from starpu_llm.config import MODELS, GPTConfig, ParamLayout
+from starpu_llm.model.config import MODELS, GPTConfig, ParamLayout
 from starpu_llm.io.data import DataLoader, default_dataset
 from starpu_llm.flow.engine import StarPUEngine
 from starpu_llm.io.formats import read_shard
 from starpu_llm.flow.reference import ReferenceEngine
 from starpu_llm.runtime import usable_cores
-from starpu_llm.state import TrainState, random_init
+from starpu_llm.model.state import TrainState, random_init
 from partitions import subs
 
 from bounds import AdamDrift, grad_rel_bound, logits_bound, loss_bound, ratio, slice_scales

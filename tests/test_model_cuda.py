@@ -17,7 +17,7 @@ import pytest
 
 from bounds import D12_TF32_LOGITS, TF32_MATMUL, gpt2_chain_lengths, logits_bound
 from kernel_impls import gpu_available
-from starpu_llm.config import MODELS, ParamLayout
+from starpu_llm.model.config import MODELS, ParamLayout
 from test_model import compare, make_case, report, run_engine, run_torch
 
 

@@ -19,10 +19,10 @@ import pytest
 from starpu_llm import StarpuLLMError
 from starpu_llm.io import checkpoint, formats
 from starpu_llm._clib import lib
-from starpu_llm.config import MODELS
+from starpu_llm.model.config import MODELS
 from starpu_llm.io.data import DataLoader
 from starpu_llm.flow.reference import ReferenceEngine
-from starpu_llm.state import TrainState, random_init
+from starpu_llm.model.state import TrainState, random_init
 
 from bounds import loss_bound, ratio
 
@@ -149,8 +149,8 @@ def test_shard_owners_balance_the_bytes():
     more than its share 1/R plus the largest slice (the greedy's bound: a rank's last slice
     went to it when it owned the least, at most the mean), where before wte (31 % of GPT-2
     124M) alone was the bound from 4 ranks on; rank0 and one process keep wte whole."""
-    from starpu_llm.flow.topology import Topology, placement_shares, shard_owners, slice_sizes
-    from starpu_llm.config import ParamLayout
+    from starpu_llm.plan.topology import Topology, placement_shares, shard_owners, slice_sizes
+    from starpu_llm.model.config import ParamLayout
     for name in ("micro", "d12"):
         cfg = MODELS[name]
         total = ParamLayout(cfg).total
@@ -172,7 +172,7 @@ def test_pipeline_stages_balance_the_flops():
     """Stage 0 runs the embedding, its layers and the head; the boundaries minimise the
     busiest stage's flops (checked against every split), so GPT-2 124M's head (5.4 blocks'
     worth) leaves stage 0 fewer blocks; every stage's slices are owned by its ranks."""
-    from starpu_llm.flow.topology import Topology, stage_layers
+    from starpu_llm.plan.topology import Topology, stage_layers
     cfg, T = MODELS["d12"], 64
     block, head = 72 * cfg.C ** 2 + 12 * T * cfg.C, 6 * cfg.Vp * cfg.C
     for S in (2, 3, 4):
@@ -439,8 +439,8 @@ if sys.argv[1] == "mpi4py-first":
     from mpi4py import MPI
 from starpu_llm.runtime import mpi as distributed
 from starpu_llm.runtime.starpu import Runtime
-from starpu_llm.trainer import TrainConfig, train
-from starpu_llm.partition import PartitionRequest
+from starpu_llm.train.trainer import TrainConfig, train
+from starpu_llm.plan.partition import PartitionRequest
 from starpu_llm.runtime import resolve_here
 comm = distributed.world()
 distributed.pin_rank(comm)

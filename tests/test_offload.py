@@ -22,15 +22,15 @@ import numpy as np
 import pytest
 
 from starpu_llm import StarpuLLMError
-from starpu_llm.config import GPTConfig, ParamLayout
+from starpu_llm.model.config import GPTConfig, ParamLayout
 from starpu_llm.flow.memory import step_needs
 from starpu_llm.io import checkpoint, formats
-from starpu_llm.runs import run_sampling_rss
-from starpu_llm.partition import PartitionRequest
+from starpu_llm.perf.runs import run_sampling_rss
+from starpu_llm.plan.partition import PartitionRequest
 from starpu_llm.runtime import resolve_here
 from starpu_llm.runtime.offload import RSS_OVERHEAD, OffloadFolder, parse_size
-from starpu_llm.state import RandomInit, random_init
-from starpu_llm.trainer import TrainConfig, train
+from starpu_llm.model.state import RandomInit, random_init
+from starpu_llm.train.trainer import TrainConfig, train
 
 MODEL = GPTConfig(max_seq_len=128, vocab_size=512, padded_vocab_size=512, num_layers=12,
                   num_heads=4, channels=64)

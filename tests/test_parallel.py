@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 
 from starpu_llm import Runtime, StarpuLLMError
-from starpu_llm.config import GPTConfig, ParamLayout
+from starpu_llm.model.config import GPTConfig, ParamLayout
 from starpu_llm.flow.engine import StarPUEngine
-from starpu_llm.partition import PartitionRequest
+from starpu_llm.plan.partition import PartitionRequest
 from starpu_llm.runtime import resolve_here
-from starpu_llm.state import TrainState, random_init
+from starpu_llm.model.state import TrainState, random_init
 from starpu_llm.flow.taskflow import update_order
 from partitions import here, subs
 

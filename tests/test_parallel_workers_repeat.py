@@ -7,7 +7,7 @@ task arguments freed after the wait were then read by that task (csrc/starpu/run
 losses differed from run to run or turned NaN, and a single passing run proved nothing. So
 each case runs several times, with and without sub-batches, on a small model and on GPT-2
 124M (a few short steps). With sub-batches sharing a worker, the order of their gradient
-additions is fixed too (chained, not left to a reduction: flow/topology.py gradient_mode), so
+additions is fixed too (chained, not left to a reduction: plan/topology.py gradient_mode), so
 every case is bitwise.
 """
 import numpy as np
@@ -15,11 +15,11 @@ import pytest
 
 from starpu_llm import Runtime
 from starpu_llm._clib import ffi
-from starpu_llm.config import MODELS, GPTConfig
+from starpu_llm.model.config import MODELS, GPTConfig
 from starpu_llm.flow.engine import StarPUEngine
 from starpu_llm.runtime import usable_cores
 from starpu_llm.runtime.submit import StarPUOps
-from starpu_llm.state import TrainState, random_init
+from starpu_llm.model.state import TrainState, random_init
 from partitions import here, subs
 from bounds import loss_bound
 

@@ -1,4 +1,4 @@
-"""The partition decided in one place (starpu_llm/partition.py): resolve() is a pure function
+"""The partition decided in one place (starpu_llm/plan/partition.py): resolve() is a pure function
 of the request, the cores, the ranks and the StarPU build, so these tests give it any machine
 (no test double of the process): defaults, the mechanism that gives a task its cores, every
 rule's error, and a recorded partition asked for again giving the same partition."""
@@ -8,8 +8,7 @@ import pytest
 
 from starpu_llm import StarpuLLMError
 from starpu_llm.errors import flag
-from starpu_llm.partition import (Build, PartitionRequest, partitions_that_fit, request_of,
-                                  resolve, scheduler)
+from starpu_llm.plan.partition import (Build, PartitionRequest, partitions_that_fit, request_of, resolve, scheduler)
 
 DEBIAN = Build(max_cpus=4, parallel_workers=False)          # StarPU 1.3.10 as Debian has it
 CLUSTER = Build(max_cpus=64, parallel_workers=True)         # a StarPU 1.4 module
@@ -144,8 +143,8 @@ def test_the_scheduler_and_a_pipelines_schedule_are_the_partitions():
     before they were kept reads with neither, the same shape as one with them."""
     import json
     from dataclasses import asdict, replace
-    from starpu_llm.record import RunRecord, Settings
-    from starpu_llm.trainer import TrainConfig
+    from starpu_llm.plan.record import RunRecord, Settings
+    from starpu_llm.train.trainer import TrainConfig
     policies = ("lws", "peager", "dmdas", "eager")
     build = replace(DEBIAN, schedulers=policies)
     p = resolve(PartitionRequest(), cores=2, build=build)
@@ -186,8 +185,9 @@ def test_a_run_on_a_started_runtime_takes_its_partition_without_resolving_again(
     another shape or scheduler is one clear error, not silently replaced."""
     from types import SimpleNamespace
 
-    from starpu_llm import engines, partition
-    from starpu_llm.trainer import TrainConfig
+    from starpu_llm.train import engines
+    from starpu_llm.plan import partition
+    from starpu_llm.train.trainer import TrainConfig
     started = resolve(PartitionRequest(workers=2, kcore="forkjoin", sched="eager"), cores=4,
                       build=CLUSTER)
     runtime = SimpleNamespace(partition=started)
@@ -211,7 +211,7 @@ def test_bench_resolves_each_configuration_once():
     is one partition whichever kcore is asked), and the settings its subprocess trains on
     (bench.spec_of) ask for the same partition again."""
     from starpu_llm.bench import bench_partitions, spec_of
-    from starpu_llm.record import Partition
+    from starpu_llm.plan.record import Partition
     from starpu_llm.runtime import resolve_here
     ps = bench_partitions([1, 2], None, ["team", "forkjoin"], cores=2)
     assert all(isinstance(p, Partition) for p in ps) and len(set(ps)) == len(ps)

@@ -17,9 +17,9 @@ import pytest
 
 from starpu_llm.perf import autotune, graph, machine, memory
 from starpu_llm.perf.calibrate import calibrate, fit_codelets, nnls3, read_starpu_history, total_error
-from starpu_llm.config import MODELS, PARAMETER_SPECS, ParamLayout
-from starpu_llm.flow.topology import Topology, placement_shares
-from starpu_llm.partition import PartitionRequest, shapes
+from starpu_llm.model.config import MODELS, PARAMETER_SPECS, ParamLayout
+from starpu_llm.plan.topology import Topology, placement_shares
+from starpu_llm.plan.partition import PartitionRequest, shapes
 from starpu_llm.perf.predict import predict, sites_of, target_partition, task_graph
 from starpu_llm.perf.simulate import SEQUENTIAL
 from starpu_llm.runtime import usable_cores
@@ -40,7 +40,7 @@ def test_recorded_graph_is_the_traced_step():
     codelets and access modes as a traced real step of the same shape."""
     from starpu_llm import Runtime
     from tracing import traced_step
-    from starpu_llm.config import MODELS
+    from starpu_llm.model.config import MODELS
     g = graph.record("micro", 4, 16, sites_of("micro", 4, 16, on(sub_batches=2)))
     tokens = np.random.default_rng(0).integers(0, MODELS["micro"].V, 4000).astype(np.uint16)
     with Runtime(here(1, 1)) as rt:

@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 
 from starpu_llm import StarpuLLMError
-from starpu_llm.config import MODELS, GPTConfig
+from starpu_llm.model.config import MODELS, GPTConfig
 from starpu_llm.io import checkpoint, formats
 from starpu_llm.perf.machine import Machine, default_path, save as save_machine
-from starpu_llm.record import Partition, RunRecord, Settings
-from starpu_llm.partition import PartitionRequest
+from starpu_llm.plan.record import Partition, RunRecord, Settings
+from starpu_llm.plan.partition import PartitionRequest
 from starpu_llm.runtime import resolve_here, usable_cores
-from starpu_llm.state import TrainState, random_init
-from starpu_llm.trainer import TrainConfig, train
+from starpu_llm.model.state import TrainState, random_init
+from starpu_llm.train.trainer import TrainConfig, train
 
 MICRO = MODELS["micro"]
 
@@ -156,9 +156,9 @@ def test_a_save_failing_midway_leaves_the_old_pair(tmp_path, monkeypatch):
 KILLED_AT = textwrap.dedent("""
     import os, signal, sys
     import numpy as np
-    from starpu_llm.config import MODELS
+    from starpu_llm.model.config import MODELS
     from starpu_llm.io import checkpoint
-    from starpu_llm.state import TrainState, random_init
+    from starpu_llm.model.state import TrainState, random_init
 
     path, step, point = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     checkpoint._after = lambda at: at == point and os.kill(os.getpid(), signal.SIGKILL)
@@ -248,9 +248,9 @@ SAVER = textwrap.dedent("""
     import sys
     import numpy as np
     from starpu_llm import StarpuLLMError
-    from starpu_llm.config import GPTConfig
+    from starpu_llm.model.config import GPTConfig
     from starpu_llm.io import checkpoint
-    from starpu_llm.state import TrainState
+    from starpu_llm.model.state import TrainState
 
     config = GPTConfig(max_seq_len=64, vocab_size=50257, padded_vocab_size=50304, num_layers=2,
                        num_heads=4, channels=128)
@@ -499,15 +499,15 @@ def test_resume_refuses_another_model_and_warns_on_changed_settings(shard, tmp_p
 
 def test_the_set_up_enters_resume_and_the_calibration_once(shard, tmp_path, monkeypatch):
     """A resumed run's set-up (trainer._set_up, up to its training loop) takes what it
-    continues from in one call into resume.py (the model, the checkpoint, its recorded
+    continues from in one call into train/resume.py (the model, the checkpoint, its recorded
     partition and settings, what to say), and this machine's calibration in one call into
     perf/predict.py (the autotuner's, a pipeline's stages and the mfu's): no return trips."""
     import starpu_llm
-    from starpu_llm import trainer
+    from starpu_llm.train import trainer
     root = os.path.dirname(starpu_llm.__file__)
     # each watched file and the code whose calls into it are its own (the autotuner's
     # predictions); the count of entries into it from the rest
-    own = {os.path.join(root, "resume.py"): os.path.join(root, "resume.py"),
+    own = {os.path.join(root, "train/resume.py"): os.path.join(root, "train/resume.py"),
            os.path.join(root, "perf", "predict.py"): os.path.join(root, "perf", "")}
     watched = dict.fromkeys(own, 0)
     monkeypatch.setenv("STARPU_LLM_HOME", str(tmp_path / "home"))
@@ -537,7 +537,7 @@ def test_the_set_up_enters_resume_and_the_calibration_once(shard, tmp_path, monk
 def test_a_resumed_run_resolves_its_partition_once(shard, tmp_path, monkeypatch):
     """--resume on the recorded partition: resolved once (resume.on_recorded_partition, for
     the run's batch), not checked by one resolve and then resolved again by the run."""
-    from starpu_llm import partition
+    from starpu_llm.plan import partition
     ck = str(tmp_path / "ck")
     train(config(shard, steps=2, save_every=2, checkpoint_dir=ck, engine="reference",
                  threads=1))

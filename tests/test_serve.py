@@ -25,7 +25,7 @@ import openai
 import pytest
 
 from bounds import logits_bound
-from starpu_llm.config import MODELS, GPTConfig
+from starpu_llm.model.config import MODELS, GPTConfig
 from starpu_llm.flow import generate as gen
 from starpu_llm.io import formats, tokenizer
 from starpu_llm.runtime.starpu import have_cuda

@@ -1,6 +1,6 @@
 """serve/engine.Engine._admit on its own (no thread, no model): the slots it counts free stay
 those no sequence holds, whatever a client's cancel does while a request leaves the queue."""
-from starpu_llm.config import GPTConfig
+from starpu_llm.model.config import GPTConfig
 from starpu_llm.io import tokenizer
 from starpu_llm.serve.engine import Engine, Request, Sampling, _Tally
 

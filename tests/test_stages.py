@@ -1,9 +1,9 @@
 """The pipeline's stage boundaries: the layers' costs (perf/stages.py) and the split
-(flow/topology.stage_layers). No timing: costs on synthetic machines."""
+(plan/topology.stage_layers). No timing: costs on synthetic machines."""
 import pytest
 
-from starpu_llm.config import MODELS
-from starpu_llm.flow.topology import stage_layers
+from starpu_llm.model.config import MODELS
+from starpu_llm.plan.topology import stage_layers
 from starpu_llm.perf import machine
 from starpu_llm.perf.model import CostModel
 from starpu_llm.perf.predict import sites_of, task_graph

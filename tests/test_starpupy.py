@@ -15,10 +15,10 @@ starpu = pytest.importorskip(
 from starpu_llm import Runtime, StarpuLLMError                      # noqa: E402
 from starpu_llm.io import formats                                   # noqa: E402
 from starpu_llm.runtime import starpupy_face                      # noqa: E402
-from starpu_llm.config import MODELS, GPTConfig                      # noqa: E402
+from starpu_llm.model.config import MODELS, GPTConfig                      # noqa: E402
 from starpu_llm.flow.engine import StarPUEngine                           # noqa: E402
 from starpu_llm.runtime import usable_cores                          # noqa: E402
-from starpu_llm.state import TrainState, random_init                 # noqa: E402
+from starpu_llm.model.state import TrainState, random_init                 # noqa: E402
 from partitions import here, subs
 
 starpupy_face.import_starpupy()   # its reference repair, whatever runs first

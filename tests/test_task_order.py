@@ -4,7 +4,7 @@ import pytest
 
 from starpu_llm import Runtime
 from starpu_llm._clib import lib
-from starpu_llm.config import MODELS
+from starpu_llm.model.config import MODELS
 from starpu_llm.flow.taskflow import norm_nodes, norm_tree, update_order
 from starpu_llm.runtime import usable_cores
 from partitions import here

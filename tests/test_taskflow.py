@@ -8,13 +8,13 @@ from starpu_llm import Runtime
 from starpu_llm._clib import lib
 from tracing import named_buffers, traced_step
 from starpu_llm._kernels import ffi as kffi, lib as klib
-from starpu_llm.codelets import TABLE, add_methods, split_call
-from starpu_llm.config import MODELS, ParamLayout
+from starpu_llm.kernels.codelets import TABLE, add_methods, split_call
+from starpu_llm.model.config import MODELS, ParamLayout
 from starpu_llm.flow import taskflow
 from starpu_llm.flow.tensors import ATTENTIONS, ParameterTensors, Tensor, sub_batch_tensors
 from starpu_llm.flow.engine import StarPUEngine
-from starpu_llm.state import TrainState, random_init
-from starpu_llm.trainer import TrainConfig, train
+from starpu_llm.model.state import TrainState, random_init
+from starpu_llm.train.trainer import TrainConfig, train
 from partitions import here
 
 MICRO = MODELS["micro"]

@@ -28,14 +28,14 @@ import torch
 
 from starpu_llm._clib import lib
 from starpu_llm.baselines.torch_gpt2 import TorchGPT2, batch
-from starpu_llm.config import MODELS, GPTConfig, ParamLayout
+from starpu_llm.model.config import MODELS, GPTConfig, ParamLayout
 from starpu_llm.flow.engine import StarPUEngine
 from starpu_llm.flow.reference import ReferenceEngine
 from starpu_llm.flow.taskflow import update_order
 from starpu_llm.io import formats
 from starpu_llm.runtime import usable_cores
-from starpu_llm.schedule import learning_rate
-from starpu_llm.state import TrainState, random_init
+from starpu_llm.train.schedule import learning_rate
+from starpu_llm.model.state import TrainState, random_init
 from partitions import subs
 
 from bounds import AdamDrift, clipped_grad_rel, grad_rel_bound, gradnorm_bound, loss_bound, ratio
@@ -164,7 +164,7 @@ def test_validation_defaults_to_the_bundled_validation_shard(runtime):
     """Without val_data, train() validates on the bundled corpus's validation shard (the
     tiny model has GPT-2's vocabulary), every step and after the last."""
     from starpu_llm.io.data import default_dataset
-    from starpu_llm.trainer import TrainConfig, train
+    from starpu_llm.train.trainer import TrainConfig, train
     lines = []
     with runtime.paused():
         r = train(TrainConfig(model="tiny", engine="reference", batch=2, seq_len=16, steps=2,
@@ -333,7 +333,7 @@ def test_each_step_reports_its_share_of_the_calibrated_peak(tmp_path, monkeypatc
     model FLOPs per second over the calibrated sgemm rate of the cores used; without a
     calibration, neither does."""
     from starpu_llm.perf import machine as machines
-    from starpu_llm.trainer import TrainConfig, train
+    from starpu_llm.train.trainer import TrainConfig, train
     shard = str(tmp_path / "s.bin")
     formats.write_shard(shard, np.arange(4000, dtype=np.uint16) % MODELS["micro"].V)
 

@@ -1,8 +1,8 @@
 """Test helpers: run one training step under the task trace and name its handles."""
 from starpu_llm.flow.engine import StarPUEngine
-from starpu_llm.flow.sites import Sites
-from starpu_llm.flow.topology import Topology
-from starpu_llm.state import TrainState, random_init
+from starpu_llm.plan.sites import Sites
+from starpu_llm.plan.topology import Topology
+from starpu_llm.model.state import TrainState, random_init
 from partitions import subs
 
 

@@ -48,7 +48,7 @@ CASES = {   # name: (MPI ranks, flags)
 NOT_BITWISE: dict[str, tuple[str, float]] = {
     # 2 workers, 4 sub-batches pinned 2 a worker: each worker's STARPU_REDUX copy of a gradient
     # takes 2 sub-batches' contributions (the tied wte gradient 4), added in the order the
-    # worker happens to run those tasks (flow/topology.gradient_mode: bitwise only with one
+    # worker happens to run those tasks (plan/topology.gradient_mode: bitwise only with one
     # sub-batch a worker). On main (99dbbee) 4 of 5 runs gave 3 different last-step losses.
     "2x1-sub4": ("several sub-batches' contributions share a worker's reduction copy, in "
                  "scheduling order", 2.2e-4),
@@ -59,7 +59,7 @@ ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIR
 
 def write_shard(path: str) -> None:
     """tests/test_mpi.py's shard: 41 random micro-model tokens repeated, llm.c's format."""
-    from starpu_llm.config import MODELS
+    from starpu_llm.model.config import MODELS
     from starpu_llm.io import formats
     rng = np.random.default_rng(1)
     formats.write_shard(path, np.tile(rng.integers(0, MODELS["micro"].V, 41),

@@ -6,7 +6,7 @@
  *     sl_submit in sl_api.h inserts the task);
  *   - the reference engine calls its body at once (sl_codelet_run), with no StarPU loaded.
  * Python reads the table (names, modes, argument struct) and builds one method per codelet
- * (starpu_llm/codelets.py). No StarPU type appears here. */
+ * (starpu_llm/kernels/codelets.py). No StarPU type appears here. */
 #ifndef SL_CODELETS_H
 #define SL_CODELETS_H
 #include <stddef.h>

@@ -27,7 +27,7 @@ static int distinct_cores(const int *cores, int n)
 #endif
 
 /* Starts StarPU (StarPU-MPI when comm is given) for the partition nworkers x cores_per_worker
- * with the mechanism kcore (decided in Python: starpu_llm/partition.py) and ncuda CUDA workers;
+ * with the mechanism kcore (decided in Python: starpu_llm/plan/partition.py) and ncuda CUDA workers;
  * cores lists the partition's cores (NULL: 0..), then one core for each CUDA worker's thread.
  * See sl_api.h. attach: StarPU was started by someone else (starpupy) on the same partition:
  * only the set-up after init. */

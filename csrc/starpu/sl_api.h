@@ -10,7 +10,7 @@
 typedef struct _starpu_data_state *sl_handle; /* == starpu_data_handle_t */
 
 /* ---- runtime (runtime.c) ---- */
-/* A partition as Python resolved it (starpu_llm/partition.py's record.Partition), everything
+/* A partition as Python resolved it (starpu_llm/plan/partition.py's record.Partition), everything
  * sl_start needs of it: the flags --workers, --cores-per-worker, --kcore, --gpus,
  * --gpu-matmul and --sched arrive here, in one call. */
 struct sl_partition {
@@ -26,7 +26,7 @@ struct sl_partition {
  * for the partition p: workers x cores_per_worker cores, with the mechanism that gives
  * a task its cores, and ncuda CUDA workers (GPUs 0..ncuda-1, and no other accelerator;
  * -ENODEV when this is no CUDA build (sl_have_cuda) or StarPU finds fewer GPUs). Python
- * decides the partition (starpu_llm/partition.py); this starts it and decides nothing (-EINVAL
+ * decides the partition (starpu_llm/plan/partition.py); this starts it and decides nothing (-EINVAL
  * for a mechanism it cannot run). cores lists the workers x cores_per_worker logical core ids,
  * group by group, then one core for each CUDA worker's thread (NULL: 0..). The mechanisms
  * (cores_per_worker > 1):
@@ -154,7 +154,7 @@ void *sl_home_ptr(sl_handle h);
  * gradients as STARPU_REDUX contributions) and for the accumulate field of args the
  * declaration names (SL_CODELET_ACC), a copy of args (args_size bytes, the codelet's argument
  * struct) and its flop count from the declaration. Where it runs is
- * the caller's decision, given with every task (starpu_llm/flow/sites.py decides):
+ * the caller's decision, given with every task (starpu_llm/plan/sites.py decides):
  *   node:   the StarPU-MPI rank that runs it, or SL_NODE_OWNER: the owner of the data it
  *           writes (StarPU-MPI's rule); ignored by plain StarPU;
  *   worker: the StarPU worker that runs it, or SL_ANY_WORKER: where the scheduler puts it;

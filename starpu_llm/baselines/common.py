@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from ..config import GPTConfig, ParamLayout
+from ..model.config import GPTConfig, ParamLayout
 
 LN_EPS = 1e-5
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..config import GPTConfig
+from ..model.config import GPTConfig
 from .common import LN_EPS, batch, param_views, step_times
 
 __all__ = ["TorchGPT2", "batch", "torch_train_step_times"]

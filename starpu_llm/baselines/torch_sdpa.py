@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..config import GPTConfig
+from ..model.config import GPTConfig
 from .common import LN_EPS, param_views, step_times
 
 

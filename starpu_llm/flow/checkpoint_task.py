@@ -14,7 +14,7 @@ import threading
 import numpy as np
 
 from .._clib import ffi
-from ..config import ParamLayout
+from ..model.config import ParamLayout
 from ..errors import StarpuLLMError
 from ..io import formats
 from ..runtime.starpupy_face import handle_pointer, import_starpupy

@@ -16,11 +16,11 @@ from . import taskflow
 from .checkpoint_task import CheckpointTask
 from .memory import step_needs
 from .handles import READ, READ_WRITE, HandleSlices, Handles, acquired
-from ..partition import with_batch
-from ..record import Partition
-from .sites import Sites
+from ..plan.partition import with_batch
+from ..plan.record import Partition
+from ..plan.sites import Sites
 from .step import Engine
-from .topology import Topology, gradient_mode, schedule_order
+from ..plan.topology import Topology, gradient_mode, schedule_order
 from ..runtime.submit import StarPUOps
 from .tensors import SECOND_SET
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 import numpy as np
 
 from .._kernels import lib as kernels
-from ..codelets import DirectOps
-from ..config import ParamLayout
+from ..kernels.codelets import DirectOps
+from ..model.config import ParamLayout
 from ..errors import StarpuLLMError, opt
 from ..runtime.submit import StarPUOps
 from . import taskflow

@@ -32,13 +32,13 @@ import mmap
 import numpy as np
 
 from .._clib import ffi, lib
-from ..config import GPTConfig, ParamLayout, row_blocks
+from ..model.config import GPTConfig, ParamLayout, row_blocks
 from ..errors import StarpuLLMError, opt
-from ..state import Slices, read_slice_into
+from ..model.state import Slices, read_slice_into
 from . import taskflow
-from .sites import Sites
+from ..plan.sites import Sites
 from .tensors import PER_MICRO_BATCH, ParameterTensors, Tensor, shape_only, sub_batch_tensors
-from .topology import Topology
+from ..plan.topology import Topology
 
 READ, WRITE, READ_WRITE = 1, 2, 3      # sl_acquire's modes
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ..codelets import TABLE, add_methods, split_call
-from ..config import GPTConfig, ParamLayout
+from ..kernels.codelets import TABLE, add_methods, split_call
+from ..model.config import GPTConfig, ParamLayout
 from . import taskflow
 from .tensors import ActivationTensors, BackwardScratch, ParameterTensors, Tensor
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from .._kernels import ffi, lib
 from . import taskflow
-from ..codelets import DirectOps
+from ..kernels.codelets import DirectOps
 from .step import Engine
 from .tensors import ParameterTensors, Tensor, sub_batch_tensors
 

@@ -15,9 +15,9 @@ import numpy as np
 
 from . import taskflow
 from .._kernels import ffi
-from ..config import GPTConfig, ParamLayout, check_batch_shape
+from ..model.config import GPTConfig, ParamLayout, check_batch_shape
 from ..errors import StarpuLLMError, opt
-from ..state import TrainState
+from ..model.state import TrainState
 from .tensors import Tensor
 
 

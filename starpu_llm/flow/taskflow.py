@@ -1,7 +1,7 @@
 """GPT-2's training step as a sequential task flow: load, forward, loss, backward, update.
 
 Each call on `ops` is one task of a codelet declared in csrc/codelets/ (runtime.submit.StarPUOps
-submits it, codelets.DirectOps runs it at once; codelets.py gives the calling convention: buffers, then
+submits it, codelets.DirectOps runs it at once; kernels/codelets.py gives the calling convention: buffers, then
 arguments). StarPU infers
 the task graph from the handles each task reads and writes, so this file is the whole
 description of the graph (paper section 2, Figure 1):
@@ -20,7 +20,7 @@ use wte (the embedding, the lm head) take every block (one in a single process).
 """
 from __future__ import annotations
 
-from ..config import PARAMETERS, ROW_BLOCKED, GPTConfig
+from ..model.config import PARAMETERS, ROW_BLOCKED, GPTConfig
 
 ADAM_BETA1, ADAM_BETA2, ADAM_EPS = 0.9, 0.999, 1e-8
 

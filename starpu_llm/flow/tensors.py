@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .._kernels import ffi
-from ..config import PARAMETERS, GPTConfig, ParamLayout, is_sliced
+from ..model.config import PARAMETERS, GPTConfig, ParamLayout, is_sliced
 
 
 class Tensor:

@@ -40,10 +40,10 @@ from typing import NamedTuple
 import numpy as np
 
 from . import atomic, formats
-from ..config import ParamLayout
+from ..model.config import ParamLayout
 from ..errors import StarpuLLMError, opt
-from ..record import RunRecord
-from ..state import TrainState
+from ..plan.record import RunRecord
+from ..model.state import TrainState
 
 MAGIC = 20261123
 VERSION = 2                        # 2: with the run record; 1 is still read

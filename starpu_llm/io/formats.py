@@ -32,9 +32,9 @@ import zlib
 import numpy as np
 
 from .atomic import atomic_write
-from ..config import GPTConfig, ParamLayout
+from ..model.config import GPTConfig, ParamLayout
 from ..errors import StarpuLLMError
-from ..state import Slices, chunks
+from ..model.state import Slices, chunks
 from .tokenizer import Tokenizer
 
 HEADER_INTS = 256

@@ -35,7 +35,7 @@ import tempfile
 import numpy as np
 
 from . import atomic, formats, tokenizer
-from ..config import GPTConfig, ParamLayout
+from ..model.config import GPTConfig, ParamLayout
 from ..errors import StarpuLLMError
 
 CONFIG = "config.json"
@@ -354,7 +354,7 @@ def materialize(config: GPTConfig, flat) -> np.ndarray:
     """A ParamLayout buffer as one float32 numpy array (a state.Slices read whole)."""
     if isinstance(flat, np.ndarray):
         return np.ascontiguousarray(flat.reshape(-1), dtype=np.float32)
-    from ..state import read_slice_into
+    from ..model.state import read_slice_into
     out = np.empty(ParamLayout(config).total, np.float32)
     for _, offset, shape in ParamLayout(config).slice_list():
         read_slice_into(flat, offset, out[offset:offset + math.prod(shape)])

@@ -12,8 +12,8 @@ import os
 from dataclasses import dataclass
 
 from ..io.atomic import atomic_write
-from ..partition import PartitionRequest, shapes
-from ..runs import run_in_subprocess
+from ..plan.partition import PartitionRequest, shapes
+from .runs import run_in_subprocess
 from .machine import Machine, default_path
 from .predict import predict, target_partition
 

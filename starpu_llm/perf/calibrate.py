@@ -43,10 +43,10 @@ import time
 
 import numpy as np
 
-from ..config import MODELS
+from ..model.config import MODELS
 from ..errors import StarpuLLMError
-from ..runs import cpu_description, run_in_subprocess
-from ..partition import shapes
+from .runs import cpu_description, run_in_subprocess
+from ..plan.partition import shapes
 from .machine import Machine, save
 
 FIT_SEQ_LEN = 64            # tokens per sequence of the calibration runs (fit_seq_len)
@@ -206,7 +206,7 @@ def fit_link(m: Machine, model: str, steps: int, log) -> None:
     each rank sends and receives about the model's bytes), then the bandwidth
     at which the simulated step takes the measured time (bisection: the step time falls as
     the bandwidth grows). Kept as it is when mpirun is missing or the run fails."""
-    from ..partition import PartitionRequest
+    from ..plan.partition import PartitionRequest
     from .predict import predict, target_partition
     k = max(1, m.cores // 2)
     B = 2 * MPI_FIT_SUB_BATCH

@@ -5,7 +5,7 @@ A real StarPU engine runs one step in dry-run mode (sl_set_dry_run: every task g
 StarPU, with its data handles, access modes and dependencies, and is traced, but its kernel is
 skipped), so the graph holds the tasks, shapes and accesses of the real code path, in
 submission order, in a fraction of a step's time (GPT-2 124M: ~5 ms of tasks plus the
-engine's set-up). The engine is made for the partition predicted (a flow/sites.Sites: R ranks,
+engine's set-up). The engine is made for the partition predicted (a plan/sites.Sites: R ranks,
 pipeline stages, owners, N workers, pinning, schedule) in this one process, which plays every
 rank (StarPUEngine's `sites`): it registers every rank's handles with their owners and submits
 the whole step, the cross-rank gradient reduction included, each task with the site the
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._clib import ffi, lib
-from ..config import PARAMETER_SPECS, ROW_BLOCKED
-from ..flow.sites import ANY, OWNER, Sites
+from ..model.config import PARAMETER_SPECS, ROW_BLOCKED
+from ..plan.sites import ANY, OWNER, Sites
 
 # access bits of the trace (csrc/sl_api.h)
 R, W, REDUX = lib.SL_ACCESS_R, lib.SL_ACCESS_W, lib.SL_ACCESS_REDUX
@@ -143,11 +143,11 @@ def record(model: str, B: int, T: int, sites: Sites, grad_clip: float = 0.0) -> 
     ranks'), sequence length T, on the partition of `sites` (its ranks, owners, workers,
     sub-batches per copy): a dry-run step of an engine made for those sites in this process
     (on a fresh one-worker runtime: no runtime may be running in this process)."""
-    from ..config import MODELS, ParamLayout
+    from ..model.config import MODELS, ParamLayout
     from ..flow.engine import StarPUEngine
-    from ..partition import PartitionRequest
+    from ..plan.partition import PartitionRequest
     from ..runtime.starpu import Runtime, resolve_here
-    from ..state import TrainState
+    from ..model.state import TrainState
 
     config = MODELS[model]
     layout = ParamLayout(config)

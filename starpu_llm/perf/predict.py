@@ -1,7 +1,7 @@
 """starpu-llm predict: the step time of a configuration, from the recorded task graph
 (graph.py), the cost model (model.py) and the list scheduler (simulate.py); across ranks
 on a resolved partition (target_partition: its workers, how the ranks share the model:
-flow/topology.py's ownership, and pipeline stages)."""
+plan/topology.py's ownership, and pipeline stages)."""
 from __future__ import annotations
 
 import os
@@ -11,12 +11,12 @@ import sys
 import tempfile
 from dataclasses import dataclass, replace
 
-from ..config import MODELS
+from ..model.config import MODELS
 from ..errors import StarpuLLMError, opt
-from ..flow.sites import Sites
-from ..flow.topology import OWNERSHIPS, Topology
-from ..partition import Build, PartitionRequest, resolve, with_batch
-from ..record import Partition
+from ..plan.sites import Sites
+from ..plan.topology import OWNERSHIPS, Topology
+from ..plan.partition import Build, PartitionRequest, resolve, with_batch
+from ..plan.record import Partition
 from . import graph as graphs
 from . import memory
 from .machine import Machine, default_path, load
@@ -113,7 +113,7 @@ def layout_label(p: Partition) -> str:
 def sites_of(model: str, B: int, T: int, partition: Partition | None = None,
              cost: CostModel | None = None) -> Sites:
     """The engine's placement of (model, B, T) on that partition (default: one worker of one
-    core; flow/topology.py, flow/sites.py), as the engine makes it: its sub-batches (the
+    core; plan/topology.py, plan/sites.py), as the engine makes it: its sub-batches (the
     default for B where it has none: partition.with_batch), a pipeline's stages balanced on
     the layers' predicted costs (on `cost`'s machine; by flops without one), as the engine
     balances them with the calibration (engines.stage_costs)."""

@@ -1,5 +1,5 @@
 """What each layer of one micro-batch costs, for the pipeline's stage boundaries
-(flow/topology.stage_layers): the training step's task flow (flow/taskflow.py) walked with
+(plan/topology.stage_layers): the training step's task flow (flow/taskflow.py) walked with
 an executor that runs nothing and adds up each task's predicted time (model.CostModel, from
 the codelet's declared flop count and its buffers' bytes) under the layer it belongs to.
 
@@ -14,8 +14,8 @@ from __future__ import annotations
 import re
 
 from .._clib import ffi, lib
-from ..codelets import TABLE, add_methods, split_call
-from ..config import GPTConfig, ParamLayout
+from ..kernels.codelets import TABLE, add_methods, split_call
+from ..model.config import GPTConfig, ParamLayout
 from ..flow import taskflow
 from ..flow.tensors import ActivationTensors, BackwardScratch, ParameterTensors, Tensor
 from .model import CostModel

@@ -12,18 +12,18 @@ import errno
 import os
 from typing import NamedTuple
 
-from .. import partition
+from ..plan import partition
 from .._clib import ffi, lib
 from ..errors import StarpuLLMError, opt
 from ..flow.tensors import ATTENTIONS
-from ..partition import Build, PartitionRequest
-from ..record import Partition
+from ..plan.partition import Build, PartitionRequest
+from ..plan.record import Partition
 from . import offload, starpupy_face
 from .mpi import BACKOFF_MAX_US, mpi_polling, phase
 from .submit import StarPUOps
 
 
-# The mechanism that gives a task its K cores (partition.py says which), as the C layer takes
+# The mechanism that gives a task its K cores (plan/partition.py says which), as the C layer takes
 # it (sl_api.h)
 MECHANISMS = {"single": lib.SL_KCORE_SINGLE, "team": lib.SL_KCORE_TEAM,
               "forkjoin": lib.SL_KCORE_FORKJOIN, "parallel-workers": lib.SL_KCORE_PARALLEL}
@@ -108,7 +108,7 @@ class Runtime:
 
     It starts the partition it is given (`partition`, a record.Partition from
     partition.resolve: N workers x K cores per worker, their mechanism, the GPUs and their
-    matmuls, the scheduler; partition.py says what each means; None: the default partition
+    matmuls, the scheduler; plan/partition.py says what each means; None: the default partition
     of this process) and decides nothing about it: with K = 1 tasks are sequential and the N
     workers run independent sub-batches; with K > 1 each task runs on its worker's K cores.
     comm: an mpi4py communicator to start StarPU-MPI on.

@@ -1,8 +1,8 @@
 """The StarPU executor of the task flow: one task per call, at the place it is given.
 
-StarPUOps has one method per codelet of the table (codelets.py gives the calling convention);
+StarPUOps has one method per codelet of the table (kernels/codelets.py gives the calling convention);
 each submits a task through the one insert path, lib.sl_submit, with the `Where` of the
-executor: where a task runs is an argument of every submission, decided by flow/sites.Sites
+executor: where a task runs is an argument of every submission, decided by plan/sites.Sites
 and nowhere else.
 """
 from __future__ import annotations
@@ -10,11 +10,11 @@ from __future__ import annotations
 import threading
 
 from .._clib import ffi, lib
-from ..codelets import Codelet, SubmitError, add_methods, read_table, split_call
-from ..flow.sites import ANY, ANYWHERE, OWNER, Where
+from ..kernels.codelets import Codelet, SubmitError, add_methods, read_table, split_call
+from ..plan.sites import ANY, ANYWHERE, OWNER, Where
 
 
-# where a task runs is data of its own (flow/sites.py); its constants are the C layer's
+# where a task runs is data of its own (plan/sites.py); its constants are the C layer's
 assert (OWNER, ANY) == (lib.SL_NODE_OWNER, lib.SL_ANY_WORKER)
 TABLE = read_table(ffi, lib)
 

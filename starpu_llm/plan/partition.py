@@ -1,7 +1,7 @@
 """The partition of a run, decided in one place.
 
 A PartitionRequest is what is asked for: each field is a flag of `train`, `bench` and
-`predict` (settings.py; one spelling: `--workers N`, `--cores-per-worker K`, ...; `bench` and
+`predict` (plan/settings.py; one spelling: `--workers N`, `--cores-per-worker K`, ...; `bench` and
 `predict` take comma-separated lists of the fields marked sweep) and a field of TrainConfig.
 resolve(), a pure function, turns it, with the cores and MPI ranks of the process and what the
 StarPU build supports (a Build), into the record.Partition that runs: the defaults filled in,
@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-from .errors import StarpuLLMError, opt
-from .flow.sites import default_sub_batches
-from .flow.topology import OWNERSHIPS, PIPELINE_SCHEDULES
+from ..errors import StarpuLLMError, opt
+from .sites import default_sub_batches
+from .topology import OWNERSHIPS, PIPELINE_SCHEDULES
 from .record import Partition
 from .settings import setting
 
@@ -217,7 +217,7 @@ def resolve(req: PartitionRequest, *, cores: int, build: Build, ranks: int = 1,
 
 def with_batch(p: Partition, batch: int) -> Partition:
     """p with its sub-batches for a `batch` of sequences (over all ranks) where it has none
-    (0): the one place their default is decided (flow/sites.default_sub_batches: a pipeline's
+    (0): the one place their default is decided (plan/sites.default_sub_batches: a pipeline's
     micro-batches, else one per worker, one per GPU with GPUs) on each data-parallel copy's
     share of the batch."""
     if p.sub_batches or p.engine != "starpu":

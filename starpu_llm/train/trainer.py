@@ -1,8 +1,8 @@
 """Training from Python: TrainConfig + train(), the same as `starpu-llm train`: the run's
 settings and the training loop. Around it: what the run starts from and what a resumed run
-keeps (resume.py), its engine and partition (engines.py), signals (signals.py), what watches
-each step (watchers.py: the metrics file, metrics.py; the line; samples, sampler.py;
-checkpoints and the other files a run writes, checkpointing.py). Under mpirun every rank
+keeps (train/resume.py), its engine and partition (train/engines.py), signals (signals.py), what watches
+each step (train/watchers.py: the metrics file, train/metrics.py; the line; samples, train/sampler.py;
+checkpoints and the other files a run writes, train/checkpointing.py). Under mpirun every rank
 runs the same set-up (_set_up) in phases that end together (runtime/mpi.phase): an error on
 one rank ends every rank at once, reported by rank 0.
 
@@ -19,22 +19,23 @@ from dataclasses import dataclass, field, fields
 from typing import NamedTuple
 
 
-from . import resume, signals
+from . import resume
+from .. import signals
 from .checkpointing import check_outputs, check_checkpoint_dir, save_final
-from .config import MODELS, GPTConfig, check_batch_shape
+from ..model.config import MODELS, GPTConfig, check_batch_shape
 from .engines import (autotuned, calibrated_peak, calibration, check_memory, make_engine,
                       run_partition, start_runtime)
-from .errors import StarpuLLMError, opt
-from .io import data
+from ..errors import StarpuLLMError, opt
+from ..io import data
 from .metrics import Metrics, step_extras
-from .partition import PartitionRequest
-from .record import RunRecord, Settings, data_fingerprint, run_identity
-from .runs import peak_rss_mb
-from .runtime import mpi as distributed
-from .runtime.offload import MemoryLimit
+from ..plan.partition import PartitionRequest
+from ..plan.record import RunRecord, Settings, data_fingerprint, run_identity
+from ..perf.runs import peak_rss_mb
+from ..runtime import mpi as distributed
+from ..runtime.offload import MemoryLimit
 from .schedule import SCHEDULES, check_schedule, learning_rate
-from .settings import setting
-from .state import TrainState
+from ..plan.settings import setting
+from ..model.state import TrainState
 from .validation import Validation
 from .watchers import Checkpoints, Counters, Divergence, Samples, StepDone, StepLine, Trace
 
@@ -45,7 +46,7 @@ MEMORY = "memory budget (StarPU engine)"     # the help group of the memory flag
 @dataclass
 class TrainConfig(PartitionRequest):
     """A run's settings: each field with help is a `starpu-llm train` flag (cli.py makes them);
-    the partition's fields come from PartitionRequest (partition.py)."""
+    the partition's fields come from PartitionRequest (plan/partition.py)."""
     model: str | None = setting(None, "model size (default d12 = GPT-2 124M; with --init-from or "
                                 "--resume, the checkpoint's: a contradicting one is refused)",
                                 choices=sorted(MODELS))
@@ -229,7 +230,7 @@ def _set_up(cfg: TrainConfig, state: TrainState | None, runtime) -> Run:
             check_memory(cfg, config, ranks)
         peak = calibrated_peak(partition, machine)      # what a step's "mfu" is of
         fingerprint = data_fingerprint(loader.tokens)
-        run_id = (start.run if start.saved is not None      # the run's identity (record.py)
+        run_id = (start.run if start.saved is not None      # the run's identity (plan/record.py)
                   else run_identity(Settings.of(cfg), config, start.origin, fingerprint))
         record = RunRecord(partition, Settings.of(cfg), run=run_id, data=fingerprint)
         if cfg.save_every and rank == 0:

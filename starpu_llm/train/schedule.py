@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from .errors import StarpuLLMError, opt
+from ..errors import StarpuLLMError, opt
 
 SCHEDULES = ("constant", "cosine")
 

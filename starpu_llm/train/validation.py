@@ -2,8 +2,8 @@
 computed by forward-only task flows (Engine.validation_loss)."""
 from __future__ import annotations
 
-from .errors import StarpuLLMError, opt
-from .io import data
+from ..errors import StarpuLLMError, opt
+from ..io import data
 
 
 class Validation:

@@ -13,9 +13,9 @@ import json
 import os
 from dataclasses import asdict
 
-from .errors import StarpuLLMError
-from .io.atomic import atomic_write
-from .record import Partition
+from ..errors import StarpuLLMError
+from ..io.atomic import atomic_write
+from ..plan.record import Partition
 from .watchers import Watcher
 
 

@@ -7,7 +7,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from .errors import StarpuLLMError, opt
+from ..errors import StarpuLLMError, opt
 
 
 class ParamSpec(NamedTuple):
@@ -43,7 +43,7 @@ PARAMETER_SPECS = {p.name: p for p in PARAMETERS}
 
 # The tensor that may be split in row blocks, each block a slice of its own (owner, gradient,
 # moments, update): the tied embedding and lm head, 31 % of GPT-2 124M. How many blocks is the
-# placement's decision (flow/topology.Topology.wte_blocks): one in a single process.
+# placement's decision (plan/topology.Topology.wte_blocks): one in a single process.
 ROW_BLOCKED = "wte"
 
 
@@ -184,7 +184,7 @@ class ParamLayout:
         """((name, layer, wte's row block or None), offset, shape) of every slice (a block
         tensor's layer, one of wte's wte_blocks row blocks, or a whole wpe, lnfw or lnfb), in
         llm.c's order: the units that have their own StarPU handle, update task and owner
-        (flow/topology.py: the keys of its owners); consecutive, they cover the buffer."""
+        (plan/topology.py: the keys of its owners); consecutive, they cover the buffer."""
         out = []
         for name in self.names:
             shape, off = self.shapes[name], self.offsets[name]

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .checkpointing import checkpoint_step
-from .errors import StarpuLLMError, opt
-from .runtime import mpi as distributed
+from ..errors import StarpuLLMError, opt
+from ..runtime import mpi as distributed
 from .sampler import TrainingSampler
 
 

@@ -1,6 +1,6 @@
 """What a run records about itself, printed at its start, in each metrics record and in the
 checkpoint companion: the partition it ran on and the settings that shape its numbers. A
-resumed run compares them with its own (resume.py)."""
+resumed run compares them with its own (train/resume.py)."""
 from __future__ import annotations
 
 import hashlib
@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, fields, replace
 
 import numpy as np
 
-from .errors import flag
+from ..errors import flag
 
 
 @dataclass(frozen=True)
@@ -23,14 +23,14 @@ class Partition:
                             # forkjoin or parallel-workers (partition.resolve); the
                             # reference engine: openmp
     ranks: int = 1          # MPI processes
-    ownership: str = "rank0"  # who owns parameters, gradients, moments (flow/topology.py):
+    ownership: str = "rank0"  # who owns parameters, gradients, moments (plan/topology.py):
                               # sharded or rank0 (a single process: rank0)
     stages: int = 1         # pipeline stages (ranks = stages x data-parallel copies)
     gpus: int = 0           # GPUs (StarPU CUDA workers) beside the N CPU workers
     gpu_matmul: str = ""    # their matmul precision, "tf32" or "fp32" ("" without GPUs)
     sched: str = ""         # the StarPU scheduler (partition.scheduler; "": the reference
                             # engine, or a record saved before it was kept)
-    pipeline_schedule: str = ""   # a pipeline's schedule (flow/topology.PIPELINE_SCHEDULES;
+    pipeline_schedule: str = ""   # a pipeline's schedule (plan/topology.PIPELINE_SCHEDULES;
                                   # "": no pipeline, or a record saved before it was kept)
 
     @property

@@ -17,7 +17,7 @@ the arguments.
   - DirectOps (here) runs the codelet's body at once in the calling thread (the reference
     engine; only the _kernels binding is loaded, no StarPU);
   - runtime.submit.StarPUOps submits one StarPU task per call (lib.sl_submit, never running Python
-    inside a task), at the `Where` it was made for: flow/sites.py gives it with every task.
+    inside a task), at the `Where` it was made for: plan/sites.py gives it with every task.
 
 flow/taskflow.py is written against these methods only, so both engines run exactly the same
 sequence of layers.
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ._kernels import ffi, lib
+from .._kernels import ffi, lib
 
 
 class SubmitError(RuntimeError):

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import StarpuLLMError, opt
-from .flow.generate import Decoder, DirectBackend, StarPUBackend, generate
-from .io import tokenizer
+from ..errors import StarpuLLMError, opt
+from ..flow.generate import Decoder, DirectBackend, StarPUBackend, generate
+from ..io import tokenizer
 
 SAMPLE_TOKENS = 64     # length of a sample
 

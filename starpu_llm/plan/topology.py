@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 
-from ..config import PARAMETER_SPECS, GPTConfig, ParamLayout
+from ..model.config import PARAMETER_SPECS, GPTConfig, ParamLayout
 from ..errors import StarpuLLMError, opt
 
 

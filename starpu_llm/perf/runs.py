@@ -17,8 +17,8 @@ import subprocess
 import sys
 import time
 
-from .io.atomic import atomic_write
-from .runtime.mpi import COMM_STATS_ENV
+from ..io.atomic import atomic_write
+from ..runtime.mpi import COMM_STATS_ENV
 
 CHILD = "starpu_llm.bench"      # the module the child process runs (its __main__: run_one)
 

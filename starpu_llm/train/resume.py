@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 
-from .config import MODELS, GPTConfig
-from .errors import StarpuLLMError, flag, opt
-from .io import checkpoint, hf
-from .io.formats import params_crc
-from .record import Partition, RunRecord
-from .partition import request_of
-from .runtime.starpu import resolve_here
-from .state import RandomInit, TrainState, random_init
+from ..model.config import MODELS, GPTConfig
+from ..errors import StarpuLLMError, flag, opt
+from ..io import checkpoint, hf
+from ..io.formats import params_crc
+from ..plan.record import Partition, RunRecord
+from ..plan.partition import request_of
+from ..runtime.starpu import resolve_here
+from ..model.state import RandomInit, TrainState, random_init
 
 DEFAULT_MODEL = "d12"       # GPT-2 124M, when neither --init-from nor --resume gives one
 

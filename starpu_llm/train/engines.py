@@ -1,25 +1,25 @@
-"""The engine a run trains on, and the partition it runs (partition.py resolves it): without a
+"""The engine a run trains on, and the partition it runs (plan/partition.py resolves it): without a
 partition setting the fixed default (the StarPU engine: one worker on all usable cores, one
 sub-batch; the reference engine: one OpenMP thread per usable core), whatever calibration
 exists; the autotuner's choice only with --workers auto (perf/autotune.py); on --resume, the
-recorded partition unless one is given (resume.py)."""
+recorded partition unless one is given (train/resume.py)."""
 from __future__ import annotations
 
 from dataclasses import replace
 
-from .config import MODELS
-from .errors import StarpuLLMError, opt
-from .flow.engine import StarPUEngine
-from .flow.memory import footprint
-from .flow.reference import ReferenceEngine
-from .perf import autotune
-from .perf.model import CostModel
-from .perf.predict import load_calibration
-from .perf.stages import layer_costs
-from .partition import on_runtime
-from .record import Partition
-from .runtime.offload import available_memory, format_size
-from .runtime.starpu import Runtime, resolve_here
+from ..model.config import MODELS
+from ..errors import StarpuLLMError, opt
+from ..flow.engine import StarPUEngine
+from ..flow.memory import footprint
+from ..flow.reference import ReferenceEngine
+from ..perf import autotune
+from ..perf.model import CostModel
+from ..perf.predict import load_calibration
+from ..perf.stages import layer_costs
+from ..plan.partition import on_runtime
+from ..plan.record import Partition
+from ..runtime.offload import available_memory, format_size
+from ..runtime.starpu import Runtime, resolve_here
 
 def autotuned(cfg, config, comm, runtime, log, calibration=None):
     """cfg with the partition the autotuner (perf/autotune.py) chooses for its batch, on this

@@ -1,6 +1,6 @@
 """The files a run writes, and when: every N steps a checkpoint into --checkpoint-dir (the
 newest --keep-checkpoints kept, io/checkpoint.save_step), and --save at the end, with a
-fallback file when that fails; --metrics-jsonl as it goes (metrics.py). Each save carries the
+fallback file when that fails; --metrics-jsonl as it goes (train/metrics.py). Each save carries the
 run's record (partition, settings, run identity).
 
 Before the first step, check_outputs refuses what would lose data: an output that could not
@@ -14,10 +14,10 @@ from __future__ import annotations
 import json
 import os
 
-from .errors import StarpuLLMError, opt
-from .io import atomic, checkpoint, formats
-from .record import RunRecord
-from .state import TrainState
+from ..errors import StarpuLLMError, opt
+from ..io import atomic, checkpoint, formats
+from ..plan.record import RunRecord
+from ..model.state import TrainState
 
 
 def check_outputs(cfg) -> None:
@@ -90,7 +90,7 @@ def check_model_output(path: str, what: str, inputs: dict, hf: bool) -> None:
     would lose data: an llm.c checkpoint file (hf False) onto one of the inputs ({name: path})
     or onto a file that is not a checkpoint; a Hugging Face folder (io/hf.py, replaced as a
     whole) that is an input or holds one, or that holds other files (hf.check_hf_output)."""
-    from .io import hf as hf_format
+    from ..io import hf as hf_format
     for name, given in inputs.items():
         if given is None:
             continue
@@ -214,7 +214,7 @@ def save_final(cfg, state: TrainState, record: RunRecord, log) -> None:
     if cfg.save:
         save_model(cfg.save, state, record, log)
     if cfg.save_hf:
-        from .io.hf import write_hf
+        from ..io.hf import write_hf
         try:
             written = write_hf(cfg.save_hf, state.config, state.params)
         except StarpuLLMError as e:
@@ -253,7 +253,7 @@ def convert(src, dst) -> str:
     folder, or a Hub name in the local cache) written at dst: an llm.c checkpoint when dst
     ends in .bin, else a Hugging Face folder. Refuses a dst that is src or that would lose
     data, before reading anything."""
-    from .io import formats, hf
+    from ..io import formats, hf
     src, dst = os.fspath(src), os.fspath(dst)
     to_llmc = dst.endswith(".bin")
     check_model_output(dst, "DST", {"SRC": src}, hf=not to_llmc)
