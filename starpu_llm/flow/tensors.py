@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .._kernels import ffi
-from ..model.config import PARAMETERS, GPTConfig, ParamLayout, is_sliced
+from ..model.config import ATTENTIONS, PARAMETERS, GPTConfig, ParamLayout, is_sliced
 
 
 class Tensor:
@@ -97,12 +97,6 @@ def shape_only(layout: ParamLayout) -> np.ndarray:
 ParameterTensors = make_dataclass(
     "ParameterTensors", [(p.name, list if is_sliced(p.name) else Tensor) for p in PARAMETERS],
     bases=(_ParameterGroup,))
-
-
-# The attention's two forms (csrc/kernels/kernels.h): "gemm" keeps the weights att (B,NH,T,T)
-# for the backward (the CPU engine's, and the batched-GEMM CUDA reference); "flash", fused,
-# keeps each query row's logsumexp (B,NH,T), and no (T, T) tensor exists.
-ATTENTIONS = ("gemm", "flash")
 
 
 class Dims(NamedTuple):

@@ -198,3 +198,9 @@ class ParamLayout:
             else:
                 out.append(((name, None), off, shape))
         return out
+
+
+# The attention's two forms (csrc/kernels/kernels.h): "gemm" keeps the weights att (B,NH,T,T)
+# for the backward (the CPU engine's, and the batched-GEMM CUDA reference); "flash", fused,
+# keeps each query row's logsumexp (B,NH,T), and no (T, T) tensor exists.
+ATTENTIONS = ("gemm", "flash")

@@ -15,7 +15,7 @@ from typing import NamedTuple
 from ..plan import partition
 from .._clib import ffi, lib
 from ..errors import StarpuLLMError, opt
-from ..flow.tensors import ATTENTIONS
+from ..model.config import ATTENTIONS
 from ..plan.partition import Build, PartitionRequest
 from ..plan.record import Partition
 from . import offload, starpupy_face
@@ -123,7 +123,7 @@ class Runtime:
     of a codelet with a CUDA body runs on the GPUs only (placement()), the CPU workers run
     the rest (the batch loads), so dmda never tries a layer task on a CPU to calibrate its
     model (at GPT-2 124M, B=16, T=1024, seconds a task).
-    attention: the attention the layer tasks run (flow.tensors.ATTENTIONS), decided here once
+    attention: the attention the layer tasks run (model/config.py's ATTENTIONS), decided here once
     and read by the task flow's tensors: None gives the fused one ("flash": no (T, T) tensor,
     csrc/cuda/attention.cu) with GPUs, the batched-GEMM one ("gemm", the CPU engine's) without.
     """
