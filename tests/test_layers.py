@@ -1,7 +1,9 @@
-"""Arrows downward only: no import circle among the modules of starpu_llm/ and experiments/
-(tools/import_graph.py, which reads the sources with ast and counts the imports inside
-functions too)."""
+"""Arrows downward only: no import circle among the modules of starpu_llm/ and experiments/, every
+arrow down the layer order (tools/import_graph.py LAYERS), the root down to the entry points,
+meson installing every module (tools/import_graph.py reads the sources with ast and counts the
+imports inside functions too)."""
 import os
+import re
 import subprocess
 import sys
 
@@ -29,3 +31,79 @@ def test_the_tool_finds_a_circle(tmp_path):
 def test_no_import_circle():
     p = subprocess.run([sys.executable, TOOL, ROOT], capture_output=True, text=True)
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+def _tree(tmp_path, files):
+    for name, text in files.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    (tmp_path / "experiments").mkdir(exist_ok=True)
+
+
+def test_the_tool_finds_an_arrow_up(tmp_path):
+    """The check can fail: a module of a low layer (model/) that imports one of a higher layer
+    (train/), even inside a function, and a root module placed in no layer, are reported."""
+    _tree(tmp_path, {"starpu_llm/__init__.py": "", "starpu_llm/model/__init__.py": "",
+                     "starpu_llm/train/__init__.py": "",
+                     "starpu_llm/model/config.py": "def f():\n    from ..train import trainer\n",
+                     "starpu_llm/train/trainer.py": "from ..model.config import f\n",
+                     "starpu_llm/loose.py": "from .model import config\n"})
+    p = subprocess.run([sys.executable, TOOL, str(tmp_path)], capture_output=True, text=True)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "arrow up: starpu_llm.model.config (model) -> starpu_llm.train.trainer (train)" \
+        in p.stdout, p.stdout
+    assert "starpu_llm.loose is in no layer" in p.stdout, p.stdout
+    assert "arrow up: starpu_llm.train.trainer" not in p.stdout, p.stdout   # down is fine
+
+
+def test_every_arrow_goes_down_the_layers():
+    """tools/import_graph.py's LAYERS (lowest first) is the one statement of the order."""
+    p = subprocess.run([sys.executable, TOOL, ROOT], capture_output=True, text=True)
+    assert "arrow up" not in p.stdout and "in no layer" not in p.stdout, p.stdout
+    assert "every arrow goes down" in p.stdout, p.stdout
+
+
+def test_the_package_root_holds_the_entry_points_only():
+    """At most 8 files at starpu_llm/'s root (the commands, the package, errors, signals); the
+    rest lives in the rooms (subpackages) that LAYERS orders."""
+    root = [f for f in os.listdir(os.path.join(ROOT, "starpu_llm")) if f.endswith(".py")]
+    assert len(root) <= 8, sorted(root)
+
+
+def test_import_starpu_llm_stays_light():
+    """`import starpu_llm` (its first line installs the signal handlers) loads no numpy: the
+    rooms' __init__.py on that path import nothing heavy."""
+    code = "import sys, starpu_llm; print('numpy' in sys.modules)"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert p.stdout.strip() == "False", p.stdout + p.stderr
+
+
+def meson_modules(text: str) -> set:
+    """The .py files meson.build installs: the root list and the foreach dictionary of rooms."""
+    out = set(re.findall(r"'(starpu_llm/[\w/]+\.py)'", text))
+    block = text[text.index("foreach sub, modules : {"):]
+    block = block[:block.index("}")]
+    for sub, mods in re.findall(r"'(\w+)':\s*\[([^\]]*)\]", block):
+        out |= {f"starpu_llm/{sub}/{m}.py" for m in re.findall(r"'(\w+)'", mods)}
+    return out
+
+
+def test_meson_installs_every_module():
+    """The wheel's install list (meson.build) names every .py file under starpu_llm/, and
+    nothing that is not there."""
+    on_disk = set()
+    for dirpath, dirs, files in os.walk(os.path.join(ROOT, "starpu_llm")):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        on_disk |= {os.path.relpath(os.path.join(dirpath, f), ROOT).replace(os.sep, "/")
+                    for f in files if f.endswith(".py")}
+    listed = meson_modules(open(os.path.join(ROOT, "meson.build"), encoding="utf-8").read())
+    assert on_disk - listed == set(), f"not installed by meson.build: {sorted(on_disk - listed)}"
+    assert listed - on_disk == set(), f"in meson.build, not on disk: {sorted(listed - on_disk)}"
+
+
+def test_the_meson_check_can_fail():
+    text = ("py.install_sources('starpu_llm/cli.py', subdir: 'starpu_llm')\n"
+            "foreach sub, modules : {\n    'io': ['__init__', 'data']}\n")
+    assert meson_modules(text) == {"starpu_llm/cli.py", "starpu_llm/io/__init__.py",
+                                   "starpu_llm/io/data.py"}

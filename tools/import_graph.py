@@ -1,4 +1,5 @@
-"""Print the import circles among the modules of starpu_llm/ and experiments/; exit 1 if any.
+"""Print the import circles among the modules of starpu_llm/ and experiments/, and every arrow
+that goes up the layer order (LAYERS); exit 1 if any.
 
 Every import counts, at module top or inside a function (an import inside a function is an
 arrow too, only a hidden one). Read from the source with ast, nothing imported:
@@ -13,6 +14,27 @@ import os
 import sys
 
 TREES = {"starpu_llm": "starpu_llm", "experiments": ""}   # folder: its modules' package prefix
+
+# The layers of starpu_llm, lowest first (the one place that states them; docs/design.md
+# "Layers" says what each does). A module may import its own layer and those below, never one
+# above. "room/" is a subpackage, with all its modules; a plain name is a module of the package
+# root ("__init__": the package itself, also what an import of the compiled _clib/_kernels
+# resolves to). experiments/ stands above them all. A module in no layer is an error: a new
+# room or root file is placed here first.
+LAYERS = [
+    ("base", ["__init__", "errors", "signals"]),   # process-wide: the error type, the signals
+    ("model", ["model/"]),         # GPT-2's configuration, parameter layout, a run's state
+    ("baselines", ["baselines/"]),  # the PyTorch GPT-2 (tests' oracle, bench's series)
+    ("plan", ["plan/"]),           # settings, the partition, ownership, task sites, the record
+    ("io", ["io/"]),               # file formats, tokenizer, data, checkpoints
+    ("kernels", ["kernels/"]),     # the codelet table read from C
+    ("runtime", ["runtime/"]),     # StarPU (cffi or starpupy), MPI, offload
+    ("flow", ["flow/"]),           # the task flow of a step, decode, the reference engine
+    ("perf", ["perf/"]),           # the performance model, calibration, autotuner, runs
+    ("train", ["train/"]),         # the trainer and what watches it
+    ("serve", ["serve/"]),         # the HTTP server's engine and API
+    ("entry", ["__main__", "cli", "cli_generate", "cli_serve", "bench"]),   # the commands
+]
 
 
 def modules(root: str) -> dict[str, str]:
@@ -101,6 +123,30 @@ def graph_of(root: str) -> dict[str, set]:
     return {name: imported(name, path, known) for name, path in known.items()}
 
 
+def layer_of(name: str) -> int | None:
+    """The index in LAYERS of module `name` (experiments' modules: above them all)."""
+    if name != "starpu_llm" and not name.startswith("starpu_llm."):
+        return len(LAYERS)
+    rel = name[len("starpu_llm."):] if name != "starpu_llm" else "__init__"
+    for i, (_, members) in enumerate(LAYERS):
+        for m in members:
+            if (m.endswith("/") and (rel == m[:-1] or rel.startswith(m[:-1] + "."))) or rel == m:
+                return i
+    return None
+
+
+def upward(graph: dict[str, set]) -> list[str]:
+    """Every arrow from a lower layer to a higher one, and every module in no layer."""
+    out = [f"{a} is in no layer: place it in tools/import_graph.py's LAYERS"
+           for a in sorted(graph) if layer_of(a) is None]
+    for a in sorted(graph):
+        for b in sorted(graph[a]):
+            la, lb = layer_of(a), layer_of(b)
+            if la is not None and lb is not None and lb > la:
+                out.append(f"arrow up: {a} ({LAYERS[la][0]}) -> {b} ({LAYERS[lb][0]})")
+    return out
+
+
 def main(argv: list[str]) -> int:
     edges = "--edges" in argv
     args = [a for a in argv if a != "--edges"]
@@ -116,7 +162,13 @@ def main(argv: list[str]) -> int:
         print(f"import circle among {', '.join(comp)}: {'; '.join(arrows)}")
     if not found:
         print(f"no import circle among the {len(graph)} modules of {', '.join(TREES)}")
-    return 1 if found else 0
+    up = upward(graph)
+    for line in up:
+        print(line)
+    if not up:
+        print(f"every arrow goes down the {len(LAYERS)} layers "
+              f"({' < '.join(name for name, _ in LAYERS)})")
+    return 1 if found or up else 0
 
 
 if __name__ == "__main__":
