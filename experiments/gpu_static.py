@@ -8,7 +8,7 @@ thread, stack frame, spill stores and loads, static shared memory and barriers a
 The flags are meson.build's for the CUDA build (-O3 -std=c++17 -lineinfo -DNDEBUG), one
 architecture, objects into a temporary folder. A kernel whose spill bytes are not 0 is
 printed as such; the CSV (rows sorted by file and kernel) is written to a temporary name and
-renamed. Reading the table: docs/design.md, GPUs, "Static checks".
+renamed. Reading the table: docs/gpus.md, "Static checks".
 """
 from __future__ import annotations
 

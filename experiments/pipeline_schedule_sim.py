@@ -1,5 +1,5 @@
 """A list-scheduling model of a 2-stage pipeline's step, to choose how many activation sets
-a stage needs (docs/design.md, StarPU-MPI internals, Schedule). No StarPU: each micro-batch
+a stage needs (docs/scaling.md, StarPU-MPI internals, Schedule). No StarPU: each micro-batch
 is five tasks on its route, F0 (stage 0's blocks forward) -> F1 (stage 1's forward) -> H
 (the head on stage 0: forward, loss, backward) -> B1 (stage 1's backward) -> B0 (stage 0's
 backward and the embedding's); a micro-batch's H, B1 and B0 follow the previous one's (the

@@ -1,5 +1,5 @@
 """experiments/pipeline_schedule_sim.py: the 2-stage route's list-scheduling model behind the
-pipeline schedules' sets and priorities (docs/design.md, StarPU-MPI internals, Schedule)."""
+pipeline schedules' sets and priorities (docs/scaling.md, StarPU-MPI internals, Schedule)."""
 import os
 import sys
 

@@ -15,7 +15,7 @@ gradient and moments owned by one of its stage's ranks (`--ownership sharded`, b
 balanced) or all by rank 0 (`rank0`, the paper's scheme, no pipeline). Each copy adds its
 gradients into its own contribution handles, added into the owners' gradients in a fixed
 order (taskflow.reduce_gradients), then the owner updates and the ranks that read the new
-parameter receive it. docs/design.md, StarPU-MPI internals, says more. Tags are given in
+parameter receive it. docs/scaling.md, StarPU-MPI internals, says more. Tags are given in
 registration order, so every rank registers the same tensors in the same order.
 
 wte, the tied embedding and lm head (31 % of GPT-2 124M), is split in row blocks

@@ -54,7 +54,7 @@ class Sites:
 
     Data parallelism: sub-batch i stays on worker i mod N when pinned, so every worker always
     adds into its own reduction copies and two sub-batches never queue behind each other.
-    A pipeline's schedule (docs/design.md, StarPU-MPI internals): each stage holds `sets`
+    A pipeline's schedule (docs/scaling.md, StarPU-MPI internals): each stage holds `sets`
     activation sets per copy (schedule_sets), micro-batch j of a copy using set j mod sets;
     the tasks' priorities (PHASE_PRIORITY): under eager and gpipe forward before the head
     before the backward, under 1f1b the reverse, bounded all 0."""

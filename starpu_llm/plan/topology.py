@@ -48,7 +48,7 @@ PIPELINE_SCHEDULES = ("eager", "1f1b", "bounded", "gpipe")
 # micro-batches ahead anyway. eager and gpipe: the forwards first, then the heads, then the
 # backwards: stage 0, which also runs the head, runs its blocks of every micro-batch it may
 # hold before a head, so the next stage never waits for a forward while stage 0 is busy with
-# a head (docs/design.md, Schedule). In all, within a phase the earlier micro-batch first
+# a head (docs/scaling.md, StarPU-MPI internals, Schedule). In all, within a phase the earlier micro-batch first
 # (without it a worker alternates between two micro-batches' ready tasks layer by layer, and
 # both reach the next stage late).
 # The head's backward (phase head_backward) goes with the backward under 1f1b and with the
