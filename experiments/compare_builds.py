@@ -25,8 +25,10 @@ import argparse
 import os
 import statistics
 import sys
+from dataclasses import replace
 
-from starpu_llm.bench import bench_partitions, label_of, spec_of
+from starpu_llm.bench import bench_partitions, label_of
+from starpu_llm.plan.partition import settings_of
 from starpu_llm.cli import add_setting_args, partition_settings
 from starpu_llm.perf.runs import cpu_description, run_in_subprocess, write_csv
 
@@ -60,7 +62,8 @@ def plan(args, cores: int) -> list[tuple[str, dict]]:
                 if B % p.workers or (sub and B % sub):
                     continue
                 rows.append((f"B={B} {label_of(p, sub)}",
-                             dict(engine="starpu", batch=B, **spec_of(p), sub_batches=sub)))
+                             dict(engine="starpu", batch=B,
+                                  **settings_of(replace(p, sub_batches=sub or 0)))))
     for R in (int(r) for r in args.mpi_ranks.split(",") if r):
         k = args.mpi_cores_per_rank
         spec = dict(engine="starpu", batch=R * args.mpi_batch_per_rank, workers=1, cores_per_worker=k,

@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 
 from ._clib import ffi
 from .model.config import MODELS
@@ -18,7 +19,7 @@ from .errors import StarpuLLMError
 from .flow.engine import StarPUEngine
 from .io import data, formats
 from .perf.runs import cpu_description, mpi_rank, peak_rss_mb, run_in_subprocess, write_csv
-from .plan.partition import KCORE_REQUESTS, PartitionRequest, request_of
+from .plan.partition import KCORE_REQUESTS, PartitionRequest, settings_of
 from .plan.record import Partition
 from .runtime.starpu import Runtime, partitions_that_fit, resolve_here, usable_cores
 from .model.state import TrainState, random_init
@@ -31,7 +32,7 @@ def bench_partitions(workers=None, cores_per_worker=None, kcore=None,
     resolved once, here (partition.resolve, as train resolves it: K defaults to the cores over
     N), duplicates dropped: --workers auto: every N x K = cores this build runs (both
     mechanisms for K > 1, or those of --kcore); else each N x K given. No flag: the default
-    partition. A row's subprocess trains on spec_of(p), which asks for p again."""
+    partition. A row's subprocess trains on partition.settings_of(p), which asks for p again."""
     cores = cores or usable_cores()
     kcores = KCORE_REQUESTS if kcore in (None, "auto") else kcore
     if workers == "auto":
@@ -43,13 +44,6 @@ def bench_partitions(workers=None, cores_per_worker=None, kcore=None,
                  for k in (None if cores_per_worker == "auto" else cores_per_worker) or [None]
                  for mode in (kcores if kcore else [None])]
     return list(dict.fromkeys(resolve_here(r, cores=cores) for r in asked))
-
-
-def spec_of(p: Partition) -> dict:
-    """The run_one settings that ask for the partition p's shape (partition.request_of; the
-    scheduler as the subprocess's environment and build give it)."""
-    r = request_of(p)
-    return dict(workers=r.workers, cores_per_worker=r.cores_per_worker, kcore=r.kcore)
 
 
 def label_of(p: Partition, sub_batches: int | None) -> str:
@@ -176,7 +170,8 @@ def run_bench(args):
           + ("  runs (tok/ms)" if repeat > 1 else ""))
     for B in batches:
         specs = [dict(engine="reference")]
-        specs += [dict(engine="starpu", label=label_of(p, s), **spec_of(p), sub_batches=s)
+        specs += [dict(engine="starpu", label=label_of(p, s),
+                       **settings_of(replace(p, sub_batches=s or 0)))
                   for p in partitions for s in subs if B % (s or p.workers) == 0]
         if not args.no_torch:
             specs.append(dict(engine="torch"))

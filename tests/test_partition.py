@@ -209,12 +209,13 @@ def test_a_run_on_a_started_runtime_takes_its_partition_without_resolving_again(
 def test_bench_resolves_each_configuration_once():
     """bench's partitions are resolved Partitions (one resolve each, duplicates dropped: 2 x 1
     is one partition whichever kcore is asked), and the settings its subprocess trains on
-    (bench.spec_of) ask for the same partition again."""
-    from starpu_llm.bench import bench_partitions, spec_of
+    (partition.settings_of) ask for the same partition again."""
+    from starpu_llm.bench import bench_partitions
+    from starpu_llm.plan.partition import settings_of
     from starpu_llm.plan.record import Partition
     from starpu_llm.runtime import resolve_here
     ps = bench_partitions([1, 2], None, ["team", "forkjoin"], cores=2)
     assert all(isinstance(p, Partition) for p in ps) and len(set(ps)) == len(ps)
     assert [(p.workers, p.cores_per_worker) for p in ps].count((2, 1)) == 1
     for p in ps:
-        assert resolve_here(PartitionRequest(**spec_of(p)), cores=2) == p
+        assert resolve_here(PartitionRequest(**settings_of(p)), cores=2) == p

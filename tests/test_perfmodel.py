@@ -19,7 +19,7 @@ from starpu_llm.perf import autotune, graph, machine, memory
 from starpu_llm.perf.calibrate import calibrate, fit_codelets, nnls3, read_starpu_history, total_error
 from starpu_llm.model.config import MODELS, PARAMETER_SPECS, ParamLayout
 from starpu_llm.plan.topology import Topology, placement_shares
-from starpu_llm.plan.partition import PartitionRequest, shapes
+from starpu_llm.plan.partition import PartitionRequest, request_of, settings_of, shapes
 from starpu_llm.perf.predict import predict, sites_of, target_partition, task_graph
 from starpu_llm.perf.simulate import SEQUENTIAL
 from starpu_llm.runtime import usable_cores
@@ -186,11 +186,56 @@ def speeds_against_one_core(m, ranked):
     return best
 
 
+def shape_of(p):
+    """(N, K, sub-batches) of a resolved partition."""
+    return p.workers, p.cores_per_worker, p.sub_batches
+
+
 def test_candidates_of_a_machine():
-    assert autotune.candidates(2, 8) == [(2, 1, 2), (2, 1, 4), (1, 2, 1), (1, 2, 2)]
-    assert autotune.candidates(4, 2) == [(4, 1, 2), (2, 2, 2), (1, 4, 1), (1, 4, 2)]
-    assert [(n, k) for n, k, _ in autotune.candidates(8, 8)] == \
+    """The candidates are resolved partitions (predict.target_partition, with the batch's
+    sub-batches), each asking for itself again (partition.request_of: what choose caches)."""
+    assert [shape_of(p) for p in autotune.candidates(2, 8, False)] == \
+        [(2, 1, 2), (2, 1, 4), (1, 2, 1), (1, 2, 2)]
+    assert [shape_of(p) for p in autotune.candidates(4, 2, False)] == \
+        [(4, 1, 2), (2, 2, 2), (1, 4, 1), (1, 4, 2)]
+    eight = autotune.candidates(8, 8, False)
+    assert [shape_of(p)[:2] for p in eight] == \
         [(8, 1), (4, 2), (4, 2), (2, 4), (2, 4), (1, 8), (1, 8)]
+    assert [p.kcore for p in eight] == ["single"] + ["team"] * 6
+    assert {p.kcore for p in autotune.candidates(8, 8, True)} == {"single", "parallel-workers"}
+    for p in eight:
+        assert target_partition(request_of(p), batch=8, parallel_workers=False) == p
+
+
+def test_choose_trials_the_partitions_and_caches_their_requests(tmp_path, monkeypatch):
+    """choose runs each of the two best predictions' partitions (partition.settings_of), keeps
+    the faster, and caches its request: read back, the cached choice is the same partition."""
+    tried = []
+
+    def trial(spec):
+        tried.append(spec)
+        return dict(spec, tokens_per_ms=float(spec["workers"]))   # more workers: faster
+
+    monkeypatch.setattr(autotune, "run_in_subprocess", trial)
+    cache = str(tmp_path / "autotune.json")
+    m = synthetic(2, [1.0, 1.0], [1e6] * 2)
+    top = [p.partition for p in autotune.rank(MODEL, 8, T, m)[:2]]
+    first = autotune.choose(MODEL, 8, T, m, rounds=1, cache=cache, log=lambda *a: None)
+    assert [{k: s[k] for k in settings_of(top[0])} for s in tried] == \
+        [settings_of(p) for p in top]
+    assert first.partition == max(top, key=lambda p: p.workers)
+    tried.clear()
+    again = autotune.choose(MODEL, 8, T, m, cache=cache, log=lambda *a: None)
+    assert tried == [] and again.why.endswith("(cached)")
+    assert again.partition == first.partition and again.request == request_of(first.partition)
+    # a cache written before it held whole requests (N, K and sub-batches alone) still reads
+    import json
+    with open(cache) as f:
+        keys = list(json.load(f))
+    with open(cache, "w") as f:
+        json.dump({k: dict(workers=2, cores_per_worker=1, sub_batches=4, why="old") for k in keys}, f)
+    old = autotune.choose(MODEL, 8, T, m, cache=cache, log=lambda *a: None)
+    assert tried == [] and shape_of(old.partition) == (2, 1, 4)
 
 
 def test_autotuner_picks_one_worker_where_cores_scale_and_reductions_cost():

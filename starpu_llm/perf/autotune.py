@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 
 from ..io.atomic import atomic_write
-from ..plan.partition import PartitionRequest, shapes
+from ..plan.partition import PartitionRequest, request_of, settings_of, shapes
+from ..plan.record import Partition
 from .runs import run_in_subprocess
 from .machine import Machine, default_path
 from .predict import predict, target_partition
@@ -20,18 +21,27 @@ from .predict import predict, target_partition
 
 @dataclass
 class Choice:
-    """The autotuner's partition, as a request (partition.PartitionRequest), and why."""
-    request: PartitionRequest
+    """The autotuner's partition, resolved (predict.target_partition), and why."""
+    partition: Partition
     why: str
 
+    @property
+    def request(self) -> PartitionRequest:
+        """What a run asks for to train on it (partition.request_of)."""
+        return request_of(self.partition)
 
-def candidates(cores: int, B: int) -> list:
-    """(N, K, sub-batches): every N x K = cores with one or two sub-batches per worker that
-    split B; where neither splits B (B below N), the most sub-batches below N that do."""
+
+def candidates(cores: int, B: int, parallel_workers: bool | None = None) -> list[Partition]:
+    """Every N x K = cores with one or two sub-batches per worker that split B (where neither
+    splits B, B below N: the most sub-batches below N that do), each resolved once for a
+    machine of those cores (predict.target_partition: `parallel_workers` as there) with its
+    sub-batches."""
     out = []
     for n, k in sorted(shapes(cores), key=lambda p: p[1]):
         split = [s for s in (n, 2 * n) if B % s == 0]
-        out += [(n, k, s) for s in split or [max(s for s in range(1, n) if B % s == 0)]]
+        out += [target_partition(PartitionRequest(workers=n, cores_per_worker=k, sub_batches=s),
+                                 batch=B, parallel_workers=parallel_workers)
+                for s in split or [max(s for s in range(1, n) if B % s == 0)]]
     return out
 
 
@@ -40,10 +50,8 @@ def rank(model: str, B: int, T: int, calibration: Machine, machine: Machine | No
     """The candidates of (model, B, T) on `machine` (default: the calibrated one), as
     Predictions, fastest predicted first (ties: fewer workers first, the candidates' order)."""
     target = machine or calibration
-    ranked = [predict(model, B, T, target_partition(
-        PartitionRequest(workers=n, cores_per_worker=k, sub_batches=s), batch=B,
-        parallel_workers=parallel_workers), calibration=calibration, machine=machine)
-              for n, k, s in candidates(target.cores, B)]
+    ranked = [predict(model, B, T, p, calibration=calibration, machine=machine)
+              for p in candidates(target.cores, B, parallel_workers)]
     ranked.sort(key=lambda p: -p.tokens_per_ms)      # stable: ties keep the candidates' order
     if not ranked:
         raise ValueError(f"no partition of {target.cores} cores splits a batch of {B}")
@@ -57,9 +65,11 @@ def cache_path(calibration_path: str | None = None) -> str:
 def choose(model: str, B: int, T: int, calibration: Machine, trial_steps: int = 3,
            rounds: int = 2, cache: str | None = None, log=print) -> Choice:
     """The partition for (model, B, T) on this machine: ranked by the model (rank), the two best
-    measured (trial_steps steps each, the first a warm-up, in a subprocess; `rounds` rounds,
-    the two interleaved, each kept at its best round: one slow round, a busy moment of the
-    machine, then decides nothing), the faster kept and cached."""
+    measured (trial_steps steps each, the first a warm-up, in a subprocess training on the
+    partition's settings, partition.settings_of; `rounds` rounds, the two interleaved, each
+    kept at its best round: one slow round, a busy moment of the machine, then decides
+    nothing), the faster kept and cached (its request, partition.request_of: resolved again
+    as the candidates are, it gives the same partition)."""
     cache = cache or cache_path()
     key = f"{calibration.name}:{calibration.source}:{model}:B{B}:T{T}"   # a new calibration: new choices
     try:
@@ -69,27 +79,26 @@ def choose(model: str, B: int, T: int, calibration: Machine, trial_steps: int = 
         known = {}
     if key in known:
         c = known[key]
-        return Choice(PartitionRequest(workers=c["workers"], cores_per_worker=c["cores_per_worker"],
-                                       sub_batches=c["sub_batches"]), c["why"] + " (cached)")
+        asked = PartitionRequest(**{f.name: c[f.name] for f in fields(PartitionRequest)
+                                    if f.name in c})
+        return Choice(target_partition(asked, batch=B), c["why"] + " (cached)")
     ranked = rank(model, B, T, calibration)
     best = {}
     for _ in range(rounds):
-        for p in ranked[:2]:
-            n, k, s = p.partition.workers, p.partition.cores_per_worker, p.sub_batches
+        for pred in ranked[:2]:
+            p = pred.partition
             r = run_in_subprocess(dict(engine="starpu", model=model, batch=B, seq_len=T,
-                                       steps=trial_steps, workers=n, cores_per_worker=k,
-                                       sub_batches=s))
+                                       steps=trial_steps, **settings_of(p)))
             measured = r.get("tokens_per_ms", 0.0)
-            log(f"autotune: {n}x{k}, {s} sub-batch(es): predicted {p.tokens_per_ms:.4f}, "
-                f"measured {measured:.4f} tok/ms")
-            if measured > best.get((n, k, s), (0.0,))[0]:
-                best[(n, k, s)] = (measured, p)
-    trials = [(m, p, nks) for nks, (m, p) in best.items()]
-    measured, p, (n, k, s) = max(trials, key=lambda t: t[0])
+            log(f"autotune: {p.workers}x{p.cores_per_worker}, {p.sub_batches} sub-batch(es): "
+                f"predicted {pred.tokens_per_ms:.4f}, measured {measured:.4f} tok/ms")
+            if measured > best.get(p, (0.0,))[0]:
+                best[p] = (measured, pred)
+    measured, pred = max(best.values(), key=lambda t: t[0])
     why = (f"best of the model's ranking of {len(ranked)} partitions, confirmed by "
-           f"{rounds} interleaved {trial_steps}-step trials of the top {len(trials)}: "
-           f"{measured:.4f} tok/ms measured (best round), {p.tokens_per_ms:.4f} predicted")
-    known[key] = dict(workers=n, cores_per_worker=k, sub_batches=s, why=why)
+           f"{rounds} interleaved {trial_steps}-step trials of the top {len(best)}: "
+           f"{measured:.4f} tok/ms measured (best round), {pred.tokens_per_ms:.4f} predicted")
+    known[key] = dict(asdict(request_of(pred.partition)), why=why)
     os.makedirs(os.path.dirname(os.path.abspath(cache)), exist_ok=True)
     atomic_write(cache, lambda f: json.dump(known, f, indent=1), text=True)
-    return Choice(PartitionRequest(workers=n, cores_per_worker=k, sub_batches=s), why)
+    return Choice(pred.partition, why)

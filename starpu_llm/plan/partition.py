@@ -6,9 +6,9 @@ A PartitionRequest is what is asked for: each field is a flag of `train`, `bench
 resolve(), a pure function, turns it, with the cores and MPI ranks of the process and what the
 StarPU build supports (a Build), into the record.Partition that runs: the defaults filled in,
 the mechanism that gives a task its K cores chosen, every rule checked. That Partition is
-printed, recorded in the metrics and the checkpoints, resumed (request_of),
-predicted (perf/predict.py) and started: Runtime and the C layer receive N, K and the
-mechanism and decide nothing.
+printed, recorded in the metrics and the checkpoints, resumed (request_of), run again in
+bench's and the autotuner's subprocesses (settings_of), predicted (perf/predict.py) and
+started: Runtime and the C layer receive N, K and the mechanism and decide nothing.
 
 How a task gets K > 1 cores (the mechanism): "parallel-workers" where the StarPU build has them
 (StarPU 1.4's parallel workers, 1.3's clusters) and they can run the partition; else what is
@@ -132,6 +132,16 @@ def request_of(p: Partition) -> PartitionRequest:
         pipeline_stages=p.stages if p.ranks > 1 else None,
         gpus=p.gpus, gpu_matmul=p.gpu_matmul or "tf32", sched=p.sched or None,
         pipeline_schedule=p.pipeline_schedule or None)
+
+
+def settings_of(p: Partition) -> dict:
+    """The settings of a run (bench.run_one's spec, TrainConfig's fields) that ask for the
+    partition p again, one process's (request_of): its workers, cores per worker, mechanism
+    asked and sub-batches (None: the default for the run's batch); the scheduler as the run's
+    environment and build give it."""
+    r = request_of(p)
+    return dict(workers=r.workers, cores_per_worker=r.cores_per_worker, kcore=r.kcore,
+                sub_batches=r.sub_batches)
 
 
 def resolve(req: PartitionRequest, *, cores: int, build: Build, ranks: int = 1,
