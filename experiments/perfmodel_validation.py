@@ -41,7 +41,7 @@ from starpu_llm.perf.runs import cpu_description, run_in_subprocess, write_csv
 from starpu_llm.io.atomic import atomic_write_text
 from starpu_llm.perf import autotune
 from starpu_llm.perf.machine import default_path
-from starpu_llm.plan.partition import PartitionRequest
+from starpu_llm.plan.partition import PartitionRequest, settings_of
 from starpu_llm.perf.predict import load_calibration, predict, target_partition
 from starpu_llm.runtime.starpu import usable_cores
 
@@ -52,13 +52,22 @@ RESULTS = os.path.join(HERE, "results", "perfmodel")
 
 
 def configurations(cores: int, batches: list, mpi_batches: list) -> list:
-    """(B, N, K, sub-batches per rank, ranks)."""
+    """(B, its partition: N x K, sub-batches per rank, ranks), each partition resolved once
+    (predict.target_partition; the autotuner's candidates are), then measured and predicted."""
     out = []
     for B in batches:
-        out.append((B, 1, 1, 1, 1))
-        out += [(B, n, k, s, 1) for n, k, s in autotune.candidates(cores, B)]
-    out += [(B, 1, cores // 2, 1, 2) for B in mpi_batches if cores >= 2 and B % 2 == 0]
+        out.append((B, target_partition(PartitionRequest(workers=1, cores_per_worker=1,
+                                                         sub_batches=1), batch=B)))
+        out += [(B, p) for p in autotune.candidates(cores, B)]
+    out += [(B, target_partition(PartitionRequest(workers=1, cores_per_worker=cores // 2,
+                                                  sub_batches=1), 2, B))
+            for B in mpi_batches if cores >= 2 and B % 2 == 0]
     return out
+
+
+def shape(p) -> tuple:
+    """(N, K, sub-batches per rank, ranks) of a partition: the columns of the CSVs."""
+    return p.workers, p.cores_per_worker, p.sub_batches, p.ranks
 
 
 def label(n: int, k: int, s: int, ranks: int) -> str:
@@ -162,14 +171,14 @@ def measure(configs: list, args) -> dict:
     runs = {c: [] for c in configs}
     for _ in range(args.repeat):          # interleaved: a slow phase hits every configuration
         for c in configs:
-            B, n, k, s, R = c
+            B, p = c
             r = run_in_subprocess(dict(engine="starpu", model=args.model, batch=B,
-                                       seq_len=args.seq_len, steps=args.steps, workers=n,
-                                       cores_per_worker=k, sub_batches=s, ranks=R))
+                                       seq_len=args.seq_len, steps=args.steps,
+                                       **settings_of(p), ranks=p.ranks))
             if "error" in r:
-                raise SystemExit(f"{label(n, k, s, R)} B={B} failed: {r['error']}")
+                raise SystemExit(f"{label(*shape(p))} B={B} failed: {r['error']}")
             runs[c].append(r)
-            print(f"  B={B:<3} {label(n, k, s, R):<32} {r['tokens_per_ms']:.4f} tok/ms", flush=True)
+            print(f"  B={B:<3} {label(*shape(p)):<32} {r['tokens_per_ms']:.4f} tok/ms", flush=True)
     return runs
 
 
@@ -177,9 +186,9 @@ def validation_rows(configs: list, runs: dict, cal, model: str, T: int) -> list:
     """Per configuration: the median of its runs' tokens/ms against the model's prediction."""
     rows = []
     for c in configs:
-        B, n, k, s, R = c
-        p = predict(model, B, T, target_partition(PartitionRequest(
-            workers=n, cores_per_worker=k, sub_batches=s), R, B), calibration=cal, ranks_per_node=R)
+        B, part = c
+        n, k, s, R = shape(part)
+        p = predict(model, B, T, part, calibration=cal, ranks_per_node=R)
         speeds = [r["tokens_per_ms"] for r in runs[c]]
         m = statistics.median(speeds)
         rows.append(dict(B=B, workers=n, cores_per_worker=k, sub_batches=s, ranks=R, measured=m,
@@ -207,17 +216,17 @@ def autotuner_rows(batches: list, rows: list, cal, model: str, T: int) -> list:
     out = []
     for B in batches:
         trials = []
-        ch = autotune.choose(model, B, T, cal, cache=cache, log=trials.append).request
+        ch = autotune.choose(model, B, T, cal, cache=cache, log=trials.append).partition
         ranking = autotune.rank(model, B, T, cal)
         mine = next(r for r in rows if (r["B"], r["workers"], r["cores_per_worker"], r["sub_batches"],
-                                        r["ranks"]) == (B, ch.workers, ch.cores_per_worker, ch.sub_batches, 1))
+                                        r["ranks"]) == (B, *shape(ch)))
         best = max((r for r in rows if r["B"] == B and r["ranks"] == 1), key=lambda r: r["measured"])
         gap = 1 - mine["measured"] / best["measured"]
-        out.append(dict(B=B, choice=label(ch.workers, ch.cores_per_worker, ch.sub_batches, 1),
+        out.append(dict(B=B, choice=label(*shape(ch)),
                         choice_predicted=mine["predicted"], choice_measured=mine["measured"],
                         best=label(best["workers"], best["cores_per_worker"], best["sub_batches"], 1),
                         best_measured=best["measured"], gap=gap,
-                        ranking=" > ".join(f"{label(p.partition.workers, p.partition.cores_per_worker, p.sub_batches, 1)} "
+                        ranking=" > ".join(f"{label(*shape(p.partition))} "
                                            f"{p.tokens_per_ms:.4f}" for p in ranking),
                         trials=" | ".join(trials)))
         print(f"| {B} | {out[-1]['choice']} | {mine['measured']:.4f} | {out[-1]['best']}: "
@@ -232,9 +241,10 @@ def write_results(folder: str, runs: dict, rows: list, choices: list | None, mac
     """The raw files of a validation run (the module doc lists them), each written atomically."""
     os.makedirs(folder, exist_ok=True)
     write_csv(os.path.join(folder, "runs.csv"), [
-        dict(B=B, workers=n, cores_per_worker=k, sub_batches=s, ranks=R, repeat=i + 1,
+        dict(B=B, workers=p.workers, cores_per_worker=p.cores_per_worker,
+             sub_batches=p.sub_batches, ranks=p.ranks, repeat=i + 1,
              tokens_per_ms=r["tokens_per_ms"], step_ms=" ".join(f"{x:.2f}" for x in r["step_ms"]))
-        for (B, n, k, s, R), rs in runs.items() for i, r in enumerate(rs)])
+        for (B, p), rs in runs.items() for i, r in enumerate(rs)])
     write_csv(os.path.join(folder, "validation.csv"), rows)
     if choices is not None:
         write_csv(os.path.join(folder, "autotune.csv"), choices)

@@ -413,7 +413,7 @@ def test_validation_writes_its_raw_data(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     import csv
     import json
-    parts = [(1, 1, 1)] + list(autotune.candidates(usable_cores(), 4))
+    parts = [(1, 1, 1)] + [shape_of(p) for p in autotune.candidates(usable_cores(), 4)]
     with open(out / "runs.csv", newline="") as f:
         runs = list(csv.DictReader(f))
     assert [(int(x["workers"]), int(x["cores_per_worker"]), int(x["sub_batches"])) for x in runs] == parts
