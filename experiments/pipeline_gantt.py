@@ -45,7 +45,7 @@ def phase(codelet: str) -> str:
 def child(args):
     """Under mpirun: train with the trace on, write this rank's last step."""
     from starpu_llm.perf.runs import mpi_rank
-    from starpu_llm.train.trainer import TrainConfig, train
+    from starpu_llm.training.trainer import TrainConfig, train
     r = train(TrainConfig(model=args.model, batch=args.batch, seq_len=args.seq_len,
                           steps=args.steps, workers=1, cores_per_worker=1,
                           pipeline_stages=args.stages,

@@ -23,7 +23,7 @@ from .plan.partition import KCORE_REQUESTS, PartitionRequest, settings_of
 from .plan.record import Partition
 from .runtime.starpu import Runtime, partitions_that_fit, resolve_here, usable_cores
 from .model.state import TrainState, random_init
-from .train.trainer import TrainConfig, train
+from .training.trainer import TrainConfig, train
 
 
 def bench_partitions(workers=None, cores_per_worker=None, kcore=None,
@@ -152,7 +152,7 @@ def traced_run(spec: dict) -> list:
 
 def is_bench_table(path: str) -> bool:
     """a table of starpu-llm bench (CSV whose header starts with B)"""
-    from .train.checkpointing import first_line_is
+    from .training.checkpointing import first_line_is
     return first_line_is(path, lambda line: line == b"B" or line.startswith(b"B,"))
 
 

@@ -57,7 +57,7 @@ def _int_list(s):
 
 
 def _train_settings():
-    from .train.trainer import TrainConfig
+    from .training.trainer import TrainConfig
     return [f for f in fields(TrainConfig) if "help" in f.metadata]
 
 
@@ -310,13 +310,13 @@ INIT_FROM_HELP = ("the model: an llm.c fp32 checkpoint, a Hugging Face GPT-2 fol
 
 
 def cmd_train(args):
-    from .train.trainer import TrainConfig, train
+    from .training.trainer import TrainConfig, train
     train(TrainConfig(**{f.name: getattr(args, f.name) for f in train_settings()}))
     return 0
 
 
 def cmd_prepare(args):
-    from .train.checkpointing import Output, check_new_outputs, is_shard_file, is_tokenizer_file
+    from .training.checkpointing import Output, check_new_outputs, is_shard_file, is_tokenizer_file
     from .io import corpus, data
     name = None if args.text else "shakespeare"
     train, val, tokenizer = data.prepared_paths(args.text, args.out_dir, name)
@@ -334,7 +334,7 @@ def cmd_prepare(args):
 
 def cmd_bench(args):
     from .bench import is_bench_table, run_bench
-    from .train.checkpointing import Output, check_new_outputs
+    from .training.checkpointing import Output, check_new_outputs
     if args.csv:                   # before minutes of runs
         check_new_outputs({"--csv": Output(args.csv, is_bench_table)}, {})
     run_bench(args)
@@ -342,7 +342,7 @@ def cmd_bench(args):
 
 
 def cmd_calibrate(args):
-    from .train.checkpointing import Output, check_new_outputs
+    from .training.checkpointing import Output, check_new_outputs
     from .perf.calibrate import calibrate
     from .perf.machine import default_path, is_machine_file
     out = args.out or default_path()
@@ -438,7 +438,7 @@ def _serve_edges(args) -> dict:
 
 
 def cmd_convert(args):
-    from .train.checkpointing import convert
+    from .training.checkpointing import convert
     print(f"wrote {convert(args.src, args.dst)}")
     return 0
 

@@ -545,7 +545,7 @@ def test_whose_file_is_told_by_its_first_line(tmp_path, kind):
     checkpointing.first_line_is, for both): an empty file or one whose first line is theirs
     (CRLF too), not another file, a folder, a FIFO or nothing."""
     from starpu_llm.bench import is_bench_table
-    from starpu_llm.train.checkpointing import _is_metrics_file
+    from starpu_llm.training.checkpointing import _is_metrics_file
     is_kind, ours = {"metrics": (_is_metrics_file, b'{"step": 1, "loss": 2.5}'),
                      "bench": (is_bench_table, b"B,engine,tok/ms")}[kind]
     cases = {"empty": (b"", True), "ours": (ours + b"\nmore\n", True),

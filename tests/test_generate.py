@@ -18,7 +18,7 @@ from starpu_llm.flow import generate as gen
 from starpu_llm.runtime.submit import StarPUOps
 from starpu_llm.io import formats, tokenizer
 from starpu_llm.model.state import random_init
-from starpu_llm.train.trainer import TrainConfig, train
+from starpu_llm.training.trainer import TrainConfig, train
 
 MICRO, TINY = MODELS["micro"], MODELS["tiny"]
 

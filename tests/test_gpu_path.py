@@ -27,7 +27,7 @@ from starpu_llm.io import formats
 from starpu_llm.io.data import DataLoader
 from starpu_llm.runtime import starpu as rt_module
 from starpu_llm.runtime.starpu import ON_CPU, ON_CUDA, placed, placement
-from starpu_llm.train.schedule import learning_rate
+from starpu_llm.training.schedule import learning_rate
 from starpu_llm.model.state import TrainState, random_init
 
 SMALL = GPTConfig(max_seq_len=32, vocab_size=97, padded_vocab_size=128,
@@ -41,7 +41,7 @@ CPU_ON_PURPOSE = {"load_batch"}
 def shards(tmp_path_factory):
     d = tmp_path_factory.mktemp("shards")
     rng = np.random.default_rng(3)
-    train_path, val_path = str(d / "train.bin"), str(d / "val.bin")
+    train_path, val_path = str(d / "training.bin"), str(d / "val.bin")
     formats.write_shard(train_path, rng.integers(0, SMALL.V, 4096).astype(np.uint16))
     formats.write_shard(val_path, rng.integers(0, SMALL.V, 1024).astype(np.uint16))
     return train_path, val_path
@@ -83,7 +83,7 @@ def reference_run(runtime, cfg):
     state = fresh_state()
     loader = DataLoader(cfg.train_data, B, T, vocab_size=SMALL.V)
     val = DataLoader(cfg.val_data, B, T, vocab_size=SMALL.V)
-    positions = [val.next_position() for _ in range(cfg.val_batches)]    # as train/validation.py's
+    positions = [val.next_position() for _ in range(cfg.val_batches)]    # as training/validation.py's
     losses, norms, vals = [], [], []
     with StarPUEngine(SMALL, state, B, T, loader.tokens, runtime) as eng:
         for s in range(STEPS):

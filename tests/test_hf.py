@@ -25,7 +25,7 @@ from starpu_llm.flow.engine import StarPUEngine  # noqa: E402
 from starpu_llm.flow.reference import ReferenceEngine  # noqa: E402
 from starpu_llm.io import formats, hf, tokenizer  # noqa: E402
 from starpu_llm.model.state import TrainState  # noqa: E402
-from starpu_llm.train.trainer import TrainConfig, train  # noqa: E402
+from starpu_llm.training.trainer import TrainConfig, train  # noqa: E402
 
 from bounds import logits_bound  # noqa: E402
 
@@ -162,7 +162,7 @@ def test_train_from_hf_export_and_transformers_agree(tmp_path, runtime):
     continuation is ours."""
     model = hf_model("gpt2vocab", seed=5)
     src = save(model, tmp_path / "src")
-    shard = str(tmp_path / "train.bin")
+    shard = str(tmp_path / "training.bin")
     formats.write_shard(shard, np.tile(np.random.default_rng(0).integers(0, 50257, 41),
                                        30).astype(np.uint16))
     out = str(tmp_path / "exported")
@@ -354,7 +354,7 @@ def test_train_save_hf_checked_before_training(saved, tmp_path, capsys):
 def test_train_save_hf_over_the_checkpoint_dir_is_refused(saved, tmp_path, capsys):
     """--save-hf replaces its folder whole at the end: a --checkpoint-dir that is that folder
     or inside it (its checkpoints would go with it) is refused before training."""
-    shard = str(tmp_path / "train.bin")
+    shard = str(tmp_path / "training.bin")
     formats.write_shard(shard, np.arange(200, dtype=np.uint16) % 97)
     for ck in ("out", os.path.join("out", "ck")):
         err = error_of("train", "--init-from", saved, "--train-data", shard, "--steps", "1",
@@ -370,7 +370,7 @@ def test_train_save_hf_needs_safetensors_before_training(saved, tmp_path, capsys
     the training."""
     llmc = str(tmp_path / "model.bin")
     assert cli.main(["convert", saved, llmc]) == 0
-    shard = str(tmp_path / "train.bin")
+    shard = str(tmp_path / "training.bin")
     formats.write_shard(shard, np.arange(200, dtype=np.uint16) % 97)
     monkeypatch.setitem(__import__("sys").modules, "safetensors", None)    # import fails
     err = error_of("train", "--init-from", llmc, "--train-data", shard, "--steps", "1",
@@ -394,7 +394,7 @@ def test_train_save_hf_failing_at_the_end_keeps_the_model(saved, tmp_path, monke
             out.rmdir()
             out.write_text("")
 
-    shard = str(tmp_path / "train.bin")
+    shard = str(tmp_path / "training.bin")
     formats.write_shard(shard, np.arange(200, dtype=np.uint16) % 97)
     with pytest.raises(StarpuLLMError, match="written to (.*starpu-llm-unsaved-.*-step1.bin)") as e:
         train(TrainConfig(init_from=saved, train_data=shard, steps=1, batch=1, seq_len=8,

@@ -43,18 +43,18 @@ def _tree(tmp_path, files):
 
 def test_the_tool_finds_an_arrow_up(tmp_path):
     """The check can fail: a module of a low layer (model/) that imports one of a higher layer
-    (train/), even inside a function, and a root module placed in no layer, are reported."""
+    (training/), even inside a function, and a root module placed in no layer, are reported."""
     _tree(tmp_path, {"starpu_llm/__init__.py": "", "starpu_llm/model/__init__.py": "",
-                     "starpu_llm/train/__init__.py": "",
-                     "starpu_llm/model/config.py": "def f():\n    from ..train import trainer\n",
-                     "starpu_llm/train/trainer.py": "from ..model.config import f\n",
+                     "starpu_llm/training/__init__.py": "",
+                     "starpu_llm/model/config.py": "def f():\n    from ..training import trainer\n",
+                     "starpu_llm/training/trainer.py": "from ..model.config import f\n",
                      "starpu_llm/loose.py": "from .model import config\n"})
     p = subprocess.run([sys.executable, TOOL, str(tmp_path)], capture_output=True, text=True)
     assert p.returncode == 1, p.stdout + p.stderr
-    assert "arrow up: starpu_llm.model.config (model) -> starpu_llm.train.trainer (train)" \
+    assert "arrow up: starpu_llm.model.config (model) -> starpu_llm.training.trainer (training)" \
         in p.stdout, p.stdout
     assert "starpu_llm.loose is in no layer" in p.stdout, p.stdout
-    assert "arrow up: starpu_llm.train.trainer" not in p.stdout, p.stdout   # down is fine
+    assert "arrow up: starpu_llm.training.trainer" not in p.stdout, p.stdout   # down is fine
 
 
 def test_every_arrow_goes_down_the_layers():
@@ -107,3 +107,22 @@ def test_the_meson_check_can_fail():
             "foreach sub, modules : {\n    'io': ['__init__', 'data']}\n")
     assert meson_modules(text) == {"starpu_llm/cli.py", "starpu_llm/io/__init__.py",
                                    "starpu_llm/io/data.py"}
+
+
+def test_no_room_shadows_a_public_name():
+    """A subpackage or module named as one of the package's public names (`starpu_llm.train`,
+    the function) would replace that name once imported (`import starpu_llm.<room>` sets the
+    attribute): `from starpu_llm import train` must stay the function, whatever was imported
+    before."""
+    import starpu_llm
+    pkg = os.path.join(ROOT, "starpu_llm")
+    rooms = {n[:-3] if n.endswith(".py") else n for n in os.listdir(pkg)
+             if n.endswith(".py") or os.path.isfile(os.path.join(pkg, n, "__init__.py"))}
+    assert not rooms & set(starpu_llm.__all__), rooms & set(starpu_llm.__all__)
+    code = ("import importlib, pkgutil, starpu_llm\n"
+            "for m in pkgutil.iter_modules(starpu_llm.__path__):\n"
+            "    if m.ispkg: importlib.import_module('starpu_llm.' + m.name)\n"
+            "from starpu_llm import train\n"
+            "print(callable(train) and train.__module__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "starpu_llm.training.trainer", out.stdout + out.stderr

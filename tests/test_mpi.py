@@ -35,7 +35,7 @@ ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIR
 
 @pytest.fixture(scope="module")
 def shard(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("mpi") / "train.bin")
+    path = str(tmp_path_factory.mktemp("mpi") / "training.bin")
     rng = np.random.default_rng(1)
     formats.write_shard(path, np.tile(rng.integers(0, MICRO.V, 41), 800).astype(np.uint16))
     return path
@@ -439,7 +439,7 @@ if sys.argv[1] == "mpi4py-first":
     from mpi4py import MPI
 from starpu_llm.runtime import mpi as distributed
 from starpu_llm.runtime.starpu import Runtime
-from starpu_llm.train.trainer import TrainConfig, train
+from starpu_llm.training.trainer import TrainConfig, train
 from starpu_llm.plan.partition import PartitionRequest
 from starpu_llm.runtime import resolve_here
 comm = distributed.world()

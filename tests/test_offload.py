@@ -30,7 +30,7 @@ from starpu_llm.plan.partition import PartitionRequest
 from starpu_llm.runtime import resolve_here
 from starpu_llm.runtime.offload import RSS_OVERHEAD, OffloadFolder, parse_size
 from starpu_llm.model.state import RandomInit, random_init
-from starpu_llm.train.trainer import TrainConfig, train
+from starpu_llm.training.trainer import TrainConfig, train
 
 MODEL = GPTConfig(max_seq_len=128, vocab_size=512, padded_vocab_size=512, num_layers=12,
                   num_heads=4, channels=64)
@@ -45,7 +45,7 @@ ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIR
 def files(tmp_path_factory):
     """The model's initial checkpoint and a token shard of its vocabulary."""
     d = tmp_path_factory.mktemp("offload")
-    init, shard = str(d / "init.bin"), str(d / "train.bin")
+    init, shard = str(d / "init.bin"), str(d / "training.bin")
     formats.write_checkpoint(init, MODEL, random_init(MODEL, 5))
     formats.write_shard(shard, np.random.default_rng(1).integers(0, MODEL.V, 100_000)
                         .astype(np.uint16))

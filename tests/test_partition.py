@@ -144,7 +144,7 @@ def test_the_scheduler_and_a_pipelines_schedule_are_the_partitions():
     import json
     from dataclasses import asdict, replace
     from starpu_llm.plan.record import RunRecord, Settings
-    from starpu_llm.train.trainer import TrainConfig
+    from starpu_llm.training.trainer import TrainConfig
     policies = ("lws", "peager", "dmdas", "eager")
     build = replace(DEBIAN, schedulers=policies)
     p = resolve(PartitionRequest(), cores=2, build=build)
@@ -185,9 +185,9 @@ def test_a_run_on_a_started_runtime_takes_its_partition_without_resolving_again(
     another shape or scheduler is one clear error, not silently replaced."""
     from types import SimpleNamespace
 
-    from starpu_llm.train import engines
+    from starpu_llm.training import engines
     from starpu_llm.plan import partition
-    from starpu_llm.train.trainer import TrainConfig
+    from starpu_llm.training.trainer import TrainConfig
     started = resolve(PartitionRequest(workers=2, kcore="forkjoin", sched="eager"), cores=4,
                       build=CLUSTER)
     runtime = SimpleNamespace(partition=started)

@@ -21,7 +21,7 @@ from starpu_llm.plan.record import Partition, RunRecord, Settings
 from starpu_llm.plan.partition import PartitionRequest
 from starpu_llm.runtime import resolve_here, usable_cores
 from starpu_llm.model.state import TrainState, random_init
-from starpu_llm.train.trainer import TrainConfig, train
+from starpu_llm.training.trainer import TrainConfig, train
 
 MICRO = MODELS["micro"]
 
@@ -499,15 +499,15 @@ def test_resume_refuses_another_model_and_warns_on_changed_settings(shard, tmp_p
 
 def test_the_set_up_enters_resume_and_the_calibration_once(shard, tmp_path, monkeypatch):
     """A resumed run's set-up (trainer._set_up, up to its training loop) takes what it
-    continues from in one call into train/resume.py (the model, the checkpoint, its recorded
+    continues from in one call into training/resume.py (the model, the checkpoint, its recorded
     partition and settings, what to say), and this machine's calibration in one call into
     perf/predict.py (the autotuner's, a pipeline's stages and the mfu's): no return trips."""
     import starpu_llm
-    from starpu_llm.train import trainer
+    from starpu_llm.training import trainer
     root = os.path.dirname(starpu_llm.__file__)
     # each watched file and the code whose calls into it are its own (the autotuner's
     # predictions); the count of entries into it from the rest
-    own = {os.path.join(root, "train/resume.py"): os.path.join(root, "train/resume.py"),
+    own = {os.path.join(root, "training/resume.py"): os.path.join(root, "training/resume.py"),
            os.path.join(root, "perf", "predict.py"): os.path.join(root, "perf", "")}
     watched = dict.fromkeys(own, 0)
     monkeypatch.setenv("STARPU_LLM_HOME", str(tmp_path / "home"))

@@ -14,7 +14,7 @@ from starpu_llm.flow import taskflow
 from starpu_llm.flow.tensors import ATTENTIONS, ParameterTensors, Tensor, sub_batch_tensors
 from starpu_llm.flow.engine import StarPUEngine
 from starpu_llm.model.state import TrainState, random_init
-from starpu_llm.train.trainer import TrainConfig, train
+from starpu_llm.training.trainer import TrainConfig, train
 from partitions import here
 
 MICRO = MODELS["micro"]

@@ -34,7 +34,7 @@ from starpu_llm.flow.reference import ReferenceEngine
 from starpu_llm.flow.taskflow import update_order
 from starpu_llm.io import formats
 from starpu_llm.runtime import usable_cores
-from starpu_llm.train.schedule import learning_rate
+from starpu_llm.training.schedule import learning_rate
 from starpu_llm.model.state import TrainState, random_init
 from partitions import subs
 
@@ -164,7 +164,7 @@ def test_validation_defaults_to_the_bundled_validation_shard(runtime):
     """Without val_data, train() validates on the bundled corpus's validation shard (the
     tiny model has GPT-2's vocabulary), every step and after the last."""
     from starpu_llm.io.data import default_dataset
-    from starpu_llm.train.trainer import TrainConfig, train
+    from starpu_llm.training.trainer import TrainConfig, train
     lines = []
     with runtime.paused():
         r = train(TrainConfig(model="tiny", engine="reference", batch=2, seq_len=16, steps=2,
@@ -292,7 +292,7 @@ def test_train_flags_and_metrics(tmp_path, engine):
     metrics file has val_loss after steps 2 and 3 (every 2 steps and the last), the
     scheduled lr and the gradient norm at every step."""
     rng = np.random.default_rng(0)
-    train_path, val_path = str(tmp_path / "train.bin"), str(tmp_path / "val.bin")
+    train_path, val_path = str(tmp_path / "training.bin"), str(tmp_path / "val.bin")
     formats.write_shard(train_path, np.tile(rng.integers(0, MICRO.V, 37), 300).astype(np.uint16))
     formats.write_shard(val_path, rng.integers(0, MICRO.V, 2000).astype(np.uint16))
     metrics = str(tmp_path / "m.jsonl")
@@ -333,7 +333,7 @@ def test_each_step_reports_its_share_of_the_calibrated_peak(tmp_path, monkeypatc
     model FLOPs per second over the calibrated sgemm rate of the cores used; without a
     calibration, neither does."""
     from starpu_llm.perf import machine as machines
-    from starpu_llm.train.trainer import TrainConfig, train
+    from starpu_llm.training.trainer import TrainConfig, train
     shard = str(tmp_path / "s.bin")
     formats.write_shard(shard, np.arange(4000, dtype=np.uint16) % MODELS["micro"].V)
 

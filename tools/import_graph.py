@@ -31,7 +31,7 @@ LAYERS = [
     ("runtime", ["runtime/"]),     # StarPU (cffi or starpupy), MPI, offload
     ("flow", ["flow/"]),           # the task flow of a step, decode, the reference engine
     ("perf", ["perf/"]),           # the performance model, calibration, autotuner, runs
-    ("train", ["train/"]),         # the trainer and what watches it
+    ("training", ["training/"]),      # the trainer and what watches it
     ("serve", ["serve/"]),         # the HTTP server's engine and API
     ("entry", ["__main__", "cli", "cli_generate", "cli_serve", "bench"]),   # the commands
 ]

@@ -1,6 +1,6 @@
 """What a run records about itself, printed at its start, in each metrics record and in the
 checkpoint companion: the partition it ran on and the settings that shape its numbers. A
-resumed run compares them with its own (train/resume.py)."""
+resumed run compares them with its own (training/resume.py)."""
 from __future__ import annotations
 
 import hashlib

@@ -1,6 +1,6 @@
 """The files a run writes, and when: every N steps a checkpoint into --checkpoint-dir (the
 newest --keep-checkpoints kept, io/checkpoint.save_step), and --save at the end, with a
-fallback file when that fails; --metrics-jsonl as it goes (train/metrics.py). Each save carries the
+fallback file when that fails; --metrics-jsonl as it goes (training/metrics.py). Each save carries the
 run's record (partition, settings, run identity).
 
 Before the first step, check_outputs refuses what would lose data: an output that could not

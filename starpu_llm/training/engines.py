@@ -2,7 +2,7 @@
 partition setting the fixed default (the StarPU engine: one worker on all usable cores, one
 sub-batch; the reference engine: one OpenMP thread per usable core), whatever calibration
 exists; the autotuner's choice only with --workers auto (perf/autotune.py); on --resume, the
-recorded partition unless one is given (train/resume.py)."""
+recorded partition unless one is given (training/resume.py)."""
 from __future__ import annotations
 
 from dataclasses import replace

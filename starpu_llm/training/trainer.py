@@ -1,8 +1,8 @@
 """Training from Python: TrainConfig + train(), the same as `starpu-llm train`: the run's
 settings and the training loop. Around it: what the run starts from and what a resumed run
-keeps (train/resume.py), its engine and partition (train/engines.py), signals (signals.py), what watches
-each step (train/watchers.py: the metrics file, train/metrics.py; the line; samples, train/sampler.py;
-checkpoints and the other files a run writes, train/checkpointing.py). Under mpirun every rank
+keeps (training/resume.py), its engine and partition (training/engines.py), signals (signals.py), what watches
+each step (training/watchers.py: the metrics file, training/metrics.py; the line; samples, training/sampler.py;
+checkpoints and the other files a run writes, training/checkpointing.py). Under mpirun every rank
 runs the same set-up (_set_up) in phases that end together (runtime/mpi.phase): an error on
 one rank ends every rank at once, reported by rank 0.
 
