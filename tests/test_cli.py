@@ -246,6 +246,20 @@ def handles_stop_signals(pid: int) -> bool:
     return False
 
 
+def signalled(p, sig, delay: float, poll: float = 0.001):
+    """(status, output) of process p sent sig `delay` seconds after its stop handlers are in."""
+    try:
+        while not handles_stop_signals(p.pid):
+            time.sleep(poll)
+        time.sleep(delay)
+        p.send_signal(sig)
+        out, _ = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    return p.returncode, out
+
+
 @pytest.mark.parametrize("sig, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_signal_during_start_up_ends_cleanly(shard, sig, status):
     """A signal from the moment starpu-llm's handlers are in place (before numpy and StarPU are
@@ -286,18 +300,10 @@ def test_a_signal_at_any_moment_of_start_up_ends_cleanly(shard, sig, status):
     imports, numpy's (which turns an exception raised inside it into an ImportError), the
     files and StarPU's start: 128 + the signal, one line, no traceback."""
     for delay in [0.01 * i for i in range(1, 21)] + [0.32, 0.64]:
-        p = running("--model", "micro", "--train-data", shard, "--batch", "2", "--seq-len", "16",
-                    "--steps", "100000")
-        try:
-            while not handles_stop_signals(p.pid):
-                time.sleep(0.001)
-            time.sleep(delay)
-            p.send_signal(sig)
-            out, _ = p.communicate(timeout=60)
-        finally:
-            if p.poll() is None:
-                p.kill()
-        assert p.returncode == status, (delay, out)
+        returncode, out = signalled(running("--model", "micro", "--train-data", shard, "--batch",
+                                            "2", "--seq-len", "16", "--steps", "100000"),
+                                    sig, delay)
+        assert returncode == status, (delay, out)
         assert "Traceback" not in out, (delay, out)
         assert out.strip().splitlines()[-1] in ("starpu-llm: interrupted",
                                                 "starpu-llm: stopped by SIGTERM"), (delay, out)
@@ -363,16 +369,8 @@ def test_a_signal_from_pythons_start_up_on_ends_cleanly(shard, sig, status):
         p = subprocess.Popen([command, "train", "--model", "micro", "--train-data", shard,
                               "--batch", "2", "--seq-len", "16", "--steps", "100000"],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        try:
-            while not handles_stop_signals(p.pid):
-                time.sleep(0.0002)
-            time.sleep(delay)
-            p.send_signal(sig)
-            out, _ = p.communicate(timeout=60)
-        finally:
-            if p.poll() is None:
-                p.kill()
-        assert p.returncode == status, (delay, out)
+        returncode, out = signalled(p, sig, delay, poll=0.0002)
+        assert returncode == status, (delay, out)
         assert "Traceback" not in out and "Fatal" not in out, (delay, out)
         assert out.strip().splitlines()[-1] in ("starpu-llm: interrupted",
                                                 "starpu-llm: stopped by SIGTERM"), (delay, out)
