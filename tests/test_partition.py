@@ -89,6 +89,18 @@ def test_every_partition_offered_as_fitting_resolves(cores, build):
         assert (cores, 1, "team") not in fits
 
 
+@pytest.mark.parametrize("build", [DEBIAN, CLUSTER], ids=["1.3", "1.4"])
+def test_every_partition_is_offered_once(build):
+    """Two requests that resolve to one partition (team and forkjoin where parallel workers
+    take both, StarPU 1.4) are offered once: a figure or a sweep does not measure one
+    partition twice under two labels."""
+    fits = partitions_that_fit(4, build)
+    resolved = [resolve(PartitionRequest(workers=n, cores_per_worker=k, kcore=mode), cores=4,
+                        build=build) for n, k, mode in fits]
+    assert len(set(resolved)) == len(resolved), fits
+    assert any(k > 1 and mode == "forkjoin" for _, k, mode in fits) == (build is DEBIAN)
+
+
 def test_sub_batches_and_ranks():
     """One sub-batch per worker (per GPU with GPUs), a pipeline's 2 S N micro-batches when
     they divide its copy's batch; ownership sharded across ranks, rank0 alone."""

@@ -280,17 +280,21 @@ def starpu_workers(workers: int, cores_per_worker: int, mechanism: str) -> int:
 
 
 def partitions_that_fit(cores: int, build: Build) -> list[tuple[int, int, str]]:
-    """Every N x K = cores partition (N, K, kcore asked) that resolve accepts: both k-core
-    mechanisms for K > 1, 'team' alone for K = 1; none that the build's STARPU_MAXCPUS or
-    its largest team rules out."""
+    """Every N x K = cores partition (N, K, kcore asked) that resolve accepts, each once: both
+    k-core mechanisms for K > 1 where the build gives them apart ('team' alone where parallel
+    workers take both requests), 'team' alone for K = 1; none that the build's
+    STARPU_MAXCPUS or its largest team rules out."""
     out = []
     for workers in range(1, cores + 1):
         cores_per_worker = cores // workers
         if cores % workers or cores_per_worker > build.max_group:
             continue
+        mechanisms = set()
         for kcore in (KCORE_REQUESTS if cores_per_worker > 1 else ("team",)):
             mechanism = _mechanism(kcore, workers, cores_per_worker, False, False, 0, build)
-            if starpu_workers(workers, cores_per_worker, mechanism) <= build.max_cpus:
+            if (mechanism not in mechanisms
+                    and starpu_workers(workers, cores_per_worker, mechanism) <= build.max_cpus):
+                mechanisms.add(mechanism)
                 out.append((workers, cores_per_worker, kcore))
     return out
 
