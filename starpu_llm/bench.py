@@ -30,19 +30,26 @@ def bench_partitions(workers=None, cores_per_worker=None, kcore=None,
                      cores: int | None = None) -> list[Partition]:
     """The partitions of bench's partition flags (lists, or auto; cli.add_setting_args), each
     resolved once, here (partition.resolve, as train resolves it: K defaults to the cores over
-    N), duplicates dropped: --workers auto: every N x K = cores this build runs (both
-    mechanisms for K > 1, or those of --kcore); else each N x K given. No flag: the default
-    partition. A row's subprocess trains on partition.settings_of(p), which asks for p again."""
+    N), duplicates dropped: --workers auto: every N x K = cores this build runs, with both
+    k-core requests for K > 1 (or those of --kcore) as this build gives them (parallel workers
+    take both); else each N x K given. No flag: the default partition. A row's subprocess
+    trains on partition.settings_of(p), which asks for p again."""
     cores = cores or usable_cores()
     kcores = KCORE_REQUESTS if kcore in (None, "auto") else kcore
     if workers == "auto":
-        asked = [PartitionRequest(workers=n, cores_per_worker=k, kcore=m)
-                 for n, k, m in partitions_that_fit(cores) if m in kcores or k == 1]
-    else:
-        asked = [PartitionRequest(workers=n, cores_per_worker=k, kcore=mode)
-                 for n in workers or [None]
-                 for k in (None if cores_per_worker == "auto" else cores_per_worker) or [None]
-                 for mode in (kcores if kcore else [None])]
+        out = []
+        for n, k in dict.fromkeys((n, k) for n, k, _ in partitions_that_fit(cores)):
+            for m in kcores if k > 1 else ("team",):
+                try:
+                    out.append(resolve_here(PartitionRequest(workers=n, cores_per_worker=k,
+                                                             kcore=m), cores=cores))
+                except StarpuLLMError:      # that mechanism at that size: not on this build
+                    pass
+        return list(dict.fromkeys(out))
+    asked = [PartitionRequest(workers=n, cores_per_worker=k, kcore=mode)
+             for n in workers or [None]
+             for k in (None if cores_per_worker == "auto" else cores_per_worker) or [None]
+             for mode in (kcores if kcore else [None])]
     return list(dict.fromkeys(resolve_here(r, cores=cores) for r in asked))
 
 

@@ -231,3 +231,16 @@ def test_bench_resolves_each_configuration_once():
     assert [(p.workers, p.cores_per_worker) for p in ps].count((2, 1)) == 1
     for p in ps:
         assert resolve_here(PartitionRequest(**settings_of(p)), cores=2) == p
+
+
+def test_bench_auto_gives_each_partition_of_the_kcore_asked():
+    """--workers auto with --kcore forkjoin: 1 x 2 as this build resolves a forkjoin request
+    (FORKJOIN on StarPU 1.3, parallel workers on 1.4, where partitions_that_fit offers it once,
+    as team) and 2 x 1; each partition once."""
+    from starpu_llm.bench import bench_partitions
+    from starpu_llm.runtime import resolve_here
+    ps = bench_partitions("auto", None, ["forkjoin"], cores=2)
+    assert len(set(ps)) == len(ps)
+    assert resolve_here(PartitionRequest(workers=1, cores_per_worker=2, kcore="forkjoin"),
+                        cores=2) in ps
+    assert [(p.workers, p.cores_per_worker) for p in ps] == [(1, 2), (2, 1)]
