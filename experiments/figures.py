@@ -39,10 +39,11 @@ import time
 from starpu_llm.perf.runs import run_in_subprocess, write_csv
 from starpu_llm.model.config import MODELS
 from starpu_llm.perf.machine import default_path, load
-from starpu_llm.plan.partition import PartitionRequest
+from starpu_llm.errors import StarpuLLMError
+from starpu_llm.plan.partition import PartitionRequest, resolve, settings_of
 from starpu_llm.perf.predict import predict, target_partition
 from starpu_llm.plan.partition import Build, partitions_that_fit as build_partitions
-from starpu_llm.runtime import partitions_that_fit as partitions_here, usable_cores
+from starpu_llm.runtime import partitions_that_fit as partitions_here, resolve_here, usable_cores
 
 import taskgraph
 from provenance import cpu_kind, machine_info, reusable
@@ -130,16 +131,22 @@ def mpi_partition(S, R) -> tuple[int, int, int]:
     return mw, mk, S["cores"]
 
 
-def spec_of(engine, batch, S, cpus, workers=None, cores_per_worker=None, kcore=None, threads=None,
-            ranks=None, mpirun_args=None) -> dict:
+def run_settings(p) -> dict:
+    """The settings that ask a StarPU run for the partition p again (partition.settings_of),
+    the defaults left out: a configuration's key names only what is asked."""
+    return {k: v for k, v in settings_of(p).items() if v is not None}
+
+
+def spec_of(engine, batch, S, cpus, partition=None, threads=None, ranks=None,
+            mpirun_args=None) -> dict:
+    """A point's run: a StarPU one trains on `partition` (resolved once: partition_of), asked
+    for again by its settings (run_settings)."""
     spec = dict(engine=engine, model=S["model"], batch=batch, seq_len=S["T"], steps=S["steps"],
                 cpus=cpus)
     if S.get("warmup", 1) > 1:      # --warmup: not part of the configuration's key
         spec["warmup"] = S["warmup"]
     if engine == "starpu":
-        spec.update(workers=workers, cores_per_worker=cores_per_worker)
-        if cores_per_worker > 1:
-            spec["kcore"] = kcore or "team"
+        spec.update(run_settings(partition))
     else:
         spec["threads"] = threads
     if ranks and ranks > 1:
@@ -153,6 +160,18 @@ def partitions_that_fit(cpus):
     """Every N x K of cpus cores the StarPU build runs: this process's, or with --node-cores
     the node's as assumed (NODE_BUILD: StarPU 1.4 with parallel workers)."""
     return build_partitions(cpus, NODE_BUILD) if NODE_BUILD else partitions_here(cpus)
+
+
+def partition_of(n, k, kcore, cpus):
+    """The partition a StarPU point trains on: N x K (kcore asked) resolved once on its cpus
+    cores, on the build the plan assumes (NODE_BUILD with --node-cores, else this process's
+    build and $STARPU_SCHED); one that build refuses: a clear exit naming it."""
+    req = PartitionRequest(workers=n, cores_per_worker=k, kcore=kcore)
+    try:
+        return (resolve(req, cores=cpus, build=NODE_BUILD) if NODE_BUILD
+                else resolve_here(req, cores=cpus))
+    except StarpuLLMError as e:
+        raise SystemExit(f"figures.py: the partition {n}x{k} on {cpus} cores: {e}")
 
 
 def fits(n, k, mode, cpus) -> bool:
@@ -175,10 +194,10 @@ def plan(S, args, only) -> list[dict]:
                                    spec=spec_of("reference", B, S, k, threads=k)))
             if "tensor" in series and fits(1, k, "team", k):
                 points.append(dict(figure=fig, series="tensor", x=k,
-                                   spec=spec_of("starpu", B, S, k, 1, k, "team")))
+                                   spec=spec_of("starpu", B, S, k, partition_of(1, k, "team", k))))
             if "data" in series and B % k == 0 and fits(k, 1, "team", k):
                 points.append(dict(figure=fig, series="data", x=k,
-                                   spec=spec_of("starpu", B, S, k, k, 1)))
+                                   spec=spec_of("starpu", B, S, k, partition_of(k, 1, "team", k))))
             for t in [t for t in series if t in ("torch", "torch-readable", "llmc")]:
                 points.append(dict(figure=fig, series=t, x=k, spec=spec_of(t, B, S, k, threads=k)))
     if "fig3" in only:
@@ -189,9 +208,10 @@ def plan(S, args, only) -> list[dict]:
                 if k > 1 and mode not in kcores:
                     continue
                 if B % n == 0:
-                    label = f"{n}x{k}" + (" forkjoin" if mode == "forkjoin" else "")
+                    p = partition_of(n, k, mode, S["cores"])
+                    label = f"{n}x{k}" + (" forkjoin" if p.kcore == "forkjoin" else "")
                     points.append(dict(figure="fig3", series=f"B={B}", x=label,
-                                       spec=spec_of("starpu", B, S, S["cores"], n, k, mode)))
+                                       spec=spec_of("starpu", B, S, S["cores"], p)))
     if "fig2-llmc" in only:
         # llm.c and StarPU 1 x N and N x 1 on all N cores at more batches: Figure 2's ratios
         # at the paper's sequences per core too
@@ -200,17 +220,19 @@ def plan(S, args, only) -> list[dict]:
             points.append(dict(figure="fig2-llmc", series="llmc", x=B,
                                spec=spec_of("llmc", B, S, N, threads=N)))
             points.append(dict(figure="fig2-llmc", series="tensor", x=B,
-                               spec=spec_of("starpu", B, S, N, 1, N, "team")))
+                               spec=spec_of("starpu", B, S, N, partition_of(1, N, "team", N))))
             if B % N == 0:
                 points.append(dict(figure="fig2-llmc", series="data", x=B,
-                                   spec=spec_of("starpu", B, S, N, N, 1)))
+                                   spec=spec_of("starpu", B, S, N, partition_of(N, 1, "team", N))))
     if "fig4" in only:
         # one process, then each ownership mode at every R > 1 (a pipeline: a stage per rank)
         for R in S["ranks"]:
             mw, mk, cpus = mpi_partition(S, R)
+            # each rank's partition, on the cores its workers use
+            p = partition_of(mw, mk, "team", mw * mk)
             for mode, fields in (FIG4_MODES.items() if R > 1 else [("one process", {})]):
-                spec = spec_of("starpu", R * S["mpi_batch_per_rank"], S, cpus, mw, mk,
-                               "team", ranks=R, mpirun_args=S["mpirun_args"])
+                spec = spec_of("starpu", R * S["mpi_batch_per_rank"], S, cpus, p,
+                               ranks=R, mpirun_args=S["mpirun_args"])
                 spec.update({k: R if v == "R" else v for k, v in fields.items()})
                 points.append(dict(figure="fig4", series=mode, x=R, spec=spec))
     return points
@@ -721,8 +743,8 @@ def figure1(S, out, machine, force, log):
     made = []
     for name, model, B, T, collapse in (("fig1_taskgraph_small", "tiny", 2, 16, False),
                                         ("fig1_taskgraph_gpt2", "d12", S["graph_batch"], S["T"], True)):
-        spec = dict(engine="starpu", model=model, batch=B, seq_len=T, steps=1, workers=1,
-                    cores_per_worker=1, cpus=1)
+        spec = dict(engine="starpu", model=model, batch=B, seq_len=T, steps=1, cpus=1,
+                    **run_settings(partition_of(1, 1, "team", 1)))
         r = traced(spec, os.path.join(out, f"{name}.trace.json"), machine, force, log)
         if r is None:
             continue
@@ -765,11 +787,9 @@ def traces(S, out, machine, force, log):
         B = S["trace_batch"]
         if B % n:
             continue
-        label = f"{n}x{k}" + (f"_{mode}" if k > 1 else "")
-        spec = dict(engine="starpu", model=S["model"], batch=B, seq_len=S["T"], steps=1,
-                    workers=n, cores_per_worker=k, cpus=S["cores"])
-        if k > 1:
-            spec["kcore"] = mode
+        p = partition_of(n, k, mode, S["cores"])
+        label = f"{n}x{k}" + (f"_{p.kcore}" if k > 1 else "")
+        spec = spec_of("starpu", B, dict(S, steps=1, warmup=1), S["cores"], p)
         r = traced(spec, os.path.join(out, f"trace_{label}.json"), machine, force, log)
         if r is None:
             continue

@@ -359,6 +359,19 @@ def test_dry_run_prints_the_plan_and_its_cut(tmp_path):
     assert all(q["spec"]["steps"] >= 3 and q["spec"]["warmup"] == 2
                for q in saved["points"] + saved["dropped"])
     assert len(saved["points"]) + len(saved["dropped"]) >= 10
+    # each StarPU point asks for one resolved partition, as the node's build (StarPU 1.4,
+    # parallel workers) resolves it: its settings are that partition's (settings_of), e.g. no
+    # 'team' asked where parallel workers run the 1 x 4
+    from starpu_llm.plan.partition import Build, PartitionRequest, resolve, settings_of
+    fields = ("workers", "cores_per_worker", "kcore", "sub_batches")
+    starpu = [q["spec"] for q in saved["points"] + saved["dropped"]
+              if q["spec"]["engine"] == "starpu"]
+    assert any(s["cores_per_worker"] > 1 for s in starpu)
+    for s in starpu:
+        p = resolve(PartitionRequest(**{f: s.get(f) for f in fields}),
+                    cores=s["workers"] * s["cores_per_worker"],
+                    build=Build(max_cpus=64, parallel_workers=True))
+        assert {f: s.get(f) for f in fields} == settings_of(p), s
 
 
 def test_resume_leaves_out_what_an_earlier_run_measured(tmp_path):
