@@ -439,7 +439,9 @@ def plot(summaries, path, title):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    summaries = [r for r in summaries if r.get("mode", "greedy") == "greedy"]
+    # greedy where the runs have it, else the sampled runs (a run of --modes sampled alone)
+    mode = "greedy" if any(r.get("mode", "greedy") == "greedy" for r in summaries) else "sampled"
+    summaries = [r for r in summaries if r.get("mode", "greedy") == mode]
     for s in sorted({r["system"] for r in summaries}):
         pts = sorted((r["concurrency"], r["tokens_per_s"]) for r in summaries if r["system"] == s)
         ax.plot(*zip(*pts), marker="o", label=f"({s}) {SYSTEMS[s]}")
@@ -448,7 +450,7 @@ def plot(summaries, path, title):
     cs = sorted({r["concurrency"] for r in summaries})
     ax.set_xticks(cs, [str(c) for c in cs])
     ax.set_xlabel("concurrent clients")
-    ax.set_ylabel("generated tokens / s")
+    ax.set_ylabel(f"generated tokens / s ({mode})")
     ax.set_title(title, fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)

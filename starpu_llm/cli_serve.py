@@ -47,7 +47,8 @@ def load_model(config, params, engine: str = "starpu", partition=None):
         if engine == "reference":
             backend = DirectBackend(config, params)
             return Loaded(backend, 1, contextlib.nullcontext, backend.close,
-                          "reference engine (the kernels in a plain loop, no StarPU)")
+                          "reference engine (the kernels in a plain loop, no StarPU)",
+                          backend.threads)
         runtime = Runtime(partition)
         try:
             backend = StarPUBackend(runtime, config, params)
@@ -58,7 +59,9 @@ def load_model(config, params, engine: str = "starpu", partition=None):
         def close():
             backend.close()
             runtime.shutdown()
-        return Loaded(backend, runtime.partition.workers, runtime.paused, close, runtime.describe())
+        part = runtime.partition
+        return Loaded(backend, part.workers, runtime.paused, close, runtime.describe(),
+                      part.workers * part.cores_per_worker)
     return load
 
 

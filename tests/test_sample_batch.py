@@ -1,5 +1,9 @@
 """flow/generate.sample_batch: the whole batch's tokens drawn at once (the serving engine's
-sampling) are the tokens the one-row definition draws, row by row, from the same generators."""
+sampling, in C) are the tokens the one-row definition draws, row by row, from the same
+generators. Both compute in float64; C's exp and its order of summation differ from numpy's
+by a few units in the last place, so a token could differ only where a uniform draw falls
+within ~1e-15 of a boundary of the cumulative probabilities (about 1e-12 a draw here): the
+seeds are fixed, the comparison exact."""
 import importlib.util
 import os
 
@@ -57,3 +61,49 @@ def test_choose_batch_leaves_a_row_that_is_not_finite_to_its_request():
     assert chosen[1] is None and chosen[0][0] in range(10) and chosen[2][0] in range(10)
     with pytest.raises(ValueError, match="not all finite"):
         scoring.choose(logits[1], *rows[1])
+
+
+def test_the_draw_does_not_depend_on_the_threads_or_the_logits_type():
+    """sample_rows gives a row to a thread: 1, 2 or more threads than rows draw the same
+    tokens; float64 logits (a request's logit_bias makes them so) draw as their float32
+    values do."""
+    rng = np.random.default_rng(5)
+    M, V = 9, 3000
+    logits = (rng.standard_normal((M, V)) * 3).astype(np.float32)
+    T, K, P = [1.0] * M, [0, 20] * 4 + [0], [0.9, 1.0, 0.5] * 3
+    seeds = rng.integers(0, 2 ** 32, M)
+    draws = [gen.sample_batch(x, T, K, [np.random.default_rng(s) for s in seeds], P, threads=t)
+             for x, t in ((logits, 1), (logits, 2), (logits, 16),
+                          (logits.astype(np.float64), 2))]
+    assert all(d.tolist() == draws[0].tolist() for d in draws)
+    assert len(set(draws[0].tolist())) > 1          # not a constant
+
+
+def test_top_k_ties_are_broken_by_id():
+    """Five equal largest logits and top_k 3: the three kept are the lowest ids, whatever
+    the draw (the definition, row_by_row, says so too)."""
+    logits = np.full((1, 50), -1.0, np.float32)
+    logits[0, [7, 3, 40, 12, 25]] = 2.0
+    seen = {int(gen.sample(logits[0], 1.0, 3, np.random.default_rng(s))) for s in range(200)}
+    assert seen == {3, 7, 12}
+    assert {one_row(logits[0], 1.0, 3, np.random.default_rng(s), 1.0) for s in range(50)} \
+        <= {3, 7, 12}
+
+
+def test_flat_and_constant_rows_draw_as_the_definition():
+    """Rows whose tokens nearly all share the first pass's boundary bin (an untrained model,
+    a high temperature: sample.c bins them again, finer) and rows of equal logits (kept in id
+    order: top_p 0.5 of V equal tokens is the first V/2 ids)."""
+    rng = np.random.default_rng(3)
+    V = 6000
+    for scale, T in ((1e-3, 1.0), (0.05, 1.7), (0.0, 1.0)):
+        logits = (rng.standard_normal((8, V)) * scale).astype(np.float32)
+        P = [0.5, 0.9, 0.99, 0.1] * 2
+        seeds = rng.integers(0, 2 ** 32, 8)
+        got = gen.sample_batch(logits, [T] * 8, [0] * 8, [np.random.default_rng(s) for s in seeds],
+                               P)
+        want = [one_row(logits[i], T, 0, np.random.default_rng(seeds[i]), P[i]) for i in range(8)]
+        assert got.tolist() == want, scale
+    equal = np.zeros((1, V), np.float32)
+    drawn = {int(gen.sample(equal[0], 1.0, 0, np.random.default_rng(s), 0.5)) for s in range(300)}
+    assert max(drawn) < V // 2 and min(drawn) < V // 8

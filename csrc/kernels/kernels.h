@@ -99,6 +99,19 @@ void attention_decode(float *out, const float *qkv, const float *kcache, const f
 void encoder_decode_blocks(float *out, const int32_t *idx, const float *const *wte,
 			   const int *rows, int nb, const float *wpe, int N, int C);
 
+/* The next token of n sequences (sample.c): row i of the logits, rows[i] of a matrix with
+ * leading dimension ld given as float (x32) or double (x64, the other NULL), its V entries
+ * finite, drawn from softmax(logits / temperature[i]) (temperature > 0) kept to the top_k[i]
+ * largest logits (0: all; ties by id) and to the nucleus of top_p[i] (1: all; the fewest
+ * tokens in decreasing probability, ties by id, whose probabilities add up to top_p),
+ * renormalised: tokens[i] is the first token whose cumulative probability (in id order)
+ * passes u[i] (a uniform draw in [0, 1)) times the total, as numpy's Generator.choice.
+ * Rows go to `threads` OpenMP threads (the caller's cores; no BLAS). tokens[i] = -2 where
+ * its scratch (3 V doubles a thread) could not be allocated. */
+void sample_rows(int64_t *tokens, const float *x32, const double *x64, size_t ld,
+		 const int64_t *rows, int n, int V, const double *temperature,
+		 const int64_t *top_k, const double *top_p, const double *u, int threads);
+
 /* GeLU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))); N elements. */
 void gelu_forward(float *out, const float *inp, size_t N);
 /* dinp = gelu'(inp) * dout (written) */

@@ -15,14 +15,16 @@ are batch.SlotDecoder's (serving).
 
 Recompute is the same model without a cache: the training forward (taskflow.forward) over the
 whole sequence for every new token, the tests' oracle and the benchmark's baseline
-(experiments/generation_speed.py). Sampling is done here in Python, from the logits of the
-last position.
+(experiments/generation_speed.py). Sampling is done here, from the logits of the last
+position: the greedy rows in numpy, the drawn ones in C (sample_batch).
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
-from .._kernels import lib as kernels
+from .._kernels import ffi, lib as kernels
 from ..kernels.codelets import DirectOps
 from ..model.config import ParamLayout
 from ..errors import StarpuLLMError, opt
@@ -46,6 +48,7 @@ class DirectBackend:
     def __init__(self, config, params=None, p=None, threads: int | None = None):
         if threads:
             kernels.kernels_set_threads(threads)
+        self.threads = kernels.kernels_threads()    # this thread's (the kernels' team)
         self.config, self.ops = config, DirectOps()
         self.p = p if p is not None else ParameterTensors.of_arrays(
             "param", ParamLayout(config), params)
@@ -181,29 +184,31 @@ class Recompute:
 
 # ---- sampling
 
-NUCLEUS_BINS = 32     # top_p's bins a nat of log-probability (sample_batch)
-
-
 def sample(logits, temperature: float, top_k: int, rng, top_p: float = 1.0) -> int:
     """A token id from one row of logits: the argmax when top_k is 1 or temperature 0
     (greedy); else drawn with rng (a numpy Generator) from softmax(logits / temperature) over
-    the top_k largest logits (top_k 0: all), and of those, with top_p < 1, over the most
-    likely ones whose probabilities add up to top_p (nucleus sampling: the fewest tokens,
-    taken in decreasing probability, whose sum reaches top_p). sample_batch's row."""
+    the top_k largest logits (top_k 0: all; ties by id), and of those, with top_p < 1, over
+    the most likely ones whose probabilities add up to top_p (nucleus sampling: the fewest
+    tokens, taken in decreasing probability, ties by id, whose sum reaches top_p).
+    sample_batch's row."""
     token = sample_batch(np.asarray(logits)[None], [temperature], [top_k], [rng], [top_p])[0]
     if token < 0:
         raise ValueError("the logits are not all finite: no token can be drawn")
     return int(token)
 
 
-def sample_batch(logits, temperature, top_k, rngs, top_p) -> np.ndarray:
-    """sample() of every row of logits (M, V) at once, row i with temperature[i], top_k[i],
-    top_p[i] and its generator rngs[i] (one uniform draw per row that is not greedy, as
-    Generator.choice makes): the (M,) token ids, -1 for a row whose logits are not all
-    finite. Array operations over the rows (top_k per distinct k; top_p with the tokens
-    binned by probability, only the boundary bin sorted: _nucleus), no loop over the
-    vocabulary; each row's token depends on that row alone."""
+def sample_batch(logits, temperature, top_k, rngs, top_p,
+                 threads: int | None = None) -> np.ndarray:
+    """sample() of every row of logits (M, V) (float32 or float64) at once, row i with
+    temperature[i], top_k[i], top_p[i] and its generator rngs[i] (one uniform draw per row
+    that is not greedy, in row order, as Generator.choice makes): the (M,) token ids, -1 for
+    a row whose logits are not all finite. The greedy rows here, the drawn ones in C
+    (kernels.h sample_rows: a row a thread, on `threads` threads, default this process's
+    cores); each row's token depends on that row alone."""
     x = np.asarray(logits)
+    if x.dtype != np.float64:
+        x = np.asarray(x, np.float32)
+    x = np.ascontiguousarray(x)
     M, V = x.shape
     temperature = np.asarray(temperature, np.float64)
     top_k, top_p = np.asarray(top_k, np.int64), np.asarray(top_p, np.float64)
@@ -216,48 +221,22 @@ def sample_batch(logits, temperature, top_k, rngs, top_p) -> np.ndarray:
     r = np.flatnonzero(drawn)
     if r.size == 0:
         return tokens
-    x, k, P = x[r].astype(np.float64), top_k[r], top_p[r]
-    z = x - x.max(axis=1, keepdims=True)
-    z /= temperature[r, None]           # log-probabilities up to a constant per row
-    for kk in np.unique(k[(k > 0) & (k < V)]):           # the top_k largest logits
-        rows = np.flatnonzero(k == kk)
-        ids = np.argpartition(x[rows], V - kk, axis=1)[:, V - kk:]
-        kept = np.take_along_axis(z[rows], ids, axis=1)
-        z[rows] = -np.inf
-        z[rows[:, None], ids] = kept
-    p = np.exp(z)
-    p /= p.sum(axis=1, keepdims=True)
-    nucleus = np.flatnonzero(P < 1.0)
-    if nucleus.size:
-        p[nucleus] = _nucleus(p[nucleus], z[nucleus], P[nucleus])
-    # Generator.choice's draw: the first place where the cumulative probability passes u
-    cdf = np.cumsum(p, axis=1, out=p)
-    u = np.array([rngs[i].random() for i in r]) * cdf[:, -1]
-    tokens[r] = [min(int(np.searchsorted(c, v, side="right")), V - 1) for c, v in zip(cdf, u)]
+    u = np.array([rngs[i].random() for i in r])
+    out = np.empty(r.size, np.int64)
+    t, k, P = (np.ascontiguousarray(a[r]) for a in (temperature, top_k, top_p))
+    f32 = x.dtype == np.float32
+    kernels.sample_rows(_ptr(out, "int64_t"), _ptr(x, "float") if f32 else ffi.NULL,
+                        ffi.NULL if f32 else _ptr(x, "double"), V, _ptr(r, "int64_t"),
+                        r.size, V, _ptr(t, "double"), _ptr(k, "int64_t"), _ptr(P, "double"),
+                        _ptr(u, "double"), threads or len(os.sched_getaffinity(0)))
+    if (out == -2).any():
+        raise MemoryError(f"sampling: no memory for the scratch of {V} logits a thread")
+    tokens[r] = out
     return tokens
 
 
-def _nucleus(p, z, top_p) -> np.ndarray:
-    """Rows of probabilities p (n, V) kept to their nucleus (the fewest most likely tokens,
-    ties by id, whose sum reaches top_p[i]) and renormalised; z: their log-probabilities up
-    to a constant per row (<= 0). No full sort: the tokens are binned by z (NUCLEUS_BINS a
-    nat), the bins' masses summed from the top give the bin where the sum reaches top_p, and
-    only that bin's tokens are sorted."""
-    n, V = p.shape
-    nb = NUCLEUS_BINS * 64                       # beyond 64 nats below the top: the last bin
-    bins = np.minimum(-z * NUCLEUS_BINS, nb - 1).astype(np.int64)
-    mass = np.bincount((bins + nb * np.arange(n)[:, None]).ravel(), p.ravel(),
-                       minlength=n * nb).reshape(n, nb)
-    below = np.cumsum(mass, axis=1)
-    edge = np.minimum((below < top_p[:, None]).sum(axis=1), nb - 1)     # the boundary bin
-    out = np.where(bins < edge[:, None], p, 0.0)
-    for i in range(n):                           # the boundary bin's tokens, most likely first
-        ids = np.flatnonzero(bins[i] == edge[i])
-        ids = ids[np.lexsort((ids, -p[i, ids]))]
-        before = below[i, edge[i] - 1] if edge[i] else 0.0
-        count = int((before + np.cumsum(p[i, ids]) < top_p[i]).sum()) + 1
-        out[i, ids[:count]] = p[i, ids[:count]]
-    return out / out.sum(axis=1, keepdims=True)
+def _ptr(a, ctype):
+    return ffi.cast(f"{ctype} *", ffi.from_buffer(a))
 
 
 def check_request(config, prompt_len: int, max_new_tokens: int, temperature: float, top_k: int):

@@ -143,12 +143,14 @@ class Loaded(NamedTuple):
     """A model ready to serve, made in the engine thread by the engine's `load` callable: its
     backend (flow/generate), the slot groups (one per StarPU worker of one core), a context
     manager that pauses StarPU while the engine is idle, a function releasing everything (the
-    backend's handles, StarPU), and a line describing it."""
+    backend's handles, StarPU), a line describing it, and the cores the model runs on (the
+    draw of a step's tokens takes as many threads; 0: this process's)."""
     backend: object
     groups: int
     paused: Callable
     close: Callable
     describe: str
+    cores: int = 0
 
 
 class _Text:
@@ -235,6 +237,7 @@ class Engine:
         self._failed: str | None = None
         self._request_s = 1.0           # a running mean of request durations (retry times)
         self.describe = ""
+        self._cores = None              # the loaded model's (engine thread)
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
         self._thread = threading.Thread(target=self._main, name="starpu-llm-engine", daemon=True)
@@ -317,7 +320,7 @@ class Engine:
         loaded = None
         try:
             loaded = self._load()
-            self.describe = loaded.describe
+            self.describe, self._cores = loaded.describe, loaded.cores or None
             self.decoder = SlotDecoder(loaded.backend, self.max_batch, self.rows,
                                        self.cache_len, loaded.groups, extra_heads=SCORED_ROWS)
         except BaseException as e:          # noqa: BLE001 (re-raised by start())
@@ -478,7 +481,7 @@ class Engine:
         chosen = {}
         if drawing:
             chosen = dict(zip(drawing, scoring.choose_batch(
-                logits[drawing], [(r.sampling, r.tokens, r.rng) for r in reqs])))
+                logits[drawing], [(r.sampling, r.tokens, r.rng) for r in reqs], self._cores)))
         for k, (seq, fed, row) in enumerate(wanted):
             if k in chosen:
                 new_tokens += 1

@@ -79,9 +79,10 @@ def choose(logits, sampling, drawn, rng) -> tuple[int, Logprob | None]:
     return chosen
 
 
-def choose_batch(logits, rows) -> list:
+def choose_batch(logits, rows, threads: int | None = None) -> list:
     """choose() of every row of logits (M, V) at once: rows[i] = (Sampling, tokens drawn so
-    far, generator) of row i; the tokens drawn together (flow/generate.sample_batch).
+    far, generator) of row i; the tokens drawn together (flow/generate.sample_batch, on
+    `threads` threads).
     [(token, Logprob or None)], None for a row whose logits are not all finite (its
     request's fault alone: choose() on that row raises)."""
     x = np.asarray(logits)
@@ -93,7 +94,7 @@ def choose_batch(logits, rows) -> list:
             x[i] = adjusted(x[i], rows[i][0], rows[i][1])
     tokens = sample_batch(x, [sp.temperature for sp, _, _ in rows],
                           [sp.top_k for sp, _, _ in rows], [rng for _, _, rng in rows],
-                          [sp.top_p for sp, _, _ in rows])
+                          [sp.top_p for sp, _, _ in rows], threads)
     return [None if t < 0 else
             (int(t), score(logits[i], t, sp.logprobs) if sp.logprobs is not None else None)
             for i, (t, (sp, _, _)) in enumerate(zip(tokens, rows))]

@@ -1,0 +1,220 @@
+/* Drawing the next tokens of a batch of sequences from their logits (the server's step):
+ * softmax(logits / temperature) kept to the top_k largest logits and to the nucleus of
+ * top_p, one uniform draw per row. The math is flow/generate.sample's (its docstring is the
+ * definition); this is its speed: one row per thread, a row's passes over V in its thread's
+ * cache, no full sort (the nucleus is found by binning the tokens by log-probability and
+ * sorting the boundary bin alone). */
+#include "kernels.h"
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define NUCLEUS_BINS 32			  /* bins a nat of log-probability */
+#define NBINS (NUCLEUS_BINS * 64)	  /* beyond 64 nats below the top: the last bin */
+
+struct scratch {
+	double *z, *p; /* (V) log-probabilities up to a constant, probabilities */
+	double *sel;   /* (V) top_k's selection */
+	int *ids;      /* (V) the boundary bin's tokens */
+	double mass[NBINS];
+};
+
+/* The k-th largest of a (n) (0 < k <= n), a reordered in place: quickselect. */
+static double kth_largest(double *a, int n, int k)
+{
+	int lo = 0, hi = n - 1, want = k - 1; /* position want in decreasing order */
+	while (lo < hi) {
+		double pivot = a[lo + (hi - lo) / 2];
+		int i = lo, j = hi;
+		while (i <= j) {
+			while (a[i] > pivot)
+				i++;
+			while (a[j] < pivot)
+				j--;
+			if (i <= j) {
+				double t = a[i];
+				a[i] = a[j];
+				a[j] = t;
+				i++;
+				j--;
+			}
+		}
+		if (want <= j)
+			hi = j;
+		else if (want >= i)
+			lo = i;
+		else
+			return a[want];
+	}
+	return a[want];
+}
+
+/* The boundary bin's order: decreasing probability, ties by id. */
+static const double *cmp_p;
+#pragma omp threadprivate(cmp_p)
+static int by_probability(const void *a, const void *b)
+{
+	int i = *(const int *)a, j = *(const int *)b;
+	if (cmp_p[i] != cmp_p[j])
+		return cmp_p[i] > cmp_p[j] ? -1 : 1;
+	return (i > j) - (i < j);
+}
+
+/* Keeps p (V) to its nucleus (the other entries set to 0): the bins' masses from the top give
+ * the bin where the sum reaches top_p; the bins above it are kept whole, those below dropped,
+ * and that bin's tokens are binned again, finer, over their own range of z, until few enough
+ * are left to sort (or they all have the same probability: then they stay in id order); the
+ * sorted ones are kept in decreasing probability, ties by id, until the sum reaches top_p.
+ * So a flat row (high temperature, an untrained model: most tokens in one bin of the first
+ * pass) costs a few passes over the candidates, not a sort of the vocabulary. */
+static void nucleus(struct scratch *s, int V, double top_p)
+{
+	const double *z = s->z;
+	double *p = s->p, *mass = s->mass, before = 0.0;
+	int *ids = s->ids, n = 0, edge = 0;
+	memset(mass, 0, sizeof s->mass);
+	for (int j = 0; j < V; j++) {
+		double b = -z[j] * NUCLEUS_BINS;
+		mass[b < NBINS - 1 ? (int)b : NBINS - 1] += p[j];
+	}
+	while (edge < NBINS - 1 && before + mass[edge] < top_p)
+		before += mass[edge++];
+	for (int j = 0; j < V; j++) {
+		double b = -z[j] * NUCLEUS_BINS;
+		int bin = b < NBINS - 1 ? (int)b : NBINS - 1;
+		if (bin == edge)
+			ids[n++] = j; /* in id order */
+		else if (bin > edge)
+			p[j] = 0.0;
+	}
+	int equal = 0;
+	for (;;) {
+		double hi = -INFINITY, lo = INFINITY;
+		for (int i = 0; i < n; i++) {
+			hi = z[ids[i]] > hi ? z[ids[i]] : hi;
+			lo = z[ids[i]] < lo ? z[ids[i]] : lo;
+		}
+		equal = !(hi > lo);
+		if (n <= 64 || equal || !isfinite(lo))
+			break;
+		// NBINS bins over [lo, hi], the most likely first; equal z share a bin
+		double scale = NBINS / (hi - lo);
+		memset(mass, 0, sizeof s->mass);
+		for (int i = 0; i < n; i++) {
+			int b = (int)((hi - z[ids[i]]) * scale);
+			mass[b < NBINS - 1 ? b : NBINS - 1] += p[ids[i]];
+		}
+		edge = 0;
+		while (edge < NBINS - 1 && before + mass[edge] < top_p)
+			before += mass[edge++];
+		int m = 0;
+		for (int i = 0; i < n; i++) {
+			int b = (int)((hi - z[ids[i]]) * scale);
+			b = b < NBINS - 1 ? b : NBINS - 1;
+			if (b == edge)
+				ids[m++] = ids[i];
+			else if (b > edge)
+				p[ids[i]] = 0.0;
+		}
+		n = m;
+	}
+	if (!equal) { /* else they are in id order already */
+		cmp_p = p;
+		qsort(ids, (size_t)n, sizeof *ids, by_probability);
+	}
+	int count = 0;
+	for (double c = before; count < n && c < top_p; count++)
+		c += p[ids[count]];
+	for (int i = count; i < n; i++)
+		p[ids[i]] = 0.0;
+}
+
+/* One row: x (V) finite logits (float or double: one of x32, x64), temperature > 0. */
+static int64_t sample_row(struct scratch *s, const float *x32, const double *x64, int V,
+			  double temperature, int64_t top_k, double top_p, double u)
+{
+	double *z = s->z, *p = s->p;
+	double xmax = -INFINITY;
+	for (int j = 0; j < V; j++) {
+		z[j] = x32 ? (double)x32[j] : x64[j];
+		xmax = z[j] > xmax ? z[j] : xmax;
+	}
+	// the top_k largest logits, ties by id: those above the k-th largest value, then the
+	// first ids equal to it
+	double kth = -INFINITY;
+	int64_t equal_kept = V;
+	if (top_k > 0 && top_k < V) {
+		memcpy(s->sel, z, (size_t)V * sizeof *z);
+		kth = kth_largest(s->sel, V, (int)top_k);
+		int64_t above = 0;
+		for (int j = 0; j < V; j++)
+			above += z[j] > kth;
+		equal_kept = top_k - above;
+	}
+	double sum = 0.0;
+	for (int j = 0; j < V; j++) {
+		int kept = z[j] > kth || (z[j] == kth && equal_kept-- > 0);
+		z[j] = kept ? (z[j] - xmax) / temperature : -INFINITY;
+		p[j] = kept ? exp(z[j]) : 0.0;
+		sum += p[j];
+	}
+	for (int j = 0; j < V; j++)
+		p[j] /= sum;
+	if (top_p < 1.0) {
+		nucleus(s, V, top_p);
+		sum = 0.0;
+		for (int j = 0; j < V; j++)
+			sum += p[j];
+		for (int j = 0; j < V; j++)
+			p[j] /= sum;
+	}
+	// Generator.choice's draw: the first token whose cumulative probability passes u
+	double total = 0.0;
+	for (int j = 0; j < V; j++)
+		total += p[j];
+	double v = u * total, c = 0.0;
+	int64_t last = -1;
+	for (int j = 0; j < V; j++) {
+		if (p[j] == 0.0)
+			continue;
+		c += p[j];
+		last = j;
+		if (c > v)
+			return j;
+	}
+	return last; /* u * total rounded up to the total */
+}
+
+void sample_rows(int64_t *tokens, const float *x32, const double *x64, size_t ld,
+		 const int64_t *rows, int n, int V, const double *temperature,
+		 const int64_t *top_k, const double *top_p, const double *u, int threads)
+{
+	if (threads > n)
+		threads = n;
+	if (threads < 1)
+		threads = 1;
+#pragma omp parallel num_threads(threads)
+	{
+		struct scratch *s = malloc(sizeof *s);
+		double *buf = malloc((size_t)V * 3 * sizeof(double));
+		int *ids = malloc((size_t)V * sizeof(int));
+		int ok = s && buf && ids;
+		if (ok) {
+			s->z = buf;
+			s->p = buf + V;
+			s->sel = buf + 2 * (size_t)V;
+			s->ids = ids;
+		}
+#pragma omp for schedule(dynamic, 1)
+		for (int i = 0; i < n; i++) {
+			size_t off = (size_t)rows[i] * ld;
+			tokens[i] = ok ? sample_row(s, x32 ? x32 + off : NULL, x64 ? x64 + off : NULL, V,
+						    temperature[i], top_k[i], top_p[i], u[i])
+				       : -2;
+		}
+		free(ids);
+		free(buf);
+		free(s);
+	}
+}
