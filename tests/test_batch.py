@@ -191,3 +191,21 @@ def test_sample_top_p():
     r1, r2 = np.random.default_rng(5), np.random.default_rng(5)
     assert ([gen.sample(logits, 0.7, 3, r1) for _ in range(50)]
             == [gen.sample(logits, 0.7, 3, r2, top_p=1.0) for _ in range(50)])
+
+
+def test_place_caches_writes_every_slots_cache_and_changes_no_logits(backend):
+    """SlotDecoder.place_caches (the server calls it as it loads): every cache tensor of
+    every group reads as zeros afterwards (written by its tasks, not left to the first
+    steps), and a step gives the same logits as on a decoder without it."""
+    placed, plain = SlotDecoder(backend, 3, rows=8, groups=2), SlotDecoder(backend, 3, rows=8,
+                                                                          groups=2)
+    for g in placed.groups:
+        for t in g.kv.k + g.kv.v:
+            backend.write(t, np.full(int(np.prod(t.shape)), np.nan, np.float32))
+    placed.place_caches()
+    for g in placed.groups:
+        for t in g.kv.k + g.kv.v:
+            assert not backend.read(t).any()
+    ps = prompts(1)
+    feeds = [Feed(0, 0, ps[0][:5]), Feed(2, 0, ps[1][:4])]
+    np.testing.assert_array_equal(placed.step(feeds), plain.step(feeds))

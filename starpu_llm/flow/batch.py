@@ -108,6 +108,18 @@ class SlotDecoder:
                        for first in range(0, slots, per)]
         self._per = per
 
+    def place_caches(self):
+        """Writes every slot's cache once (zeros, a task each) and waits: their memory is
+        committed now, placed by the workers, so that a server short of memory fails as it
+        loads, not under traffic, and the first steps do not pay for the pages (16 slots of
+        1024 positions of GPT-2 124M: 1.2 GB; on the 2-core VM, whose first touch of fresh
+        memory is slow, a first 256-row step of 1.3 s against 0.3 s). The server calls it
+        before it takes requests, as llama.cpp's clears its cache."""
+        for g in self.groups:
+            for t in g.kv.k + g.kv.v:
+                self.backend.ops.zero(t)
+        self.backend.sync()
+
     def group_of(self, slot: int) -> int:
         """The group that holds slot."""
         return slot // self._per

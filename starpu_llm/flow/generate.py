@@ -65,6 +65,9 @@ class DirectBackend:
         values = np.asarray(values, t.dtype).reshape(-1)
         t.array.reshape(-1)[:values.size] = values
 
+    def sync(self):
+        """Every kernel called has run (they run at once here)."""
+
     def scratch(self) -> "DirectBackend":
         """A backend for temporary tensors over the same parameters (close() releases them)."""
         return DirectBackend(self.config, p=self.p)
@@ -96,6 +99,10 @@ class StarPUBackend:
         """A copy of t (its first rows and cols only, when given) after the tasks submitted."""
         self.runtime.wait()     # the whole step, which also frees its tasks' arguments
         return read_tensor(t, rows, cols)
+
+    def sync(self):
+        """Every task submitted has run."""
+        self.runtime.wait()
 
     def scratch(self) -> "StarPUBackend":
         """A backend for temporary tensors over the same parameters (close() unregisters them)."""

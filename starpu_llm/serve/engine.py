@@ -323,6 +323,7 @@ class Engine:
             self.describe, self._cores = loaded.describe, loaded.cores or None
             self.decoder = SlotDecoder(loaded.backend, self.max_batch, self.rows,
                                        self.cache_len, loaded.groups, extra_heads=SCORED_ROWS)
+            self.decoder.place_caches()     # the first requests do not pay for the pages
         except BaseException as e:          # noqa: BLE001 (re-raised by start())
             self._load_error = e
             if loaded is not None:
