@@ -322,7 +322,7 @@ def paper_table(points, runs: Runs, cores: int, fig4_rows) -> list[dict]:
         out.append(dict(figure="3", ratio=f"best ({best[0]}x{best[1]}) / 1x{cores}" if best
                         else f"best / 1x{cores}", B=B, per_core=round(B / cores, 2),
                         measured=ratio(parts.get(best), one) if best else None,
-                        paper=None, paper_point=f"B=360 (10 per core): best 12x3 2.70, 3x12 "
+                        paper=None, paper_point="B=360 (10 per core): best 12x3 2.70, 3x12 "
                         "2.53; 1x36 not quoted"))
         out.append(dict(figure="3", ratio=f"{cores}x1 / 1x{cores}", B=B,
                         per_core=round(B / cores, 2), measured=ratio(parts.get((cores, 1)), one),

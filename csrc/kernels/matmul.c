@@ -3,6 +3,9 @@
 #include "kernels.h"
 #include "blas.h" /* <cblas.h> (OpenBLAS) or MKL's, chosen by the build */
 #include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 #include "parallel.h"
 
 /* A few rows (decoding: one new position of each sequence) make sgemm stream the weight at a
@@ -43,27 +46,40 @@ matmul_tile(float *out, const float *inp, const float *w, int ni, int nj, int C,
 		}
 }
 
-// out (N,OC) columns 0..R-1 = inp (N,C) @ w (R,C)^T
+// out (N,OC) columns 0..R-1 = inp (N,C) @ w (R,C)^T. With more than 4 rows (a tile read 2 to
+// 4 times) each tile of 4 weight rows is first copied to 64-byte aligned memory of the thread:
+// numpy's buffers (glibc's) sit 16 bytes past a cache line, so each 64-byte load of the tile's
+// passes would straddle two lines (measured at N = 16 on the 2-core Zen 4: a step's matmuls
+// 12 % faster, 50 -> 44 ms). The copy changes no value: the same sums, the same bits.
 static void matmul_few_rows(float *out, const float *inp, const float *w, int R, int N, int C,
 			    int OC)
 {
-#pragma omp parallel for schedule(static) if ((size_t)R * C > 65536)
-	for (int j = 0; j < R; j += 4) {
-		const float *wj = w + (size_t)j * C;
-		float *oj = out + j;
-		int i = 0;
-		if (R - j >= 4) {
-			for (; i + 4 <= N; i += 4)
-				matmul_tile(oj + (size_t)i * OC, inp + (size_t)i * C, wj, 4, 4, C, OC);
-			switch (N - i) {
-			case 3: matmul_tile(oj + (size_t)i * OC, inp + (size_t)i * C, wj, 3, 4, C, OC); break;
-			case 2: matmul_tile(oj + (size_t)i * OC, inp + (size_t)i * C, wj, 2, 4, C, OC); break;
-			case 1: matmul_tile(oj + (size_t)i * OC, inp + (size_t)i * C, wj, 1, 4, C, OC); break;
+#pragma omp parallel if ((size_t)R * C > 65536)
+	{
+		float *tile = N > 4 && (uintptr_t)w % 64 != 0
+				      ? aligned_alloc(64, ((size_t)4 * C * sizeof(float) + 63) & ~(size_t)63)
+				      : NULL; /* NULL: the tiles read where they are */
+#pragma omp for schedule(static)
+		for (int j = 0; j < R; j += 4) {
+			const float *wj = w + (size_t)j * C;
+			float *oj = out + j;
+			int i = 0;
+			if (R - j >= 4) {
+				if (tile != NULL)
+					wj = memcpy(tile, wj, (size_t)4 * C * sizeof(float));
+				for (; i + 4 <= N; i += 4)
+					matmul_tile(oj + (size_t)i * OC, inp + (size_t)i * C, wj, 4, 4, C, OC);
+				switch (N - i) {
+				case 3: matmul_tile(oj + (size_t)i * OC, inp + (size_t)i * C, wj, 3, 4, C, OC); break;
+				case 2: matmul_tile(oj + (size_t)i * OC, inp + (size_t)i * C, wj, 2, 4, C, OC); break;
+				case 1: matmul_tile(oj + (size_t)i * OC, inp + (size_t)i * C, wj, 1, 4, C, OC); break;
+				}
+			} else {	// the last 1..3 weight rows
+				for (; i < N; i++)
+					matmul_tile(oj + (size_t)i * OC, inp + (size_t)i * C, wj, 1, R - j, C, OC);
 			}
-		} else {	// the last 1..3 weight rows
-			for (; i < N; i++)
-				matmul_tile(oj + (size_t)i * OC, inp + (size_t)i * C, wj, 1, R - j, C, OC);
 		}
+		free(tile);
 	}
 }
 
