@@ -41,10 +41,11 @@ def test_a_request_cancelled_as_it_is_admitted_keeps_the_free_slots_counted():
     assert engine._free == engine.max_batch - len(engine._running)
 
 
-def test_the_draw_takes_the_loaded_models_cores(monkeypatch):
+def test_the_draw_takes_the_loaded_models_cores_with_starpu_paused(monkeypatch):
     """The engine draws a step's tokens on the cores the model was loaded on (Loaded.cores:
     the partition's N x K for StarPU, the reference engine's threads), not on every core of
-    the machine."""
+    the machine, and with StarPU paused (Loaded.paused: its idle workers would spin on those
+    cores)."""
     import contextlib
     import threading
     import numpy as np
@@ -54,17 +55,25 @@ def test_the_draw_takes_the_loaded_models_cores(monkeypatch):
     from starpu_llm.serve.engine import Loaded
     config = GPTConfig(max_seq_len=32, num_layers=1, num_heads=2, channels=16, vocab_size=64,
                        padded_vocab_size=64)
-    seen = []
+    seen, pausing = [], []
     real = scoring.sample_batch
 
     def sample_batch(*a, **k):
-        seen.append(a[5] if len(a) > 5 else k.get("threads"))
+        seen.append((a[5] if len(a) > 5 else k.get("threads"), bool(pausing)))
         return real(*a, **k)
+
+    @contextlib.contextmanager
+    def paused():
+        pausing.append(1)
+        try:
+            yield
+        finally:
+            pausing.pop()
     monkeypatch.setattr(scoring, "sample_batch", sample_batch)
 
     def load():
         backend = gen.DirectBackend(config, random_init(config), threads=1)
-        return Loaded(backend, 1, contextlib.nullcontext, backend.close, "test", cores=3)
+        return Loaded(backend, 1, paused, backend.close, "test", cores=3)
     engine = Engine(load, config, tokenizer.gpt2(), None, max_batch=2)
     engine.start(timeout=60)
     done = threading.Event()
@@ -72,4 +81,4 @@ def test_the_draw_takes_the_loaded_models_cores(monkeypatch):
                            lambda ev: ev.finish and done.set(), np.random.default_rng(0))])
     assert done.wait(60)
     engine.drain(5)
-    assert seen and set(seen) == {3}
+    assert seen and set(seen) == {(3, True)}
