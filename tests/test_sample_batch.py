@@ -107,3 +107,38 @@ def test_flat_and_constant_rows_draw_as_the_definition():
     equal = np.zeros((1, V), np.float32)
     drawn = {int(gen.sample(equal[0], 1.0, 0, np.random.default_rng(s), 0.5)) for s in range(300)}
     assert max(drawn) < V // 2 and min(drawn) < V // 8
+
+
+def test_the_draws_exp_is_within_two_ulp_of_libm(tmp_path):
+    """csrc/kernels/vexp.h (the draw's vectorised float64 exp) against the C library's exp on
+    [-708, 0] (2 million points, the ends included), 0 below -708 and at -inf, 1 at 0: a
+    small C program built with the compiler that builds the package."""
+    import shutil
+    import subprocess
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    assert cc, "no C compiler: the package itself needs one"
+    src = tmp_path / "vexp_check.c"
+    src.write_text(r'''
+#include <math.h>
+#include <stdio.h>
+#include "vexp.h"
+int main(void) {
+	double worst = 0;
+	long n = 2000000;
+	for (long i = 0; i <= n; i++) {
+		double x = -708.0 * (double)i / (double)n, e = exp(x);
+		double rel = fabs(vexp_neg(x) - e) / e;
+		worst = rel > worst ? rel : worst;
+	}
+	printf("%.17g %.17g %.17g %.17g\n", worst / 2.220446049250313e-16, vexp_neg(-708.5),
+	       vexp_neg(-INFINITY), vexp_neg(0.0));
+	return 0;
+}
+''')
+    exe = tmp_path / "vexp_check"
+    kernels = os.path.join(os.path.dirname(__file__), "..", "csrc", "kernels")
+    subprocess.run([cc, "-O2", "-I", kernels, str(src), "-o", str(exe), "-lm"], check=True)
+    ulp, below, at_inf, at_zero = map(float, subprocess.run(
+        [str(exe)], capture_output=True, text=True, check=True).stdout.split())
+    assert ulp <= 2.0 and below == 0.0 and at_inf == 0.0 and at_zero == 1.0, \
+        (ulp, below, at_inf, at_zero)
