@@ -322,7 +322,8 @@ class Engine:
         loaded = None
         try:
             loaded = self._load()
-            self.describe, self._cores = loaded.describe, loaded.cores or None
+            self.describe, self._cores, self._paused = (loaded.describe, loaded.cores or None,
+                                                        loaded.paused)
             self.decoder = SlotDecoder(loaded.backend, self.max_batch, self.rows,
                                        self.cache_len, loaded.groups, extra_heads=SCORED_ROWS)
             self.decoder.place_caches()     # the first requests do not pay for the pages
@@ -334,15 +335,14 @@ class Engine:
             return
         self._ready.set()
         try:
-            self._loop(loaded.paused)
+            self._loop()
         except BaseException as e:         # noqa: BLE001 (every request hears it)
             self._failed = f"{type(e).__name__}: {e}"
             self._end_all(error=f"the engine failed: {self._failed}")
         finally:
             loaded.close()
 
-    def _loop(self, paused):
-        self._paused = paused
+    def _loop(self):
         while True:
             with self._cond:
                 idle = not self._queue and not self._running
@@ -351,7 +351,7 @@ class Engine:
             if idle:
                 if self.metrics:
                     self.metrics.idle()
-                with paused():
+                with self._paused():
                     with self._cond:
                         self._cond.wait_for(lambda: self._queue or self._draining)
                 continue
