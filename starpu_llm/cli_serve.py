@@ -61,7 +61,7 @@ def load_model(config, params, engine: str = "starpu", partition=None):
             runtime.shutdown()
         part = runtime.partition
         return Loaded(backend, part.workers, runtime.paused, close, runtime.describe(),
-                      part.workers * part.cores_per_worker)
+                      part.cores)
     return load
 
 

@@ -32,7 +32,7 @@ def test_task_threads_and_affinity(workers, cores, kcore):
 
 def test_default_partition_uses_every_core():
     with Runtime() as rt:
-        assert rt.partition.workers * rt.partition.cores_per_worker == CORES
+        assert rt.partition.cores == CORES == rt.partition.workers * rt.partition.cores_per_worker
 
 
 def test_restart_after_shutdown():

@@ -34,10 +34,16 @@ class Partition:
                                   # "": no pipeline, or a record saved before it was kept)
 
     @property
+    def cores(self) -> int:
+        """N x K: the CPU cores the partition's workers take (the reference engine: its
+        threads)."""
+        return self.workers * self.cores_per_worker
+
+    @property
     def starpu_workers(self) -> int:
         """StarPU CPU workers: N team workers (their OpenMP teams take the other cores), else a
         worker on every core."""
-        return self.workers if self.kcore == "team" else self.workers * self.cores_per_worker
+        return self.workers if self.kcore == "team" else self.cores
 
     @property
     def pins_sub_batches(self) -> bool:

@@ -148,7 +148,7 @@ class Runtime:
         sched = ffi.new("char[]", p.sched.encode())      # alive through the start
         started = c_partition(p, sched)
         if self.face == "starpupy":
-            starpupy_face.start(p, started, core_ids[:p.workers * p.cores_per_worker])
+            starpupy_face.start(p, started, core_ids[:p.cores])
         else:
             comm_addr = ffi.NULL
             if comm is not None:
@@ -194,7 +194,7 @@ class Runtime:
                                  f"{p.describe()}")
         os.environ.setdefault("STARPU_SILENT", "1")
         os.environ.setdefault("STARPU_NOPENCL", "0")
-        n = p.workers * p.cores_per_worker
+        n = p.cores
         core_ids = sorted(os.sched_getaffinity(0))
         # the partition's cores, then one for each GPU's thread (oversubscribed: reused)
         core_ids = (core_ids * ((n + p.gpus) // len(core_ids) + 1))[:n + p.gpus]

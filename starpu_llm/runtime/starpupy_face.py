@@ -132,7 +132,7 @@ def start(partition, started, core_ids: list) -> None:
     starpu = import_starpupy()
 
     workers, cores_per_worker = partition.workers, partition.cores_per_worker
-    env = {"STARPU_SCHED": partition.sched, "STARPU_NCPU": str(workers * cores_per_worker),
+    env = {"STARPU_SCHED": partition.sched, "STARPU_NCPU": str(partition.cores),
            "STARPU_NCUDA": "0",
            "STARPU_NCPUS": None, "STARPU_WORKERS_CPUID": None, "STARPU_MIN_WORKERSIZE": None,
            "STARPU_MAX_WORKERSIZE": None}

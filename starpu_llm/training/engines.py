@@ -127,5 +127,5 @@ def calibrated_peak(partition: Partition, machine) -> float | None:
     "mfu"); None without a calibration."""
     if machine is None:
         return None
-    cores = min(machine.cores, partition.workers * partition.cores_per_worker)
+    cores = min(machine.cores, partition.cores)
     return machine.sgemm(cores) * partition.ranks
