@@ -355,6 +355,74 @@ def test_matmul_few_rows_alone_or_together(rng):
         assert np.array_equal(part, out[-n:]), f"the last {n} rows alone differ"
 
 
+FEW_ROWS_CHECK = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+void matmul_forward(float *out, const float *inp, const float *weight, const float *bias, int N,
+		    int C, int OC);
+void cblas_sgemm() { abort(); }		/* N <= 16: never called */
+int main(void) {
+	static const int shapes[][3] = { {16, 776, 70}, {5, 40, 14}, {1, 3072, 771}, {13, 768, 37},
+					 {3, 19, 5}, {16, 3072, 9} };
+	unsigned long long h = 1469598103934665603ULL, x = 7;
+	for (int s = 0; s < 6; s++) {
+		int N = shapes[s][0], C = shapes[s][1], OC = shapes[s][2];
+		float *in = malloc(4 * (size_t)N * C), *w = malloc(4 * (size_t)OC * C);
+		float *o = malloc(4 * (size_t)N * OC), *o1 = malloc(4 * (size_t)OC);
+		for (size_t i = 0; i < (size_t)N * C + (size_t)OC * C; i++) {
+			x = x * 6364136223846793005ULL + 1442695040888963407ULL;
+			float *v = i < (size_t)N * C ? &in[i] : &w[i - (size_t)N * C];
+			*v = (float)(x >> 40) / 16777216.0f - 0.5f;
+		}
+		matmul_forward(o, in, w, NULL, N, C, OC);
+		for (size_t i = 0; i < 4 * (size_t)N * OC; i++)
+			h = (h ^ ((unsigned char *)o)[i]) * 1099511628211ULL;
+		for (int r = 0; r < N; r++) {	/* each row alone: the same bits */
+			matmul_forward(o1, in + (size_t)r * C, w, NULL, 1, C, OC);
+			if (memcmp(o1, o + (size_t)r * OC, 4 * (size_t)OC) != 0)
+				printf("alone-differs shape %d row %d\n", s, r);
+		}
+	}
+	printf("%016llx\n", h);
+	return 0;
+}
+"""
+
+
+def test_matmul_few_rows_same_bits_at_every_vector_width(tmp_path):
+    """The few-rows kernel computes each entry by one sequence of operations whatever its vector
+    width and tile (csrc/kernels/matmul.c): built with the system compiler for AVX2 with 8-float
+    halves in 2 x 2 tiles and with 16-float vectors in 4 x 4 tiles (SL_FEW_ROWS_WIDTH), and for
+    AVX-512 where this CPU has it, the outputs of shapes with every tail are the same bits, and
+    each row alone gives its row of the batch. Fails if a width sums the lanes in another order."""
+    import shutil
+    cpu = open("/proc/cpuinfo").read()
+    if " avx2 " not in cpu or " fma " not in cpu:
+        pytest.skip("this CPU has no AVX2/FMA to run the builds")
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    assert cc, "no C compiler: the package itself needs one"
+    (tmp_path / "cblas.h").write_text("void cblas_sgemm();\nenum { CblasRowMajor, CblasNoTrans, "
+                                      "CblasTrans };\n")     # matmul.c's sgemm calls compile
+    src = tmp_path / "few_rows_check.c"
+    src.write_text(FEW_ROWS_CHECK)
+    kernels = os.path.join(os.path.dirname(__file__), "..", "csrc", "kernels")
+    builds = {"avx2, 8-float halves, 2 x 2": ["-mavx2", "-mfma", "-DSL_FEW_ROWS_WIDTH=8"],
+              "avx2, 16-float vectors, 4 x 4": ["-mavx2", "-mfma", "-DSL_FEW_ROWS_WIDTH=16"]}
+    if " avx512f " in cpu:
+        builds["avx512, 4 x 4"] = ["-mavx512f", "-mavx2", "-mfma"]
+    out = {}
+    for name, flags in builds.items():
+        exe = tmp_path / f"check{len(out)}"
+        subprocess.run([cc, "-O2", "-fopenmp", *flags, "-I", str(tmp_path), "-I", kernels,
+                        str(src), os.path.join(kernels, "matmul.c"), "-o", str(exe)], check=True)
+        out[name] = subprocess.run([str(exe)], capture_output=True, text=True,
+                                   env={**os.environ, "OMP_NUM_THREADS": "2"},
+                                   check=True).stdout
+    for name, text in out.items():
+        assert "alone-differs" not in text, (name, text)
+    assert len(set(out.values())) == 1, out
+
 # ---------------------------------------------------------------- TF32, production shapes
 
 

@@ -11,43 +11,125 @@
 /* A few rows (decoding: one new position of each sequence) make sgemm stream the weight at a
  * fraction of the memory bandwidth (it packs the weight for each call, and its kernels are
  * tuned for many rows). With N <= SL_MATMUL_FEW_ROWS the product is this kernel's instead: the
- * threads split the weight's rows, and each tile of 4 weight rows, read from memory once, is
- * multiplied with every input row from cache (tiles of 4 input rows x 4 weight rows, 16 vector
- * accumulators). Each entry is one fixed sequence of operations, 16 lane sums over k = l mod 16
- * then the lanes added in order and the tail (C mod 16) last, whatever N, the tile, the thread or
- * the team: a row's output does not depend on the other rows of the step (a sequence decoded
- * alone or in a batch gives the same bits). */
-typedef float v16 __attribute__((vector_size(64), aligned(4), may_alias));
+ * threads split the weight's rows, and each tile of TJ weight rows, read from memory once, is
+ * multiplied with every input row from cache (tiles of TI input rows x TJ weight rows).
+ * Each entry is one fixed sequence of operations, whatever N, the tile, the vector width, the
+ * thread or the team: 16 lane sums over k = l mod 16, the lanes added as a tree (l + l+8, then
+ * + l+4, + l+2, + l+1) and the tail (C mod 16) last. A row's output does not depend on the other
+ * rows of the step (a sequence decoded alone or in a batch gives the same bits).
+ *
+ * With AVX-512 an entry's 16 lanes are one vector and a tile is 4 x 4: 16 accumulators and 8
+ * loaded vectors, 24 of the 32 registers. Otherwise (AVX2: 16 registers of 8 floats) an entry
+ * is two 8-float halves, lanes 0-7 and 8-15, and a tile 2 x 2: GCC keeps a 16-float vector in
+ * memory there (4 x 4 of them ran at 20 GFLOP/s on 2 Zen 4 cores built for Haswell).
+ * SL_FEW_ROWS_WIDTH=16 or 8 chooses either on any machine (the test of their bits). */
+#ifndef SL_FEW_ROWS_WIDTH
+#ifdef __AVX512F__
+#define SL_FEW_ROWS_WIDTH 16
+#else
+#define SL_FEW_ROWS_WIDTH 8
+#endif
+#endif
+#if SL_FEW_ROWS_WIDTH == 16
+#define W 16		// floats in a vector
+#define TI 4
+#define TJ 4
+#else
+#define W 8
+#define TI 2
+#define TJ 2
+#endif
+#define H (16 / W)	// vectors per entry: lanes 0..W-1, then W..15
+typedef float vec __attribute__((vector_size(W * 4), aligned(4), may_alias));
+
+/* The value in a register from here on: each vector of the tile loaded once per k, not folded
+ * into each of its multiply-adds as a memory operand (GCC 12 did at 4 x 4: 20 loads for 16
+ * FMAs, 60 -> 85 GFLOP/s on one Zen 4 core with the weight in cache). */
+#if defined(__GNUC__) && (W == 16 ? defined(__AVX512F__) : defined(__AVX__))
+#define REGISTER(v) __asm__("" : "+v"(v))
+#else
+#define REGISTER(v) ((void)0)
+#endif
+
+#if W == 16
+typedef int veci __attribute__((vector_size(64)));
+
+/* The lane sums of 16 accumulators at once, (*r)[q] = the sum of a[rev(q)]'s lanes (rev: the
+ * 4 bits of q reversed), each summed by the tree: at each level a shuffle pairs the halves of
+ * two vectors' blocks and one add sums them, 15 vector adds and 30 shuffles for 240 scalar adds
+ * (at C = 768 a 4 x 4 tile 15 % faster). */
+static inline __attribute__((always_inline)) void lane_sums16(vec *r, const vec a[16])
+{
+	const veci h1 = { 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23 };
+	const veci h2 = { 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27 };
+	const veci h3 = { 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29 };
+	const veci h4 = { 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30 };
+	vec b[8], c[4], d[2];
+	for (int m = 0; m < 8; m++)	// lanes l and l + 8
+		b[m] = __builtin_shuffle(a[2 * m], a[2 * m + 1], h1) +
+		       __builtin_shuffle(a[2 * m], a[2 * m + 1], h1 + 8);
+	for (int m = 0; m < 4; m++)	// + l + 4
+		c[m] = __builtin_shuffle(b[2 * m], b[2 * m + 1], h2) +
+		       __builtin_shuffle(b[2 * m], b[2 * m + 1], h2 + 4);
+	for (int m = 0; m < 2; m++)	// + l + 2
+		d[m] = __builtin_shuffle(c[2 * m], c[2 * m + 1], h3) +
+		       __builtin_shuffle(c[2 * m], c[2 * m + 1], h3 + 2);
+	*r = __builtin_shuffle(d[0], d[1], h4) + __builtin_shuffle(d[0], d[1], h4 + 1);
+}
+#endif
 
 static inline __attribute__((always_inline)) void
 matmul_tile(float *out, const float *inp, const float *w, int ni, int nj, int C, int OC)
 {
-	// out (ni,OC) columns 0..nj-1, inp (ni,C), w (nj,C): ni, nj <= 4 and constants when inlined
-	v16 acc[4][4] = { { { 0 } } };
+	// out (ni,OC) columns 0..nj-1, inp (ni,C), w (nj,C): ni <= TI, nj <= TJ, constants when inlined
+	vec acc[TI][TJ][H] = { { { { 0 } } } };
 	const int C16 = C & ~15;
-	for (int k = 0; k < C16; k += 16) {
-		v16 wv[4], xv[4];
-		for (int j = 0; j < nj; j++)
-			wv[j] = *(const v16 *)(w + (size_t)j * C + k);
-		for (int i = 0; i < ni; i++)
-			xv[i] = *(const v16 *)(inp + (size_t)i * C + k);
-		for (int i = 0; i < ni; i++)
-			for (int j = 0; j < nj; j++)
-				acc[i][j] += xv[i] * wv[j];
+	for (int k = 0; k < C16; k += 16)
+		for (int h = 0; h < H; h++) {
+			vec wv[TJ], xv[TI];
+			for (int j = 0; j < nj; j++) {
+				wv[j] = *(const vec *)(w + (size_t)j * C + k + h * W);
+				REGISTER(wv[j]);
+			}
+			for (int i = 0; i < ni; i++) {
+				xv[i] = *(const vec *)(inp + (size_t)i * C + k + h * W);
+				REGISTER(xv[i]);
+			}
+			for (int i = 0; i < ni; i++)
+				for (int j = 0; j < nj; j++)
+					acc[i][j][h] += xv[i] * wv[j];
+		}
+	float sums[TI][TJ];
+#if W == 16
+	// acc[i][j] fed at rev(4 i + j), so that sums[i][j] is its lane sum (rev: an involution)
+	vec a[16] = { { 0 } }, r;
+	for (int q = 0; q < 16; q++) {
+		const int i = (q & 1) << 1 | (q & 2) >> 1, j = (q & 4) >> 1 | (q & 8) >> 3;
+		if (i < ni && j < nj)
+			a[q] = acc[i][j][0];
 	}
+	lane_sums16(&r, a);
+	for (int i = 0; i < ni; i++)
+		for (int j = 0; j < nj; j++)
+			sums[i][j] = r[4 * i + j];
+#else
 	for (int i = 0; i < ni; i++)
 		for (int j = 0; j < nj; j++) {
-			float s = 0.0f, t = 0.0f;
-			for (int l = 0; l < 16; l++)
-				s += acc[i][j][l];
+			const vec b = acc[i][j][0] + acc[i][j][1];	// lanes l and l + 8
+			sums[i][j] = ((b[0] + b[4]) + (b[2] + b[6])) + ((b[1] + b[5]) + (b[3] + b[7]));
+		}
+#endif
+	for (int i = 0; i < ni; i++)
+		for (int j = 0; j < nj; j++) {
+			float t = 0.0f;
 			for (int k = C16; k < C; k++)
 				t += inp[(size_t)i * C + k] * w[(size_t)j * C + k];
-			out[(size_t)i * OC + j] = s + t;
+			out[(size_t)i * OC + j] = sums[i][j] + t;
 		}
 }
 
-// out (N,OC) columns 0..R-1 = inp (N,C) @ w (R,C)^T. With more than 4 rows (a tile read 2 to
-// 4 times) each tile of 4 weight rows is first copied to 64-byte aligned memory of the thread:
+// out (N,OC) columns 0..R-1 = inp (N,C) @ w (R,C)^T. With more than TI rows (a tile read 2 to
+// 4 times) each tile of TJ weight rows is first copied to 64-byte aligned memory of the thread:
 // numpy's buffers (glibc's) sit 16 bytes past a cache line, so each 64-byte load of the tile's
 // passes would straddle two lines (measured at N = 16 on the 2-core Zen 4: a step's matmuls
 // 12 % faster, 50 -> 44 ms). The copy changes no value: the same sums, the same bits.
@@ -56,25 +138,27 @@ static void matmul_few_rows(float *out, const float *inp, const float *w, int R,
 {
 #pragma omp parallel if ((size_t)R * C > 65536)
 	{
-		float *tile = N > 4 && (uintptr_t)w % 64 != 0
-				      ? aligned_alloc(64, ((size_t)4 * C * sizeof(float) + 63) & ~(size_t)63)
+		float *tile = N > TI && (uintptr_t)w % 64 != 0
+				      ? aligned_alloc(64, ((size_t)TJ * C * sizeof(float) + 63) & ~(size_t)63)
 				      : NULL; /* NULL: the tiles read where they are */
 #pragma omp for schedule(static)
-		for (int j = 0; j < R; j += 4) {
+		for (int j = 0; j < R; j += TJ) {
 			const float *wj = w + (size_t)j * C;
 			float *oj = out + j;
 			int i = 0;
-			if (R - j >= 4) {
+			if (R - j >= TJ) {
 				if (tile != NULL)
-					wj = memcpy(tile, wj, (size_t)4 * C * sizeof(float));
-				for (; i + 4 <= N; i += 4)
-					matmul_tile(oj + (size_t)i * OC, inp + (size_t)i * C, wj, 4, 4, C, OC);
-				switch (N - i) {
-				case 3: matmul_tile(oj + (size_t)i * OC, inp + (size_t)i * C, wj, 3, 4, C, OC); break;
-				case 2: matmul_tile(oj + (size_t)i * OC, inp + (size_t)i * C, wj, 2, 4, C, OC); break;
-				case 1: matmul_tile(oj + (size_t)i * OC, inp + (size_t)i * C, wj, 1, 4, C, OC); break;
+					wj = memcpy(tile, wj, (size_t)TJ * C * sizeof(float));
+				for (; i + TI <= N; i += TI)
+					matmul_tile(oj + (size_t)i * OC, inp + (size_t)i * C, wj, TI, TJ, C, OC);
+				switch (N - i) {	// the last 1..TI-1 input rows
+#if TI == 4
+				case 3: matmul_tile(oj + (size_t)i * OC, inp + (size_t)i * C, wj, 3, TJ, C, OC); break;
+				case 2: matmul_tile(oj + (size_t)i * OC, inp + (size_t)i * C, wj, 2, TJ, C, OC); break;
+#endif
+				case 1: matmul_tile(oj + (size_t)i * OC, inp + (size_t)i * C, wj, 1, TJ, C, OC); break;
 				}
-			} else {	// the last 1..3 weight rows
+			} else {	// the last 1..TJ-1 weight rows
 				for (; i < N; i++)
 					matmul_tile(oj + (size_t)i * OC, inp + (size_t)i * C, wj, 1, R - j, C, OC);
 			}
