@@ -160,6 +160,12 @@ void copy_floats(float *dst, const float *src, size_t n);
  * (reads the n+1 tokens from pos). */
 void load_batch(int32_t *inputs, int32_t *targets, const uint16_t *tokens, size_t pos, size_t n);
 
+/* Freed blocks of up to 32 MB stay in the process (glibc's malloc: not handed to mmap, and the
+ * top of the heap trimmed only beyond 256 MB), so that memory allocated and freed at every step
+ * (a decode step's logits, a few MB) is not faulted in again at the next: the decoders call it
+ * (flow/batch.SlotDecoder). Elsewhere than glibc, nothing. */
+void keep_freed_memory(void);
+
 /* The threads of the kernels called next from this thread: its OpenMP team size and the BLAS
  * threads (set together; a k-core task, or the reference loop, calls this with k). */
 void kernels_set_threads(int k);

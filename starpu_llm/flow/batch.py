@@ -30,6 +30,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
+from .._kernels import lib as kernels
 from ..errors import StarpuLLMError
 from . import taskflow
 from .tensors import DecodeTensors, HeadTensors, KVCache
@@ -107,6 +108,7 @@ class SlotDecoder:
                               max(0, min(extra_heads, rows - 1)))
                        for first in range(0, slots, per)]
         self._per = per
+        kernels.keep_freed_memory()     # a step's logits reused, not faulted in every step
 
     def place_caches(self):
         """Writes every slot's cache once (zeros, a task each) and waits: their memory is

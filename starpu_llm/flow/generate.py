@@ -224,7 +224,7 @@ def sample_batch(logits, temperature, top_k, rngs, top_p,
     drawn = finite & (top_k != 1) & (temperature != 0)
     tokens = np.full(M, -1, np.int64)
     greedy = np.flatnonzero(finite & ~drawn)
-    tokens[greedy] = np.argmax(x[greedy], axis=1)
+    tokens[greedy] = np.argmax(x, axis=1)[greedy]     # every row's: no copy of the rows
     r = np.flatnonzero(drawn)
     if r.size == 0:
         return tokens
