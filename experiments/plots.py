@@ -417,7 +417,7 @@ def gantt(r, workers, png, S, machine) -> dict:
     ax.set_ylim(-0.6, yc + 0.6)
     ax.set_xlim(0, makespan)
     ax.set_xlabel("ms since the iteration's first task")
-    label = f"{workers}x{r['cores_per_worker']}" + (f" {r.get('kcore', 'team')}" if r["cores_per_worker"] > 1 else "")
+    label = f"{workers}x{r['cores_per_worker']}"   # the mechanism as resolved: in 'describe'
     ax.set_title(_wrap(f"One training iteration, partition {label} ({r.get('describe', '')}), "
                  f"{_model(S)}, B={r['batch']}, T={r['seq_len']}: {len(it)} tasks, "
                  f"{makespan:.0f} ms; idle {idle:.0f} % of the {ncores} cores' time; dependency critical path "
