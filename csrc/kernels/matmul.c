@@ -128,11 +128,11 @@ matmul_tile(float *out, const float *inp, const float *w, int ni, int nj, int C,
 		}
 }
 
-// out (N,OC) columns 0..R-1 = inp (N,C) @ w (R,C)^T. With more than TI rows (a tile read 2 to
-// 4 times) each tile of TJ weight rows is first copied to 64-byte aligned memory of the thread:
-// numpy's buffers (glibc's) sit 16 bytes past a cache line, so each 64-byte load of the tile's
-// passes would straddle two lines (measured at N = 16 on the 2-core Zen 4: a step's matmuls
-// 12 % faster, 50 -> 44 ms). The copy changes no value: the same sums, the same bits.
+// out (N,OC) columns 0..R-1 = inp (N,C) @ w (R,C)^T. With more than TI rows (a tile read
+// ceil(N / TI) times) each tile of TJ weight rows is first copied to 64-byte aligned memory of
+// the thread: numpy's buffers (glibc's) sit 16 bytes past a cache line, so each 64-byte load
+// of the tile's passes would straddle two lines (measured at N = 16 on the 2-core Zen 4: a
+// step's matmuls 12 % faster, 50 -> 44 ms). The copy changes no value: the same bits.
 static void matmul_few_rows(float *out, const float *inp, const float *w, int R, int N, int C,
 			    int OC)
 {
