@@ -156,7 +156,8 @@ def run_llmc(B: int, T: int, steps: int, warmup: int, out: str, binary: str) -> 
     with open(os.path.join(out, f"llmc_{B}x{T}.log"), "w") as f:
         f.write(p.stdout + p.stderr)
     if p.returncode != 0:
-        raise RuntimeError(f"llm.c exited with {p.returncode}: {p.stderr[-400:]}")
+        # llm.c prints its CUDA errors to stdout
+        raise RuntimeError(f"llm.c exited with {p.returncode}: {(p.stdout + p.stderr)[-400:]}")
     ms = [float(m) for m in re.findall(r"^step\s+\d+/\d+: train loss \S+ \((\S+) ms", p.stdout,
                                        re.M)]
     ms = ms[warmup:warmup + steps]

@@ -117,3 +117,37 @@ def test_gpu_static_reads_ptxas_report(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "no nvcc at" in p.stderr and "Traceback" not in p.stderr
     assert not (tmp_path / "t.csv").exists()
+
+
+def test_cublas_from_the_python_wheel_when_cuda_has_none(tmp_path):
+    # the device's cuBLAS may be only torch's nvidia-cublas wheel (lib/libcublas.so.13, no
+    # libcublas.so): the build finds it in python3's site-packages and passes it on
+    cuda = tmp_path / "cuda"
+    (cuda / "bin").mkdir(parents=True)
+    cub = tmp_path / "purelib" / "nvidia" / "cu13"
+    (cub / "include").mkdir(parents=True)
+    (cub / "lib").mkdir()
+    (cub / "include" / "cublas_v2.h").write_text("")
+    (cub / "lib" / "libcublas.so.13").write_text("")
+    (cub / "lib" / "libcublasLt.so.13").write_text("")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    py = bindir / "python3"      # python3 as the script calls it, with that site-packages
+    py.write_text(f'#!/bin/sh\ncase "$*" in *sysconfig*) echo {tmp_path / "purelib"};; '
+                  f'*) exec {sys.executable} "$@";; esac\n')
+    py.chmod(0o755)
+    env = dict(os.environ, OUT=str(tmp_path / "out"), SL_DEVICE_WORK=str(tmp_path / "work"),
+               CUDA_HOME=str(cuda), PATH=f"{bindir}:{os.environ['PATH']}")
+    env.pop("CUBLAS_HOME", None)
+    p = subprocess.run(["bash", SCRIPT, "--dry-run", "build"], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f"cuBLAS: {cub / 'lib'}" in p.stdout, p.stdout
+    pip_line = (tmp_path / "work" / "details" / "build-starpu-llm.log").read_text()
+    assert f"-Dcublas_dir={cub}" in pip_line, pip_line
+    # none anywhere: said, and the build goes on to StarPU's own message
+    (cub / "lib" / "libcublas.so.13").unlink()
+    p = subprocess.run(["bash", SCRIPT, "--dry-run", "build"], capture_output=True, text=True,
+                       env=env, timeout=120)
+    pip_line = (tmp_path / "work" / "details" / "build-starpu-llm.log").read_text()
+    assert "no cuBLAS in CUBLAS_HOME" in p.stdout and "-Dcublas_dir" not in pip_line, p.stdout

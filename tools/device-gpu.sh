@@ -36,7 +36,8 @@
 # The device call:  run(command="tools/device-gpu.sh", carry=[".device"], timeout_s=600)
 #
 # Environment: SL_GPU_ARCH (default: nvidia-smi's compute capability, else 90), CUDA_HOME
-# (default /usr/local/cuda), CUBLAS_HOME (default CUDA_HOME), SL_DEVICE_WORK (default /tmp/sl-gpu:
+# (default /usr/local/cuda), CUBLAS_HOME (default: CUDA's own, else the nvidia-cublas wheel in
+# python3's site-packages, torch's), SL_DEVICE_WORK (default /tmp/sl-gpu:
 # where StarPU, the build and the packages go), SL_STARPU_TARBALL (--prepare's source, default
 # ../shared/vendor/starpu-1.4.12.tar.gz beside the checkout), SL_DEADLINE (default 540 s: the
 # device tool's 600 s less a minute for the copy back and a margin).
@@ -123,11 +124,31 @@ if bad:
   return $rc
 }
 
+# cuBLAS for the three builds: $CUBLAS_HOME, else CUDA's own, else the nvidia-cublas wheel
+# in python3's site-packages (torch's; its lib/ has libcublas.so.13 and no libcublas.so, hence
+# llm.c's link by file name). Sets cublas_home and cublas_libdir; none found: the StarPU build
+# says so
+cublas_home= cublas_libdir=
+find_cublas() {
+  local d l purelib
+  purelib=$(python3 -c 'import sysconfig; print(sysconfig.get_path("purelib"))' 2>/dev/null)
+  for d in ${CUBLAS_HOME:+"$CUBLAS_HOME"} "$CUDA_HOME" "$CUDA_HOME/targets/x86_64-linux" \
+           ${purelib:+"$purelib/nvidia/cu13"}; do
+    [ -f "$d/include/cublas_v2.h" ] || continue
+    for l in "$d/lib64" "$d/lib"; do
+      compgen -G "$l/libcublas.so*" >/dev/null && { cublas_home=$d cublas_libdir=$l; return 0; }
+    done
+  done
+  return 1
+}
+
 llmc_pid=
 stage_build() {
   $dry nvidia-smi >"$details/nvidia-smi.txt" 2>&1 || say "nvidia-smi failed (no GPU driver?)"
+  find_cublas && say "cuBLAS: $cublas_libdir" ||
+    say "no cuBLAS in CUBLAS_HOME, $CUDA_HOME nor python3's nvidia/cu13 (set CUBLAS_HOME)"
   say "StarPU 1.4.12 with CUDA (the CUDA 13 fix in the carried tarball)"
-  SL_SKIP_DEPS=1 JOBS=$(nproc) CUBLAS_HOME=${CUBLAS_HOME:-$CUDA_HOME} PYTHON=python3 \
+  SL_SKIP_DEPS=1 JOBS=$(nproc) CUBLAS_HOME=${cublas_home:-$CUDA_HOME} PYTHON=python3 \
       $dry "$repo/tools/build-starpu.sh" --cuda "$dev/$tarball_name" "$work/starpu" \
       >"$details/build-starpu.log" 2>&1 || { tail -n 40 "$details/build-starpu.log"; return 1; }
   local arch=${SL_GPU_ARCH:-$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null |
@@ -138,7 +159,7 @@ stage_build() {
   PKG_CONFIG_PATH=$work/starpu/lib/pkgconfig $dry python3 -m pip install --no-index --no-deps \
       --no-build-isolation --no-compile --target "$work/starpu-llm" -Cbuild-dir="$work/build" \
       -Csetup-args=-Dcuda=enabled -Csetup-args=-Dgpu_arch="$arch" \
-      -Csetup-args=-Dcudatoolkit="$CUDA_HOME" ${CUBLAS_HOME:+-Csetup-args=-Dcublas_dir=$CUBLAS_HOME} \
+      -Csetup-args=-Dcudatoolkit="$CUDA_HOME" ${cublas_home:+-Csetup-args=-Dcublas_dir=$cublas_home} \
       "$repo" >"$details/build-starpu-llm.log" 2>&1 ||
       { tail -n 40 "$details/build-starpu-llm.log"; return 1; }
   # the package's own modules the stages import, and what it was built with
@@ -148,8 +169,12 @@ print("starpu-llm built:", "CUDA" if c.lib.sl_have_cuda() else "CPU", "build,", 
   # llm.c for the benchmark, meanwhile (CPU only: nvcc), in a folder of its own
   if [ -f "$dev/llmc/train_gpt2_fp32.cu" ]; then
     rm -rf "$work/llmc" && cp -r "$dev/llmc" "$work/llmc"
-    (cd "$work/llmc" && $dry nice nvcc -O3 --use_fast_math -arch=sm_"$arch" -o train_gpt2fp32cu \
-         train_gpt2_fp32.cu -lcublas -lcublasLt >"$details/llmc-build.log" 2>&1) &
+    local cub=(-lcublas -lcublasLt)
+    [ -z "$cublas_libdir" ] || [ -e "$cublas_libdir/libcublas.so" ] ||
+      cub=(-L"$cublas_libdir" -Xlinker "-l:$(cd "$cublas_libdir" && ls libcublas.so.* | head -n1),-l:$(cd "$cublas_libdir" && ls libcublasLt.so.* | head -n1),-rpath,$cublas_libdir")
+    (cd "$work/llmc" && $dry nice nvcc -O3 --use_fast_math -arch=sm_"$arch" \
+         ${cublas_home:+-I"$cublas_home/include" -L"$cublas_libdir" -Xlinker -rpath,"$cublas_libdir"} \
+         -o train_gpt2fp32cu train_gpt2_fp32.cu "${cub[@]}" >"$details/llmc-build.log" 2>&1) &
     llmc_pid=$!
   fi
 }
