@@ -2,7 +2,8 @@
 once, in C: csrc/kernels/sample.c) against the definition, one row at a time with a full sort
 for top_p (row_by_row, kept here as the baseline and as tests/test_sample_batch.py's oracle),
 and, with --against COMMIT, against that commit's sample_batch (read with `git show`: the
-numpy one of 151a3b1, say), all interleaved.
+numpy one of 151a3b1, say; where it calls the C kernel, that commit's sample.c built here),
+all interleaved.
 
     .venv/bin/python experiments/sampling_bench.py --rows 16 --repeat 9 --against 151a3b1 \
         --csv experiments/results/sampling/<cpu>/sample_batch.csv
@@ -42,18 +43,56 @@ def row_by_row(logits, temperature, top_k, rng, top_p):
     return int(ids[rng.choice(ids.size, p=p)])
 
 
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+
+def git_show(commit, path):
+    return subprocess.run(["git", "-C", ROOT, "show", f"{commit}:{path}"], capture_output=True,
+                          text=True, check=True).stdout
+
+
+class _OldKernels:
+    """That commit's csrc/kernels/sample.c (with its kernels.h and vexp.h), built as this build
+    is (gcc -O3 -march=native -fopenmp) into a library of its own; its sample_rows called with
+    the cffi pointers its sample_batch passes."""
+
+    def __init__(self, commit):
+        import ctypes
+        import tempfile
+        from starpu_llm._kernels import ffi
+        d = tempfile.mkdtemp(prefix="sampling-")
+        for f in ("sample.c", "kernels.h", "vexp.h"):
+            with open(os.path.join(d, f), "w") as out:
+                out.write(git_show(commit, f"csrc/kernels/{f}"))
+        so = os.path.join(d, "libsample.so")
+        subprocess.run(["gcc", "-O3", "-march=native", "-fopenmp", "-DNDEBUG", "-shared",
+                        "-fPIC", "-o", so, os.path.join(d, "sample.c"), "-lm"], check=True)
+        self._f = ctypes.CDLL(so).sample_rows
+        P, I = ctypes.c_void_p, ctypes.c_int
+        self._f.argtypes = [P, P, P, ctypes.c_size_t, P, I, I, P, P, P, P, I]
+        self._f.restype = None
+        self._ffi = ffi
+
+    def sample_rows(self, *args):
+        cdata = self._ffi.CData
+        self._f(*[int(self._ffi.cast("uintptr_t", a)) if isinstance(a, cdata) else a
+                  for a in args])
+
+
 def sample_batch_of(commit):
     """That commit's flow/generate.sample_batch (with the module-level names it uses that are
-    defined in the same file: numpy-only code), from `git show`."""
-    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-    src = subprocess.run(["git", "-C", root, "show", f"{commit}:starpu_llm/flow/generate.py"],
-                         capture_output=True, text=True, check=True).stdout
+    defined in the same file), from `git show`; where it calls the C kernel (sample_rows),
+    that commit's kernel (_OldKernels)."""
+    from starpu_llm._kernels import ffi
+    src = git_show(commit, "starpu_llm/flow/generate.py")
     tree = ast.parse(src)
     keep = [n for n in tree.body
-            if isinstance(n, ast.FunctionDef) and n.name in ("sample_batch", "_nucleus")
+            if isinstance(n, ast.FunctionDef) and n.name in ("sample_batch", "_nucleus", "_ptr")
             or isinstance(n, ast.Assign) and any(getattr(t, "id", "").isupper() for t in n.targets)]
-    ns = {"np": np}
+    ns = {"np": np, "os": os, "ffi": ffi}
     exec(compile(ast.Module(keep, []), f"{commit}:generate.py", "exec"), ns)
+    if "kernels.sample_rows" in src:
+        ns["kernels"] = _OldKernels(commit)
     return ns["sample_batch"]
 
 

@@ -15,7 +15,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-TESTS=(tests/test_kernels.py tests/test_model.py tests/test_parallel.py tests/test_mpi.py tests/test_batch.py)
+TESTS=(tests/test_kernels.py tests/test_model.py tests/test_parallel.py tests/test_mpi.py tests/test_batch.py
+       tests/test_sample_batch.py)
 PAIRWISE=(
   native:default:default:all   portable:default:avx2:1      native:default:avx512:1
   portable:Haswell:default:1   native:Haswell:avx2:all      portable:Haswell:avx512:all

@@ -2,8 +2,10 @@
  * softmax(logits / temperature) kept to the top_k largest logits and to the nucleus of
  * top_p, one uniform draw per row. The math is flow/generate.sample's (its docstring is the
  * definition); this is its speed: one row per thread, a row's passes over V in its thread's
- * cache, no full sort (the nucleus is found by binning the tokens by log-probability and
- * sorting the boundary bin alone). */
+ * cache, each pass vectorised or without a branch where it can be (the max, the scaling,
+ * the sums, the bins), no full sort (the nucleus is found by binning the tokens by
+ * log-probability and sorting the boundary bin alone), the draw's cumulative sum skipping
+ * whole blocks of tokens. A sum's order differs from numpy's, by units in the last place. */
 #include "kernels.h"
 #include <math.h>
 #include <omp.h>
@@ -11,15 +13,21 @@
 #include <stdlib.h>
 #include <string.h>
 #include "vexp.h"
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 #define NUCLEUS_BINS 32			  /* bins a nat of log-probability */
 #define NBINS (NUCLEUS_BINS * 64)	  /* beyond 64 nats below the top: the last bin */
+#define DRAW_BLOCK 64			  /* the draw's first pass: sums of 64 tokens */
 
 struct scratch {
 	double *z, *p; /* (V) log-probabilities up to a constant, probabilities */
 	double *sel;   /* (V) top_k's selection */
 	int *ids;      /* (V) the boundary bin's tokens */
+	int *bins;     /* (V) each token's bin in the first pass */
 	double mass[NBINS];
+	double part[4][NBINS]; /* the first pass's masses, tokens j mod 4 apart */
 };
 
 /* The k-th largest of a (n) (0 < k <= n), a reordered in place: quickselect. */
@@ -74,22 +82,46 @@ static void nucleus(struct scratch *s, int V, double top_p)
 {
 	const double *z = s->z;
 	double *p = s->p, *mass = s->mass, before = 0.0;
-	int *ids = s->ids, n = 0, edge = 0;
-	memset(mass, 0, sizeof s->mass);
+	int *ids = s->ids, *bins = s->bins, n = 0, edge = 0;
+#pragma omp simd
 	for (int j = 0; j < V; j++) {
 		double b = -z[j] * NUCLEUS_BINS;
-		mass[b < NBINS - 1 ? (int)b : NBINS - 1] += p[j];
+		bins[j] = b < NBINS - 1 ? (int)b : NBINS - 1;
 	}
+	// four partial masses: a flat row puts most tokens in a few bins, and one array's adds
+	// to the same bin would wait for each other
+	memset(s->part, 0, sizeof s->part);
+	int j = 0;
+	for (; j + 4 <= V; j += 4)
+		for (int q = 0; q < 4; q++)
+			s->part[q][bins[j + q]] += p[j + q];
+	for (; j < V; j++)
+		s->part[0][bins[j]] += p[j];
+	for (int b = 0; b < NBINS; b++)
+		mass[b] = (s->part[0][b] + s->part[1][b]) + (s->part[2][b] + s->part[3][b]);
 	while (edge < NBINS - 1 && before + mass[edge] < top_p)
 		before += mass[edge++];
-	for (int j = 0; j < V; j++) {
-		double b = -z[j] * NUCLEUS_BINS;
-		int bin = b < NBINS - 1 ? (int)b : NBINS - 1;
-		if (bin == edge)
-			ids[n++] = j; /* in id order */
-		else if (bin > edge)
-			p[j] = 0.0;
+	/* the edge bin's tokens in id order, without a branch (a flat row mispredicts it) */
+	j = 0;
+#ifdef __AVX512F__
+	/* 16 at a time, compressed in a register (a compressing store is slow on Zen 4); the
+	 * store may write 15 ints past the last id, into the padding after ids */
+	const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+	const __m512i want = _mm512_set1_epi32(edge);
+	for (; j + 16 <= V; j += 16) {
+		__mmask16 m = _mm512_cmpeq_epi32_mask(_mm512_loadu_si512(bins + j), want);
+		_mm512_storeu_si512(ids + n, _mm512_maskz_compress_epi32(
+						     m, _mm512_add_epi32(lane, _mm512_set1_epi32(j))));
+		n += __builtin_popcount(m);
 	}
+#endif
+	for (; j < V; j++) {
+		ids[n] = j;
+		n += bins[j] == edge;
+	}
+#pragma omp simd
+	for (j = 0; j < V; j++)
+		p[j] = bins[j] > edge ? 0.0 : p[j];
 	int equal = 0;
 	for (;;) {
 		double hi = -INFINITY, lo = INFINITY;
@@ -138,9 +170,19 @@ static int64_t sample_row(struct scratch *s, const float *x32, const double *x64
 {
 	double *z = s->z, *p = s->p;
 	double xmax = -INFINITY;
-	for (int j = 0; j < V; j++) {
-		z[j] = x32 ? (double)x32[j] : x64[j];
-		xmax = z[j] > xmax ? z[j] : xmax;
+	// (a max: exact in any order, so vectorised; the row is finite)
+	if (x32) {
+#pragma omp simd reduction(max : xmax)
+		for (int j = 0; j < V; j++) {
+			z[j] = (double)x32[j];
+			xmax = z[j] > xmax ? z[j] : xmax;
+		}
+	} else {
+#pragma omp simd reduction(max : xmax)
+		for (int j = 0; j < V; j++) {
+			z[j] = x64[j];
+			xmax = z[j] > xmax ? z[j] : xmax;
+		}
 	}
 	// the top_k largest logits, ties by id: those above the k-th largest value, then the
 	// first ids equal to it
@@ -154,9 +196,19 @@ static int64_t sample_row(struct scratch *s, const float *x32, const double *x64
 			above += z[j] > kth;
 		equal_kept = top_k - above;
 	}
-	for (int j = 0; j < V; j++) {
-		int kept = z[j] > kth || (z[j] == kth && equal_kept-- > 0);
-		z[j] = kept ? (z[j] - xmax) / temperature : -INFINITY;
+	if (kth == -INFINITY && temperature == 1.0) { // no top_k, no division (the same bits)
+#pragma omp simd
+		for (int j = 0; j < V; j++)
+			z[j] = z[j] - xmax;
+	} else if (kth == -INFINITY) { // no top_k: every token kept
+#pragma omp simd
+		for (int j = 0; j < V; j++)
+			z[j] = (z[j] - xmax) / temperature;
+	} else {
+		for (int j = 0; j < V; j++) {
+			int kept = z[j] > kth || (z[j] == kth && equal_kept-- > 0);
+			z[j] = kept ? (z[j] - xmax) / temperature : -INFINITY;
+		}
 	}
 	double sum = 0.0;
 #pragma omp simd reduction(+ : sum)
@@ -164,31 +216,38 @@ static int64_t sample_row(struct scratch *s, const float *x32, const double *x64
 		p[j] = vexp_neg(z[j]);
 		sum += p[j];
 	}
+	// normalised as the definition (w / w.sum()): a row of equal logits keeps the tokens whose
+	// rounded cumulative sums stay below top_p, as numpy's (the draw needs no second one)
+#pragma omp simd
 	for (int j = 0; j < V; j++)
 		p[j] /= sum;
-	if (top_p < 1.0) {
+	if (top_p < 1.0)
 		nucleus(s, V, top_p);
-		sum = 0.0;
-		for (int j = 0; j < V; j++)
-			sum += p[j];
-		for (int j = 0; j < V; j++)
-			p[j] /= sum;
-	}
-	// Generator.choice's draw: the first token whose cumulative probability passes u
+	// Generator.choice's draw: the first token whose cumulative probability passes u of the total
 	double total = 0.0;
+#pragma omp simd reduction(+ : total)
 	for (int j = 0; j < V; j++)
 		total += p[j];
 	double v = u * total, c = 0.0;
-	int64_t last = -1;
-	for (int j = 0; j < V; j++) {
-		if (p[j] == 0.0)
-			continue;
+	// whole blocks while the sum stays at most v (a block's sum vectorised), then token by token
+	int j = 0;
+	for (; j + DRAW_BLOCK <= V; j += DRAW_BLOCK) {
+		double b = 0.0;
+#pragma omp simd reduction(+ : b)
+		for (int i = j; i < j + DRAW_BLOCK; i++)
+			b += p[i];
+		if (c + b > v)
+			break;
+		c += b;
+	}
+	for (; j < V; j++) {
 		c += p[j];
-		last = j;
-		if (c > v)
+		if (c > v && p[j] != 0.0)
 			return j;
 	}
-	return last; /* u * total rounded up to the total */
+	for (j = V - 1; j > 0 && p[j] == 0.0; j--) /* u * total rounded up to the total: the last */
+		;
+	return j;
 }
 
 void sample_rows(int64_t *tokens, const float *x32, const double *x64, size_t ld,
@@ -203,13 +262,14 @@ void sample_rows(int64_t *tokens, const float *x32, const double *x64, size_t ld
 	{
 		struct scratch *s = malloc(sizeof *s);
 		double *buf = malloc((size_t)V * 3 * sizeof(double));
-		int *ids = malloc((size_t)V * sizeof(int));
+		int *ids = malloc(((size_t)V * 2 + 16) * sizeof(int)); /* ids, 16 of padding, bins */
 		int ok = s && buf && ids;
 		if (ok) {
 			s->z = buf;
 			s->p = buf + V;
 			s->sel = buf + 2 * (size_t)V;
 			s->ids = ids;
+			s->bins = ids + V + 16;
 		}
 #pragma omp for schedule(dynamic, 1)
 		for (int i = 0; i < n; i++) {

@@ -219,8 +219,7 @@ def sample_batch(logits, temperature, top_k, rngs, top_p,
     M, V = x.shape
     temperature = np.asarray(temperature, np.float64)
     top_k, top_p = np.asarray(top_k, np.int64), np.asarray(top_p, np.float64)
-    # a NaN or an infinity makes the sum so (float64: no overflow of float32 values)
-    finite = np.isfinite(x.sum(axis=1, dtype=np.float64))
+    finite = np.isfinite(x).all(axis=1)     # (16 rows of GPT-2's: 0.06 ms; a float64 sum 0.25)
     drawn = finite & (top_k != 1) & (temperature != 0)
     tokens = np.full(M, -1, np.int64)
     greedy = np.flatnonzero(finite & ~drawn)
