@@ -423,6 +423,60 @@ def test_matmul_few_rows_same_bits_at_every_vector_width(tmp_path):
         assert "alone-differs" not in text, (name, text)
     assert len(set(out.values())) == 1, out
 
+ATTEND_CHECK = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "attend.h"
+/* attend() on fixed pseudo-random data, every output's bits printed */
+static float rnd(unsigned *s) { *s = *s * 1103515245u + 12345u; return (float)(*s >> 8) / (1 << 24) - 0.5f; }
+int main(void)
+{
+	static const int hss[] = { 16, 32, 64, 128, 48 }, ns[] = { 1, 3, 4, 5, 17, 100, 1024 };
+	unsigned seed = 7;
+	for (int a = 0; a < 5; a++)
+		for (int b = 0; b < 7; b++) {
+			int hs = hss[a], n = ns[b];
+			size_t stride = 3 * (size_t)hs + 5;
+			float *k = malloc(n * stride * 4), *v = malloc(n * stride * 4), *q = malloc(hs * 4);
+			float *o = malloc(hs * 4), *p = malloc(n * 4);
+			for (size_t i = 0; i < n * stride; i++) { k[i] = 4 * rnd(&seed); v[i] = rnd(&seed); }
+			for (int i = 0; i < hs; i++) q[i] = rnd(&seed);
+			attend(o, p, p, q, k, v, stride, n, hs, 0.125f);
+			unsigned u;
+			for (int i = 0; i < hs; i++) { memcpy(&u, o + i, 4); printf("%08x", u); }
+			for (int j = 0; j < n; j++) { memcpy(&u, p + j, 4); printf("%08x", u); }
+			printf("\n");
+			free(k); free(v); free(q); free(o); free(p);
+		}
+	return 0;
+}
+"""
+
+
+def test_attend_vector_path_gives_the_generic_loops_bits(tmp_path):
+    """csrc/kernels/attend.h's AVX-512 path (four keys' lane sums side by side, the output
+    in registers) against its generic loop (SL_ATTEND_GENERIC), both built as the package
+    builds (-O3 -march=native): the same bits for every head size it takes (16 to 128), one it
+    leaves to the loop (48), and key counts with every tail of four, training's and decoding's
+    one query. Fails if the path sums a key's lanes or a value's terms in another order. On a
+    CPU without AVX-512 both builds are the loop (nothing to compare but the build)."""
+    import shutil
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    assert cc, "no C compiler: the package itself needs one"
+    src = tmp_path / "attend_check.c"
+    src.write_text(ATTEND_CHECK)
+    kernels = os.path.join(os.path.dirname(__file__), "..", "csrc", "kernels")
+    out = []
+    for flags in ([], ["-DSL_ATTEND_GENERIC"]):
+        exe = tmp_path / f"check{len(out)}"
+        subprocess.run([cc, "-O3", "-march=native", "-fopenmp", *flags, "-I", kernels, str(src),
+                        "-lm", "-o", str(exe)], check=True)
+        out.append(subprocess.run([str(exe)], capture_output=True, text=True,
+                                  check=True).stdout)
+    assert out[0].count("\n") == 35 and out[0] == out[1]
+
+
 # ---------------------------------------------------------------- TF32, production shapes
 
 
