@@ -333,10 +333,14 @@ def _steps(run: Run, stop, result: TrainResult, watchers: list) -> None:
     the workers (a GPU) never wait for Python between steps: a step's line comes once the
     next step is submitted, its loss the same value, bit for bit. Nothing is submitted past a
     step after which something reads the model or the data position (the last step, a
-    validation, a sample, a checkpoint, a signal): that step is drained (every task waited
-    for) before its watchers run."""
+    validation, a sample, a checkpoint, a signal), nor past the untimed steps (so that the
+    timed steps' times add up to the wall time from the end of the last untimed one, its
+    backward and update not counted in the next one's): that step is drained (every task
+    waited for) before its watchers run. A step read while the next runs has its time from
+    the previous read to its loss, so the steps' times add up to the run's."""
     cfg, state, engine = run.cfg, run.state, run.engine
     pending, since = None, None       # a step submitted, not yet read; when its time began
+    untimed_end = state.step + cfg.untimed_steps    # the last untimed step of this run
     for _ in range(cfg.steps - state.step):     # --steps counts the whole run
         if pending is None:
             since = time.perf_counter()
@@ -349,7 +353,7 @@ def _steps(run: Run, stop, result: TrainResult, watchers: list) -> None:
             since = _done(run, stop, result, watchers, pending, since, drained=False).at
         pending = current
         step = current[0].step
-        if not (engine.ahead and step < cfg.steps and not stop.requested
+        if not (engine.ahead and step < cfg.steps and step != untimed_end and not stop.requested
                 and not (run.validation and run.validation.due(step, False))
                 and not any(w.reads_state(step) for w in watchers)):
             engine.wait()
