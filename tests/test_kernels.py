@@ -477,6 +477,67 @@ def test_attend_vector_path_gives_the_generic_loops_bits(tmp_path):
     assert out[0].count("\n") == 35 and out[0] == out[1]
 
 
+ATTENTION_CHECK = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "kernels.h"
+/* attention_forward and attention_backward on fixed pseudo-random data: a hash of every
+ * output's bits for each shape */
+static float rnd(unsigned *s) { *s = *s * 1103515245u + 12345u; return (float)(*s >> 8) / (1 << 24) - 0.5f; }
+static unsigned long fold(unsigned long h, const float *x, size_t n)
+{
+	unsigned u;
+	for (size_t i = 0; i < n; i++) { memcpy(&u, x + i, 4); h = (h ^ u) * 1099511628211ul; }
+	return h;
+}
+int main(void)
+{
+	static const int shapes[][4] = { { 2, 37, 64, 4 }, { 1, 70, 768, 12 }, { 2, 21, 64, 1 },
+					 { 1, 33, 256, 2 }, { 2, 19, 48, 1 }, { 1, 9, 64, 2 } };
+	for (int c = 0; c < 6; c++) {
+		int B = shapes[c][0], T = shapes[c][1], C = shapes[c][2], NH = shapes[c][3];
+		size_t nq = (size_t)B * T * 3 * C, no = (size_t)B * T * C, na = (size_t)B * NH * T * T;
+		float *qkv = malloc(nq * 4), *dqkv = malloc(nq * 4), *out = malloc(no * 4);
+		float *dout = malloc(no * 4), *att = malloc(na * 4), *datt = malloc(na * 4);
+		float *dp = malloc(na * 4);
+		unsigned seed = 11 + c;
+		for (size_t i = 0; i < nq; i++) qkv[i] = 2 * rnd(&seed);
+		for (size_t i = 0; i < no; i++) dout[i] = rnd(&seed);
+		attention_forward(out, att, qkv, B, T, C, NH);
+		attention_backward(dqkv, dp, datt, dout, qkv, att, B, T, C, NH);
+		printf("%016lx %016lx\n", fold(1469598103934665603ul, out, no),
+		       fold(1469598103934665603ul, dqkv, nq));
+		free(qkv); free(dqkv); free(out); free(dout); free(att); free(datt); free(dp);
+	}
+	return 0;
+}
+"""
+
+
+def test_attention_vector_paths_give_the_generic_loops_bits(tmp_path):
+    """The forward's and the backward's AVX-512 paths (attend.h's attend_vectors;
+    attention.c's backward_query_*: four keys' lane sums side by side, dq in registers)
+    against their generic loops (SL_ATTEND_GENERIC), attention.c built both ways as the package
+    builds it (-O3 -march=native), on every head size the paths take (16, 64, 128) and one
+    they leave to the loops (48): the same bits of out and of dqkv. On a CPU without AVX-512
+    both builds are the loops."""
+    import shutil
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    assert cc, "no C compiler: the package itself needs one"
+    src = tmp_path / "attention_check.c"
+    src.write_text(ATTENTION_CHECK)
+    kernels = os.path.join(os.path.dirname(__file__), "..", "csrc", "kernels")
+    out = []
+    for flags in ([], ["-DSL_ATTEND_GENERIC"]):
+        exe = tmp_path / f"check{len(out)}"
+        subprocess.run([cc, "-O3", "-march=native", "-fopenmp", *flags, "-I", kernels, str(src),
+                        os.path.join(kernels, "attention.c"), "-lm", "-o", str(exe)], check=True)
+        out.append(subprocess.run([str(exe)], capture_output=True, text=True, check=True,
+                                  env={**os.environ, "OMP_NUM_THREADS": "2"}).stdout)
+    assert out[0].count("\n") == 6 and out[0] == out[1], out
+
+
 # ---------------------------------------------------------------- TF32, production shapes
 
 

@@ -17,7 +17,8 @@ typedef float attend_vec __attribute__((vector_size(64), aligned(4), may_alias))
  * sums side by side (one key's 16 dependent adds left the core waiting), o held in H vector
  * registers over j (kept in memory, each j waited on the last one's stores): attention_forward
  * 2 x faster on Zen 4 (B = 4, T = 1024: 309 -> 156 ms on 2 cores). Sixteen keys' lane sums at
- * once by a transpose (vector adds in the same order) were slower with GCC 12's shuffles. */
+ * once by a transpose (vector adds in the same order) were slower with GCC 12's shuffles.
+ * SL_ATTEND_GENERIC builds the loop alone (tests/test_kernels.py compares the bits). */
 static inline __attribute__((always_inline)) float
 attend_lanes(attend_vec s)
 {
