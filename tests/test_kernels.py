@@ -454,26 +454,34 @@ int main(void)
 """
 
 
-def test_attend_vector_path_gives_the_generic_loops_bits(tmp_path):
-    """csrc/kernels/attend.h's AVX-512 path (four keys' lane sums side by side, the output
-    in registers) against its generic loop (SL_ATTEND_GENERIC), both built as the package
-    builds (-O3 -march=native): the same bits for every head size it takes (16 to 128), one it
-    leaves to the loop (48), and key counts with every tail of four, training's and decoding's
-    one query. Fails if the path sums a key's lanes or a value's terms in another order. On a
-    CPU without AVX-512 both builds are the loop (nothing to compare but the build)."""
+def _vector_and_generic(tmp_path, check_source, *sources):
+    """The stdout of check_source (with csrc/kernels' sources) built as the package builds
+    (-O3 -march=native), then with SL_ATTEND_GENERIC: the attention paths' AVX-512 code, then
+    their generic loops (on a CPU without AVX-512 both are the loops)."""
     import shutil
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     assert cc, "no C compiler: the package itself needs one"
-    src = tmp_path / "attend_check.c"
-    src.write_text(ATTEND_CHECK)
+    src = tmp_path / "check.c"
+    src.write_text(check_source)
     kernels = os.path.join(os.path.dirname(__file__), "..", "csrc", "kernels")
     out = []
     for flags in ([], ["-DSL_ATTEND_GENERIC"]):
         exe = tmp_path / f"check{len(out)}"
         subprocess.run([cc, "-O3", "-march=native", "-fopenmp", *flags, "-I", kernels, str(src),
-                        "-lm", "-o", str(exe)], check=True)
-        out.append(subprocess.run([str(exe)], capture_output=True, text=True,
-                                  check=True).stdout)
+                        *(os.path.join(kernels, f) for f in sources), "-lm", "-o", str(exe)],
+                       check=True)
+        out.append(subprocess.run([str(exe)], capture_output=True, text=True, check=True,
+                                  env={**os.environ, "OMP_NUM_THREADS": "2"}).stdout)
+    return out
+
+
+def test_attend_vector_path_gives_the_generic_loops_bits(tmp_path):
+    """csrc/kernels/attend.h's AVX-512 path (four keys' lane sums side by side, the output
+    in registers) against its generic loop: the same bits for every head size it takes (16 to
+    128), one it leaves to the loop (48), and key counts with every tail of four, training's
+    and decoding's one query. Fails if the path sums a key's lanes or a value's terms in
+    another order."""
+    out = _vector_and_generic(tmp_path, ATTEND_CHECK)
     assert out[0].count("\n") == 35 and out[0] == out[1]
 
 
@@ -518,23 +526,9 @@ int main(void)
 def test_attention_vector_paths_give_the_generic_loops_bits(tmp_path):
     """The forward's and the backward's AVX-512 paths (attend.h's attend_vectors;
     attention.c's backward_query_*: four keys' lane sums side by side, dq in registers)
-    against their generic loops (SL_ATTEND_GENERIC), attention.c built both ways as the package
-    builds it (-O3 -march=native), on every head size the paths take (16, 64, 128) and one
-    they leave to the loops (48): the same bits of out and of dqkv. On a CPU without AVX-512
-    both builds are the loops."""
-    import shutil
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    assert cc, "no C compiler: the package itself needs one"
-    src = tmp_path / "attention_check.c"
-    src.write_text(ATTENTION_CHECK)
-    kernels = os.path.join(os.path.dirname(__file__), "..", "csrc", "kernels")
-    out = []
-    for flags in ([], ["-DSL_ATTEND_GENERIC"]):
-        exe = tmp_path / f"check{len(out)}"
-        subprocess.run([cc, "-O3", "-march=native", "-fopenmp", *flags, "-I", kernels, str(src),
-                        os.path.join(kernels, "attention.c"), "-lm", "-o", str(exe)], check=True)
-        out.append(subprocess.run([str(exe)], capture_output=True, text=True, check=True,
-                                  env={**os.environ, "OMP_NUM_THREADS": "2"}).stdout)
+    against their generic loops, on every head size the paths take (16, 64, 128) and one they
+    leave to the loops (48): the same bits of out and of dqkv."""
+    out = _vector_and_generic(tmp_path, ATTENTION_CHECK, "attention.c")
     assert out[0].count("\n") == 6 and out[0] == out[1], out
 
 
