@@ -432,9 +432,9 @@ ATTEND_CHECK = r"""
 static float rnd(unsigned *s) { *s = *s * 1103515245u + 12345u; return (float)(*s >> 8) / (1 << 24) - 0.5f; }
 int main(void)
 {
-	static const int hss[] = { 16, 32, 64, 128, 48 }, ns[] = { 1, 3, 4, 5, 17, 100, 1024 };
+	static const int hss[] = { 16, 32, 64, 128, 48, 24 }, ns[] = { 1, 3, 4, 5, 17, 100, 1024 };
 	unsigned seed = 7;
-	for (int a = 0; a < 5; a++)
+	for (int a = 0; a < 6; a++)
 		for (int b = 0; b < 7; b++) {
 			int hs = hss[a], n = ns[b];
 			size_t stride = 3 * (size_t)hs + 5;
@@ -455,34 +455,42 @@ int main(void)
 
 
 def _vector_and_generic(tmp_path, check_source, *sources):
-    """The stdout of check_source (with csrc/kernels' sources) built as the package builds
-    (-O3 -march=native), then with SL_ATTEND_GENERIC: the attention paths' AVX-512 code, then
-    their generic loops (on a CPU without AVX-512 both are the loops)."""
+    """{build: (stdout of the vector paths, of the generic loops)}: check_source (with
+    csrc/kernels' sources) built at -O3 as the package builds, then with SL_ATTEND_GENERIC, for
+    this CPU (-march=native; 512-bit vectors preferred, as GCC does on AMD's AVX-512 and not by
+    default on Intel's: the paths' width with AVX-512) and, where it has AVX2 and FMA, for
+    Haswell (the paths' 8-float vectors)."""
     import shutil
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     assert cc, "no C compiler: the package itself needs one"
     src = tmp_path / "check.c"
     src.write_text(check_source)
     kernels = os.path.join(os.path.dirname(__file__), "..", "csrc", "kernels")
-    out = []
-    for flags in ([], ["-DSL_ATTEND_GENERIC"]):
-        exe = tmp_path / f"check{len(out)}"
-        subprocess.run([cc, "-O3", "-march=native", "-fopenmp", *flags, "-I", kernels, str(src),
-                        *(os.path.join(kernels, f) for f in sources), "-lm", "-o", str(exe)],
-                       check=True)
-        out.append(subprocess.run([str(exe)], capture_output=True, text=True, check=True,
-                                  env={**os.environ, "OMP_NUM_THREADS": "2"}).stdout)
+    cpu = open("/proc/cpuinfo").read()
+    builds = {"native": ["-march=native", "-mprefer-vector-width=512"]}
+    if " avx2 " in cpu and " fma " in cpu:
+        builds["haswell"] = ["-march=haswell"]
+    out = {}
+    for name, march in builds.items():
+        for flags in ([], ["-DSL_ATTEND_GENERIC"]):
+            exe = tmp_path / f"check-{name}{len(flags)}"
+            subprocess.run([cc, "-O3", *march, "-fopenmp", *flags, "-I", kernels, str(src),
+                            *(os.path.join(kernels, f) for f in sources), "-lm", "-o", str(exe)],
+                           check=True)
+            out.setdefault(name, []).append(subprocess.run(
+                [str(exe)], capture_output=True, text=True, check=True,
+                env={**os.environ, "OMP_NUM_THREADS": "2"}).stdout)
     return out
 
 
 def test_attend_vector_path_gives_the_generic_loops_bits(tmp_path):
-    """csrc/kernels/attend.h's AVX-512 path (four keys' lane sums side by side, the output
-    in registers) against its generic loop: the same bits for every head size it takes (16 to
-    128), one it leaves to the loop (48), and key counts with every tail of four, training's
-    and decoding's one query. Fails if the path sums a key's lanes or a value's terms in
-    another order."""
-    out = _vector_and_generic(tmp_path, ATTEND_CHECK)
-    assert out[0].count("\n") == 35 and out[0] == out[1]
+    """csrc/kernels/attend.h's vector path (four keys' lane sums side by side, the output in
+    registers; 16-float vectors with AVX-512, 8-float with AVX2) against its generic loop: the
+    same bits for every head size it takes (16 to 128), two it leaves to the loop (48, 24), and
+    key counts with every tail of four, training's and decoding's
+    one query. Fails if the path sums a key's lanes or a value's terms in another order."""
+    for build, (vectors, loop) in _vector_and_generic(tmp_path, ATTEND_CHECK).items():
+        assert vectors.count("\n") == 42 and vectors == loop, build
 
 
 ATTENTION_CHECK = r"""
@@ -524,12 +532,13 @@ int main(void)
 
 
 def test_attention_vector_paths_give_the_generic_loops_bits(tmp_path):
-    """The forward's and the backward's AVX-512 paths (attend.h's attend_vectors;
+    """The forward's and the backward's vector paths (attend.h's attend_vectors;
     attention.c's backward_query_*: four keys' lane sums side by side, dq in registers)
-    against their generic loops, on every head size the paths take (16, 64, 128) and one they
-    leave to the loops (48): the same bits of out and of dqkv."""
-    out = _vector_and_generic(tmp_path, ATTENTION_CHECK, "attention.c")
-    assert out[0].count("\n") == 6 and out[0] == out[1], out
+    against their generic loops, with AVX-512 and with AVX2, on head sizes the paths take (16,
+    64, 128) and one they leave to the loops (48): the same bits of out and of dqkv."""
+    for build, (vectors, loop) in _vector_and_generic(tmp_path, ATTENTION_CHECK,
+                                                      "attention.c").items():
+        assert vectors.count("\n") == 6 and vectors == loop, (build, vectors, loop)
 
 
 # ---------------------------------------------------------------- TF32, production shapes

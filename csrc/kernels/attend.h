@@ -7,23 +7,39 @@
 #include <stddef.h>
 #include "vexpf.h"
 
-#if defined(__AVX512F__) && defined(__GNUC__) && !defined(SL_ATTEND_GENERIC)
-typedef float attend_vec __attribute__((vector_size(64), aligned(4), may_alias));
+/* The vector paths (here and in attention.c's backward): W-float vectors, W = 16 with AVX-512,
+ * 8 with AVX2 and FMA (what GCC vectorises the generic loops with); SL_ATTEND_GENERIC, or
+ * neither, builds the loops alone. */
+#if defined(__GNUC__) && !defined(SL_ATTEND_GENERIC) &&                                       \
+	(defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__)))
+#define SL_ATTEND_VECTORS 1
+#ifdef __AVX512F__
+#define SL_ATTEND_W 16
+#else
+#define SL_ATTEND_W 8
+#endif
+typedef float attend_vec __attribute__((vector_size(SL_ATTEND_W * 4), aligned(4), may_alias));
 
-/* attend() for hs = 16 H (H <= 8: every GPT-2 size, tiny and micro), the same operations in the
- * same order (the generic loop's, as GCC vectorises it with AVX-512: a key's 16 lanes each an
- * FMA chain over the H vectors, then summed lane 0 to 15 from 0, then scaled; o's lanes FMA
- * chains over j), so the same bits, with the work arranged for the registers: four keys' lane
- * sums side by side (one key's 16 dependent adds left the core waiting), o held in H vector
+/* attend() for hs = W H (H = 1, 2, 4, 8: every GPT-2 size, tiny and micro), the same
+ * operations in the same order (the generic loop's, as GCC vectorises it: a key's W lanes each
+ * an FMA chain over the H vectors, then summed lane 0 to W - 1 from 0, then scaled; o's lanes
+ * FMA chains over j), so the same bits, with the work arranged for the registers: four keys'
+ * lane sums side by side (one key's W dependent adds left the core waiting), o held in H vector
  * registers over j (kept in memory, each j waited on the last one's stores): attention_forward
  * 2 x faster on Zen 4 (B = 4, T = 1024: 309 -> 156 ms on 2 cores). Sixteen keys' lane sums at
  * once by a transpose (vector adds in the same order) were slower with GCC 12's shuffles.
- * SL_ATTEND_GENERIC builds the loop alone (tests/test_kernels.py compares the bits). */
+ * tests/test_kernels.py builds both ways, for AVX-512 and AVX2, and compares the bits. */
+static inline __attribute__((always_inline)) attend_vec
+attend_load(const float *p)
+{
+	return *(const attend_vec *)p;
+}
+
 static inline __attribute__((always_inline)) float
 attend_lanes(attend_vec s)
 {
 	float d = 0.0f;
-	for (int l = 0; l < 16; l++)
+	for (int l = 0; l < SL_ATTEND_W; l++)
 		d += s[l];
 	return d;
 }
@@ -34,14 +50,16 @@ attend_vectors(float *o, float *pre, float *a, const float *q, const float *k, c
 {
 	attend_vec qv[8];
 	for (int h = 0; h < H; h++)
-		qv[h] = *(const attend_vec *)(q + 16 * h);
+		qv[h] = attend_load(q + SL_ATTEND_W * h);
 	float mx = -INFINITY;
 	int j = 0;
 	for (; j + 4 <= n; j += 4) {
 		attend_vec s[4] = { { 0 } };
-		for (int t = 0; t < 4; t++)
+		for (int t = 0; t < 4; t++) {
+			const float *kj = k + (size_t)(j + t) * stride;
 			for (int h = 0; h < H; h++)
-				s[t] += qv[h] * *(const attend_vec *)(k + (size_t)(j + t) * stride + 16 * h);
+				s[t] += qv[h] * attend_load(kj + SL_ATTEND_W * h);
+		}
 		for (int t = 0; t < 4; t++) {
 			float dot = attend_lanes(s[t]) * scale;
 			pre[j + t] = dot;
@@ -52,7 +70,7 @@ attend_vectors(float *o, float *pre, float *a, const float *q, const float *k, c
 	for (; j < n; j++) {
 		attend_vec s = { 0 };
 		for (int h = 0; h < H; h++)
-			s += qv[h] * *(const attend_vec *)(k + (size_t)j * stride + 16 * h);
+			s += qv[h] * attend_load(k + (size_t)j * stride + SL_ATTEND_W * h);
 		float dot = attend_lanes(s) * scale;
 		pre[j] = dot;
 		if (dot > mx)
@@ -73,10 +91,10 @@ attend_vectors(float *o, float *pre, float *a, const float *q, const float *k, c
 	for (j = 0; j < n; j++) {
 		const float w = a[j];
 		for (int h = 0; h < H; h++)
-			acc[h] += w * *(const attend_vec *)(v + (size_t)j * stride + 16 * h);
+			acc[h] += w * attend_load(v + (size_t)j * stride + SL_ATTEND_W * h);
 	}
 	for (int h = 0; h < H; h++)
-		*(attend_vec *)(o + 16 * h) = acc[h];
+		*(attend_vec *)(o + SL_ATTEND_W * h) = acc[h];
 }
 #endif
 
@@ -86,12 +104,12 @@ attend_vectors(float *o, float *pre, float *a, const float *q, const float *k, c
 static inline void attend(float *o, float *pre, float *a, const float *q, const float *k,
 			  const float *v, size_t stride, int n, int hs, float scale)
 {
-#if defined(__AVX512F__) && defined(__GNUC__) && !defined(SL_ATTEND_GENERIC)
-	switch (hs) {
-	case 16: attend_vectors(o, pre, a, q, k, v, stride, n, 1, scale); return;
-	case 32: attend_vectors(o, pre, a, q, k, v, stride, n, 2, scale); return;
-	case 64: attend_vectors(o, pre, a, q, k, v, stride, n, 4, scale); return;
-	case 128: attend_vectors(o, pre, a, q, k, v, stride, n, 8, scale); return;
+#ifdef SL_ATTEND_VECTORS
+	switch (hs % SL_ATTEND_W ? 0 : hs / SL_ATTEND_W) {
+	case 1: attend_vectors(o, pre, a, q, k, v, stride, n, 1, scale); return;
+	case 2: attend_vectors(o, pre, a, q, k, v, stride, n, 2, scale); return;
+	case 4: attend_vectors(o, pre, a, q, k, v, stride, n, 4, scale); return;
+	case 8: attend_vectors(o, pre, a, q, k, v, stride, n, 8, scale); return;
 	}
 #endif
 	// scores and their max

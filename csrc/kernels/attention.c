@@ -34,8 +34,8 @@ void attention_forward(float *out, float *att, const float *qkv, int B, int T, i
 	}
 }
 
-#if defined(__AVX512F__) && defined(__GNUC__) && !defined(SL_ATTEND_GENERIC)
-/* One query's two loops over its keys for hs = 16 H, as attend_vectors (attend.h) does the
+#ifdef SL_ATTEND_VECTORS
+/* One query's two loops over its keys for hs = W H, as attend_vectors (attend.h) does the
  * forward's: the operations of the generic loops below in their order, so the same bits,
  * four keys' lane sums side by side and dq held in registers over the keys (B = 2, T = 1024,
  * GPT-2's heads on 2 Zen 4 cores: 334-420 -> 199-222 ms). q, dq, dy: the query's (hs); k, v,
@@ -47,7 +47,7 @@ backward_query_datt(float *da, float *dv, const float *v, const float *a, const 
 {
 	attend_vec y[8];
 	for (int h = 0; h < H; h++)
-		y[h] = *(const attend_vec *)(dy + 16 * h);
+		y[h] = attend_load(dy + SL_ATTEND_W * h);
 	int t2 = 0;
 	for (; t2 + 4 <= n; t2 += 4) {
 		attend_vec s[4] = { { 0 } };
@@ -56,7 +56,7 @@ backward_query_datt(float *da, float *dv, const float *v, const float *a, const 
 			attend_vec *dvj = (attend_vec *)(dv + (size_t)(t2 + u) * stride);
 			const float w = a[t2 + u];
 			for (int h = 0; h < H; h++) {
-				s[u] += y[h] * *(const attend_vec *)(vj + 16 * h);
+				s[u] += y[h] * attend_load(vj + SL_ATTEND_W * h);
 				dvj[h] += w * y[h];
 			}
 		}
@@ -68,7 +68,7 @@ backward_query_datt(float *da, float *dv, const float *v, const float *a, const 
 		attend_vec *dvj = (attend_vec *)(dv + (size_t)t2 * stride);
 		attend_vec s = { 0 };
 		for (int h = 0; h < H; h++) {
-			s += y[h] * *(const attend_vec *)(vj + 16 * h);
+			s += y[h] * attend_load(vj + SL_ATTEND_W * h);
 			dvj[h] += a[t2] * y[h];
 		}
 		da[t2] = attend_lanes(s);
@@ -81,20 +81,20 @@ backward_query_dqk(float *dq, float *dk, const float *k, const float *q, const f
 {
 	attend_vec x[8], acc[8];
 	for (int h = 0; h < H; h++) {
-		x[h] = *(const attend_vec *)(q + 16 * h);
-		acc[h] = *(const attend_vec *)(dq + 16 * h);
+		x[h] = attend_load(q + SL_ATTEND_W * h);
+		acc[h] = attend_load(dq + SL_ATTEND_W * h);
 	}
 	for (int t2 = 0; t2 < n; t2++) {
 		const float g = scale * dp[t2];
 		const float *kj = k + (size_t)t2 * stride;
 		attend_vec *dkj = (attend_vec *)(dk + (size_t)t2 * stride);
 		for (int h = 0; h < H; h++) {
-			acc[h] += g * *(const attend_vec *)(kj + 16 * h);
+			acc[h] += g * attend_load(kj + SL_ATTEND_W * h);
 			dkj[h] += g * x[h];
 		}
 	}
 	for (int h = 0; h < H; h++)
-		*(attend_vec *)(dq + 16 * h) = acc[h];
+		*(attend_vec *)(dq + SL_ATTEND_W * h) = acc[h];
 }
 #endif
 
@@ -102,12 +102,12 @@ backward_query_dqk(float *dq, float *dk, const float *k, const float *q, const f
 static int backward_datt_vectors(float *da, float *dv, const float *v, const float *a,
 				 const float *dy, size_t stride, int n, int hs)
 {
-#if defined(__AVX512F__) && defined(__GNUC__) && !defined(SL_ATTEND_GENERIC)
-	switch (hs) {
-	case 16: backward_query_datt(da, dv, v, a, dy, stride, n, 1); return 1;
-	case 32: backward_query_datt(da, dv, v, a, dy, stride, n, 2); return 1;
-	case 64: backward_query_datt(da, dv, v, a, dy, stride, n, 4); return 1;
-	case 128: backward_query_datt(da, dv, v, a, dy, stride, n, 8); return 1;
+#ifdef SL_ATTEND_VECTORS
+	switch (hs % SL_ATTEND_W ? 0 : hs / SL_ATTEND_W) {
+	case 1: backward_query_datt(da, dv, v, a, dy, stride, n, 1); return 1;
+	case 2: backward_query_datt(da, dv, v, a, dy, stride, n, 2); return 1;
+	case 4: backward_query_datt(da, dv, v, a, dy, stride, n, 4); return 1;
+	case 8: backward_query_datt(da, dv, v, a, dy, stride, n, 8); return 1;
 	}
 #else
 	(void)da, (void)dv, (void)v, (void)a, (void)dy, (void)stride, (void)n, (void)hs;
@@ -119,12 +119,12 @@ static int backward_datt_vectors(float *da, float *dv, const float *v, const flo
 static int backward_dqk_vectors(float *dq, float *dk, const float *k, const float *q,
 				const float *dp, size_t stride, int n, float scale, int hs)
 {
-#if defined(__AVX512F__) && defined(__GNUC__) && !defined(SL_ATTEND_GENERIC)
-	switch (hs) {
-	case 16: backward_query_dqk(dq, dk, k, q, dp, stride, n, scale, 1); return 1;
-	case 32: backward_query_dqk(dq, dk, k, q, dp, stride, n, scale, 2); return 1;
-	case 64: backward_query_dqk(dq, dk, k, q, dp, stride, n, scale, 4); return 1;
-	case 128: backward_query_dqk(dq, dk, k, q, dp, stride, n, scale, 8); return 1;
+#ifdef SL_ATTEND_VECTORS
+	switch (hs % SL_ATTEND_W ? 0 : hs / SL_ATTEND_W) {
+	case 1: backward_query_dqk(dq, dk, k, q, dp, stride, n, scale, 1); return 1;
+	case 2: backward_query_dqk(dq, dk, k, q, dp, stride, n, scale, 2); return 1;
+	case 4: backward_query_dqk(dq, dk, k, q, dp, stride, n, scale, 4); return 1;
+	case 8: backward_query_dqk(dq, dk, k, q, dp, stride, n, scale, 8); return 1;
 	}
 #else
 	(void)dq, (void)dk, (void)k, (void)q, (void)dp, (void)stride, (void)n, (void)scale,
@@ -167,8 +167,8 @@ void attention_backward(float *dqkv, float *dpreatt, float *datt, const float *d
 				const float *head = qkv + (size_t)b * T * C3 + h * hs;
 				float *dhead = dqkv + (size_t)b * T * C3 + h * hs;
 				// out = att @ v:  datt[t2] = dy . v[t2],  dv[t2] += att[t2] * dy
-				int vectors = backward_datt_vectors(da, dhead + 2 * C, head + 2 * C, a, dy,
-								    C3, t + 1, hs);
+				int vectors = backward_datt_vectors(da, dhead + 2 * C, head + 2 * C,
+								    a, dy, C3, t + 1, hs);
 				for (int t2 = 0; !vectors && t2 <= t; t2++) {
 					const float *v =
 						qkv + ((size_t)b * T + t2) * C3 + 2 * C + h * hs;
@@ -194,8 +194,8 @@ void attention_backward(float *dqkv, float *dpreatt, float *datt, const float *d
 				// (beyond t: scratch that nothing reads, left as it is)
 				// preatt = scale * q . k[t2]:  dq += scale dp k[t2],  dk[t2] +=
 				// scale dp q
-				if (backward_dqk_vectors(dq, dhead + C, head + C, q, dp, C3, t + 1, scale,
-							 hs))
+				if (backward_dqk_vectors(dq, dhead + C, head + C, q, dp, C3, t + 1,
+							 scale, hs))
 					continue;
 				for (int t2 = 0; t2 <= t; t2++) {
 					const float *k =
