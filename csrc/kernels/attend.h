@@ -7,6 +7,24 @@
 #include <stddef.h>
 #include "vexpf.h"
 
+/* a (n) = softmax(pre) given mx = max(pre): shifted by the max so that expf never
+ * overflows; pre and a may be the same buffer */
+static inline __attribute__((always_inline)) void
+attend_softmax(float *a, const float *pre, int n, float mx)
+{
+	float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+	for (int j = 0; j < n; j++) {
+		float e = vexpf(pre[j] - mx);
+		a[j] = e;
+		sum += e;
+	}
+	float inv = 1.0f / sum;
+#pragma omp simd
+	for (int j = 0; j < n; j++)
+		a[j] *= inv;
+}
+
 /* The vector paths (here and in attention.c's backward): W-float vectors, W = 16 with AVX-512,
  * 8 with AVX2 and FMA (what GCC vectorises the generic loops with); SL_ATTEND_GENERIC, or
  * neither, builds the loops alone. */
@@ -33,6 +51,13 @@ static inline __attribute__((always_inline)) attend_vec
 attend_load(const float *p)
 {
 	return *(const attend_vec *)p;
+}
+
+/* The vectors H of a head of hs floats that the paths take (1, 2, 4 or 8), else 0 */
+static inline int attend_vectors_of(int hs)
+{
+	const int H = hs % SL_ATTEND_W ? 0 : hs / SL_ATTEND_W;
+	return H == 1 || H == 2 || H == 4 || H == 8 ? H : 0;
 }
 
 static inline __attribute__((always_inline)) float
@@ -76,17 +101,7 @@ attend_vectors(float *o, float *pre, float *a, const float *q, const float *k, c
 		if (dot > mx)
 			mx = dot;
 	}
-	float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-	for (int i = 0; i < n; i++) {
-		float e = vexpf(pre[i] - mx);
-		a[i] = e;
-		sum += e;
-	}
-	float inv = 1.0f / sum;
-#pragma omp simd
-	for (int i = 0; i < n; i++)
-		a[i] *= inv;
+	attend_softmax(a, pre, n, mx);
 	attend_vec acc[8] = { { 0 } };
 	for (j = 0; j < n; j++) {
 		const float w = a[j];
@@ -105,7 +120,7 @@ static inline void attend(float *o, float *pre, float *a, const float *q, const 
 			  const float *v, size_t stride, int n, int hs, float scale)
 {
 #ifdef SL_ATTEND_VECTORS
-	switch (hs % SL_ATTEND_W ? 0 : hs / SL_ATTEND_W) {
+	switch (attend_vectors_of(hs)) {
 	case 1: attend_vectors(o, pre, a, q, k, v, stride, n, 1, scale); return;
 	case 2: attend_vectors(o, pre, a, q, k, v, stride, n, 2, scale); return;
 	case 4: attend_vectors(o, pre, a, q, k, v, stride, n, 4, scale); return;
@@ -125,18 +140,7 @@ static inline void attend(float *o, float *pre, float *a, const float *q, const 
 		if (dot > mx)
 			mx = dot;
 	}
-	// softmax, shifted by the max so that expf never overflows
-	float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-	for (int j = 0; j < n; j++) {
-		float e = vexpf(pre[j] - mx);
-		a[j] = e;
-		sum += e;
-	}
-	float inv = 1.0f / sum;
-#pragma omp simd
-	for (int j = 0; j < n; j++)
-		a[j] *= inv;
+	attend_softmax(a, pre, n, mx);
 	// o = sum_j a[j] v[j]
 #pragma omp simd
 	for (int i = 0; i < hs; i++)

@@ -103,7 +103,7 @@ static int backward_datt_vectors(float *da, float *dv, const float *v, const flo
 				 const float *dy, size_t stride, int n, int hs)
 {
 #ifdef SL_ATTEND_VECTORS
-	switch (hs % SL_ATTEND_W ? 0 : hs / SL_ATTEND_W) {
+	switch (attend_vectors_of(hs)) {
 	case 1: backward_query_datt(da, dv, v, a, dy, stride, n, 1); return 1;
 	case 2: backward_query_datt(da, dv, v, a, dy, stride, n, 2); return 1;
 	case 4: backward_query_datt(da, dv, v, a, dy, stride, n, 4); return 1;
@@ -120,7 +120,7 @@ static int backward_dqk_vectors(float *dq, float *dk, const float *k, const floa
 				const float *dp, size_t stride, int n, float scale, int hs)
 {
 #ifdef SL_ATTEND_VECTORS
-	switch (hs % SL_ATTEND_W ? 0 : hs / SL_ATTEND_W) {
+	switch (attend_vectors_of(hs)) {
 	case 1: backward_query_dqk(dq, dk, k, q, dp, stride, n, scale, 1); return 1;
 	case 2: backward_query_dqk(dq, dk, k, q, dp, stride, n, scale, 2); return 1;
 	case 4: backward_query_dqk(dq, dk, k, q, dp, stride, n, scale, 4); return 1;
