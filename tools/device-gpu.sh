@@ -171,7 +171,7 @@ print("starpu-llm built:", "CUDA" if c.lib.sl_have_cuda() else "CPU", "build,", 
     rm -rf "$work/llmc" && cp -r "$dev/llmc" "$work/llmc"
     local cub=(-lcublas -lcublasLt)
     [ -z "$cublas_libdir" ] || [ -e "$cublas_libdir/libcublas.so" ] ||
-      cub=(-L"$cublas_libdir" -Xlinker "-l:$(cd "$cublas_libdir" && ls libcublas.so.* | head -n1),-l:$(cd "$cublas_libdir" && ls libcublasLt.so.* | head -n1),-rpath,$cublas_libdir")
+      cub=(-Xlinker "-l:$(cd "$cublas_libdir" && ls libcublas.so.* | head -n1),-l:$(cd "$cublas_libdir" && ls libcublasLt.so.* | head -n1)")
     (cd "$work/llmc" && $dry nice nvcc -O3 --use_fast_math -arch=sm_"$arch" \
          ${cublas_home:+-I"$cublas_home/include" -L"$cublas_libdir" -Xlinker -rpath,"$cublas_libdir"} \
          -o train_gpt2fp32cu train_gpt2_fp32.cu "${cub[@]}" >"$details/llmc-build.log" 2>&1) &
