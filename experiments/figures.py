@@ -663,11 +663,11 @@ def latest_commit(path, machine) -> str:
 
 
 def run_points(points, cache, repeat, force_figs, log, replot=False, deadline=None,
-               order="plan", llmc_dir=None):
+               order="plan", llmc_dir=None, grace=60.0):
     """Round-robin over the distinct configurations, `repeat` times; cached runs skipped.
     order "cheap": within a round, by estimated run time (estimate_s). deadline (epoch
     seconds): a run whose estimate ends after it is not started (written down as not run),
-    and each run is killed at the deadline or at 3 x its estimate + 60 s."""
+    and each run is killed at the deadline or at 3 x its estimate + grace seconds."""
     configs = {}
     for p in points:
         configs.setdefault(config_key(p["spec"]), p)
@@ -699,7 +699,7 @@ def run_points(points, cache, repeat, force_figs, log, replot=False, deadline=No
                 log(f"[{i:3d}/{len(todo)}] {figs:<11} {describe_point(p):<34} NOT RUN: estimated "
                     f"{est or 0:.0f} s, {max(0, left):.0f} s left before the deadline")
                 continue
-            timeout = left if est is None else min(left, 3 * est + 60)
+            timeout = left if est is None else min(left, 3 * est + grace)
         t0 = time.time()
         result = run_spec(p["spec"], llmc_dir, timeout)
         dt = time.time() - t0
@@ -974,6 +974,9 @@ def main(argv=None):
                       "start (by its estimate; --deadline-at: an epoch time instead)")
     node.add_argument("--deadline-at", type=float, metavar="EPOCH",
                       help="the deadline as an epoch time (a calling script's start + its budget)")
+    node.add_argument("--run-grace", type=float, default=60.0, metavar="SECONDS",
+                      help="with a deadline, a run is killed at 3 x its estimate + SECONDS "
+                      "(default 60; more on a machine other processes load)")
     node.add_argument("--order", choices=["plan", "cheap", "priority"], default="plan",
                       help="cheap: the runs by estimated time, shortest first; priority: by "
                       "--only's order, the first figure first, and with --deadline a plan cut "
@@ -1130,7 +1133,7 @@ def main(argv=None):
             cache.add(p["spec"], 1, dict(error=p.get("why") or "not run: cut from the plan "
                                          "(the deadline; lower priority)"), 0.0)
         run_points(points, cache, args.repeat, only if args.force else set(), log, args.replot,
-                   deadline, args.order, args.llmc)
+                   deadline, args.order, args.llmc, args.run_grace)
         if args.no_plots:
             done = sum(1 for r in cache.rows if not r.get("error"))
             log(f"--no-plots: {done} run(s) in {os.path.join(args.out, 'runs.csv')}, "

@@ -12,6 +12,7 @@ import re
 import stat
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -194,7 +195,7 @@ def test_node_pipeline_small(tmp_path, quick_calibration):
     llmc_dir = fake_llmc(str(tmp_path / "llmc"))
     p = figures(out, "--series", "tensor,data,llmc", "--llmc", llmc_dir, "--calibration",
                 quick_calibration, "--point-seconds", "0.5", "--steps", "3", "--order", "cheap",
-                "--deadline", "900")
+                "--deadline", "900", "--run-grace", "600")  # a loaded CI machine: no run killed
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     runs, preds = rows(out / "runs.csv"), rows(out / "predictions.csv")
     points = json.load(open(out / "points.json"))["points"]
@@ -510,3 +511,27 @@ def test_calibration_on_a_named_subset_of_partitions(tmp_path):
     assert "on partitions 2x1" in back.source and "link from the ping-pong" in back.source
     with pytest.raises(ValueError, match="3x1"):
         calibrate(path, model="tiny", quick=True, only=[(3, 1)])
+
+
+def test_a_run_is_killed_at_three_estimates_plus_the_grace(monkeypatch):
+    """run_points' per-run timeout: 3 x the estimate + --run-grace (60 s by default, the
+    device's), never past the deadline; the pipeline test gives its tiny runs 600 s so a
+    loaded machine cannot kill one."""
+    import figures
+    seen = []
+    monkeypatch.setattr(figures, "run_spec", lambda spec, llmc_dir, timeout: (
+        seen.append(timeout), {"error": "stand-in"})[1])
+
+    class Cache:
+        def get(self, key, repeat):
+            return None
+
+        def add(self, spec, repeat, result, seconds):
+            return {"error": result.get("error", ""), "tokens_per_ms": ""}
+
+    p = point("fig3", "B=16", "16x1", n=16, k=1, est=5.0)
+    for grace, deadline_in, want in ((60.0, 1000, 75), (600.0, 1000, 615), (600.0, 100, 100)):
+        seen.clear()
+        figures.run_points([p], Cache(), 1, set(), lambda s: None,
+                           deadline=time.time() + deadline_in, grace=grace)
+        assert seen and abs(seen[0] - want) < 2, (grace, deadline_in, seen)
