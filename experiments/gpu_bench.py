@@ -49,7 +49,10 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SYSTEMS = ("starpu-llm", "llm.c", "pytorch")
+SYSTEMS = ("starpu-llm", "llm.c", "pytorch", "starpu-llm-gemm")
+# starpu-llm-gemm: starpu-llm with --attention gemm (the batched-GEMM attention, which keeps the
+# (T, T) weights) in place of the GPUs' default fused one: which is faster on this GPU; run
+# after the other systems at every shape
 
 
 def shapes_of(text: str) -> list[tuple[int, int]]:
@@ -65,19 +68,22 @@ def shapes_of(text: str) -> list[tuple[int, int]]:
 
 # ---------------------------------------------------------------- one system, one shape
 
-def starpu_config(B: int, T: int, steps: int, warmup: int, trace: bool = False):
-    """The run of `starpu-llm train --gpus 1 --gpu-matmul tf32 -b B -t T` on the bundled
-    tokens, from random weights, as a TrainConfig (no setting of its own)."""
+def starpu_config(B: int, T: int, steps: int, warmup: int, trace: bool = False,
+                  attention: str | None = None):
+    """The run of `starpu-llm train --gpus 1 --gpu-matmul tf32 -b B -t T [--attention A]` on
+    the bundled tokens, from random weights, as a TrainConfig (no setting of its own)."""
     from starpu_llm import TrainConfig
     return TrainConfig(model="d12", batch=B, seq_len=T, steps=warmup + steps, lr=1e-4,
-                       gpus=1, gpu_matmul="tf32", untimed_steps=warmup, trace=trace, log=None)
+                       gpus=1, gpu_matmul="tf32", attention=attention, untimed_steps=warmup,
+                       trace=trace, log=None)
 
 
-def run_starpu(B: int, T: int, steps: int, warmup: int, out: str, trace: bool = False) -> dict:
+def run_starpu(B: int, T: int, steps: int, warmup: int, out: str, trace: bool = False,
+               attention: str | None = None) -> dict:
     import numpy as np
     from starpu_llm import train
 
-    r = train(starpu_config(B, T, steps, warmup))
+    r = train(starpu_config(B, T, steps, warmup, attention=attention))
     result = dict(step_ms=r.step_ms[warmup:], first_loss=float(r.losses[0]),
                   losses=[float(x) for x in r.losses], describe=r.engine,
                   peak_gpu_mb=r.peak_gpu_mb, finite=bool(np.all(np.isfinite(r.losses))))
@@ -172,6 +178,8 @@ def child(args) -> None:
     B, T = shapes_of(args.shape)[0]
     if args.system == "starpu-llm":
         r = run_starpu(B, T, args.steps, args.warmup, args.out, args.trace)
+    elif args.system == "starpu-llm-gemm":
+        r = run_starpu(B, T, args.steps, args.warmup, args.out, attention="gemm")
     elif args.system == "pytorch":
         r = run_pytorch(B, T, args.steps, args.warmup, args.out)
     else:
@@ -180,6 +188,14 @@ def child(args) -> None:
 
 
 # ---------------------------------------------------------------- the run
+
+def run_order(shapes, systems) -> list[tuple[int, int, str]]:
+    """(B, T, system) in the order they run: the systems interleaved shape by shape, then
+    starpu-llm-gemm at every shape (a run cut short keeps the comparison with the peers)."""
+    late = ("starpu-llm-gemm",)
+    return ([(B, T, s) for B, T in shapes for s in systems if s not in late] +
+            [(B, T, s) for B, T in shapes for s in systems if s in late])
+
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -237,33 +253,32 @@ def main():
                 notes.append(f"llm.c did not build: {getattr(e, 'stderr', None) or e}"[-400:])
                 systems.remove("llm.c")
     rows, table = [], {}
-    for B, T in shapes:
-        for system in systems:
-            cmd = [sys.executable, os.path.abspath(__file__), "--child", "--system", system,
-                   "--shape", f"{B}x{T}", "--out", args.out, "--steps", str(args.steps),
-                   "--warmup", str(args.warmup)] + (["--llmc-binary", binary] if binary else [])
-            cmd += ["--trace"] if args.trace else []
-            t = time.perf_counter()
-            try:
-                p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-                line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
-                if line is None:
-                    raise RuntimeError(f"exit {p.returncode}: {(p.stderr or p.stdout)[-600:]}")
-                r = json.loads(line[len("RESULT "):])
-                r["median_ms"] = statistics.median(r["step_ms"])
-                r["tok_per_ms"] = B * T / r["median_ms"]
-            except (subprocess.TimeoutExpired, RuntimeError, KeyError, ValueError) as e:
-                r = dict(error=str(e).replace("\n", " ")[-600:])
-            r["wall_s"] = time.perf_counter() - t
-            table[(system, B, T)] = r
-            for i, ms in enumerate(r.get("step_ms", [])):
-                rows.append(dict(system=system, precision="tf32", B=B, T=T, step=i + 1, ms=ms))
-            print(f"{system:15s} {B:4d} x {T:4d}: " + (
-                f"{r['median_ms']:.1f} ms/step, {r['tok_per_ms']:.1f} tok/ms"
-                if "tok_per_ms" in r else f"failed: {r['error'][:300]}")
-                + f"  ({r['wall_s']:.0f} s)", flush=True)
-            # after every run: a run stopped from outside keeps what was measured
-            write_report(args, systems, table, rows, notes)
+    for B, T, system in run_order(shapes, systems):
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--system", system,
+               "--shape", f"{B}x{T}", "--out", args.out, "--steps", str(args.steps),
+               "--warmup", str(args.warmup)] + (["--llmc-binary", binary] if binary else [])
+        cmd += ["--trace"] if args.trace and system == "starpu-llm" else []
+        t = time.perf_counter()
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+            line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
+            if line is None:
+                raise RuntimeError(f"exit {p.returncode}: {(p.stderr or p.stdout)[-600:]}")
+            r = json.loads(line[len("RESULT "):])
+            r["median_ms"] = statistics.median(r["step_ms"])
+            r["tok_per_ms"] = B * T / r["median_ms"]
+        except (subprocess.TimeoutExpired, RuntimeError, KeyError, ValueError) as e:
+            r = dict(error=str(e).replace("\n", " ")[-600:])
+        r["wall_s"] = time.perf_counter() - t
+        table[(system, B, T)] = r
+        for i, ms in enumerate(r.get("step_ms", [])):
+            rows.append(dict(system=system, precision="tf32", B=B, T=T, step=i + 1, ms=ms))
+        print(f"{system:15s} {B:4d} x {T:4d}: " + (
+            f"{r['median_ms']:.1f} ms/step, {r['tok_per_ms']:.1f} tok/ms"
+            if "tok_per_ms" in r else f"failed: {r['error'][:300]}")
+            + f"  ({r['wall_s']:.0f} s)", flush=True)
+        # after every run: a run stopped from outside keeps what was measured
+        write_report(args, systems, table, rows, notes)
     print(open(os.path.join(args.out, "gpu_bench.md")).read())
 
 

@@ -80,6 +80,5 @@ def test_a_head_too_wide_for_the_cuda_kernels_is_refused_before_any_task(runtime
     monkeypatch.setattr(runtime, "partition",         # as a GPU runtime would start it
                         replace(runtime.partition, gpus=1))
     with pytest.raises(StarpuLLMError, match=r'heads of up to 64 channels, and this model\'s '
-                       r'have 128 \(128 channels / 1 heads\): start the runtime with '
-                       r'attention="gemm"'):
+                       r'have 128 \(128 channels / 1 heads\): run it with attention gemm'):
         engine()

@@ -58,7 +58,7 @@ def test_train_save_and_metrics(shard, tmp_path):
     assert rows[0]["partition"] == dict(engine="starpu", workers=1, cores_per_worker=usable_cores(),
                                         sub_batches=1, kcore=rows[0]["partition"]["kcore"], ranks=1,
                                         ownership="rank0", stages=1, gpus=0, gpu_matmul="",
-                                        sched="lws", pipeline_schedule="")
+                                        sched="lws", pipeline_schedule="", attention="gemm")
     assert rows[0]["partition"]["kcore"] in (("single",) if usable_cores() == 1 else
                                              ("team", "parallel-workers"))
     assert f"partition: 1 worker(s) x {usable_cores()} core(s)" in out

@@ -87,6 +87,22 @@ def test_bench_same_start_check():
     assert "llm.c" in lines[1] and "EXCEEDS the TF32 bound" in lines[1], lines
 
 
+def test_bench_runs_the_peers_first_and_starpu_llm_as_train_runs_it():
+    """The comparison with llm.c and PyTorch at every shape before the batched-GEMM attention's
+    runs; each starpu-llm run is the TrainConfig `train --gpus 1` makes, its attention
+    resolved with the partition (flash unless asked)."""
+    sys.path.insert(0, os.path.dirname(BENCH))
+    import gpu_bench
+    from starpu_llm.plan.partition import Build, resolve
+    order = gpu_bench.run_order([(16, 1024), (8, 1024)], list(gpu_bench.SYSTEMS))
+    assert [s for _, _, s in order[:6]] == ["starpu-llm", "llm.c", "pytorch"] * 2
+    assert order[6:] == [(16, 1024, "starpu-llm-gemm"), (8, 1024, "starpu-llm-gemm")]
+    gpu = Build(max_cpus=64, parallel_workers=True, cuda=True)
+    for attention, want in ((None, "flash"), ("gemm", "gemm")):
+        cfg = gpu_bench.starpu_config(8, 1024, 8, 2, attention=attention)
+        assert resolve(cfg.partition_request(), cores=16, build=gpu).attention == want
+
+
 PTXAS = """\
 ptxas info    : 0 bytes gmem
 ptxas info    : Compiling entry function '_Z10add_kernelPfPKfm' for 'sm_90'

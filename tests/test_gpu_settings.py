@@ -33,10 +33,11 @@ def test_flags_and_defaults():
 
 
 def test_partition_records_the_gpus():
-    cpu = Partition("starpu", 1, 2, 1, "team")
-    gpu = Partition("starpu", 1, 15, 1, "team", gpus=1, gpu_matmul="tf32")
-    assert cpu.describe() == "1 worker(s) x 2 core(s) (team), 1 sub-batch(es)"   # as before
-    assert gpu.describe() == "1 worker(s) x 15 core(s) (team) + 1 GPU(s) (TF32 matmuls), 1 sub-batch(es)"
+    cpu = Partition("starpu", 1, 2, 1, "team", attention="gemm")
+    gpu = Partition("starpu", 1, 15, 1, "team", gpus=1, gpu_matmul="tf32", attention="flash")
+    assert cpu.describe() == "1 worker(s) x 2 core(s) (team), 1 sub-batch(es), gemm attention"
+    assert gpu.describe() == ("1 worker(s) x 15 core(s) (team) + 1 GPU(s) (TF32 matmuls), 1 "
+                              "sub-batch(es), flash attention")
     settings = Settings.of(TrainConfig())
     for p in (cpu, gpu):
         assert RunRecord.from_json(RunRecord(p, settings).to_json()).partition == p

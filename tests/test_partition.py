@@ -115,7 +115,7 @@ def test_sub_batches_and_ranks():
     assert p.sub_batches == 2
     assert resolve(PartitionRequest(threads=3, sub_batches=2), cores=2, build=DEBIAN,
                    engine="reference").describe() == \
-        "reference engine, 3 thread(s), 2 sub-batch(es)"
+        "reference engine, 3 thread(s), 2 sub-batch(es), gemm attention"
 
 
 @pytest.mark.parametrize("build, cores, ask, ranks", [
@@ -244,3 +244,28 @@ def test_bench_auto_gives_each_partition_of_the_kcore_asked():
     assert resolve_here(PartitionRequest(workers=1, cores_per_worker=2, kcore="forkjoin"),
                         cores=2) in ps
     assert [(p.workers, p.cores_per_worker) for p in ps] == [(1, 2), (2, 1)]
+
+
+def test_the_attention_is_decided_with_the_partition():
+    """--attention resolved once with the partition: gemm on CPUs, flash with GPUs unless
+    asked; resumed (request_of), kept on a runtime given (on_runtime refuses another), and a
+    record saved before it was kept runs the same roundings as either."""
+    from starpu_llm.plan.partition import on_runtime
+    cpu = resolve(PartitionRequest(), cores=2, build=DEBIAN, batch=4)
+    gpu = resolve(PartitionRequest(gpus=1), cores=8, build=GPU, batch=4)
+    assert (cpu.attention, gpu.attention) == ("gemm", "flash")
+    asked = resolve(PartitionRequest(attention="flash"), cores=2, build=DEBIAN, batch=4)
+    assert asked.attention == "flash" and "flash attention" in asked.describe()
+    assert resolve(PartitionRequest(gpus=1, attention="gemm"), cores=8, build=GPU).attention == "gemm"
+    assert resolve(PartitionRequest(threads=2, attention="flash"), cores=2, build=DEBIAN,
+                   engine="reference").attention == "flash"
+    with pytest.raises(StarpuLLMError, match="attention 'dense': choose one of gemm, flash"):
+        resolve(PartitionRequest(attention="dense"), cores=2, build=DEBIAN)
+    for p in (cpu, gpu, asked):
+        assert resolve(request_of(p), cores=8 if p.gpus else 2,
+                       build=GPU if p.gpus else DEBIAN, batch=4) == p
+    assert on_runtime(asked, PartitionRequest(), 4).attention == "flash"
+    with pytest.raises(StarpuLLMError, match="attention gemm: the runtime given runs"):
+        on_runtime(asked, PartitionRequest(attention="gemm"), 4)
+    old = replace(cpu, attention="")
+    assert old.same_shape(cpu) and cpu.same_shape(old) and not asked.same_shape(cpu)

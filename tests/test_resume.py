@@ -472,6 +472,22 @@ def test_resume_keeps_the_recorded_scheduler_and_reads_older_records(shard, tmp_
         assert warnings == [] and {r["partition"]["sched"] for r in rows(metrics)} == {sched}
 
 
+def test_resume_keeps_the_recorded_attention_unless_one_is_asked(shard, tmp_path):
+    """The attention's form is the partition's: recorded, resumed where the resumed run asks
+    for none; another one asked for is run, with the warning that the roundings differ."""
+    kw = dict(engine="starpu", workers=1, cores_per_worker=1)
+    ck = str(tmp_path / "ck")
+    train(config(shard, steps=2, save_every=2, checkpoint_dir=ck, attention="flash", **kw))
+    assert checkpoint.read_with_record(ck)[1].partition.attention == "flash"
+    for asked, runs in ((None, "flash"), ("gemm", "gemm")):
+        warnings, metrics = [], str(tmp_path / f"{runs}.jsonl")
+        train(config(shard, steps=3, resume=ck, engine="starpu", attention=asked,
+                     metrics_jsonl=metrics, warn=warnings.append))
+        assert {r["partition"]["attention"] for r in rows(metrics)} == {runs}
+        assert (warnings == []) == (asked is None), warnings
+        assert all("roundings will differ" in w for w in warnings)
+
+
 def test_resume_refuses_another_model_and_warns_on_changed_settings(shard, tmp_path):
     ck = str(tmp_path / "ck")
     train(config(shard, steps=2, engine="reference", save_every=2, checkpoint_dir=ck))

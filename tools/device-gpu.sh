@@ -14,8 +14,10 @@
 #   smoke     (~20 s): `starpu-llm train --gpus 1` on the tiny model, StarPU's messages on;
 #   parity    (~2 min): tests/test_gpu.py's oracle parity, tiny and d12 in fp32 and TF32
 #             against the PyTorch oracle (test_gpu_matches_torch);           -> parity.log
-#   bench     (~3 min): experiments/gpu_bench.py, starpu-llm, llm.c and PyTorch eager TF32
-#             interleaved at 16 x 1024, 8 x 1024 and 128 x 64           -> gpu_bench.md, .csv
+#   bench     (~3-4 min): experiments/gpu_bench.py, starpu-llm, llm.c and PyTorch eager TF32
+#             interleaved at 16 x 1024, 8 x 1024 and 128 x 64, then starpu-llm with the
+#             batched-GEMM attention (--attention gemm) at each: which form is faster here
+#                                                                     -> gpu_bench.md, .csv
 #   rest      (what is left): the other GPU tests (kernels, the CUDA bodies, test_gpu.py's
 #             others, the settings)                                             -> rest.log
 #
@@ -203,7 +205,7 @@ stage_bench() {
     wait "$llmc_pid" && llmc=(--llmc-binary "$work/llmc/train_gpt2fp32cu") ||
       say "llm.c did not build (details/llmc-build.log): the benchmark runs without it"
   fi
-  (cd "$work" && $dry timeout "$(limit 200 30)" python3 "$repo/experiments/gpu_bench.py" \
+  (cd "$work" && $dry timeout "$(limit 240 30)" python3 "$repo/experiments/gpu_bench.py" \
        --out "$work/bench" "${llmc[@]}" --shapes 16x1024,8x1024,128x64 --steps 8 --warmup 2 \
        --timeout 60 --trace)
   local rc=$?

@@ -311,7 +311,7 @@ class Handles:
             raise StarpuLLMError(
                 f"the fused attention on GPUs takes heads of up to {lib.SL_FLASH_MAX_HS} "
                 f"channels, and this model's have {hs} ({config.C} channels / {config.NH} "
-                f"heads): start the runtime with attention=\"gemm\"")
+                f"heads): run it with {opt('attention')} gemm (the batched-GEMM attention)")
         topo, d = self.topology, self.sites.copy(i)
         j = i % self.subs_per_copy
 

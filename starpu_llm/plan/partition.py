@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 from ..errors import StarpuLLMError, opt
+from ..model.config import ATTENTIONS
 from .sites import default_sub_batches
 from .topology import OWNERSHIPS, PIPELINE_SCHEDULES
 from .record import Partition
@@ -105,6 +106,12 @@ class PartitionRequest:
     gpu_matmul: str = setting("tf32", "the GPUs' matmul precision: tf32 (tensor cores; the "
                               "default) or fp32", choices=list(GPU_MATMUL), group=PARALLELISM,
                               ranks_agree=True)
+    attention: str | None = setting(
+        None, "the attention's form: flash (fused, tiles with an online softmax: no (T, T) "
+        "tensor, the scores recomputed in the backward; the default with GPUs) or gemm (the "
+        "softmax weights (B, NH, T, T) kept for the backward, batched GEMMs; the default on "
+        "CPUs); the same math, other roundings", choices=list(ATTENTIONS), group=PARALLELISM,
+        ranks_agree=True)
 
     def given(self) -> bool:
         """Whether the partition's shape is asked for (else the default, or on --resume the
@@ -124,14 +131,28 @@ def request_of(p: Partition) -> PartitionRequest:
     for; single (K = 1) and parallel-workers follow from N x K; the scheduler and a pipeline's
     schedule where recorded (None, the default, in a record saved before they were)."""
     if p.engine == "reference":
-        return PartitionRequest(threads=p.cores_per_worker, sub_batches=p.sub_batches)
+        return PartitionRequest(threads=p.cores_per_worker, sub_batches=p.sub_batches,
+                                attention=p.attention or None)
     return PartitionRequest(
         workers=p.workers, cores_per_worker=p.cores_per_worker, sub_batches=p.sub_batches or None,
         kcore=p.kcore if p.kcore in KCORE_REQUESTS else None,
         ownership=p.ownership if p.ranks > 1 else None,
         pipeline_stages=p.stages if p.ranks > 1 else None,
         gpus=p.gpus, gpu_matmul=p.gpu_matmul or "tf32", sched=p.sched or None,
-        pipeline_schedule=p.pipeline_schedule or None)
+        pipeline_schedule=p.pipeline_schedule or None, attention=p.attention or None)
+
+
+def attention_of(asked: str | None, gpus: int) -> str:
+    """The attention's form (model/config.ATTENTIONS) of a run asking for `asked` (None: the
+    default) on `gpus` GPUs, decided here only: the fused one with GPUs, whose memory the
+    (T, T) weights would fill (GPT-2 124M at 16 x 1024: 9.7 GB of them); the batched-GEMM one
+    on CPUs, whose bits every CPU result so far has (the fused one is as fast there, in less
+    memory: --attention flash)."""
+    attention = asked or ("flash" if gpus else "gemm")
+    if attention not in ATTENTIONS:
+        raise StarpuLLMError(f"{opt('attention')} {attention!r}: choose one of "
+                             f"{', '.join(ATTENTIONS)}")
+    return attention
 
 
 def settings_of(p: Partition) -> dict:
@@ -159,7 +180,8 @@ def resolve(req: PartitionRequest, *, cores: int, build: Build, ranks: int = 1,
                                  f"GPUs; the reference engine runs on CPUs: give "
                                  f"{opt('engine')} starpu, or no {opt('gpus')}")
         threads = req.threads or cores
-        return Partition("reference", 1, threads, req.sub_batches or 1, "openmp", 1)
+        return Partition("reference", 1, threads, req.sub_batches or 1, "openmp", 1,
+                         attention=attention_of(req.attention, 0))
     if engine != "starpu":
         raise StarpuLLMError(f"{opt('engine')} {engine!r}: choose starpu or reference")
     kcore = req.kcore or DEFAULT_KCORE
@@ -220,7 +242,8 @@ def resolve(req: PartitionRequest, *, cores: int, build: Build, ranks: int = 1,
                                  f"{', '.join(PIPELINE_SCHEDULES)}")
     p = Partition("starpu", workers, cores_per_worker, req.sub_batches or 0, mechanism, ranks,
                   (req.ownership or "sharded") if ranks > 1 else "rank0", stages, gpus,
-                  req.gpu_matmul if gpus else "", pipeline_schedule=schedule)
+                  req.gpu_matmul if gpus else "", pipeline_schedule=schedule,
+                  attention=attention_of(req.attention, gpus))
     p = replace(p, sched=scheduler(p, req.sched, build.schedulers, sched_env))
     return with_batch(p, batch) if batch is not None else p
 

@@ -32,6 +32,9 @@ class Partition:
                             # engine, or a record saved before it was kept)
     pipeline_schedule: str = ""   # a pipeline's schedule (plan/topology.PIPELINE_SCHEDULES;
                                   # "": no pipeline, or a record saved before it was kept)
+    attention: str = ""     # the attention's form, "flash" or "gemm" (model/config.ATTENTIONS;
+                            # "": a record saved before it was kept, or a Partition made by
+                            # hand: partition.attention_of's default)
 
     @property
     def cores(self) -> int:
@@ -55,9 +58,11 @@ class Partition:
 
     def same_shape(self, other: "Partition") -> bool:
         """Whether other runs the same roundings: every field but the scheduler and a
-        pipeline's schedule (the same bits under any schedule; absent from older records)."""
-        return replace(self, sched="", pipeline_schedule="") == replace(other, sched="",
-                                                                        pipeline_schedule="")
+        pipeline's schedule (the same bits under any schedule; absent from older records), the
+        attention's form where both record it."""
+        def blank(p, q):
+            return replace(p, sched="", pipeline_schedule="", attention=p.attention or q.attention)
+        return blank(self, other) == blank(other, self)
 
     def describe(self) -> str:
         if self.stages > 1:
@@ -66,14 +71,16 @@ class Partition:
         else:
             ranks = (f" on each of {self.ranks} MPI processes, {self.ownership} ownership"
                      if self.ranks > 1 else "")
+        attention = f", {self.attention} attention" if self.attention else ""
         if self.engine == "reference":
-            return f"reference engine, {self.cores_per_worker} thread(s), {self.sub_batches} sub-batch(es)"
+            return (f"reference engine, {self.cores_per_worker} thread(s), "
+                    f"{self.sub_batches} sub-batch(es){attention}")
         gpus = (f" + {self.gpus} GPU(s) ({self.gpu_matmul.upper()} matmuls)" if self.gpus
                 else "")
         sched = f", scheduler {self.sched}" if self.sched else ""
         schedule = f", {self.pipeline_schedule} schedule" if self.pipeline_schedule else ""
         return (f"{self.workers} worker(s) x {self.cores_per_worker} core(s) ({self.kcore}){gpus}, "
-                f"{self.sub_batches} sub-batch(es){ranks}{schedule}{sched}")
+                f"{self.sub_batches} sub-batch(es){ranks}{attention}{schedule}{sched}")
 
 
 @dataclass(frozen=True)

@@ -10,13 +10,13 @@ import atexit
 import contextlib
 import errno
 import os
+from dataclasses import replace
 from typing import NamedTuple
 
 from ..plan import partition
 from .._clib import ffi, lib
 from ..errors import StarpuLLMError, opt
-from ..model.config import ATTENTIONS
-from ..plan.partition import Build, PartitionRequest
+from ..plan.partition import Build, PartitionRequest, attention_of
 from ..plan.record import Partition
 from . import offload, starpupy_face
 from .mpi import BACKOFF_MAX_US, mpi_polling, phase
@@ -123,9 +123,9 @@ class Runtime:
     of a codelet with a CUDA body runs on the GPUs only (placement()), the CPU workers run
     the rest (the batch loads), so dmda never tries a layer task on a CPU to calibrate its
     model (at GPT-2 124M, B=16, T=1024, seconds a task).
-    attention: the attention the layer tasks run (model/config.py's ATTENTIONS), decided here once
-    and read by the task flow's tensors: None gives the fused one ("flash": no (T, T) tensor,
-    csrc/cuda/attention.cu) with GPUs, the batched-GEMM one ("gemm", the CPU engine's) without.
+    attention: the attention the layer tasks run (model/config.py's ATTENTIONS), in place of the
+    partition's (partition.attention_of: None, the partition's, else the fused one, "flash",
+    with GPUs and the batched-GEMM one, "gemm", without); read by the task flow's tensors.
     """
 
     _active: "Runtime | None" = None
@@ -139,10 +139,10 @@ class Runtime:
         with phase(comm, "planning StarPU's start"):   # every rank, before any starts StarPU-MPI
             core_ids = self._plan(partition, comm, face, memory)
         p = self.partition
-        self.attention = attention or ("flash" if p.gpus else "gemm")
-        if self.attention not in ATTENTIONS:
-            raise StarpuLLMError(f"attention {self.attention!r}: choose one of "
-                                 f"{', '.join(ATTENTIONS)}")
+        if attention or not p.attention:      # a partition made by hand records none
+            p = self.partition = replace(p, attention=attention_of(attention or p.attention,
+                                                                   p.gpus))
+        self.attention = p.attention
         self.offload = offload.start(memory)     # the limit, before StarPU starts
         self.offload_path = self.offload.path if self.offload else None
         sched = ffi.new("char[]", p.sched.encode())      # alive through the start

@@ -120,12 +120,12 @@ def on_recorded_partition(cfg, record: RunRecord | None, ranks: int, memory_limi
         return cfg, None, [f"the checkpoint was saved by {p.ranks} process(es) and this run has "
                            f"{ranks}: it runs on the default partition, not on the recorded one "
                            f"({p.describe()})"]
-    # the scheduler and a pipeline's schedule (not the partition's shape: PartitionRequest.given)
-    # resumed where this run names none
+    # the scheduler, a pipeline's schedule and the attention's form (not the partition's shape:
+    # PartitionRequest.given) resumed where this run names none
     recorded = request_of(p)
     resumed = replace(cfg, **{f.name: getattr(recorded, f.name) for f in fields(recorded)
                               if f.name != "oversubscribe"
-                              and not (f.name in ("sched", "pipeline_schedule")
+                              and not (f.name in ("sched", "pipeline_schedule", "attention")
                                        and getattr(cfg, f.name) is not None)})
     try:
         return resumed, resolve_here(resumed.partition_request(), ranks, cfg.batch,

@@ -227,7 +227,7 @@ def _set_up(cfg: TrainConfig, state: TrainState | None, runtime) -> Run:
             cfg = autotuned(cfg, config, comm, runtime, log, machine)
         partition = start.partition or run_partition(cfg, comm, runtime, memory)   # resolved once
         if memory is None:
-            check_memory(cfg, config, ranks)
+            check_memory(cfg, config, partition, ranks)
         peak = calibrated_peak(partition, machine)      # what a step's "mfu" is of
         fingerprint = data_fingerprint(loader.tokens)
         run_id = (start.run if start.saved is not None      # the run's identity (plan/record.py)
