@@ -1,5 +1,6 @@
-"""The attention kernels alone, as the package builds them: attention_forward (training's, the
-causal attention of B sequences of T positions) and attention_decode (serving's: N rows of N
+"""The attention kernels alone, as the package builds them: attention_forward and _backward
+(training's, the causal attention of B sequences of T positions), the fused ones
+(attention_flash_forward and _backward, --attention flash) and attention_decode (serving's: N rows of N
 slots at one position each, against key/value caches larger than the caches of the CPU), on
 --threads threads (kernels_set_threads), GFLOP/s (the causal half: B NH T (T+1)/2 query-key
 pairs, 4 hs flops each) and, for decoding, the caches' bytes read per second. The median of
@@ -55,6 +56,29 @@ def main():
                                                         NH), args.repeat)
         gf = B * NH * T * (T + 1) / 2 * 4 * HS / t / 1e9
         rows.append(["forward", f"B={B} T={T}", f"{t * 1e3:.3f}", f"{gf:.1f}", ""])
+    # training's backward, and the fused attention's forward and backward (--attention flash)
+    B, T = 2, 1024
+    qkv = rng.standard_normal((B, T, 3 * C), dtype=np.float32)
+    dout = rng.standard_normal((B, T, C), dtype=np.float32)
+    out, dqkv = np.empty((B, T, C), np.float32), np.empty((B, T, 3 * C), np.float32)
+    att, datt, dp = (np.zeros((B, NH, T, T), np.float32) for _ in range(3))
+    lse, dsum = np.empty((B, NH, T), np.float32), np.empty((B, NH, T), np.float32)
+    pairs = B * NH * T * (T + 1) / 2
+    lib.attention_forward(ptr(out), ptr(att), ptr(qkv), B, T, C, NH)
+    calls = (
+        ("backward", 8, lambda r: lib.attention_backward(
+            ptr(dqkv), ptr(dp), ptr(datt), ptr(dout), ptr(qkv), ptr(att), B, T, C, NH)),
+        ("flash-forward", 4, lambda r: lib.attention_flash_forward(
+            ptr(out), ptr(lse), ptr(qkv), B, T, C, NH)),
+        ("flash-backward", 10, lambda r: lib.attention_flash_backward(
+            ptr(dqkv), ptr(dsum), ptr(dout), ptr(qkv), ptr(out), ptr(lse), B, T, C, NH)))
+    # flops: 2 a product of each (query, key) pair's hs floats: the unfused backward's 4 (datt,
+    # dv, dq, dk), the fused forward's 2, its backward's 5 (the scores and dy.v recomputed,
+    # dq, dk, dv: one pass; a build without the vector paths does 7 in two passes)
+    for kind, flops_per_pair_hs, call in calls:
+        t = median_time(call, args.repeat)
+        gf = pairs * flops_per_pair_hs * HS / t / 1e9
+        rows.append([kind, f"B={B} T={T}", f"{t * 1e3:.3f}", f"{gf:.1f}", ""])
     S, Tc, N = 16, 1024, 16
     caches = [(rng.standard_normal((S, NH, Tc, HS), dtype=np.float32),
                rng.standard_normal((S, NH, Tc, HS), dtype=np.float32)) for _ in range(4)]

@@ -237,7 +237,7 @@ def gpt2_chain_lengths(config, B: int, T: int, tf32: bool = False,
         the deepest gradient (wte's embedding rows, wpe): a sum over <= BT positions and
           the add to the head's part                                    BT + 1
       (every weight gradient is a sum over the BT positions of a chain no longer than this)
-    attention "flash", the fused attention (csrc/kernels/attention.c, nt = ceil(T / tile)
+    attention "flash", the fused attention (csrc/kernels/flash.c, nt = ceil(T / tile)
     tiles of keys), instead of the scores to att @ v above (hs + 2T + 8) and the attention
     backward (hs + 2T + 5):
       forward: scores hs + 1; exp(s - m) 5; the nt - 1 rescalings' exps 4 each; o's sum over

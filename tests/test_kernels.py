@@ -522,7 +522,13 @@ int main(void)
 		for (size_t i = 0; i < no; i++) dout[i] = rnd(&seed);
 		attention_forward(out, att, qkv, B, T, C, NH);
 		attention_backward(dqkv, dp, datt, dout, qkv, att, B, T, C, NH);
-		printf("%016lx %016lx\n", fold(1469598103934665603ul, out, no),
+		printf("%016lx %016lx", fold(1469598103934665603ul, out, no),
+		       fold(1469598103934665603ul, dqkv, nq));
+		/* the fused attention (att: the logsumexp, datt: dsum) */
+		attention_flash_forward(out, att, qkv, B, T, C, NH);
+		attention_flash_backward(dqkv, datt, dout, qkv, out, att, B, T, C, NH);
+		printf(" %016lx %016lx %016lx\n", fold(1469598103934665603ul, out, no),
+		       fold(1469598103934665603ul, att, (size_t)B * NH * T),
 		       fold(1469598103934665603ul, dqkv, nq));
 		free(qkv); free(dqkv); free(out); free(dout); free(att); free(datt); free(dp);
 	}
@@ -533,11 +539,13 @@ int main(void)
 
 def test_attention_vector_paths_give_the_generic_loops_bits(tmp_path):
     """The forward's and the backward's vector paths (attend.h's attend_vectors;
-    attention.c's backward_query_*: four keys' lane sums side by side, dq in registers)
-    against their generic loops, with AVX-512 and with AVX2, on head sizes the paths take (16,
-    64, 128) and one they leave to the loops (48): the same bits of out and of dqkv."""
+    attention.c's backward_query_*: four keys' lane sums side by side, dq in registers), and
+    the fused attention's (flash_query_forward, flash_query_dq, flash_key_dkv), against their
+    generic loops, with AVX-512 and with AVX2, on head sizes the paths take (16, 32, 64, 128)
+    and one they leave to the loops (48), sequences ending inside a tile of keys: the same bits
+    of out, the logsumexp and dqkv."""
     for build, (vectors, loop) in _vector_and_generic(tmp_path, ATTENTION_CHECK,
-                                                      "attention.c").items():
+                                                      "attention.c", "flash.c").items():
         assert vectors.count("\n") == 6 and vectors == loop, (build, vectors, loop)
 
 

@@ -217,7 +217,7 @@ void attention_backward_cuda(const struct sl_gpu *g, float *dqkv, float *dpreatt
 }
 
 /* ---- Fused (attention_flash_forward/backward_cuda): no (T, T) tensor in global memory ----
- * The algorithm is csrc/kernels/attention.c's (FlashAttention, Dao et al. 2022, in
+ * The algorithm is csrc/kernels/flash.c's (FlashAttention, Dao et al. 2022, in
  * FlashAttention-2's loop order), row by row in the same tile order: a block of FLASH_ROWS
  * threads takes FLASH_ROWS consecutive rows of one (b, h), one row per thread (its q, its
  * running max, sum and output in registers), and the tiles of SL_FLASH_TILE keys (or, for dk

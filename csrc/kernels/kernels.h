@@ -71,7 +71,7 @@ void attention_forward(float *out, float *att, const float *qkv, int B, int T, i
 /* dqkv (B,T,3C) written; dpreatt, datt (B,NH,T,T) are scratch (written below the diagonal). */
 void attention_backward(float *dqkv, float *dpreatt, float *datt, const float *dout,
 			const float *qkv, const float *att, int B, int T, int C, int NH);
-/* The same attention fused (attention.c says how): no (T, T) tensor. The forward writes out
+/* The same attention fused (flash.c says how): no (T, T) tensor. The forward writes out
  * and lse (B,NH,T), each query row's log(sum_j exp(score_j)); the backward reads them back,
  * dsum (B,NH,T) its scratch. Keys go in tiles of SL_FLASH_TILE (the CUDA kernels' too). */
 #define SL_FLASH_TILE 32
