@@ -3,8 +3,10 @@ before a GPU is needed (issue 41, item 6).
 
   - the device script's stages run in priority order (preflight, build, smoke, parity, bench,
     rest) within its deadline, each one's results copied to $OUT as it ends, and its build
-    never calls `patch` (the CUDA 13 fix travels applied): its --dry-run echoes each stage's
-    commands without running them;
+    never calls `patch`: its --dry-run echoes each stage's commands without running them;
+  - StarPU's fixes (tools/patches/) apply once, recorded in the tree, so a fixed tree (what
+    travels to the GPU machine) needs no patch program, and an unfixed one without it is one
+    clear error;
   - an unknown stage, and the benchmark's bad flags, are one clear error, exit status 2;
   - the benchmark's same-start check: a first loss within the TF32 bound passes, one outside
     it is flagged."""
@@ -17,6 +19,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tools", "device-gpu.sh")
 BENCH = os.path.join(ROOT, "experiments", "gpu_bench.py")
+BUILD_STARPU = os.path.join(ROOT, "tools", "build-starpu.sh")
+PATCHES = os.path.join(ROOT, "tools", "patches")
 
 
 def dry_run(tmp_path, *stages):
@@ -42,14 +46,71 @@ def test_stages_in_priority_order_each_copied_to_out(tmp_path):
     assert len(out) <= 8, out       # what the device tool brings back
 
 
-def test_no_patch_on_the_device():
-    # the build goes through build-starpu.sh --cuda on the carried tarball, which --prepare
-    # makes with the fix applied (--autogen); a fixed tree needs no patch program
-    src = open(os.path.join(ROOT, "tools", "build-starpu.sh")).read()
-    fix = src[src.index("apply_cuda13_fix() {"):]
-    fix = fix[:fix.index("\n}\n")]
-    assert fix.index("grep -q cudaDevAttrComputeMode") < fix.index("patch -p1")
-    assert "(cd \"$src\" && apply_cuda13_fix)" in src      # --autogen applies it
+def unfixed_tree(root):
+    """A StarPU tree holding what tools/patches/ change, as before them: each hunk's old side
+    (patch finds a hunk at any offset)."""
+    for name in os.listdir(PATCHES):
+        path = None
+        for line in open(os.path.join(PATCHES, name)).read().splitlines():
+            if line.startswith("--- a/"):
+                path = os.path.join(root, line[6:].split("\t")[0])
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+            elif path and line.startswith("@@"):
+                with open(path, "a") as f:
+                    f.write("/* another part of the file */\n")
+            elif path and line[:1] in (" ", "-") and not line.startswith("---"):
+                with open(path, "a") as f:
+                    f.write(line[1:] + "\n")
+    return root
+
+
+def without_patch(tmp_path):
+    """A PATH with every program of this one but `patch` (the GPU machine's case)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for d in os.environ["PATH"].split(os.pathsep):
+        if os.path.isdir(d):
+            for name in os.listdir(d):
+                target = os.path.join(d, name)
+                if name != "patch" and not (bin_dir / name).exists() and os.access(target, os.X_OK):
+                    (bin_dir / name).symlink_to(target)
+    return dict(os.environ, PATH=str(bin_dir))
+
+
+def apply_fixes(tree, env=None):
+    return subprocess.run(["bash", BUILD_STARPU, "--apply-fixes", str(tree)], capture_output=True,
+                          text=True, env=env, timeout=60)
+
+
+def test_the_fixes_apply_once_and_a_fixed_tree_needs_no_patch(tmp_path):
+    # every build applies tools/patches/ (--autogen's tree travels fixed to the GPU machine,
+    # which has no patch program; --cuda and the CPU build find the fixes recorded there)
+    tree = unfixed_tree(tmp_path / "starpu-1.4.12")
+    p = apply_fixes(tree)
+    assert p.returncode == 0, p.stderr
+    ws = (tree / "src/sched_policies/work_stealing_policy.c").read_text()
+    assert "if (victim == -1 || victim == (int) workerid)" in ws          # no self-steal
+    assert "cudaDevAttrComputeMode" in (tree / "src/drivers/cuda/driver_cuda.c").read_text()
+    record = (tree / ".starpu-llm-fixes").read_text().split("\n")[:-1]
+    assert sorted(line.split()[0] for line in record) == sorted(os.listdir(PATCHES))
+    # again, on a machine without patch: nothing to do, nothing changed
+    before = {f: f.read_bytes() for f in tree.rglob("*.c")}
+    p = apply_fixes(tree, without_patch(tmp_path))
+    assert p.returncode == 0, p.stderr
+    assert before == {f: f.read_bytes() for f in tree.rglob("*.c")}
+    assert (tree / ".starpu-llm-fixes").read_text().split("\n")[:-1] == record
+    # an unfixed tree there: one clear error naming the fix and what to do
+    bare = unfixed_tree(tmp_path / "bare")
+    p = apply_fixes(bare, without_patch(tmp_path))
+    assert p.returncode == 1 and "no patch program" in p.stderr and ".patch" in p.stderr, p.stderr
+    assert "--autogen" in p.stderr
+
+
+def test_no_patch_in_the_device_build():
+    # the device's build goes through build-starpu.sh --cuda on the carried tarball, made by
+    # --prepare with the fixes applied (--autogen)
+    src = open(BUILD_STARPU).read()
+    assert "(cd \"$src\" && apply_fixes)" in src      # --autogen applies them
     assert "patch" not in open(SCRIPT).read().split("stage_build() {")[1].split("\n}\n")[0]
 
 

@@ -13,9 +13,8 @@
 #
 #   tools/build-starpu.sh --cuda TARBALL PREFIX
 #
-# The same with CUDA (StarPU's CUDA workers, cuBLAS) and without starpupy: the CUDA 13 fix
-# tools/patches/starpu-1.4.12-cuda13-computemode.patch is applied first (it says why), starpufft
-# stays off (it does not build against cuFFT 13), and STARPU_MAXCPUS defaults to 64. It needs
+# The same with CUDA (StarPU's CUDA workers, cuBLAS) and without starpupy: starpufft stays off
+# (it does not build against cuFFT 13) and STARPU_MAXCPUS defaults to 64. It needs
 # nvcc and cudart ($CUDA_HOME, else /usr/local/cuda or /usr/local/cuda-13.0) and cuBLAS
 # ($CUBLAS_HOME: a folder with include/cublas_v2.h and lib/ or lib64/libcublas.so*, default
 # $CUDA_HOME; PyPI's nvidia-cublas==13.1.0.3 unpacked with pip install --target DIR is one:
@@ -23,11 +22,20 @@
 # includes (a machine with cuBLAS from PyPI), tools/cuda-stubs stands in for them: compiling
 # works, nothing of theirs is used. No GPU is needed to build.
 #
+# Every build applies the fixes in tools/patches/ first (starpu-1.4.12-*.patch, in name order;
+# each says why): CUDA 13's removed cudaDeviceProp.computeMode, and a deadlock of lws after
+# parallel workers. The tree records each fix applied (its name and sha256 in
+# .starpu-llm-fixes), so a tree fixed once is not patched again.
+#
 #   tools/build-starpu.sh --autogen TARBALL OUT.tar.gz
 #
-# Writes the tarball's tree after autogen.sh (configure made) with the CUDA 13 fix applied
-# (it touches CUDA code only): what a machine without libtool or patch, such as the GPU
-# machine, builds from; --cuda then finds the fix in place and needs no patch program.
+# Writes the tarball's tree after autogen.sh (configure made) with the fixes applied: what a
+# machine without libtool or patch, such as the GPU machine, builds from (it needs no patch
+# program there). An OUT whose tree records the same fixes is left as it is.
+#
+#   tools/build-starpu.sh --apply-fixes SRCDIR
+#
+# Applies the fixes to a StarPU 1.4.12 source tree in place (what the other forms do).
 #
 #   tools/build-starpu.sh --fetch OUT.tar.gz
 #
@@ -53,14 +61,43 @@ set -euo pipefail
 usage() {
   echo "usage: $0 [--cuda | --autogen] TARBALL|download PREFIX|OUT.tar.gz" >&2
   echo "       $0 --fetch OUT.tar.gz" >&2
+  echo "       $0 --apply-fixes SRCDIR" >&2
   exit 2
 }
 mode=cpu
 case "${1:-}" in
   --cuda) mode=cuda; shift ;; --autogen) mode=autogen; shift ;; --fetch) mode=fetch; shift ;;
+  --apply-fixes) mode=fixes; shift ;;
 esac
-if [ $mode = fetch ]; then [ $# -eq 1 ] || usage; else [ $# -eq 2 ] || usage; fi
+case $mode in fetch|fixes) [ $# -eq 1 ] || usage ;; *) [ $# -eq 2 ] || usage ;; esac
 tools=$(cd "$(dirname "$0")" && pwd)
+
+# The fixes, one line each as a tree records them: the patch's name and sha256.
+fixes=("$tools"/patches/starpu-1.4.12-*.patch)
+fix_line() { echo "$(basename "$1") $(sha256sum "$1" | cut -d' ' -f1)"; }
+fix_record() { local f; for f in "${fixes[@]}"; do fix_line "$f"; done; }
+
+# The fixes applied to the source tree in the current directory, each once: one the tree
+# records is skipped, so a fixed tree needs no patch program.
+apply_fixes() {
+  local f line
+  for f in "${fixes[@]}"; do
+    line=$(fix_line "$f")
+    grep -qxF "$line" .starpu-llm-fixes 2>/dev/null && continue
+    command -v patch >/dev/null || { echo "$0: $PWD lacks the fix $(basename "$f") and this" \
+      "machine has no patch program: install patch, or build from a tree made by" \
+      "$0 --autogen on a machine that has it" >&2; exit 1; }
+    patch -p1 -s --forward <"$f" >/dev/null ||
+      { echo "$0: $f does not apply to $PWD (another StarPU version?)" >&2; exit 1; }
+    echo "$line" >>.starpu-llm-fixes
+  done
+}
+
+if [ $mode = fixes ]; then
+  [ -f "$1/src/sched_policies/work_stealing_policy.c" ] ||
+    { echo "$0: --apply-fixes: $1 is not a StarPU source tree" >&2; exit 1; }
+  cd "$1" && apply_fixes && echo "$PWD: $(wc -l <.starpu-llm-fixes) fixes applied" && exit 0
+fi
 
 # The release and its checksum (the StarPU project's release page; the same sha256 as Spack's
 # starpu package). SL_STARPU_URL overrides the address (a site mirror), never the checksum.
@@ -121,20 +158,16 @@ autogen() {
     { tail -n 30 "$work/autogen.log" >&2; exit 1; }
 }
 
-# The CUDA 13 fix, in the current directory (a source tree), once: a tree that has it already
-# (made by --autogen) is left as it is, without the patch program.
-apply_cuda13_fix() {
-  local fix=$tools/patches/starpu-1.4.12-cuda13-computemode.patch
-  grep -q cudaDevAttrComputeMode src/drivers/cuda/driver_cuda.c 2>/dev/null && return 0
-  patch -p1 -s <"$fix" || { echo "$0: $fix does not apply to $(basename "$PWD")" >&2; exit 1; }
-}
-
 if [ $mode = autogen ]; then
   mkdir -p "$(dirname "$2")"
   out=$(realpath "$2")
+  if [ -f "$out" ] && [ "$(tar -xzOf "$out" --wildcards '*/.starpu-llm-fixes' 2>/dev/null)" = "$(fix_record)" ]; then
+    echo "$out: already made with these fixes; nothing to do"
+    exit 0
+  fi
   unpack
   autogen
-  (cd "$src" && apply_cuda13_fix)
+  (cd "$src" && apply_fixes)
   tar -czf "$out.tmp" -C "$work" "$(basename "$src")" && mv "$out.tmp" "$out"
   echo "$out: $(basename "$src") with configure ($(du -h "$out" | cut -f1))"
   exit 0
@@ -205,15 +238,16 @@ want="tarball $sha
 python $("$python" -c 'import sys; print(sys.version.split()[0])')
 options ${options[*]}"
 [ $mode = cpu ] || want="$want
-cuda $cuda_home cublas $cublas_lib ${stubs:+stubs}
-patch $(sha256sum "$tools/patches/starpu-1.4.12-cuda13-computemode.patch" | cut -d' ' -f1)"
+cuda $cuda_home cublas $cublas_lib ${stubs:+stubs}"
+want="$want
+$(fix_record)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   echo "StarPU already built in $prefix (stamp matches); nothing to do"
   exit 0
 fi
 
 # ---- Debian build dependencies ----
-pkgs=(autoconf automake libtool-bin make gcc pkg-config libhwloc-dev libopenmpi-dev openmpi-bin)
+pkgs=(autoconf automake libtool-bin make gcc patch pkg-config libhwloc-dev libopenmpi-dev openmpi-bin)
 # Debian's python3 needs its -dev package for Python.h; another Python (venv, pyenv) has its own.
 [ $mode = cpu ] && case "$(realpath "$python")" in /usr/bin/*) pkgs+=(python3-dev python3-setuptools) ;; esac
 # SL_SKIP_DEPS=1: no package check (a machine whose packages dpkg does not list, e.g. the GPU
@@ -226,8 +260,8 @@ pkgs=(autoconf automake libtool-bin make gcc pkg-config libhwloc-dev libopenmpi-
 unpack
 autogen
 cd "$src"
+apply_fixes
 if [ $mode = cuda ]; then
-  apply_cuda13_fix
   mkdir -p "$work/links"
   for l in "$cublas_lib"/libcublas*.so.*; do
     base=$(basename "$l"); ln -sf "$l" "$work/links/${base%%.so.*}.so"

@@ -7,8 +7,8 @@
 #
 #   preflight (<= 5 s): the carried wheels unpacked, every Python module the stages import
 #             imported once (tiktoken included: the device's own);
-#   build     (~80 s): StarPU 1.4.12 with CUDA from the carried tarball (autogen'd, the CUDA 13
-#             fix applied by --prepare: nothing to patch here), starpu-llm with -Dcuda=enabled
+#   build     (~80 s): StarPU 1.4.12 with CUDA from the carried tarball (autogen'd, the fixes
+#             of tools/patches/ applied by --prepare: nothing to patch here), starpu-llm with -Dcuda=enabled
 #             for this GPU's architecture; llm.c's train_gpt2_fp32.cu then builds in the
 #             background for the benchmark;
 #   smoke     (~20 s): `starpu-llm train --gpus 1` on the tiny model, StarPU's messages on;
@@ -46,21 +46,20 @@
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 dev=$repo/.device
-tarball_name=starpu-1.4.12-autogen-cuda13.tar.gz
+tarball_name=starpu-1.4.12-autogen-fixed.tar.gz
 
 if [ "${1:-}" = "--prepare" ]; then
   set -e
   [ $# -eq 2 ] || { echo "usage: $0 --prepare LLMC_GIT_DIR" >&2; exit 2; }
   [ -d "$2" ] || { echo "$0: --prepare: no llm.c checkout at $2 (a git directory or work tree)" >&2; exit 2; }
   mkdir -p "$dev/wheels" "$dev/llmc"
-  # autogen'd and with the CUDA 13 fix (tools/build-starpu.sh --autogen): no libtool, no patch there
+  # autogen'd and with tools/patches/'s fixes applied (tools/build-starpu.sh --autogen, which
+  # remakes it when the fixes changed): no libtool, no patch there
   src_tarball=${SL_STARPU_TARBALL:-$repo/../shared/vendor/starpu-1.4.12.tar.gz}
   [ -f "$src_tarball" ] || { echo "$0: --prepare: no StarPU 1.4.12 tarball at $src_tarball: set" \
       "SL_STARPU_TARBALL to the vendored one" >&2; exit 2; }
-  [ -f "$dev/$tarball_name" ] ||
-    "$repo/tools/build-starpu.sh" --autogen "$src_tarball" "$dev/$tarball_name"
-  tar -xzOf "$dev/$tarball_name" starpu-1.4.12/src/drivers/cuda/driver_cuda.c |
-    grep -c cudaDevAttrComputeMode >/dev/null || { echo "$0: $dev/$tarball_name lacks the CUDA 13 fix" >&2; exit 1; }
+  rm -f "$dev"/starpu-1.4.12-autogen-cuda13.tar.gz      # the name before the fixes were recorded
+  "$repo/tools/build-starpu.sh" --autogen "$src_tarball" "$dev/$tarball_name"
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
       --platform manylinux2014_x86_64 -d "$dev/wheels" cffi pycparser meson-python \
@@ -149,7 +148,7 @@ stage_build() {
   $dry nvidia-smi >"$details/nvidia-smi.txt" 2>&1 || say "nvidia-smi failed (no GPU driver?)"
   find_cublas && say "cuBLAS: $cublas_libdir" ||
     say "no cuBLAS in CUBLAS_HOME, $CUDA_HOME nor python3's nvidia/cu13 (set CUBLAS_HOME)"
-  say "StarPU 1.4.12 with CUDA (the CUDA 13 fix in the carried tarball)"
+  say "StarPU 1.4.12 with CUDA (the carried tarball, fixed by --prepare)"
   SL_SKIP_DEPS=1 JOBS=$(nproc) CUBLAS_HOME=${cublas_home:-$CUDA_HOME} PYTHON=python3 \
       $dry "$repo/tools/build-starpu.sh" --cuda "$dev/$tarball_name" "$work/starpu" \
       >"$details/build-starpu.log" 2>&1 || { tail -n 40 "$details/build-starpu.log"; return 1; }
