@@ -24,6 +24,14 @@ def runtime():
     rt.shutdown()
 
 
+def test_a_partition_must_say_its_attention():
+    # partition.resolve decides the form; a Partition made otherwise says it, or the Runtime
+    # is given one (refused before anything starts: another runtime may be running)
+    blank = replace(here(1, 1), attention="")
+    with pytest.raises(StarpuLLMError, match="no attention form.*Runtime\\(attention=\\)"):
+        Runtime(blank)
+
+
 def test_the_runtime_lays_out_the_fused_attention(runtime):
     case = make_case("small")
     cfg = case.config

@@ -32,9 +32,9 @@ class Partition:
                             # engine, or a record saved before it was kept)
     pipeline_schedule: str = ""   # a pipeline's schedule (plan/topology.PIPELINE_SCHEDULES;
                                   # "": no pipeline, or a record saved before it was kept)
-    attention: str = ""     # the attention's form, "flash" or "gemm" (model/config.ATTENTIONS;
-                            # "": a record saved before it was kept, or a Partition made by
-                            # hand: partition.attention_of's default)
+    attention: str = ""     # the attention's form, "flash" or "gemm" (model/config.ATTENTIONS,
+                            # partition.attention_of; "": a record saved before it was kept,
+                            # whose resume takes the default; a run refuses it)
 
     @property
     def cores(self) -> int:

@@ -16,6 +16,7 @@ from typing import NamedTuple
 from ..plan import partition
 from .._clib import ffi, lib
 from ..errors import StarpuLLMError, opt
+from ..model.config import ATTENTIONS
 from ..plan.partition import Build, PartitionRequest, attention_of
 from ..plan.record import Partition
 from . import offload, starpupy_face
@@ -124,8 +125,8 @@ class Runtime:
     the rest (the batch loads), so dmda never tries a layer task on a CPU to calibrate its
     model (at GPT-2 124M, B=16, T=1024, seconds a task).
     attention: the attention the layer tasks run (model/config.py's ATTENTIONS), in place of the
-    partition's (partition.attention_of: None, the partition's, else the fused one, "flash",
-    with GPUs and the batched-GEMM one, "gemm", without); read by the task flow's tensors.
+    partition's (None: the partition's, which partition.resolve decides: the fused one, "flash",
+    with GPUs, the batched-GEMM one, "gemm", without); read by the task flow's tensors.
     """
 
     _active: "Runtime | None" = None
@@ -133,15 +134,18 @@ class Runtime:
     def __init__(self, partition: Partition | None = None, *, comm=None,
                  face: str | None = None, memory: offload.MemoryLimit | None = None,
                  attention: str | None = None):
+        if partition is not None and not (attention or partition.attention):
+            raise StarpuLLMError("the partition says no attention form: make it with "
+                                 "plan.partition.resolve, or give Runtime(attention=) one of "
+                                 f"{', '.join(ATTENTIONS)}")
         if Runtime._active is not None:
             raise StarpuLLMError("StarPU is already running in this process; "
                                  "shut the other Runtime down first")
         with phase(comm, "planning StarPU's start"):   # every rank, before any starts StarPU-MPI
             core_ids = self._plan(partition, comm, face, memory)
         p = self.partition
-        if attention or not p.attention:      # a partition made by hand records none
-            p = self.partition = replace(p, attention=attention_of(attention or p.attention,
-                                                                   p.gpus))
+        if attention:
+            p = self.partition = replace(p, attention=attention_of(attention, p.gpus))
         self.attention = p.attention
         self.offload = offload.start(memory)     # the limit, before StarPU starts
         self.offload_path = self.offload.path if self.offload else None

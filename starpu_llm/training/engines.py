@@ -16,7 +16,7 @@ from ..perf import autotune
 from ..perf.model import CostModel
 from ..perf.predict import load_calibration
 from ..perf.stages import layer_costs
-from ..plan.partition import attention_of, on_runtime
+from ..plan.partition import on_runtime
 from ..plan.record import Partition
 from ..runtime.offload import available_memory, format_size
 from ..runtime.starpu import Runtime, resolve_here
@@ -68,7 +68,7 @@ def check_memory(cfg, config, partition: Partition, ranks: int = 1) -> None:
     it."""
     B = max(1, cfg.batch // ranks)
     need = footprint(config, B, cfg.seq_len, 1, state_copies=4 if ranks == 1 else 2,
-                     attention=attention_of(partition.attention or None, partition.gpus))
+                     attention=partition.attention)
     have = available_memory()
     if need > have:
         raise StarpuLLMError(
@@ -95,7 +95,7 @@ def _make_engine(cfg, p: Partition, state, tokens, runtime, calibration):
     if p.engine == "reference":
         return ReferenceEngine(state.config, state, cfg.batch, cfg.seq_len, tokens,
                                threads=p.cores_per_worker, sub_batches=p.sub_batches,
-                               attention=attention_of(p.attention or None, 0))
+                               attention=p.attention)
     return StarPUEngine(state.config, state, cfg.batch, cfg.seq_len, tokens, runtime, p,
                         record=cfg.record,
                         stage_costs=(stage_costs(p, cfg, state.config, calibration)
