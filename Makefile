@@ -80,7 +80,7 @@ test-1.4: $(VENV14)/.installed
 	$(VENV14)/bin/pytest tests -q $(ARGS)
 
 $(VENV14)/.installed: pyproject.toml meson.build meson.options tools/build-starpu.sh \
-    tools/00-starpu-llm-start.pth | system
+    $(wildcard tools/patches/*.patch) tools/00-starpu-llm-start.pth | system
 	test -x $(VENV14)/bin/python || $(PYTHON) -m venv $(VENV14)
 	$(VENV14)/bin/pip install -q --upgrade pip
 	$(VENV14)/bin/pip install -q "meson-python>=0.15" "meson>=1.1" ninja cffi numpy tiktoken mpi4py \
@@ -113,7 +113,7 @@ test-cuda: $(VENVCU)/.installed
 	    $(VENVCU)
 
 $(VENVCU)/.installed: pyproject.toml meson.build meson.options tools/build-starpu.sh \
-    tools/00-starpu-llm-start.pth | system
+    $(wildcard tools/patches/*.patch) tools/00-starpu-llm-start.pth | system
 	@test -x "$(CUDA_HOME)/bin/nvcc" || { echo "make cuda: no nvcc in CUDA_HOME=$(CUDA_HOME): the \
 	CUDA build needs the CUDA toolkit's compiler (a GPU it does not); install the toolkit, or set \
 	CUDA_HOME to it" >&2; exit 1; }
