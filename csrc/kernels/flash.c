@@ -157,19 +157,6 @@ flash_query_forward(float *o, float *lse, const float *q, const float *k, const 
  * the accumulators in query order. */
 #define FLASH_BLOCK 16
 
-/* A pair's (query t, key j) share of the backward, weight a and g (below): dk_j += g q_t and
- * dv_j += a dy_t (dka, dva: key j's accumulators), dq_t += g k_j (dqt: in memory; kv: k_j) */
-static inline __attribute__((always_inline)) void
-flash_pair_backward(flash_vec *dka, flash_vec *dva, float *dqt, const float *qt,
-		    const float *yt, const flash_vec *kv, float a, float g, const int H)
-{
-	for (int h = 0; h < H; h++) {
-		dka[h] += g * flash_load(qt + FLASH_PARTS * h);
-		dva[h] += a * flash_load(yt + FLASH_PARTS * h);
-		*(flash_vec *)(dqt + FLASH_PARTS * h) += g * kv[h];
-	}
-}
-
 /* One head's dq, dk and dv, hs = 16 H, in one pass over its (query, key) pairs: key j
  * (outer, ascending) over the queries t >= j that see it, each pair's weight a = exp(scale
  * q_t.k_j - lse_t) and g = scale a (dy_t.v_j - dsum_t) added into dk_j (g q_t), dv_j (a dy_t)
@@ -217,13 +204,20 @@ flash_head_backward(float *dq, float *dk, float *dv, const float *q, const float
 				a[c] = vexpf(x[c]);
 				g[c] = scale * (a[c] * (da[c] - dsum[t + c]));
 			}
-			for (int c = 0; c < FLASH_BLOCK; c++)
-				flash_pair_backward(dka, dva, dq + (size_t)(t + c) * qstride,
-						    q + (size_t)(t + c) * qstride,
-						    dy + (size_t)(t + c) * ystride, kv, a[c], g[c], H);
+			for (int c = 0; c < FLASH_BLOCK; c++) {
+				const float *qt = q + (size_t)(t + c) * qstride;
+				const float *yt = dy + (size_t)(t + c) * ystride;
+				flash_vec *dqt = (flash_vec *)(dq + (size_t)(t + c) * qstride);
+				for (int h = 0; h < H; h++) {
+					dka[h] += g[c] * flash_load(qt + FLASH_PARTS * h);
+					dva[h] += a[c] * flash_load(yt + FLASH_PARTS * h);
+					dqt[h] += g[c] * kv[h];
+				}
+			}
 		}
 		for (; t < T; t++) {
 			const float *qt = q + (size_t)t * qstride, *yt = dy + (size_t)t * ystride;
+			flash_vec *dqt = (flash_vec *)(dq + (size_t)t * qstride);
 			flash_vec d = { 0 }, e = { 0 };
 			for (int h = 0; h < H; h++) {
 				d += flash_load(qt + FLASH_PARTS * h) * kv[h];
@@ -231,7 +225,11 @@ flash_head_backward(float *dq, float *dk, float *dv, const float *q, const float
 			}
 			const float a = vexpf(flash_sum1(d) * scale - lse[t]);
 			const float g = scale * (a * (flash_sum1(e) - dsum[t]));
-			flash_pair_backward(dka, dva, dq + (size_t)t * qstride, qt, yt, kv, a, g, H);
+			for (int h = 0; h < H; h++) {
+				dka[h] += g * flash_load(qt + FLASH_PARTS * h);
+				dva[h] += a * flash_load(yt + FLASH_PARTS * h);
+				dqt[h] += g * kv[h];
+			}
 		}
 		for (int h = 0; h < H; h++) {
 			*(flash_vec *)(dk + (size_t)j * qstride + FLASH_PARTS * h) = dka[h];
