@@ -49,18 +49,20 @@ def test_stages_in_priority_order_each_copied_to_out(tmp_path):
 def unfixed_tree(root):
     """A StarPU tree holding what tools/patches/ change, as before them: each hunk's old side
     (patch finds a hunk at any offset)."""
+    files = {}
     for name in os.listdir(PATCHES):
-        path = None
+        lines = None
         for line in open(os.path.join(PATCHES, name)).read().splitlines():
             if line.startswith("--- a/"):
-                path = os.path.join(root, line[6:].split("\t")[0])
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-            elif path and line.startswith("@@"):
-                with open(path, "a") as f:
-                    f.write("/* another part of the file */\n")
-            elif path and line[:1] in (" ", "-") and not line.startswith("---"):
-                with open(path, "a") as f:
-                    f.write(line[1:] + "\n")
+                lines = files.setdefault(os.path.join(root, line[6:].split("\t")[0]), [])
+            elif lines is not None and line.startswith("@@"):
+                lines.append("/* another part of the file */")
+            elif lines is not None and line[:1] in (" ", "-") and not line.startswith("---"):
+                lines.append(line[1:])
+    for path, lines in files.items():
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write("\n".join(lines) + "\n")
     return root
 
 

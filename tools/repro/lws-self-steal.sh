@@ -22,8 +22,7 @@ prefix=$(realpath "$1")
 command -v gdb >/dev/null || { echo "$0: needs gdb" >&2; exit 2; }
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-PKG_CONFIG_PATH=$prefix/lib/pkgconfig
-export PKG_CONFIG_PATH
+export PKG_CONFIG_PATH=$prefix/lib/pkgconfig
 gcc -g -O0 "$here/lws-self-steal.c" -o "$work/repro" $(pkg-config --cflags --libs starpu-1.4) \
     -Wl,-rpath,"$prefix/lib" || { echo "$0: could not build against $prefix" >&2; exit 2; }
 STARPU_SCHED=lws STARPU_NCPU=2 STARPU_SILENT=1 timeout -s INT 15 \
