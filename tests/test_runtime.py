@@ -1,14 +1,18 @@
 """The StarPU runtime: partitions, threads and CPU affinity seen inside a task, start/stop."""
+import hashlib
 import os
+from pathlib import Path
 
 import pytest
 
 from starpu_llm import StarpuLLMError
+from starpu_llm._clib import ffi, lib
 from starpu_llm.errors import flag
-from starpu_llm.runtime import Runtime, partitions_that_fit, usable_cores
+from starpu_llm.runtime import Runtime, partitions_that_fit, starpu, usable_cores
 from partitions import here
 
 CORES = usable_cores()
+PATCHES = Path(__file__).resolve().parents[1] / "tools" / "patches"
 
 
 def bits(mask):
@@ -54,3 +58,41 @@ def test_unknown_kcore_mode():
     with pytest.raises(StarpuLLMError, match="^kcore 'threads': choose one of") as e:
         Runtime(here(1, 1, kcore="threads"))
     assert e.value.render(flag).startswith("--kcore 'threads'")
+
+
+def test_the_fix_mark_is_found_where_the_library_has_it():
+    # tools/patches/starpu-1.4.12-ws-no-self-steal.patch leaves a mark in libstarpu that
+    # sl_starpu_ws_fixed finds through a weak reference: present where the library loaded was
+    # built by tools/build-starpu.sh with today's patch (its prefix's stamp records the patch's
+    # sha256: make test-1.4, make cuda), absent elsewhere (Debian's 1.3.10, a site's module)
+    library = ffi.string(lib.sl_starpu_library()).decode()
+    assert os.path.basename(library).startswith("libstarpu-1."), library
+    patch = PATCHES / "starpu-1.4.12-ws-no-self-steal.patch"
+    fix = f"{patch.name} {hashlib.sha256(patch.read_bytes()).hexdigest()}"
+    stamp = Path(library).resolve().parents[1] / ".build-starpu.stamp"
+    built_here = stamp.is_file() and fix in stamp.read_text().splitlines()
+    assert bool(lib.sl_starpu_ws_fixed()) == built_here, (library, built_here)
+
+
+@pytest.mark.skipif(CORES < 2, reason="a 2-core worker needs 2 cores")
+def test_parallel_workers_only_with_the_fix_and_their_absence_said_once(monkeypatch, capsys):
+    # a library without the fix: K-core tasks on team workers, said once a process on stderr
+    monkeypatch.setattr(starpu, "_said_off", False)
+    monkeypatch.setattr(starpu, "parallel_workers_here", lambda: (False, "WHY"))
+    assert not starpu.this_build().parallel_workers
+    assert here(1, 2).kcore == "team"
+    for _ in range(2):
+        with Runtime(here(1, 2)):
+            pass
+    err = capsys.readouterr().err
+    assert err.count("warning: StarPU's parallel workers are off: WHY; the 2-core tasks run "
+                     "on team workers instead") == 1, err
+    # with it (resolved only: Debian's StarPU has none to start), the same request takes them
+    monkeypatch.setattr(starpu, "parallel_workers_here", lambda: (True, ""))
+    assert starpu.this_build().parallel_workers and here(1, 2).kcore == "parallel-workers"
+    # off by the user's own choice: nothing to say
+    monkeypatch.setattr(starpu, "_said_off", False)
+    monkeypatch.setattr(starpu, "parallel_workers_here", lambda: (False, ""))
+    with Runtime(here(1, 2)):
+        pass
+    assert "parallel workers" not in capsys.readouterr().err

@@ -345,11 +345,13 @@ device() {
     lscpu; free -g
     $PY - <<'PY'
 from starpu_llm._clib import ffi, lib
-from starpu_llm.runtime.starpu import max_starpu_cpus
+from starpu_llm.runtime.starpu import max_starpu_cpus, parallel_workers_here
 v = [ffi.new("int *") for _ in range(3)]
 lib.sl_starpu_version(*v)
 print("starpu", ".".join(str(x[0]) for x in v), "maxcpus", max_starpu_cpus(),
       "parallel workers", bool(lib.sl_have_parallel_workers()), "mpi", bool(lib.sl_mpi_available()))
+used, why = parallel_workers_here()
+print("parallel workers used", used, why)
 print("blas", ffi.string(lib.blas_name()).decode())
 PY
     ldd "$W"/site/starpu_llm/_clib*.so
@@ -358,6 +360,10 @@ PY
   local blas; blas=$(sed -n 's/^blas //p' "$W/env.txt")
   status "machine: $cpu; $(nproc) CPUs; device machine $SL_DEVICE_KIND; StarPU $starpu_version" \
          "($prefix); BLAS $blas"
+  # Figure 3's K > 1 points are the paper's parallel workers: say it first if they are off
+  grep -q "^parallel workers used True" "$W/env.txt" ||
+    status "PARALLEL WORKERS OFF ($(sed -n 's/^parallel workers used //p' "$W/env.txt")):" \
+           "the K > 1 points run on team workers"
   # ---- the BLAS checked: linked from $ob, the OpenMP build, and a k-core task's GEMM on k cores
   local kcore_ok=1 why=""
   if ! grep -q "libopenblas.so.0 => $ob/" "$W/env.txt"; then

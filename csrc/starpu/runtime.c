@@ -1,4 +1,6 @@
 /* StarPU start/stop and data registration helpers called from Python (starpu_llm/runtime/starpu.py). */
+#define _GNU_SOURCE /* dladdr */
+#include <dlfcn.h>
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -327,6 +329,19 @@ int sl_have_cuda(void)
 int sl_max_cpus(void) { return STARPU_MAXCPUS; }
 
 int sl_have_parallel_workers(void) { return SL_HAVE_PARALLEL_WORKERS; }
+
+/* The mark tools/patches/starpu-1.4.12-ws-no-self-steal.patch leaves in libstarpu, weak:
+ * NULL where the library loaded lacks it (its lws/ws can deadlock after parallel workers,
+ * docs/clusters.md), whatever the headers this was built with. */
+extern const int starpu_llm_fix_ws_no_self_steal __attribute__((weak));
+
+int sl_starpu_ws_fixed(void) { return &starpu_llm_fix_ws_no_self_steal != NULL; }
+
+const char *sl_starpu_library(void)
+{
+	Dl_info info;
+	return dladdr((void *)starpu_init, &info) && info.dli_fname ? info.dli_fname : "";
+}
 
 void sl_starpu_version(int *major, int *minor, int *release)
 {

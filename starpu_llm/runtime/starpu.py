@@ -10,6 +10,7 @@ import atexit
 import contextlib
 import errno
 import os
+import sys
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -46,13 +47,28 @@ def max_starpu_cpus() -> int:
 
 
 def this_build() -> Build:
-    """What this process's StarPU build supports (SL_NO_PARALLEL_WORKERS in the environment
-    turns its parallel workers off)."""
-    return Build(max_cpus=max_starpu_cpus(),
-                 parallel_workers=bool(lib.sl_have_parallel_workers())
-                 and not os.environ.get("SL_NO_PARALLEL_WORKERS"),
+    """What this process's StarPU build supports (its parallel workers: parallel_workers_here)."""
+    return Build(max_cpus=max_starpu_cpus(), parallel_workers=parallel_workers_here()[0],
                  cuda=have_cuda(), max_group=lib.SL_MAX_GROUP,
                  schedulers=tuple(sched_policies()))
+
+
+def parallel_workers_here() -> tuple[bool, str]:
+    """Whether this process runs K-core tasks on StarPU's parallel workers (1.4's; 1.3's
+    clusters), and why not, to tell the user, where its build has them: off with a libstarpu
+    that lacks the fix of lws/ws's deadlock after parallel workers (docs/clusters.md, "Known
+    hang"; the mark the fix leaves: sl_starpu_ws_fixed), the same version either way. Off
+    without a word with SL_NO_PARALLEL_WORKERS in the environment (the user's own choice)."""
+    if not lib.sl_have_parallel_workers() or os.environ.get("SL_NO_PARALLEL_WORKERS"):
+        return False, ""
+    if not lib.sl_starpu_ws_fixed():
+        path = ffi.string(lib.sl_starpu_library()).decode()
+        library = os.path.realpath(path) if path else "the libstarpu loaded"
+        return False, (f"{library} lacks the fix of lws/ws's deadlock after parallel workers "
+                       f"(docs/clusters.md, \"Known hang\"): build StarPU with "
+                       f"tools/build-starpu.sh, or apply "
+                       f"tools/patches/starpu-1.4.12-ws-no-self-steal.patch to it")
+    return True, ""
 
 
 def sched_policies() -> list[str]:
@@ -84,6 +100,21 @@ def c_partition(p: Partition, sched):
     return ffi.new("struct sl_partition *", dict(
         workers=p.workers, cores_per_worker=p.cores_per_worker, kcore=MECHANISMS[p.kcore],
         ncuda=p.gpus, tf32=int(p.gpu_matmul == "tf32"), sched=sched))
+
+
+_said_off = False
+
+
+def _say_parallel_workers_off(p: Partition) -> None:
+    """A K-core CPU partition run without the parallel workers its build has, for a reason the
+    user did not choose (parallel_workers_here): said once a process, on stderr."""
+    global _said_off
+    usable, why = parallel_workers_here()
+    if _said_off or usable or not why or p.gpus or p.cores_per_worker < 2:
+        return
+    _said_off = True
+    print(f"warning: StarPU's parallel workers are off: {why}; the {p.cores_per_worker}-core "
+          f"tasks run on {p.kcore} workers instead", file=sys.stderr, flush=True)
 
 
 ON_CPU, ON_CUDA = lib.SL_ON_CPU, lib.SL_ON_CUDA
@@ -146,6 +177,7 @@ class Runtime:
         p = self.partition
         if attention:
             p = self.partition = replace(p, attention=attention_of(attention, p.gpus))
+        _say_parallel_workers_off(p)
         self.attention = p.attention
         self.offload = offload.start(memory)     # the limit, before StarPU starts
         self.offload_path = self.offload.path if self.offload else None
