@@ -12,7 +12,9 @@
 #endif
 
 static int initialized;
+#ifdef SL_HAVE_CUDA
 static int cublas_on; /* starpu_cublas_init was called (CUDA workers run) */
+#endif
 
 #if SL_HAVE_PARALLEL_WORKERS
 static sl_parallel_workers *parallel_workers;
