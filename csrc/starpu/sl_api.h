@@ -87,7 +87,8 @@ int sl_max_cpus(void);		    /* STARPU_MAXCPUS of the StarPU build */
 const char *sl_sched_policy_name(int i);
 int sl_have_parallel_workers(void); /* 1.4 parallel workers / 1.3 clusters compiled in */
 /* 1 where the libstarpu loaded carries tools/patches/starpu-1.4.12-ws-no-self-steal.patch (its
- * mark), 0 otherwise: parallel workers are used only then (runtime/starpu.py this_build) */
+ * mark), 0 otherwise: parallel workers are used only then (runtime/starpu.py
+ * parallel_workers_here) */
 int sl_starpu_ws_fixed(void);
 const char *sl_starpu_library(void); /* the file of the libstarpu loaded ("" if unknown) */
 void sl_starpu_version(int *major, int *minor, int *release);

@@ -109,8 +109,8 @@ def _say_parallel_workers_off(p: Partition) -> None:
     """A K-core CPU partition run without the parallel workers its build has, for a reason the
     user did not choose (parallel_workers_here): said once a process, on stderr."""
     global _said_off
-    usable, why = parallel_workers_here()
-    if _said_off or usable or not why or p.gpus or p.cores_per_worker < 2:
+    why = parallel_workers_here()[1]      # a reason only where they are off
+    if _said_off or not why or p.gpus or p.cores_per_worker < 2:
         return
     _said_off = True
     print(f"warning: StarPU's parallel workers are off: {why}; the {p.cores_per_worker}-core "
