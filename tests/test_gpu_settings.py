@@ -3,6 +3,7 @@ records them, what a CPU build or an unsupported combination answers, and which 
 a CUDA body (tests/test_gpu.py runs them on a GPU; test_kernels.py and test_model_cuda.py
 check the CUDA bodies here)."""
 import json
+import os
 
 import pytest
 
@@ -75,3 +76,25 @@ def test_gpus_take_a_core_each():
         resolve(PartitionRequest(workers=1, cores_per_worker=n, gpus=1), cores=n, build=build)
     resolve(PartitionRequest(workers=1, cores_per_worker=n, gpus=1, oversubscribe=True),
             cores=n, build=build)
+
+
+def test_gpu_buffers_stay_dirty_only_with_gpus_and_no_memory_limit(monkeypatch, tmp_path):
+    # StarPU's clean-buffer write-back (4x a d12 step's time on an H200: docs/gpus.md) is off
+    # exactly where the GPUs hold the step; under --memory-limit the disk node keeps it
+    from starpu_llm.runtime import offload, starpu
+    gpu = Partition("starpu", 1, 15, 1, "team", gpus=1, gpu_matmul="tf32", attention="flash",
+                    sched="dmdas")
+    cpu = Partition("starpu", 1, 2, 1, "team", attention="gemm", sched="lws")
+    limit = offload.MemoryLimit.of("1G", str(tmp_path))
+    assert starpu.start_environment(gpu, None) == {"STARPU_MINIMUM_CLEAN_BUFFERS": "0",
+                                                   "STARPU_TARGET_CLEAN_BUFFERS": "0"}
+    assert starpu.start_environment(gpu, limit) == {}
+    assert starpu.start_environment(cpu, None) == {}
+    # set for the start only, the user's own value kept, the environment restored after
+    monkeypatch.delenv("STARPU_MINIMUM_CLEAN_BUFFERS", raising=False)
+    monkeypatch.setenv("STARPU_TARGET_CLEAN_BUFFERS", "7")
+    with starpu._environment(starpu.KEEP_DIRTY):
+        assert os.environ["STARPU_MINIMUM_CLEAN_BUFFERS"] == "0"
+        assert os.environ["STARPU_TARGET_CLEAN_BUFFERS"] == "7"
+    assert "STARPU_MINIMUM_CLEAN_BUFFERS" not in os.environ
+    assert os.environ["STARPU_TARGET_CLEAN_BUFFERS"] == "7"

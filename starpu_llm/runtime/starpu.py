@@ -31,6 +31,39 @@ MECHANISMS = {"single": lib.SL_KCORE_SINGLE, "team": lib.SL_KCORE_TEAM,
               "forkjoin": lib.SL_KCORE_FORKJOIN, "parallel-workers": lib.SL_KCORE_PARALLEL}
 
 
+# StarPU writes dirty buffers back to their home node (main memory) in the background whenever
+# fewer than 5 % of a memory node's buffers are clean (STARPU_MINIMUM_CLEAN_BUFFERS; up to 10 %,
+# STARPU_TARGET_CLEAN_BUFFERS), whether or not the node is short of memory
+# (datawizard/memalloc.c, starpu_memchunk_tidy). On a GPU that holds the step, every
+# activation, gradient and moment is dirty after each step, so this drained GBs a step across
+# the bus into host memory, and a task writing a buffer waited for its write-back (an H200 at
+# d12, 8 x 1024: 0.6 s waits, 760 ms a step; docs/gpus.md). With GPUs and no memory limit
+# nothing is written back early; under --memory-limit StarPU's defaults stay (its disk node
+# wants clean buffers to evict).
+KEEP_DIRTY = {"STARPU_MINIMUM_CLEAN_BUFFERS": "0", "STARPU_TARGET_CLEAN_BUFFERS": "0"}
+
+
+def start_environment(p: Partition, memory) -> dict:
+    """The StarPU variables a start of partition p (under memory, an offload.MemoryLimit or
+    None) sets, each only where the user's environment does not: KEEP_DIRTY with GPUs and no
+    memory limit, nothing else."""
+    return dict(KEEP_DIRTY) if p.gpus > 0 and memory is None else {}
+
+
+@contextlib.contextmanager
+def _environment(variables: dict):
+    """variables set for the duration (StarPU reads them in starpu_init), those the user set
+    left as they are; then the environment as it was, so that a later start in this process
+    (another partition) decides afresh."""
+    mine = {k: v for k, v in variables.items() if k not in os.environ}
+    os.environ.update(mine)
+    try:
+        yield
+    finally:
+        for k in mine:
+            os.environ.pop(k, None)
+
+
 def have_cuda() -> bool:
     """Whether this build runs GPUs (a CUDA build: README "GPUs")."""
     return bool(lib.sl_have_cuda())
@@ -190,7 +223,8 @@ class Runtime:
             if comm is not None:
                 from mpi4py import MPI
                 comm_addr = ffi.cast("void *", MPI._addressof(comm))
-            ret = lib.sl_start(started, ffi.new("int[]", core_ids), comm_addr)
+            with _environment(start_environment(p, memory)):
+                ret = lib.sl_start(started, ffi.new("int[]", core_ids), comm_addr)
             if ret != 0:
                 self._stop_offload()
                 if ret == -errno.ENODEV and p.gpus:
