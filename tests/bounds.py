@@ -184,17 +184,24 @@ def softmax_bound(P, phi, g, axis=-1):
 # 2^14 + 4. Along the logits' chain there are 6 GEMMs a block (qkv, scores, att @ v,
 # attproj, fc, fcproj) and the lm head; along a gradient's, those, the head's backward
 # (dlogits @ wte), 6 a block going down (fcproj, fc, attproj, datt, dq or dk, qkv) and the
-# weight gradient's own GEMM. With the fused attention the attention's products are fp32
-# FMAs in its own kernels, not cuBLAS GEMMs: 4 a block each way (qkv, attproj, fc, fcproj).
-# First order, as the rest of this section. Two runs of which
-# one is in TF32 (the GPU against the fp32 oracle) are within the sum of their one-run
-# bounds, gamma(N_tf32) + gamma(N_fp32): d12 at B = 1, T = 64 (tests/test_gpu.py) gives
-# logits within D12_TF32_LOGITS = 9.1 % of max |logits| with the batched-GEMM attention (it
-# was 35 %: truncation's 2^-10 taken for the conversion, and the TF32 chain counted for both
-# runs), 6.4 % with the fused one (a GPU run's default).
+# weight gradient's own GEMM. The fused attention's products are TF32 MMAs in its own
+# tensor-core kernels (attention.cu), the same 6 a block, where the head size is a multiple of
+# 8 up to SL_FLASH_MAX_HS (GPT-2's 64); with other head sizes they are fp32 FMAs in its scalar
+# kernels: 4 a block each way (qkv, attproj, fc, fcproj). First order, as the rest of this
+# section. Two runs of which one is in TF32 (the GPU against the fp32 oracle) are within the
+# sum of their one-run bounds, gamma(N_tf32) + gamma(N_fp32): d12 at B = 1, T = 64
+# (tests/test_gpu.py) gives logits within D12_TF32_LOGITS = 9.1 % of max |logits| with either
+# attention (it was 35 %: truncation's 2^-10 taken for the conversion, and the TF32 chain
+# counted for both runs).
 TF32_U = 2.0 ** -11
 TF32_MATMUL = int(np.ceil((2.0 * TF32_U + TF32_U ** 2) / U))
 D12_TF32_LOGITS = 0.091
+
+
+def flash_on_tensor_cores(hs: int) -> bool:
+    """Whether the fused attention's TF32 kernels take head size hs (attention.cu,
+    flash_tc_width): a multiple of 8 up to SL_FLASH_MAX_HS; else its fp32 kernels run."""
+    return hs % 8 == 0 and hs <= _klib.SL_FLASH_MAX_HS
 
 
 def tf32_gamma(n):
@@ -258,7 +265,8 @@ def gpt2_chain_lengths(config, B: int, T: int, tf32: bool = False,
     grads = (logits + (V + 9) + Vp + (C + 10) + L * (11 * C + 47 + att_bwd)
              + B * T + 1)
     if tf32:      # the TF32 matmuls along each chain (see above)
-        g = 4 if attention == "flash" else 6      # a block's, each way
+        scalar = attention == "flash" and not flash_on_tensor_cores(hs)
+        g = 4 if scalar else 6      # a block's, each way
         logits += (g * L + 1) * TF32_MATMUL
         grads += (2 * g * L + 3) * TF32_MATMUL
     return {"logits": logits, "grads": grads}

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from bounds import (EXP_FLOOR, U, U64, VEXPF_REL, assert_within, dot_bound, exp_rel,
-                    gamma, gamma64, gamma_n, softmax_bound, tf32_dot_bound)
+                    gamma, gamma64, gamma_n, softmax_bound, tf32_dot_bound, tf32_gamma)
 from kernel_impls import CPUKernels, GPUKernels, gpu_available
 from starpu_llm._kernels import ffi, lib
 
@@ -786,12 +786,17 @@ def _attention_ref(qkv_t, B, T, C, NH):
     return out, preatt, att, mask
 
 
-def _attention_bounds(qkv, dout, B, T, C, NH, tile=None):
+def _attention_bounds(qkv, dout, B, T, C, NH, tile=None, tf32=False):
     """Bounds of the attention kernels' outputs, carried through csrc/kernels/attention.c in
     float64 per (b, h): Q, K, V, dY (B,NH,T,hs), exact scores P, att A, datt DA, dpreatt DP.
     tile: the fused attention's (attention_flash_*, tiles of `tile` keys) instead of the
-    batched-GEMM one's."""
+    batched-GEMM one's. tf32: the fused attention's products on tensor cores (its TF32
+    kernels, attention.cu): each product's two operands rounded to TF32 (tf32_gamma for
+    gamma on its terms), the softmax as in fp32."""
+    assert not tf32 or tile is not None
     hs = C // NH
+    # a product's relative bound on its terms: fp32's, or TF32's (operands rounded first)
+    prod = tf32_gamma if tf32 else gamma
     Q, K, Vv = f64(qkv).reshape(B, T, 3, NH, hs).transpose(2, 0, 3, 1, 4)
     dY = f64(dout).reshape(B, T, NH, hs).transpose(0, 2, 1, 3)
     aQ, aK, aV, adY = (np.abs(z) for z in (Q, K, Vv, dY))
@@ -807,7 +812,7 @@ def _attention_bounds(qkv, dout, B, T, C, NH, tile=None):
     bd = {}
     # pre = fl(fl(q . k) * scale), scale = 1.0f / sqrtf(hs): hs products-and-sums, the scale
     # (2 roundings) and the product: gamma(hs + 3) on sum|q k| / sqrt(hs)
-    e_pre = np.where(causal, gamma(hs + 3) * (aQ @ tT(aK)) * scale, 0.0)
+    e_pre = np.where(causal, prod(hs + 3) * (aQ @ tT(aK)) * scale, 0.0)
     if tile is None:
         bd["preatt"] = e_pre
         # exp's argument fl(pre - max): the score's own error (an error of the max shifts the
@@ -834,6 +839,8 @@ def _attention_bounds(qkv, dout, B, T, C, NH, tile=None):
         phi_o = (1 + phi) * (1 + gamma_n(nt)) - 1
         e_w = np.where(causal, softmax_bound(A, phi_o, g_l), 0.0)
         e_out = e_w @ aV + gamma_n(n + 1) * (A @ aV)
+        if tf32:   # the weights and v rounded to TF32 for p v: on |w| |v|, |w| <= A + e_w
+            e_out += (prod(0) + gamma_n(n + 1) * prod(0)) * ((A + e_w) @ aV)
         # lse = fl(m + fl(log l)): m is a computed score (an error <= the row's largest score
         # error, which moves the logsumexp by at most as much), l's relative error
         # eps <= sum_j A_j phi_j + g_l, log's 1 ulp of log l, the add's rounding
@@ -852,10 +859,10 @@ def _attention_bounds(qkv, dout, B, T, C, NH, tile=None):
     # backward, with the kernel's att (error e_att) as its input
     DA = np.where(causal, dY @ tT(Vv), 0.0)
     # datt = dy . v: hs products
-    e_datt = np.where(causal, gamma(hs) * (adY @ tT(aV)), 0.0)
+    e_datt = np.where(causal, prod(hs) * (adY @ tT(aV)), 0.0)
     bd["datt"] = e_datt
     # dv[t2] = sum_{t >= t2} a[t, t2] dy[t]: a's error, and <= T products onto 0
-    e_dv = tT(e_att) @ adY + gamma(T) * (tT(A) @ adY)
+    e_dv = (1 + prod(T) - gamma(T)) * (tT(e_att) @ adY) + prod(T) * (tT(A) @ adY)
     # s = sum a da, dp = a (da - s): da - s cancels for a peaked softmax, so the roundings are
     # bounded on |da| + |s| and s's on sum a |da|, never on the result
     S = (A * DA).sum(-1, keepdims=True)
@@ -874,8 +881,11 @@ def _attention_bounds(qkv, dout, B, T, C, NH, tile=None):
     bd["dpreatt"] = e_dp
     # g = scale * dp (scale 2 roundings, product 1), dq[t] += g k[t2] over n keys,
     # dk[t2] += g q[t] over <= T queries
-    e_dq = scale * (e_dp @ aK + gamma_n(n + 3) * (np.abs(DP) @ aK))
-    e_dk = scale * (tT(e_dp) @ aQ + gamma(T + 3) * (tT(np.abs(DP)) @ aQ))
+    # (TF32: g and k, g and q rounded for the product, also on g's own error)
+    cross = prod(0) if tf32 else 0.0
+    prod_n = (1 + prod(0)) * (1 + gamma_n(n + 3)) - 1      # prod(n + 3), row by row
+    e_dq = scale * ((1 + cross) * (e_dp @ aK) + prod_n * (np.abs(DP) @ aK))
+    e_dk = scale * ((1 + cross) * (tT(e_dp) @ aQ) + prod(T + 3) * (tT(np.abs(DP)) @ aQ))
     bd["dqkv"] = np.stack([e_dq, e_dk, e_dv]).transpose(1, 3, 0, 2, 4).reshape(B, T, 3 * C)
     if tile is not None:
         bd["LSE"] = LSE[..., 0]  # the exact logsumexp, for the test
@@ -1035,9 +1045,22 @@ def test_direct_cuda_runs_from_two_threads():
 FLASH_TILE = lib.SL_FLASH_TILE
 
 
+@pytest.fixture(params=["cpu", "gpu", "gpu-tf32"])
+def flash_kern(request):
+    """The fused attention's kernels: the CPU ones, the GPU ones in fp32 (its scalar
+    kernels) and in TF32 (its tensor-core kernels where the head size is a multiple of 8)."""
+    if request.param == "cpu":
+        return CPUKernels()
+    why = gpu_available()
+    if why:
+        pytest.skip(why)
+    return GPUKernels(tf32=request.param == "gpu-tf32")
+
+
 def _flash_case(kern, rng, B, T, C, NH, qscale=1.0):
     """attention_flash_forward / _backward against the float64 reference: out, the row
-    logsumexp and dqkv, each within _attention_bounds(tile=) (the online softmax's own)."""
+    logsumexp and dqkv, each within _attention_bounds(tile=) (the online softmax's own; in
+    TF32, tf32=: the GPU kernels in TF32 take every head size, the bound holds for fp32)."""
     qkv = randn(rng, B, T, 3 * C)
     qkv[..., :C] *= qscale
     out = np.full((B, T, C), np.nan, np.float32)
@@ -1047,7 +1070,8 @@ def _flash_case(kern, rng, B, T, C, NH, qscale=1.0):
     qkv_t = t64(qkv, True)
     ref_out = _attention_ref(qkv_t, B, T, C, NH)[0]
     dout = randn(rng, B, T, C)
-    bd = _attention_bounds(qkv, dout, B, T, C, NH, tile=FLASH_TILE)
+    bd = _attention_bounds(qkv, dout, B, T, C, NH, tile=FLASH_TILE,
+                           tf32=bool(getattr(kern, "tf32", False)))
     close(out, ref_out, bd["out"], "flash attention out")
     close(lse, bd["LSE"], bd["lse"], "flash attention lse")
 
@@ -1061,27 +1085,29 @@ def _flash_case(kern, rng, B, T, C, NH, qscale=1.0):
 
 # T across several tiles and several 64-row blocks of the CUDA kernels (T = 70, 130), a head
 # size below 32 and not a power of 2 (12)
-@pytest.mark.parametrize("B,T,C,NH", [(2, 5, 16, 2), (1, 70, 48, 4), (2, 130, 36, 3)])
-def test_flash_attention_small(kern, rng, B, T, C, NH):
-    _flash_case(kern, rng, B, T, C, NH)
+# (and head sizes 32 and 48: the tensor-core kernels' other widths)
+@pytest.mark.parametrize("B,T,C,NH", [(2, 5, 16, 2), (1, 70, 48, 4), (2, 130, 36, 3),
+                                      (1, 70, 96, 3), (1, 130, 96, 2)])
+def test_flash_attention_small(flash_kern, rng, B, T, C, NH):
+    _flash_case(flash_kern, rng, B, T, C, NH)
 
 
-def test_flash_attention_large_scores(kern, rng):
+def test_flash_attention_large_scores(flash_kern, rng):
     # scores of +-100s over several tiles: the running max rises from tile to tile, so the
     # rescalings exp(m_old - m_new) underflow to 0 or carry large arguments
-    _flash_case(kern, rng, B=1, T=96, C=32, NH=2, qscale=60.0)
+    _flash_case(flash_kern, rng, B=1, T=96, C=32, NH=2, qscale=60.0)
 
 
-def test_flash_attention_production_shape(kern, rng):
+def test_flash_attention_production_shape(flash_kern, rng):
     # GPT-2 124M's layer at T = 1024: C = 768, NH = 12, B = 1
-    _flash_case(kern, rng, B=1, T=1024, C=768, NH=12)
+    _flash_case(flash_kern, rng, B=1, T=1024, C=768, NH=12)
 
 
-def test_flash_attention_is_causal(kern, rng):
+def test_flash_attention_is_causal(flash_kern, rng):
     """Out row t and dq of row t never depend on later tokens; dk, dv of a row never on
     earlier queries' gradients (dout rows before it)."""
     B, T, C, NH = 1, 100, 32, 2
-    qkv, dout, out, dqkv = _flash_case(kern, rng, B, T, C, NH)
+    qkv, dout, out, dqkv = _flash_case(flash_kern, rng, B, T, C, NH)
     t0 = 37
     qkv2 = qkv.copy()
     qkv2[:, t0:] = randn(rng, B, T - t0, 3 * C, scale=10)  # q, k, v of tokens >= t0
@@ -1089,13 +1115,46 @@ def test_flash_attention_is_causal(kern, rng):
     dout2[:, t0:] = randn(rng, B, T - t0, C, scale=10)
     out2 = np.empty_like(out)
     lse2 = np.empty((B, NH, T), np.float32)
-    kern.attention_flash_forward(out2, lse2, qkv2, B, T, C, NH)
+    flash_kern.attention_flash_forward(out2, lse2, qkv2, B, T, C, NH)
     assert np.array_equal(out2[:, :t0], out[:, :t0])
     assert not np.allclose(out2[:, t0:], out[:, t0:])
     dqkv2, dsum = np.empty_like(dqkv), np.empty((B, NH, T), np.float32)
-    kern.attention_flash_backward(dqkv2, dsum, dout2, qkv2, out2, lse2, B, T, C, NH)
+    flash_kern.attention_flash_backward(dqkv2, dsum, dout2, qkv2, out2, lse2, B, T, C, NH)
     assert np.array_equal(dqkv2[:, :t0, :C], dqkv[:, :t0, :C])  # dq of the earlier rows
     assert not np.allclose(dqkv2[:, :t0, C:], dqkv[:, :t0, C:])  # their dk, dv see later dout
+
+
+def _flash_run(kern, qkv, dout, B, T, C, NH):
+    out, lse = np.empty((B, T, C), np.float32), np.empty((B, NH, T), np.float32)
+    kern.attention_flash_forward(out, lse, qkv, B, T, C, NH)
+    dqkv, dsum = np.empty((B, T, 3 * C), np.float32), np.empty((B, NH, T), np.float32)
+    kern.attention_flash_backward(dqkv, dsum, dout, qkv, out, lse, B, T, C, NH)
+    return out, dqkv
+
+
+def test_flash_tf32_bound_is_needed_and_odd_heads_run_fp32(rng):
+    """In TF32 the fused attention's products run on tensor cores with their operands rounded
+    to TF32: out and dqkv then leave the fp32 bound (the TF32 one, which the tests above
+    hold them to, is needed) and differ from the fp32 kernels'. A head size that is not a
+    multiple of 8 runs the fp32 kernels in TF32 too, bit for bit."""
+    why = gpu_available()
+    if why:
+        pytest.skip(why)
+    fp32, tf32 = GPUKernels(), GPUKernels(tf32=True)
+    B, T, C, NH = 1, 70, 128, 2
+    qkv, dout = randn(rng, B, T, 3 * C), randn(rng, B, T, C)
+    out, dqkv = _flash_run(tf32, qkv, dout, B, T, C, NH)
+    qkv_t = t64(qkv, True)
+    ref_out = _attention_ref(qkv_t, B, T, C, NH)[0]
+    ref_out.backward(t64(dout))
+    bd = _attention_bounds(qkv, dout, B, T, C, NH, tile=FLASH_TILE)   # fp32's
+    assert np.any(np.abs(f64(out) - f64(ref_out)) > bd["out"]), "out within fp32's bound"
+    assert np.any(np.abs(f64(dqkv) - f64(qkv_t.grad)) > bd["dqkv"]), "dqkv within fp32's"
+    assert not np.array_equal(out, _flash_run(fp32, qkv, dout, B, T, C, NH)[0])
+    B, T, C, NH = 1, 40, 36, 3      # hs = 12
+    qkv, dout = randn(rng, B, T, 3 * C), randn(rng, B, T, C)
+    for a, b in zip(_flash_run(tf32, qkv, dout, B, T, C, NH), _flash_run(fp32, qkv, dout, B, T, C, NH)):
+        assert np.array_equal(a, b)
 
 
 _FLASH_MANY_PAIRS = """

@@ -479,6 +479,354 @@ static __global__ void __launch_bounds__(FLASH_ROWS)
 	}
 }
 
+/* ---- The fused attention on tensor cores (TF32: the matmuls' --gpu-matmul tf32) ----
+ * The same algorithm, tiles and roundings of the softmax as the kernels above (the key tiles
+ * of SL_FLASH_TILE, the online softmax's running max and sum per row in fp32), with its four
+ * products (q k^T, p v; the backward's dy v^T, ds k, p^T dy, ds^T q) as warp-wide TF32 MMAs
+ * (WMMA m16n16k8: operands converted to TF32 to nearest, fp32 accumulation), the scalar
+ * FMAs above doing 1/20 of the GPU's fp32 rate on an H200 (docs/gpus.md). A block is
+ * TC_WARPS warps of 16 rows each (TC_ROWS consecutive rows of one (b, h)); each warp keeps
+ * its 16 rows' q (or k and v) in registers, the tile of keys (or queries) is staged in shared
+ * memory by the whole block, and the products go through a per-warp shared scratch, where two
+ * lanes a row apply the softmax (a WMMA accumulator's layout is the GPU's own). Head sizes:
+ * multiples of 8 up to FLASH_HS, computed in HS = that rounded up to 16 columns (the extra
+ * ones staged as 0, never written out); others run the kernels above. Deterministic: no
+ * atomics, fixed orders. */
+#define TC_WARPS 4
+#define TC_ROWS (16 * TC_WARPS)
+#define TC_TILE SL_FLASH_TILE	      /* keys (or queries) a tile: 32 */
+#define TC_LD (FLASH_HS + 4)	      /* a staged row's stride: WMMA's ldm, a multiple of 4 */
+#define TC_SLD (TC_TILE + 4)	      /* the scratch's stride */
+static_assert(TC_TILE == 32, "two 16-column MMA tiles a tile, 16 scores a lane");
+static_assert(2 * TC_TILE * TC_LD >= TC_ROWS * TC_LD, "the block's rows stage through a tile pair");
+
+namespace wmma = nvcuda::wmma;
+typedef wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::row_major> tc_a;
+typedef wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::row_major> tc_b;
+typedef wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::col_major> tc_bt;
+typedef wmma::fragment<wmma::accumulator, 16, 16, 8, float> tc_acc;
+
+template <class F> static __device__ __forceinline__ void tc_round(F &f)
+{
+#pragma unroll
+	for (int i = 0; i < F::num_elements; i++)
+		f.x[i] = wmma::__float_to_tf32(f.x[i]);
+}
+
+/* rows r0 .. r0 + n - 1 of an hs-wide slice x of a (T, ld) matrix into a (n, TC_LD) shared
+ * array: rows from T on and columns hs .. HS - 1 as 0 */
+template <int HS>
+static __device__ void tc_stage(float *a, const float *x, size_t ld, int r0, int n, int T, int hs)
+{
+	for (int e = threadIdx.x; e < n * HS; e += blockDim.x) {
+		int j = e / HS, i = e % HS;
+		a[j * TC_LD + i] = r0 + j < T && i < hs ? x[(size_t)(r0 + j) * ld + i] : 0.0f;
+	}
+}
+
+/* the warp's 16 x HS rows of a staged (TC_ROWS, TC_LD) block as HS / 8 TF32 operands */
+template <int HS> static __device__ void tc_rows(tc_a (&f)[HS / 8], const float *rows)
+{
+#pragma unroll
+	for (int k = 0; k < HS / 8; k++) {
+		wmma::load_matrix_sync(f[k], rows + 8 * k, TC_LD);
+		tc_round(f[k]);
+	}
+}
+
+/* out (16, TC_TILE) scratch = x (16, HS: registers) @ y^T, y a staged (TC_TILE, TC_LD) tile */
+template <int HS>
+static __device__ void tc_times_tile_t(float *out, const tc_a (&x)[HS / 8], const float *y)
+{
+#pragma unroll
+	for (int n = 0; n < TC_TILE / 16; n++) {
+		tc_acc acc;
+		wmma::fill_fragment(acc, 0.0f);
+#pragma unroll
+		for (int k = 0; k < HS / 8; k++) {
+			tc_bt b;	/* y^T's (8, 16) block: y's rows 16 n.., columns 8 k.. */
+			wmma::load_matrix_sync(b, y + 16 * n * TC_LD + 8 * k, TC_LD);
+			tc_round(b);
+			wmma::mma_sync(acc, x[k], b, acc);
+		}
+		wmma::store_matrix_sync(out + 16 * n, acc, TC_SLD, wmma::mem_row_major);
+	}
+}
+
+/* acc (16, HS) += p (16, TC_TILE) scratch @ y, y a staged (TC_TILE, TC_LD) tile */
+template <int HS>
+static __device__ void tc_tile_times(tc_acc (&acc)[HS / 16], const float *p, const float *y)
+{
+#pragma unroll
+	for (int k = 0; k < TC_TILE / 8; k++) {
+		tc_a a;
+		wmma::load_matrix_sync(a, p + 8 * k, TC_SLD);
+		tc_round(a);
+#pragma unroll
+		for (int n = 0; n < HS / 16; n++) {
+			tc_b b;
+			wmma::load_matrix_sync(b, y + 8 * k * TC_LD + 16 * n, TC_LD);
+			tc_round(b);
+			wmma::mma_sync(acc[n], a, b, acc[n]);
+		}
+	}
+}
+
+/* the warp's accumulators (16, HS), through its rows of the staging block `rows`, into
+ * dst's rows r0 .. r0 + 15 below T (row stride ld), its first hs columns */
+template <int HS>
+static __device__ void tc_write(float *dst, size_t ld, const tc_acc (&acc)[HS / 16], float *rows,
+				int r0, int T, int hs)
+{
+	const int lane = threadIdx.x % 32;
+#pragma unroll
+	for (int n = 0; n < HS / 16; n++)
+		wmma::store_matrix_sync(rows + 16 * n, acc[n], TC_LD, wmma::mem_row_major);
+	__syncwarp();
+	for (int e = lane; e < 16 * hs; e += 32) {
+		int r = e / hs, i = e % hs;
+		if (r0 + r < T)
+			dst[(size_t)(r0 + r) * ld + i] = rows[r * TC_LD + i];
+	}
+	__syncwarp();
+}
+
+// out (B,T,C), lse (B,NH,T), qkv (B,T,3C); grid (B NH, T / TC_ROWS), block 32 TC_WARPS
+template <int HS>
+static __global__ void __launch_bounds__(32 * TC_WARPS)
+	attention_flash_tc_forward_kernel(float *out, float *lse, const float *qkv, int T, int C,
+					  int NH, float scale)
+{
+	__shared__ __align__(32) float kv[2 * TC_TILE * TC_LD];	    /* k tile, v tile */
+	__shared__ __align__(32) float sc[TC_WARPS][16 * TC_SLD];   /* scores, then weights */
+	__shared__ __align__(32) float os[TC_WARPS][16 * TC_LD];    /* the rows' output so far */
+	const int bh = blockIdx.x, b = bh / NH, h = bh % NH, hs = C / NH, C3 = 3 * C;
+	const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+	const int t0 = blockIdx.y * TC_ROWS, w0 = t0 + 16 * warp;  /* the block's, the warp's */
+	const int last = flash_min(t0 + TC_ROWS, T) - 1, wlast = flash_min(w0 + 16, T) - 1;
+	const int r = lane / 2, half = lane % 2, t = w0 + r;  /* two lanes a row, 16 keys each */
+	const float *head = qkv + (size_t)b * T * C3 + h * hs;
+	float *ks = kv, *vs = kv + TC_TILE * TC_LD, *s = sc[warp], *o = os[warp];
+
+	tc_a q[HS / 8];
+	tc_stage<HS>(kv, head, C3, t0, TC_ROWS, T, hs);	/* the block's q rows */
+	__syncthreads();
+	tc_rows<HS>(q, kv + 16 * warp * TC_LD);
+	for (int e = lane; e < 16 * TC_LD; e += 32)
+		o[e] = 0.0f;
+	__syncthreads();
+	float m = -INFINITY, l = 0.0f;
+	for (int j0 = 0; j0 <= last; j0 += TC_TILE) {
+		tc_stage<HS>(ks, head + C, C3, j0, TC_TILE, T, hs);
+		tc_stage<HS>(vs, head + 2 * C, C3, j0, TC_TILE, T, hs);
+		__syncthreads();
+		if (w0 < T && j0 <= wlast) {	/* the warp's rows see keys of this tile */
+			tc_times_tile_t<HS>(s, q, ks);
+			__syncwarp();
+			/* the online softmax of row t over keys j0 + 16 half .. + 15 (those <= t) */
+			float *sr = s + r * TC_SLD + 16 * half, mt = m;
+#pragma unroll
+			for (int c = 0; c < 16; c++) {
+				const int j = j0 + 16 * half + c;
+				sr[c] = j <= t && t < T ? sr[c] * scale : -INFINITY;
+				mt = fmaxf(mt, sr[c]);
+			}
+			mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1));
+			const bool any = mt != -INFINITY;   /* row t sees a key of the tile */
+			const float corr = any && m != -INFINITY ? expf(m - mt) : any ? 0.0f : 1.0f;
+			float sum = 0.0f;
+#pragma unroll
+			for (int c = 0; c < 16; c++) {
+				sr[c] = any && sr[c] != -INFINITY ? expf(sr[c] - mt) : 0.0f;
+				sum += sr[c];
+			}
+			sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+			if (any) {
+				l = l * corr + sum;
+				m = mt;
+			}
+			for (int i = half * (HS / 2); i < (half + 1) * (HS / 2); i++)
+				o[r * TC_LD + i] *= corr;
+			__syncwarp();
+			tc_acc acc[HS / 16];	/* o += p v */
+#pragma unroll
+			for (int n = 0; n < HS / 16; n++)
+				wmma::load_matrix_sync(acc[n], o + 16 * n, TC_LD, wmma::mem_row_major);
+			tc_tile_times<HS>(acc, s, vs);
+#pragma unroll
+			for (int n = 0; n < HS / 16; n++)
+				wmma::store_matrix_sync(o + 16 * n, acc[n], TC_LD, wmma::mem_row_major);
+			__syncwarp();
+		}
+		__syncthreads(); /* the next tile overwrites ks, vs */
+	}
+	if (t < T) {
+		float *y = out + ((size_t)b * T + t) * C + h * hs;
+		for (int i = half * (HS / 2); i < (half + 1) * (HS / 2) && i < hs; i++)
+			y[i] = o[r * TC_LD + i] / l;
+		if (half == 0)
+			lse[(size_t)bh * T + t] = m + logf(l);
+	}
+}
+
+/* dq per query row over its key tiles (as attention_flash_dq_kernel): with g = scale a (da -
+ * dsum), a = exp(scale q.k - lse), da = dy . v: dq = g k, the products on tensor cores */
+template <int HS>
+static __global__ void __launch_bounds__(32 * TC_WARPS)
+	attention_flash_tc_dq_kernel(float *dqkv, const float *dsum, const float *dout,
+				     const float *qkv, const float *lse, int T, int C, int NH,
+				     float scale)
+{
+	__shared__ __align__(32) float kv[2 * TC_TILE * TC_LD];
+	__shared__ __align__(32) float sc[TC_WARPS][16 * TC_SLD];   /* scores, then g */
+	__shared__ __align__(32) float dp[TC_WARPS][16 * TC_SLD];   /* da */
+	const int bh = blockIdx.x, b = bh / NH, h = bh % NH, hs = C / NH, C3 = 3 * C;
+	const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+	const int t0 = blockIdx.y * TC_ROWS, w0 = t0 + 16 * warp;
+	const int last = flash_min(t0 + TC_ROWS, T) - 1, wlast = flash_min(w0 + 16, T) - 1;
+	const int r = lane / 2, half = lane % 2, t = w0 + r;
+	const float *head = qkv + (size_t)b * T * C3 + h * hs;
+	const float *dyh = dout + (size_t)b * T * C + h * hs;
+	float *ks = kv, *vs = kv + TC_TILE * TC_LD, *s = sc[warp], *d = dp[warp];
+
+	tc_a q[HS / 8], dy[HS / 8];
+	tc_stage<HS>(kv, head, C3, t0, TC_ROWS, T, hs);
+	__syncthreads();
+	tc_rows<HS>(q, kv + 16 * warp * TC_LD);
+	__syncthreads();
+	tc_stage<HS>(kv, dyh, C, t0, TC_ROWS, T, hs);
+	__syncthreads();
+	tc_rows<HS>(dy, kv + 16 * warp * TC_LD);
+	__syncthreads();
+	const float lt = t < T ? lse[(size_t)bh * T + t] : 0.0f;
+	const float dt = t < T ? dsum[(size_t)bh * T + t] : 0.0f;
+	tc_acc dq[HS / 16];
+#pragma unroll
+	for (int n = 0; n < HS / 16; n++)
+		wmma::fill_fragment(dq[n], 0.0f);
+	for (int j0 = 0; j0 <= last; j0 += TC_TILE) {
+		tc_stage<HS>(ks, head + C, C3, j0, TC_TILE, T, hs);
+		tc_stage<HS>(vs, head + 2 * C, C3, j0, TC_TILE, T, hs);
+		__syncthreads();
+		if (w0 < T && j0 <= wlast) {
+			tc_times_tile_t<HS>(s, q, ks);
+			tc_times_tile_t<HS>(d, dy, vs);
+			__syncwarp();
+			float *sr = s + r * TC_SLD + 16 * half, *dr = d + r * TC_SLD + 16 * half;
+#pragma unroll
+			for (int c = 0; c < 16; c++) {
+				const int j = j0 + 16 * half + c;
+				sr[c] = j <= t && t < T ? scale * (expf(sr[c] * scale - lt) * (dr[c] - dt))
+						      : 0.0f;
+			}
+			__syncwarp();
+			tc_tile_times<HS>(dq, s, ks);
+			__syncwarp(); /* the next tile's scores overwrite s */
+		}
+		__syncthreads();
+	}
+	tc_write<HS>(dqkv + (size_t)b * T * C3 + h * hs, C3, dq, kv + 16 * warp * TC_LD, w0, T, hs);
+}
+
+/* dk, dv per key row j over the query tiles from the block's first key on (as
+ * attention_flash_dkv_kernel): dv = a dy_t, dk = g q_t summed over the queries t >= j */
+template <int HS>
+static __global__ void __launch_bounds__(32 * TC_WARPS)
+	attention_flash_tc_dkv_kernel(float *dqkv, const float *dsum, const float *dout,
+				      const float *qkv, const float *lse, int T, int C, int NH,
+				      float scale)
+{
+	__shared__ __align__(32) float qd[2 * TC_TILE * TC_LD];	    /* q tile, dy tile */
+	__shared__ __align__(32) float pt[TC_WARPS][16 * TC_SLD];   /* k.q scores, then a */
+	__shared__ __align__(32) float gt[TC_WARPS][16 * TC_SLD];   /* v.dy, then g */
+	__shared__ float ls[TC_TILE], ds[TC_TILE];
+	const int bh = blockIdx.x, b = bh / NH, h = bh % NH, hs = C / NH, C3 = 3 * C;
+	const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+	const int j0 = blockIdx.y * TC_ROWS, w0 = j0 + 16 * warp;  /* the block's, warp's keys */
+	const int r = lane / 2, half = lane % 2, j = w0 + r;
+	const float *head = qkv + (size_t)b * T * C3 + h * hs;
+	const float *dyh = dout + (size_t)b * T * C + h * hs;
+	float *qs = qd, *dys = qd + TC_TILE * TC_LD, *p = pt[warp], *g = gt[warp];
+
+	tc_a k[HS / 8], v[HS / 8];
+	tc_stage<HS>(qd, head + C, C3, j0, TC_ROWS, T, hs);
+	__syncthreads();
+	tc_rows<HS>(k, qd + 16 * warp * TC_LD);
+	__syncthreads();
+	tc_stage<HS>(qd, head + 2 * C, C3, j0, TC_ROWS, T, hs);
+	__syncthreads();
+	tc_rows<HS>(v, qd + 16 * warp * TC_LD);
+	__syncthreads();
+	tc_acc dk[HS / 16], dv[HS / 16];
+#pragma unroll
+	for (int n = 0; n < HS / 16; n++) {
+		wmma::fill_fragment(dk[n], 0.0f);
+		wmma::fill_fragment(dv[n], 0.0f);
+	}
+	for (int t0 = j0; t0 < T; t0 += TC_TILE) {
+		tc_stage<HS>(qs, head, C3, t0, TC_TILE, T, hs);
+		tc_stage<HS>(dys, dyh, C, t0, TC_TILE, T, hs);
+		for (int e = threadIdx.x; e < TC_TILE; e += blockDim.x) {
+			ls[e] = t0 + e < T ? lse[(size_t)bh * T + t0 + e] : 0.0f;
+			ds[e] = t0 + e < T ? dsum[(size_t)bh * T + t0 + e] : 0.0f;
+		}
+		__syncthreads();
+		if (w0 < T && t0 + TC_TILE > w0) {	/* a query of the tile sees the warp's keys */
+			tc_times_tile_t<HS>(p, k, qs);
+			tc_times_tile_t<HS>(g, v, dys);
+			__syncwarp();
+			float *pr = p + r * TC_SLD + 16 * half, *gr = g + r * TC_SLD + 16 * half;
+#pragma unroll
+			for (int c = 0; c < 16; c++) {
+				const int e = 16 * half + c, tq = t0 + e;
+				const bool on = tq >= j && tq < T && j < T;
+				const float a = on ? expf(pr[c] * scale - ls[e]) : 0.0f;
+				gr[c] = on ? scale * (a * (gr[c] - ds[e])) : 0.0f;
+				pr[c] = a;
+			}
+			__syncwarp();
+			tc_tile_times<HS>(dv, p, dys);
+			tc_tile_times<HS>(dk, g, qs);
+			__syncwarp();
+		}
+		__syncthreads();
+	}
+	float *rows = qd + 16 * warp * TC_LD;
+	float *dst = dqkv + (size_t)b * T * C3 + h * hs;
+	tc_write<HS>(dst + C, C3, dk, rows, w0, T, hs);
+	tc_write<HS>(dst + 2 * C, C3, dv, rows, w0, T, hs);
+}
+
+/* the tensor-core kernels' head size, HS = hs rounded up to 16 columns, or 0 where they
+ * do not run (not TF32, or a head size not a multiple of 8) */
+static int flash_tc_width(const struct sl_gpu *g, int hs)
+{
+	if (!g->tf32 || hs % 8 != 0 || hs > FLASH_HS)
+		return 0;
+	return (hs + 15) / 16 * 16;
+}
+
+template <int HS>
+static void flash_tc_forward(const struct sl_gpu *g, float *out, float *lse, const float *qkv,
+			     int B, int T, int C, int NH, float scale)
+{
+	dim3 grid((unsigned)(B * NH), (unsigned)((T + TC_ROWS - 1) / TC_ROWS));
+	SL_LAUNCH(attention_flash_tc_forward_kernel<HS>, grid, 32 * TC_WARPS, 0, sl_stream(g),
+		  out, lse, qkv, T, C, NH, scale);
+}
+
+template <int HS>
+static void flash_tc_backward(const struct sl_gpu *g, float *dqkv, const float *dsum,
+			      const float *dout, const float *qkv, const float *lse, int B,
+			      int T, int C, int NH, float scale)
+{
+	dim3 grid((unsigned)(B * NH), (unsigned)((T + TC_ROWS - 1) / TC_ROWS));
+	SL_LAUNCH(attention_flash_tc_dq_kernel<HS>, grid, 32 * TC_WARPS, 0, sl_stream(g), dqkv,
+		  dsum, dout, qkv, lse, T, C, NH, scale);
+	SL_LAUNCH(attention_flash_tc_dkv_kernel<HS>, grid, 32 * TC_WARPS, 0, sl_stream(g), dqkv,
+		  dsum, dout, qkv, lse, T, C, NH, scale);
+}
+
 // out (B,T,C), lse (B,NH,T), qkv (B,T,3C) = [q | k | v] per token
 void attention_flash_forward_cuda(const struct sl_gpu *g, float *out, float *lse,
 				  const float *qkv, int B, int T, int C, int NH)
@@ -486,9 +834,16 @@ void attention_flash_forward_cuda(const struct sl_gpu *g, float *out, float *lse
 	if (B <= 0 || T <= 0)
 		return;
 	const int hs = C / NH;
+	const float scale = 1.0f / sqrtf((float)hs);
 	flash_check(hs);
+	switch (flash_tc_width(g, hs)) {
+	case 16: flash_tc_forward<16>(g, out, lse, qkv, B, T, C, NH, scale); return;
+	case 32: flash_tc_forward<32>(g, out, lse, qkv, B, T, C, NH, scale); return;
+	case 48: flash_tc_forward<48>(g, out, lse, qkv, B, T, C, NH, scale); return;
+	case 64: flash_tc_forward<64>(g, out, lse, qkv, B, T, C, NH, scale); return;
+	}
 	SL_LAUNCH(attention_flash_forward_kernel, flash_grid(B, T, NH), FLASH_ROWS, 0, sl_stream(g),
-		  out, lse, qkv, T, C, NH, 1.0f / sqrtf((float)hs));
+		  out, lse, qkv, T, C, NH, scale);
 }
 
 // dqkv (B,T,3C) =, dsum (B,NH,T) scratch, dout (B,T,C), qkv, out (B,T,C), lse (B,NH,T)
@@ -503,6 +858,12 @@ void attention_flash_backward_cuda(const struct sl_gpu *g, float *dqkv, float *d
 	flash_check(hs);
 	SL_LAUNCH(attention_flash_dsum_kernel, softmax_blocks(rows), 32 * ROWS_PER_BLOCK, 0,
 		  sl_stream(g), dsum, dout, out, rows, T, C, NH);
+	switch (flash_tc_width(g, hs)) {
+	case 16: flash_tc_backward<16>(g, dqkv, dsum, dout, qkv, lse, B, T, C, NH, scale); return;
+	case 32: flash_tc_backward<32>(g, dqkv, dsum, dout, qkv, lse, B, T, C, NH, scale); return;
+	case 48: flash_tc_backward<48>(g, dqkv, dsum, dout, qkv, lse, B, T, C, NH, scale); return;
+	case 64: flash_tc_backward<64>(g, dqkv, dsum, dout, qkv, lse, B, T, C, NH, scale); return;
+	}
 	SL_LAUNCH(attention_flash_dq_kernel, flash_grid(B, T, NH), FLASH_ROWS, 0, sl_stream(g),
 		  dqkv, dsum, dout, qkv, lse, T, C, NH, scale);
 	SL_LAUNCH(attention_flash_dkv_kernel, flash_grid(B, T, NH), FLASH_ROWS, 0, sl_stream(g),

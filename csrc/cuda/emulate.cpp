@@ -425,18 +425,8 @@ const char *cublasGetStatusString(cublasStatus_t s)
 						    "CUBLAS_STATUS_INVALID_VALUE";
 }
 
-/* x rounded to TF32 (10 explicit significand bits) to nearest, ties away from zero, as PTX's
- * cvt.rna.tf32.f32: half a TF32 ulp added to the magnitude's bits, the 13 low bits dropped
- * (a carry into the exponent is the correct rounding up) */
-static float tf32(float x)
-{
-	uint32_t u;
-	memcpy(&u, &x, sizeof u);
-	if ((u & 0x7f800000u) != 0x7f800000u) /* finite: keep inf and NaN as they are */
-		u = (u + 0x1000u) & 0xffffe000u;
-	memcpy(&x, &u, sizeof x);
-	return x;
-}
+/* x rounded to TF32 to nearest, as PTX's cvt.rna.tf32.f32 (emulate.h) */
+static float tf32(float x) { return sl_emu::tf32_round(x); }
 
 /* A (rows x cols, column-major, ld) copied with every element in TF32 */
 static std::vector<float> tf32_copy(const float *A, int rows, int cols, int ld)

@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <type_traits>
 
 /* ---- launch geometry ---- */
 struct dim3 {
@@ -57,6 +58,7 @@ void *dynamic_shared();
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 #define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
 #define threadIdx (sl_emu::thread_idx(sl_emu::current))
 #define blockIdx (sl_emu::block_idx)
 #define blockDim (sl_emu::block_dim)
@@ -102,6 +104,136 @@ inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline float __expf(float x) { return std::exp(x); }
 inline float __fdividef(float a, float b) { return a / b; }
 template <class T> inline T __ldg(const T *p) { return *p; }
+
+/* ---- TF32 ---- */
+namespace sl_emu {
+/* x rounded to TF32 (10 explicit significand bits) to nearest, ties away from zero, as PTX's
+ * cvt.rna.tf32.f32: half a TF32 ulp added to the magnitude's bits, the 13 low bits dropped
+ * (a carry into the exponent is the correct rounding up); inf and NaN kept */
+inline float tf32_round(float x)
+{
+	uint32_t u;
+	std::memcpy(&u, &x, sizeof u);
+	if ((u & 0x7f800000u) != 0x7f800000u)
+		u = (u + 0x1000u) & 0xffffe000u;
+	std::memcpy(&x, &u, sizeof x);
+	return x;
+}
+/* what a tensor core reads of an fp32 register holding a TF32 operand: its 19 high bits (the
+ * 13 low ones ignored), so an operand not converted first is truncated */
+inline float tf32_truncate(float x)
+{
+	uint32_t u;
+	std::memcpy(&u, &x, sizeof u);
+	if ((u & 0x7f800000u) != 0x7f800000u)
+		u &= 0xffffe000u;
+	std::memcpy(&x, &u, sizeof x);
+	return x;
+}
+/* whether the running thread is its warp's lane 0 */
+inline bool warp_leader()
+{
+	const dim3 &t = thread_idx(current);
+	return (t.x + block_dim.x * (t.y + block_dim.y * t.z)) % 32 == 0;
+}
+} // namespace sl_emu
+
+/* ---- WMMA (nvcuda::wmma): TF32 m16n16k8 only, what csrc/cuda/attention.cu uses ----
+ * A fragment holds its whole tile in every thread, and lane 0's is the warp's: loads, the
+ * product and stores act on lane 0's alone (the other lanes' copies are never read; a
+ * uniform elementwise pass over x[0..num_elements) touches all, as on a GPU). So memory that
+ * other lanes wrote and a load reads needs the __syncwarp a GPU needs: fibers switch only at
+ * barriers, and lane 0 may run first. The product reads its TF32 operands as a tensor core
+ * does (truncated: tf32_truncate; __float_to_tf32 first, as the kernels do, rounds them) and
+ * adds in fp32, k in order. */
+namespace nvcuda {
+namespace wmma {
+struct matrix_a {};
+struct matrix_b {};
+struct accumulator {};
+struct row_major {};
+struct col_major {};
+namespace precision {
+struct tf32 {};
+} // namespace precision
+enum layout_t { mem_row_major, mem_col_major };
+
+template <class Use, int M, int N, int K, class T, class Layout = void> struct fragment;
+template <class Layout> struct fragment<matrix_a, 16, 16, 8, precision::tf32, Layout> {
+	enum { rows = 16, cols = 8, num_elements = 16 * 8 };
+	float x[num_elements];
+};
+template <class Layout> struct fragment<matrix_b, 16, 16, 8, precision::tf32, Layout> {
+	enum { rows = 8, cols = 16, num_elements = 8 * 16 };
+	float x[num_elements];
+};
+template <> struct fragment<accumulator, 16, 16, 8, float, void> {
+	enum { rows = 16, cols = 16, num_elements = 16 * 16 };
+	float x[num_elements];
+};
+
+inline float __float_to_tf32(float x) { return sl_emu::tf32_round(x); }
+
+template <class F> inline void fill_fragment(F &f, float v)
+{
+	for (int i = 0; i < F::num_elements; i++)
+		f.x[i] = v;
+}
+/* element (r, c) of a tile at p: row-major p[r ldm + c], column-major p[c ldm + r] */
+template <class Use, class Layout>
+inline void load_matrix_sync(fragment<Use, 16, 16, 8, precision::tf32, Layout> &f, const float *p,
+			     unsigned ldm)
+{
+	typedef fragment<Use, 16, 16, 8, precision::tf32, Layout> F;
+	if (!sl_emu::warp_leader())
+		return;
+	const bool row = std::is_same<Layout, row_major>::value;
+	for (int r = 0; r < F::rows; r++)
+		for (int c = 0; c < F::cols; c++)
+			f.x[r * F::cols + c] = row ? p[(size_t)r * ldm + c] : p[(size_t)c * ldm + r];
+}
+inline void load_matrix_sync(fragment<accumulator, 16, 16, 8, float> &f, const float *p,
+			     unsigned ldm, layout_t layout)
+{
+	if (!sl_emu::warp_leader())
+		return;
+	for (int r = 0; r < 16; r++)
+		for (int c = 0; c < 16; c++)
+			f.x[r * 16 + c] = layout == mem_row_major ? p[(size_t)r * ldm + c]
+								  : p[(size_t)c * ldm + r];
+}
+inline void store_matrix_sync(float *p, const fragment<accumulator, 16, 16, 8, float> &f,
+			      unsigned ldm, layout_t layout)
+{
+	if (!sl_emu::warp_leader())
+		return;
+	for (int r = 0; r < 16; r++)
+		for (int c = 0; c < 16; c++)
+			(layout == mem_row_major ? p[(size_t)r * ldm + c] : p[(size_t)c * ldm + r]) =
+				f.x[r * 16 + c];
+}
+// d (16,16) = a (16,8) @ b (8,16) + c
+template <class LA, class LB>
+inline void mma_sync(fragment<accumulator, 16, 16, 8, float> &d,
+		     const fragment<matrix_a, 16, 16, 8, precision::tf32, LA> &a,
+		     const fragment<matrix_b, 16, 16, 8, precision::tf32, LB> &b,
+		     const fragment<accumulator, 16, 16, 8, float> &c)
+{
+	if (!sl_emu::warp_leader())
+		return;
+	float out[16 * 16];
+	for (int r = 0; r < 16; r++)
+		for (int n = 0; n < 16; n++) {
+			float s = c.x[r * 16 + n];
+			for (int k = 0; k < 8; k++)
+				s += sl_emu::tf32_truncate(a.x[r * 8 + k]) *
+				     sl_emu::tf32_truncate(b.x[k * 16 + n]);
+			out[r * 16 + n] = s;
+		}
+	std::memcpy(d.x, out, sizeof out);
+}
+} // namespace wmma
+} // namespace nvcuda
 
 /* ---- runtime API ---- */
 typedef int cudaError_t;

@@ -8,6 +8,7 @@
 #else
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
+#include <mma.h>
 #endif
 #include <stddef.h>
 #include <stdint.h>
