@@ -91,10 +91,37 @@ def run_starpu(B: int, T: int, steps: int, warmup: int, out: str, trace: bool = 
         t = train(starpu_config(B, T, 1, warmup, trace=True))
         with open(os.path.join(out, f"trace_{B}x{T}.csv"), "w", newline="") as f:
             w = csv.writer(f)
-            w.writerow(["job", "codelet", "worker", "start_ns", "end_ns"])
-            w.writerows((e.job, e.codelet, e.worker, e.start_ns, e.end_ns) for e in t.trace)
+            w.writerow(["job", "codelet", "worker", "start_ns", "end_ns", "gpu_start_ns",
+                        "gpu_end_ns"])
+            w.writerows((e.job, e.codelet, e.worker, e.start_ns, e.end_ns, e.gpu_start_ns,
+                         e.gpu_end_ns) for e in t.trace)
         result["traced_tasks"] = len(t.trace)
+        busy = gpu_busy(t.trace)
+        if busy:
+            result["gpu_busy"], result["traced_step_ms"] = busy
     return result
+
+
+def gpu_busy(trace) -> tuple[float, float] | None:
+    """(the fraction of the last step during which a GPU ran kernels, that step in ms) of a
+    trace whose last step ran alone (train() drains the step before it): from its batch load's
+    start to its last kernel's end, the union of the tasks' GPU intervals (gpu_start_ns ..
+    gpu_end_ns). None without GPU times."""
+    loads = [e.start_ns for e in trace if e.codelet == "load_batch"]
+    if not loads:
+        return None
+    t0 = max(loads)
+    spans = sorted((e.gpu_start_ns, e.gpu_end_ns) for e in trace
+                   if e.start_ns >= t0 and e.gpu_end_ns > 0)
+    if not spans:
+        return None
+    busy, (lo, hi) = 0, spans[0]
+    for a, b in spans[1:]:
+        if a > hi:
+            busy, lo = busy + hi - lo, a
+        hi = max(hi, b)
+    busy += hi - lo
+    return busy / (hi - t0), (hi - t0) / 1e6
 
 
 def run_pytorch(B: int, T: int, steps: int, warmup: int, out: str) -> dict:
@@ -358,6 +385,10 @@ def write_report(args, systems, table, rows, notes):
                   if ours and table.get((s, B, T), {}).get("tok_per_ms") else "-" for s in others]
         lines.append(f"| {B} x {T} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
         checks += same_start(table, systems, B, T)
+        r = table.get(("starpu-llm", B, T), {})
+        if "gpu_busy" in r:
+            checks.append(f"{B}x{T} starpu-llm traced step: {r['traced_step_ms']:.1f} ms, the GPU "
+                          f"running kernels {100 * r['gpu_busy']:.1f} % of it")
     lines += [""] + checks + [""] + notes + [f"{s} {B}x{T}: {r.get('describe', r.get('error'))}"
                                              for (s, B, T), r in table.items()]
     path = os.path.join(args.out, "gpu_bench.md")

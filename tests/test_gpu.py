@@ -4,9 +4,9 @@ the data. Every test skips without a CUDA build or without a GPU, naming which.
 
   - 10 AdamW steps of `tiny` and `d12` against the PyTorch oracle with test_model.py's
     comparisons: matmuls in fp32 within its fp32 bounds, in TF32 within bounds.py's TF32
-    bounds (each GEMM along a chain adds 2^14 + 4 to its length: d12's logits within
-    6.4 % of max |logits| with the fused attention, whose products are no GEMMs, 9.1 % with
-    the batched-GEMM one; test_model_cuda.py checks the figures);
+    bounds (each GEMM along a chain adds 2^14 + 4 to its length, the fused attention's TF32
+    products too: d12's logits within 9.1 % of max |logits|; test_model_cuda.py checks the
+    figures);
     and that the GPU ran tasks;
   - the CPU and GPU engines' losses side by side (printed), both within the oracle's bounds;
   - checkpoints written on one engine resumed on the other (trainer.train, --save then
@@ -188,6 +188,26 @@ def test_grad_clip_through_train_on_the_gpu(tmp_path):
     where = Counter((e.codelet, "gpu" if e.worker in cuda_workers else "cpu") for e in r.trace)
     assert where[("grad_sumsq", "gpu")] > 0 and where[("norm_sum", "gpu")] > 0
     assert not on_cpu_but_loads(where), f"layer tasks ran on a CPU worker: {dict(where)}"
+
+
+def test_the_trace_times_the_kernels_on_the_gpu():
+    """A traced `train --gpus 1` (tiny, 3 steps): every task on the CUDA worker has its
+    kernels' GPU interval (two events on its stream, trace.c), which starts after the task
+    began queueing them and, the worker having one stream, after the previous task's
+    kernels ended; the CPU tasks (the batch loads) have none. gpu_bench.py's GPU-busy
+    fraction is read from these."""
+    r = train(TrainConfig(model="tiny", batch=4, seq_len=64, steps=3, gpus=1, trace=True,
+                          log=None))
+    gpu = sorted((e for e in r.trace if e.worker == 0), key=lambda e: e.gpu_start_ns)
+    cpu = [e for e in r.trace if e.worker != 0]
+    assert gpu and cpu and all(e.codelet == "load_batch" for e in cpu)
+    assert all(e.gpu_start_ns == e.gpu_end_ns == 0 for e in cpu)
+    slack = 100_000         # 0.1 ms: the host clock read against the GPU's, once
+    for e in gpu:
+        assert 0 < e.gpu_start_ns <= e.gpu_end_ns, e
+        assert e.gpu_start_ns >= e.start_ns - slack, e
+    for a, b in zip(gpu, gpu[1:]):
+        assert b.gpu_start_ns >= a.gpu_end_ns - slack, (a, b)
 
 
 def test_gpu_batched_decoding_equals_one_sequence_at_a_time():

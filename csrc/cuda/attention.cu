@@ -534,6 +534,18 @@ template <int HS> static __device__ void tc_rows(tc_a (&f)[HS / 8], const float 
 	}
 }
 
+/* each warp's 16 rows of x's rows r0 .. r0 + TC_ROWS - 1 (an hs-wide slice of a (T, ld)
+ * matrix) as TF32 operands, through buf (TC_ROWS, TC_LD) */
+template <int HS>
+static __device__ void tc_rows_of(tc_a (&f)[HS / 8], float *buf, const float *x, size_t ld,
+				  int r0, int T, int hs)
+{
+	tc_stage<HS>(buf, x, ld, r0, TC_ROWS, T, hs);
+	__syncthreads();
+	tc_rows<HS>(f, buf + 16 * (threadIdx.x / 32) * TC_LD);
+	__syncthreads(); /* buf is staged again next */
+}
+
 /* out (16, TC_TILE) scratch = x (16, HS: registers) @ y^T, y a staged (TC_TILE, TC_LD) tile */
 template <int HS>
 static __device__ void tc_times_tile_t(float *out, const tc_a (&x)[HS / 8], const float *y)
@@ -609,12 +621,9 @@ static __global__ void __launch_bounds__(32 * TC_WARPS)
 	float *ks = kv, *vs = kv + TC_TILE * TC_LD, *s = sc[warp], *o = os[warp];
 
 	tc_a q[HS / 8];
-	tc_stage<HS>(kv, head, C3, t0, TC_ROWS, T, hs);	/* the block's q rows */
-	__syncthreads();
-	tc_rows<HS>(q, kv + 16 * warp * TC_LD);
+	tc_rows_of<HS>(q, kv, head, C3, t0, T, hs);
 	for (int e = lane; e < 16 * TC_LD; e += 32)
 		o[e] = 0.0f;
-	__syncthreads();
 	float m = -INFINITY, l = 0.0f;
 	for (int j0 = 0; j0 <= last; j0 += TC_TILE) {
 		tc_stage<HS>(ks, head + C, C3, j0, TC_TILE, T, hs);
@@ -690,14 +699,8 @@ static __global__ void __launch_bounds__(32 * TC_WARPS)
 	float *ks = kv, *vs = kv + TC_TILE * TC_LD, *s = sc[warp], *d = dp[warp];
 
 	tc_a q[HS / 8], dy[HS / 8];
-	tc_stage<HS>(kv, head, C3, t0, TC_ROWS, T, hs);
-	__syncthreads();
-	tc_rows<HS>(q, kv + 16 * warp * TC_LD);
-	__syncthreads();
-	tc_stage<HS>(kv, dyh, C, t0, TC_ROWS, T, hs);
-	__syncthreads();
-	tc_rows<HS>(dy, kv + 16 * warp * TC_LD);
-	__syncthreads();
+	tc_rows_of<HS>(q, kv, head, C3, t0, T, hs);
+	tc_rows_of<HS>(dy, kv, dyh, C, t0, T, hs);
 	const float lt = t < T ? lse[(size_t)bh * T + t] : 0.0f;
 	const float dt = t < T ? dsum[(size_t)bh * T + t] : 0.0f;
 	tc_acc dq[HS / 16];
@@ -749,14 +752,8 @@ static __global__ void __launch_bounds__(32 * TC_WARPS)
 	float *qs = qd, *dys = qd + TC_TILE * TC_LD, *p = pt[warp], *g = gt[warp];
 
 	tc_a k[HS / 8], v[HS / 8];
-	tc_stage<HS>(qd, head + C, C3, j0, TC_ROWS, T, hs);
-	__syncthreads();
-	tc_rows<HS>(k, qd + 16 * warp * TC_LD);
-	__syncthreads();
-	tc_stage<HS>(qd, head + 2 * C, C3, j0, TC_ROWS, T, hs);
-	__syncthreads();
-	tc_rows<HS>(v, qd + 16 * warp * TC_LD);
-	__syncthreads();
+	tc_rows_of<HS>(k, qd, head + C, C3, j0, T, hs);
+	tc_rows_of<HS>(v, qd, head + 2 * C, C3, j0, T, hs);
 	tc_acc dk[HS / 16], dv[HS / 16];
 #pragma unroll
 	for (int n = 0; n < HS / 16; n++) {

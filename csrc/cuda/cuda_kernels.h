@@ -37,6 +37,17 @@ struct sl_gpu {
 void *sl_gpu_scratch_create(void);
 void sl_gpu_scratch_destroy(void *scratch);
 
+/* The task trace's GPU times (csrc/starpu/trace.c; the CUDA build only). An event recorded
+ * now on stream, made for it, and the device it is on (NULL on a CUDA error, which is taken
+ * off the thread: the trace then has no GPU time for that task). */
+void *sl_gpu_event_record(void *stream, int *device);
+/* The CLOCK_MONOTONIC time (now_ns's) at which each of the n events (of device devices[i])
+ * completed, waited for, into ns[i] (0 where an event is NULL or a CUDA call fails); each
+ * event destroyed. Against an event recorded on a stream of its own on each device, timed
+ * when it completes. Returns the events timed. */
+int sl_gpu_event_times(void **events, const int *devices, int n, int64_t (*now_ns)(void),
+		       int64_t *ns);
+
 /* The row blocks of a matrix (kernels.h, "Row blocks") handed to a kernel by value: at most
  * SL_GPU_MAX_BLOCKS blocks (a kernel's arguments are copied to the GPU with its launch). */
 #define SL_GPU_MAX_BLOCKS 32

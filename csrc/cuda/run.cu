@@ -111,3 +111,67 @@ extern "C" int sl_codelet_run_cuda(int codelet, void *const *ptr, const size_t *
 	free(b);
 	return 0;
 }
+
+#ifndef SL_CUDA_EMULATION
+extern "C" void *sl_gpu_event_record(void *stream, int *device)
+{
+	cudaEvent_t ev;
+	if (cudaEventCreate(&ev) != cudaSuccess) {
+		(void)cudaGetLastError();
+		return NULL;
+	}
+	if (cudaEventRecord(ev, (cudaStream_t)stream) != cudaSuccess ||
+	    (device && cudaGetDevice(device) != cudaSuccess)) {
+		(void)cudaEventDestroy(ev);
+		(void)cudaGetLastError();
+		return NULL;
+	}
+	return ev;
+}
+
+extern "C" int sl_gpu_event_times(void **events, const int *devices, int n,
+				  int64_t (*now_ns)(void), int64_t *ns)
+{
+	int timed = 0, cur = -1;
+	if (cudaGetDevice(&cur) != cudaSuccess)
+		(void)cudaGetLastError();
+	for (int i = 0; i < n; i++)
+		ns[i] = 0;
+	for (int i = 0; i < n; i++) {
+		if (!events[i] || ns[i] != 0)
+			continue;
+		/* every event of this device against one event of "now" on it: a stream of our
+		 * own, non-blocking, so that the event completes as soon as it is recorded */
+		const int dev = devices[i];
+		cudaStream_t s = NULL;
+		cudaEvent_t now = NULL;
+		int64_t host = 0;
+		if (cudaSetDevice(dev) == cudaSuccess &&
+		    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess &&
+		    cudaEventCreate(&now) == cudaSuccess && cudaEventRecord(now, s) == cudaSuccess &&
+		    cudaEventSynchronize(now) == cudaSuccess)
+			host = now_ns();
+		for (int j = i; j < n; j++) {
+			if (!events[j] || devices[j] != dev)
+				continue;
+			float ms;
+			cudaEvent_t ev = (cudaEvent_t)events[j];
+			if (host && cudaEventSynchronize(ev) == cudaSuccess &&
+			    cudaEventElapsedTime(&ms, ev, now) == cudaSuccess) {
+				ns[j] = host - (int64_t)((double)ms * 1e6);
+				timed++;
+			}
+			(void)cudaEventDestroy(ev);
+			events[j] = NULL;
+		}
+		if (now)
+			(void)cudaEventDestroy(now);
+		if (s)
+			(void)cudaStreamDestroy(s);
+		(void)cudaGetLastError();
+	}
+	if (cur >= 0)
+		(void)cudaSetDevice(cur);
+	return timed;
+}
+#endif

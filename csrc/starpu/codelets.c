@@ -96,8 +96,9 @@ void sl_codelets_cuda_workers(int start)
 
 /* Every task's CUDA function calls this: the body queues its kernels on the CUDA worker's
  * stream, with its cuBLAS handle (starpu_cublas_init, at the start), and returns; StarPU
- * waits for the stream (STARPU_CUDA_ASYNC). The trace records the queueing, not the kernels'
- * run. Skipped in a dry run. */
+ * waits for the stream (STARPU_CUDA_ASYNC). The trace records the queueing (start_ns, end_ns)
+ * and, through two events on the stream, the kernels' run (gpu_start_ns, gpu_end_ns). Skipped
+ * in a dry run. */
 static void codelet_cuda(const struct sl_codelet *c, void *buffers[], void *cl_arg)
 {
 	long slot = sl_trace_begin(c->id, 1);
@@ -108,7 +109,9 @@ static void codelet_cuda(const struct sl_codelet *c, void *buffers[], void *cl_a
 		struct sl_gpu g = { (void *)starpu_cuda_get_local_stream(),
 				    (void *)starpu_cublas_get_local_handle(), sl_gpu_tf32(),
 				    cuda_scratch[starpu_worker_get_id_check()] };
+		sl_trace_gpu_mark(slot, g.stream, 0);
 		c->cuda_run(b, n, cl_arg, &g);
+		sl_trace_gpu_mark(slot, g.stream, 1);
 	}
 	sl_trace_end(slot);
 }

@@ -61,5 +61,8 @@ void sl_codelets_set_partition(int kcore, int nworkers, int cores_per_worker, co
 /* Opens the record of a task of codelet running on ncores; returns its slot (-1: none). */
 long sl_trace_begin(int codelet, int ncores);
 void sl_trace_end(long slot);
+/* A CUDA task's GPU time in the trace: an event on its stream before (end 0) and after (end
+ * 1) its body queues its kernels (trace.c; the CUDA build only). */
+void sl_trace_gpu_mark(long slot, void *stream, int end);
 
 #endif

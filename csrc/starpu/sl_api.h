@@ -191,6 +191,12 @@ struct sl_trace_event {
 	double flops;	/* the flop count the task was submitted with */
 	uint64_t job;	/* the task's submission number (sl_submit) */
 	int32_t priority; /* the task's priority (sl_submit) */
+	/* a CUDA task's kernels on the GPU (CLOCK_MONOTONIC, as start_ns): from before its first
+	 * to after its last, in its stream; 0 for a CPU task, or until sl_trace_gpu_times */
+	int64_t gpu_start_ns;
+	int64_t gpu_end_ns;
+	void *gpu_events[2]; /* their CUDA events until then */
+	int32_t gpu_device;
 };
 int sl_trace_enable(size_t capacity); /* capacity 0 disables and frees */
 /* Dry run (on = 1): every task still runs through StarPU, with its dependencies, placement and
@@ -199,6 +205,9 @@ int sl_trace_enable(size_t capacity); /* capacity 0 disables and frees */
 void sl_set_dry_run(int on);
 int sl_dry_run(void);
 size_t sl_trace_count(void); /* events recorded (capped at capacity) */
+/* Fills the GPU times of the events recorded so far whose tasks have ended (waiting for their
+ * kernels); returns how many were timed (0 in a build without CUDA). */
+int sl_trace_gpu_times(void);
 const struct sl_trace_event *sl_trace_events(void);
 
 #endif

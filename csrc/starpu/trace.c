@@ -22,10 +22,11 @@ static int64_t now_ns(void)
 	return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
-/* Frees the recorded events' buffer lists (no task records while this runs). */
+/* Frees the recorded events' buffer lists and CUDA events (no task records while this runs). */
 static void free_buffer_lists(void)
 {
 	size_t n = sl_trace_count();
+	(void)sl_trace_gpu_times();
 	for (size_t i = 0; i < n; i++)
 		free(trace_buf[i].handles); /* one allocation with the modes */
 }
@@ -115,3 +116,61 @@ void sl_trace_end(long slot)
 	trace_buf[slot].end_ns = now_ns();
 	trace_buffers(&trace_buf[slot]);
 }
+
+#ifdef SL_HAVE_CUDA
+#include "../cuda/cuda_kernels.h"
+
+/* A CUDA task's kernels, timed on the GPU: an event on the worker's stream before its body
+ * queues them and one after (codelet_cuda), resolved to host times later. */
+void sl_trace_gpu_mark(long slot, void *stream, int end)
+{
+	if (slot < 0 || !trace_buf)
+		return;
+	struct sl_trace_event *e = &trace_buf[slot];
+	void *ev = sl_gpu_event_record(stream, end ? NULL : &e->gpu_device);
+	__atomic_store_n(&e->gpu_events[end != 0], ev, __ATOMIC_RELEASE);
+}
+
+int sl_trace_gpu_times(void)
+{
+	size_t n = sl_trace_count(), k = 0;
+	void **ev = malloc(2 * (n > 0 ? n : 1) * sizeof *ev);
+	int *dev = malloc(2 * (n > 0 ? n : 1) * sizeof *dev);
+	int64_t *ns = malloc(2 * (n > 0 ? n : 1) * sizeof *ns);
+	size_t *slot = malloc((n > 0 ? n : 1) * sizeof *slot);
+	int timed = 0;
+	if (!ev || !dev || !ns || !slot)
+		goto out; /* the events stay for a later call */
+	for (size_t i = 0; i < n; i++) {
+		struct sl_trace_event *e = &trace_buf[i];
+		/* a task still running has no end event yet: left for a later call */
+		void *a = __atomic_load_n(&e->gpu_events[0], __ATOMIC_ACQUIRE);
+		void *b = __atomic_load_n(&e->gpu_events[1], __ATOMIC_ACQUIRE);
+		if (!a || !b)
+			continue;
+		ev[2 * k] = a;
+		ev[2 * k + 1] = b;
+		dev[2 * k] = dev[2 * k + 1] = e->gpu_device;
+		e->gpu_events[0] = e->gpu_events[1] = NULL;
+		slot[k++] = i;
+	}
+	if (k > 0)
+		sl_gpu_event_times(ev, dev, (int)(2 * k), now_ns, ns);
+	for (size_t j = 0; j < k; j++) {
+		struct sl_trace_event *e = &trace_buf[slot[j]];
+		if (ns[2 * j] && ns[2 * j + 1]) {
+			e->gpu_start_ns = ns[2 * j];
+			e->gpu_end_ns = ns[2 * j + 1];
+			timed++;
+		}
+	}
+out:
+	free(ev);
+	free(dev);
+	free(ns);
+	free(slot);
+	return timed;
+}
+#else
+int sl_trace_gpu_times(void) { return 0; }
+#endif

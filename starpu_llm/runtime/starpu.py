@@ -428,10 +428,16 @@ class TraceEvent(NamedTuple):
     flops: float            # the flop count the task was submitted with
     job: int                # the task's submission number (process-wide)
     priority: int           # the priority it was submitted with (runtime.submit.Where)
+    # a GPU task's kernels on its GPU, in start_ns's clock (start_ns to end_ns is the
+    # queueing of its kernels); 0 for a CPU task or in a build without CUDA
+    gpu_start_ns: int = 0
+    gpu_end_ns: int = 0
 
 
 def read_trace() -> list:
-    """The recorded tasks (TraceEvent), in the order they started."""
+    """The recorded tasks (TraceEvent), in the order they started; those on GPUs with their
+    kernels' times (sl_trace_gpu_times waits for the kernels of the tasks that have ended)."""
+    lib.sl_trace_gpu_times()
     n = lib.sl_trace_count()
     ev = lib.sl_trace_events()
     names = [ffi.string(lib.sl_codelet_name(i)).decode() for i in range(lib.sl_codelet_count())]
@@ -440,5 +446,6 @@ def read_trace() -> list:
         bufs = None if e.nbuffers < 0 else tuple(
             (int(ffi.cast("uintptr_t", e.handles[b])), int(e.modes[b])) for b in range(e.nbuffers))
         out.append(TraceEvent(names[e.codelet], e.worker, e.ncores, e.start_ns, e.end_ns, bufs,
-                              float(e.flops), int(e.job), int(e.priority)))
+                              float(e.flops), int(e.job), int(e.priority), int(e.gpu_start_ns),
+                              int(e.gpu_end_ns)))
     return out
