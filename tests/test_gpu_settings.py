@@ -98,3 +98,27 @@ def test_gpu_buffers_stay_dirty_only_with_gpus_and_no_memory_limit(monkeypatch, 
         assert os.environ["STARPU_TARGET_CLEAN_BUFFERS"] == "7"
     assert "STARPU_MINIMUM_CLEAN_BUFFERS" not in os.environ
     assert os.environ["STARPU_TARGET_CLEAN_BUFFERS"] == "7"
+
+
+def test_activations_with_gpus_have_no_host_buffer(runtime):
+    """With GPUs an activation's handle is StarPU's memory, not a numpy buffer of ours (the
+    GPU tasks write it; a host buffer only took RSS when StarPU copied the values back at
+    unregistration); the host still writes and reads it (acquire: StarPU's main memory).
+    Without GPUs, a buffer of ours (first touch by the task that writes it)."""
+    import numpy as np
+    from starpu_llm.flow.engine import read_tensor
+    from starpu_llm.flow.handles import WRITE, Handles, acquired
+    from starpu_llm.model.config import MODELS
+    from starpu_llm.plan.sites import Sites
+    from starpu_llm.plan.topology import Topology
+
+    config = MODELS["tiny"]
+    for gpus, host_buffers in ((1, 0), (0, 1)):
+        h = Handles(runtime, config, Sites(Topology(config, 1, 1, "rank0"), gpus=gpus))
+        t = h.tensor("x", (3, 5))
+        assert len(h._buffers) == host_buffers
+        values = np.arange(15, dtype=np.float32).reshape(3, 5)
+        with acquired(t, WRITE) as x:       # written whole first, as a task would
+            x[:] = values.reshape(-1)
+        assert np.array_equal(read_tensor(t), values)
+        h.unregister_all()

@@ -337,9 +337,14 @@ class Handles:
         # Our memory, not StarPU's (-1): StarPU 1.3.10's peager crashes when a parallel
         # task gets a buffer StarPU allocated itself. np.empty touches no page, so the
         # first task that writes a tensor places its pages (first touch). Under a memory
-        # limit, StarPU's (the first task writes it: no initial values).
+        # limit, StarPU's (the first task writes it: no initial values). With GPUs StarPU's
+        # too: the tasks that write them run there, and a host buffer would only be written
+        # when StarPU copied the values back (at unregistration: 12.7 GB of RSS at d12,
+        # 8 x 1024); what the host reads (the losses) or writes (a batch's tokens) StarPU
+        # puts in main memory of its own.
         mine = owner is None or self._mine(owner)
-        arr = np.empty(shape, dtype) if mine and not self.offload else None
+        ours = mine and not self.offload and not self.sites.gpus
+        arr = np.empty(shape, dtype) if ours else None
         h = self._register(arr, int(np.prod(shape)), np.dtype(dtype).itemsize, owner)
         if mine:
             self._held.add(h)

@@ -65,7 +65,7 @@ class Sites:
             raise StarpuLLMError(f"{opt('pipeline_schedule')} {schedule!r}: choose one of "
                                  f"{', '.join(PIPELINE_SCHEDULES)}")
         self.topology = topology
-        self.subs_per_copy, self.workers = subs_per_copy, workers
+        self.subs_per_copy, self.workers, self.gpus = subs_per_copy, workers, gpus
         self.pinned = pinned and workers > 1
         self.schedule = schedule if topology.stages > 1 else None
         self.sets = (schedule_sets(schedule, topology.stages, subs_per_copy) if self.schedule
