@@ -614,7 +614,9 @@ static __global__ void __launch_bounds__(32 * TC_WARPS)
 	__shared__ __align__(32) float os[TC_WARPS][16 * TC_LD];    /* the rows' output so far */
 	const int bh = blockIdx.x, b = bh / NH, h = bh % NH, hs = C / NH, C3 = 3 * C;
 	const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-	const int t0 = blockIdx.y * TC_ROWS, w0 = t0 + 16 * warp;  /* the block's, the warp's */
+	/* the last rows first: their blocks walk the most key tiles (the causal half), so the
+	 * long ones start first and the short ones fill in after */
+	const int t0 = (gridDim.y - 1 - blockIdx.y) * TC_ROWS, w0 = t0 + 16 * warp;
 	const int last = flash_min(t0 + TC_ROWS, T) - 1, wlast = flash_min(w0 + 16, T) - 1;
 	const int r = lane / 2, half = lane % 2, t = w0 + r;  /* two lanes a row, 16 keys each */
 	const float *head = qkv + (size_t)b * T * C3 + h * hs;
@@ -691,7 +693,7 @@ static __global__ void __launch_bounds__(32 * TC_WARPS)
 	__shared__ __align__(32) float dp[TC_WARPS][16 * TC_SLD];   /* da */
 	const int bh = blockIdx.x, b = bh / NH, h = bh % NH, hs = C / NH, C3 = 3 * C;
 	const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-	const int t0 = blockIdx.y * TC_ROWS, w0 = t0 + 16 * warp;
+	const int t0 = (gridDim.y - 1 - blockIdx.y) * TC_ROWS, w0 = t0 + 16 * warp; /* as above */
 	const int last = flash_min(t0 + TC_ROWS, T) - 1, wlast = flash_min(w0 + 16, T) - 1;
 	const int r = lane / 2, half = lane % 2, t = w0 + r;
 	const float *head = qkv + (size_t)b * T * C3 + h * hs;
