@@ -99,7 +99,23 @@ def run_starpu(B: int, T: int, steps: int, warmup: int, out: str, trace: bool = 
         busy = gpu_busy(t.trace)
         if busy:
             result["gpu_busy"], result["traced_step_ms"] = busy
+            result["gpu_ms"] = gpu_ms_by_codelet(t.trace)
     return result
+
+
+def last_step(trace) -> list:
+    """The events of a trace's last step (from its batch load on: it ran alone)."""
+    t0 = max((e.start_ns for e in trace if e.codelet == "load_batch"), default=None)
+    return [] if t0 is None else [e for e in trace if e.start_ns >= t0]
+
+
+def gpu_ms_by_codelet(trace) -> dict:
+    """{codelet: ms its kernels ran on the GPU in the trace's last step}, largest first."""
+    ms = {}
+    for e in last_step(trace):
+        if e.gpu_end_ns > 0:
+            ms[e.codelet] = ms.get(e.codelet, 0.0) + (e.gpu_end_ns - e.gpu_start_ns) / 1e6
+    return dict(sorted(ms.items(), key=lambda kv: -kv[1]))
 
 
 def gpu_busy(trace) -> tuple[float, float] | None:
@@ -107,12 +123,8 @@ def gpu_busy(trace) -> tuple[float, float] | None:
     trace whose last step ran alone (train() drains the step before it): from its batch load's
     start to its last kernel's end, the union of the tasks' GPU intervals (gpu_start_ns ..
     gpu_end_ns). None without GPU times."""
-    loads = [e.start_ns for e in trace if e.codelet == "load_batch"]
-    if not loads:
-        return None
-    t0 = max(loads)
-    spans = sorted((e.gpu_start_ns, e.gpu_end_ns) for e in trace
-                   if e.start_ns >= t0 and e.gpu_end_ns > 0)
+    step = last_step(trace)
+    spans = sorted((e.gpu_start_ns, e.gpu_end_ns) for e in step if e.gpu_end_ns > 0)
     if not spans:
         return None
     busy, (lo, hi) = 0, spans[0]
@@ -121,6 +133,7 @@ def gpu_busy(trace) -> tuple[float, float] | None:
             busy, lo = busy + hi - lo, a
         hi = max(hi, b)
     busy += hi - lo
+    t0 = min(e.start_ns for e in step)
     return busy / (hi - t0), (hi - t0) / 1e6
 
 
@@ -388,7 +401,8 @@ def write_report(args, systems, table, rows, notes):
         r = table.get(("starpu-llm", B, T), {})
         if "gpu_busy" in r:
             checks.append(f"{B}x{T} starpu-llm traced step: {r['traced_step_ms']:.1f} ms, the GPU "
-                          f"running kernels {100 * r['gpu_busy']:.1f} % of it")
+                          f"running kernels {100 * r['gpu_busy']:.1f} % of it; GPU ms by codelet: "
+                          + ", ".join(f"{c} {ms:.2f}" for c, ms in r["gpu_ms"].items()))
     lines += [""] + checks + [""] + notes + [f"{s} {B}x{T}: {r.get('describe', r.get('error'))}"
                                              for (s, B, T), r in table.items()]
     path = os.path.join(args.out, "gpu_bench.md")

@@ -150,6 +150,27 @@ def test_bench_same_start_check():
     assert "llm.c" in lines[1] and "EXCEEDS the TF32 bound" in lines[1], lines
 
 
+def test_bench_reads_the_gpu_busy_share_of_the_last_step():
+    """gpu_bench's reading of a traced run: the last step from its batch load on (the step
+    before it drained), the union of its tasks' GPU intervals over its span, and the GPU
+    time of each codelet; a trace without GPU times gives none."""
+    sys.path.insert(0, os.path.dirname(BENCH))
+    import gpu_bench
+    from starpu_llm.runtime.starpu import TraceEvent
+
+    def ev(codelet, start, gpu=(0, 0)):
+        return TraceEvent(codelet, 0, 1, start, start + 1, None, 0.0, 0, 0, *gpu)
+
+    trace = [ev("load_batch", 0), ev("adamw", -50, (-40, 100)),      # the step before
+             ev("load_batch", 1000), ev("matmul_forward", 1001, (1010, 1030)),
+             ev("gelu_forward", 1002, (1020, 1050)), ev("matmul_forward", 1003, (1080, 1100))]
+    busy, span_ms = gpu_bench.gpu_busy(trace)
+    assert span_ms == 100 / 1e6 and busy == (40 + 20) / 100
+    assert gpu_bench.gpu_ms_by_codelet(trace) == {"matmul_forward": 40 / 1e6,
+                                                   "gelu_forward": 30 / 1e6}
+    assert gpu_bench.gpu_busy([ev("load_batch", 0), ev("matmul_forward", 1)]) is None
+
+
 def test_bench_runs_the_peers_first_and_starpu_llm_as_train_runs_it():
     """The comparison with llm.c and PyTorch at every shape before the batched-GEMM attention's
     runs; each starpu-llm run is the TrainConfig `train --gpus 1` makes, its attention
