@@ -171,6 +171,24 @@ def test_bench_reads_the_gpu_busy_share_of_the_last_step():
     assert gpu_bench.gpu_busy([ev("load_batch", 0), ev("matmul_forward", 1)]) is None
 
 
+def test_gantt_reads_the_bench_traces_old_and_new(tmp_path):
+    """experiments/gpu_gantt.py reads gpu_bench's trace CSV with the GPU times, and one
+    written before they existed (no gpu_* columns) with none; gpu_bench's readings take it."""
+    sys.path.insert(0, os.path.dirname(BENCH))
+    import gpu_gantt
+    new, old = tmp_path / "new.csv", tmp_path / "old.csv"
+    new.write_text("job,codelet,worker,start_ns,end_ns,gpu_start_ns,gpu_end_ns\n"
+                   "1,load_batch,1,0,5,0,0\n2,matmul_forward,0,6,8,10,30\n")
+    old.write_text("job,codelet,worker,start_ns,end_ns\n1,load_batch,1,0,5\n"
+                   "2,matmul_forward,0,6,8\n")
+    a, b = gpu_gantt.read_trace(str(new)), gpu_gantt.read_trace(str(old))
+    assert (a[1].codelet, a[1].worker, a[1].gpu_start_ns, a[1].gpu_end_ns) == (
+        "matmul_forward", 0, 10, 30)
+    assert b[1].gpu_start_ns == b[1].gpu_end_ns == 0
+    assert gpu_gantt.gpu_bench.gpu_busy(a) == (20 / 30, 30 / 1e6)
+    assert gpu_gantt.gpu_bench.gpu_busy(b) is None
+
+
 def test_bench_runs_the_peers_first_and_starpu_llm_as_train_runs_it():
     """The comparison with llm.c and PyTorch at every shape before the batched-GEMM attention's
     runs; each starpu-llm run is the TrainConfig `train --gpus 1` makes, its attention

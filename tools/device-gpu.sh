@@ -17,6 +17,7 @@
 #   bench     (~3-4 min): experiments/gpu_bench.py, starpu-llm, llm.c and PyTorch eager TF32
 #             interleaved at 16 x 1024, 8 x 1024 and 128 x 64, then starpu-llm with the
 #             batched-GEMM attention (--attention gemm) at each: which form is faster here
+#             (and each traced step as a Gantt chart, experiments/gpu_gantt.py)
 #                                                                     -> gpu_bench.md, .csv
 #   rest      (what is left): the other GPU tests (kernels, the CUDA bodies, test_gpu.py's
 #             others, the settings)                                             -> rest.log
@@ -210,6 +211,10 @@ stage_bench() {
   local rc=$?
   cp "$work/bench/gpu_bench.md" "$work/bench/gpu_bench.csv" "$OUT/" 2>/dev/null
   cp "$work"/bench/trace_*.csv "$work"/bench/llmc_*.log "$details/" 2>/dev/null
+  local t   # each traced step as a Gantt chart (the GPU's kernels, the workers' tasks)
+  for t in "$details"/trace_*.csv; do
+    [ -f "$t" ] && $dry timeout 30 python3 "$repo/experiments/gpu_gantt.py" "$t" >/dev/null 2>&1
+  done
   return $rc
 }
 
