@@ -1132,7 +1132,7 @@ def _flash_run(kern, qkv, dout, B, T, C, NH):
     return out, dqkv
 
 
-def test_flash_tf32_bound_is_needed_and_odd_heads_run_fp32(rng):
+def test_flash_gpu_tf32_bound_is_needed_and_odd_heads_run_fp32(rng):
     """In TF32 the fused attention's products run on tensor cores with their operands rounded
     to TF32: out and dqkv then leave the fp32 bound (the TF32 one, which the tests above
     hold them to, is needed) and differ from the fp32 kernels'. A head size that is not a
