@@ -618,7 +618,7 @@ static __global__ void __launch_bounds__(32 * TC_WARPS)
 	 * long ones start first and the short ones fill in after */
 	const int t0 = (gridDim.y - 1 - blockIdx.y) * TC_ROWS, w0 = t0 + 16 * warp;
 	const int last = flash_min(t0 + TC_ROWS, T) - 1, wlast = flash_min(w0 + 16, T) - 1;
-	const int r = lane / 2, half = lane % 2, t = w0 + r;  /* two lanes a row, 16 keys each */
+	const int r = lane / 2, half = lane % 2, t = w0 + r;  /* two lanes a row, every other key each */
 	const float *head = qkv + (size_t)b * T * C3 + h * hs;
 	float *ks = kv, *vs = kv + TC_TILE * TC_LD, *s = sc[warp], *o = os[warp];
 
@@ -634,11 +634,12 @@ static __global__ void __launch_bounds__(32 * TC_WARPS)
 		if (w0 < T && j0 <= wlast) {	/* the warp's rows see keys of this tile */
 			tc_times_tile_t<HS>(s, q, ks);
 			__syncwarp();
-			/* the online softmax of row t over keys j0 + 16 half .. + 15 (those <= t) */
-			float *sr = s + r * TC_SLD + 16 * half, mt = m;
+			/* the online softmax of row t over keys j0 + half, + 2, .. (those <= t): the
+			 * row's two lanes interleaved, 2-way bank conflicts at most */
+			float *sr = s + r * TC_SLD + half, mt = m;
 #pragma unroll
-			for (int c = 0; c < 16; c++) {
-				const int j = j0 + 16 * half + c;
+			for (int c = 0; c < 32; c += 2) {
+				const int j = j0 + c + half;
 				sr[c] = j <= t && t < T ? sr[c] * scale : -INFINITY;
 				mt = fmaxf(mt, sr[c]);
 			}
@@ -647,7 +648,7 @@ static __global__ void __launch_bounds__(32 * TC_WARPS)
 			const float corr = any && m != -INFINITY ? expf(m - mt) : any ? 0.0f : 1.0f;
 			float sum = 0.0f;
 #pragma unroll
-			for (int c = 0; c < 16; c++) {
+			for (int c = 0; c < 32; c += 2) {
 				sr[c] = any && sr[c] != -INFINITY ? expf(sr[c] - mt) : 0.0f;
 				sum += sr[c];
 			}
@@ -656,7 +657,7 @@ static __global__ void __launch_bounds__(32 * TC_WARPS)
 				l = l * corr + sum;
 				m = mt;
 			}
-			for (int i = half * (HS / 2); i < (half + 1) * (HS / 2); i++)
+			for (int i = half; i < HS; i += 2)
 				o[r * TC_LD + i] *= corr;
 			__syncwarp();
 			tc_acc acc[HS / 16];	/* o += p v */
@@ -673,7 +674,7 @@ static __global__ void __launch_bounds__(32 * TC_WARPS)
 	}
 	if (t < T) {
 		float *y = out + ((size_t)b * T + t) * C + h * hs;
-		for (int i = half * (HS / 2); i < (half + 1) * (HS / 2) && i < hs; i++)
+		for (int i = half; i < hs; i += 2)
 			y[i] = o[r * TC_LD + i] / l;
 		if (half == 0)
 			lse[(size_t)bh * T + t] = m + logf(l);
@@ -717,10 +718,10 @@ static __global__ void __launch_bounds__(32 * TC_WARPS)
 			tc_times_tile_t<HS>(s, q, ks);
 			tc_times_tile_t<HS>(d, dy, vs);
 			__syncwarp();
-			float *sr = s + r * TC_SLD + 16 * half, *dr = d + r * TC_SLD + 16 * half;
+			float *sr = s + r * TC_SLD + half, *dr = d + r * TC_SLD + half;
 #pragma unroll
-			for (int c = 0; c < 16; c++) {
-				const int j = j0 + 16 * half + c;
+			for (int c = 0; c < 32; c += 2) {	/* keys j0 + half, + 2, .. */
+				const int j = j0 + c + half;
 				sr[c] = j <= t && t < T ? scale * (expf(sr[c] * scale - lt) * (dr[c] - dt))
 						      : 0.0f;
 			}
@@ -774,10 +775,10 @@ static __global__ void __launch_bounds__(32 * TC_WARPS)
 			tc_times_tile_t<HS>(p, k, qs);
 			tc_times_tile_t<HS>(g, v, dys);
 			__syncwarp();
-			float *pr = p + r * TC_SLD + 16 * half, *gr = g + r * TC_SLD + 16 * half;
+			float *pr = p + r * TC_SLD + half, *gr = g + r * TC_SLD + half;
 #pragma unroll
-			for (int c = 0; c < 16; c++) {
-				const int e = 16 * half + c, tq = t0 + e;
+			for (int c = 0; c < 32; c += 2) {	/* queries t0 + half, + 2, .. */
+				const int e = c + half, tq = t0 + e;
 				const bool on = tq >= j && tq < T && j < T;
 				const float a = on ? expf(pr[c] * scale - ls[e]) : 0.0f;
 				gr[c] = on ? scale * (a * (gr[c] - ds[e])) : 0.0f;
