@@ -514,24 +514,24 @@ template <class F> static __device__ __forceinline__ void tc_round(F &f)
 }
 
 /* rows r0 .. r0 + n - 1 of an hs-wide slice x of a (T, ld) matrix into a (n, TC_LD) shared
- * array: rows from T on and columns hs .. HS - 1 as 0 */
+ * array, in TF32 (every staged value is an MMA operand: converted once here, not by every
+ * warp at every load): rows from T on and columns hs .. HS - 1 as 0 */
 template <int HS>
 static __device__ void tc_stage(float *a, const float *x, size_t ld, int r0, int n, int T, int hs)
 {
 	for (int e = threadIdx.x; e < n * HS; e += blockDim.x) {
 		int j = e / HS, i = e % HS;
-		a[j * TC_LD + i] = r0 + j < T && i < hs ? x[(size_t)(r0 + j) * ld + i] : 0.0f;
+		a[j * TC_LD + i] = r0 + j < T && i < hs
+					   ? wmma::__float_to_tf32(x[(size_t)(r0 + j) * ld + i]) : 0.0f;
 	}
 }
 
-/* the warp's 16 x HS rows of a staged (TC_ROWS, TC_LD) block as HS / 8 TF32 operands */
+/* the warp's 16 x HS rows of a staged (TC_ROWS, TC_LD) block as HS / 8 operands */
 template <int HS> static __device__ void tc_rows(tc_a (&f)[HS / 8], const float *rows)
 {
 #pragma unroll
-	for (int k = 0; k < HS / 8; k++) {
+	for (int k = 0; k < HS / 8; k++)
 		wmma::load_matrix_sync(f[k], rows + 8 * k, TC_LD);
-		tc_round(f[k]);
-	}
 }
 
 /* each warp's 16 rows of x's rows r0 .. r0 + TC_ROWS - 1 (an hs-wide slice of a (T, ld)
@@ -558,7 +558,6 @@ static __device__ void tc_times_tile_t(float *out, const tc_a (&x)[HS / 8], cons
 		for (int k = 0; k < HS / 8; k++) {
 			tc_bt b;	/* y^T's (8, 16) block: y's rows 16 n.., columns 8 k.. */
 			wmma::load_matrix_sync(b, y + 16 * n * TC_LD + 8 * k, TC_LD);
-			tc_round(b);
 			wmma::mma_sync(acc, x[k], b, acc);
 		}
 		wmma::store_matrix_sync(out + 16 * n, acc, TC_SLD, wmma::mem_row_major);
@@ -578,7 +577,6 @@ static __device__ void tc_tile_times(tc_acc (&acc)[HS / 16], const float *p, con
 		for (int n = 0; n < HS / 16; n++) {
 			tc_b b;
 			wmma::load_matrix_sync(b, y + 8 * k * TC_LD + 16 * n, TC_LD);
-			tc_round(b);
 			wmma::mma_sync(acc[n], a, b, acc[n]);
 		}
 	}
