@@ -425,16 +425,13 @@ const char *cublasGetStatusString(cublasStatus_t s)
 						    "CUBLAS_STATUS_INVALID_VALUE";
 }
 
-/* x rounded to TF32 to nearest, as PTX's cvt.rna.tf32.f32 (emulate.h) */
-static float tf32(float x) { return sl_emu::tf32_round(x); }
-
 /* A (rows x cols, column-major, ld) copied with every element in TF32 */
 static std::vector<float> tf32_copy(const float *A, int rows, int cols, int ld)
 {
 	std::vector<float> out((size_t)ld * (cols > 0 ? cols - 1 : 0) + rows);
 	for (int j = 0; j < cols; j++)
 		for (int i = 0; i < rows; i++)
-			out[(size_t)j * ld + i] = tf32(A[(size_t)j * ld + i]);
+			out[(size_t)j * ld + i] = sl_emu::tf32_round(A[(size_t)j * ld + i]);
 	return out;
 }
 

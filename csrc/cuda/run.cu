@@ -138,7 +138,7 @@ extern "C" int sl_gpu_event_times(void **events, const int *devices, int n,
 	for (int i = 0; i < n; i++)
 		ns[i] = 0;
 	for (int i = 0; i < n; i++) {
-		if (!events[i] || ns[i] != 0)
+		if (!events[i])	/* none, or timed with its device's below */
 			continue;
 		/* every event of this device against one event of "now" on it: a stream of our
 		 * own, non-blocking, so that the event completes as soon as it is recorded */

@@ -50,18 +50,11 @@ def start_environment(p: Partition, memory) -> dict:
     return dict(KEEP_DIRTY) if p.gpus > 0 and memory is None else {}
 
 
-@contextlib.contextmanager
 def _environment(variables: dict):
     """variables set for the duration (StarPU reads them in starpu_init), those the user set
     left as they are; then the environment as it was, so that a later start in this process
     (another partition) decides afresh."""
-    mine = {k: v for k, v in variables.items() if k not in os.environ}
-    os.environ.update(mine)
-    try:
-        yield
-    finally:
-        for k in mine:
-            os.environ.pop(k, None)
+    return starpupy_face.environment({k: v for k, v in variables.items() if k not in os.environ})
 
 
 def have_cuda() -> bool:

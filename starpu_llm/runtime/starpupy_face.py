@@ -108,7 +108,7 @@ def handle_pointer(handle):
 
 
 @contextlib.contextmanager
-def _environment(values: dict):
+def environment(values: dict):
     """os.environ updated with values for the block only (None: variable unset)."""
     def apply(env):
         for k, v in env.items():
@@ -143,7 +143,7 @@ def start(partition, started, core_ids: list) -> None:
     elif partition.kcore == "forkjoin":
         env["STARPU_MIN_WORKERSIZE"] = env["STARPU_MAX_WORKERSIZE"] = str(cores_per_worker)
     lib.sl_reserve_interface_ids(16)    # starpupy's 3 interfaces (see csrc/starpu/runtime.c)
-    with _environment(env):
+    with environment(env):
         starpu.init()
     ret = lib.sl_attach(started, ffi.new("int[]", core_ids))
     if ret != 0:
