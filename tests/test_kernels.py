@@ -1157,6 +1157,70 @@ def test_flash_gpu_tf32_bound_is_needed_and_odd_heads_run_fp32(rng):
         assert np.array_equal(a, b)
 
 
+
+WMMA_PROBE = r"""
+#include <cstdio>
+#include <cstdlib>
+#include "emulate.h"
+namespace wmma = nvcuda::wmma;
+void cblas_sgemm(int, int, int, int, int, int, float, const float *, int, const float *, int,
+		 float, float *, int) { abort(); }
+/* one warp loads a TF32 operand from tile + off with stride ldm and stores an accumulator there */
+static void kernel(int off, unsigned ldm)
+{
+	__shared__ __align__(32) float tile[16 * 24 + 16];
+	for (int e = threadIdx.x; e < 16 * 24 + 16; e += blockDim.x)
+		tile[e] = (float)e;
+	__syncwarp();
+	wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::row_major> a;
+	wmma::load_matrix_sync(a, tile + off, ldm);
+	wmma::fragment<wmma::accumulator, 16, 16, 8, float> c;
+	wmma::fill_fragment(c, 0.0f);
+	wmma::store_matrix_sync(tile + off, c, ldm, wmma::mem_row_major);
+}
+int main(int argc, char **argv)
+{
+	const int off = atoi(argv[1]);
+	const unsigned ldm = (unsigned)atoi(argv[2]);
+	sl_emu::launch(dim3(1), dim3(32), 0, 0, [=]() { kernel(off, ldm); });
+	printf("ran\n");
+	return 0;
+}
+"""
+
+
+def test_the_emulation_ends_a_wmma_access_a_gpu_would_fault_on(tmp_path):
+    """A GPU requires a WMMA load or store's pointer 256-bit aligned and its stride a multiple
+    of 16 bytes (else a misaligned-address fault, or wrong elements), which nothing on the CPU
+    would show: the emulation ends the program naming the call, so the tensor-core attention's
+    tests above (which pass) show its tiles and strides are ones a GPU takes. A probe built
+    against the emulation: aligned offsets and strides of 4k floats run; 4 floats off, or a
+    stride of 18, end with the message."""
+    import shutil
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    assert cxx, "no C++ compiler: the package's CPU build needs one"
+    (tmp_path / "cblas.h").write_text(      # emulate.cpp's cuBLAS goes to cblas_sgemm
+        "enum { CblasColMajor, CblasNoTrans, CblasTrans };\nvoid cblas_sgemm(int, int, int, int, "
+        "int, int, float, const float *, int, const float *, int, float, float *, int);\n")
+    (tmp_path / "probe.cpp").write_text(WMMA_PROBE)
+    cuda = os.path.join(os.path.dirname(__file__), "..", "csrc", "cuda")
+    exe = tmp_path / "probe"
+    subprocess.run([cxx, "-O1", "-std=c++17", "-Wno-unknown-pragmas", "-I", str(tmp_path),
+                    "-I", cuda, str(tmp_path / "probe.cpp"), os.path.join(cuda, "emulate.cpp"),
+                    "-o", str(exe)], check=True)
+
+    def probe(off, ldm):
+        return subprocess.run([str(exe), str(off), str(ldm)], capture_output=True, text=True,
+                              timeout=60)
+    for off, ldm in ((0, 16), (8, 24), (16, 20)):
+        r = probe(off, ldm)
+        assert r.returncode == 0 and r.stdout == "ran\n", (off, ldm, r.stderr)
+    r = probe(4, 16)
+    assert r.returncode != 0 and "load_matrix_sync" in r.stderr and "256-bit aligned" in r.stderr
+    r = probe(0, 18)
+    assert r.returncode != 0 and "ldm 18" in r.stderr and "multiple of 4 floats" in r.stderr
+
+
 _FLASH_MANY_PAIRS = """
 import sys
 import numpy as np

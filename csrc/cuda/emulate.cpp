@@ -78,6 +78,20 @@ static bool direct, waited;
 	abort();
 }
 
+void wmma_check(const void *p, unsigned ldm, const char *what)
+{
+	char msg[160];
+	if ((uintptr_t)p % 32 != 0) {
+		snprintf(msg, sizeof msg, "wmma::%s at %p: the pointer must be 256-bit aligned", what, p);
+		fail(msg);
+	}
+	if (ldm % 4 != 0) {
+		snprintf(msg, sizeof msg, "wmma::%s with ldm %u: a multiple of 4 floats (16 bytes) is required",
+			 what, ldm);
+		fail(msg);
+	}
+}
+
 const dim3 &thread_idx(const fiber *f)
 {
 	if (!f)

@@ -1,6 +1,6 @@
 /* The subset of CUDA and cuBLAS that csrc/cuda/<layer>.cu use, run on the CPU: the same kernel
  * sources compiled by g++ (csrc/cuda/emulated.cpp) so that the tests check their indexing,
- * reductions and cuBLAS arguments on a machine without a GPU (tests/test_cuda_kernels.py).
+ * reductions and cuBLAS arguments on a machine without a GPU (tests/test_kernels.py, tests/test_model_cuda.py).
  *
  * How it runs: a launch runs its blocks one after another on the calling thread; the threads
  * of a block are cooperative fibers (ucontext) that run until they finish or wait at a
@@ -130,6 +130,10 @@ inline float tf32_truncate(float x)
 	std::memcpy(&x, &u, sizeof x);
 	return x;
 }
+/* a WMMA load or store's pointer and stride, as a GPU requires them (CUDA's programming guide,
+ * wmma: mptr 256-bit aligned, ldm a multiple of 16 bytes); else the program ends, naming them
+ * (on a GPU: a misaligned address fault, or wrong elements) */
+void wmma_check(const void *p, unsigned ldm, const char *what);
 /* whether the running thread is its warp's lane 0 */
 inline bool warp_leader()
 {
@@ -185,6 +189,7 @@ inline void load_matrix_sync(fragment<Use, 16, 16, 8, precision::tf32, Layout> &
 			     unsigned ldm)
 {
 	typedef fragment<Use, 16, 16, 8, precision::tf32, Layout> F;
+	sl_emu::wmma_check(p, ldm, "load_matrix_sync");
 	if (!sl_emu::warp_leader())
 		return;
 	const bool row = std::is_same<Layout, row_major>::value;
@@ -195,6 +200,7 @@ inline void load_matrix_sync(fragment<Use, 16, 16, 8, precision::tf32, Layout> &
 inline void load_matrix_sync(fragment<accumulator, 16, 16, 8, float> &f, const float *p,
 			     unsigned ldm, layout_t layout)
 {
+	sl_emu::wmma_check(p, ldm, "load_matrix_sync");
 	if (!sl_emu::warp_leader())
 		return;
 	for (int r = 0; r < 16; r++)
@@ -205,6 +211,7 @@ inline void load_matrix_sync(fragment<accumulator, 16, 16, 8, float> &f, const f
 inline void store_matrix_sync(float *p, const fragment<accumulator, 16, 16, 8, float> &f,
 			      unsigned ldm, layout_t layout)
 {
+	sl_emu::wmma_check(p, ldm, "store_matrix_sync");
 	if (!sl_emu::warp_leader())
 		return;
 	for (int r = 0; r < 16; r++)
