@@ -92,14 +92,17 @@ def run_starpu(B: int, T: int, steps: int, warmup: int, out: str, trace: bool = 
         with open(os.path.join(out, f"trace_{B}x{T}.csv"), "w", newline="") as f:
             w = csv.writer(f)
             w.writerow(["job", "codelet", "worker", "start_ns", "end_ns", "gpu_start_ns",
-                        "gpu_end_ns"])
+                        "gpu_end_ns", "flops", "nbytes"])
             w.writerows((e.job, e.codelet, e.worker, e.start_ns, e.end_ns, e.gpu_start_ns,
-                         e.gpu_end_ns) for e in t.trace)
+                         e.gpu_end_ns, e.flops, e.nbytes) for e in t.trace)
         result["traced_tasks"] = len(t.trace)
         busy = gpu_busy(t.trace)
         if busy:
             result["gpu_busy"], result["traced_step_ms"] = busy
             result["gpu_ms"] = gpu_ms_by_codelet(t.trace)
+            peaks = gpu_peaks(gpu_name())
+            if peaks:
+                result["roofline"] = roofline(t.trace, peaks, tf32=True)
     return result
 
 
@@ -135,6 +138,59 @@ def gpu_busy(trace) -> tuple[float, float] | None:
     busy += hi - lo
     t0 = min(e.start_ns for e in step)
     return busy / (hi - t0), (hi - t0) / 1e6
+
+
+
+# What one GPU can do at most, by a name nvidia-smi gives (the first that the name contains):
+# (bytes/s of its memory, dense TF32 tensor-core FLOP/s, fp32 FLOP/s), NVIDIA's datasheets.
+# KINDS.md's H200 copy moved 4.3 TB/s (reads and writes counted) against the sheet's 4.8.
+GPU_PEAKS = (("H200", (4.8e12, 494.7e12, 66.9e12)),
+             ("H100 PCIe", (2.0e12, 378.0e12, 51.2e12)),
+             ("H100", (3.35e12, 494.7e12, 66.9e12)),
+             ("A100-SXM4-80GB", (2.04e12, 156.0e12, 19.5e12)),
+             ("A100", (1.555e12, 156.0e12, 19.5e12)))
+# the codelets whose products run on tensor cores when the matmuls are TF32 (cuBLAS, the
+# fused attention's WMMA); the others' flops are fp32 FMAs
+TENSOR_CORE_CODELETS = ("matmul_forward", "matmul_backward", "attention_forward",
+                        "attention_backward", "attention_flash_forward",
+                        "attention_flash_backward")
+
+
+def gpu_name() -> str:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30).stdout.splitlines()[0]
+    except (OSError, IndexError, subprocess.TimeoutExpired):
+        return ""
+
+
+def gpu_peaks(name: str) -> tuple | None:
+    """GPU_PEAKS' rates of the GPU called name; None for one not listed."""
+    return next((rates for key, rates in GPU_PEAKS if key in name), None)
+
+
+def roofline(trace, peaks: tuple, tf32: bool) -> dict:
+    """{codelet: [tasks, GPU ms, bound ms]} of the trace's last step, largest GPU time first,
+    and "step": the same over all its GPU tasks. A task's bound is the least time its work
+    takes on this GPU: its flops at the tensor-core (TF32, TENSOR_CORE_CODELETS) or fp32 rate,
+    or its bytes (its buffers' sizes, each moved once) at the memory's, whichever is longer;
+    GPU ms / bound ms says how far a codelet's kernels are from what the GPU allows."""
+    bw, tc, fp32 = peaks
+    out, step = {}, [0, 0.0, 0.0]
+    for e in last_step(trace):
+        if e.gpu_end_ns <= 0:
+            continue
+        rate = tc if tf32 and e.codelet in TENSOR_CORE_CODELETS else fp32
+        bound = max(e.flops / rate, e.nbytes / bw) * 1e3
+        ms = (e.gpu_end_ns - e.gpu_start_ns) / 1e6
+        for row in (out.setdefault(e.codelet, [0, 0.0, 0.0]), step):
+            row[0] += 1
+            row[1] += ms
+            row[2] += bound
+    out = dict(sorted(out.items(), key=lambda kv: -kv[1][1]))
+    if step[0]:
+        out["step"] = step
+    return out
 
 
 def run_pytorch(B: int, T: int, steps: int, warmup: int, out: str) -> dict:
@@ -324,12 +380,7 @@ def main():
 
 def gpu_slug() -> str:
     """This machine's GPU as a folder name (nvidia-smi's name, lower case, dashes)."""
-    try:
-        name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=30).stdout.splitlines()[0]
-    except (OSError, IndexError, subprocess.TimeoutExpired):
-        name = "unknown-gpu"
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown-gpu"
+    return re.sub(r"[^a-z0-9]+", "-", gpu_name().lower()).strip("-") or "unknown-gpu"
 
 
 def first_loss_bound(B: int, T: int, loss: float, logits_scale: float) -> float:
@@ -358,6 +409,16 @@ def same_start(table, systems, B: int, T: int) -> list[str]:
                    f"|diff| {d:.2e} {'<=' if d <= bound else 'EXCEEDS'} the TF32 bound "
                    f"{bound:.2e} (max |logits| {ref['logits_scale']:.3f})")
     return out
+
+
+def roofline_line(shape: str, roof: dict) -> str:
+    """A traced step's kernels against their bounds (roofline's), in words."""
+    tasks, ms, bound = roof["step"]
+    return (f"{shape} starpu-llm kernels against their bounds (gpu_bench.roofline: the "
+            f"datasheet's rates): the step's {tasks} GPU tasks {ms:.2f} ms, bound {bound:.2f} ms "
+            f"({ms / bound:.1f}x); by codelet, GPU ms / bound ms: "
+            + ", ".join(f"{c} {m:.2f} / {b:.2f} ({m / b:.1f}x)"
+                        for c, (_, m, b) in roof.items() if c != "step"))
 
 
 def write_report(args, systems, table, rows, notes):
@@ -403,6 +464,8 @@ def write_report(args, systems, table, rows, notes):
             checks.append(f"{B}x{T} starpu-llm traced step: {r['traced_step_ms']:.1f} ms, the GPU "
                           f"running kernels {100 * r['gpu_busy']:.1f} % of it; GPU ms by codelet: "
                           + ", ".join(f"{c} {ms:.2f}" for c, ms in r["gpu_ms"].items()))
+        if r.get("roofline"):
+            checks.append(roofline_line(f"{B}x{T}", r["roofline"]))
     lines += [""] + checks + [""] + notes + [f"{s} {B}x{T}: {r.get('describe', r.get('error'))}"
                                              for (s, B, T), r in table.items()]
     path = os.path.join(args.out, "gpu_bench.md")

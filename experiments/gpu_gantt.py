@@ -33,8 +33,9 @@ def read_trace(path: str) -> list:
     if not rows or "codelet" not in rows[0]:
         raise SystemExit(f"{path}: not a gpu_bench trace (no codelet column)")
     return [TraceEvent(r["codelet"], int(r["worker"]), 1, int(r["start_ns"]), int(r["end_ns"]),
-                       None, 0.0, int(r["job"]), 0, int(r.get("gpu_start_ns") or 0),
-                       int(r.get("gpu_end_ns") or 0)) for r in rows]
+                       None, float(r.get("flops") or 0.0), int(r["job"]), 0,
+                       int(r.get("gpu_start_ns") or 0), int(r.get("gpu_end_ns") or 0),
+                       int(r.get("nbytes") or 0)) for r in rows]
 
 
 def draw(trace: list, png: str, title: str) -> dict:

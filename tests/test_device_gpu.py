@@ -171,20 +171,56 @@ def test_bench_reads_the_gpu_busy_share_of_the_last_step():
     assert gpu_bench.gpu_busy([ev("load_batch", 0), ev("matmul_forward", 1)]) is None
 
 
+
+def test_bench_sets_each_codelets_kernels_against_the_gpus_bounds():
+    """gpu_bench's roofline reading of a traced step: a task's bound is its flops at the
+    tensor-core rate (matmuls and attention in TF32) or the fp32 one (the rest, and everything
+    in fp32), or its bytes at the memory's rate, whichever is longer; summed by codelet and
+    over the step, beside the kernels' GPU time. The GPU's rates are found by its name."""
+    sys.path.insert(0, os.path.dirname(BENCH))
+    import gpu_bench
+    from starpu_llm.runtime.starpu import TraceEvent
+
+    def ev(codelet, start, gpu, flops, nbytes):
+        return TraceEvent(codelet, 0, 1, start, start + 1, None, flops, 0, 0, *gpu, nbytes)
+
+    peaks = (1e12, 100e12, 10e12)            # bytes/s, TF32 FLOP/s, fp32 FLOP/s
+    trace = [ev("load_batch", 0, (0, 0), 0.0, 10),
+             ev("adamw", -9, (-9, -1), 0.0, 10**12),                     # the step before
+             ev("load_batch", 100, (0, 0), 0.0, 10),
+             ev("matmul_forward", 101, (110, 110 + 4_000_000), 2e11, 10**9),   # 2 ms of flops
+             ev("gelu_forward", 102, (200, 200 + 3_000_000), 1e9, 2 * 10**9),  # 2 ms of bytes
+             ev("matmul_forward", 103, (300, 300 + 1_000_000), 1e10, 10**9)]  # 1 ms of bytes
+    roof = gpu_bench.roofline(trace, peaks, tf32=True)
+    assert list(roof) == ["matmul_forward", "gelu_forward", "step"]
+    assert roof["matmul_forward"] == [2, 5.0, 3.0]
+    assert roof["gelu_forward"] == [1, 3.0, 2.0]
+    assert roof["step"] == [3, 8.0, 5.0]
+    fp32 = gpu_bench.roofline(trace, peaks, tf32=False)               # 20 ms of fp32 flops
+    assert fp32["matmul_forward"][2] == 20.0 + 1.0
+    line = gpu_bench.roofline_line("8x1024", roof)
+    assert "3 GPU tasks 8.00 ms, bound 5.00 ms (1.6x)" in line and "gelu_forward 3.00 / 2.00" in line
+    assert gpu_bench.gpu_peaks("NVIDIA H200")[0] == 4.8e12
+    assert gpu_bench.gpu_peaks("NVIDIA H100 80GB HBM3")[0] == 3.35e12
+    assert gpu_bench.gpu_peaks("NVIDIA H100 PCIe")[0] == 2.0e12
+    assert gpu_bench.gpu_peaks("Tesla T4") is None
+
+
 def test_gantt_reads_the_bench_traces_old_and_new(tmp_path):
     """experiments/gpu_gantt.py reads gpu_bench's trace CSV with the GPU times, and one
     written before they existed (no gpu_* columns) with none; gpu_bench's readings take it."""
     sys.path.insert(0, os.path.dirname(BENCH))
     import gpu_gantt
     new, old = tmp_path / "new.csv", tmp_path / "old.csv"
-    new.write_text("job,codelet,worker,start_ns,end_ns,gpu_start_ns,gpu_end_ns\n"
-                   "1,load_batch,1,0,5,0,0\n2,matmul_forward,0,6,8,10,30\n")
+    new.write_text("job,codelet,worker,start_ns,end_ns,gpu_start_ns,gpu_end_ns,flops,nbytes\n"
+                   "1,load_batch,1,0,5,0,0,0,8\n2,matmul_forward,0,6,8,10,30,2e9,4096\n")
     old.write_text("job,codelet,worker,start_ns,end_ns\n1,load_batch,1,0,5\n"
                    "2,matmul_forward,0,6,8\n")
     a, b = gpu_gantt.read_trace(str(new)), gpu_gantt.read_trace(str(old))
     assert (a[1].codelet, a[1].worker, a[1].gpu_start_ns, a[1].gpu_end_ns) == (
         "matmul_forward", 0, 10, 30)
-    assert b[1].gpu_start_ns == b[1].gpu_end_ns == 0
+    assert (a[1].flops, a[1].nbytes) == (2e9, 4096)
+    assert b[1].gpu_start_ns == b[1].gpu_end_ns == 0 and b[1].nbytes == 0
     assert gpu_gantt.gpu_bench.gpu_busy(a) == (20 / 30, 30 / 1e6)
     assert gpu_gantt.gpu_bench.gpu_busy(b) is None
 

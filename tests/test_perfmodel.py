@@ -50,6 +50,9 @@ def test_recorded_graph_is_the_traced_step():
     assert [tuple(m for _, m in t.accesses) for t in g.tasks] == \
         [tuple(m for _, m in e.buffers) for e in real]
     assert [t.flops for t in g.tasks] == [e.flops for e in real]
+    # the trace's byte count of a task (StarPU's sizes of its buffers) is the graph's
+    assert [t.nbytes for t in g.tasks] == [e.nbytes for e in real]
+    assert all(e.nbytes > 0 for e in real)
     # two sub-batches, then the updates (no sub-batch)
     assert {t.sub for t in g.tasks} == {0, 1, None}
     assert all(t.sub is None for t in g.tasks if t.codelet == "adamw")

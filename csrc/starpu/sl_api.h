@@ -189,6 +189,7 @@ struct sl_trace_event {
 	int32_t *modes;	    /* nbuffers SL_ACCESS_* bits (freed with the trace) */
 	sl_handle *handles; /* nbuffers handles */
 	double flops;	/* the flop count the task was submitted with */
+	int64_t nbytes;	/* the sum of its buffers' sizes (starpu_data_get_size) */
 	uint64_t job;	/* the task's submission number (sl_submit) */
 	int32_t priority; /* the task's priority (sl_submit) */
 	/* a CUDA task's kernels on the GPU (CLOCK_MONOTONIC, as start_ns): from before its first

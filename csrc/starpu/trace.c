@@ -103,9 +103,11 @@ static void trace_buffers(struct sl_trace_event *e)
 	e->flops = task->flops;
 	e->job = task->tag_id; /* sl_submit's submission number */
 	e->priority = task->priority;
+	e->nbytes = 0;
 	for (int i = 0; i < n; i++) {
 		e->handles[i] = STARPU_TASK_GET_HANDLE(task, i);
 		e->modes[i] = access_bits(STARPU_TASK_GET_MODE(task, i));
+		e->nbytes += (int64_t)starpu_data_get_size(e->handles[i]);
 	}
 }
 

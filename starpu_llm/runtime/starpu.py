@@ -425,6 +425,7 @@ class TraceEvent(NamedTuple):
     # queueing of its kernels); 0 for a CPU task or in a build without CUDA
     gpu_start_ns: int = 0
     gpu_end_ns: int = 0
+    nbytes: int = 0         # the sum of its buffers' sizes (0 where buffers is None)
 
 
 def read_trace() -> list:
@@ -440,5 +441,5 @@ def read_trace() -> list:
             (int(ffi.cast("uintptr_t", e.handles[b])), int(e.modes[b])) for b in range(e.nbuffers))
         out.append(TraceEvent(names[e.codelet], e.worker, e.ncores, e.start_ns, e.end_ns, bufs,
                               float(e.flops), int(e.job), int(e.priority), int(e.gpu_start_ns),
-                              int(e.gpu_end_ns)))
+                              int(e.gpu_end_ns), int(e.nbytes)))
     return out
