@@ -1254,6 +1254,80 @@ def test_flash_attention_more_pairs_than_a_grid_column():
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
+
+_SANITIZED_KERNELS = """
+import sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from kernel_impls import GPUKernels
+rng = np.random.default_rng(0)
+
+
+def r(*shape):
+    return rng.standard_normal(shape, dtype=np.float32)
+
+
+def empty(*shape):
+    return np.full(shape, np.nan, np.float32)
+
+
+for tf32 in (False, True):
+    k = GPUKernels(tf32=tf32)
+    # the fused attention: head sizes 64, 48, 16 (tensor cores in TF32) and 12 (the scalar
+    # kernels), T not a multiple of a block's rows nor of a tile
+    for B, T, C, NH in ((1, 100, 128, 2), (2, 70, 96, 2), (1, 40, 32, 2), (1, 33, 36, 3)):
+        qkv, dout = r(B, T, 3 * C), r(B, T, C)
+        out, lse = empty(B, T, C), empty(B, NH, T)
+        k.attention_flash_forward(out, lse, qkv, B, T, C, NH)
+        dqkv, dsum = empty(B, T, 3 * C), empty(B, NH, T)
+        k.attention_flash_backward(dqkv, dsum, dout, qkv, out, lse, B, T, C, NH)
+        assert np.isfinite(out).all() and np.isfinite(dqkv).all(), (B, T, C, NH, tf32)
+    # the block and column reductions (layernorm, the bias gradient, the softmax, the norm)
+    N, C, OC, V, Vp = 300, 768, 256, 500, 512
+    x, dy, w, b = r(N, C), r(N, C), r(C), r(C)
+    y, mean, rstd = empty(N, C), empty(N), empty(N)
+    k.layernorm_forward(y, mean, rstd, x, w, b, N, C)
+    dx, dw, db = np.zeros((N, C), np.float32), np.zeros(C, np.float32), np.zeros(C, np.float32)
+    k.layernorm_backward(dx, dw, db, dy, x, w, mean, rstd, N, C, 0)
+    dinp, dW, dbias = empty(N, C), np.zeros((OC, C), np.float32), np.zeros(OC, np.float32)
+    k.matmul_backward(dinp, dW, dbias, r(N, OC), x, r(OC, C), N, C, OC)
+    targets = rng.integers(0, V, N).astype(np.int32)
+    probs, losses = empty(N, Vp), empty(N)
+    k.crossentropy_softmax_forward(probs, losses, r(N, Vp), targets, N, V, Vp)
+    sumsq = np.zeros(1)
+    k.sum_of_squares(sumsq, x.reshape(-1), x.size)
+    assert all(np.isfinite(a).all() for a in (y, dx, dw, db, dinp, dW, dbias, losses, sumsq))
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+def test_gpu_kernels_pass_compute_sanitizer(tool):
+    """On a GPU, NVIDIA's compute-sanitizer finds no out-of-bounds or misaligned access
+    (memcheck) and no shared-memory hazard (racecheck: a read or write between two threads
+    without the barrier that orders them) in the fused attention, fp32 and TF32 (the
+    tensor-core kernels' tiles and per-warp scratch), nor in the block and column
+    reductions, at shapes with ragged edges. Neither the CPU emulation nor a correct result
+    shows these: a race can give the right numbers on one run."""
+    import shutil
+    if lib.sl_gpu_emulated():
+        pytest.skip("no GPU: compute-sanitizer checks the kernels on one (a CUDA build)")
+    why = gpu_available()
+    if why:
+        pytest.skip(why)
+    cuda_bin = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin")
+    sanitizer = shutil.which("compute-sanitizer") or shutil.which("compute-sanitizer",
+                                                                     path=cuda_bin)
+    if not sanitizer:
+        pytest.skip(f"no compute-sanitizer on PATH nor in {cuda_bin} (CUDA's toolkit has it)")
+    r = subprocess.run([sanitizer, "--tool", tool, "--error-exitcode", "9", sys.executable,
+                        "-c", _SANITIZED_KERNELS, os.path.dirname(__file__)],
+                       capture_output=True, text=True, timeout=600)
+    text = r.stdout + r.stderr
+    assert r.returncode == 0 and "ok" in r.stdout, text[-4000:]
+    assert "ERROR SUMMARY: 0 errors" in text, text[-4000:]
+
+
 # ---------------------------------------------------------------- gelu
 
 

@@ -20,7 +20,8 @@
 #             (and each traced step as a Gantt chart, experiments/gpu_gantt.py)
 #                                                                     -> gpu_bench.md, .csv
 #   rest      (what is left): the other GPU tests (kernels, the CUDA bodies, test_gpu.py's
-#             others, the settings)                                             -> rest.log
+#             others, the settings; compute-sanitizer's memcheck and racecheck of the
+#             kernels)                                                          -> rest.log
 #
 # $OUT (the device tool's; ./device-out elsewhere) gets at most 8 files: device.log (all the
 # output), parity.log, gpu_bench.md, gpu_bench.csv, rest.log and details.tar.gz (nvidia-smi,
