@@ -86,7 +86,7 @@ def run_starpu(B: int, T: int, steps: int, warmup: int, out: str, trace: bool = 
     r = train(starpu_config(B, T, steps, warmup, attention=attention))
     result = dict(step_ms=r.step_ms[warmup:], first_loss=float(r.losses[0]),
                   losses=[float(x) for x in r.losses], describe=r.engine,
-                  peak_gpu_mb=r.peak_gpu_mb, finite=bool(np.all(np.isfinite(r.losses))))
+                  peak_gpu_mb=r.peak_gpu_mb, peak_rss_mb=r.peak_rss_mb, finite=bool(np.all(np.isfinite(r.losses))))
     if trace:           # a separate run: no tracing in the timed steps
         t = train(starpu_config(B, T, 1, warmup, trace=True))
         with open(os.path.join(out, f"trace_{B}x{T}.csv"), "w", newline="") as f:
@@ -460,6 +460,9 @@ def write_report(args, systems, table, rows, notes):
         lines.append(f"| {B} x {T} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
         checks += same_start(table, systems, B, T)
         r = table.get(("starpu-llm", B, T), {})
+        if r.get("peak_gpu_mb") is not None:
+            checks.append(f"{B}x{T} starpu-llm memory: peak GPU {r['peak_gpu_mb']:.0f} MB, "
+                          f"peak RSS {r.get('peak_rss_mb', 0):.0f} MB")
         if "gpu_busy" in r:
             checks.append(f"{B}x{T} starpu-llm traced step: {r['traced_step_ms']:.1f} ms, the GPU "
                           f"running kernels {100 * r['gpu_busy']:.1f} % of it; GPU ms by codelet: "

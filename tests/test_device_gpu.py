@@ -206,6 +206,36 @@ def test_bench_sets_each_codelets_kernels_against_the_gpus_bounds():
     assert gpu_bench.gpu_peaks("Tesla T4") is None
 
 
+
+def test_bench_report_gives_the_table_memory_busy_share_and_bounds(tmp_path):
+    """gpu_bench.md from the runs so far: the table's row with the ratio to each peer, then
+    for starpu-llm's run its peak GPU memory and RSS, the GPU-busy share and the kernels
+    against their bounds; gpu_bench.csv every timed step."""
+    import argparse
+    sys.path.insert(0, os.path.dirname(BENCH))
+    import gpu_bench
+    args = argparse.Namespace(out=str(tmp_path), warmup=2, steps=3, shapes="8x1024")
+    ours = dict(median_ms=64.0, tok_per_ms=128.0, first_loss=11.0, peak_gpu_mb=21000.4,
+                peak_rss_mb=2100.0, gpu_busy=0.93, traced_step_ms=70.0,
+                gpu_ms={"matmul_backward": 20.0},
+                roofline={"matmul_backward": [49, 20.0, 8.0], "step": [373, 60.0, 21.0]},
+                describe="starpu engine")
+    table = {("starpu-llm", 8, 1024): ours,
+             ("pytorch", 8, 1024): dict(median_ms=64.0, tok_per_ms=128.0, first_loss=11.0,
+                                        logits_scale=3.0, describe="torch"),
+             ("llm.c", 8, 1024): dict(error="failed: x", describe=None)}
+    rows = [dict(system="starpu-llm", precision="tf32", B=8, T=1024, step=i, ms=64.0)
+            for i in range(3)]
+    gpu_bench.write_report(args, ["starpu-llm", "llm.c", "pytorch"], table, rows, [])
+    md = (tmp_path / "gpu_bench.md").read_text()
+    assert "| 8 x 1024 | 64.0 | 128.0 | failed | failed | 64.0 | 128.0 | - | 1.00 |" in md, md
+    assert "8x1024 starpu-llm memory: peak GPU 21000 MB, peak RSS 2100 MB" in md
+    assert "running kernels 93.0 % of it" in md
+    assert "373 GPU tasks 60.00 ms, bound 21.00 ms (2.9x)" in md
+    assert "matmul_backward 20.00 / 8.00 (2.5x)" in md
+    assert len((tmp_path / "gpu_bench.csv").read_text().splitlines()) == 4
+
+
 def test_gantt_reads_the_bench_traces_old_and_new(tmp_path):
     """experiments/gpu_gantt.py reads gpu_bench's trace CSV with the GPU times, and one
     written before they existed (no gpu_* columns) with none; gpu_bench's readings take it."""
