@@ -21,7 +21,9 @@ time), `warmup` untimed steps then `steps` timed ones:
     this repository, built here with nvcc -O3 --use_fast_math for this GPU; or --llmc-binary:
     one built already, in a folder of its own): run on the same parameters (written in llm.c's
     checkpoint format) and shard; its own per-step ms.
-tok/ms = B T / the median timed step, for each system.
+tok/ms = B T / the median timed step, for each system. After them, starpu-llm's VARIANTS:
+the batched-GEMM attention at every shape, StarPU's eager scheduler and a deeper CUDA
+pipeline at 8 x 1024.
 
 Same start, checked: every system's first loss (the parameters at init, the shard's first
 B x T tokens; llm.c's is its step-0 validation loss with the training shard given as the
@@ -49,10 +51,21 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SYSTEMS = ("starpu-llm", "llm.c", "pytorch", "starpu-llm-gemm")
-# starpu-llm-gemm: starpu-llm with --attention gemm (the batched-GEMM attention, which keeps the
-# (T, T) weights) in place of the GPUs' default fused one: which is faster on this GPU; run
-# after the other systems at every shape
+SYSTEMS = ("starpu-llm", "llm.c", "pytorch", "starpu-llm-gemm", "starpu-llm-eager",
+           "starpu-llm-pipeline4")
+# starpu-llm's variants, run after the comparison with the peers: (TrainConfig settings,
+# environment) each changes from `train --gpus 1`'s defaults. starpu-llm-gemm: --attention gemm
+# (the batched-GEMM attention, which keeps the (T, T) weights) in place of the GPUs' fused one,
+# at every shape: which is faster on this GPU. At one shape (VARIANT_SHAPE, else the first),
+# what the per-task cost depends on: starpu-llm-eager, StarPU's eager scheduler (a central
+# queue, no cost model) in place of dmdas; starpu-llm-pipeline4, STARPU_CUDA_PIPELINE=4 (the
+# CUDA worker's tasks in flight on its stream, StarPU's default 2, its most 4): whether short
+# kernels between long ones leave the GPU idle for want of queued work
+VARIANTS = {"starpu-llm-gemm": (dict(attention="gemm"), {}),
+            "starpu-llm-eager": (dict(sched="eager"), {}),
+            "starpu-llm-pipeline4": ({}, {"STARPU_CUDA_PIPELINE": "4"})}
+ONE_SHAPE = ("starpu-llm-eager", "starpu-llm-pipeline4")
+VARIANT_SHAPE = (8, 1024)
 
 
 def shapes_of(text: str) -> list[tuple[int, int]]:
@@ -68,22 +81,26 @@ def shapes_of(text: str) -> list[tuple[int, int]]:
 
 # ---------------------------------------------------------------- one system, one shape
 
-def starpu_config(B: int, T: int, steps: int, warmup: int, trace: bool = False,
-                  attention: str | None = None):
-    """The run of `starpu-llm train --gpus 1 --gpu-matmul tf32 -b B -t T [--attention A]` on
-    the bundled tokens, from random weights, as a TrainConfig (no setting of its own)."""
+def starpu_config(B: int, T: int, steps: int, warmup: int, trace: bool = False, **settings):
+    """The run of `starpu-llm train --gpus 1 --gpu-matmul tf32 -b B -t T [--attention A ...]`
+    on the bundled tokens, from random weights, as a TrainConfig (settings: a variant's flags;
+    no setting of its own)."""
     from starpu_llm import TrainConfig
     return TrainConfig(model="d12", batch=B, seq_len=T, steps=warmup + steps, lr=1e-4,
-                       gpus=1, gpu_matmul="tf32", attention=attention, untimed_steps=warmup,
-                       trace=trace, log=None)
+                       gpus=1, gpu_matmul="tf32", untimed_steps=warmup, trace=trace, log=None,
+                       **settings)
 
 
 def run_starpu(B: int, T: int, steps: int, warmup: int, out: str, trace: bool = False,
-               attention: str | None = None) -> dict:
+               variant: str | None = None) -> dict:
+    """starpu-llm (or one of its VARIANTS) at B x T: its timed steps, and with trace a traced
+    run after them."""
     import numpy as np
     from starpu_llm import train
 
-    r = train(starpu_config(B, T, steps, warmup, attention=attention))
+    settings, env = VARIANTS[variant] if variant else ({}, {})
+    os.environ.update(env)          # StarPU's own settings, read when the runtime starts
+    r = train(starpu_config(B, T, steps, warmup, **settings))
     result = dict(step_ms=r.step_ms[warmup:], first_loss=float(r.losses[0]),
                   losses=[float(x) for x in r.losses], describe=r.engine,
                   peak_gpu_mb=r.peak_gpu_mb, peak_rss_mb=r.peak_rss_mb, finite=bool(np.all(np.isfinite(r.losses))))
@@ -274,8 +291,8 @@ def child(args) -> None:
     B, T = shapes_of(args.shape)[0]
     if args.system == "starpu-llm":
         r = run_starpu(B, T, args.steps, args.warmup, args.out, args.trace)
-    elif args.system == "starpu-llm-gemm":
-        r = run_starpu(B, T, args.steps, args.warmup, args.out, attention="gemm")
+    elif args.system in VARIANTS:
+        r = run_starpu(B, T, args.steps, args.warmup, args.out, variant=args.system)
     elif args.system == "pytorch":
         r = run_pytorch(B, T, args.steps, args.warmup, args.out)
     else:
@@ -287,10 +304,12 @@ def child(args) -> None:
 
 def run_order(shapes, systems) -> list[tuple[int, int, str]]:
     """(B, T, system) in the order they run: the systems interleaved shape by shape, then
-    starpu-llm-gemm at every shape (a run cut short keeps the comparison with the peers)."""
-    late = ("starpu-llm-gemm",)
-    return ([(B, T, s) for B, T in shapes for s in systems if s not in late] +
-            [(B, T, s) for B, T in shapes for s in systems if s in late])
+    starpu-llm's VARIANTS (a run cut short keeps the comparison with the peers), each at every
+    shape but ONE_SHAPE's at one (VARIANT_SHAPE where asked, else the first)."""
+    one = VARIANT_SHAPE if VARIANT_SHAPE in shapes else shapes[0]
+    return ([(B, T, s) for B, T in shapes for s in systems if s not in VARIANTS] +
+            [(B, T, s) for B, T in shapes for s in systems
+             if s in VARIANTS and (s not in ONE_SHAPE or (B, T) == one)])
 
 
 def main():

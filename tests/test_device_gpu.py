@@ -264,11 +264,23 @@ def test_bench_runs_the_peers_first_and_starpu_llm_as_train_runs_it():
     from starpu_llm.plan.partition import Build, resolve
     order = gpu_bench.run_order([(16, 1024), (8, 1024)], list(gpu_bench.SYSTEMS))
     assert [s for _, _, s in order[:6]] == ["starpu-llm", "llm.c", "pytorch"] * 2
-    assert order[6:] == [(16, 1024, "starpu-llm-gemm"), (8, 1024, "starpu-llm-gemm")]
+    assert order[6:] == [(16, 1024, "starpu-llm-gemm"), (8, 1024, "starpu-llm-gemm"),
+                         (8, 1024, "starpu-llm-eager"), (8, 1024, "starpu-llm-pipeline4")]
+    # the one-shape variants at the first shape where 8 x 1024 is not asked
+    assert gpu_bench.run_order([(128, 64)], ["starpu-llm", "starpu-llm-eager"]) == [
+        (128, 64, "starpu-llm"), (128, 64, "starpu-llm-eager")]
     gpu = Build(max_cpus=64, parallel_workers=True, cuda=True)
-    for attention, want in ((None, "flash"), ("gemm", "gemm")):
-        cfg = gpu_bench.starpu_config(8, 1024, 8, 2, attention=attention)
-        assert resolve(cfg.partition_request(), cores=16, build=gpu).attention == want
+    plain = resolve(gpu_bench.starpu_config(8, 1024, 8, 2).partition_request(), cores=16,
+                    build=gpu)
+    assert (plain.attention, plain.gpus, plain.sched) == ("flash", 1, "dmdas")
+    for variant, (field, want) in (("starpu-llm-gemm", ("attention", "gemm")),
+                                   ("starpu-llm-eager", ("sched", "eager")),
+                                   ("starpu-llm-pipeline4", ("sched", "dmdas"))):
+        settings, env = gpu_bench.VARIANTS[variant]
+        p = resolve(gpu_bench.starpu_config(8, 1024, 8, 2, **settings).partition_request(),
+                    cores=16, build=gpu)
+        assert getattr(p, field) == want and p.gpus == 1, variant
+    assert gpu_bench.VARIANTS["starpu-llm-pipeline4"][1] == {"STARPU_CUDA_PIPELINE": "4"}
 
 
 PTXAS = """\

@@ -16,8 +16,10 @@
 #             against the PyTorch oracle (test_gpu_matches_torch);           -> parity.log
 #   bench     (~3-4 min): experiments/gpu_bench.py, starpu-llm, llm.c and PyTorch eager TF32
 #             interleaved at 16 x 1024, 8 x 1024 and 128 x 64, then starpu-llm with the
-#             batched-GEMM attention (--attention gemm) at each: which form is faster here
-#             (and each traced step as a Gantt chart, experiments/gpu_gantt.py)
+#             batched-GEMM attention (--attention gemm) at each: which form is faster here;
+#             then at 8 x 1024 StarPU's eager scheduler and STARPU_CUDA_PIPELINE=4: what the
+#             per-task cost depends on (and each traced step as a Gantt chart,
+#             experiments/gpu_gantt.py; each codelet against its roofline bound)
 #                                                                     -> gpu_bench.md, .csv
 #   rest      (what is left): the other GPU tests (kernels, the CUDA bodies, test_gpu.py's
 #             others, the settings; compute-sanitizer's memcheck and racecheck of the
