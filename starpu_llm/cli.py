@@ -150,8 +150,9 @@ def partition_settings(*names):
     return [f for f in fields(PartitionRequest) if f.name in names]
 
 
-# the partition flags of serve (PartitionRequest fields), declared and read back by name
-SERVE_PARTITION = ("workers", "cores_per_worker", "kcore", "sched", "gpus", "gpu_matmul")
+# the partition flags of serve and generate (PartitionRequest fields), declared and read back
+# by name
+DECODE_PARTITION = ("workers", "cores_per_worker", "kcore", "sched", "gpus", "gpu_matmul")
 
 
 def build_parser():
@@ -231,6 +232,10 @@ def build_parser():
     g.add_argument("--engine", default="starpu", choices=["starpu", "reference"],
                    help="starpu: the task graph with a key/value cache; reference: the same "
                         "kernels in a plain loop")
+    add_setting_args(g, partition_settings(*DECODE_PARTITION),
+                     overrides={"workers": dict(
+                         type=_CHECKS["positive"]("--workers"),
+                         help="N StarPU workers (default 1, on all the cores)")})
 
     sv = sub.add_parser("serve", help="serve a model (llm.c checkpoint with GPT-2's vocabulary) "
                                       "over HTTP with OpenAI's completions API, batching the "
@@ -250,7 +255,7 @@ def build_parser():
                          "503 and Retry-After (default 64)")
     sv.add_argument("--engine", default="starpu", choices=["starpu", "reference"],
                     help="starpu: the task graph; reference: the same kernels in a plain loop")
-    add_setting_args(sv, partition_settings(*SERVE_PARTITION),
+    add_setting_args(sv, partition_settings(*DECODE_PARTITION),
                      overrides={"workers": dict(
                          type=_CHECKS["positive"]("--workers"),
                          help="N StarPU workers (default 1, on all the cores); with N > 1 the "
@@ -407,17 +412,22 @@ def cmd_predict(args):
     return 0
 
 
+def decode_request(args):
+    """The PartitionRequest of serve's and generate's partition flags."""
+    from .plan.partition import PartitionRequest
+    return PartitionRequest(**{name: getattr(args, name) for name in DECODE_PARTITION})
+
+
 def cmd_generate(args):
     from .cli_generate import run_generate
     run_generate(args.init_from, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
-                 args.seed, args.engine)
+                 args.seed, args.engine, request=decode_request(args))
     return 0
 
 
 def cmd_serve(args):
     from .cli_serve import run_serve
-    from .plan.partition import PartitionRequest
-    request = PartitionRequest(**{name: getattr(args, name) for name in SERVE_PARTITION})
+    request = decode_request(args)
     return run_serve(args.init_from, args.host, args.port, args.max_batch, args.max_queue,
                      args.engine, request, args.model_name, args.shutdown_timeout,
                      args.log_level, edges=_serve_edges(args), chat_template=args.chat_template)

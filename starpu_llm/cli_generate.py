@@ -9,7 +9,7 @@ import numpy as np
 from .errors import StarpuLLMError, opt
 from .flow.generate import Decoder, DirectBackend, StarPUBackend, check_request, generate
 from .io import hf, tokenizer
-from .runtime.starpu import Runtime
+from .runtime.starpu import Runtime, resolve_here
 
 
 def _print(text: str):
@@ -34,19 +34,22 @@ def read_text_model(init_from, engine: str, command: str):
 
 def run_generate(init_from, prompt: str = "", max_new_tokens: int = 64, temperature: float = 1.0,
                  top_k: int = 0, seed: int = 1337, engine: str = "starpu", write=_print,
-                 runtime=None) -> str:
+                 runtime=None, request=None) -> str:
     """`starpu-llm generate`: continues the text prompt (empty: from <|endoftext|>) with the
     llm.c checkpoint init_from, a model of GPT-2's vocabulary, sampling with a numpy Generator
     seeded with seed. Writes the prompt, then the text as it is produced, then a newline, to
     `write`; returns the generated text. The StarPU engine runs on `runtime`, or on a runtime
-    of its own for the call."""
+    of its own for the call on the partition of `request` (a partition.PartitionRequest, its
+    flags serve's: --gpus runs the decode steps on GPUs; None: the default partition)."""
+    from .plan.partition import PartitionRequest
+    partition = resolve_here(request or PartitionRequest(), engine=engine)  # bad flags first
     config, params = read_text_model(init_from, engine, "generate")
     tok = tokenizer.gpt2()
     ids = tok.encode(prompt) if prompt else [tok.eot]
     check_request(config, len(ids), max_new_tokens, temperature, top_k)   # before any start-up
     own_runtime = None
     if engine == "starpu" and runtime is None:
-        runtime = own_runtime = Runtime()
+        runtime = own_runtime = Runtime(partition)
     try:
         backend = (StarPUBackend(runtime, config, params) if engine == "starpu"
                    else DirectBackend(config, params))

@@ -227,6 +227,44 @@ def test_cli_errors(starpu_idle, tiny_ckpt, tmp_path):
     assert rc == 2 and "vocabulary of 250 tokens" in err, err
     rc, _, err = cli("--init-from", tiny_ckpt, "--top-k", -1)
     assert rc == 2 and "--top-k must be >= 0" in err, err
+    rc, _, err = cli("--init-from", tiny_ckpt, "--workers", 0)
+    assert rc == 2 and "--workers must be at least 1" in err, err
+    from starpu_llm.runtime.starpu import have_cuda
+    if not have_cuda():       # a CPU build names the flag and how to get a CUDA build
+        rc, _, err = cli("--init-from", tiny_ckpt, "--gpus", 1)
+        assert rc == 2 and "--gpus 1" in err and "CPU build" in err, err
+
+
+_GENERATE_ON = """
+import sys
+from starpu_llm import cli, cli_generate
+real = cli_generate.Runtime
+
+
+def runtime(partition=None):
+    print("partition", partition.workers, partition.cores_per_worker, partition.gpus,
+          file=sys.stderr)
+    return real(partition)
+
+
+cli_generate.Runtime = runtime
+sys.exit(cli.main(["generate", *sys.argv[1:]]))
+"""
+
+
+def test_generate_runs_on_the_partition_its_flags_ask(starpu_idle, tiny_ckpt):
+    """generate's partition flags (serve's) reach the runtime it starts: 2 workers of 1 core
+    asked, 2 started, and the same greedy text as the default partition's one worker."""
+    def run(*flags):
+        p = subprocess.run([sys.executable, "-c", _GENERATE_ON, "--init-from", str(tiny_ckpt),
+                            "--prompt", "Hello", "--max-new-tokens", "6", "--top-k", "1",
+                            *flags], capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr
+        return p.stdout, [l for l in p.stderr.splitlines() if l.startswith("partition ")]
+    two, started_two = run("--workers", "2", "--cores-per-worker", "1")
+    one, started_one = run()
+    assert started_two == ["partition 2 1 0"] and started_one[0].startswith("partition 1 ")
+    assert two == one and two.startswith("Hello") and len(two) > len("Hello\n")
 
 
 @pytest.fixture(scope="module")

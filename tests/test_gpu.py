@@ -250,6 +250,24 @@ def test_gpu_batched_decoding_equals_one_sequence_at_a_time():
     assert sum(n for (c, kind), n in where.items() if kind == "gpu") > 0, dict(where)
 
 
+
+def test_gpu_generate_continues_as_the_cpu(tmp_path):
+    """`starpu-llm generate --gpus 1 --gpu-matmul fp32`: the decode steps on the GPU give the
+    reference engine's greedy text on CPUs (a model whose top two logits stand apart, so the
+    fp32 differences of the GPU's kernels cannot flip a choice)."""
+    from starpu_llm.cli_generate import run_generate
+    from starpu_llm.io import formats
+    from starpu_llm.model.config import MODELS
+    from starpu_llm.plan.partition import PartitionRequest
+    from test_batch import peaked_params
+    ckpt = tmp_path / "tiny.bin"
+    formats.write_checkpoint(ckpt, MODELS["tiny"], peaked_params(MODELS["tiny"]))
+    args = dict(prompt="The quick brown fox", max_new_tokens=16, top_k=1, write=lambda _: None)
+    gpu = run_generate(ckpt, request=PartitionRequest(gpus=1, gpu_matmul="fp32"), **args)
+    cpu = run_generate(ckpt, engine="reference", **args)
+    assert gpu == cpu and len(gpu) > 0
+
+
 def test_gpu_memory_is_read_on_the_cuda_workers_devices():
     """The peak GPU memory is read on the devices StarPU's CUDA workers run on (their device
     ids from StarPU), not on GPUs 0..n-1: with STARPU_WORKERS_CUDAID naming the last GPU, the
