@@ -236,6 +236,22 @@ def test_bench_report_gives_the_table_memory_busy_share_and_bounds(tmp_path):
     assert len((tmp_path / "gpu_bench.csv").read_text().splitlines()) == 4
 
 
+
+def test_step_model_queues_the_kernels_as_the_cuda_worker_does():
+    """experiments/gpu_step_model.py's queue: a worker starting a task host_s after the one
+    before, at most `depth` tasks in flight; long kernels keep the GPU busy, short ones leave it
+    idle for the worker's cost, and a deeper pipeline hides a burst of short ones behind a long
+    one."""
+    sys.path.insert(0, os.path.dirname(BENCH))
+    import gpu_step_model as m
+    assert m.simulate([5.0, 5.0], 0.0, 2) == (10.0, 1.0)
+    step, busy = m.simulate([1.0] * 4, 2.0, 2)          # the worker is the bottleneck
+    assert step == 4 * 2.0 + 1.0 and busy == 4.0 / 9.0
+    burst = [10.0, 1.0, 1.0, 1.0, 1.0]                   # queued during the long kernel
+    shallow, deep = m.simulate(burst, 1.5, 2), m.simulate(burst, 1.5, 4)
+    assert deep[0] == 1.5 + 14.0 and shallow[0] > deep[0]
+
+
 def test_gantt_reads_the_bench_traces_old_and_new(tmp_path):
     """experiments/gpu_gantt.py reads gpu_bench's trace CSV with the GPU times, and one
     written before they existed (no gpu_* columns) with none; gpu_bench's readings take it."""

@@ -138,11 +138,13 @@ def graph_from_events(events, table, model, B, T, sub_batches, sites=None, owner
     return graph
 
 
-def record(model: str, B: int, T: int, sites: Sites, grad_clip: float = 0.0) -> TaskGraph:
+def record(model: str, B: int, T: int, sites: Sites, grad_clip: float = 0.0,
+           attention: str | None = None) -> TaskGraph:
     """Record the task graph of one training step of `model` (a MODELS name) at batch B (all
     ranks'), sequence length T, on the partition of `sites` (its ranks, owners, workers,
     sub-batches per copy): a dry-run step of an engine made for those sites in this process
-    (on a fresh one-worker runtime: no runtime may be running in this process)."""
+    (on a fresh one-worker runtime: no runtime may be running in this process), with the
+    attention's form `attention` (None: a CPU run's default)."""
     from ..model.config import MODELS, ParamLayout
     from ..flow.engine import StarPUEngine
     from ..plan.partition import PartitionRequest
@@ -156,7 +158,8 @@ def record(model: str, B: int, T: int, sites: Sites, grad_clip: float = 0.0) -> 
     tokens = np.zeros(B * T + 1, np.uint16)
     subs = sites.subs_per_copy * sites.topology.copies
     capacity = 64 + 600 * config.L * subs
-    with Runtime(resolve_here(PartitionRequest(workers=1, cores_per_worker=1))) as rt:
+    request = PartitionRequest(workers=1, cores_per_worker=1, attention=attention)
+    with Runtime(resolve_here(request)) as rt:
         eng = StarPUEngine(config, state, B, T, tokens, rt, sites=sites)
         try:
             table = {int(ffi.cast("uintptr_t", t.h)): (name, t.size * t.dtype.itemsize)
