@@ -224,13 +224,20 @@ stage_bench() {
 }
 
 stage_rest() {
-  # the GPU features first (decoding, --grad-clip, the trace's GPU times), then the kernels
-  pytest_gpu "$(limit 300 0)" "$repo/tests/test_gpu.py" "$repo/tests/test_gpu_settings.py" \
-      "$repo/tests/test_kernels.py" "$repo/tests/test_model_cuda.py" \
-      -k "(gpu or cuda) and not test_gpu_matches_torch and not test_the_gpu_ran_the_layers" >"$work/rest.log" 2>&1
-  local rc=$?
+  # the GPU features first (decoding, generate, --grad-clip, the trace's GPU times) and
+  # compute-sanitizer's checks of the kernels; then the settings, the kernels against their
+  # references and the CUDA bodies, in what time is left
+  local rc1 rc2 sanitizer=test_gpu_kernels_pass_compute_sanitizer
+  pytest_gpu "$(limit 240 0)" "$repo/tests/test_gpu.py" "$repo/tests/test_kernels.py" \
+      -k "(test_gpu.py and not test_gpu_matches_torch and not test_the_gpu_ran_the_layers) or $sanitizer" \
+      >"$work/rest.log" 2>&1
+  rc1=$?
+  cp "$work/rest.log" "$OUT/rest.log"
+  pytest_gpu "$(limit 300 0)" "$repo/tests/test_gpu_settings.py" "$repo/tests/test_kernels.py" \
+      "$repo/tests/test_model_cuda.py" -k "(gpu or cuda) and not $sanitizer" >>"$work/rest.log" 2>&1
+  rc2=$?
   tail -n 60 "$work/rest.log"; cp "$work/rest.log" "$OUT/rest.log"
-  return $rc
+  [ $rc1 -eq 0 ] && [ $rc2 -eq 0 ]
 }
 
 say "stages: ${stages[*]} (checkout $(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo '?'))"
