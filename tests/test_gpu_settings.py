@@ -122,3 +122,23 @@ def test_activations_with_gpus_have_no_host_buffer(runtime):
             x[:] = values.reshape(-1)
         assert np.array_equal(read_tensor(t), values)
         h.unregister_all()
+
+
+def test_each_rank_takes_its_own_gpus_under_mpi():
+    """Under mpirun a rank starts its CUDA workers on its own devices of the node: the node's
+    visible devices dealt out by the rank's place among the node's ranks (4 ranks, 4 GPUs:
+    one each; 2 GPUs a rank: in pairs; more ranks than GPUs: shared round-robin; a launcher
+    that shows each rank its own GPU only: device 0), set as STARPU_WORKERS_CUDAID beside the
+    dirty-buffer settings; nothing set without GPUs or without a list (one process: StarPU's
+    own order)."""
+    from starpu_llm.runtime.starpu import KEEP_DIRTY, rank_cuda_devices, start_environment
+    assert [rank_cuda_devices(r, 1, 4) for r in range(4)] == [[0], [1], [2], [3]]
+    assert [rank_cuda_devices(r, 2, 4) for r in range(2)] == [[0, 1], [2, 3]]
+    assert [rank_cuda_devices(r, 1, 2) for r in range(4)] == [[0], [1], [0], [1]]
+    assert [rank_cuda_devices(r, 1, 1) for r in range(3)] == [[0], [0], [0]]
+    assert rank_cuda_devices(0, 1, 0) == []
+    gpu = Partition("starpu", 1, 7, 1, "team", gpus=2, gpu_matmul="tf32", attention="flash")
+    cpu = Partition("starpu", 1, 7, 1, "team", attention="gemm")
+    assert start_environment(gpu, None, [2, 3]) == {**KEEP_DIRTY, "STARPU_WORKERS_CUDAID": "2 3"}
+    assert start_environment(gpu, None) == KEEP_DIRTY
+    assert start_environment(cpu, None, [0]) == {}

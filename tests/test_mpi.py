@@ -144,6 +144,42 @@ def test_ranks_equal_single_process(shard, single, loss_bounds, tmp_path, mode):
     assert saved[0] == saved[1]
 
 
+
+def _why_no_gpu_ranks():
+    from starpu_llm.runtime.starpu import have_cuda
+    if not have_cuda():
+        return "not a CUDA build (README, GPUs: make cuda), so no GPU runs"
+    if lib.sl_gpu_devices() < 1:
+        return "no GPU: CUDA reports no device"
+    if not lib.sl_mpi_available():
+        return "this CUDA build has no StarPU-MPI (an MPI and libstarpumpi at its build)"
+    return None
+
+
+def test_ranks_with_a_gpu_each_equal_single_process(shard, single, loss_bounds, tmp_path):
+    """`mpirun -np 2 starpu-llm train --gpus 1`: each rank's layer tasks on a CUDA worker of
+    its own (fp32 matmuls, the batched-GEMM attention, as the single CPU process's), the
+    gradients reduced to their owners across the ranks (sharded) and each slice updated on its
+    owner's GPU; the losses within the single process's bounds. One worker of one core a rank
+    beside its GPU's thread (--oversubscribe: mpirun may bind a rank to one core); on a
+    one-GPU machine both ranks share it (runtime.starpu.rank_cuda_devices), which the
+    partition line names."""
+    why = _why_no_gpu_ranks()
+    if why:
+        pytest.skip(why)
+    m = str(tmp_path / "m.jsonl")
+    p = mpirun(2, train_args(shard, m) + ["--gpus", "1", "--gpu-matmul", "fp32", "--attention",
+                                          "gemm", "--workers", "1", "--cores-per-worker", "1",
+                                          "--oversubscribe"])
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    got = losses(m)
+    err = np.abs(np.array(got) - np.array(single))
+    print(f"\n[2 ranks, a GPU each] losses error / bound: {np.max(ratio(err, loss_bounds)):.2e}")
+    assert len(got) == STEPS and np.all(err <= loss_bounds), (err, loss_bounds)
+    assert "2 MPI processes" in p.stdout and "+ 1 GPU(s) (FP32 matmuls" in p.stdout, p.stdout
+    assert "rank 0's: CUDA device(s) 0" in p.stdout, p.stdout
+
+
 def test_shard_owners_balance_the_bytes():
     """Every slice has one owner; wte comes in R row blocks (one per rank), so no rank owns
     more than its share 1/R plus the largest slice (the greedy's bound: a rank's last slice

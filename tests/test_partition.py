@@ -45,8 +45,13 @@ def test_gpus_take_a_core_each_and_need_a_cuda_build():
     assert (p.workers, p.cores_per_worker, p.gpus, p.gpu_matmul, p.sub_batches) == (1, 7, 1, "tf32", 1)
     with pytest.raises(StarpuLLMError, match="CPU build"):
         resolve(PartitionRequest(gpus=1), cores=8, build=CLUSTER)
-    with pytest.raises(StarpuLLMError, match="StarPU-MPI"):
-        resolve(PartitionRequest(gpus=1), cores=8, build=GPU, ranks=2)
+    # under MPI each rank its GPUs beside its workers (runtime.starpu.rank_cuda_devices)
+    mpi = resolve(PartitionRequest(gpus=1), cores=8, build=GPU, ranks=2, batch=8)
+    assert (mpi.ranks, mpi.gpus, mpi.workers, mpi.cores_per_worker, mpi.ownership) == (
+        2, 1, 1, 7, "sharded")
+    assert "+ 1 GPU(s) (TF32 matmuls)" in mpi.describe() and "2 MPI processes" in mpi.describe()
+    with pytest.raises(StarpuLLMError, match="memory_limit: not supported yet"):
+        resolve(PartitionRequest(gpus=1), cores=8, build=GPU, memory_limit=True)
     with pytest.raises(StarpuLLMError, match="can use 8"):
         resolve(PartitionRequest(workers=1, cores_per_worker=8, gpus=1), cores=8, build=GPU)
 

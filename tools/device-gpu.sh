@@ -224,12 +224,13 @@ stage_bench() {
 }
 
 stage_rest() {
-  # the GPU features first (decoding, generate, --grad-clip, the trace's GPU times) and
-  # compute-sanitizer's checks of the kernels; then the settings, the kernels against their
-  # references and the CUDA bodies, in what time is left
+  # the GPU features first (decoding, generate, --grad-clip, the trace's GPU times, 2 MPI
+  # ranks sharing the GPU) and compute-sanitizer's checks of the kernels; then the settings,
+  # the kernels against their references and the CUDA bodies, in what time is left
   local rc1 rc2 sanitizer=test_gpu_kernels_pass_compute_sanitizer
-  pytest_gpu "$(limit 240 0)" "$repo/tests/test_gpu.py" "$repo/tests/test_kernels.py" \
-      -k "(test_gpu.py and not test_gpu_matches_torch and not test_the_gpu_ran_the_layers) or $sanitizer" \
+  pytest_gpu "$(limit 240 0)" "$repo/tests/test_gpu.py" "$repo/tests/test_mpi.py" \
+      "$repo/tests/test_kernels.py" \
+      -k "(test_gpu.py and not test_gpu_matches_torch and not test_the_gpu_ran_the_layers) or $sanitizer or test_ranks_with_a_gpu_each" \
       >"$work/rest.log" 2>&1
   rc1=$?
   cp "$work/rest.log" "$OUT/rest.log"

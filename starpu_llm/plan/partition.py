@@ -187,7 +187,7 @@ def resolve(req: PartitionRequest, *, cores: int, build: Build, ranks: int = 1,
     kcore = req.kcore or DEFAULT_KCORE
     if kcore not in KCORE_REQUESTS:
         raise StarpuLLMError(f"{opt('kcore')} {kcore!r}: choose one of {', '.join(KCORE_REQUESTS)}")
-    _check_gpus(req, kcore, build, ranks, memory_limit)
+    _check_gpus(req, kcore, build, memory_limit)
     gpus = req.gpus
     free = min(cores, build.max_cpus) if kcore == "forkjoin" else cores
     free = max(1, free - gpus)      # a core for each GPU's worker thread
@@ -346,8 +346,7 @@ def scheduler(partition: Partition, sched: str | None, policies, env: str | None
     return sched
 
 
-def _check_gpus(req: PartitionRequest, kcore: str, build: Build, ranks: int,
-                memory_limit: bool) -> None:
+def _check_gpus(req: PartitionRequest, kcore: str, build: Build, memory_limit: bool) -> None:
     """A clear error for GPUs this build or these settings cannot run."""
     gpus = req.gpus
     if not isinstance(gpus, int) or gpus < 0:
@@ -362,7 +361,6 @@ def _check_gpus(req: PartitionRequest, kcore: str, build: Build, ranks: int,
             f"{opt('gpus')} {gpus}: this starpu-llm is a CPU build; build StarPU with CUDA "
             "(tools/build-starpu.sh --cuda) and starpu-llm against it (README, GPUs)")
     for why, when in ((f"{opt('kcore')} forkjoin (combined CPU workers); use team", kcore == "forkjoin"),
-                      ("StarPU-MPI: not supported yet (one process)", ranks > 1),
                       (f"{opt('memory_limit')}: not supported yet (the GPUs' memory budget "
                        f"comes with it)", memory_limit)):
         if when:

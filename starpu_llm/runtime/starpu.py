@@ -43,11 +43,25 @@ MECHANISMS = {"single": lib.SL_KCORE_SINGLE, "team": lib.SL_KCORE_TEAM,
 KEEP_DIRTY = {"STARPU_MINIMUM_CLEAN_BUFFERS": "0", "STARPU_TARGET_CLEAN_BUFFERS": "0"}
 
 
-def start_environment(p: Partition, memory) -> dict:
+def start_environment(p: Partition, memory, cuda_devices: list | None = None) -> dict:
     """The StarPU variables a start of partition p (under memory, an offload.MemoryLimit or
     None) sets, each only where the user's environment does not: KEEP_DIRTY with GPUs and no
-    memory limit, nothing else."""
-    return dict(KEEP_DIRTY) if p.gpus > 0 and memory is None else {}
+    memory limit; STARPU_WORKERS_CUDAID, the GPUs of this rank, where cuda_devices names them
+    (under MPI: rank_cuda_devices)."""
+    env = dict(KEEP_DIRTY) if p.gpus > 0 and memory is None else {}
+    if p.gpus > 0 and cuda_devices:
+        env["STARPU_WORKERS_CUDAID"] = " ".join(str(d) for d in cuda_devices)
+    return env
+
+
+def rank_cuda_devices(local_rank: int, gpus: int, visible: int) -> list:
+    """The CUDA devices of the rank local_rank among the ranks of its node, each with `gpus`
+    GPUs: the node's visible devices dealt out in order, rank 0 the first `gpus`, rank 1 the
+    next (a launcher that gives each rank its own GPUs, CUDA_VISIBLE_DEVICES, leaves each
+    rank's first); ranks share them round-robin where there are fewer than they ask."""
+    if visible < 1:
+        return []
+    return [(local_rank * gpus + d) % visible for d in range(gpus)]
 
 
 def _environment(variables: dict):
@@ -216,7 +230,7 @@ class Runtime:
             if comm is not None:
                 from mpi4py import MPI
                 comm_addr = ffi.cast("void *", MPI._addressof(comm))
-            with _environment(start_environment(p, memory)):
+            with _environment(start_environment(p, memory, self.cuda_devices)):
                 ret = lib.sl_start(started, ffi.new("int[]", core_ids), comm_addr)
             if ret != 0:
                 self._stop_offload()
@@ -265,6 +279,16 @@ class Runtime:
         if comm is not None and not lib.sl_mpi_available():
             raise StarpuLLMError("this build has no StarPU-MPI support (rebuild with "
                                  "libstarpumpi and an MPI installed)")
+        # under MPI each rank its own GPUs, by its rank among those of its node
+        self.cuda_devices = None
+        if comm is not None and p.gpus > 0 and "STARPU_WORKERS_CUDAID" not in os.environ:
+            from mpi4py import MPI
+            local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+            try:
+                self.cuda_devices = rank_cuda_devices(local.Get_rank(), p.gpus,
+                                                      lib.sl_gpu_devices())
+            finally:
+                local.Free()
         explicit = face is not None
         self.face = face = starpupy_face.resolve(face)
         for why, when in (("cannot start StarPU-MPI (starpu.init() takes no communicator); use "
@@ -380,8 +404,10 @@ class Runtime:
         limit = (f", memory limit {offload.format_size(self.memory.limit)} (evicting to "
                  f"{self.offload_path})" if self.memory else "")
         p = self.partition
+        devices = (f"; rank {self.rank}'s: CUDA device(s) "
+                   f"{', '.join(str(d) for d in self.cuda_devices)}" if self.cuda_devices else "")
         gpus = (f" + {p.gpus} GPU(s) ({p.gpu_matmul.upper()} matmuls"
-                f", every layer on them)" if p.gpus else "")
+                f", every layer on them{devices})" if p.gpus else "")
         return (f"StarPU {major[0]}.{minor[0]}.{release[0]}{face}{mpi}, {p.workers} worker(s) x "
                 f"{p.cores_per_worker} core(s) ({p.kcore}){gpus}, scheduler {p.sched}, "
                 f"BLAS {ffi.string(lib.blas_name()).decode()}{limit}")
