@@ -280,13 +280,16 @@ class Runtime:
             raise StarpuLLMError("this build has no StarPU-MPI support (rebuild with "
                                  "libstarpumpi and an MPI installed)")
         # under MPI each rank its own GPUs, by its rank among those of its node
+        # (every rank splits the communicator, collectively; the user's own list, where set,
+        # is StarPU's to read)
         self.cuda_devices = None
-        if comm is not None and p.gpus > 0 and "STARPU_WORKERS_CUDAID" not in os.environ:
+        if comm is not None and p.gpus > 0:
             from mpi4py import MPI
             local = comm.Split_type(MPI.COMM_TYPE_SHARED)
             try:
-                self.cuda_devices = rank_cuda_devices(local.Get_rank(), p.gpus,
-                                                      lib.sl_gpu_devices())
+                if "STARPU_WORKERS_CUDAID" not in os.environ:
+                    self.cuda_devices = rank_cuda_devices(local.Get_rank(), p.gpus,
+                                                          lib.sl_gpu_devices())
             finally:
                 local.Free()
         explicit = face is not None
