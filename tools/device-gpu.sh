@@ -40,6 +40,9 @@
 #                                         stage's command echoed, not run
 #
 # The device call:  run(command="tools/device-gpu.sh", carry=[".device"], timeout_s=600)
+# The first call's stages before rest take about 500 s (build ~180, parity ~95, bench up to
+# 240); a second call at once, on the still-warm machine (its build in $SL_DEVICE_WORK kept),
+# runs what the deadline cut:  run(command="tools/device-gpu.sh rest", carry=[".device"])
 #
 # Environment: SL_GPU_ARCH (default: nvidia-smi's compute capability, else 90), CUDA_HOME
 # (default /usr/local/cuda), CUBLAS_HOME (default: CUDA's own, else the nvidia-cublas wheel in
