@@ -230,7 +230,7 @@ class Runtime:
             if comm is not None:
                 from mpi4py import MPI
                 comm_addr = ffi.cast("void *", MPI._addressof(comm))
-            with _environment(start_environment(p, memory, self.cuda_devices)):
+            with _environment(start_environment(p, memory, self._rank_gpus)):
                 ret = lib.sl_start(started, ffi.new("int[]", core_ids), comm_addr)
             if ret != 0:
                 self._stop_offload()
@@ -282,14 +282,14 @@ class Runtime:
         # under MPI each rank its own GPUs, by its rank among those of its node
         # (every rank splits the communicator, collectively; the user's own list, where set,
         # is StarPU's to read)
-        self.cuda_devices = None
+        self._rank_gpus = None
         if comm is not None and p.gpus > 0:
             from mpi4py import MPI
             local = comm.Split_type(MPI.COMM_TYPE_SHARED)
             try:
                 if "STARPU_WORKERS_CUDAID" not in os.environ:
-                    self.cuda_devices = rank_cuda_devices(local.Get_rank(), p.gpus,
-                                                          lib.sl_gpu_devices())
+                    self._rank_gpus = rank_cuda_devices(local.Get_rank(), p.gpus,
+                                                        lib.sl_gpu_devices())
             finally:
                 local.Free()
         explicit = face is not None
@@ -408,7 +408,8 @@ class Runtime:
                  f"{self.offload_path})" if self.memory else "")
         p = self.partition
         devices = (f"; rank {self.rank}'s: CUDA device(s) "
-                   f"{', '.join(str(d) for d in self.cuda_devices)}" if self.cuda_devices else "")
+                   f"{', '.join(str(d) for d in self.cuda_devices())}"
+                   if self.comm is not None and p.gpus else "")
         gpus = (f" + {p.gpus} GPU(s) ({p.gpu_matmul.upper()} matmuls"
                 f", every layer on them{devices})" if p.gpus else "")
         return (f"StarPU {major[0]}.{minor[0]}.{release[0]}{face}{mpi}, {p.workers} worker(s) x "
