@@ -42,7 +42,9 @@ def run_generate(init_from, prompt: str = "", max_new_tokens: int = 64, temperat
     of its own for the call on the partition of `request` (a partition.PartitionRequest, its
     flags serve's: --gpus runs the decode steps on GPUs; None: the default partition)."""
     from .plan.partition import PartitionRequest
-    partition = resolve_here(request or PartitionRequest(), engine=engine)  # bad flags first
+    partition = None            # the flags checked first, unless a runtime is given to run on
+    if runtime is None or engine != "starpu":
+        partition = resolve_here(request or PartitionRequest(), engine=engine)
     config, params = read_text_model(init_from, engine, "generate")
     tok = tokenizer.gpt2()
     ids = tok.encode(prompt) if prompt else [tok.eot]

@@ -189,8 +189,8 @@ class Runtime:
     or $STARPU_LLM_FACE=starpupy where starpupy is importable.
     memory: an offload.MemoryLimit: StarPU allocates at most that much main memory and evicts
     to a disk node in a folder of its own (removed at shutdown); None: no limit.
-    With GPUs (CUDA workers, GPUs 0..gpus-1, beside the CPU workers, a CUDA build) each takes a
-    core for its thread. The tasks of every codelet with a CUDA body may run on either: the
+    With GPUs (CUDA workers, GPUs 0..gpus-1, under MPI the rank's own: rank_cuda_devices;
+    beside the CPU workers, a CUDA build) each takes a core for its thread. The tasks of every codelet with a CUDA body may run on either: the
     scheduler (dmdas by default) places them on the GPUs and StarPU moves the data: every task
     of a codelet with a CUDA body runs on the GPUs only (placement()), the CPU workers run
     the rest (the batch loads), so dmda never tries a layer task on a CPU to calibrate its
