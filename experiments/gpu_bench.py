@@ -103,7 +103,8 @@ def run_starpu(B: int, T: int, steps: int, warmup: int, out: str, trace: bool = 
     r = train(starpu_config(B, T, steps, warmup, **settings))
     result = dict(step_ms=r.step_ms[warmup:], first_loss=float(r.losses[0]),
                   losses=[float(x) for x in r.losses], describe=r.engine,
-                  peak_gpu_mb=r.peak_gpu_mb, peak_rss_mb=r.peak_rss_mb, finite=bool(np.all(np.isfinite(r.losses))))
+                  peak_gpu_mb=r.peak_gpu_mb, peak_rss_mb=r.peak_rss_mb,
+                  finite=bool(np.all(np.isfinite(r.losses))))
     if trace:           # a separate run: no tracing in the timed steps
         t = train(starpu_config(B, T, 1, warmup, trace=True))
         with open(os.path.join(out, f"trace_{B}x{T}.csv"), "w", newline="") as f:
@@ -157,7 +158,6 @@ def gpu_busy(trace) -> tuple[float, float] | None:
     return busy / (hi - t0), (hi - t0) / 1e6
 
 
-
 # What one GPU can do at most, by a name nvidia-smi gives (the first that the name contains):
 # (bytes/s of its memory, dense TF32 tensor-core FLOP/s, fp32 FLOP/s), NVIDIA's datasheets.
 # KINDS.md's H200 copy moved 4.3 TB/s (reads and writes counted) against the sheet's 4.8.
@@ -186,19 +186,24 @@ def gpu_peaks(name: str) -> tuple | None:
     return next((rates for key, rates in GPU_PEAKS if key in name), None)
 
 
+def task_bound_s(codelet: str, flops: float, nbytes: float, peaks: tuple, tf32: bool) -> float:
+    """The least seconds a task's work takes on a GPU of rates `peaks` (GPU_PEAKS'): its flops
+    at the tensor-core (TF32, TENSOR_CORE_CODELETS) or fp32 rate, or its bytes (its buffers'
+    sizes, each moved once) at the memory's, whichever is longer."""
+    bw, tc, fp32 = peaks
+    rate = tc if tf32 and codelet in TENSOR_CORE_CODELETS else fp32
+    return max(flops / rate, nbytes / bw)
+
+
 def roofline(trace, peaks: tuple, tf32: bool) -> dict:
     """{codelet: [tasks, GPU ms, bound ms]} of the trace's last step, largest GPU time first,
-    and "step": the same over all its GPU tasks. A task's bound is the least time its work
-    takes on this GPU: its flops at the tensor-core (TF32, TENSOR_CORE_CODELETS) or fp32 rate,
-    or its bytes (its buffers' sizes, each moved once) at the memory's, whichever is longer;
-    GPU ms / bound ms says how far a codelet's kernels are from what the GPU allows."""
-    bw, tc, fp32 = peaks
+    and "step": the same over all its GPU tasks, a task's bound task_bound_s's; GPU ms / bound
+    ms says how far a codelet's kernels are from what the GPU allows."""
     out, step = {}, [0, 0.0, 0.0]
     for e in last_step(trace):
         if e.gpu_end_ns <= 0:
             continue
-        rate = tc if tf32 and e.codelet in TENSOR_CORE_CODELETS else fp32
-        bound = max(e.flops / rate, e.nbytes / bw) * 1e3
+        bound = task_bound_s(e.codelet, e.flops, e.nbytes, peaks, tf32) * 1e3
         ms = (e.gpu_end_ns - e.gpu_start_ns) / 1e6
         for row in (out.setdefault(e.codelet, [0, 0.0, 0.0]), step):
             row[0] += 1

@@ -34,22 +34,23 @@ import gpu_bench  # noqa: E402
 LAUNCH_S = 3e-6      # a kernel's launch to start on an idle GPU
 
 
-def kernel_times(B: int, T: int, peaks: tuple, efficiency: float) -> list[tuple[str, float]]:
-    """(codelet, seconds) of each GPU task of a d12 step at B x T, in submission order."""
-    from starpu_llm.perf import graph
-    from starpu_llm.perf.predict import sites_of, target_partition
+def step_graph(B: int, T: int):
+    """The recorded task graph of a d12 step at B x T with the fused attention, as `train --gpus
+    1` submits it (perf/predict.task_graph: recorded once, in a process of its own)."""
+    from starpu_llm.perf.predict import sites_of, target_partition, task_graph
     from starpu_llm.plan.partition import PartitionRequest
     p = target_partition(PartitionRequest(workers=1, cores_per_worker=1), 1,
                          parallel_workers=False)
-    g = graph.record("d12", B, T, sites_of("d12", B, T, p), attention="flash")
-    bw, tc, fp32 = peaks
-    out = []
-    for t in g.tasks:
-        if t.codelet == "load_batch":       # a CPU worker's, before the step's first kernel
-            continue
-        rate = tc if t.codelet in gpu_bench.TENSOR_CORE_CODELETS else fp32
-        out.append((t.codelet, max(t.flops / rate, t.nbytes / bw) / efficiency + LAUNCH_S))
-    return out
+    return task_graph("d12", B, T, sites_of("d12", B, T, p), attention="flash")
+
+
+def kernel_times(graph, peaks: tuple, efficiency: float) -> list[tuple[str, float]]:
+    """(codelet, seconds) of each GPU task of the step's graph, in submission order: its bound
+    (gpu_bench.task_bound_s, TF32) over efficiency, plus a launch."""
+    return [(t.codelet, gpu_bench.task_bound_s(t.codelet, t.flops, t.nbytes, peaks, True)
+             / efficiency + LAUNCH_S)
+            for t in graph.tasks
+            if t.codelet != "load_batch"]   # a CPU worker's, before the step's first kernel
 
 
 def simulate(kernels: list[float], host_s: float, depth: int) -> tuple[float, float]:
@@ -82,8 +83,9 @@ def main():
         ap.error(f"--gpu {args.gpu!r}: no rates known (gpu_bench.GPU_PEAKS)")
     rows = []
     for B, T in gpu_bench.shapes_of(args.shapes):
+        graph = step_graph(B, T)
         for eff in (float(x) for x in args.efficiency.split(",")):
-            ks = kernel_times(B, T, peaks, eff)
+            ks = kernel_times(graph, peaks, eff)
             for h in (float(x) for x in args.host_us.split(",")):
                 step, busy = simulate([k for _, k in ks], h * 1e-6, args.depth)
                 rows.append(dict(gpu=args.gpu, B=B, T=T, tasks=len(ks), efficiency=eff,

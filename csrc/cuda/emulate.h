@@ -189,9 +189,9 @@ inline void load_matrix_sync(fragment<Use, 16, 16, 8, precision::tf32, Layout> &
 			     unsigned ldm)
 {
 	typedef fragment<Use, 16, 16, 8, precision::tf32, Layout> F;
-	sl_emu::wmma_check(p, ldm, "load_matrix_sync");
 	if (!sl_emu::warp_leader())
 		return;
+	sl_emu::wmma_check(p, ldm, "load_matrix_sync"); /* the warp's pointer: once, by its lane 0 */
 	const bool row = std::is_same<Layout, row_major>::value;
 	for (int r = 0; r < F::rows; r++)
 		for (int c = 0; c < F::cols; c++)
@@ -200,9 +200,9 @@ inline void load_matrix_sync(fragment<Use, 16, 16, 8, precision::tf32, Layout> &
 inline void load_matrix_sync(fragment<accumulator, 16, 16, 8, float> &f, const float *p,
 			     unsigned ldm, layout_t layout)
 {
-	sl_emu::wmma_check(p, ldm, "load_matrix_sync");
 	if (!sl_emu::warp_leader())
 		return;
+	sl_emu::wmma_check(p, ldm, "load_matrix_sync"); /* the warp's pointer: once, by its lane 0 */
 	for (int r = 0; r < 16; r++)
 		for (int c = 0; c < 16; c++)
 			f.x[r * 16 + c] = layout == mem_row_major ? p[(size_t)r * ldm + c]
@@ -211,9 +211,9 @@ inline void load_matrix_sync(fragment<accumulator, 16, 16, 8, float> &f, const f
 inline void store_matrix_sync(float *p, const fragment<accumulator, 16, 16, 8, float> &f,
 			      unsigned ldm, layout_t layout)
 {
-	sl_emu::wmma_check(p, ldm, "store_matrix_sync");
 	if (!sl_emu::warp_leader())
 		return;
+	sl_emu::wmma_check(p, ldm, "store_matrix_sync"); /* the warp's pointer: once, by its lane 0 */
 	for (int r = 0; r < 16; r++)
 		for (int c = 0; c < 16; c++)
 			(layout == mem_row_major ? p[(size_t)r * ldm + c] : p[(size_t)c * ldm + r]) =

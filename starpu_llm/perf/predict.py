@@ -27,16 +27,17 @@ from .stages import layer_costs
 _GRAPHS: dict = {}
 
 
-def task_graph(model: str, B: int, T: int, sites: Sites) -> graphs.TaskGraph:
-    """The recorded graph of (model, B, T) on the partition of `sites` (graph.record),
-    recorded once per process."""
-    key = (model, B, T, sites.key())
+def task_graph(model: str, B: int, T: int, sites: Sites,
+               attention: str | None = None) -> graphs.TaskGraph:
+    """The recorded graph of (model, B, T) on the partition of `sites` with the attention's
+    form `attention` (graph.record; None: a CPU run's), recorded once per process."""
+    key = (model, B, T, sites.key(), attention)
     if key not in _GRAPHS:
-        _GRAPHS[key] = _record_apart(model, B, T, sites)
+        _GRAPHS[key] = _record_apart(model, B, T, sites, attention)
     return _GRAPHS[key]
 
 
-def _record_apart(model: str, B: int, T: int, sites: Sites):
+def _record_apart(model: str, B: int, T: int, sites: Sites, attention: str | None = None):
     """graphs.record in a fresh Python process of its own, only the graph coming back
     (pickled): each dry-run step starts a StarPU runtime and registers every tensor of the
     batch, and in one process their memory added up from one recording to the next (14 GB
@@ -46,7 +47,7 @@ def _record_apart(model: str, B: int, T: int, sites: Sites):
     with tempfile.TemporaryDirectory(prefix="starpu-llm-graph-") as tmp:
         path = os.path.join(tmp, "graph.pickle")
         with open(path, "wb") as f:
-            pickle.dump((model, B, T, sites), f)
+            pickle.dump((model, B, T, sites, 0.0, attention), f)
         code = ("import pickle, sys; from starpu_llm.perf.graph import record; "
                 "path = sys.argv[1]; args = pickle.load(open(path, 'rb')); "
                 "pickle.dump(record(*args), open(path, 'wb'))")
