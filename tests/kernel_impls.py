@@ -112,8 +112,10 @@ class GPUKernels:
     def residual_forward(self, out, a, b, n):
         self.run("residual_forward", [out, a, b], N=n)
 
-    def crossentropy_softmax_forward(self, probs, losses, logits, targets, N, V, Vp):
-        self.run("crossentropy_forward", [probs, losses, logits, targets], N=N, V=V, Vp=Vp)
+    def crossentropy_softmax_forward(self, probs, losses, logits, targets, N, V, Vp,
+                                     accumulate):
+        self.run("crossentropy_forward", [probs, losses, logits, targets], N=N, V=V, Vp=Vp,
+                 accumulate=accumulate)
 
     def crossentropy_softmax_backward(self, dlogits, probs, targets, N, V, Vp, dloss):
         self.run("crossentropy_backward", [dlogits, probs, targets], N=N, V=V, Vp=Vp,

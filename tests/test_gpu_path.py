@@ -115,11 +115,11 @@ def test_the_loop_submits_the_next_step_before_reading_a_loss(runtime, shards, m
         self._submitted = getattr(self, "_submitted", []) + [s]
         return s
 
-    def logged_loss(self, losses=None):
+    def logged_loss(self, losses=None, micro_batches=1):
         if losses is not None:       # a step's loss (else a validation batch's)
             step = next(s.step for s in reversed(self._submitted) if s.losses == losses)
             log.append(f"read {step}")
-        return loss(self, losses)
+        return loss(self, losses, micro_batches)
 
     def logged_wait(self):
         log.append("wait")

@@ -1294,7 +1294,7 @@ for tf32 in (False, True):
     k.matmul_backward(dinp, dW, dbias, r(N, OC), x, r(OC, C), N, C, OC)
     targets = rng.integers(0, V, N).astype(np.int32)
     probs, losses = empty(N, Vp), empty(N)
-    k.crossentropy_softmax_forward(probs, losses, r(N, Vp), targets, N, V, Vp)
+    k.crossentropy_softmax_forward(probs, losses, r(N, Vp), targets, N, V, Vp, 0)
     sumsq = np.zeros(1)
     k.sum_of_squares(sumsq, x.reshape(-1), x.size)
     assert all(np.isfinite(a).all() for a in (y, dx, dw, db, dinp, dW, dbias, losses, sumsq))
@@ -1430,7 +1430,7 @@ def test_crossentropy(kern, rng, N, V, Vp, scale):
     targets[0], targets[1] = 0, V - 1
     probs = np.full((N, Vp), np.nan, np.float32)
     losses = np.full(N, np.nan, np.float32)
-    kern.crossentropy_softmax_forward(probs, losses, logits, targets, N, V, Vp)
+    kern.crossentropy_softmax_forward(probs, losses, logits, targets, N, V, Vp, 0)
 
     lg_t = t64(logits[:, :V], True)
     tg_t = torch.from_numpy(targets).long()
@@ -1439,6 +1439,13 @@ def test_crossentropy(kern, rng, N, V, Vp, scale):
     assert np.all(probs[:, V:] == 0)
     ref_losses = F.cross_entropy(lg_t, tg_t, reduction="none")
     close(losses, ref_losses, e_L, "crossentropy losses")
+
+    # accumulate (a gradient accumulation's later micro-batches): the same losses, added in
+    # float to what the buffer held, the probabilities written as before
+    held = randn(rng, N, scale=3.0)
+    summed, probs2 = held.copy(), np.full((N, Vp), np.nan, np.float32)
+    kern.crossentropy_softmax_forward(probs2, summed, logits, targets, N, V, Vp, 1)
+    assert np.array_equal(summed, held + losses) and np.array_equal(probs2, probs)
 
     ref_losses.mean().backward()
     dloss = 1.0 / N
@@ -1465,7 +1472,7 @@ def test_crossentropy_gpt2_vocab_row(kern, rng):
     logits[:, V:] = -1e4
     targets = np.array([123, V - 1], np.int32)
     probs, losses = np.empty((N, Vp), np.float32), np.empty(N, np.float32)
-    kern.crossentropy_softmax_forward(probs, losses, logits, targets, N, V, Vp)
+    kern.crossentropy_softmax_forward(probs, losses, logits, targets, N, V, Vp, 0)
     lg_t = t64(logits[:, :V])
     P, e_p, e_L = _crossentropy_bounds(logits, targets, V)  # as in test_crossentropy
     close(probs[:, :V], torch.softmax(lg_t, -1), e_p, "crossentropy probs")

@@ -116,6 +116,13 @@ MODES = {   # name: (ranks, flags, what the partition line says)
     # both: 2 data-parallel copies of a 2-stage pipeline
     "both-4": (4, ["--pipeline-stages", "2", "--sub-batches", "2"],
                "2 copies of 2 pipeline stages on 4 MPI processes"),
+    # gradient accumulation: 2 micro-batches of 6, the 12 sequences of the single process's
+    # batch; each rank's contributions (a pipeline's embedding wte) added up once a step
+    "sharded-2-accum": (2, ["--batch", "6", "--grad-accum", "2"],
+                        "2 MPI processes, sharded ownership"),
+    "pipeline-2-accum": (2, ["--pipeline-stages", "2", "--sub-batches", "3", "--batch", "6",
+                             "--grad-accum", "2"],
+                         "1 copies of 2 pipeline stages on 2 MPI processes"),
 }
 
 

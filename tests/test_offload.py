@@ -117,11 +117,13 @@ def test_the_model_needs_far_more_than_the_cap():
 
 
 @pytest.mark.parametrize("partition", [{}, {"workers": 2, "cores_per_worker": 1},
-                                       {"workers": 1, "cores_per_worker": 2, "sub_batches": 2}],
-                         ids=["default", "2x1", "1x2-chain"])
+                                       {"workers": 1, "cores_per_worker": 2, "sub_batches": 2},
+                                       {"grad_accum": 2}],
+                         ids=["default", "2x1", "1x2-chain", "accum-2"])
 def test_capped_run_equals_uncapped(files, tmp_path, partition):
     """Losses, final parameters and moments bitwise those of the uncapped run, while StarPU
-    read and wrote the disk at every step."""
+    read and wrote the disk at every step (with 2 micro-batches a step: each one's
+    activations dropped after its backward, the losses kept across them)."""
     fits(**partition)
     free_out, capped_out = tmp_path / "free", tmp_path / "capped"
     free = train(TrainConfig(**settings(files, free_out, **partition)))

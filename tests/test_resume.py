@@ -319,17 +319,20 @@ def rows(path):
     return [json.loads(line) for line in open(path)]
 
 
-@pytest.mark.parametrize("engine,workers,cores", [
-    ("reference", None, None), ("starpu", 1, 1), ("starpu", 1, 2), ("starpu", 2, 1)])
-def test_stopped_and_resumed_equals_uninterrupted(shard, tmp_path, engine, workers, cores):
+@pytest.mark.parametrize("engine,workers,cores,accum", [
+    ("reference", None, None, 1), ("starpu", 1, 1, 1), ("starpu", 1, 2, 1), ("starpu", 2, 1, 1),
+    ("starpu", 2, 1, 2)])
+def test_stopped_and_resumed_equals_uninterrupted(shard, tmp_path, engine, workers, cores,
+                                                  accum):
     """6 steps in one run, and 3 steps saved every 3 then resumed with steps=6: the same
-    losses and the same final parameters and moments, to the bit."""
+    losses and the same final parameters and moments, to the bit (also with 2 micro-batches
+    a step: the data position saved after both)."""
     if engine == "starpu":
         try:
             resolve_here(PartitionRequest(workers=workers, cores_per_worker=cores))
         except StarpuLLMError as e:
             pytest.skip(f"{workers}x{cores} does not fit here: {e}")
-    kw = dict(engine=engine, workers=workers, cores_per_worker=cores)
+    kw = dict(engine=engine, workers=workers, cores_per_worker=cores, grad_accum=accum)
     whole = train(config(shard, steps=6, metrics_jsonl=str(tmp_path / "whole.jsonl"), **kw))
     metrics, ck = str(tmp_path / "m.jsonl"), str(tmp_path / "ck")
     first = train(config(shard, steps=3, save_every=3, checkpoint_dir=ck, metrics_jsonl=metrics,

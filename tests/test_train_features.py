@@ -1,5 +1,5 @@
-"""Validation, learning-rate schedules and gradient clipping, on both engines, against the
-PyTorch oracle (starpu_llm/baselines/torch_gpt2.py).
+"""Validation, learning-rate schedules, gradient clipping and gradient accumulation, on both
+engines, against the PyTorch oracle (starpu_llm/baselines/torch_gpt2.py).
 
 Bounds (tests/bounds.py, sections "whole model" and "gradient clipping"; none scaled from an
 observed error):
@@ -11,8 +11,13 @@ observed error):
   clipped training  AdamDrift per step with that step's learning rate and the clipped
                     gradients' relative bound (clipped_grad_rel); losses within the step's
                     loss bound, parameters within the drift bound after 10 steps
-StarPU against the reference engine with clipping stays exact (same kernels, same order,
-same thread count).
+  accumulation      the gradients and loss of 2 micro-batches of B against torch's of the
+                    2B sequences in one batch: those of two fp32 runs of the 2B batch
+                    (grad_rel_bound, loss_bound at 2B): each gradient entry is the same sum
+                    over the 2BT positions, its terms added in two parts, the second into the
+                    first (one more rounding on a chain of 2BT + 1, far below the bound's)
+StarPU against the reference engine with clipping or accumulation stays exact (same kernels,
+same order, same thread count).
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import numpy as np
 import pytest
 import torch
 
+from starpu_llm import TrainConfig, train
 from starpu_llm._clib import lib
 from starpu_llm.baselines.torch_gpt2 import TorchGPT2, batch
 from starpu_llm.model.config import MODELS, GPTConfig, ParamLayout
@@ -38,7 +44,8 @@ from starpu_llm.training.schedule import learning_rate
 from starpu_llm.model.state import TrainState, random_init
 from partitions import subs
 
-from bounds import AdamDrift, clipped_grad_rel, grad_rel_bound, gradnorm_bound, loss_bound, ratio
+from bounds import (AdamDrift, assert_within, clipped_grad_rel, grad_rel_bound, gradnorm_bound,
+                    loss_bound, ratio, slice_scales)
 from tracing import named_buffers
 
 torch.set_num_threads(usable_cores())
@@ -273,6 +280,96 @@ def test_clipped_starpu_matches_reference(clipped):
     a, b = runs["starpu"], runs["reference"]
     assert np.array_equal(a["norms"], b["norms"]) and np.array_equal(a["losses"], b["losses"])
     assert np.array_equal(a["params"], b["params"])
+
+
+# --------------------------------------------------------------------------- accumulation
+
+ACCUM = 2       # micro-batches of B x T a step: one update on 2B sequences
+ACCUM_RUNS = {"reference": ("reference", None), "starpu": ("starpu", None),
+              "starpu, 2 sub-batches": ("starpu", 2)}
+
+
+def micro(step):
+    """The positions of step's micro-batches, consecutive as the loader gives them: 2B
+    consecutive sequences, the rows of one batch of 2B at the first."""
+    return [(step * ACCUM + j) * B * T for j in range(ACCUM)]
+
+
+@pytest.fixture(scope="module")
+def accumulated(runtime):
+    """Each run's loss and gradients of its first step's micro-batches (forward_backward),
+    then its losses and parameters after that step's update and 2 more accumulated steps."""
+    out = {}
+    for name, (kind, sub_batches) in ACCUM_RUNS.items():
+        state = TrainState(config=SMALL, params=PARAMS.copy())
+        with engine_of(kind, runtime, state, sub_batches) as eng:
+            first = eng.forward_backward(micro(0))
+            coherent(eng)
+            grads = state.grads.copy()
+            eng.submit_update(LR, WEIGHT_DECAY)
+            losses = [first] + [eng.step(micro(s), LR, WEIGHT_DECAY) for s in (1, 2)]
+            coherent(eng)
+            out[name] = {"loss": first, "grads": grads, "losses": losses,
+                         "params": state.params.copy()}
+    return out
+
+
+@pytest.mark.parametrize("run", list(ACCUM_RUNS))
+def test_accumulated_micro_batches_are_the_whole_batch(accumulated, runtime, run):
+    """2 micro-batches of B: the loss and the gradients of torch's batch of their 2B
+    sequences, within the fp32 bounds of two runs of that batch (not of one micro-batch: the
+    gradient of the first B sequences alone, 1/2 of the mean's terms, is far outside)."""
+    got = accumulated[run]
+    model = TorchGPT2(SMALL, PARAMS)
+    with runtime.paused():
+        logits, loss = model.forward_backward(*batch(TRAIN, micro(0)[0], ACCUM * B, T))
+    scale = float(np.abs(logits).max())
+    assert abs(got["loss"] - loss) <= loss_bound(SMALL, ACCUM * B, T, loss, scale), (
+        f"{run}: loss {got['loss']} vs torch's {loss} on the {ACCUM * B} sequences")
+    want = LAYOUT.views(model.grads_flat())
+    have = LAYOUT.views(got["grads"])
+    scales = slice_scales(LAYOUT, want)
+    rel = grad_rel_bound(SMALL, ACCUM * B, T)
+    for n in LAYOUT.names:
+        assert_within(have[n], want[n], rel * scales[n], f"{run}: accumulated gradient of {n}")
+
+
+def test_accumulation_starpu_matches_reference(accumulated):
+    """Same kernels, same order, same thread count, the micro-batches in turn: bitwise."""
+    a, b = accumulated["starpu"], accumulated["reference"]
+    assert a["losses"] == b["losses"]
+    assert np.array_equal(a["grads"], b["grads"]) and np.array_equal(a["params"], b["params"])
+
+
+def test_the_trainer_steps_over_the_micro_batches(runtime, tmp_path):
+    """`train --grad-accum 2 --batch 2`: each step on the loader's next 2 positions (after 3
+    steps, where `--batch 4` is), its loss their mean (step 1, from the same parameters: the
+    loss of the same 4 sequences as `--batch 4`'s), its tokens 2 x 2 x T, and a run that says
+    so; the StarPU engine's steps (submitted ahead) the reference's; 0 refused."""
+    rng = np.random.default_rng(3)
+    path = str(tmp_path / "training.bin")
+    formats.write_shard(path, rng.integers(0, MICRO.V, 3000).astype(np.uint16))
+    common = dict(model="micro", train_data=path, seq_len=16, steps=3, lr=1e-2,
+                  engine="reference")
+    lines = []
+    with runtime.paused():
+        acc = train(TrainConfig(**common, batch=2, grad_accum=2, log=lines.append))
+        whole = train(TrainConfig(**common, batch=4, log=None))
+    assert acc.state.data == whole.state.data == {"position": 3 * 4 * 16}
+    assert any("B=2 T=16, 2 micro-batches a step (gradient accumulation: 64 tokens)" in line
+               for line in lines), lines
+    timed = acc.step_ms[1:]
+    assert acc.tokens_per_ms == pytest.approx(2 * 2 * 16 * len(timed) / sum(timed), rel=1e-12)
+    assert acc.losses[0] == pytest.approx(whole.losses[0], abs=1e-5)
+    metrics = str(tmp_path / "m.jsonl")
+    rc, out, err = run_cli("train", "--model", "micro", "--train-data", path, "--seq-len", "16",
+                           "--steps", "3", "--lr", "1e-2", "--batch", "2", "--grad-accum", "2",
+                           "--metrics-jsonl", metrics)
+    assert rc == 0, err
+    got = [json.loads(line)["loss"] for line in open(metrics)]
+    assert got == pytest.approx(acc.losses, abs=1e-5), (got, acc.losses)
+    rc, _, err = run_cli("train", "--model", "micro", "--steps", "1", "--grad-accum", "0")
+    assert rc == 2 and "Traceback" not in err and "--grad-accum" in err, err
 
 
 # --------------------------------------------------------------------------- the command line

@@ -51,6 +51,7 @@ struct sl_elementwise_args {
 };
 struct sl_xent_args {
 	int N, V, Vp;
+	int accumulate; /* losses += instead of = (their buffer is then RW, not W) */
 };
 struct sl_xent_backward_args {
 	int N, V, Vp;

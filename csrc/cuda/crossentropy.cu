@@ -3,13 +3,14 @@
 
 #define XENT_THREADS 512
 
-/* A block per row: the max and the normaliser in one pass (each thread's running sum in
+/* A block per row (the loss written, or added when accumulate): the max and the normaliser
+ * in one pass (each thread's running sum in
  * double, rescaled when its max grows; the normaliser of ~50k terms is summed in double, as
  * on the CPU), then probs = exp(x - max) / sum over the V real columns, 0 beyond; the loss as
  * log(sum) - (x_target - max): accurate even where the probability underflows. */
 static __global__ void crossentropy_forward_kernel(float *probs, float *losses,
 						   const float *logits, const int32_t *targets,
-						   int N, int V, int Vp)
+						   int N, int V, int Vp, int accumulate)
 {
 	__shared__ float fscratch[32];
 	__shared__ double dscratch[32];
@@ -33,8 +34,10 @@ static __global__ void crossentropy_forward_kernel(float *probs, float *losses,
 		float inv = (float)(1.0 / sum);
 		for (int j = threadIdx.x; j < Vp; j += blockDim.x)
 			p[j] = j < V ? expf(x[j] - mx) * inv : 0.0f;
-		if (threadIdx.x == 0)
-			losses[i] = (float)(log(sum) - ((double)x[targets[i]] - (double)mx));
+		if (threadIdx.x == 0) {
+			float loss = (float)(log(sum) - ((double)x[targets[i]] - (double)mx));
+			losses[i] = accumulate ? losses[i] + loss : loss;
+		}
 	}
 }
 
@@ -54,11 +57,12 @@ static __global__ void crossentropy_backward_kernel(float *dlogits, const float 
 }
 
 void crossentropy_forward_cuda(const struct sl_gpu *g, float *probs, float *losses,
-			       const float *logits, const int32_t *targets, int N, int V, int Vp)
+			       const float *logits, const int32_t *targets, int N, int V, int Vp,
+			       int accumulate)
 {
 	if (N > 0)
 		SL_LAUNCH(crossentropy_forward_kernel, sl_blocks(N, 1, 65535), XENT_THREADS, 0,
-			  sl_stream(g), probs, losses, logits, targets, N, V, Vp);
+			  sl_stream(g), probs, losses, logits, targets, N, V, Vp, accumulate);
 }
 
 void crossentropy_backward_cuda(const struct sl_gpu *g, float *dlogits, const float *probs,

@@ -108,7 +108,8 @@ void residual_forward_cuda(const struct sl_gpu *g, float *out, const float *inp1
 
 /* crossentropy_softmax_forward, crossentropy_softmax_backward */
 void crossentropy_forward_cuda(const struct sl_gpu *g, float *probs, float *losses,
-			       const float *logits, const int32_t *targets, int N, int V, int Vp);
+			       const float *logits, const int32_t *targets, int N, int V, int Vp,
+			       int accumulate);
 void crossentropy_backward_cuda(const struct sl_gpu *g, float *dlogits, const float *probs,
 				const int32_t *targets, int N, int V, int Vp, float dloss);
 

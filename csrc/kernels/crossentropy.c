@@ -4,9 +4,9 @@
 #include <omp.h>
 #include "vexpf.h"
 
-// probs (N,Vp), losses (N), logits (N,Vp), targets (N)
+// probs (N,Vp), losses (N) = or +=, logits (N,Vp), targets (N)
 void crossentropy_softmax_forward(float *probs, float *losses, const float *logits,
-				  const int32_t *targets, int N, int V, int Vp)
+				  const int32_t *targets, int N, int V, int Vp, int accumulate)
 {
 #pragma omp parallel for schedule(static)
 	for (int i = 0; i < N; i++) {
@@ -33,7 +33,8 @@ void crossentropy_softmax_forward(float *probs, float *losses, const float *logi
 		/* -log(softmax[target]) as log(sum) - (x_t - max): accurate even where the float
 		 * probability underflows to 0 */
 		int tgt = targets[i];
-		losses[i] = (float)(log(sum) - ((double)x[tgt] - (double)mx));
+		float loss = (float)(log(sum) - ((double)x[tgt] - (double)mx));
+		losses[i] = accumulate ? losses[i] + loss : loss;
 	}
 }
 

@@ -121,10 +121,11 @@ void gelu_backward(float *dinp, const float *inp, const float *dout, size_t N);
 void residual_forward(float *out, const float *inp1, const float *inp2, size_t N);
 
 /* Softmax over the first V of Vp logits of each of the N = B*T rows, then cross-entropy
- * against targets (N). probs (N,Vp): columns >= V are written as 0. losses (N) per row.
- * Returns nothing; the mean loss is the caller's sum(losses)/N. */
+ * against targets (N). probs (N,Vp): columns >= V are written as 0. losses (N) per row,
+ * written, or added into when accumulate (the micro-batches of a gradient accumulation sum
+ * their losses there). The mean loss is the caller's sum(losses)/N. */
 void crossentropy_softmax_forward(float *probs, float *losses, const float *logits,
-				  const int32_t *targets, int N, int V, int Vp);
+				  const int32_t *targets, int N, int V, int Vp, int accumulate);
 /* dlogits (N,Vp) = (probs - onehot(targets)) * dloss, dloss the same for every row
  * (1/(B*T) for a mean loss); padded columns written as 0. dlogits may alias probs. */
 void crossentropy_softmax_backward(float *dlogits, const float *probs, const int32_t *targets,

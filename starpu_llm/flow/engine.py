@@ -125,8 +125,9 @@ class StarPUEngine(Engine):
     def _alternate_buffers(self):
         """The next step writes its losses and gradient norm into the other set: each
         sub-batch's losses and the norm tree's root, a second set registered on first use.
-        Both are written whole by one task each (crossentropy_forward, the root's norm_sum),
-        so the values are those of one set, bit for bit."""
+        Both are written whole by one task each (crossentropy_forward, the root's norm_sum;
+        a gradient accumulation's first micro-batch writes the losses, the others add into
+        them), so the values are those of one set, bit for bit."""
         if not self.ahead:
             raise StarpuLLMError("the StarPU engine submits a step ahead in one process without "
                                  f"{opt('memory_limit')} only")
@@ -238,13 +239,13 @@ class StarPUEngine(Engine):
     def read(self, t):
         return read_tensor(t)
 
-    def loss(self, losses: list | None = None) -> float:
+    def loss(self, losses: list | None = None, micro_batches: int = 1) -> float:
         if not self.mpi:
-            return super().loss(losses)
+            return super().loss(losses, micro_batches)
         losses = losses or [a.losses for a, _ in self.subs]
         mine = [self.read(t).mean(dtype=np.float64)
                 for i, t in enumerate(losses) if self.sites.owner(i) == self.rank]
-        return float(sum(self.runtime.comm.allreduce(mine)) / self.sub_batches)
+        return float(sum(self.runtime.comm.allreduce(mine)) / self.sub_batches / micro_batches)
 
     def sync(self):
         """Make the state's arrays of parameters, gradients and moments hold their current

@@ -1,5 +1,6 @@
 """The training step both engines run: the batch split into sub-batches, the task flow
-(taskflow.py) over each, the update, the loss.
+(taskflow.py) over each (over each micro-batch of a gradient accumulation in turn), the
+update, the loss.
 
 An engine is where a run's tensors live and how each task of the flow is executed: the StarPU
 engine (engine.py) registers every tensor as a StarPU data handle and submits the flow as
@@ -22,12 +23,24 @@ from .tensors import Tensor
 
 
 class Submitted(NamedTuple):
-    """A step submitted (Engine.submit_step): the update it makes (1-based), and the tensors
-    its loss (each sub-batch's losses) and its gradient norm (the norm tree's root; None
-    without clipping) are read from."""
+    """A step submitted (Engine.submit_step): the update it makes (1-based), the tensors its
+    loss (each sub-batch's losses, summed over its micro_batches) and its gradient norm (the
+    norm tree's root; None without clipping) are read from."""
     step: int
     losses: list
     norm: Tensor | None
+    micro_batches: int = 1
+
+
+def micro_positions(positions) -> list[int]:
+    """The token position of each micro-batch of a step: one position (no accumulation) or
+    a sequence of them (gradient accumulation: the data loader's next ones)."""
+    if isinstance(positions, (int, np.integer)):
+        return [int(positions)]
+    out = [int(p) for p in positions]
+    if not out:
+        raise StarpuLLMError("a step needs the position of at least one micro-batch")
+    return out
 
 
 class Engine:
@@ -103,20 +116,27 @@ class Engine:
         engine under a memory limit drops their values (the next step writes them anew)."""
 
     # --- the step ---
-    def submit_forward_backward(self, pos: int):
+    def submit_forward_backward(self, positions):
+        """The forward and backward of the batch at each of positions (micro_positions: one,
+        or a gradient accumulation's micro-batches, in turn on the same activations): every
+        gradient adds into the parameters' gradients, each token's loss into the sub-batch's
+        losses (the first micro-batch writes them)."""
+        positions = micro_positions(positions)
         n = self.Bs * self.T
-        dloss = 1.0 / (self.B * self.T)   # gradients of all sub-batches sum to the mean's
-        for i, (a, s) in enumerate(self.subs):
-            ops = self.sub_batch_ops(i)
-            ops.load_batch(a.inputs, a.targets, self.tokens_ptr, pos + i * n, n)
-            taskflow.forward(ops, self.config, self.p, a, self.Bs, self.T,
-                             self.sub_batch_ops(i, "head"))
-            taskflow.backward(self.sub_batch_ops(i, "backward"), self.config, self.p,
-                              self.sub_batch_grads(i), a, s, self.Bs, self.T, dloss, self.redux,
-                              self.layer_stage, self.sub_batch_embedding_wte(i),
-                              self.sub_batch_ops(i, "head_backward"))
+        # the gradients of all sub-batches and micro-batches sum to the mean loss's
+        dloss = 1.0 / (self.B * self.T * len(positions))
+        for j, pos in enumerate(positions):
+            for i, (a, s) in enumerate(self.subs):
+                ops = self.sub_batch_ops(i)
+                ops.load_batch(a.inputs, a.targets, self.tokens_ptr, pos + i * n, n)
+                taskflow.forward(ops, self.config, self.p, a, self.Bs, self.T,
+                                 self.sub_batch_ops(i, "head"), add_loss=j > 0)
+                taskflow.backward(self.sub_batch_ops(i, "backward"), self.config, self.p,
+                                  self.sub_batch_grads(i), a, s, self.Bs, self.T, dloss,
+                                  self.redux, self.layer_stage, self.sub_batch_embedding_wte(i),
+                                  self.sub_batch_ops(i, "head_backward"))
+            self._activations_used()
         self._gradients_submitted()
-        self._activations_used()
 
     def submit_update(self, lr: float, weight_decay: float, grad_clip: float = 0.0):
         """The AdamW tasks; grad_clip > 0 clips the gradients' global norm to it first."""
@@ -129,32 +149,37 @@ class Engine:
         (the StarPU engine's; submit_step)."""
         raise StarpuLLMError(f"the {self.name} engine does not submit a step ahead")
 
-    def submit_step(self, pos: int, lr: float, weight_decay: float, grad_clip: float = 0.0,
+    def submit_step(self, positions, lr: float, weight_decay: float, grad_clip: float = 0.0,
                     keep_previous: bool = False) -> Submitted:
-        """Submit the step on the batch at token position pos (forward, backward, update;
-        grad_clip > 0 clips the gradients' global norm on the workers: the AdamW tasks read
-        the norm tree's root) without waiting for it. keep_previous: the previous step's
+        """Submit the step on the batch at token position positions (forward, backward,
+        update; several positions: a gradient accumulation over those micro-batches, one
+        update of their mean loss's gradient; grad_clip > 0 clips the gradients' global norm
+        on the workers: the AdamW tasks read the norm tree's root) without waiting for it.
+        keep_previous: the previous step's
         loss or gradient norm is still to be read (step_loss, grad_norm) while this one
         runs, so this one writes them into the other of two sets of buffers (engines with
         `ahead`)."""
+        positions = micro_positions(positions)
         if keep_previous:
             self._alternate_buffers()
-        self.submit_forward_backward(pos)
+        self.submit_forward_backward(positions)
         self.submit_update(lr, weight_decay, grad_clip)
         return Submitted(self.state.step, [a.losses for a, _ in self.subs],
-                         self.norm[-1] if grad_clip > 0 else None)
+                         self.norm[-1] if grad_clip > 0 else None, len(positions))
 
-    def forward_backward(self, pos: int) -> float:
-        """Loss of the batch at token position pos; leaves its gradients in the grads buffer."""
-        self.submit_forward_backward(pos)
+    def forward_backward(self, positions) -> float:
+        """Mean loss of the batch at token position positions (several: the micro-batches of a
+        gradient accumulation); leaves its gradients in the grads buffer."""
+        positions = micro_positions(positions)
+        self.submit_forward_backward(positions)
         self.wait()
-        return self.loss()
+        return self.loss(micro_batches=len(positions))
 
-    def step(self, pos: int, lr: float, weight_decay: float, grad_clip: float = 0.0) -> float:
-        """The step on the batch at pos, waited for; its loss."""
-        s = self.submit_step(pos, lr, weight_decay, grad_clip)
+    def step(self, positions, lr: float, weight_decay: float, grad_clip: float = 0.0) -> float:
+        """The step on the batch at positions (submit_step), waited for; its loss."""
+        s = self.submit_step(positions, lr, weight_decay, grad_clip)
         self.wait()
-        return self.loss(s.losses)
+        return self.loss(s.losses, s.micro_batches)
 
     def grad_norm(self, norm: Tensor | None = None) -> float:
         """The global L2 norm of the gradients (before clipping) of the last clipped step, or
@@ -180,11 +205,13 @@ class Engine:
             self._activations_used()
         return float(np.mean(losses))
 
-    def loss(self, losses: list | None = None) -> float:
+    def loss(self, losses: list | None = None, micro_batches: int = 1) -> float:
         """The mean loss of the last forward, or of the step whose sub-batches' losses tensors
-        are `losses` (Submitted.losses): read after the tasks that write them."""
+        are `losses` (Submitted.losses, holding the sums over its micro_batches): read after
+        the tasks that write them."""
         losses = losses or [a.losses for a, _ in self.subs]
-        return float(np.mean([self.read(t).mean(dtype=np.float64) for t in losses]))
+        return float(np.mean([self.read(t).mean(dtype=np.float64) for t in losses])
+                     / micro_batches)
 
     def logits(self) -> np.ndarray:
         """(B, T, Vp) logits of the last forward pass."""

@@ -25,10 +25,11 @@ from ..model.config import PARAMETERS, ROW_BLOCKED, GPTConfig
 ADAM_BETA1, ADAM_BETA2, ADAM_EPS = 0.9, 0.999, 1e-8
 
 
-def forward(ops, cfg: GPTConfig, p, a, B: int, T: int, head_ops=None):
+def forward(ops, cfg: GPTConfig, p, a, B: int, T: int, head_ops=None, add_loss: bool = False):
     """Forward pass and loss: p are the parameters, a this batch's activations. head_ops
     (default ops) submits the head: the final layernorm, the lm head and the loss (a
-    pipeline gives it its own priority)."""
+    pipeline gives it its own priority). add_loss: each token's loss is added into a.losses
+    (a gradient accumulation's later micro-batches: the step's sum), else written there."""
     C, NH, L, V, Vp = cfg.C, cfg.NH, cfg.L, cfg.V, cfg.Vp
     BT = B * T
     ops.encoder_forward(a.encoded, a.inputs, p.wte, p.wpe, B, T, C)
@@ -43,7 +44,7 @@ def forward(ops, cfg: GPTConfig, p, a, B: int, T: int, head_ops=None):
     head = head_ops or ops
     head.layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, x, p.lnfw, p.lnfb, BT, C)
     head.matmul_forward(a.logits, a.lnf, p.wte, None, BT, C, Vp)   # lm head, tied to wte
-    head.crossentropy_forward(a.probs, a.losses, a.logits, a.targets, BT, V, Vp)
+    head.crossentropy_forward(a.probs, a.losses, a.logits, a.targets, BT, V, Vp, int(add_loss))
 
 
 def block_forward(ops, cfg: GPTConfig, p, l: int, x, b, N: int, attention):

@@ -95,6 +95,7 @@ class Settings:
     warmup_steps: int
     min_lr: float
     grad_clip: float
+    grad_accum: int = 1     # micro-batches a step (a record saved before it was kept: 1)
 
     @classmethod
     def of(cls, cfg) -> "Settings":
@@ -119,7 +120,10 @@ def run_identity(settings: Settings, config, start: str, data: list) -> str:
     a digest of what decides its numbers (settings, model, what it starts from, e.g. "seed
     1337", and its data_fingerprint), so that the same run started again is the same run
     (its checkpoints are the same) and its files stay bitwise the same."""
-    blob = json.dumps([asdict(settings), str(config), start, data], sort_keys=True, default=str)
+    kept = asdict(settings)
+    if kept["grad_accum"] == 1:     # as before it was a setting: the same runs, the same identity
+        del kept["grad_accum"]
+    blob = json.dumps([kept, str(config), start, data], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

@@ -60,6 +60,10 @@ class TrainConfig(PartitionRequest):
     batch: int = setting(4, "B, global batch (default 4)", short="-b", check="positive",
                          ranks_agree=True)
     seq_len: int = setting(64, "T (default 64)", short="-t", check="positive", ranks_agree=True)
+    grad_accum: int = setting(1, "gradient accumulation: N micro-batches of B x T a step, one "
+                              "AdamW update on their mean loss (N x B x T tokens a step, in "
+                              "the memory of B x T; default 1)", check="positive", metavar="N",
+                              ranks_agree=True)
     steps: int = setting(10, "training steps (default 10)", short="-n", check="positive",
                          ranks_agree=True)
     lr: float = setting(1e-4, "AdamW learning rate (default 1e-4)", check="nonneg",
@@ -124,6 +128,11 @@ class TrainConfig(PartitionRequest):
     record: bool = False               # record each submitted task (name, writes, reads)
     log: callable = print              # where step lines go (None: silent)
     warn: callable = None              # where warnings go (None: stderr, "warning: ...")
+
+    @property
+    def tokens_per_step(self) -> int:
+        """The tokens of one update: its micro-batches' B x T each."""
+        return self.grad_accum * self.batch * self.seq_len
 
 
 @dataclass
@@ -250,7 +259,9 @@ def _set_up(cfg: TrainConfig, state: TrainState | None, runtime) -> Run:
         raise
     log(f"model: L={config.L} NH={config.NH} C={config.C} V={config.V} Vp={config.Vp} "
         f"maxT={config.maxT}, {config.num_parameters:,} parameters")
-    log(f"data: {loader.path} ({loader.num_tokens:,} tokens), B={cfg.batch} T={cfg.seq_len}")
+    accum = (f", {cfg.grad_accum} micro-batches a step (gradient accumulation: "
+             f"{cfg.tokens_per_step:,} tokens)" if cfg.grad_accum > 1 else "")
+    log(f"data: {loader.path} ({loader.num_tokens:,} tokens), B={cfg.batch} T={cfg.seq_len}{accum}")
     log(f"engine: {engine.describe()}")
     log(f"partition: {partition.describe()}")
     for text in start.warnings:
@@ -347,8 +358,9 @@ def _steps(run: Run, stop, result: TrainResult, watchers: list) -> None:
         lr = learning_rate(state.step, cfg.steps, cfg.lr, cfg.lr_schedule, cfg.warmup_steps,
                            cfg.min_lr)
         run.counters.before_step()
-        current = (engine.submit_step(run.loader.next_position(), lr, cfg.weight_decay,
-                                      cfg.grad_clip, keep_previous=pending is not None), lr)
+        positions = [run.loader.next_position() for _ in range(cfg.grad_accum)]
+        current = (engine.submit_step(positions, lr, cfg.weight_decay, cfg.grad_clip,
+                                      keep_previous=pending is not None), lr)
         if pending is not None:         # the previous step, read while this one runs
             since = _done(run, stop, result, watchers, pending, since, drained=False).at
         pending = current
@@ -376,12 +388,12 @@ def _done(run: Run, stop, result: TrainResult, watchers, submitted, since: float
     answer): a step read while the next runs leaves that to the next."""
     cfg, state, engine = run.cfg, run.state, run.engine
     s, lr = submitted
-    loss = engine.loss(s.losses)
+    loss = engine.loss(s.losses, s.micro_batches)
     now = time.perf_counter()
     ms = (now - since) * 1e3
     result.losses.append(loss)
     result.step_ms.append(ms)
-    tokens_per_ms = cfg.batch * cfg.seq_len / ms
+    tokens_per_ms = cfg.tokens_per_step / ms
     extra = step_extras(cfg, engine, run.validation, lr, run.rank, last=s.step == cfg.steps,
                         step=s.step, norm=s.norm)
     run.counters.after_step(extra)
@@ -422,7 +434,7 @@ def _finish(run: Run, result: TrainResult) -> None:
     timed = result.step_ms[cfg.untimed_steps:] or result.step_ms
     result.timed_steps = len(timed)
     run.counters.results(result, len(timed))
-    result.tokens_per_ms = cfg.batch * cfg.seq_len * len(timed) / sum(timed)
+    result.tokens_per_ms = cfg.tokens_per_step * len(timed) / sum(timed)
     if cfg.trace and run.runtime is None:
         result.trace = []
     result.records = run.engine.submitted()
