@@ -6,9 +6,11 @@ local cache (a cache laid out here: nothing is downloaded)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
+import stat
 
 import numpy as np
 import pytest
@@ -401,6 +403,55 @@ def test_train_save_hf_failing_at_the_end_keeps_the_model(saved, tmp_path, monke
                           engine="reference", save_hf=str(out / "hf"), log=log))
     fallback = e.value.args[0].split("written to ")[1].split(" ")[0]
     assert formats.read_checkpoint(fallback)[0].num_layers > 0
+
+
+def _full_disk_in_safetensors(monkeypatch):
+    """safetensors' writer failing as on a full disk: its own error, not an OSError"""
+    import safetensors.numpy
+    from safetensors import SafetensorError
+
+    def save_file(*a, **k):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device "
+                              "(os error 28)")
+    monkeypatch.setattr(safetensors.numpy, "save_file", save_file)
+
+
+def _full_disk_in_json(monkeypatch):
+    """the folder's JSON files failing as on a full disk"""
+    def _json(*a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(hf, "_json", _json)
+
+
+@pytest.mark.parametrize("fill", [_full_disk_in_safetensors, _full_disk_in_json],
+                         ids=["safetensors", "json"])
+def test_a_full_disk_under_save_hf_keeps_the_model(saved, tmp_path, monkeypatch, fill):
+    """The disk fills while --save-hf's folder is written (no --save): one error naming the
+    folder and the fallback file the model went to, no temporary folder left behind."""
+    monkeypatch.chdir(tmp_path)
+    fill(monkeypatch)
+    shard = str(tmp_path / "training.bin")
+    formats.write_shard(shard, np.arange(200, dtype=np.uint16) % 97)
+    with pytest.raises(StarpuLLMError, match="No space left on device.*written to "
+                                             "(.*starpu-llm-unsaved-.*-step1.bin)") as e:
+        train(TrainConfig(init_from=saved, train_data=shard, steps=1, batch=1, seq_len=8,
+                          engine="reference", save_hf=str(tmp_path / "hf"), log=None))
+    assert str(tmp_path / "hf") in e.value.args[0]
+    fallback = e.value.args[0].split("written to ")[1].split(" ")[0]
+    assert formats.read_checkpoint(fallback)[0].num_layers > 0
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == []
+
+
+def test_a_written_folder_has_the_umasks_modes(saved, tmp_path):
+    """Every file of a written folder readable as the umask allows (safetensors alone would
+    leave model.safetensors 0600)."""
+    old = os.umask(0o022)
+    try:
+        hf.write_hf(tmp_path / "hf", *hf.read_model(saved))
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "hf").iterdir()}
+    assert modes and set(modes.values()) == {0o644}, modes
 
 
 # --------------------------------------------------------------------------- --init-from a Hub name

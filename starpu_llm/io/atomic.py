@@ -163,9 +163,10 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _write_error(path: str, e: OSError) -> StarpuLLMError:
-    return StarpuLLMError(f"writing {path} failed: {e.strerror or e}; check free disk space "
-                          f"and permissions")
+def _write_error(path: str, e: Exception) -> StarpuLLMError:
+    """e: an OSError, or another library's error writing path (safetensors')"""
+    return StarpuLLMError(f"writing {path} failed: {getattr(e, 'strerror', None) or e}; check "
+                          f"free disk space and permissions")
 
 
 def _fsync_dir(path: str) -> None:

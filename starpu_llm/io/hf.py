@@ -366,6 +366,7 @@ def write_hf(path, config: GPTConfig, flat) -> str:
     the tokenizer files for GPT-2's vocabulary), written beside it under a temporary name and
     renamed onto it; a folder there is replaced (check_hf_output says which may be)."""
     _safetensors_api()
+    from safetensors import SafetensorError
     from safetensors.numpy import save_file
     path = os.path.abspath(os.fspath(path))
     parent, base = os.path.split(path.rstrip(os.sep))
@@ -378,18 +379,23 @@ def write_hf(path, config: GPTConfig, flat) -> str:
                              f"location") from e
     try:
         tensors = hf_tensors(config, flat)
+        # a full disk: OSError, or the package's SafetensorError ("I/O error: No space left")
         try:
             save_file(tensors, os.path.join(tmp, SAFETENSORS), metadata={"format": "pt"})
-        except OSError as e:
+        except (OSError, SafetensorError) as e:
             raise atomic._write_error(os.path.join(path, SAFETENSORS), e) from e
-        _json(tmp, CONFIG, hf_config(config))
-        eot = tokenizer.EOT_ID if config.V == tokenizer.N_VOCAB else None
-        _json(tmp, "generation_config.json", {"bos_token_id": eot, "eos_token_id": eot})
-        if config.V == tokenizer.N_VOCAB:
-            _tokenizer_files(tmp, config)
-        for name in os.listdir(tmp):
-            with open(os.path.join(tmp, name), "rb") as f:
-                os.fsync(f.fileno())
+        try:
+            _json(tmp, CONFIG, hf_config(config))
+            eot = tokenizer.EOT_ID if config.V == tokenizer.N_VOCAB else None
+            _json(tmp, "generation_config.json", {"bos_token_id": eot, "eos_token_id": eot})
+            if config.V == tokenizer.N_VOCAB:
+                _tokenizer_files(tmp, config)
+            for name in os.listdir(tmp):    # every file as the umask says (safetensors: 0600)
+                os.chmod(os.path.join(tmp, name), 0o644 & ~atomic._umask())
+                with open(os.path.join(tmp, name), "rb") as f:
+                    os.fsync(f.fileno())
+        except OSError as e:
+            raise atomic._write_error(path, e) from e
         os.chmod(tmp, 0o755 & ~atomic._umask())
         _swap_in(tmp, path)
     except BaseException:
