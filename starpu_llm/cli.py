@@ -316,7 +316,11 @@ INIT_FROM_HELP = ("the model: an llm.c fp32 checkpoint, a Hugging Face GPT-2 fol
 
 def cmd_train(args):
     from .training.trainer import TrainConfig, train
-    train(TrainConfig(**{f.name: getattr(args, f.name) for f in train_settings()}))
+    result = train(TrainConfig(**{f.name: getattr(args, f.name) for f in train_settings()}))
+    if result.unwritten:     # the training is complete and saved; some outputs are missing
+        print(f"starpu-llm: error: the run ended, but {len(result.unwritten)} of its outputs "
+              f"were not written: " + "; ".join(result.unwritten), file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

@@ -389,6 +389,66 @@ def test_failed_final_save_goes_to_a_fallback_file(shard, tmp_path, monkeypatch)
     assert checkpoint.read(fallback).step == 2
 
 
+class _FillsAt:
+    """A file whose writes fail as on a full disk from the n-th on."""
+
+    def __init__(self, f, n):
+        self.f, self.n, self.writes = f, n, 0
+
+    def write(self, text):
+        self.writes += 1
+        if self.writes >= self.n:
+            raise OSError(28, "No space left on device")
+        return self.f.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+def test_a_full_disk_under_the_metrics_keeps_the_run_and_its_model(shard, tmp_path, monkeypatch):
+    """The metrics file's disk fills at step 2: a warning, the run goes on to its end and its
+    --save, the rows before step 2 kept, none after, and the run lists the metrics among the
+    outputs it could not write (the command line's status 1)."""
+    from starpu_llm.training import metrics as metrics_module
+    real_open = open
+    monkeypatch.setattr(metrics_module, "open",
+                        lambda *a, **k: _FillsAt(real_open(*a, **k), 2), raising=False)
+    warnings, path = [], str(tmp_path / "m.jsonl")
+    r = train(config(shard, steps=3, engine="reference", save=str(tmp_path / "model.bin"),
+                     metrics_jsonl=path, warn=warnings.append))
+    assert checkpoint.read(str(tmp_path / "model.bin")).step == 3
+    assert [json.loads(line)["step"] for line in real_open(path)] == [1]
+    assert len(r.unwritten) == 1 and path in r.unwritten[0] and "step 2" in r.unwritten[0]
+    assert len(warnings) == 1 and "No space left on device" in warnings[0], warnings
+
+
+def test_checkpoints_not_written_end_the_command_with_status_1(shard, tmp_path):
+    """Every --save-every checkpoint fails (as on a full disk): the training goes on, --save is
+    written, and `starpu-llm train` ends with status 1 and one error naming each checkpoint
+    not written."""
+    script = textwrap.dedent(f"""
+        import sys
+        from starpu_llm import StarpuLLMError, cli
+        from starpu_llm.io import checkpoint
+        def full(*a, **k):
+            raise StarpuLLMError("writing step_N.bin failed: No space left on device")
+        checkpoint.save_step = full
+        sys.exit(cli.main(["train", "--model", "micro", "--train-data", {shard!r},
+                           "--batch", "4", "--seq-len", "16", "--steps", "2",
+                           "--engine", "reference", "--save-every", "1",
+                           "--checkpoint-dir", {str(tmp_path / "ck")!r},
+                           "--save", {str(tmp_path / "model.bin")!r}]))
+    """)
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 1, p.stderr
+    assert checkpoint.read(str(tmp_path / "model.bin")).step == 2
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("starpu-llm: error: the run ended, but 2 of its outputs"), p.stderr
+    assert "checkpoint of step 1" in last and "checkpoint of step 2" in last
+    assert "Traceback" not in p.stderr
+
+
 # --------------------------------------------------------------------------- the same command, the same run
 
 def calibrate_synthetically() -> None:

@@ -196,9 +196,10 @@ def check_checkpoint_dir(directory: str, run: str | None, legacy: bool = False) 
 
 
 def checkpoint_step(cfg, engine, state: TrainState, loader, rank: int, record: RunRecord,
-                    log, warn) -> None:
+                    log, failed) -> None:
     """--save-every's checkpoint of the step just done (every rank syncs; rank 0 writes). A
-    failed save does not end the run: the next one, or --save at the end, may succeed."""
+    failed save does not end the run (the next one, or --save at the end, may succeed):
+    failed(text) says what was not written."""
     engine.sync()
     state.data = loader.state()
     if rank != 0:
@@ -206,7 +207,7 @@ def checkpoint_step(cfg, engine, state: TrainState, loader, rank: int, record: R
     try:
         log(f"checkpoint {checkpoint.save_step(cfg.checkpoint_dir, state, cfg.keep_checkpoints, record)}")
     except StarpuLLMError as e:
-        warn(f"the checkpoint of step {state.step} was not written: {e}; training goes on")
+        failed(f"the checkpoint of step {state.step} was not written: {e}")
 
 
 def save_final(cfg, state: TrainState, record: RunRecord, log) -> None:

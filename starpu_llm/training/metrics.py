@@ -25,11 +25,15 @@ class Metrics(Watcher):
     it finished), and fsync'ed at each checkpoint and at the end (the rows of a checkpoint's
     steps are on disk with it). A run resumed at `step` keeps the file's rows up to that step
     and appends its own (the rows of steps it redoes are dropped: it writes them again); a
-    new run starts the file anew, saying so when it replaces rows."""
+    new run starts the file anew, saying so when it replaces rows. Should a row fail to be
+    written (a full disk), the run goes on without the file: failed(text) says so once (the
+    trainer warns and lists it among the outputs not written), and no row is written after."""
 
-    def __init__(self, path, step: int, partition: Partition, warn):
+    def __init__(self, path, step: int, partition: Partition, warn, failed=None):
         self.path = os.fspath(path)
         self.partition = asdict(partition)
+        self.failed = failed or warn
+        self.broken = False
         kept, dropped = _rows_up_to(self.path, step) if step else ([], _count_rows(self.path))
         if dropped and not step:
             warn(f"{self.path}: its {dropped} row(s) of an earlier run are replaced by this "
@@ -42,10 +46,17 @@ class Metrics(Watcher):
                                  f"output location") from e
 
     def write(self, step: int, loss: float, ms: float, tokens_per_ms: float, extra: dict) -> None:
-        self.file.write(json.dumps({"step": step, "loss": loss, "ms": ms,
-                                    "tokens_per_ms": tokens_per_ms, **extra,
-                                    "partition": self.partition}) + "\n")
-        self.file.flush()
+        if self.broken:
+            return
+        try:
+            self.file.write(json.dumps({"step": step, "loss": loss, "ms": ms,
+                                        "tokens_per_ms": tokens_per_ms, **extra,
+                                        "partition": self.partition}) + "\n")
+            self.file.flush()
+        except OSError as e:
+            self.broken = True
+            self.failed(f"{self.path}: its row of step {step} and later ones were not written "
+                        f"({e.strerror or e}); the rows before it are there")
 
     def after_step(self, done) -> None:
         """The row of a step (trainer.StepDone)."""
@@ -61,7 +72,10 @@ class Metrics(Watcher):
 
     def close(self) -> None:
         self.sync()
-        self.file.close()
+        try:
+            self.file.close()
+        except OSError:       # what it could not flush was reported by write()
+            pass
 
 
 def _rows_up_to(path: str, step: int) -> tuple[list, int]:

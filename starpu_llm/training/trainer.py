@@ -154,6 +154,10 @@ class TrainResult:
     rank_peak_rss_mb: list | None = None
     # under --memory-limit: (bytes read from, bytes written to) the disk per step (this rank)
     disk_traffic: list | None = None
+    # what the run could not write as it went (a checkpoint of --save-every, the metrics
+    # file's rows), one sentence each: the training went on, each was warned of then, and the
+    # command line ends with status 1 after the final save
+    unwritten: list = field(default_factory=list)
 
 
 def run_settings(cfg: TrainConfig, config: GPTConfig, loader) -> dict:
@@ -330,11 +334,15 @@ def _run(run: Run, stop: signals.StopOnSignal) -> TrainResult:
         _steps(run, stop, result, watchers)
         _finish(run, result)
     finally:
-        for watch in reversed(watchers):
-            watch.close()
-        run.engine.close()
-        if run.own_runtime:
-            run.own_runtime.shutdown()
+        try:
+            for watch in reversed(watchers):
+                watch.close()
+        finally:        # StarPU stopped whatever a watcher's end raised
+            try:
+                run.engine.close()
+            finally:
+                if run.own_runtime:
+                    run.own_runtime.shutdown()
     return _end(run, stop, result)
 
 
@@ -413,17 +421,21 @@ def _watchers(run: Run, result: TrainResult, out: list) -> None:
     metrics row (before its line: a step printed is a step in the file), its line, the
     divergence check, a sample, a checkpoint."""
     cfg = run.cfg
+
+    def failed(text):       # an output not written: the run goes on
+        run.warn(f"{text}; training goes on")
+        result.unwritten.append(text)
     if cfg.trace and run.runtime is not None:     # the reference engine runs no tasks
         out.append(Trace(run.runtime, result))
     metrics = None
     if cfg.metrics_jsonl and run.rank == 0:
         out.append(metrics := Metrics(cfg.metrics_jsonl, run.state.step, run.record.partition,
-                                      run.warn))
+                                      run.warn, failed))
     out += [StepLine(run.log, cfg.steps), Divergence()]
     if cfg.sample_every:
         out.append(Samples(run))
     if cfg.save_every:
-        out.append(Checkpoints(run, metrics))
+        out.append(Checkpoints(run, metrics, failed))
 
 
 def _finish(run: Run, result: TrainResult) -> None:

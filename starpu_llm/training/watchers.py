@@ -79,10 +79,10 @@ class Samples(Watcher):
 
 class Checkpoints(Watcher):
     """--save-every: a checkpoint every N steps and when a signal stops the run, with the
-    metrics rows up to it synced to disk."""
+    metrics rows up to it synced to disk; failed(text): one could not be written."""
 
-    def __init__(self, run, metrics):
-        self.run, self.metrics = run, metrics
+    def __init__(self, run, metrics, failed):
+        self.run, self.metrics, self.failed = run, metrics, failed
 
     def reads_state(self, step):
         return step % self.run.cfg.save_every == 0
@@ -91,7 +91,7 @@ class Checkpoints(Watcher):
         run = self.run
         if self.reads_state(d.step) or d.stopping:
             checkpoint_step(run.cfg, run.engine, run.state, run.loader, run.rank, run.record,
-                            run.log, run.warn)
+                            run.log, self.failed)
             if self.metrics:
                 self.metrics.sync()
 
