@@ -273,6 +273,11 @@ BAD = [
     ({"model": "tiny", "prompt": []}, 400, "prompt must be"),
     ({"model": "tiny"}, 400, "prompt is required"),
     ({"model": "tiny", "prompt": "Hi", "best_of": 2}, 400, "best_of is not supported"),
+    ({"model": "tiny", "prompt": "Hi", "best_of": True}, 400, "best_of is not supported"),
+    ({"model": "tiny", "prompt": "Hi", "logit_bias": {"\u00b2": 1}}, 400,
+     "logit_bias key '\u00b2' is not a token id"),
+    ({"model": "tiny", "prompt": "Hi", "logit_bias": {"7" * 5000: 1}}, 400,
+     "is not a token id in [0, 50257)"),
     ({"model": "tiny", "prompt": "Hi", "stream_options": {"include_usage": True}}, 400,
      "only allowed with stream"),
     (b'{"model": "tiny", "prompt": "\\ud800"}', 400, "lone surrogate"),
@@ -294,6 +299,18 @@ def test_bad_input_is_one_clear_error(server, expected, body, status, message):
     ok = server.post({"model": "tiny", "prompt": "ROMEO:", "max_tokens": 3, "temperature": 0,
                       "ignore_eos": True})
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == text_of(expected["ROMEO:"][:3])
+
+
+def test_a_top_k_beyond_the_vocabulary_keeps_every_token(server):
+    """top_k of 10^20 (past a C long) is every token, as top_k 0: the same seeded draw, and
+    the server goes on (it ended on an OverflowError)."""
+    texts = []
+    for top_k in (10 ** 20, 0):
+        r = server.post({"model": "tiny", "prompt": "ROMEO:", "max_tokens": 4, "seed": 5,
+                         "temperature": 1.0, "top_k": top_k, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        texts.append(r.json()["choices"][0]["text"])
+    assert texts[0] == texts[1]
 
 
 def test_bad_input_through_the_openai_client(server):

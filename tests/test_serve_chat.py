@@ -134,6 +134,10 @@ BAD_CHAT = [
      "unknown field 'tools'"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "Hi " * 80}]},
      "messages, through the chat template"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}],
+      "max_completion_tokens": 1000}, "lower max_completion_tokens to at most"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}],
+      "max_completion_tokens": 3, "max_tokens": 3}, "give max_completion_tokens or max_tokens"),
 ]
 
 

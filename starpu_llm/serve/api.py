@@ -284,8 +284,9 @@ def parse_completion(obj: dict, model: str, tokenizer, V: int, cache_len: int,
     if unknown:
         raise BadRequest(f"unknown field {unknown[0]!r}; this server takes "
                          f"{', '.join(sorted(_FIELDS))}", unknown[0])
-    for name, neutral in _NEUTRAL.items():
-        if name in obj and obj[name] is not None and obj[name] != neutral:
+    for name, neutral in _NEUTRAL.items():     # (true == 1 in Python: best_of true is not 1)
+        if name in obj and obj[name] is not None and (obj[name] != neutral
+                                                      or type(obj[name]) is not type(neutral)):
             raise BadRequest(f"{name} is not supported by this server (leave it out, or "
                              f"{json.dumps(neutral)})", name)
     if "model" not in obj:
@@ -318,7 +319,7 @@ def parse_completion(obj: dict, model: str, tokenizer, V: int, cache_len: int,
     top_p = _number(obj, "top_p", 1.0)
     if not 0 < top_p <= 1:
         raise BadRequest(f"top_p must be in (0, 1], got {top_p:g}", "top_p")
-    top_k = _int(obj, "top_k", 0, low=-1)
+    top_k = min(_int(obj, "top_k", 0, low=-1), V)     # V or more: every token
     stop = obj.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if (not isinstance(stop, list) or len(stop) > MAX_STOP

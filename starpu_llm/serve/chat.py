@@ -180,8 +180,13 @@ def parse_chat(obj: dict, model: str, tokenizer, V: int, cache_len: int, max_bat
             raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
         top = api._int(obj, "top_logprobs", 0, low=0, high=scoring.MAX_TOP_LOGPROBS)
     body = {k: obj[k] for k in _SHARED if k in obj}
+    limit = "max_tokens"        # the field the request gave the length in
     if obj.get("max_completion_tokens") is not None:
-        body["max_tokens"] = api._int(obj, "max_completion_tokens", None, low=1)
+        if obj.get("max_tokens") is not None:
+            raise BadRequest("give max_completion_tokens or max_tokens (its older name), not "
+                             "both", "max_completion_tokens")
+        limit = "max_completion_tokens"
+        body["max_tokens"] = api._int(obj, limit, None, low=1)
     body["logprobs"] = (top or 0) if logprobs else None
     try:
         body["prompt"] = (template or _default()).render(messages)
@@ -192,6 +197,8 @@ def parse_chat(obj: dict, model: str, tokenizer, V: int, cache_len: int, max_bat
         return api.parse_completion(body, model, tokenizer, V, cache_len, max_batch,
                                     scoring.MAX_TOP_LOGPROBS, ChatCompletion)
     except BadRequest as e:
+        if e.param == "max_tokens" and limit != "max_tokens":     # named as the request did
+            raise BadRequest(e.message.replace("max_tokens", limit), limit) from None
         if e.param != "prompt":
             raise
         raise BadRequest(f"messages, through the chat template: {e.message}",

@@ -13,6 +13,7 @@ with c[j] the times token j was drawn so far in this completion (the prompt does
 from __future__ import annotations
 
 import json
+import re
 from typing import NamedTuple
 
 import numpy as np
@@ -132,7 +133,8 @@ def parse_fields(obj: dict, V: int, logprobs, limit: int) -> dict:
             raise _bad(f"logit_bias must be an object mapping token ids to a bias in "
                        f"[-{MAX_BIAS:g}, {MAX_BIAS:g}], got {json.dumps(bias)}", "logit_bias")
         for key, value in bias.items():
-            if not (key.isdigit() and int(key) < V):
+            # ASCII digits only (str.isdigit takes "²", which int() refuses), at most 9
+            if not (re.fullmatch(r"[0-9]{1,9}", key) and int(key) < V):
                 raise _bad(f"logit_bias key {key!r} is not a token id in [0, {V})",
                            "logit_bias")
             if (isinstance(value, bool) or not isinstance(value, (int, float))
