@@ -635,6 +635,22 @@ def test_bad_settings_get_one_clear_error(shard, args, says):
     assert "step" not in out
 
 
+def test_a_starpu_home_that_cannot_be_written_is_one_clear_error(shard, tmp_path):
+    """StarPU aborts the process (a C backtrace, status 134) where it cannot make its
+    performance models' folder (a read-only home; here a path through a file): one error
+    naming the folder and what to set, status 2."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("XDG_CACHE_HOME", "STARPU_PERF_MODEL_DIR")}
+    env["STARPU_HOME"] = str(blocker / "home")
+    p = subprocess.run([sys.executable, "-m", "starpu_llm", "train", "--model", "micro",
+                        "--train-data", shard, "--seq-len", "16", "--steps", "1"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert_clean_error(p.returncode, p.stderr, str(blocker / "home" / ".starpu" / "sampling"),
+                       "set STARPU_HOME")
+
+
 def test_a_batch_too_large_for_memory_says_how_much(tmp_path):
     path = str(tmp_path / "big.bin")
     formats.write_shard(path, np.zeros(4096 * 1024 + 1, np.uint16))

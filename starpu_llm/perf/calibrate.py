@@ -356,7 +356,9 @@ def traced_runs(cores: int, steps: int, log, model: str = "d12", sub_batch=FIT_S
         runs += [(N, K, 1, long_T, LONG_SEQ_STEPS) for N, K in parts]
     for N, K, per_sub, T, nsteps in runs:
         home = tempfile.mkdtemp(prefix="starpu-llm-calib-")
-        env = dict(os.environ, STARPU_HOME=home, STARPU_CALIBRATE="1")
+        # the models' folder named itself: StarPU takes XDG_CACHE_HOME before STARPU_HOME
+        env = dict(os.environ, STARPU_HOME=home, STARPU_CALIBRATE="1",
+                   STARPU_PERF_MODEL_DIR=os.path.join(home, ".starpu", "sampling"))
         spec = dict(engine="starpu", model=model, batch=N * per_sub, seq_len=T, steps=nsteps,
                     workers=N, cores_per_worker=K, trace=True)
         t0 = time.perf_counter()

@@ -11,6 +11,7 @@ import contextlib
 import errno
 import os
 import sys
+import tempfile
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -69,6 +70,35 @@ def _environment(variables: dict):
     left as they are; then the environment as it was, so that a later start in this process
     (another partition) decides afresh."""
     return starpupy_face.environment({k: v for k, v in variables.items() if k not in os.environ})
+
+
+def perf_model_dir() -> str:
+    """Where StarPU writes its performance models (codelets/, bus/): STARPU_PERF_MODEL_DIR, or
+    .starpu/sampling in the first of XDG_CACHE_HOME, STARPU_HOME, HOME, TMPDIR, TEMP, TMP and
+    /tmp that is set (StarPU 1.3's and 1.4's _starpu_get_home_path)."""
+    given = os.environ.get("STARPU_PERF_MODEL_DIR")
+    if given:
+        return given
+    home = next((os.environ[n] for n in ("XDG_CACHE_HOME", "STARPU_HOME", "HOME", "TMPDIR",
+                                         "TEMP", "TMP") if os.environ.get(n)), "/tmp")
+    return os.path.join(home, ".starpu", "sampling")
+
+
+def check_perf_model_dir() -> None:
+    """One clear error where StarPU could not write its performance models: it aborts the
+    process in starpu_init then (a read-only home, a path through a file)."""
+    where = perf_model_dir()
+    try:
+        for sub in ("codelets", "bus"):
+            os.makedirs(os.path.join(where, sub), mode=0o700, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".starpu-llm-probe-", dir=os.path.join(where, "bus"))
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise StarpuLLMError(
+            f"StarPU keeps its performance models in {where}, which cannot be written there "
+            f"({e.strerror or e}): set STARPU_HOME (or STARPU_PERF_MODEL_DIR) to a writable "
+            f"folder") from None
 
 
 def have_cuda() -> bool:
@@ -214,6 +244,7 @@ class Runtime:
                                  "shut the other Runtime down first")
         with phase(comm, "planning StarPU's start"):   # every rank, before any starts StarPU-MPI
             core_ids = self._plan(partition, comm, face, memory)
+            check_perf_model_dir()
         p = self.partition
         if attention:
             p = self.partition = replace(p, attention=attention_of(attention, p.gpus))
