@@ -118,9 +118,25 @@ def test_sub_batches_and_ranks():
     assert (p.stages, p.sub_batches) == (2, 4)
     p = resolve(PartitionRequest(gpus=2, workers=1), cores=8, build=GPU, batch=8)
     assert p.sub_batches == 2
-    assert resolve(PartitionRequest(threads=3, sub_batches=2), cores=2, build=DEBIAN,
+    assert resolve(PartitionRequest(threads=3, sub_batches=2), cores=4, build=DEBIAN,
                    engine="reference").describe() == \
         "reference engine, 3 thread(s), 2 sub-batch(es), gemm attention"
+
+
+@pytest.mark.parametrize("req,engine,says", [
+    (PartitionRequest(threads=100000), "reference", "threads 100000 is above the 4 cores"),
+    (PartitionRequest(workers=2), "reference", "workers is the StarPU engine's"),
+    (PartitionRequest(cores_per_worker=2), "reference", "cores_per_worker is the StarPU"),
+    (PartitionRequest(threads=2), "starpu", "threads sets the reference engine's threads"),
+])
+def test_each_engines_settings_stay_its_own(req, engine, says):
+    """A setting of the other engine, or more threads than cores (libgomp failed creating
+    40000, 100000 crashed), is one clear error, not ignored; --oversubscribe lets a test share
+    cores."""
+    with pytest.raises(StarpuLLMError, match=says):
+        resolve(req, cores=4, build=DEBIAN, engine=engine)
+    assert resolve(PartitionRequest(threads=8, oversubscribe=True), cores=4, build=DEBIAN,
+                   engine="reference").cores_per_worker == 8
 
 
 @pytest.mark.parametrize("build, cores, ask, ranks", [

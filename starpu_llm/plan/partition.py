@@ -179,11 +179,23 @@ def resolve(req: PartitionRequest, *, cores: int, build: Build, ranks: int = 1,
             raise StarpuLLMError(f"{opt('gpus')} {req.gpus} runs the StarPU engine's tasks on "
                                  f"GPUs; the reference engine runs on CPUs: give "
                                  f"{opt('engine')} starpu, or no {opt('gpus')}")
+        given = [name for name in ("workers", "cores_per_worker", "kcore")
+                 if getattr(req, name) is not None]
+        if given:
+            raise StarpuLLMError(f"{opt(given[0])} is the StarPU engine's; the reference engine "
+                                 f"runs one loop on {opt('threads')} threads (default: all cores)")
         threads = req.threads or cores
+        if threads > cores and not req.oversubscribe:
+            raise StarpuLLMError(f"{opt('threads')} {threads} is above the {cores} cores this "
+                                 f"process can use: give at most {cores} (or set "
+                                 f"{opt('oversubscribe')} to share cores, for tests only)")
         return Partition("reference", 1, threads, req.sub_batches or 1, "openmp", 1,
                          attention=attention_of(req.attention, 0))
     if engine != "starpu":
         raise StarpuLLMError(f"{opt('engine')} {engine!r}: choose starpu or reference")
+    if req.threads:
+        raise StarpuLLMError(f"{opt('threads')} sets the reference engine's threads; the StarPU "
+                             f"engine's cores are {opt('workers')} x {opt('cores_per_worker')}")
     kcore = req.kcore or DEFAULT_KCORE
     if kcore not in KCORE_REQUESTS:
         raise StarpuLLMError(f"{opt('kcore')} {kcore!r}: choose one of {', '.join(KCORE_REQUESTS)}")
