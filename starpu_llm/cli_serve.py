@@ -95,6 +95,21 @@ def listen_socket(host: str, port: int):
     return sock
 
 
+def check_cache_memory(config, max_batch: int) -> None:
+    """Refuse, before allocating them, --max-batch slots whose key/value caches (a key and a
+    value per layer, position (maxT of a slot) and channel, float32) do not fit the memory
+    this machine has available now."""
+    from .runtime.offload import available_memory, format_size
+    need = 2 * config.L * max_batch * config.maxT * config.C * 4
+    have = available_memory()
+    if need > have:
+        raise StarpuLLMError(
+            f"--max-batch {max_batch} needs {format_size(need)} of key/value cache ({max_batch} "
+            f"sequences of up to {config.maxT} positions), but this machine has "
+            f"{format_size(have)} available: give a smaller --max-batch (at most "
+            f"{max(1, have // (need // max_batch))} here)")
+
+
 def run_serve(init_from, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8,
               max_queue: int = 64, engine: str = "starpu", request=None, model_name=None,
               shutdown_timeout: float = 30.0, log_level: str = "info", edges=None,
@@ -118,6 +133,7 @@ def run_serve(init_from, host: str = "127.0.0.1", port: int = 8000, max_batch: i
         raise StarpuLLMError(f"--max-batch must be at least 1 and --max-queue at least 0 (got "
                              f"{max_batch} and {max_queue})")
     config, params = read_text_model(init_from, engine, "serve")
+    check_cache_memory(config, max_batch)
     sock = listen_socket(host, port)      # before the slow part: a port in use is said at once
     with contextlib.closing(sock):
         model = model_name or os.path.splitext(os.path.basename(os.path.normpath(init_from)))[0]

@@ -13,6 +13,7 @@ from starpu_llm.io import checkpoint, formats
 from starpu_llm.model.config import MODELS
 from starpu_llm.runtime import usable_cores
 from starpu_llm.model.state import random_init
+import starpu_llm
 from starpu_llm import signals
 
 MICRO = MODELS["micro"]   # V=250: tiny random shards stand in for real data
@@ -626,6 +627,10 @@ def test_a_checkpoint_dir_of_another_run_is_refused(shard, tmp_path):
     (["train", "--memory-limit", "1T"], "above this machine's memory"),
     (["train", "--sched", "nosuch"], "--sched nosuch"),
     (["predict", "--machine", "nope.toml"], "nope.toml"),
+    # its graph recorded with the batch's tensors allocated: more than any machine has
+    (["predict", "--model", "tiny", "--batch", "10000000000", "--calibration",
+      os.path.join(os.path.dirname(starpu_llm.__file__), "perf", "reference-calibration.toml")],
+     "predict a smaller --batch"),
 ])
 def test_bad_settings_get_one_clear_error(shard, args, says):
     extra = (["--model", "micro", "--train-data", shard, "--seq-len", "16"]

@@ -465,6 +465,10 @@ def test_serve_errors(ckpts, tmp_path):
     assert rc == 2 and "--model-name must be a name" in err and "got ''" in err, err
     rc, err = serve("--init-from", ckpts["tiny"], "--max-batch", 0)
     assert rc == 2 and "--max-batch must be at least 1" in err, err
+    # caches beyond the machine's memory: said before they are allocated (a numpy
+    # MemoryError's traceback at 1.49 TiB)
+    rc, err = serve("--init-from", ckpts["tiny"], "--max-batch", 100_000_000)
+    assert rc == 2 and "--max-batch 100000000 needs" in err and "Traceback" not in err, err
     rc, err = serve("--init-from", ckpts["tiny"], "--workers", 64)
     assert rc == 2 and "--workers 64" in err and "Traceback" not in err, err
     # a port in use, a host that is not this machine's: one error naming the flag, before

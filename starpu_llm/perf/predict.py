@@ -53,8 +53,13 @@ def _record_apart(model: str, B: int, T: int, sites: Sites, attention: str | Non
                 "pickle.dump(record(*args), open(path, 'wb'))")
         p = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True)
         if p.returncode != 0:
-            raise RuntimeError("recording the task graph failed: "
-                               + (p.stderr.strip().splitlines() or ["?"])[-1])
+            last = (p.stderr.strip().splitlines() or ["?"])[-1]
+            if "MemoryError" in last:     # the batch's tensors are allocated (not touched)
+                raise StarpuLLMError(f"recording the task graph of {opt('batch')} {B} x "
+                                     f"{opt('seq_len')} {T} allocates its tensors, more than "
+                                     f"this machine can ({last.split(': ', 1)[-1]}): predict a "
+                                     f"smaller {opt('batch')}")
+            raise RuntimeError("recording the task graph failed: " + last)
         with open(path, "rb") as f:
             return pickle.load(f)
 
