@@ -47,6 +47,17 @@ def _checked(parse, kind: str, ok, rule: str):
     return for_flag
 
 
+def _given(flag, optional: bool = True):
+    """An argparse type for a path or name: not empty (an unset $VARIABLE in a script: `--resume
+    ""` would start a new run, `--save ""` save nothing)."""
+    def conv(s):
+        if not s.strip():
+            raise argparse.ArgumentTypeError(f"{flag} is empty: give a value"
+                                             + (f", or leave {flag} out" if optional else ""))
+        return s
+    return conv
+
+
 def _int_or(word):
     """A parser of a whole number, or of `word` itself."""
     return lambda s: word if s == word else int(s)
@@ -122,6 +133,8 @@ def add_setting_args(p, settings, sweep: bool = False, overrides=None):
             conv = _CHECKS[m["check"]](flag)
         elif f.default is not None and not isinstance(f.default, bool):
             conv = type(f.default)
+        if conv in (None, str) and "choices" not in m:
+            conv = _given(flag)
         if sweep and m.get("sweep"):
             kw["type"] = _sweep(conv, flag, m.get("choices"))
             kw["help"] += ("; a comma-separated list, one configuration each, or auto: every "
@@ -164,8 +177,10 @@ def build_parser():
     add_train_args(t)
 
     pr = sub.add_parser("prepare", help="tokenize a text file into llm.c train/val shards")
-    pr.add_argument("text", nargs="?", help="UTF-8 text file (default: the bundled Shakespeare)")
-    pr.add_argument("--out-dir", default=".", help="where the shards go (default: .)")
+    pr.add_argument("text", nargs="?", type=_given("TEXT", optional=False),
+                    help="UTF-8 text file (default: the bundled Shakespeare)")
+    pr.add_argument("--out-dir", default=".", type=_given("--out-dir"),
+                    help="where the shards go (default: .)")
     pr.add_argument("--val-tokens", type=_CHECKS["positive"]("--val-tokens"), default=32768)
 
     b = sub.add_parser("bench", help="tokens/ms of the engines (and PyTorch eager) side by side")
@@ -180,11 +195,12 @@ def build_parser():
     b.add_argument("--repeat", type=_CHECKS["positive"]("--repeat"), default=1,
                    help="runs of each configuration, interleaved round-robin; the median is "
                         "reported (default 1)")
-    b.add_argument("--csv", metavar="PATH", help="also write the table as CSV")
+    b.add_argument("--csv", metavar="PATH", type=_given("--csv"),
+                   help="also write the table as CSV")
 
     c = sub.add_parser("calibrate", help="measure this machine's cost model for `predict` "
                                          "(a few minutes; one file per machine)")
-    c.add_argument("--out", metavar="PATH", help="where to write it (default: "
+    c.add_argument("--out", metavar="PATH", type=_given("--out"), help="where to write it (default: "
                                                  "~/.cache/starpu-llm/machine-HOST.toml)")
     c.add_argument("--steps", type=_CHECKS["positive"]("--steps"), default=None,
                    help="traced steps per calibration run, after one warm-up (default 2; "
@@ -212,13 +228,14 @@ def build_parser():
                     help="one process training under `train --memory-limit SIZE`: the disk "
                          "traffic of StarPU's eviction and its time at the calibrated disk "
                          "bandwidth are added")
-    pd.add_argument("--calibration", metavar="PATH", help="this machine's calibration file")
-    pd.add_argument("--machine", metavar="FILE", help="predict for another machine described "
+    pd.add_argument("--calibration", metavar="PATH", type=_given("--calibration"), help="this machine's calibration file")
+    pd.add_argument("--machine", metavar="FILE", type=_given("--machine"), help="predict for another machine described "
                                                       "in FILE (TOML, see experiments/machines/)")
 
     g = sub.add_parser("generate", help="continue a prompt with a model (llm.c checkpoint with "
                                         "GPT-2's vocabulary), printing the text as it comes")
-    g.add_argument("--init-from", required=True, metavar="MODEL", help=INIT_FROM_HELP)
+    g.add_argument("--init-from", required=True, metavar="MODEL",
+                   type=_given("--init-from", optional=False), help=INIT_FROM_HELP)
     g.add_argument("--prompt", default="", help="text to continue (default: none, start from "
                                                 "<|endoftext|>)")
     g.add_argument("--max-new-tokens", type=_CHECKS["positive"]("--max-new-tokens"), default=64,
@@ -240,7 +257,8 @@ def build_parser():
     sv = sub.add_parser("serve", help="serve a model (llm.c checkpoint with GPT-2's vocabulary) "
                                       "over HTTP with OpenAI's completions API, batching the "
                                       "requests (docs/serving.md)")
-    sv.add_argument("--init-from", required=True, metavar="MODEL", help=INIT_FROM_HELP)
+    sv.add_argument("--init-from", required=True, metavar="MODEL",
+                    type=_given("--init-from", optional=False), help=INIT_FROM_HELP)
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default "
                                                         "127.0.0.1: this machine only)")
     sv.add_argument("--port", type=_checked(int, "a port number", lambda v: 0 <= v < 65536,
@@ -263,7 +281,7 @@ def build_parser():
     sv.add_argument("--model-name", type=_model_name, default=None, help="the model's name in the API (default: "
                                                        "the checkpoint's file name, without "
                                                        "its extension)")
-    sv.add_argument("--chat-template", default=None, metavar="FILE",
+    sv.add_argument("--chat-template", default=None, metavar="FILE", type=_given("--chat-template"),
                     help="Jinja2 chat template of /v1/chat/completions, as Hugging Face "
                          "tokenizers ship them (default: 'Role: content' lines ending in "
                          "'Assistant:', docs/serving.md)")
@@ -278,9 +296,9 @@ def build_parser():
     cv = sub.add_parser("convert", help="convert a model between llm.c's checkpoint and a "
                                         "Hugging Face GPT-2 folder (transformers' "
                                         "save_pretrained)")
-    cv.add_argument("src", metavar="SRC", help="an llm.c checkpoint, a Hugging Face GPT-2 "
+    cv.add_argument("src", metavar="SRC", type=_given("SRC", optional=False), help="an llm.c checkpoint, a Hugging Face GPT-2 "
                                                "folder, or a Hub model's name in the local cache")
-    cv.add_argument("dst", metavar="DST", help="a path ending in .bin: an llm.c checkpoint; "
+    cv.add_argument("dst", metavar="DST", type=_given("DST", optional=False), help="a path ending in .bin: an llm.c checkpoint; "
                                                "else a Hugging Face folder (written whole)")
     return ap
 

@@ -627,6 +627,12 @@ def test_a_checkpoint_dir_of_another_run_is_refused(shard, tmp_path):
     (["train", "--memory-limit", "1T"], "above this machine's memory"),
     (["train", "--sched", "nosuch"], "--sched nosuch"),
     (["predict", "--machine", "nope.toml"], "nope.toml"),
+    # an empty path (an unset $CKPT in a script) is not "no flag": a new run, nothing saved
+    (["train", "--resume", ""], "--resume is empty"),
+    (["train", "--save", ""], "--save is empty"),
+    (["train", "--init-from", " "], "--init-from is empty"),
+    (["convert", "x.bin", ""], "DST is empty"),
+    (["generate", "--init-from", ""], "--init-from is empty"),
     # its graph recorded with the batch's tensors allocated: more than any machine has
     (["predict", "--model", "tiny", "--batch", "10000000000", "--calibration",
       os.path.join(os.path.dirname(starpu_llm.__file__), "perf", "reference-calibration.toml")],
