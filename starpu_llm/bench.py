@@ -7,6 +7,7 @@ RSS of each configuration is then its own.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -166,6 +167,9 @@ def is_bench_table(path: str) -> bool:
 def run_bench(args):
     """The table (printed, and --csv); a configuration that failed is a row saying why, and
     then an error at the end (after the CSV of those that ran)."""
+    if not args.no_torch and importlib.util.find_spec("torch") is None:    # before minutes of runs
+        raise StarpuLLMError("bench runs PyTorch eager beside the engines, and torch is not "
+                             "installed here: pip install torch, or give --no-torch")
     partitions = bench_partitions(args.workers, args.cores_per_worker, args.kcore)
     subs = [None] if args.sub_batches in (None, "auto") else args.sub_batches
     batches = args.batches

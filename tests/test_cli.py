@@ -701,6 +701,20 @@ def test_bench_exits_non_zero_when_a_row_failed(tmp_path):
     assert "failed: " in out
 
 
+def test_bench_without_torch_says_how_before_running(monkeypatch, capsys):
+    """bench's PyTorch row where torch is not installed (the package's own install): one
+    error before any run, naming --no-torch (it was a failed row after minutes of runs)."""
+    import importlib.util
+    from starpu_llm import cli
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torch" else find(name, *a))
+    assert cli.main(["bench", "--model", "micro", "--batches", "1", "--steps", "1"]) == 2
+    out, err = capsys.readouterr()
+    assert "torch is not installed here: pip install torch, or give --no-torch" in err, err
+    assert "tok/ms" not in out
+
+
 def test_predict_of_a_binary_machine_file_is_one_error(tmp_path):
     path = tmp_path / "machine.bin"
     path.write_bytes(bytes(range(256)) * 4)
