@@ -634,6 +634,9 @@ def test_a_checkpoint_dir_of_another_run_is_refused(shard, tmp_path):
     (["convert", "x.bin", ""], "DST is empty"),
     (["generate", "--init-from", ""], "--init-from is empty"),
     # its graph recorded with the batch's tensors allocated: more than any machine has
+    (["predict", "--model", "tiny", "--memory-limit", "1K", "--calibration",
+      os.path.join(os.path.dirname(starpu_llm.__file__), "perf", "reference-calibration.toml")],
+     "--memory-limit 1 KiB cannot hold what the tasks need at once"),
     (["predict", "--model", "tiny", "--batch", "10000000000", "--calibration",
       os.path.join(os.path.dirname(starpu_llm.__file__), "perf", "reference-calibration.toml")],
      "predict a smaller --batch"),

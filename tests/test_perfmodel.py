@@ -772,8 +772,10 @@ def test_predictions_under_a_memory_limit_wait_for_new_memory():
 def test_predictions_under_a_memory_limit():
     """Under a cap above the step's peak nothing moves and the prediction is the uncapped
     one; below it bytes move, more for a smaller cap, and with one worker the step takes the
-    uncapped time plus exactly their time at the disk's bandwidth; a machine without a disk
-    bandwidth is refused."""
+    uncapped time plus exactly their time at the disk's bandwidth; a cap below what the
+    largest task holds (the run refuses it) and a machine without a disk bandwidth are
+    refused."""
+    from starpu_llm.flow.memory import minimum_limit
     from starpu_llm.perf.memory import MainMemory
     m = synthetic(2, [3.0, 5.0], [2.0, 3.0], task_us=5.0)
     m.disk_read_gbs, m.disk_write_gbs = 0.5, 0.25
@@ -789,8 +791,10 @@ def test_predictions_under_a_memory_limit():
                     memory_limit=peak + (1 << 20)).schedule
     assert (roomy.notes["disk_read"], roomy.notes["disk_written"]) == (0, 0)
     assert roomy.step_s == pytest.approx(free.step_s, rel=1e-12)
+    least, _ = minimum_limit(MODELS[model], B, T, 1, 1)
+    assert least < peak
     moved = []
-    for cap in (peak // 2, peak // 4):
+    for cap in (least + 2 * (peak - least) // 3, least + (peak - least) // 3):
         s = predict(model, B, T, on(1, 2), calibration=m,
                     memory_limit=cap).schedule
         read, written = s.notes["disk_read"], s.notes["disk_written"]
@@ -799,6 +803,8 @@ def test_predictions_under_a_memory_limit():
                                          rel=1e-9)
         moved.append(read + written)
     assert moved[1] > moved[0]
+    with pytest.raises(StarpuLLMError, match="cannot hold what the tasks need at once"):
+        predict(model, B, T, on(1, 2), calibration=m, memory_limit=least - (1 << 20))
     m.disk_read_gbs = 0.0
     with pytest.raises(StarpuLLMError, match="no disk bandwidth"):
-        predict(model, B, T, on(1, 2), calibration=m, memory_limit=peak // 2)
+        predict(model, B, T, on(1, 2), calibration=m, memory_limit=least + (peak - least) // 2)

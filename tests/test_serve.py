@@ -259,7 +259,9 @@ def test_200_requests_at_concurrency_32(server, expected):
 
 BAD = [
     (b'{"model": "tiny", "prompt": "Hi"', 400, "not valid JSON"),
-    (b'[1, 2]', 400, "must be a JSON object"),
+    (b'[1, 2]', 400, "must be a JSON object, got an array"),
+    (b'null', 400, "must be a JSON object, got null"),
+    ({"model": None, "prompt": "Hi"}, 400, "model is required"),
     (b'{"model": "tiny", "prompt": "Hi", "max_token": 5}', 400, "unknown field 'max_token'"),
     ({"model": "tiny", "prompt": "word " * 80}, 400, "maxT = 64"),
     ({"model": "tiny", "prompt": "Hi", "max_tokens": 64}, 400, "lower max_tokens to at most 63"),

@@ -14,13 +14,13 @@ from ..io import formats
 from ..runtime.offload import format_size
 from . import taskflow
 from .checkpoint_task import CheckpointTask
-from .memory import step_needs
+from .memory import minimum_limit, step_needs
 from .handles import READ, READ_WRITE, HandleSlices, Handles, acquired
 from ..plan.partition import with_batch
 from ..plan.record import Partition
 from ..plan.sites import Sites
 from .step import Engine
-from ..plan.topology import Topology, gradient_mode, schedule_order
+from ..plan.topology import Topology, schedule_order
 from ..runtime.submit import StarPUOps
 from .tensors import SECOND_SET
 
@@ -147,22 +147,16 @@ class StarPUEngine(Engine):
         hold what the workers' tasks hold at once (each worker's largest task; with a
         reduction, each worker's copy of every gradient, which StarPU never evicts), or when
         the offload folder has no room for every tensor StarPU may evict."""
-        needs = step_needs(self.config, self.Bs, self.T, self.subs_per_rank,
-                           self.runtime.attention)
-        workers = self.partition.workers    # a worker (team or parallel) runs a task at a time
-        minimum = workers * needs.largest_task
-        why = (f"{needs.largest_name} holds {format_size(needs.largest_task)} of buffers, "
-               f"x {workers} worker(s)")
-        if gradient_mode(workers, True, self.subs_per_rank):
-            copies = workers * 4 * self.layout.total
-            minimum += copies
-            why += f", and the workers' reduction copies of the gradients, {format_size(copies)}"
+        minimum, why = minimum_limit(self.config, self.Bs, self.T, self.subs_per_rank,
+                                     self.partition.workers, self.runtime.attention)
         if self.memory.limit < minimum:
             raise StarpuLLMError(
                 f"{opt('memory_limit')} {format_size(self.memory.limit)} cannot hold what the "
                 f"tasks need at once ({why}): give at least {-(-minimum // (1 << 20))}M, or a "
                 f"smaller {opt('batch')} (or more {opt('sub_batches')})")
         free = self.runtime.offload.free_bytes()
+        needs = step_needs(self.config, self.Bs, self.T, self.subs_per_rank,
+                           self.runtime.attention)
         if free < needs.footprint:
             raise StarpuLLMError(
                 f"the offload folder {self.runtime.offload.path} has {format_size(free)} free, "

@@ -15,6 +15,7 @@ path removes those that a process of this host killed midway left behind (its pi
 """
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import tempfile
@@ -34,8 +35,11 @@ class AtomicFile:
         try:
             os.makedirs(self._dir, exist_ok=True)
         except OSError as e:
+            # EEXIST, ENOTDIR: a file where the folder, or one above it, would be
+            why = ("a file is in the way (a folder is needed there)"
+                   if e.errno in (errno.EEXIST, errno.ENOTDIR) else e.strerror)
             raise StarpuLLMError(f"cannot create directory {self._dir} for {self.path}: "
-                                 f"{e.strerror}; choose a writable output location") from e
+                                 f"{why}; choose a writable output location") from e
         base = os.path.basename(self.path)
         remove_stale_temporaries(self._dir, keep=lambda name: name != base)
         try:

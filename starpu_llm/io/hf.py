@@ -100,7 +100,8 @@ def config_of(hf: dict, path: str) -> GPTConfig:
     for k in ("n_positions", "vocab_size", "n_layer", "n_head", "n_embd"):
         v = hf.get(k)
         if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v < 2 ** 31:
-            raise StarpuLLMError(f"{path}: {k} = {json.dumps(v)}: give a whole number >= 1")
+            raise StarpuLLMError(f"{path}: {k} = {json.dumps(v)}: give a whole number in "
+                                 f"1..{2 ** 31 - 1}")
         dims[k] = v
     C = dims["n_embd"]
     if hf.get("n_inner") not in (None, 4 * C):

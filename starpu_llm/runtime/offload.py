@@ -58,8 +58,10 @@ def available_memory() -> int:
 
 
 def format_size(n: float) -> str:
-    """A byte count as GiB or MiB, one decimal."""
-    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.0f} MiB"
+    """A byte count as GiB (one decimal), MiB, or KiB below one MiB."""
+    if n >= 1 << 30:
+        return f"{n / (1 << 30):.1f} GiB"
+    return f"{n / (1 << 20):.0f} MiB" if n >= 1 << 20 else f"{n / (1 << 10):.0f} KiB"
 
 
 @dataclass(frozen=True)

@@ -182,8 +182,16 @@ def parse_json(body: bytes, max_values: int | None = None) -> dict:
     except (json.JSONDecodeError, ValueError, RecursionError) as e:
         raise BadRequest(f"the request body is not valid JSON: {e}") from None
     if not isinstance(obj, dict):
-        raise BadRequest(f"the request body must be a JSON object, not {type(obj).__name__}")
+        raise BadRequest(f"the request body must be a JSON object, got {_json_kind(obj)}")
     return obj
+
+
+def _json_kind(v) -> str:
+    """What a parsed JSON value is, in JSON's words (null, an array, ...)."""
+    if v is None:
+        return "null"
+    return {bool: "a boolean", int: "a number", float: "a number", str: "a string",
+            list: "an array", dict: "an object"}.get(type(v), type(v).__name__)
 
 
 def _int(obj, name, default, low=None, high=None):
@@ -289,7 +297,7 @@ def parse_completion(obj: dict, model: str, tokenizer, V: int, cache_len: int,
                                                       or type(obj[name]) is not type(neutral)):
             raise BadRequest(f"{name} is not supported by this server (leave it out, or "
                              f"{json.dumps(neutral)})", name)
-    if "model" not in obj:
+    if obj.get("model") is None:
         raise BadRequest(f"model is required (this server serves {model!r})", "model")
     if obj["model"] != model:
         raise BadRequest(f"the model {obj['model']!r} does not exist: this server serves "
