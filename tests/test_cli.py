@@ -71,6 +71,23 @@ def test_train_save_and_metrics(shard, tmp_path):
     assert sorted(os.listdir(tmp_path / "out")) == ["model.bin", "model.bin.state"]
 
 
+def test_each_steps_rate_counts_the_work_its_time_holds(shard, tmp_path):
+    """Steps read ahead (the StarPU engine in one process): each row's tokens/ms x ms is the
+    work its time holds, in steps: the drained warm-up 1, the first timed step (read at its
+    loss, after a drain) its forward, 1/3 (it showed 3x the run's rate, and an mfu above 100
+    %), the next ones 1, the last (drained after one read ahead) 5/3; the run's tokens/ms is
+    its tokens over the wall time."""
+    metrics = str(tmp_path / "m.jsonl")
+    rc, out, err = run("train", "--model", "micro", "--train-data", shard, "--batch", "2",
+                       "--seq-len", "16", "--steps", "5", "--metrics-jsonl", metrics)
+    assert rc == 0, err
+    rows = [json.loads(line) for line in open(metrics)]
+    work = [r["tokens_per_ms"] * r["ms"] / (2 * 16) for r in rows]
+    assert work == pytest.approx([1, 1 / 3, 1, 1, 5 / 3], rel=1e-9), work
+    run_rate = 4 * 2 * 16 / sum(r["ms"] for r in rows[1:])
+    assert f"tokens/ms over 4 timed step(s): {run_rate:.4f}" in out
+
+
 def test_init_from_checkpoint_gives_config_and_resumes_weights(shard, tmp_path):
     ckpt = str(tmp_path / "init.bin")
     formats.write_checkpoint(ckpt, MICRO, random_init(MICRO, seed=7))

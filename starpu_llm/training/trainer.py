@@ -356,13 +356,15 @@ def _steps(run: Run, stop, result: TrainResult, watchers: list) -> None:
     timed steps' times add up to the wall time from the end of the last untimed one, its
     backward and update not counted in the next one's): that step is drained (every task
     waited for) before its watchers run. A step read while the next runs has its time from
-    the previous read to its loss, so the steps' times add up to the run's."""
+    the previous read to its loss, so the steps' times add up to the run's (_done says what
+    work each time holds)."""
     cfg, state, engine = run.cfg, run.state, run.engine
     pending, since = None, None       # a step submitted, not yet read; when its time began
+    after_read = False                # whether it began at the previous step's read
     untimed_end = state.step + cfg.untimed_steps    # the last untimed step of this run
     for _ in range(cfg.steps - state.step):     # --steps counts the whole run
         if pending is None:
-            since = time.perf_counter()
+            since, after_read = time.perf_counter(), False
         lr = learning_rate(state.step, cfg.steps, cfg.lr, cfg.lr_schedule, cfg.warmup_steps,
                            cfg.min_lr)
         run.counters.before_step()
@@ -370,14 +372,15 @@ def _steps(run: Run, stop, result: TrainResult, watchers: list) -> None:
         current = (engine.submit_step(positions, lr, cfg.weight_decay, cfg.grad_clip,
                                       keep_previous=pending is not None), lr)
         if pending is not None:         # the previous step, read while this one runs
-            since = _done(run, stop, result, watchers, pending, since, drained=False).at
+            since = _done(run, stop, result, watchers, pending, since, False, after_read).at
+            after_read = True
         pending = current
         step = current[0].step
         if not (engine.ahead and step < cfg.steps and step != untimed_end and not stop.requested
                 and not (run.validation and run.validation.due(step, False))
                 and not any(w.reads_state(step) for w in watchers)):
             engine.wait()
-            done = _done(run, stop, result, watchers, pending, since, drained=True)
+            done = _done(run, stop, result, watchers, pending, since, True, after_read)
             pending = None
             if done.stopping:
                 break
@@ -388,12 +391,22 @@ class _Done(NamedTuple):
     at: float           # when it was read: the next step's time begins
 
 
+# The share of a step's model FLOPs in its forward pass (config.flops_per_token: the backward
+# twice the forward), what a step read before its backward ran had done of its work
+FORWARD_SHARE = 1.0 / 3.0
+
+
 def _done(run: Run, stop, result: TrainResult, watchers, submitted, since: float,
-          drained: bool) -> _Done:
+          drained: bool, after_read: bool) -> _Done:
     """A step submitted, read (its loss, after the tasks that write it; drained: after
-    every task) and watched: its time runs from `since` (its submission, or the previous
-    step's read) to now. Only a drained step can stop the run (a signal, every rank's
-    answer): a step read while the next runs leaves that to the next."""
+    every task) and watched: its time runs from `since` (its submission, or, after_read, the
+    previous step's read) to now. That time holds the work of one step only where both ends
+    are alike: read as soon as its loss is there (not drained), the step's backward and
+    update are not in it; begun at the previous step's read, that step's are. Its tokens/ms
+    and mfu count the work it holds (FORWARD_SHARE of a step, one, or two less that), so
+    that a short first line after a drain (its forward) is not 3x the run's rate; its time
+    is the wall time, as is the run's tokens/ms. Only a drained step can stop the run (a
+    signal, every rank's answer): a step read while the next runs leaves that to the next."""
     cfg, state, engine = run.cfg, run.state, run.engine
     s, lr = submitted
     loss = engine.loss(s.losses, s.micro_batches)
@@ -401,7 +414,8 @@ def _done(run: Run, stop, result: TrainResult, watchers, submitted, since: float
     ms = (now - since) * 1e3
     result.losses.append(loss)
     result.step_ms.append(ms)
-    tokens_per_ms = cfg.tokens_per_step / ms
+    work = (1.0 - FORWARD_SHARE if after_read else 0.0) + (1.0 if drained else FORWARD_SHARE)
+    tokens_per_ms = work * cfg.tokens_per_step / ms
     extra = step_extras(cfg, engine, run.validation, lr, run.rank, last=s.step == cfg.steps,
                         step=s.step, norm=s.norm)
     run.counters.after_step(extra)
