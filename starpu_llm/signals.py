@@ -118,6 +118,7 @@ class StopOnSignal:
         self.signum = None
         self._count = 0
         self._deferred = 0
+        self._saves = True      # whether a stop inside deferred() writes something
         self._installed = False
 
     # --- installing and removing
@@ -195,7 +196,7 @@ class StopOnSignal:
             return           # (suspended: the command that handles signals itself goes on)
         self.signum = OUTPUT_CLOSED
         if self._deferred:
-            say(f"{which} closed: stopping after the step under way, then saving")
+            say(f"{which} closed: stopping after the step under way{self._then()}")
         elif threading.current_thread() is threading.main_thread():
             raise Interrupted(OUTPUT_CLOSED)
 
@@ -219,23 +220,30 @@ class StopOnSignal:
             self.signum = signum
         if self._count == 1:
             if self._deferred:
-                say(f"{name(signum)}: stopping after the step under way, then saving "
-                     f"(send it again to stop at once, without saving)")
+                say(f"{name(signum)}: stopping after the step under way{self._then()} (send it "
+                     f"again to stop at once{', without saving' if self._saves else ''})")
             return
-        say(f"{name(signum)} again: stopped at once, without saving")
+        say(f"{name(signum)} again: stopped at once{', without saving' if self._saves else ''}")
         if _remove_at_once:
             _remove_once_gone(sorted(_remove_at_once))
         os._exit(128 + signum)
 
     # --- for the training loop
     @contextlib.contextmanager
-    def deferred(self):
-        """Signals only ask to stop (stop() tells) while inside."""
+    def deferred(self, saves: bool = True):
+        """Signals only ask to stop (stop() tells) while inside; saves: whether the stop
+        writes the run's outputs (what the announcement says)."""
         self._deferred += 1
+        outer, self._saves = self._saves, saves
         try:
             yield self
         finally:
             self._deferred -= 1
+            self._saves = outer
+
+    def _then(self) -> str:
+        return (", then saving" if self._saves
+                else " (nothing is saved: no --save or --save-every was given)")
 
     @property
     def requested(self) -> bool:

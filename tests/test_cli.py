@@ -185,11 +185,14 @@ def interrupted(*args, cwd=None):
 
 
 def test_ctrl_c_exits_cleanly(shard):
-    """SIGINT mid-run: StarPU is shut down, exit status 130, no crash, no traceback."""
+    """SIGINT mid-run: StarPU is shut down, exit status 130, no crash, no traceback; without
+    --save or --save-every the announcement does not promise a save."""
     rc, _, err = interrupted("--model", "micro", "--train-data", shard, "--batch", "2",
                              "--seq-len", "16", "--steps", "100000")
     assert rc == 130, err
     assert "interrupted" in err and "Traceback" not in err
+    assert "stopping after the step under way (nothing is saved: no --save" in err, err
+    assert "then saving" not in err
 
 
 def test_resume_from_a_checkpoint_directory(shard, tmp_path):
@@ -238,6 +241,7 @@ def test_ctrl_c_saves_a_checkpoint_to_resume_from(shard, tmp_path):
                                cwd=tmp_path)
     assert rc == 130, err
     assert "interrupted" in err and "Traceback" not in err
+    assert "Ctrl-C: stopping after the step under way, then saving" in err, err
     last = max(int(l.split()[1].split("/")[0]) for l in out.splitlines() if l.startswith("step"))
     assert checkpoint.read(save).step == last
     assert f"continue with --resume {save} --steps 100000" in out

@@ -190,7 +190,7 @@ def train(cfg: TrainConfig, state: TrainState | None = None, runtime=None) -> Tr
     the process at once (signals.py)."""
     with signals.stop_on_signal() as stop:
         run = _set_up(cfg, state, runtime)
-        with stop.deferred():
+        with stop.deferred(saves=bool(run.cfg.save or run.cfg.save_hf or run.cfg.save_every)):
             return _run(run, stop)
 
 
