@@ -15,7 +15,7 @@ import time
 from dataclasses import replace
 
 from ._clib import ffi
-from .model.config import MODELS
+from .model.config import MODELS, check_batch_shape
 from .errors import StarpuLLMError
 from .flow.engine import StarPUEngine
 from .io import data, formats
@@ -167,7 +167,8 @@ def is_bench_table(path: str) -> bool:
 def run_bench(args):
     """The table (printed, and --csv); a configuration that failed is a row saying why, and
     then an error at the end (after the CSV of those that ran)."""
-    if not args.no_torch and importlib.util.find_spec("torch") is None:    # before minutes of runs
+    check_batch_shape(MODELS[args.model], 1, args.seq_len)     # before minutes of runs
+    if not args.no_torch and importlib.util.find_spec("torch") is None:
         raise StarpuLLMError("bench runs PyTorch eager beside the engines, and torch is not "
                              "installed here: pip install torch, or give --no-torch")
     partitions = bench_partitions(args.workers, args.cores_per_worker, args.kcore)

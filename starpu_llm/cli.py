@@ -168,6 +168,12 @@ def partition_settings(*names):
 DECODE_PARTITION = ("workers", "cores_per_worker", "kcore", "sched", "gpus", "gpu_matmul")
 
 
+# bench's and predict's --workers: train's help speaks of its autotuner and --resume
+SWEPT_WORKERS = {"workers": dict(help="N: parallel workers; a comma-separated list, one "
+                                      "configuration each, or auto: every one that fits "
+                                      "(default: 1 worker on all usable cores)")}
+
+
 def build_parser():
     from .model.config import MODELS
     ap = _Parser(prog="starpu-llm", description=__doc__.split("\n\n")[0])
@@ -181,7 +187,9 @@ def build_parser():
                     help="UTF-8 text file (default: the bundled Shakespeare)")
     pr.add_argument("--out-dir", default=".", type=_given("--out-dir"),
                     help="where the shards go (default: .)")
-    pr.add_argument("--val-tokens", type=_CHECKS["positive"]("--val-tokens"), default=32768)
+    pr.add_argument("--val-tokens", type=_CHECKS["positive"]("--val-tokens"), default=32768,
+                    help="the text's first tokens that make the validation shard (default "
+                         "32768); the rest make the training shard")
 
     b = sub.add_parser("bench", help="tokens/ms of the engines (and PyTorch eager) side by side")
     b.add_argument("--model", default="d12", choices=sorted(MODELS))
@@ -190,7 +198,7 @@ def build_parser():
     b.add_argument("--seq-len", type=_CHECKS["positive"]("--seq-len"), default=64)
     b.add_argument("--steps", type=_CHECKS["positive"]("--steps"), default=10, help="timed steps (default 10)")
     add_setting_args(b, partition_settings("workers", "cores_per_worker", "sub_batches", "kcore"),
-                     sweep=True)
+                     sweep=True, overrides=SWEPT_WORKERS)
     b.add_argument("--no-torch", action="store_true", help="skip the PyTorch eager reference")
     b.add_argument("--repeat", type=_CHECKS["positive"]("--repeat"), default=1,
                    help="runs of each configuration, interleaved round-robin; the median is "
@@ -223,7 +231,8 @@ def build_parser():
                     help="MPI processes, one per node (default 1); a comma-separated list "
                          "predicts each (1,2,4,8,16: the paper's Figure 4, tokens/ms per node)")
     add_setting_args(pd, partition_settings("workers", "cores_per_worker", "sub_batches",
-                                            "ownership", "pipeline_stages"), sweep=True)
+                                            "ownership", "pipeline_stages"), sweep=True,
+                     overrides=SWEPT_WORKERS)
     pd.add_argument("--memory-limit", metavar="SIZE",
                     help="one process training under `train --memory-limit SIZE`: the disk "
                          "traffic of StarPU's eviction and its time at the calibrated disk "

@@ -716,13 +716,28 @@ def test_calibrate_and_bench_run_on_a_model_of_another_vocabulary(tmp_path):
     assert rc == 0 and "failed" not in stdout, stdout + err
 
 
-def test_bench_exits_non_zero_when_a_row_failed(tmp_path):
+def test_bench_exits_non_zero_when_a_row_failed(tmp_path, monkeypatch, capsys):
     """A configuration that failed is its row, then one error and status 2 (after the CSV of
-    the others)."""
+    the others); a --seq-len above the model's is one error before any run."""
+    from starpu_llm import bench, cli
+    ran = bench.run_in_subprocess
+
+    def run_one(spec):
+        return ({"error": "the engine failed"} if spec["engine"] == "reference"
+                else ran(spec))
+    monkeypatch.setattr(bench, "run_in_subprocess", run_one)
+    csv = tmp_path / "b.csv"
+    assert cli.main(["bench", "--model", "micro", "--batches", "1", "--seq-len", "16",
+                     "--steps", "1", "--no-torch", "--csv", str(csv)]) == 2
+    out, err = capsys.readouterr()
+    assert "1 reference              failed: the engine failed" in out, out
+    assert "configuration(s) failed (B=1 reference)" in err and "Traceback" not in err
+    rows = [line.split(",")[1] for line in csv.read_text().splitlines()[1:]]
+    assert len(rows) == 1 and rows[0].startswith("starpu "), rows
     rc, out, err = run("bench", "--model", "micro", "--batches", "1", "--seq-len", "64",
-                       "--steps", "1", "--no-torch", "--csv", str(tmp_path / "b.csv"))
-    assert_clean_error(rc, err, "configuration(s) failed")
-    assert "failed: " in out
+                       "--steps", "1", "--no-torch")
+    assert_clean_error(rc, err, "--seq-len 64 is outside 1..32")
+    assert "tok/ms" not in out
 
 
 def test_bench_without_torch_says_how_before_running(monkeypatch, capsys):
@@ -733,7 +748,8 @@ def test_bench_without_torch_says_how_before_running(monkeypatch, capsys):
     find = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "torch" else find(name, *a))
-    assert cli.main(["bench", "--model", "micro", "--batches", "1", "--steps", "1"]) == 2
+    assert cli.main(["bench", "--model", "micro", "--batches", "1", "--seq-len", "16",
+                     "--steps", "1"]) == 2
     out, err = capsys.readouterr()
     assert "torch is not installed here: pip install torch, or give --no-torch" in err, err
     assert "tok/ms" not in out

@@ -290,3 +290,11 @@ def test_the_attention_is_decided_with_the_partition():
         on_runtime(asked, PartitionRequest(attention="gemm"), 4)
     old = replace(cpu, attention="")
     assert old.same_shape(cpu) and cpu.same_shape(old) and not asked.same_shape(cpu)
+
+
+def test_more_workers_than_cores_names_the_partitions_that_fit_first():
+    """5 workers on 2 cores of a 4-CPU build: the cores' error, whose partitions fit both (the
+    build's 'choose N x K <= 4' came first and 3 or 4 were refused next)."""
+    with pytest.raises(StarpuLLMError, match="this process can use 2; partitions that fit: "
+                                             "1x2, 2x1"):
+        resolve(PartitionRequest(workers=5), cores=2, build=DEBIAN)

@@ -66,14 +66,16 @@ def prepare(source, out_dir, val_tokens: int = 32768, name: str | None = None) -
     if not text.strip():
         raise StarpuLLMError(f"{what} is empty; give some training text")
     if int(val_tokens) < 1:
-        raise StarpuLLMError(f"the validation split needs at least 1 token, got val_tokens={val_tokens}")
+        raise StarpuLLMError(f"the validation split needs at least 1 token, got {opt('val_tokens')} "
+                             f"{val_tokens}")
     val_tokens = int(val_tokens)
     train_path, val_path, tokenizer_path = prepared_paths(path, out_dir, name)
     tokens = tokenize_documents(text)
     if tokens.size <= val_tokens:
         raise StarpuLLMError(f"{what} is too short for a validation split: it has {tokens.size} tokens, but "
-                             f"the first {val_tokens} go to validation and training needs the rest; use a "
-                             f"longer text or fewer validation tokens")
+                             f"the first {val_tokens} ({opt('val_tokens')}) go to validation and "
+                             f"training needs the rest; use a longer text or a smaller "
+                             f"{opt('val_tokens')}")
     formats.write_tokenizer(tokenizer_path, gpt2())
     formats.write_shard(val_path, tokens[:val_tokens])
     formats.write_shard(train_path, tokens[val_tokens:])

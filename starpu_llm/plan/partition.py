@@ -221,6 +221,16 @@ def resolve(req: PartitionRequest, *, cores: int, build: Build, ranks: int = 1,
     oversubscribed = total + gpus > cores
     mechanism = _mechanism(kcore, workers, cores_per_worker, oversubscribed, memory_limit,
                            gpus, build)
+    # the cores this process has first: the partitions it names then fit the build too
+    if oversubscribed and not req.oversubscribe:
+        fits = ", ".join(dict.fromkeys(f"{n}x{k}" for n, k, m in
+                                       partitions_that_fit(max(1, cores - gpus), build)
+                                       if m == kcore or k == 1))
+        gpu_cores = f" and {gpus} for the GPUs' worker threads" if gpus else ""
+        raise StarpuLLMError(
+            f"{opt('workers')} {workers} x {opt('cores_per_worker')} {cores_per_worker} = {total} "
+            f"cores{gpu_cores}, but this process can use {cores}; partitions that fit: {fits} "
+            f"(or set {opt('oversubscribe')} to share cores, for correctness tests only)")
     needed = starpu_workers(workers, cores_per_worker, mechanism)
     if needed > build.max_cpus:
         raise StarpuLLMError(
@@ -231,15 +241,6 @@ def resolve(req: PartitionRequest, *, cores: int, build: Build, ranks: int = 1,
     if cores_per_worker > build.max_group:
         raise StarpuLLMError(f"{opt('cores_per_worker')} {cores_per_worker} is above "
                              f"{build.max_group}")
-    if oversubscribed and not req.oversubscribe:
-        fits = ", ".join(dict.fromkeys(f"{n}x{k}" for n, k, m in
-                                       partitions_that_fit(max(1, cores - gpus), build)
-                                       if m == kcore or k == 1))
-        gpu_cores = f" and {gpus} for the GPUs' worker threads" if gpus else ""
-        raise StarpuLLMError(
-            f"{opt('workers')} {workers} x {opt('cores_per_worker')} {cores_per_worker} = {total} "
-            f"cores{gpu_cores}, but this process can use {cores}; partitions that fit: {fits} "
-            f"(or set {opt('oversubscribe')} to share cores, for correctness tests only)")
     if memory_limit and mechanism == "forkjoin":
         raise StarpuLLMError(
             f"{opt('memory_limit')} needs tasks on buffers StarPU allocates itself, which "
@@ -370,8 +371,8 @@ def _check_gpus(req: PartitionRequest, kcore: str, build: Build, memory_limit: b
         return
     if not build.cuda:
         raise StarpuLLMError(
-            f"{opt('gpus')} {gpus}: this starpu-llm is a CPU build; build StarPU with CUDA "
-            "(tools/build-starpu.sh --cuda) and starpu-llm against it (README, GPUs)")
+            f"{opt('gpus')} {gpus}: this starpu-llm is a CPU build; `make cuda` builds StarPU "
+            "with CUDA and starpu-llm against it in .venv-cuda (README, GPUs)")
     for why, when in ((f"{opt('kcore')} forkjoin (combined CPU workers); use team", kcore == "forkjoin"),
                       (f"{opt('memory_limit')}: not supported yet (the GPUs' memory budget "
                        f"comes with it)", memory_limit)):
