@@ -114,10 +114,11 @@ def _sweep(conv, flag: str, choices):
     return parse
 
 
-def add_setting_args(p, settings, sweep: bool = False, overrides=None):
+def add_setting_args(p, settings, sweep: bool = False, overrides=None, defaults: bool = True):
     """One flag per setting (a dataclass field made by settings.setting), from its metadata;
     with sweep, the fields marked sweep take a list of values (_sweep); overrides: {field
-    name: argparse keywords} where a command means less than the setting (serve's --workers)."""
+    name: argparse keywords} where a command means less than the setting (serve's --workers);
+    without defaults, a flag not given leaves no attribute (given_train_settings)."""
     groups = {}
     for f in settings:
         m = f.metadata
@@ -127,7 +128,8 @@ def add_setting_args(p, settings, sweep: bool = False, overrides=None):
         target = groups[group] if group else p
         flag = flag_of(f.name)
         names = [flag] + ([m["short"]] if "short" in m else [])
-        kw = dict(dest=f.name, default=f.default, help=m["help"])
+        kw = dict(dest=f.name, default=f.default if defaults else argparse.SUPPRESS,
+                  help=m["help"])
         conv = None
         if "check" in m:
             conv = _CHECKS[m["check"]](flag)
@@ -341,9 +343,18 @@ INIT_FROM_HELP = ("the model: an llm.c fp32 checkpoint, a Hugging Face GPT-2 fol
                   "model's name (gpt2) in the local Hugging Face cache")
 
 
+def given_train_settings(argv) -> frozenset:
+    """The train settings that argv (train's words, after the command) gives explicitly: a
+    resumed run takes the others from its checkpoint (training/resume.py)."""
+    p = _Parser(prog="starpu-llm train", add_help=False)
+    add_setting_args(p, train_settings(), defaults=False)
+    return frozenset(vars(p.parse_known_args(argv)[0]))
+
+
 def cmd_train(args):
     from .training.trainer import TrainConfig, train
-    result = train(TrainConfig(**{f.name: getattr(args, f.name) for f in train_settings()}))
+    result = train(TrainConfig(**{f.name: getattr(args, f.name) for f in train_settings()},
+                               flags_given=given_train_settings(args.argv[1:])))
     if result.unwritten:     # the training is complete and saved; some outputs are missing
         print(f"starpu-llm: error: the run ended, but {len(result.unwritten)} of its outputs "
               f"were not written: " + "; ".join(result.unwritten), file=sys.stderr, flush=True)
@@ -503,6 +514,7 @@ def _main(argv=None) -> int:
             comm = job["comm"] = distributed.world()
             with distributed.phase(comm, "reading the command line"):
                 args = parser.parse_args(argv)
+                args.argv = list(sys.argv[1:] if argv is None else argv)
             return COMMANDS[args.cmd](args)
     except StarpuLLMError as e:
         return _failed(e, job["comm"], 2)

@@ -616,6 +616,35 @@ def test_every_command_refuses_an_output_onto_data(shard, tmp_path):
         assert rc == 0, err
 
 
+def test_resume_goes_on_with_the_recorded_settings_not_given(shard, tmp_path):
+    """`train --resume CKPT --steps N` alone goes on as the run was (its batch, sequence
+    length, learning rate and schedule, not train's defaults): the uninterrupted run's losses,
+    bit for bit, no warning; a setting given on the command line wins, with the warning."""
+    common = ["--model", "micro", "--train-data", shard]
+    settings = ["--batch", "2", "--seq-len", "16", "--lr", "1e-2", "--lr-schedule", "cosine",
+                "--warmup-steps", "1", "--min-lr", "1e-3"]
+    whole, part, ck = (str(tmp_path / n) for n in ("whole.jsonl", "part.jsonl", "ck"))
+    rc, _, err = run("train", *common, *settings, "--steps", "4", "--metrics-jsonl", whole)
+    assert rc == 0, err
+    rc, _, err = run("train", *common, *settings, "--steps", "4", "--save-every", "2",
+                     "--checkpoint-dir", ck, "--metrics-jsonl", part)
+    assert rc == 0, err
+    os.remove(os.path.join(ck, "step_00000004.bin"))      # as if stopped after step 2
+    os.remove(os.path.join(ck, "step_00000004.bin.state"))
+    rc, out, err = run("train", "--model", "micro", "--train-data", shard, "--resume", ck,
+                       "--steps", "4", "--metrics-jsonl", part)
+    assert rc == 0, err
+    assert "warning" not in err, err
+    assert ("with its recorded settings batch=2, seq_len=16, lr=0.01, lr_schedule=cosine, "
+            "warmup_steps=1, min_lr=0.001") in out, out
+    rows = lambda path: [json.loads(line)["loss"] for line in open(path)]   # noqa: E731
+    assert rows(part) == rows(whole)
+    rc, out, err = run("train", "--model", "micro", "--train-data", shard, "--resume", ck,
+                       "--steps", "4", "--lr", "2e-2")
+    assert rc == 0, err
+    assert "--lr 0.02 (saved with 0.01)" in err, err
+
+
 def test_a_checkpoint_dir_of_another_run_is_refused(shard, tmp_path):
     """A new run writing into a --checkpoint-dir that holds another run's checkpoints would
     delete them (and a --resume of the folder would take them): refused, saying what to do.

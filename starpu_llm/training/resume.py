@@ -2,8 +2,10 @@
 d12), the weights of --init-from, or the run saved at --resume with its record
 (record.RunRecord). And what a resumed run keeps: the model (a contradicting --model is
 refused), the recorded partition unless one is given or it cannot run here (another is
-accepted with a warning: roundings will differ), the settings and the training data (a change
-is named in a warning, RunRecord.changes_since: the run is no longer the uninterrupted one).
+accepted with a warning: roundings will differ), the recorded settings that the command line
+does not give (its batch, sequence length, learning rate and schedule...: `--resume CKPT
+--steps N` goes on as the run was), and the training data (a change is named in a warning,
+RunRecord.changes_since: the run is no longer the uninterrupted one).
 The checkpoint resumed is named, and so is any newer one that could not be read
 (io/checkpoint.load)."""
 from __future__ import annotations
@@ -14,10 +16,11 @@ from ..model.config import MODELS, GPTConfig
 from ..errors import StarpuLLMError, flag, opt
 from ..io import checkpoint, hf
 from ..io.formats import params_crc
-from ..plan.record import Partition, RunRecord
+from ..plan.record import Partition, RunRecord, Settings
 from ..plan.partition import request_of
 from ..runtime.starpu import resolve_here
 from ..model.state import RandomInit, TrainState, random_init
+from .schedule import check_schedule
 
 DEFAULT_MODEL = "d12"       # GPT-2 124M, when neither --init-from nor --resume gives one
 
@@ -52,6 +55,8 @@ class Start:
     origin: str | None = None   # a new run's start, for its identity (record.run_identity):
                                 # "seed N" or "weights CRC"
     run: str | None = None      # a resumed run's identity (None: saved before it was kept)
+    restored: list = field(default_factory=list)    # (setting, value) a resume took from
+                                # its record, where it differs from the run's default
     warnings: list = field(default_factory=list)    # to print once the run is set up: a
                                 # recorded partition not followed, newer checkpoints skipped
 
@@ -72,13 +77,29 @@ def start(cfg, state: TrainState | None, ranks: int, memory_limit: bool = False,
     if saved is None:
         return Start(cfg, state, origin=(f"weights {params_crc(state.params)}"
                                          if given or cfg.init_from else f"seed {cfg.seed}"))
+    cfg, restored = with_recorded_settings(cfg, saved.record)
     partition, warnings = None, []
     if not on_runtime:
         cfg, partition, warnings = on_recorded_partition(cfg, saved.record, ranks, memory_limit)
     return Start(cfg, state, saved, partition, run=saved.record.run if saved.record else None,
-                 warnings=warnings + [
+                 restored=restored, warnings=warnings + [
         f"{path} cannot be resumed ({why}); resuming from {saved.path} instead"
         for path, why in saved.skipped])
+
+
+def with_recorded_settings(cfg, record: RunRecord | None):
+    """(cfg with the record's settings where cfg.flags_given leaves them out, [(setting,
+    recorded value) that differ from cfg's]): every one but --steps, which says where the
+    resumed run ends. A cfg that names no flags given (a Python caller's TrainConfig, every
+    value its own) or a record without settings: cfg as it is."""
+    if record is None or cfg.flags_given is None:
+        return cfg, []
+    recorded = {f.name: getattr(record.settings, f.name) for f in fields(Settings)
+                if f.name != "steps" and f.name not in cfg.flags_given}
+    restored = [(k, v) for k, v in recorded.items() if getattr(cfg, k) != v]
+    cfg = replace(cfg, **recorded)
+    check_schedule(cfg.lr_schedule, cfg.lr, cfg.warmup_steps, cfg.min_lr, cfg.steps)
+    return cfg, restored
 
 
 def load_model(cfg, lazy: bool = False) -> tuple[TrainState, checkpoint.Saved | None]:

@@ -126,6 +126,9 @@ class TrainConfig(PartitionRequest):
     untimed_steps: int = 1             # first steps excluded from the tokens/ms metric
     trace: bool = False                # record each task's worker and start/end times
     record: bool = False               # record each submitted task (name, writes, reads)
+    flags_given: frozenset | None = None   # the settings given explicitly (the command
+                                           # line's flags): a resumed run takes the others'
+                                           # recorded values (resume.py); None: every field
     log: callable = print              # where step lines go (None: silent)
     warn: callable = None              # where warnings go (None: stderr, "warning: ...")
 
@@ -271,7 +274,9 @@ def _set_up(cfg: TrainConfig, state: TrainState | None, runtime) -> Run:
     for text in start.warnings:
         warn(text)
     if start.saved is not None:
-        log(f"resuming: {start.saved.path} (step {state.step})")
+        taken = ", ".join(f"{k}={v}" for k, v in start.restored)
+        log(f"resuming: {start.saved.path} (step {state.step})"
+            + (f" with its recorded settings {taken}" if taken else ""))
         for text in record.changes_since(start.saved.record):
             warn(text)
     if validation:
