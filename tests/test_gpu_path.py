@@ -49,9 +49,11 @@ def shards(tmp_path_factory):
 
 def config(shards, **kw):
     train_path, val_path = shards
-    settings = dict(train_data=train_path, val_data=val_path, batch=B, seq_len=T, steps=STEPS,
+    settings = dict(train_data=train_path, batch=B, seq_len=T, steps=STEPS,
                     lr=1e-3, weight_decay=0.01, lr_schedule="cosine", warmup_steps=1,
                     min_lr=1e-4, grad_clip=CLIP, log=None)
+    if kw.get("val_every"):         # the validation shard, read only then
+        settings["val_data"] = val_path
     return TrainConfig(**{**settings, **kw})
 
 

@@ -419,6 +419,7 @@ def test_train_flags_and_metrics(tmp_path, engine):
     (["--warmup-steps", "-1"], "--warmup-steps"),
     (["--grad-clip", "-1"], "--grad-clip"),
     (["--val-batches", "0"], "--val-batches"),
+    (["--val-data", "val.bin"], "--val-data is read only to validate every --val-every N steps"),
 ])
 def test_bad_schedule_and_clip_flags(args, flag):
     rc, _, err = run_cli("train", "--model", "micro", "--steps", "1", *args)

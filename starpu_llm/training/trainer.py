@@ -297,6 +297,9 @@ def _check_settings(cfg: TrainConfig, comm, rank: int, runtime) -> MemoryLimit |
         if not math.isfinite(value) or value < 0:
             raise StarpuLLMError(f"{opt(name)} {value}: give a finite number >= 0")
     check_schedule(cfg.lr_schedule, cfg.lr, cfg.warmup_steps, cfg.min_lr, cfg.steps)
+    if cfg.val_data and not cfg.val_every:
+        raise StarpuLLMError(f"{opt('val_data')} is read only to validate every "
+                             f"{opt('val_every')} N steps: give {opt('val_every')} too")
     memory = MemoryLimit.of(cfg.memory_limit, cfg.offload_dir)
     if memory is not None and cfg.engine != "starpu":
         raise StarpuLLMError(f"{opt('memory_limit')} needs {opt('engine')} starpu (the reference "
