@@ -71,20 +71,23 @@ def test_train_save_and_metrics(shard, tmp_path):
     assert sorted(os.listdir(tmp_path / "out")) == ["model.bin", "model.bin.state"]
 
 
-def test_each_steps_rate_counts_the_work_its_time_holds(shard, tmp_path):
+@pytest.mark.parametrize("accum,first", [(1, 1 / 3), (2, 2 / 3)])
+def test_each_steps_rate_counts_the_work_its_time_holds(shard, tmp_path, accum, first):
     """Steps read ahead (the StarPU engine in one process): each row's tokens/ms x ms is the
     work its time holds, in steps: the drained warm-up 1, the first timed step (read at its
     loss, after a drain) its forward, 1/3 (it showed 3x the run's rate, and an mfu above 100
-    %), the next ones 1, the last (drained after one read ahead) 5/3; the run's tokens/ms is
-    its tokens over the wall time."""
+    %; with 2 micro-batches the first one's backward too: 2/3), the next ones 1, the last
+    (drained after one read ahead) 2 - that; the run's tokens/ms is its tokens over the wall
+    time."""
     metrics = str(tmp_path / "m.jsonl")
     rc, out, err = run("train", "--model", "micro", "--train-data", shard, "--batch", "2",
-                       "--seq-len", "16", "--steps", "5", "--metrics-jsonl", metrics)
+                       "--seq-len", "16", "--steps", "5", "--grad-accum", str(accum),
+                       "--metrics-jsonl", metrics)
     assert rc == 0, err
     rows = [json.loads(line) for line in open(metrics)]
-    work = [r["tokens_per_ms"] * r["ms"] / (2 * 16) for r in rows]
-    assert work == pytest.approx([1, 1 / 3, 1, 1, 5 / 3], rel=1e-9), work
-    run_rate = 4 * 2 * 16 / sum(r["ms"] for r in rows[1:])
+    work = [r["tokens_per_ms"] * r["ms"] / (accum * 2 * 16) for r in rows]
+    assert work == pytest.approx([1, first, 1, 1, 2 - first], rel=1e-9), work
+    run_rate = 4 * accum * 2 * 16 / sum(r["ms"] for r in rows[1:])
     assert f"tokens/ms over 4 timed step(s): {run_rate:.4f}" in out
 
 
@@ -712,7 +715,14 @@ def test_a_starpu_home_that_cannot_be_written_is_one_clear_error(shard, tmp_path
                         "--train-data", shard, "--seq-len", "16", "--steps", "1"],
                        capture_output=True, text=True, timeout=300, env=env)
     assert_clean_error(p.returncode, p.stderr, str(blocker / "home" / ".starpu" / "sampling"),
-                       "set STARPU_HOME")
+                       "(from $STARPU_HOME)", "set STARPU_HOME")
+    # XDG_CACHE_HOME, which StarPU reads before STARPU_HOME: the variable that wins is named
+    env["XDG_CACHE_HOME"] = str(blocker / "cache")
+    p = subprocess.run([sys.executable, "-m", "starpu_llm", "train", "--model", "micro",
+                        "--train-data", shard, "--seq-len", "16", "--steps", "1"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert_clean_error(p.returncode, p.stderr, "(from $XDG_CACHE_HOME)",
+                       "set STARPU_PERF_MODEL_DIR to a writable folder")
 
 
 def test_a_batch_too_large_for_memory_says_how_much(tmp_path):

@@ -72,22 +72,24 @@ def _environment(variables: dict):
     return starpupy_face.environment({k: v for k, v in variables.items() if k not in os.environ})
 
 
-def perf_model_dir() -> str:
-    """Where StarPU writes its performance models (codelets/, bus/): STARPU_PERF_MODEL_DIR, or
-    .starpu/sampling in the first of XDG_CACHE_HOME, STARPU_HOME, HOME, TMPDIR, TEMP, TMP and
-    /tmp that is set (StarPU 1.3's and 1.4's _starpu_get_home_path)."""
-    given = os.environ.get("STARPU_PERF_MODEL_DIR")
-    if given:
-        return given
-    home = next((os.environ[n] for n in ("XDG_CACHE_HOME", "STARPU_HOME", "HOME", "TMPDIR",
-                                         "TEMP", "TMP") if os.environ.get(n)), "/tmp")
-    return os.path.join(home, ".starpu", "sampling")
+def perf_model_dir() -> tuple[str, str]:
+    """(where StarPU writes its performance models (codelets/, bus/), the variable that says
+    so): STARPU_PERF_MODEL_DIR, or .starpu/sampling in the first of XDG_CACHE_HOME,
+    STARPU_HOME, HOME, TMPDIR, TEMP, TMP that is set, else in /tmp (StarPU 1.3's and 1.4's
+    _starpu_get_home_path)."""
+    for name in ("STARPU_PERF_MODEL_DIR", "XDG_CACHE_HOME", "STARPU_HOME", "HOME", "TMPDIR",
+                 "TEMP", "TMP"):
+        if os.environ.get(name):
+            base = os.environ[name]
+            return (base if name == "STARPU_PERF_MODEL_DIR"
+                    else os.path.join(base, ".starpu", "sampling")), name
+    return os.path.join("/tmp", ".starpu", "sampling"), ""
 
 
 def check_perf_model_dir() -> None:
     """One clear error where StarPU could not write its performance models: it aborts the
     process in starpu_init then (a read-only home, a path through a file)."""
-    where = perf_model_dir()
+    where, by = perf_model_dir()
     try:
         for sub in ("codelets", "bus"):
             os.makedirs(os.path.join(where, sub), mode=0o700, exist_ok=True)
@@ -95,10 +97,13 @@ def check_perf_model_dir() -> None:
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
+        # StarPU reads STARPU_PERF_MODEL_DIR first, XDG_CACHE_HOME before STARPU_HOME
+        fix = ("STARPU_PERF_MODEL_DIR" if by in ("STARPU_PERF_MODEL_DIR", "XDG_CACHE_HOME")
+               else "STARPU_HOME (or STARPU_PERF_MODEL_DIR)")
         raise StarpuLLMError(
-            f"StarPU keeps its performance models in {where}, which cannot be written there "
-            f"({e.strerror or e}): set STARPU_HOME (or STARPU_PERF_MODEL_DIR) to a writable "
-            f"folder") from None
+            f"StarPU keeps its performance models in {where}"
+            f"{f' (from ${by})' if by else ''}, which cannot be written there "
+            f"({e.strerror or e}): set {fix} to a writable folder") from None
 
 
 def have_cuda() -> bool:

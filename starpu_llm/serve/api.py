@@ -294,7 +294,7 @@ def parse_completion(obj: dict, model: str, tokenizer, V: int, cache_len: int,
                          f"{', '.join(sorted(_FIELDS))}", unknown[0])
     for name, neutral in _NEUTRAL.items():     # (true == 1 in Python: best_of true is not 1)
         if name in obj and obj[name] is not None and (obj[name] != neutral
-                                                      or type(obj[name]) is not type(neutral)):
+                                                      or isinstance(obj[name], bool)):
             raise BadRequest(f"{name} is not supported by this server (leave it out, or "
                              f"{json.dumps(neutral)})", name)
     if obj.get("model") is None:

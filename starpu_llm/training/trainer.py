@@ -400,7 +400,7 @@ class _Done(NamedTuple):
 
 
 # The share of a step's model FLOPs in its forward pass (config.flops_per_token: the backward
-# twice the forward), what a step read before its backward ran had done of its work
+# twice the forward)
 FORWARD_SHARE = 1.0 / 3.0
 
 
@@ -413,8 +413,11 @@ def _done(run: Run, stop, result: TrainResult, watchers, submitted, since: float
     update are not in it; begun at the previous step's read, that step's are. Its tokens/ms
     and mfu count the work it holds (FORWARD_SHARE of a step, one, or two less that), so
     that a short first line after a drain (its forward) is not 3x the run's rate; its time
-    is the wall time, as is the run's tokens/ms. Only a drained step can stop the run (a
-    signal, every rank's answer): a step read while the next runs leaves that to the next."""
+    is the wall time, as is the run's tokens/ms. With N micro-batches a step's loss is there
+    once its last one's forward has run, after the others' backwards (its load waits for
+    the previous one's embedding backward): 1 - (1 - FORWARD_SHARE) / N of its work. Only a
+    drained step can stop the run (a signal, every rank's answer): a step read while the
+    next runs leaves that to the next."""
     cfg, state, engine = run.cfg, run.state, run.engine
     s, lr = submitted
     loss = engine.loss(s.losses, s.micro_batches)
@@ -422,7 +425,8 @@ def _done(run: Run, stop, result: TrainResult, watchers, submitted, since: float
     ms = (now - since) * 1e3
     result.losses.append(loss)
     result.step_ms.append(ms)
-    work = (1.0 - FORWARD_SHARE if after_read else 0.0) + (1.0 if drained else FORWARD_SHARE)
+    at_loss = 1.0 - (1.0 - FORWARD_SHARE) / cfg.grad_accum   # done when its loss is there
+    work = (1.0 - at_loss if after_read else 0.0) + (1.0 if drained else at_loss)
     tokens_per_ms = work * cfg.tokens_per_step / ms
     extra = step_extras(cfg, engine, run.validation, lr, run.rank, last=s.step == cfg.steps,
                         step=s.step, norm=s.norm)
@@ -444,8 +448,8 @@ def _watchers(run: Run, result: TrainResult, out: list) -> None:
     divergence check, a sample, a checkpoint."""
     cfg = run.cfg
 
-    def failed(text):       # an output not written: the run goes on
-        run.warn(f"{text}; training goes on")
+    def failed(text):       # an output not written: warned, listed at the end
+        run.warn(text)
         result.unwritten.append(text)
     if cfg.trace and run.runtime is not None:     # the reference engine runs no tasks
         out.append(Trace(run.runtime, result))
