@@ -271,13 +271,17 @@ SAVER = textwrap.dedent("""
 
 def test_sigkill_mid_save_leaves_the_previous_checkpoint(tmp_path):
     """A process saving a 7M-parameter model (84 MB a checkpoint) in a loop is killed after a
-    random delay, four times; each time the directory's newest complete checkpoint, and every
-    other complete one, loads and is the save of one step. Most kills land inside a save,
-    leaving a temporary file or a model without its companion (the next save removes them)."""
+    random delay, at least four times; each time the directory's newest complete checkpoint,
+    and every other complete one, loads and is the save of one step. Most kills land inside a
+    save, leaving a temporary file or a model without its companion (the next save removes
+    them); the rounds go on (up to 16) until one has (four could all land between saves on
+    a machine whose saves are short)."""
     d = str(tmp_path / "ck")
     rng = random.Random(13)
     midway = 0
-    for _ in range(4):
+    for round_ in range(16):
+        if round_ >= 4 and midway:
+            break
         p = subprocess.Popen([sys.executable, "-c", SAVER, d], stdout=subprocess.PIPE, text=True)
         try:
             done = int(p.stdout.readline())        # one complete save in this round
