@@ -775,7 +775,7 @@ def test_predictions_under_a_memory_limit():
     uncapped time plus exactly their time at the disk's bandwidth; a cap below what the
     largest task holds (the run refuses it) and a machine without a disk bandwidth are
     refused."""
-    from starpu_llm.flow.memory import minimum_limit
+    from starpu_llm.flow.memory import minimum_limit, step_needs
     from starpu_llm.perf.memory import MainMemory
     m = synthetic(2, [3.0, 5.0], [2.0, 3.0], task_us=5.0)
     m.disk_read_gbs, m.disk_write_gbs = 0.5, 0.25
@@ -791,7 +791,7 @@ def test_predictions_under_a_memory_limit():
                     memory_limit=peak + (1 << 20)).schedule
     assert (roomy.notes["disk_read"], roomy.notes["disk_written"]) == (0, 0)
     assert roomy.step_s == pytest.approx(free.step_s, rel=1e-12)
-    least, _ = minimum_limit(MODELS[model], B, T, 1, 1)
+    least, _ = minimum_limit(MODELS[model], step_needs(MODELS[model], B, T), 1, 1)
     assert least < peak
     moved = []
     for cap in (least + 2 * (peak - least) // 3, least + (peak - least) // 3):

@@ -147,16 +147,16 @@ class StarPUEngine(Engine):
         hold what the workers' tasks hold at once (each worker's largest task; with a
         reduction, each worker's copy of every gradient, which StarPU never evicts), or when
         the offload folder has no room for every tensor StarPU may evict."""
-        minimum, why = minimum_limit(self.config, self.Bs, self.T, self.subs_per_rank,
-                                     self.partition.workers, self.runtime.attention)
+        needs = step_needs(self.config, self.Bs, self.T, self.subs_per_rank,
+                           self.runtime.attention)
+        minimum, why = minimum_limit(self.config, needs, self.subs_per_rank,
+                                     self.partition.workers)
         if self.memory.limit < minimum:
             raise StarpuLLMError(
                 f"{opt('memory_limit')} {format_size(self.memory.limit)} cannot hold what the "
                 f"tasks need at once ({why}): give at least {-(-minimum // (1 << 20))}M, or a "
                 f"smaller {opt('batch')} (or more {opt('sub_batches')})")
         free = self.runtime.offload.free_bytes()
-        needs = step_needs(self.config, self.Bs, self.T, self.subs_per_rank,
-                           self.runtime.attention)
         if free < needs.footprint:
             raise StarpuLLMError(
                 f"the offload folder {self.runtime.offload.path} has {format_size(free)} free, "

@@ -65,15 +65,14 @@ def step_needs(config: GPTConfig, B: int, T: int, sub_batches: int = 1,
                      footprint(config, B, T, sub_batches, attention=attention))
 
 
-def minimum_limit(config: GPTConfig, B: int, T: int, sub_batches: int, workers: int,
-                  attention: str = "gemm") -> tuple[int, str]:
+def minimum_limit(config: GPTConfig, needs: StepNeeds, sub_batches: int,
+                  workers: int) -> tuple[int, str]:
     """(bytes, why): the least --memory-limit a process of `workers` workers (each runs a task
-    at a time: team or parallel workers) can train `sub_batches` sub-batches of B x T under:
-    what each worker's largest task holds at once and, where the sub-batches add their
-    gradients through a reduction, each worker's copy of every gradient (StarPU never evicts
-    those)."""
+    at a time: team or parallel workers) can train `sub_batches` sub-batches under, their
+    step_needs `needs`: what each worker's largest task holds at once and, where the
+    sub-batches add their gradients through a reduction, each worker's copy of every gradient
+    (StarPU never evicts those)."""
     from ..plan.topology import gradient_mode
-    needs = step_needs(config, B, T, sub_batches, attention)
     minimum = workers * needs.largest_task
     why = f"{needs.largest_name} holds {_size(needs.largest_task)} of buffers, x {workers} worker(s)"
     if gradient_mode(workers, True, sub_batches):
@@ -84,7 +83,7 @@ def minimum_limit(config: GPTConfig, B: int, T: int, sub_batches: int, workers: 
 
 
 def _size(n: int) -> str:
-    from ..runtime.offload import format_size
+    from ..runtime.offload import format_size    # here: this module loads no StarPU binding
     return format_size(n)
 
 

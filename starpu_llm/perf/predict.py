@@ -19,7 +19,7 @@ from ..plan.partition import Build, PartitionRequest, resolve, with_batch
 from ..plan.record import Partition
 from . import graph as graphs
 from . import memory
-from ..flow.memory import minimum_limit
+from ..flow.memory import minimum_limit, step_needs
 from ..runtime.offload import format_size
 from .machine import Machine, default_path, load
 from .model import CostModel
@@ -247,8 +247,8 @@ def predict(model: str, B: int, T: int, partition: Partition,
         if ranks > 1:
             raise StarpuLLMError(f"predicting {opt('memory_limit')} under mpirun is not modelled: "
                                  f"predict one process")
-        minimum, why = minimum_limit(MODELS[model], B // S, T, S, workers,
-                                     p.attention or "gemm")
+        needs = step_needs(MODELS[model], B // S, T, S, p.attention or "gemm")
+        minimum, why = minimum_limit(MODELS[model], needs, S, workers)
         if memory_limit < minimum:        # as the run itself refuses it (StarPUEngine)
             raise StarpuLLMError(f"{opt('memory_limit')} {format_size(memory_limit)} cannot hold "
                                  f"what the tasks need at once ({why}): give at least "
