@@ -99,8 +99,10 @@ def check_cache_memory(config, max_batch: int) -> None:
     """Refuse, before allocating them, --max-batch slots whose key/value caches (a key and a
     value per layer, position (maxT of a slot) and channel, float32) do not fit the memory
     this machine has available now."""
+    from .flow.memory import group_bytes
+    from .flow.tensors import KVCache
     from .runtime.offload import available_memory, format_size
-    need = 2 * config.L * max_batch * config.maxT * config.C * 4
+    need = group_bytes(KVCache, config, max_batch, config.maxT)
     have = available_memory()
     if need > have:
         raise StarpuLLMError(

@@ -14,7 +14,7 @@ from ..io import formats
 from ..runtime.offload import format_size
 from . import taskflow
 from .checkpoint_task import CheckpointTask
-from .memory import minimum_limit, step_needs
+from .memory import check_limit, step_needs
 from .handles import READ, READ_WRITE, HandleSlices, Handles, acquired
 from ..plan.partition import with_batch
 from ..plan.record import Partition
@@ -149,13 +149,9 @@ class StarPUEngine(Engine):
         the offload folder has no room for every tensor StarPU may evict."""
         needs = step_needs(self.config, self.Bs, self.T, self.subs_per_rank,
                            self.runtime.attention)
-        minimum, why = minimum_limit(self.config, needs, self.subs_per_rank,
-                                     self.partition.workers)
-        if self.memory.limit < minimum:
-            raise StarpuLLMError(
-                f"{opt('memory_limit')} {format_size(self.memory.limit)} cannot hold what the "
-                f"tasks need at once ({why}): give at least {-(-minimum // (1 << 20))}M, or a "
-                f"smaller {opt('batch')} (or more {opt('sub_batches')})")
+        check_limit(self.memory.limit, self.config, needs, self.subs_per_rank,
+                    self.partition.workers, advice=f", or a smaller {opt('batch')} (or more "
+                                                   f"{opt('sub_batches')})")
         free = self.runtime.offload.free_bytes()
         if free < needs.footprint:
             raise StarpuLLMError(

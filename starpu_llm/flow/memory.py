@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from ..errors import StarpuLLMError, opt
 from ..kernels.codelets import TABLE, add_methods, split_call
 from ..model.config import GPTConfig, ParamLayout
 from . import taskflow
@@ -82,9 +83,26 @@ def minimum_limit(config: GPTConfig, needs: StepNeeds, sub_batches: int,
     return minimum, why
 
 
+def check_limit(limit: int, config: GPTConfig, needs: StepNeeds, sub_batches: int,
+                workers: int, advice: str = "") -> None:
+    """One clear error when --memory-limit `limit` is below minimum_limit (the run refuses it
+    before its first step; predict refuses it as the run would); `advice` ends the message."""
+    minimum, why = minimum_limit(config, needs, sub_batches, workers)
+    if limit < minimum:
+        raise StarpuLLMError(f"{opt('memory_limit')} {_size(limit)} cannot hold what the tasks "
+                             f"need at once ({why}): give at least {-(-minimum // (1 << 20))}M"
+                             f"{advice}")
+
+
 def _size(n: int) -> str:
     from ..runtime.offload import format_size    # here: this module loads no StarPU binding
     return format_size(n)
+
+
+def group_bytes(group, config: GPTConfig, B: int, T: int, attention: str = "gemm") -> int:
+    """Bytes of the tensors of one tensors.SubBatchGroup (its class) created for B x T."""
+    new = lambda name, shape, dtype: Tensor(name, shape, dtype)    # noqa: E731
+    return sum(nbytes(t) for t in group.create(config, B, T, new, attention=attention).tensors())
 
 
 def footprint(config: GPTConfig, B: int, T: int, sub_batches: int = 1, state_copies: int = 4,
@@ -93,9 +111,6 @@ def footprint(config: GPTConfig, B: int, T: int, sub_batches: int = 1, state_cop
     T tokens: state_copies of the parameters (parameters, gradients, two AdamW moments), and
     each sub-batch's activations and backward scratch (attention: the attention's form,
     tensors.ATTENTIONS)."""
-    tensor = lambda name, shape, dtype: Tensor(name, shape, dtype)    # noqa: E731
-    per_sub = sum(nbytes(t) for group in (
-        ActivationTensors.create(config, B, T, tensor, attention=attention),
-        BackwardScratch.create(config, B, T, tensor, attention=attention))
-                  for t in group.tensors())
+    per_sub = sum(group_bytes(group, config, B, T, attention)
+                  for group in (ActivationTensors, BackwardScratch))
     return 4 * state_copies * ParamLayout(config).total + sub_batches * per_sub

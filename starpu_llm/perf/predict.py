@@ -19,8 +19,7 @@ from ..plan.partition import Build, PartitionRequest, resolve, with_batch
 from ..plan.record import Partition
 from . import graph as graphs
 from . import memory
-from ..flow.memory import minimum_limit, step_needs
-from ..runtime.offload import format_size
+from ..flow.memory import check_limit, step_needs
 from .machine import Machine, default_path, load
 from .model import CostModel
 from .simulate import Schedule, simulate
@@ -248,11 +247,7 @@ def predict(model: str, B: int, T: int, partition: Partition,
             raise StarpuLLMError(f"predicting {opt('memory_limit')} under mpirun is not modelled: "
                                  f"predict one process")
         needs = step_needs(MODELS[model], B // S, T, S, p.attention or "gemm")
-        minimum, why = minimum_limit(MODELS[model], needs, S, workers)
-        if memory_limit < minimum:        # as the run itself refuses it (StarPUEngine)
-            raise StarpuLLMError(f"{opt('memory_limit')} {format_size(memory_limit)} cannot hold "
-                                 f"what the tasks need at once ({why}): give at least "
-                                 f"{-(-minimum // (1 << 20))}M")
+        check_limit(memory_limit, MODELS[model], needs, S, workers)   # as the run refuses it
         if not (target.disk_read_gbs > 0 and target.disk_write_gbs > 0):
             raise StarpuLLMError(f"{target.name} has no disk bandwidth in its description: run "
                                  f"`starpu-llm calibrate` again")
