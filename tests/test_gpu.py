@@ -12,6 +12,8 @@ the data. Every test skips without a CUDA build or without a GPU, naming which.
   - checkpoints written on one engine resumed on the other (trainer.train, --save then
     --resume), the 4 steps within the oracle's bounds;
   - `--grad-clip` through train() with --gpus 1 against test_train_features' clipped oracle.
+  - `--grad-accum 2`: the first step's loss and gradients against torch's batch of the 2B
+    sequences (test_train_features' bounds, with the fused attention).
 `pytest -s` prints the errors against their bounds and where the tasks ran."""
 from collections import Counter
 from dataclasses import replace
@@ -188,6 +190,55 @@ def test_grad_clip_through_train_on_the_gpu(tmp_path):
     where = Counter((e.codelet, "gpu" if e.worker in cuda_workers else "cpu") for e in r.trace)
     assert where[("grad_sumsq", "gpu")] > 0 and where[("norm_sum", "gpu")] > 0
     assert not on_cpu_but_loads(where), f"layer tasks ran on a CPU worker: {dict(where)}"
+
+
+def accumulated_step_on(rt, micro_batches: int = 2):
+    """The loss and gradients of test_train_features' first accumulated step (its 2
+    micro-batches of B submitted in turn) on runtime rt, and the tasks per (codelet, where)."""
+    import test_train_features as tf
+    from starpu_llm.flow.engine import StarPUEngine
+    from starpu_llm.model.state import TrainState
+    state = TrainState(config=tf.SMALL, params=tf.PARAMS.copy())
+    eng = StarPUEngine(tf.SMALL, state, tf.B, tf.T, tf.TRAIN, rt)
+    try:
+        rt.start_trace(100_000)
+        loss = eng.forward_backward(tf.micro(0)[:micro_batches])
+        eng.sync()
+        cuda_workers = set(range(lib.sl_cuda_worker_count()))
+        where = Counter((e.codelet, "gpu" if e.worker in cuda_workers else "cpu")
+                        for e in rt.trace())
+        rt.stop_trace()
+    finally:
+        eng.close()
+    return loss, state.grads.copy(), where
+
+
+def test_gradient_accumulation_on_the_gpu_is_the_whole_batch():
+    """`--grad-accum 2` on the GPU engine (fp32 matmuls, the fused attention): 2 micro-batches
+    of B give the loss and the gradients of torch's batch of their 2B sequences, within the
+    fp32 bounds of two runs of that batch with the fused attention (test_train_features'
+    CPU test, here the cross-entropy's accumulation into its losses and the backward's into the
+    gradients run in the CUDA bodies); every layer task on the CUDA worker."""
+    import test_train_features as tf
+    from bounds import assert_within, grad_rel_bound, loss_bound, slice_scales
+    from starpu_llm.baselines.torch_gpt2 import TorchGPT2, batch
+    with gpu_runtime("fp32") as rt:
+        loss, grads, where = accumulated_step_on(rt)
+    n = tf.ACCUM * tf.B
+    model = TorchGPT2(tf.SMALL, tf.PARAMS)
+    logits, want = model.forward_backward(*batch(tf.TRAIN, tf.micro(0)[0], n, tf.T))
+    scale = float(np.abs(logits).max())
+    assert abs(loss - want) <= loss_bound(tf.SMALL, n, tf.T, want, scale, attention="flash"), \
+        f"gpu: loss {loss} vs torch's {want} on the {n} sequences"
+    layout = ParamLayout(tf.SMALL)
+    have, expect = layout.views(grads), layout.views(model.grads_flat())
+    scales = slice_scales(layout, expect)
+    rel = grad_rel_bound(tf.SMALL, n, tf.T, attention="flash")
+    for name in layout.names:
+        assert_within(have[name], expect[name], rel * scales[name],
+                      f"gpu: accumulated gradient of {name}")
+    assert not on_cpu_but_loads(where), f"layer tasks ran on a CPU worker: {dict(where)}"
+    assert where[("crossentropy_forward", "gpu")] == tf.ACCUM, dict(where)
 
 
 def test_the_trace_times_the_kernels_on_the_gpu():
