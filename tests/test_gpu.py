@@ -61,6 +61,15 @@ def gpu_runtime(matmul: str) -> Runtime:
     return Runtime(here(gpus=1, gpu_matmul=matmul))
 
 
+def where_ran(events, cuda_workers: int | None = None) -> Counter:
+    """Tasks of a trace per (codelet, "gpu" or "cpu"): StarPU numbers its CUDA workers first
+    (cuda_workers: how many; None: StarPU's count, while it runs)."""
+    if cuda_workers is None:
+        cuda_workers = lib.sl_cuda_worker_count()
+    cuda_workers = set(range(cuda_workers))
+    return Counter((e.codelet, "gpu" if e.worker in cuda_workers else "cpu") for e in events)
+
+
 def test_cpu_and_gpu_losses_side_by_side(runtime):
     """tiny, 10 steps, fp32 matmuls: the CPU engine (this file's CPU runtime) and the GPU
     engine from the same parameters, their losses printed side by side; each within the
@@ -120,9 +129,7 @@ def gpu_run(request):
     with gpu_runtime(matmul) as rt:
         rt.start_trace(400_000)
         fb, trained = run_engine("starpu", case, rt)
-        cuda_workers = set(range(lib.sl_cuda_worker_count()))   # StarPU numbers them first
-        where = Counter((e.codelet, "gpu" if e.worker in cuda_workers else "cpu")
-                        for e in rt.trace())
+        where = where_ran(rt.trace())
         rt.stop_trace()
         assert placed() == placement(1)     # what sl_start gave StarPU: the one decision
     errors = compare(ParamLayout(case.config), fb, trained,
@@ -186,8 +193,7 @@ def test_grad_clip_through_train_on_the_gpu(tmp_path):
     ratio = tf.ratio(np.abs(r.state.params.astype(np.float64) - ref["params"]),
                      ref["param_bound"])
     assert ratio.max() <= 1.0, f"parameters: max |diff| / bound {ratio.max():.3e}"
-    cuda_workers = {0}          # gpus=1: StarPU numbers its CUDA worker first
-    where = Counter((e.codelet, "gpu" if e.worker in cuda_workers else "cpu") for e in r.trace)
+    where = where_ran(r.trace, cuda_workers=1)     # train() has shut StarPU down: gpus=1
     assert where[("grad_sumsq", "gpu")] > 0 and where[("norm_sum", "gpu")] > 0
     assert not on_cpu_but_loads(where), f"layer tasks ran on a CPU worker: {dict(where)}"
 
@@ -204,9 +210,7 @@ def accumulated_step_on(rt, micro_batches: int = 2):
         rt.start_trace(100_000)
         loss = eng.forward_backward(tf.micro(0)[:micro_batches])
         eng.sync()
-        cuda_workers = set(range(lib.sl_cuda_worker_count()))
-        where = Counter((e.codelet, "gpu" if e.worker in cuda_workers else "cpu")
-                        for e in rt.trace())
+        where = where_ran(rt.trace())
         rt.stop_trace()
     finally:
         eng.close()
@@ -283,9 +287,7 @@ def test_gpu_batched_decoding_equals_one_sequence_at_a_time():
         try:
             rt.start_trace(400_000)
             batched, largest = continuous(SlotDecoder(backend, 3, rows=24), requests)
-            cuda_workers = set(range(lib.sl_cuda_worker_count()))
-            where = Counter((e.codelet, "gpu" if e.worker in cuda_workers else "cpu")
-                            for e in rt.trace())
+            where = where_ran(rt.trace())
             rt.stop_trace()
         finally:
             backend.close()
