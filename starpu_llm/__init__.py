@@ -3,8 +3,8 @@
     from starpu_llm import TrainConfig, train
     result = train(TrainConfig(model="d12", batch=4, seq_len=64, steps=10))
 
-The compiled part (kernels, codelets, cffi binding) is loaded on first use, so the file
-formats and data tools work without it.
+The compiled part (kernels, codelets, cffi binding) is loaded on first use of what needs it
+(the names below; `starpu_llm.io`'s file formats and data tools do not).
 """
 from . import signals as _signals
 
@@ -24,9 +24,22 @@ _LAZY = {   # imported on first use: `import starpu_llm` loads no numpy (signals
 }
 
 
+_COMPILED = ("starpu_llm._clib", "starpu_llm._kernels", "libstarpu")
+
+
 def __getattr__(name):
     if name in _LAZY:
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        try:
+            module = importlib.import_module(f".{_LAZY[name]}", __name__)
+        except ImportError as e:
+            if not any(part in f"{e.name} {e}" for part in _COMPILED):
+                raise
+            raise ImportError(
+                f"starpu_llm.{name} needs the compiled part (the cffi binding and StarPU's "
+                f"library), which did not load ({e}): build it with `make`, or `pip install "
+                f"--no-build-isolation -e .` where pkg-config finds StarPU (docs/clusters.md)"
+            ) from e
+        return getattr(module, name)
     raise AttributeError(f"module 'starpu_llm' has no attribute {name!r}")
 
 

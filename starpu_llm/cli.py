@@ -21,6 +21,7 @@ from dataclasses import fields
 # commands, once main() handles signals (a Ctrl-C while numpy loads is no traceback).
 from . import signals
 from .errors import StarpuLLMError, flag as flag_of
+from .plan.settings import CHECKS
 
 
 class UsageError(StarpuLLMError):
@@ -58,28 +59,13 @@ def _given(flag, optional: bool = True):
     return conv
 
 
-def _int_or(word):
-    """A parser of a whole number, or of `word` itself."""
-    return lambda s: word if s == word else int(s)
-
-
-def _int_list(s):
-    return [int(x) for x in s.split(",")]
-
-
 def _train_settings():
     from .training.trainer import TrainConfig
     return [f for f in fields(TrainConfig) if "help" in f.metadata]
 
 
-_CHECKS = {"positive": _checked(int, "a whole number", lambda v: v >= 1, "at least 1"),
-           "positive_or_auto": _checked(_int_or("auto"), "a whole number or auto",
-                                        lambda v: v == "auto" or v >= 1, "at least 1, or auto"),
-           "positive_list": _checked(_int_list, "whole numbers separated by commas",
-                                     lambda v: min(v) >= 1, "at least 1 each"),
-           "nonneg": _checked(float, "a number", lambda v: math.isfinite(v) and v >= 0,
-                              "a finite number >= 0"),
-           "nonneg_int": _checked(int, "a whole number", lambda v: v >= 0, ">= 0")}
+# each check of plan/settings.CHECKS as an argparse type for a flag
+_CHECKS = {name: _checked(c.parse, c.kind, c.ok, c.rule) for name, c in CHECKS.items()}
 
 
 def _model_name(s):

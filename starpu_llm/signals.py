@@ -97,11 +97,14 @@ def _at_once(signum, frame):
 
 class Interrupted(KeyboardInterrupt):
     """The run stopped on a signal (after saving, when it had started training); `signum`
-    says which. A KeyboardInterrupt, as Ctrl-C has always raised."""
+    says which, `result` holds what train() would have returned for the steps done (its
+    losses and state: from Python nothing trained is lost without --save), None when it
+    stopped before training. A KeyboardInterrupt, as Ctrl-C has always raised."""
 
-    def __init__(self, signum: int):
+    def __init__(self, signum: int, result=None):
         super().__init__(signum)
         self.signum = signum
+        self.result = result
 
     @property
     def exit_status(self) -> int:

@@ -568,13 +568,15 @@ def test_resume_refuses_another_model_and_warns_on_changed_settings(shard, tmp_p
     assert warnings == []
     train(config(shard, steps=3, engine="reference", resume=ck, batch=2, lr=1e-3,
                  warn=warnings.append))
-    assert warnings == ["--batch 2 (saved with 4), --lr 0.001 (saved with 0.01): the "
+    # from Python the settings are named as TrainConfig's fields (the CLI's flags:
+    # test_cli.py's resume tests)
+    assert warnings == ["batch 2 (saved with 4), lr 0.001 (saved with 0.01): the "
                         "run is no longer the uninterrupted one"]
     other = str(tmp_path / "other.bin")
     formats.write_shard(other, np.arange(300, dtype=np.uint16) % MICRO.V)
     warnings = []
     train(config(other, steps=3, engine="reference", resume=ck, warn=warnings.append))
-    assert warnings == ["--train-data: these are not the tokens the run was saved with (200 "
+    assert warnings == ["train_data: these are not the tokens the run was saved with (200 "
                         "tokens then, 300 now): the run is no longer the uninterrupted one"]
 
 

@@ -59,7 +59,9 @@ class StarPUEngine(Engine):
     def __init__(self, config, state, B, T, tokens, runtime, partition: Partition | None = None,
                  record: bool = False, stage_costs=None, sites: Sites | None = None):
         if not runtime.running:
-            raise RuntimeError("the StarPU runtime is not running")
+            raise StarpuLLMError("the StarPU runtime is not running: make the engine inside "
+                                 "`with Runtime(partition) as rt:`")
+        self._closed = False
         nranks = runtime.size
         # the resolved partition (default: the runtime's), its sub-batches for this batch
         given = partition or runtime.partition
@@ -221,12 +223,22 @@ class StarPUEngine(Engine):
             taskflow.reduce_gradients(self.ops.at(self.sites.reduction_site()), self.config,
                                       self.g, self.contributions, self.embedding_wte)
 
+    def _check_open(self):
+        if self._closed:
+            raise StarpuLLMError("this StarPU engine is closed (close() released its data): "
+                                 "make a new one")
+        if not self.runtime.running:
+            raise StarpuLLMError("the StarPU runtime of this engine has been shut down, and its "
+                                 "data with it: make a new engine in a running Runtime")
+
     def wait(self):
+        self._check_open()
         self.runtime.wait()
         if self.checkpoints is not None:
             self.checkpoints.check()
 
     def read(self, t):
+        self._check_open()
         return read_tensor(t)
 
     def loss(self, losses: list | None = None, micro_batches: int = 1) -> float:
@@ -275,6 +287,7 @@ class StarPUEngine(Engine):
         self.checkpoints.submit(path)
 
     def close(self):
+        self._closed = True
         checkpoints, self.checkpoints = self.checkpoints, None
         try:
             if checkpoints is not None and self.runtime.running:

@@ -43,6 +43,20 @@ def micro_positions(positions) -> list[int]:
     return out
 
 
+def check_positions(positions, tokens: np.ndarray, B: int, T: int, what: str = "the data"):
+    """Each batch of B x T tokens at one of positions lies inside tokens: it reads B x T + 1
+    tokens from its position (the inputs, and the targets one token on); the load tasks read
+    the shard as it is, so a position past its end would read other memory."""
+    need = B * T + 1
+    for pos in positions:
+        if not 0 <= pos <= len(tokens) - need:
+            where = (f"give a position from 0 to {len(tokens) - need}" if len(tokens) >= need
+                     else f"it needs {need}: give more data, or a smaller {opt('batch')} or "
+                          f"{opt('seq_len')}")
+            raise StarpuLLMError(f"position {pos}: a batch of {B} x {T} reads {need} tokens from "
+                                 f"its position, and {what} holds {len(tokens)}: {where}")
+
+
 class Engine:
     """The per-step orchestration shared by both engines. A subclass sets ops (the
     executor of taskflow's calls), p, g, m, v (ParameterTensors of the parameters, gradients
@@ -115,13 +129,24 @@ class Engine:
         """After the tasks that use the activations and the backward scratch: the StarPU
         engine under a memory limit drops their values (the next step writes them anew)."""
 
+    def _check_open(self):
+        """Raise where this engine can no longer submit or read (the StarPU engine's, once
+        closed or its runtime shut down)."""
+
+    def micro_positions(self, positions) -> list[int]:
+        """positions as micro_positions gives them, each checked against the training data."""
+        positions = micro_positions(positions)
+        check_positions(positions, self.tokens, self.B, self.T, "the training data")
+        return positions
+
     # --- the step ---
     def submit_forward_backward(self, positions):
         """The forward and backward of the batch at each of positions (micro_positions: one,
         or a gradient accumulation's micro-batches, in turn on the same activations): every
         gradient adds into the parameters' gradients, each token's loss into the sub-batch's
         losses (the first micro-batch writes them)."""
-        positions = micro_positions(positions)
+        self._check_open()
+        positions = self.micro_positions(positions)
         n = self.Bs * self.T
         # the gradients of all sub-batches and micro-batches sum to the mean loss's
         dloss = 1.0 / (self.B * self.T * len(positions))
@@ -140,6 +165,7 @@ class Engine:
 
     def submit_update(self, lr: float, weight_decay: float, grad_clip: float = 0.0):
         """The AdamW tasks; grad_clip > 0 clips the gradients' global norm to it first."""
+        self._check_open()
         self.state.step += 1
         taskflow.update(self.update_ops(), self.config, self.p, self.g, self.m, self.v, lr, weight_decay,
                         self.state.step, grad_clip, self.norm)
@@ -159,7 +185,7 @@ class Engine:
         loss or gradient norm is still to be read (step_loss, grad_norm) while this one
         runs, so this one writes them into the other of two sets of buffers (engines with
         `ahead`)."""
-        positions = micro_positions(positions)
+        positions = self.micro_positions(positions)
         if keep_previous:
             self._alternate_buffers()
         self.submit_forward_backward(positions)
@@ -169,8 +195,9 @@ class Engine:
 
     def forward_backward(self, positions) -> float:
         """Mean loss of the batch at token position positions (several: the micro-batches of a
-        gradient accumulation); leaves its gradients in the grads buffer."""
-        positions = micro_positions(positions)
+        gradient accumulation); leaves its gradients in the gradients' tensors (in
+        state.grads once sync() has run: the StarPU engine's workers may hold them)."""
+        positions = self.micro_positions(positions)
         self.submit_forward_backward(positions)
         self.wait()
         return self.loss(micro_batches=len(positions))
@@ -191,6 +218,9 @@ class Engine:
         """Mean loss over the batches of tokens (a uint16 shard) starting at positions:
         forward-only task flows on the training's activation buffers. They read the
         parameters and touch no gradient or moment (no backward, no update)."""
+        self._check_open()
+        positions = [int(p) for p in positions]
+        check_positions(positions, tokens, self.B, self.T, "the validation data")
         ptr = ffi.cast("const uint16_t *", ffi.from_buffer(tokens))
         n = self.Bs * self.T
         losses = []

@@ -25,7 +25,7 @@ from ..model.config import ATTENTIONS
 from .sites import default_sub_batches
 from .topology import OWNERSHIPS, PIPELINE_SCHEDULES
 from .record import Partition
-from .settings import setting
+from .settings import check_fields, setting
 
 PARALLELISM = "parallelism (StarPU engine)"     # the help group of the partition flags
 KCORE_REQUESTS = ("team", "forkjoin")
@@ -174,6 +174,7 @@ def resolve(req: PartitionRequest, *, cores: int, build: Build, ranks: int = 1,
     with_batch; the scheduler: scheduler(), `sched_env` being $STARPU_SCHED; a pipeline's
     schedule: eager), the mechanism chosen, every rule checked (a clear StarpuLLMError naming
     the setting). Pure: the same arguments, the same partition."""
+    check_fields(req)       # each value of the kind and range its flag takes (from Python)
     if engine == "reference":
         if req.gpus:
             raise StarpuLLMError(f"{opt('gpus')} {req.gpus} runs the StarPU engine's tasks on "
@@ -183,7 +184,8 @@ def resolve(req: PartitionRequest, *, cores: int, build: Build, ranks: int = 1,
                  if getattr(req, name) is not None]
         if given:
             raise StarpuLLMError(f"{opt(given[0])} is the StarPU engine's; the reference engine "
-                                 f"runs one loop on {opt('threads')} threads (default: all cores)")
+                                 f"runs one loop on the threads {opt('threads')} gives (default: all "
+                                 f"cores)")
         threads = req.threads or cores
         if threads > cores and not req.oversubscribe:
             raise StarpuLLMError(f"{opt('threads')} {threads} is above the {cores} cores this "

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, fields, replace
 
 import numpy as np
 
-from ..errors import flag
+from ..errors import opt
 
 
 @dataclass(frozen=True)
@@ -168,12 +168,12 @@ class RunRecord:
                        f"uninterrupted run")
         changed = saved.settings.changed(self.settings)
         if changed:
-            out.append(", ".join(f"{flag(name)} {new} (saved with {was})"
+            out.append(", ".join(f"{opt(name)} {new} (saved with {was})"
                                  for name, was, new in changed)
                        + ": the run is no longer the uninterrupted one")
         if saved.data is not None and saved.data != self.data:
             detail = (f"{saved.data[0]:,} tokens then, {self.data[0]:,} now"
                       if saved.data[0] != self.data[0] else "as many, but others")
-            out.append(f"{flag('train_data')}: these are not the tokens the run was saved with "
+            out.append(f"{opt('train_data')}: these are not the tokens the run was saved with "
                        f"({detail}): the run is no longer the uninterrupted one")
         return out

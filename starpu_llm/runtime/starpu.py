@@ -245,8 +245,9 @@ class Runtime:
                                  "plan.partition.resolve, or give Runtime(attention=) one of "
                                  f"{', '.join(ATTENTIONS)}")
         if Runtime._active is not None:
-            raise StarpuLLMError("StarPU is already running in this process; "
-                                 "shut the other Runtime down first")
+            raise StarpuLLMError("StarPU is already running in this process: shut the other "
+                                 "Runtime down first (rt.shutdown(), or the end of its `with` "
+                                 "block), or run on it (train(cfg, runtime=rt))")
         with phase(comm, "planning StarPU's start"):   # every rank, before any starts StarPU-MPI
             core_ids = self._plan(partition, comm, face, memory)
             check_perf_model_dir()

@@ -50,7 +50,8 @@ def available() -> bool:
 
 def resolve(face: str | None) -> str:
     """The face to use: the one asked for (an error when it cannot be had), else
-    $STARPU_LLM_FACE when starpupy is there for it, else "cffi"."""
+    $STARPU_LLM_FACE when starpupy is there for it, else "cffi" (a value of the variable that
+    names no face: an error naming it)."""
     if face is not None:
         if face not in FACES:
             raise StarpuLLMError(f"face {face!r}: choose one of {', '.join(FACES)}")
@@ -59,6 +60,8 @@ def resolve(face: str | None) -> str:
                                  "package of a StarPU >= 1.4 built with starpupy) on sys.path")
         return face
     env = os.environ.get(ENV, "cffi")
+    if env not in FACES:
+        raise StarpuLLMError(f"{ENV}={env!r}: choose one of {', '.join(FACES)}, or unset it")
     return "starpupy" if env == "starpupy" and available() else "cffi"
 
 

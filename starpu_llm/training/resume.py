@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 
 from ..model.config import MODELS, GPTConfig
-from ..errors import StarpuLLMError, flag, opt
+from ..errors import StarpuLLMError, opt
 from ..io import checkpoint, hf
 from ..io.formats import params_crc
 from ..plan.record import Partition, RunRecord, Settings
@@ -153,4 +153,4 @@ def on_recorded_partition(cfg, record: RunRecord | None, ranks: int, memory_limi
                                      memory_limit, p.engine), []
     except StarpuLLMError as e:
         return cfg, None, [f"the recorded partition ({p.describe()}) cannot run here "
-                           f"({e.render(flag)}): the run goes on on the default partition"]
+                           f"({e.args[0]}): the run goes on on the default partition"]

@@ -12,7 +12,6 @@ one rank ends every rank at once, reported by rank 0.
 """
 from __future__ import annotations
 
-import math
 import sys
 import time
 from dataclasses import dataclass, field, fields
@@ -25,7 +24,7 @@ from .checkpointing import check_outputs, check_checkpoint_dir, save_final
 from ..model.config import MODELS, GPTConfig, check_batch_shape
 from .engines import (autotuned, calibrated_peak, calibration, check_memory, make_engine,
                       run_partition, start_runtime)
-from ..errors import StarpuLLMError, opt
+from ..errors import StarpuLLMError, flag, opt, render
 from ..io import data
 from .metrics import Metrics, step_extras
 from ..plan.partition import PartitionRequest
@@ -34,7 +33,7 @@ from ..perf.runs import peak_rss_mb
 from ..runtime import mpi as distributed
 from ..runtime.offload import MemoryLimit
 from .schedule import SCHEDULES, check_schedule, learning_rate
-from ..plan.settings import setting
+from ..plan.settings import check_fields, setting
 from ..model.state import TrainState
 from .validation import Validation
 from .watchers import Checkpoints, Counters, Divergence, Samples, StepDone, StepLine, Trace
@@ -96,14 +95,15 @@ class TrainConfig(PartitionRequest):
     val_data: str | None = setting(None, "validation shard (default: the bundled corpus's "
                                    "validation shard)", metavar="SHARD")
     val_every: int = setting(0, "mean validation loss every N steps and after the last "
-                             "(default 0: none)", metavar="N", ranks_agree=True)
+                             "(default 0: none)", check="nonneg_int", metavar="N",
+                             ranks_agree=True)
     val_batches: int = setting(10, "M fixed validation batches (default 10)", check="positive",
                                metavar="M", ranks_agree=True)
     lr_schedule: str = setting("constant", "learning rate: constant, or cosine decay to "
                                "--min-lr over the run (after the warmup)",
                                choices=list(SCHEDULES), ranks_agree=True)
     warmup_steps: int = setting(0, "linear learning-rate warmup over the first N steps "
-                                "(default 0)", metavar="N", ranks_agree=True)
+                                "(default 0)", check="nonneg_int", metavar="N", ranks_agree=True)
     min_lr: float = setting(0.0, "the cosine schedule's final learning rate (default 0)",
                             check="nonneg", ranks_agree=True)
     grad_clip: float = setting(0.0, "clip the global L2 norm of the gradients to C before "
@@ -112,7 +112,7 @@ class TrainConfig(PartitionRequest):
     sample_every: int = setting(0, "every N steps, print a sample from the model being trained "
                                 "(default: never)", check="positive", metavar="N")
     # training under a memory budget (runtime/offload.py, flow/handles.py)
-    memory_limit: str | None = setting(
+    memory_limit: str | int | None = setting(
         None, "keep the run's main memory under SIZE (e.g. 12G, 800M; powers of 1024): StarPU "
         "allocates every tensor and evicts those that wait (AdamW moments, activations between "
         "their forward and backward tasks, gradients, parameters) to --offload-dir, fetching them "
@@ -182,6 +182,18 @@ def _to_stderr(text: str) -> None:
     print(f"warning: {text}", file=sys.stderr, flush=True)
 
 
+def _words(cfg: TrainConfig):
+    """How the run's lines name a setting: its flag when the run came from a command line
+    (cfg.flags_given), else its TrainConfig field."""
+    return flag if cfg.flags_given is not None else (lambda field: field)
+
+
+def _warnings(cfg: TrainConfig):
+    """cfg's warn (default: stderr), its settings named in the run's words (_words)."""
+    warn, words = cfg.warn or _to_stderr, _words(cfg)
+    return lambda text: warn(render(text, words))
+
+
 def train(cfg: TrainConfig, state: TrainState | None = None, runtime=None) -> TrainResult:
     """Train up to step cfg.steps (a resumed state continues from its step); returns losses,
     timings and the final state.
@@ -226,7 +238,7 @@ def _set_up(cfg: TrainConfig, state: TrainState | None, runtime) -> Run:
     comm = distributed.world() if runtime is None else runtime.comm
     rank, ranks = (comm.Get_rank(), comm.Get_size()) if comm is not None else (0, 1)
     log = (cfg.log if rank == 0 else None) or (lambda *a, **k: None)
-    warn = (cfg.warn or _to_stderr) if rank == 0 else (lambda *a, **k: None)
+    warn = _warnings(cfg) if rank == 0 else (lambda *a, **k: None)
     with distributed.phase(comm, "checking the settings"):
         memory = _check_settings(cfg, comm, rank, runtime)
     if memory is not None:
@@ -256,31 +268,38 @@ def _set_up(cfg: TrainConfig, state: TrainState | None, runtime) -> Run:
         distributed.same_everywhere(comm, run_settings(cfg, config, loader))
     own_runtime = (start_runtime(cfg, partition, comm, memory)
                    if runtime is None and cfg.engine == "starpu" else None)
-    runtime = own_runtime or runtime
+    runtime, engine = own_runtime or runtime, None
     try:
         with distributed.phase(comm, "making the engine"):
             engine = make_engine(cfg, partition, state, loader.tokens, runtime, machine)
-    except BaseException:       # e.g. a memory limit too small: StarPU stops (and its folder goes)
-        if own_runtime:
-            own_runtime.shutdown()
-        raise
-    log(f"model: L={config.L} NH={config.NH} C={config.C} V={config.V} Vp={config.Vp} "
-        f"maxT={config.maxT}, {config.num_parameters:,} parameters")
-    accum = (f", {cfg.grad_accum} micro-batches a step (gradient accumulation: "
-             f"{cfg.tokens_per_step:,} tokens)" if cfg.grad_accum > 1 else "")
-    log(f"data: {loader.path} ({loader.num_tokens:,} tokens), B={cfg.batch} T={cfg.seq_len}{accum}")
-    log(f"engine: {engine.describe()}")
-    log(f"partition: {partition.describe()}")
-    for text in start.warnings:
-        warn(text)
-    if start.saved is not None:
-        taken = ", ".join(f"{k}={v}" for k, v in start.restored)
-        log(f"resuming: {start.saved.path} (step {state.step})"
-            + (f" with its recorded settings {taken}" if taken else ""))
-        for text in record.changes_since(start.saved.record):
+        log(f"model: L={config.L} NH={config.NH} C={config.C} V={config.V} Vp={config.Vp} "
+            f"maxT={config.maxT}, {config.num_parameters:,} parameters")
+        accum = (f", {cfg.grad_accum} micro-batches a step (gradient accumulation: "
+                 f"{cfg.tokens_per_step:,} tokens)" if cfg.grad_accum > 1 else "")
+        log(f"data: {loader.path} ({loader.num_tokens:,} tokens), B={cfg.batch} T={cfg.seq_len}{accum}")
+        log(f"engine: {engine.describe()}")
+        log(f"partition: {partition.describe()}")
+        for text in start.warnings:
             warn(text)
-    if validation:
-        log(validation.describe())
+        if start.saved is not None:
+            taken = ", ".join(f"{k}={v}" for k, v in start.restored)
+            log(f"resuming: {start.saved.path} (step {state.step})"
+                + (f" with its recorded settings {taken}" if taken else ""))
+            for text in record.changes_since(start.saved.record):
+                warn(text)
+        if validation:
+            log(validation.describe())
+    except BaseException:
+        # a memory limit too small, a log or warn callable that raises, Ctrl-C while the run
+        # is described: StarPU stops (and its folder goes), or the process could start no
+        # other Runtime
+        try:
+            if engine is not None:
+                engine.close()
+        finally:
+            if own_runtime:
+                own_runtime.shutdown()
+        raise
     return Run(cfg, comm, rank, log, warn, memory, state, loader, validation, runtime,
                own_runtime, engine, record, Counters(comm, runtime, memory), peak)
 
@@ -288,14 +307,9 @@ def _set_up(cfg: TrainConfig, state: TrainState | None, runtime) -> Run:
 def _check_settings(cfg: TrainConfig, comm, rank: int, runtime) -> MemoryLimit | None:
     """The settings alone, and the files rank 0 will write: a clear error now rather than
     after the training. The memory budget of the settings."""
-    if cfg.steps < 1:
-        raise StarpuLLMError(f"{opt('steps')} must be at least 1, got {cfg.steps}")
-    if not isinstance(cfg.seed, int) or cfg.seed < 0:
-        raise StarpuLLMError(f"{opt('seed')} {cfg.seed}: give a whole number >= 0")
-    for name in ("lr", "weight_decay", "min_lr", "grad_clip"):
-        value = getattr(cfg, name)
-        if not math.isfinite(value) or value < 0:
-            raise StarpuLLMError(f"{opt(name)} {value}: give a finite number >= 0")
+    check_fields(cfg)       # each value of the kind and range its flag takes
+    if not (isinstance(cfg.untimed_steps, int) and cfg.untimed_steps >= 0):
+        raise StarpuLLMError(f"untimed_steps {cfg.untimed_steps!r}: give a whole number >= 0")
     check_schedule(cfg.lr_schedule, cfg.lr, cfg.warmup_steps, cfg.min_lr, cfg.steps)
     if cfg.val_data and not cfg.val_every:
         raise StarpuLLMError(f"{opt('val_data')} is read only to validate every "
@@ -482,6 +496,13 @@ def _finish(run: Run, result: TrainResult) -> None:
             save_final(cfg, run.state, run.record, run.log)
 
 
+def _continue(cfg: TrainConfig, saved: str) -> str:
+    """How to continue a run stopped after saving to `saved`, in the run's words."""
+    if cfg.flags_given is not None:
+        return f"--resume {saved} --steps {cfg.steps}"
+    return f"TrainConfig(resume={saved!r}, steps={cfg.steps}, ...)"
+
+
 def _end(run: Run, stop, result: TrainResult) -> TrainResult:
     """StarPU stopped: the peak memory, the last lines, --save (from the state), and the
     signal that stopped the run, raised."""
@@ -499,8 +520,8 @@ def _end(run: Run, stop, result: TrainResult) -> TrainResult:
     if stop.requested:
         saved = cfg.save or (cfg.checkpoint_dir if cfg.save_every else None)
         log(f"stopped by {signals.name(stop.signum)} after step {state.step}"
-            + (f"; continue with --resume {saved} --steps {cfg.steps}" if saved else ""))
-        stopped = signals.Interrupted(stop.signum)
+            + (f"; continue with {_continue(cfg, saved)}" if saved else ""))
+        stopped = signals.Interrupted(stop.signum, result)
         stopped.agreed = True      # every rank stops after the same step (stop.stop)
         raise stopped
     return result

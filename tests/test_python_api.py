@@ -1,0 +1,175 @@
+"""The package driven from Python as a researcher does (a script, a notebook: one process,
+runs one after the other): a wrong value is one StarpuLLMError naming the field before StarPU
+starts; a run that fails or is interrupted leaves StarPU stopped (the next run starts); an
+interrupted run hands back what it trained; an engine refuses a position outside its data and
+any use once closed or once its runtime ended, instead of reading other memory or aborting
+the process. No module-wide runtime: each test starts and stops its own."""
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from starpu_llm import TrainConfig, train
+from starpu_llm.errors import StarpuLLMError
+from starpu_llm.flow.engine import StarPUEngine
+from starpu_llm.flow.reference import ReferenceEngine
+from starpu_llm.model.config import MODELS
+from starpu_llm.model.state import TrainState, random_init
+from starpu_llm.runtime import Runtime
+from starpu_llm.signals import Interrupted
+from partitions import here
+
+TINY = dict(model="tiny", batch=2, seq_len=16, steps=2, log=None)
+
+
+def starpu_stopped() -> bool:
+    return Runtime._active is None
+
+
+@pytest.mark.parametrize("field, value, said", [
+    ("batch", "2", "batch expects a whole number, got '2'"),
+    ("batch", 2.0, "batch expects a whole number, got 2.0"),
+    ("batch", True, "batch expects a whole number, got True"),
+    ("steps", "3", "steps expects a whole number"),
+    ("lr", "1e-3", "lr expects a number"),
+    ("lr", float("nan"), "lr must be a finite number >= 0, got nan"),
+    ("workers", "two", "workers expects a whole number or auto"),
+    ("grad_accum", 0, "grad_accum must be at least 1, got 0"),
+    ("val_batches", 0, "val_batches must be at least 1, got 0"),
+    ("save_every", 0, "save_every must be at least 1, got 0"),
+    ("keep_checkpoints", -1, "keep_checkpoints must be at least 1, got -1"),
+    ("sample_every", -1, "sample_every must be at least 1, got -1"),
+    ("val_every", -1, "val_every must be >= 0, got -1"),
+    ("warmup_steps", -2, "warmup_steps must be >= 0, got -2"),
+    ("engine", "fast", "engine 'fast': choose one of starpu, reference"),
+    ("oversubscribe", 1, "oversubscribe is a switch: True or False, got 1"),
+    ("train_data", 5, "train_data expects text"),
+    ("save", " ", "save expects text"),
+    ("untimed_steps", -1, "untimed_steps -1"),
+])
+def test_a_wrong_value_from_python_names_its_field_before_starpu_starts(field, value, said):
+    """Each value its flag would refuse (a string for a number, a float or a bool for a whole
+    number, out of range, not among the choices, a number for a path): one StarpuLLMError
+    naming the field, nothing started (a TypeError deep inside, an error at the first step,
+    or a run on True as a batch of 1, before)."""
+    with pytest.raises(StarpuLLMError) as e:
+        train(TrainConfig(**{**TINY, field: value}))
+    assert said in str(e.value), str(e.value)
+    assert starpu_stopped()
+
+
+def test_numpy_whole_numbers_are_whole_numbers():
+    r = train(TrainConfig(**{**TINY, "batch": np.int64(2), "seed": np.int64(3),
+                             "engine": "reference"}))
+    assert len(r.losses) == 2
+
+
+def test_a_failure_while_the_run_is_described_leaves_starpu_stopped():
+    """A log callable that raises on the partition's line (StarPU is running then, the engine
+    made): its error comes out, StarPU is stopped, and the next run starts."""
+    def log(line, *_, **__):
+        if str(line).startswith("partition:"):
+            raise RuntimeError("the notebook's logger broke")
+    with pytest.raises(RuntimeError, match="logger broke"):
+        train(TrainConfig(**{**TINY, "log": log}))
+    assert starpu_stopped()
+    assert len(train(TrainConfig(**TINY)).losses) == 2
+
+
+def test_an_interrupted_run_hands_back_what_it_trained():
+    """Ctrl-C (SIGINT to the process) during train() from Python, without save: the run stops
+    after the step under way and raises Interrupted, whose result holds the steps done (their
+    losses, the state at that step); StarPU is stopped."""
+    def log(line, *_, **__):
+        if str(line).split()[:2] == ["step", "1/20:"]:
+            os.kill(os.getpid(), signal.SIGINT)
+    with pytest.raises(Interrupted) as e:
+        train(TrainConfig(**{**TINY, "steps": 20, "log": log}))
+    r = e.value.result
+    assert r is not None and r.state is not None
+    assert 1 <= len(r.losses) == r.state.step < 20, (len(r.losses), r.state.step)
+    assert all(np.isfinite(r.losses))
+    assert starpu_stopped()
+
+
+def _engines(rt, tokens):
+    config = MODELS["tiny"]
+    for make in (lambda s: ReferenceEngine(config, s, 2, 16, tokens, threads=1),
+                 lambda s: StarPUEngine(config, s, 2, 16, tokens, rt)):
+        yield make(TrainState(config=config, params=random_init(config)))
+
+
+def test_a_position_outside_the_data_is_refused():
+    """A batch of 2 x 16 reads 33 tokens from its position: a position past len - 33 (which
+    read memory past the shard: a loss of garbage, or a segfault at 10^9) or below 0 is one
+    StarpuLLMError saying which positions fit, on both engines, for training and
+    validation; the last one that fits runs."""
+    tokens = np.random.default_rng(0).integers(0, MODELS["tiny"].V, 100).astype(np.uint16)
+    with Runtime(here()) as rt:
+        for eng in _engines(rt, tokens):
+            with eng:
+                for pos in (len(tokens) - 10, 10**9, -5, [0, 90]):
+                    with pytest.raises(StarpuLLMError, match="give a position from 0 to 67"):
+                        eng.step(pos, lr=1e-3, weight_decay=0.0)
+                with pytest.raises(StarpuLLMError, match="the validation data holds 100"):
+                    eng.validation_loss(tokens, [68])
+                assert np.isfinite(eng.step(67, lr=1e-3, weight_decay=0.0))
+                assert np.isfinite(eng.validation_loss(tokens, [0, 67]))
+
+
+def test_an_engine_closed_or_whose_runtime_ended_refuses_to_run():
+    """A StarPU engine used after close() or after its Runtime's end: one StarpuLLMError (the
+    process aborted inside StarPU before: its data unregistered); close() twice is fine."""
+    tokens = np.random.default_rng(0).integers(0, MODELS["tiny"].V, 100).astype(np.uint16)
+    config = MODELS["tiny"]
+    with Runtime(here()) as rt:
+        eng = StarPUEngine(config, TrainState(config=config, params=random_init(config)), 2, 16,
+                           tokens, rt)
+        eng.step(0, lr=1e-3, weight_decay=0.0)
+        eng.close()
+        for use in (lambda: eng.step(0, lr=1e-3, weight_decay=0.0), eng.logits, eng.sync,
+                    lambda: eng.loss(), lambda: eng.forward_backward(0)):
+            with pytest.raises(StarpuLLMError, match="engine is closed"):
+                use()
+        eng.close()
+        left = StarPUEngine(config, TrainState(config=config, params=random_init(config)), 2, 16,
+                            tokens, rt)
+        left.step(0, lr=1e-3, weight_decay=0.0)
+    for use in (lambda: left.step(0, lr=1e-3, weight_decay=0.0), left.logits):
+        with pytest.raises(StarpuLLMError, match="runtime of this engine has been shut down"):
+            use()
+    left.close()
+    with pytest.raises(StarpuLLMError, match="runtime is not running"):
+        StarPUEngine(config, TrainState(config=config, params=random_init(config)), 2, 16,
+                     tokens, rt)
+
+
+def test_without_the_compiled_part_the_import_says_how_to_build_it():
+    """`from starpu_llm import TrainConfig` where the cffi binding does not load (not built,
+    StarPU's library not found): one ImportError saying how to build it; the package and its
+    file formats still import."""
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['starpu_llm._clib'] = None\n"
+            "import starpu_llm.io.formats\n"
+            "try:\n    from starpu_llm import TrainConfig\n"
+            "except ImportError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "starpu_llm.TrainConfig needs the compiled part" in out.stdout, out.stdout
+    assert "build it with `make`" in out.stdout, out.stdout
+
+
+def test_a_face_variable_naming_no_face_is_an_error(monkeypatch):
+    """STARPU_LLM_FACE set to a word that names no face: one error naming the variable (it
+    was ignored); unset, or cffi, the cffi face."""
+    from starpu_llm.runtime import starpupy_face
+    monkeypatch.setenv("STARPU_LLM_FACE", "starpy")
+    with pytest.raises(StarpuLLMError, match="STARPU_LLM_FACE='starpy': choose one of cffi, "):
+        starpupy_face.resolve(None)
+    monkeypatch.setenv("STARPU_LLM_FACE", "cffi")
+    assert starpupy_face.resolve(None) == "cffi"
+    monkeypatch.delenv("STARPU_LLM_FACE")
+    assert starpupy_face.resolve(None) == "cffi"
