@@ -34,6 +34,31 @@ def test_task_threads_and_affinity(workers, cores, kcore):
             assert owned <= set(os.sched_getaffinity(0))
 
 
+@pytest.mark.skipif(CORES < 2, reason="a team of 2 cores needs 2 usable cores")
+def test_a_hand_set_workers_cpuid_places_each_team_on_its_cores(monkeypatch):
+    """STARPU_WORKERS_CPUID set by hand (and by pin_rank under mpirun, to the rank's cores)
+    with team workers: the list is the teams' cores in order, the worker on its team's first
+    (StarPU read the variable before the explicit binding: the worker went to the list's
+    w-th core, into its own or another team, and two threads shared a core)."""
+    first, second = sorted(os.sched_getaffinity(0))[:2]
+    monkeypatch.setenv("STARPU_WORKERS_CPUID", f"{second} {first}")
+    with Runtime(here(1, 2, kcore="team")) as rt:
+        for _ in range(4):
+            nthreads, masks = rt.probe()
+            assert nthreads == 2
+            assert [bits(m) for m in masks] == [[second], [first]], [hex(m) for m in masks]
+    assert os.environ["STARPU_WORKERS_CPUID"] == f"{second} {first}"      # put back
+    # two workers of 2 cores (sharing these 2): each worker on its group's first core, the
+    # list's entries 0 and 2, not 0 and 1
+    monkeypatch.setenv("STARPU_WORKERS_CPUID", f"{first} {second} {first} {second}")
+    with Runtime(here(2, 2, kcore="team", oversubscribe=True)) as rt:
+        assert rt.worker_cores() == [first, first]
+    assert starpu.listed_cores("0-2 5") == [0, 1, 2, 5]
+    monkeypatch.setenv("STARPU_WORKERS_CPUID", "0,1")
+    with pytest.raises(StarpuLLMError, match="STARPU_WORKERS_CPUID='0,1': give core numbers"):
+        Runtime(here(1, 2, kcore="team"))
+
+
 def test_default_partition_uses_every_core():
     with Runtime() as rt:
         assert rt.partition.cores == CORES == rt.partition.workers * rt.partition.cores_per_worker

@@ -113,7 +113,23 @@ static int start(int nworkers, int cores_per_worker, int kcore, const int *cores
 		ret = sl_ooc_before_init();
 		if (ret)
 			return ret;
+		/* Team workers: StarPU binds its workers by STARPU_WORKERS_CPUID before the
+		 * conf's workers_bindid, and would put worker w on the list's w-th core, inside
+		 * another worker's team. The cores given already hold that list, read as the
+		 * groups' cores (runtime/starpu.py), so the variable is set aside during the start
+		 * and put back. */
+		char *listed = NULL;
+		if (use_team && getenv("STARPU_WORKERS_CPUID")) {
+			listed = strdup(getenv("STARPU_WORKERS_CPUID"));
+			if (!listed)
+				return -ENOMEM;
+			unsetenv("STARPU_WORKERS_CPUID");
+		}
 		ret = comm ? sl_mpi_start(&conf, comm) : starpu_init(&conf);
+		if (listed) {
+			setenv("STARPU_WORKERS_CPUID", listed, 1);
+			free(listed);
+		}
 		if (ret)
 			return ret;
 	}
@@ -259,6 +275,15 @@ int sl_worker_count(void) { return (int)starpu_worker_get_count(); }
 int sl_cpu_worker_count(void) { return (int)starpu_cpu_worker_get_count(); }
 
 int sl_cuda_worker_count(void) { return (int)starpu_cuda_worker_get_count(); }
+
+int sl_cpu_worker_cores(int *cores, int max)
+{
+	int ids[STARPU_NMAXWORKERS];
+	int nw = starpu_worker_get_ids_by_type(STARPU_CPU_WORKER, ids, STARPU_NMAXWORKERS);
+	for (int w = 0; w < nw && w < max; w++)
+		cores[w] = starpu_worker_get_bindid(ids[w]);
+	return nw;
+}
 
 int sl_cuda_worker_devices(int *devs, int max)
 {

@@ -72,6 +72,9 @@ void sl_resume(void);
 int sl_worker_count(void);	    /* every StarPU worker: CPU and CUDA */
 int sl_cpu_worker_count(void);
 int sl_cuda_worker_count(void);
+/* The core StarPU bound each CPU worker's thread to (starpu_worker_get_bindid), in worker
+ * order, the first `max` into cores; returns how many CPU workers there are. */
+int sl_cpu_worker_cores(int *cores, int max);
 /* The CUDA devices StarPU's CUDA workers run on (starpu_worker_get_devid: what
  * STARPU_WORKERS_CUDAID and CUDA_VISIBLE_DEVICES made of them), each once, in worker order,
  * the first `max` into devs; returns how many there are (0 without CUDA workers). */

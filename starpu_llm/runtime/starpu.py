@@ -72,6 +72,22 @@ def _environment(variables: dict):
     return starpupy_face.environment({k: v for k, v in variables.items() if k not in os.environ})
 
 
+def listed_cores(text: str) -> list[int]:
+    """The cores of STARPU_WORKERS_CPUID, in order: numbers and ranges (a-b), separated by
+    spaces."""
+    cores = []
+    for word in text.split():
+        try:
+            first, _, last = word.partition("-")
+            cores += range(int(first), int(last or first) + 1)
+        except ValueError:
+            raise StarpuLLMError(f"STARPU_WORKERS_CPUID={text!r}: give core numbers or ranges "
+                                 f"(such as 0-7) separated by spaces, or unset it") from None
+    if not cores:
+        raise StarpuLLMError("STARPU_WORKERS_CPUID is empty: give core numbers, or unset it")
+    return cores
+
+
 def perf_model_dir() -> tuple[str, str]:
     """(where StarPU writes its performance models (codelets/, bus/), the variable that says
     so): STARPU_PERF_MODEL_DIR, or .starpu/sampling in the first of XDG_CACHE_HOME,
@@ -310,6 +326,12 @@ class Runtime:
         os.environ.setdefault("STARPU_NOPENCL", "0")
         n = p.cores
         core_ids = sorted(os.sched_getaffinity(0))
+        listed = os.environ.get("STARPU_WORKERS_CPUID")
+        if listed is not None and p.kcore == "team":
+            # StarPU binds its N workers to the list's first N entries; a team worker's team
+            # takes its group's other cores, so the list is read as the groups' cores in
+            # order (sl_start binds each worker to its group's first)
+            core_ids = listed_cores(listed)
         # the partition's cores, then one for each GPU's thread (oversubscribed: reused)
         core_ids = (core_ids * ((n + p.gpus) // len(core_ids) + 1))[:n + p.gpus]
         self.comm = comm
@@ -377,6 +399,13 @@ class Runtime:
         ret = lib.sl_wait_all()
         if ret != 0:
             raise RuntimeError(f"starpu_task_wait_for_all failed ({ret})")
+
+    def worker_cores(self) -> list[int]:
+        """The core each CPU worker's thread is bound to (sl_cpu_worker_cores), in StarPU's
+        order; a team worker's team takes its group's other cores."""
+        n = lib.sl_cpu_worker_cores(ffi.NULL, 0)
+        cores = ffi.new("int[]", max(n, 1))
+        return list(cores[0:lib.sl_cpu_worker_cores(cores, n)])
 
     def cuda_devices(self) -> list[int]:
         """The CUDA devices this runtime's CUDA workers run on (sl_cuda_worker_devices: StarPU's
