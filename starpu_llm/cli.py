@@ -495,6 +495,8 @@ def _main(argv=None) -> int:
     job = {"comm": None, "stop": None}      # the MPI communicator, once MPI runs
     try:
         with signals.stop_on_signal() as job["stop"]:
+            from .kernels.cpu import check
+            check()                        # this CPU runs what the kernels were built for
             parser = build_parser()        # the compiled modules load before MPI (runtime/mpi.py)
             from .runtime import mpi as distributed
             comm = job["comm"] = distributed.world()
@@ -530,7 +532,8 @@ def _from_a_signal(e: BaseException) -> bool:
 def _interrupted(signum: int, comm, agreed: bool) -> int:
     """The end on a signal (or a closed output): one line, status 128 + its number."""
     sys.stdout.flush()
-    signals.say(signals.ended(signum))      # on the stream that still works
+    if comm is None or not agreed or comm.Get_rank() == 0:     # an agreed stop: rank 0 says it
+        signals.say(signals.ended(signum))      # on the stream that still works
     return _end_job(comm, 128 + signum, agreed)
 
 

@@ -122,6 +122,7 @@ class StopOnSignal:
         self._count = 0
         self._deferred = 0
         self._saves = True      # whether a stop inside deferred() writes something
+        self._announce = True   # whether this process announces a stop (deferred)
         self._installed = False
 
     # --- installing and removing
@@ -222,7 +223,7 @@ class StopOnSignal:
         if self.signum is None:
             self.signum = signum
         if self._count == 1:
-            if self._deferred:
+            if self._deferred and self._announce:
                 say(f"{name(signum)}: stopping after the step under way{self._then()} (send it "
                      f"again to stop at once{', without saving' if self._saves else ''})")
             return
@@ -233,16 +234,19 @@ class StopOnSignal:
 
     # --- for the training loop
     @contextlib.contextmanager
-    def deferred(self, saves: bool = True):
+    def deferred(self, saves: bool = True, announce: bool = True):
         """Signals only ask to stop (stop() tells) while inside; saves: whether the stop
-        writes the run's outputs (what the announcement says)."""
+        writes the run's outputs (what the announcement says); announce: whether this
+        process says so (under mpirun rank 0 alone: mpirun forwards a signal to every
+        rank)."""
         self._deferred += 1
-        outer, self._saves = self._saves, saves
+        outer, self._saves = (self._saves, self._announce), saves
+        self._announce = announce
         try:
             yield self
         finally:
             self._deferred -= 1
-            self._saves = outer
+            self._saves, self._announce = outer
 
     def _then(self) -> str:
         return (", then saving" if self._saves

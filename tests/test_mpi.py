@@ -413,7 +413,7 @@ def test_ctrl_c_of_one_rank_stops_every_rank_after_the_same_step(shard, tmp_path
 def test_a_closed_stdout_of_mpirun_stops_every_rank_and_saves(shard, tmp_path):
     """`mpirun ... | head`: mpirun sees the closed pipe and ends the job with SIGTERM to every
     rank, which stop after the same step; rank 0 saves the model there with a metrics row
-    for every step; no traceback."""
+    for every step, and alone says so; no traceback."""
     save, metrics = tmp_path / "model.bin", tmp_path / "m.jsonl"
     args = train_args(shard, str(metrics), batch=4, steps=100000) + ["--save", str(save)]
     p = subprocess.Popen([MPIRUN, "--oversubscribe", "-np", "2", sys.executable, "-u", *args],
@@ -429,7 +429,9 @@ def test_a_closed_stdout_of_mpirun_stops_every_rank_and_saves(shard, tmp_path):
             p.kill()
             p.wait()
     assert p.returncode != 0 and "Traceback" not in err, err
-    assert "starpu-llm: stopped by SIGTERM" in err, err
+    # said once, by rank 0 (every rank got the signal: on 16 nodes, 16 copies before)
+    assert err.count("starpu-llm: stopped by SIGTERM") == 1, err
+    assert err.count("SIGTERM: stopping after the step under way") == 1, err
     last = checkpoint.read(save).step
     assert last >= 3 and [json.loads(l)["step"] for l in open(metrics)] == list(range(1, last + 1))
 
@@ -661,3 +663,38 @@ def test_a_one_process_checkpoint_resumes_under_mpirun(shard, tmp_path):
     assert p.stderr.count("warning: the checkpoint was saved by 1 process(es) and this run has "
                           "2") == 1
     assert "--workers" not in p.stderr and losses(str(tmp_path / "b.jsonl"))
+
+
+def test_a_launcher_binding_ranks_to_fewer_cores_than_allowed_is_warned(shard, tmp_path,
+                                                                        monkeypatch):
+    """mpirun binding its ranks to fewer cores than their cgroup allows (its default for 2
+    ranks or fewer: a core each) makes each rank's default partition that core: one warning
+    naming --bind-to none, under -np 1 too; none with --bind-to none, nor where the ranks
+    cover the cores; srun --mpi=pmix ranks (PMIx, no Open MPI variable) are an MPI job."""
+    from starpu_llm.runtime import mpi
+    if (mpi.allowed_cpus() or set()) != set(os.sched_getaffinity(0)) or \
+            len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 cores or more, all of them this process's (a binding to narrow)")
+    env = {k: v for k, v in ENV.items() if k != "OMPI_MCA_rmaps_base_oversubscribe"}
+    args = train_args(shard, str(tmp_path / "m.jsonl"), batch=2, steps=1)
+    for binding, warned in (("core", True), ("none", False)):
+        p = subprocess.run([MPIRUN, "--bind-to", binding, "-np", "1", sys.executable, *args],
+                           capture_output=True, text=True, timeout=240, env=env)
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert ("give mpirun --bind-to none" in p.stderr) == warned, (binding, p.stderr)
+    lines = []
+    monkeypatch.setattr(mpi, "allowed_cpus", lambda: {0, 1, 2, 3})
+    monkeypatch.setattr(sys, "stderr", type("W", (), {"write": lambda _, t: lines.append(t),
+                                                      "flush": lambda _: None})())
+    mpi.say_if_bound([[0], [1]])
+    assert "bound this node's 2 rank(s) to 2 of the 4 cores" in "".join(lines)
+    lines.clear()
+    mpi.say_if_bound([[0, 1], [2, 3]])
+    assert lines == []
+    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("PMIX_RANK", "0")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")
+    assert mpi.launched_by_mpirun()
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "1")
+    assert not mpi.launched_by_mpirun()

@@ -173,3 +173,22 @@ def test_a_face_variable_naming_no_face_is_an_error(monkeypatch):
     assert starpupy_face.resolve(None) == "cffi"
     monkeypatch.delenv("STARPU_LLM_FACE")
     assert starpupy_face.resolve(None) == "cffi"
+
+
+def test_a_cpu_without_the_builds_instruction_sets_is_one_clear_error():
+    """A build with -march=native records its instruction sets (starpu_llm._build.ISA, in
+    /proc/cpuinfo's names); a CPU without one of them (a cluster's compute node unlike the
+    login node that built it) is one error naming them and the build that runs anywhere,
+    before a kernel dies of an illegal instruction. The build machine passes its own check:
+    the recorded names are /proc/cpuinfo's."""
+    from starpu_llm.kernels import cpu
+    from starpu_llm._build import ISA
+    cpu.check()                          # this machine built it
+    flags = cpu.cpu_flags()
+    if flags is not None:
+        assert set(ISA.split()) <= flags, set(ISA.split()) - flags
+    with pytest.raises(StarpuLLMError, match="with avx512f, avx512bw, which this CPU lacks") as e:
+        cpu.check("avx2 fma avx512f avx512bw", {"avx2", "fma", "sse2"})
+    assert "-Dnative=false" in str(e.value)
+    cpu.check("", {"sse2"})              # built without -march=native: any CPU
+    cpu.check("avx2", None)              # flags unknown (not Linux): no refusal

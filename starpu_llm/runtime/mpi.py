@@ -34,11 +34,56 @@ def traffic(comm, before: list, after: list, steps: int) -> list:
 
 
 def launched_by_mpirun() -> bool:
-    """True when this process is one of several started by an MPI launcher."""
+    """True when this process is one of several started by an MPI launcher: Open MPI's
+    mpirun, a PMI launcher (srun --mpi=pmi2, Hydra), or srun --mpi=pmix (PMIx names the rank;
+    Slurm the step's tasks)."""
     for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
         if int(os.environ.get(var, "1") or 1) > 1:
             return True
-    return False
+    tasks = os.environ.get("SLURM_STEP_NUM_TASKS") or os.environ.get("SLURM_NTASKS") or "1"
+    return "PMIX_RANK" in os.environ and tasks.isdigit() and int(tasks) > 1
+
+
+def say_if_bound(same_node: list) -> None:
+    """A warning (stderr) when a launcher bound the ranks of a node (their cores, same_node)
+    to fewer cores than their cgroup allows: mpirun's default binding, which a rank's
+    default partition then takes as all it has. Under mpirun -np 1 too (one process, no
+    communicator: same_node its own cores)."""
+    bound, allowed = set().union(*same_node), allowed_cpus()
+    if allowed and bound < allowed:
+        print(f"warning: the launcher bound this node's {len(same_node)} rank(s) to "
+              f"{len(bound)} of the {len(allowed)} cores they may use (Open MPI's mpirun binds "
+              f"each rank to a core for 2 ranks or fewer, to a socket above): give mpirun "
+              f"--bind-to none to use them all (docs/clusters.md), unless that binding is meant",
+              file=sys.stderr, flush=True)
+
+
+def allowed_cpus() -> set[int] | None:
+    """The CPUs this process's cgroup allows (cpuset: a Slurm job's, a container's), None
+    where it cannot be read: what a launcher's own binding may narrow."""
+    try:
+        line = next(l for l in open("/proc/self/cgroup") if l.startswith("0::"))
+        paths = [f"/sys/fs/cgroup{line[3:].strip().rstrip('/')}/cpuset.cpus.effective"]
+    except (OSError, StopIteration):
+        paths = []
+    try:
+        v1 = next(l.split(":", 2)[2].strip() for l in open("/proc/self/cgroup")
+                  if "cpuset" in l.split(":", 2)[1].split(","))
+        paths.append(f"/sys/fs/cgroup/cpuset{v1.rstrip('/')}/cpuset.effective_cpus")
+    except (OSError, StopIteration, IndexError):
+        pass
+    for path in paths:
+        try:
+            text = open(path).read().strip()
+        except OSError:
+            continue
+        cpus = set()
+        for part in filter(None, text.split(",")):
+            first, _, last = part.partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+        if cpus:
+            return cpus
+    return None
 
 
 def world():
@@ -83,6 +128,8 @@ def pin_rank(comm) -> list[int]:
     mine = sorted(os.sched_getaffinity(0))
     masks = comm.allgather((os.uname().nodename, mine))
     same_node = [m for host, m in masks if host == os.uname().nodename]
+    if comm.Get_rank() == 0:
+        say_if_bound(same_node)
     overlapping = any(set(m) & set(mine) for m in same_node[:lrank] + same_node[lrank + 1:])
     if overlapping and lsize > 1:
         per = len(mine) // lsize

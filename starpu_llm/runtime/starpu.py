@@ -196,11 +196,14 @@ def c_partition(p: Partition, sched):
 _said_off = False
 
 
-def _say_parallel_workers_off(p: Partition) -> None:
+def _say_parallel_workers_off(p: Partition, comm) -> None:
     """A K-core CPU partition run without the parallel workers its build has, for a reason the
-    user did not choose (parallel_workers_here): said once a process, on stderr."""
+    user did not choose (parallel_workers_here): said once a process, on stderr, by rank 0
+    under mpirun (every rank has the same build)."""
     global _said_off
     why = parallel_workers_here()[1]      # a reason only where they are off
+    if comm is not None and comm.Get_rank() != 0:
+        return
     if _said_off or not why or p.gpus or p.cores_per_worker < 2:
         return
     _said_off = True
@@ -270,7 +273,7 @@ class Runtime:
         p = self.partition
         if attention:
             p = self.partition = replace(p, attention=attention_of(attention, p.gpus))
-        _say_parallel_workers_off(p)
+        _say_parallel_workers_off(p, comm)
         self.attention = p.attention
         self.offload = offload.start(memory)     # the limit, before StarPU starts
         self.offload_path = self.offload.path if self.offload else None

@@ -12,6 +12,7 @@ one rank ends every rank at once, reported by rank 0.
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass, field, fields
@@ -205,7 +206,8 @@ def train(cfg: TrainConfig, state: TrainState | None = None, runtime=None) -> Tr
     the process at once (signals.py)."""
     with signals.stop_on_signal() as stop:
         run = _set_up(cfg, state, runtime)
-        with stop.deferred(saves=bool(run.cfg.save or run.cfg.save_hf or run.cfg.save_every)):
+        with stop.deferred(saves=bool(run.cfg.save or run.cfg.save_hf or run.cfg.save_every),
+                           announce=run.rank == 0):
             return _run(run, stop)
 
 
@@ -245,6 +247,8 @@ def _set_up(cfg: TrainConfig, state: TrainState | None, runtime) -> Run:
         log = _flushed(log)   # a disk that fills ends the process from inside StarPU
     if comm is not None and runtime is None:
         distributed.pin_rank(comm)
+    elif runtime is None and "OMPI_COMM_WORLD_SIZE" in os.environ:    # mpirun -np 1
+        distributed.say_if_bound([os.sched_getaffinity(0)])
     with distributed.phase(comm, "reading the inputs"):
         start = resume.start(cfg, state, ranks, memory is not None,
                              on_runtime=runtime is not None and cfg.engine == "starpu")
