@@ -63,6 +63,7 @@ def is_sliced(name: str) -> bool:
 
 @dataclass(frozen=True)
 class GPTConfig:
+    """GPT-2's shape, llm.c's: maxT, V, Vp, L, NH, C (MODELS names the sizes)."""
     max_seq_len: int = 1024      # maxT
     vocab_size: int = 50257      # V, the real vocabulary
     padded_vocab_size: int = 50304  # Vp, rows of wte (multiple of 128 for aligned GEMMs)

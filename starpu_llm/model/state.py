@@ -124,6 +124,9 @@ class RandomInit(Slices):
 
 @dataclass
 class TrainState:
+    """A model being trained: its configuration, the flat float32 parameters (llm.c's
+    layout, ParamLayout), the AdamW moments and gradients, the step done, and the data
+    position (what a checkpoint's .state holds)."""
     config: GPTConfig
     params: np.ndarray | Slices         # flat float32, llm.c's layout
     m: np.ndarray | Slices = None       # AdamW first moment

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+import textwrap
 import time
 from dataclasses import dataclass, field, fields
 from typing import NamedTuple
@@ -139,8 +140,27 @@ class TrainConfig(PartitionRequest):
         return self.grad_accum * self.batch * self.seq_len
 
 
+def _field_help(cls) -> str:
+    """Each setting of cls with its default and help, for help(TrainConfig): what a Python
+    caller reads where the command line has --help."""
+    lines = []
+    for f in fields(cls):
+        if "help" in f.metadata:
+            text = f"{f.name} = {f.default!r}: {f.metadata['help']}"
+            lines += textwrap.wrap(text, 92, initial_indent="    ", subsequent_indent="        ")
+    return "\n\nSettings (each the `starpu-llm train` flag --<name with dashes>):\n" + \
+        "\n".join(lines)
+
+
+TrainConfig.__doc__ += _field_help(TrainConfig)
+
+
 @dataclass
 class TrainResult:
+    """What train() returns (and signals.Interrupted.result holds when a signal stopped it):
+    the losses of this run's steps (a resumed run: its own), each step's time, the run's
+    tokens/ms over its timed steps, the peak memory, the final state (parameters, moments,
+    step, data position), and what the run could not write."""
     losses: list = field(default_factory=list)
     step_ms: list = field(default_factory=list)
     tokens_per_ms: float = float("nan")   # over the timed (post-warmup) steps
