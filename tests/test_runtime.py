@@ -40,13 +40,15 @@ def test_a_hand_set_workers_cpuid_places_each_team_on_its_cores(monkeypatch):
     with team workers: the list is the teams' cores in order, the worker on its team's first
     (StarPU read the variable before the explicit binding: the worker went to the list's
     w-th core, into its own or another team, and two threads shared a core)."""
-    first, second = sorted(os.sched_getaffinity(0))[:2]
+    # the list in StarPU's numbers (hwloc's logical), the threads' masks in the OS's
+    first, second = starpu.cpu_indexes(sorted(os.sched_getaffinity(0))[:2])
+    os_first, os_second = starpu.cpu_indexes([first, second], to_logical=False)
     monkeypatch.setenv("STARPU_WORKERS_CPUID", f"{second} {first}")
     with Runtime(here(1, 2, kcore="team")) as rt:
         for _ in range(4):
             nthreads, masks = rt.probe()
             assert nthreads == 2
-            assert [bits(m) for m in masks] == [[second], [first]], [hex(m) for m in masks]
+            assert [bits(m) for m in masks] == [[os_second], [os_first]], [hex(m) for m in masks]
     assert os.environ["STARPU_WORKERS_CPUID"] == f"{second} {first}"      # put back
     # two workers of 2 cores (sharing these 2): each worker on its group's first core, the
     # list's entries 0 and 2, not 0 and 1
@@ -57,6 +59,24 @@ def test_a_hand_set_workers_cpuid_places_each_team_on_its_cores(monkeypatch):
     monkeypatch.setenv("STARPU_WORKERS_CPUID", "0,1")
     with pytest.raises(StarpuLLMError, match="STARPU_WORKERS_CPUID='0,1': give core numbers"):
         Runtime(here(1, 2, kcore="team"))
+
+
+def test_cpu_numbers_go_to_starpu_in_hwlocs_logical_order():
+    """StarPU binds by hwloc's logical CPU index; the OS's numbers (sched_getaffinity) are
+    converted both ways without loss, and every CPU worker is bound where the partition says,
+    in StarPU's numbers: on a machine whose hyperthreads are numbered apart (OS 0-15 the
+    first thread of each core, 16-31 the second) the OS's 0-15 passed as they are would be
+    both threads of 8 cores."""
+    mine = sorted(os.sched_getaffinity(0))
+    logical = starpu.cpu_indexes(mine)
+    assert sorted(logical) == sorted(set(logical)) and len(logical) == len(mine)
+    assert starpu.cpu_indexes(logical, to_logical=False) == mine
+    if CORES >= 2:      # team workers of 2 (the binding this code gives StarPU) on half
+        workers = max(1, CORES // 4)    # of the cores: all of them would be one set either way
+        with Runtime(here(workers, 2, kcore="team")) as rt:
+            assert rt.worker_cores() == logical[0:2 * workers:2]
+            _, masks = rt.probe()
+            assert {bits(m)[0] for m in masks} <= set(mine)
 
 
 def test_default_partition_uses_every_core():

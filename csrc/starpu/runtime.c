@@ -6,6 +6,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include "internal.h"
+#ifdef SL_HAVE_HWLOC
+#include <hwloc.h>
+#endif
 #ifdef SL_HAVE_CUDA
 #include <cuda_runtime_api.h>
 #include <starpu_cublas.h>
@@ -275,6 +278,39 @@ int sl_worker_count(void) { return (int)starpu_worker_get_count(); }
 int sl_cpu_worker_count(void) { return (int)starpu_cpu_worker_get_count(); }
 
 int sl_cuda_worker_count(void) { return (int)starpu_cuda_worker_get_count(); }
+
+int sl_cpu_indexes(const int *in, int *out, int n, int to_logical)
+{
+	for (int i = 0; i < n; i++)
+		out[i] = in[i];
+#ifdef SL_HAVE_HWLOC
+	/* the topology as StarPU loads it (topology.c: this system, the allowed PUs), so that the
+	 * logical indexes are StarPU's */
+	hwloc_topology_t topo;
+	if (hwloc_topology_init(&topo))
+		return -ENOMEM;
+	int ret = 0;
+	if (hwloc_topology_set_flags(topo, HWLOC_TOPOLOGY_FLAG_IS_THISSYSTEM) ||
+	    hwloc_topology_load(topo)) {
+		ret = -ENODEV;
+	} else {
+		for (int i = 0; i < n && !ret; i++) {
+			hwloc_obj_t pu = to_logical ?
+				hwloc_get_pu_obj_by_os_index(topo, (unsigned)in[i]) :
+				hwloc_get_obj_by_type(topo, HWLOC_OBJ_PU, (unsigned)in[i]);
+			if (!pu)
+				ret = -EINVAL;
+			else
+				out[i] = (int)(to_logical ? pu->logical_index : pu->os_index);
+		}
+	}
+	hwloc_topology_destroy(topo);
+	return ret;
+#else
+	(void)to_logical;
+	return -ENOSYS;
+#endif
+}
 
 int sl_cpu_worker_cores(int *cores, int max)
 {

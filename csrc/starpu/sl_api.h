@@ -75,6 +75,12 @@ int sl_cuda_worker_count(void);
 /* The core StarPU bound each CPU worker's thread to (starpu_worker_get_bindid), in worker
  * order, the first `max` into cores; returns how many CPU workers there are. */
 int sl_cpu_worker_cores(int *cores, int max);
+/* StarPU names a CPU by hwloc's logical index (STARPU_WORKERS_CPUID, the workers' binding,
+ * sl_cpu_worker_cores), the OS by its own (sched_getaffinity); they differ where a core's
+ * hyperthreads are not numbered together. Converts n indexes from the OS's to the logical
+ * ones (to_logical) or back into out; 0, -EINVAL for an index no allowed PU has, -ENOSYS
+ * without hwloc (out = in: StarPU then numbers as the OS does). */
+int sl_cpu_indexes(const int *in, int *out, int n, int to_logical);
 /* The CUDA devices StarPU's CUDA workers run on (starpu_worker_get_devid: what
  * STARPU_WORKERS_CUDAID and CUDA_VISIBLE_DEVICES made of them), each once, in worker order,
  * the first `max` into devs; returns how many there are (0 without CUDA workers). */

@@ -97,7 +97,8 @@ def world():
         from mpi4py import MPI
     except ImportError:
         raise StarpuLLMError("this run was started by mpirun but mpi4py is missing: "
-                             "pip install mpi4py") from None
+                             "pip install --no-binary mpi4py mpi4py (built against this "
+                             "MPI)") from None
     comm = MPI.COMM_WORLD
     if comm.Get_size() < 2:
         return None
@@ -142,8 +143,10 @@ def pin_rank(comm) -> list[int]:
     # communication thread on the last of them unless the user chose (docs/clusters.md): a
     # partition of fewer cores than the rank has leaves that core to the thread alone, the
     # paper's reserved core, and the thread then spins (mpi_polling).
-    os.environ.setdefault("STARPU_WORKERS_CPUID", " ".join(map(str, mine)))
-    os.environ.setdefault("STARPU_MPI_THREAD_CPUID", str(mine[-1]))
+    from .starpu import cpu_indexes       # StarPU numbers CPUs by hwloc's logical index
+    logical = cpu_indexes(mine)
+    os.environ.setdefault("STARPU_WORKERS_CPUID", " ".join(map(str, logical)))
+    os.environ.setdefault("STARPU_MPI_THREAD_CPUID", str(logical[-1]))
     # starpu_mpi_init_conf would otherwise keep one core out of the workers for that thread
     os.environ.setdefault("STARPU_RESERVE_NCPU", "0")
     return mine

@@ -72,6 +72,23 @@ def _environment(variables: dict):
     return starpupy_face.environment({k: v for k, v in variables.items() if k not in os.environ})
 
 
+def cpu_indexes(ids, to_logical: bool = True) -> list[int]:
+    """CPUs ids converted from the OS's numbers (sched_getaffinity, taskset) to hwloc's
+    logical ones, which StarPU takes (STARPU_WORKERS_CPUID, the workers' binding), or back
+    (sl_cpu_indexes): they differ where a core's hyperthreads are not numbered together; the
+    same numbers where this build has no hwloc (StarPU numbers as the OS then)."""
+    ids = [int(i) for i in ids]
+    if not ids:
+        return ids
+    out = ffi.new("int[]", len(ids))
+    ret = lib.sl_cpu_indexes(ffi.new("int[]", ids), out, len(ids), int(to_logical))
+    if ret == -errno.EINVAL:
+        raise StarpuLLMError(f"CPU(s) {ids}: not all are CPUs this process may use (hwloc)")
+    if ret not in (0, -errno.ENOSYS):
+        raise RuntimeError(f"sl_cpu_indexes failed ({ret})")
+    return list(out)
+
+
 def listed_cores(text: str) -> list[int]:
     """The cores of STARPU_WORKERS_CPUID, in order: numbers and ranges (a-b), separated by
     spaces."""
@@ -328,7 +345,7 @@ class Runtime:
         os.environ.setdefault("STARPU_SILENT", "1")
         os.environ.setdefault("STARPU_NOPENCL", "0")
         n = p.cores
-        core_ids = sorted(os.sched_getaffinity(0))
+        core_ids = cpu_indexes(sorted(os.sched_getaffinity(0)))    # StarPU's numbers
         listed = os.environ.get("STARPU_WORKERS_CPUID")
         if listed is not None and p.kcore == "team":
             # StarPU binds its N workers to the list's first N entries; a team worker's team
