@@ -3,6 +3,7 @@ file, and a failed or wrong download leaves nothing under the tarball's name. No
 address is pointed at local files (SL_STARPU_URL, file://), which curl reads like a server."""
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -57,3 +58,58 @@ def test_a_missing_tarball_path_names_the_download(tmp_path):
     assert r.returncode == 1
     assert "no tarball at" in r.stderr and "'download'" in r.stderr
     assert not (tmp_path / "prefix").exists()
+
+
+# The commands tools/install-system-deps.sh looks for where dpkg-query is absent (the packages of
+# build-starpu.sh's list: libtool-bin is libtool and libtoolize, libopenmpi-dev mpicc, openmpi-bin
+# mpirun), and what would install packages.
+BUILD_COMMANDS = ("autoconf", "automake", "libtool", "libtoolize", "make", "gcc", "patch", "mpicc",
+                  "mpirun")
+DEBIAN_ONLY = ("dpkg-query", "dpkg", "apt-get", "sudo", "pkg-config")
+
+
+def machine_without_dpkg(tmp_path, have, hwloc):
+    """A PATH of this machine's commands without dpkg-query, apt-get or sudo (another
+    distribution, a cluster's login node): of the build's commands only those in `have`, as
+    stand-ins, and a pkg-config that knows hwloc when hwloc."""
+    bin = tmp_path / "bin"
+    bin.mkdir()
+    for d in ("/usr/bin", "/bin"):
+        for name in os.listdir(d):
+            if name not in BUILD_COMMANDS + DEBIAN_ONLY and not os.path.lexists(bin / name):
+                os.symlink(os.path.join(d, name), bin / name)
+    for name in have:
+        (bin / name).write_text("#!/bin/sh\nexit 0\n")
+    (bin / "pkg-config").write_text(
+        f'#!/bin/sh\n[ "$1" = --exists ] && [ "$2" = hwloc ] && {"true" if hwloc else "false"}\n')
+    for f in bin.iterdir():
+        if not f.is_symlink():
+            f.chmod(0o755)
+    return dict(os.environ, PATH=str(bin), PYTHON=sys.executable)
+
+
+def test_without_dpkg_the_commands_the_build_uses_pass_the_check(tmp_path):
+    env = machine_without_dpkg(tmp_path, BUILD_COMMANDS, hwloc=True)
+    r = subprocess.run(["bash", str(SCRIPT.parent / "install-system-deps.sh"), "autoconf",
+                        "automake", "libtool-bin", "make", "gcc", "patch", "pkg-config",
+                        "libhwloc-dev", "libopenmpi-dev", "openmpi-bin"],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == r.stderr == ""          # nothing installed, nothing to say
+
+
+def test_without_dpkg_a_missing_command_is_named_with_what_to_do(tmp_path):
+    # build-starpu.sh on a cluster without libtoolize and hwloc.pc: named, with the modules to
+    # load and SL_SKIP_DEPS; no sudo, no apt-get
+    env = machine_without_dpkg(tmp_path, [c for c in BUILD_COMMANDS if c != "libtoolize"],
+                               hwloc=False)
+    tarball = tmp_path / "starpu-1.4.12.tar.gz"
+    tarball.write_bytes(b"never unpacked")
+    r = subprocess.run(["bash", str(SCRIPT), str(tarball), str(tmp_path / "prefix")], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1, r.stderr
+    assert "libtool-bin (the commands libtool and libtoolize)" in r.stderr, r.stderr
+    assert "libhwloc-dev (pkg-config's hwloc.pc)" in r.stderr
+    assert "autoconf" not in r.stderr.split("missing system packages:")[1].split(".")[0]
+    assert "module load" in r.stderr and "SL_SKIP_DEPS=1" in r.stderr
+    assert "installing" not in r.stdout + r.stderr

@@ -9,7 +9,9 @@
 #
 # With MPI (StarPU-MPI), parallel workers and starpupy; without CUDA, OpenCL, HIP, Fortran,
 # documentation, examples or tests. Only `download` downloads: the Debian packages it needs are
-# installed with apt-get when missing (SL_NO_APT=1: don't, just fail if something is missing).
+# installed with apt-get when missing (SL_NO_APT=1: don't, just fail if something is missing);
+# without dpkg, their commands (autoconf, automake, libtool, make, gcc, patch, pkg-config, mpicc)
+# and hwloc.pc are looked for instead, from modules or elsewhere, and nothing is installed.
 #
 #   tools/build-starpu.sh --cuda TARBALL PREFIX
 #
@@ -53,7 +55,8 @@
 #                   default is the build machine's core count rounded up to a power of two (2 on
 #                   a 2-core VM), too small for the nodes it runs on.
 #   JOBS            make -j (default: nproc)
-#   SL_SKIP_DEPS    1: do not check the Debian packages (see below)
+#   SL_SKIP_DEPS    1: do not check the build's packages (tools/install-system-deps.sh: Debian's
+#                   packages, or without dpkg the commands and pkg-config modules they provide)
 #
 # Idempotent: a prefix whose stamp records the same tarball and options is left as it is.
 set -euo pipefail
@@ -250,9 +253,13 @@ fi
 pkgs=(autoconf automake libtool-bin make gcc patch pkg-config libhwloc-dev libopenmpi-dev openmpi-bin)
 # Debian's python3 needs its -dev package for Python.h; another Python (venv, pyenv) has its own.
 [ $mode = cpu ] && case "$(realpath "$python")" in /usr/bin/*) pkgs+=(python3-dev python3-setuptools) ;; esac
-# SL_SKIP_DEPS=1: no package check (a machine whose packages dpkg does not list, e.g. the GPU
-# machine building a tree made by --autogen: configure says what is missing)
-[ -n "${SL_SKIP_DEPS:-}" ] || "$tools/install-system-deps.sh" "${pkgs[@]}"
+# Without dpkg (another distribution, a cluster's modules) install-system-deps.sh checks the
+# commands and pkg-config modules these packages provide instead. SL_SKIP_DEPS=1: no check at
+# all (e.g. the GPU machine building a tree made by --autogen: configure says what is missing)
+if [ -z "${SL_SKIP_DEPS:-}" ]; then
+  PYTHON=$python "$tools/install-system-deps.sh" "${pkgs[@]}" ||
+    { echo "$0: SL_SKIP_DEPS=1 skips this check (configure then names what it lacks)" >&2; exit 1; }
+fi
 [ $mode = cuda ] || "$python" -c 'import setuptools' 2>/dev/null ||
   { echo "$0: $python has no setuptools (starpupy's install needs it)" >&2; exit 1; }
 
