@@ -29,8 +29,24 @@ class UsageError(StarpuLLMError):
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)    # --cores-per-worke is no --cores-per-worker
+        super().__init__(*args, **kwargs)
+
     def error(self, message):
         raise UsageError(f"{self.format_usage()}{self.prog}: error: {message}")
+
+    def parse_args(self, args=None, namespace=None):
+        """argparse's, but words no parser knows are an error of the command they follow,
+        with that command's usage (`train --nosuch`: train's, not the top level's)."""
+        ns, extra = self.parse_known_args(args, namespace)
+        if extra:
+            command = self
+            for a in self._actions:
+                if isinstance(a, argparse._SubParsersAction):
+                    command = a.choices.get(getattr(ns, a.dest, None), self)
+            command.error(f"unrecognized arguments: {' '.join(extra)}")
+        return ns
 
 
 def _checked(parse, kind: str, ok, rule: str):

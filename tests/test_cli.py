@@ -157,6 +157,16 @@ def test_bad_flag_values(args, flag):
     assert_clean_error(rc, err, flag)
 
 
+@pytest.mark.parametrize("command", ["train", "predict"])
+@pytest.mark.parametrize("words", [["--nosuch"], ["--cores-per-worke", "1"], ["--batc", "8"]])
+def test_an_unknown_flag_is_the_commands_error(command, words):
+    """A typo'd flag after a command: refused (no abbreviations: --cores-per-worke is not
+    --cores-per-worker), with that command's usage."""
+    rc, _, err = run(command, *words)
+    assert_clean_error(rc, err, f"usage: starpu-llm {command} ",
+                       f"starpu-llm {command}: error: unrecognized arguments: {' '.join(words)}")
+
+
 def test_impossible_partition(shard):
     # one more one-core worker than this process has cores (or than StarPU can run)
     rc, _, err = run("train", "--model", "micro", "--train-data", shard, "--seq-len", "16",
