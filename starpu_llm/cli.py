@@ -49,6 +49,45 @@ class _Parser(argparse.ArgumentParser):
         return ns
 
 
+def version_text() -> str:
+    """`starpu-llm --version`: this package's version and, without starting StarPU, the StarPU
+    the compiled part loads and what the build has."""
+    from . import __version__
+    lines = [f"starpu-llm {__version__}"]
+    try:
+        from .runtime import starpu as rt
+    except ImportError as e:
+        return "\n".join(lines + [f"compiled part: not loaded ({e})"])
+    major, minor, release = (rt.ffi.new("int *") for _ in range(3))
+    rt.lib.sl_starpu_version(major, minor, release)
+    library = rt.ffi.string(rt.lib.sl_starpu_library()).decode()
+    build = rt.this_build()
+    if build.parallel_workers:
+        workers = "yes"
+    elif not rt.lib.sl_have_parallel_workers():
+        workers = "no (not in this StarPU build)"
+    else:
+        workers = "off (" + (rt.parallel_workers_here()[1] or "SL_NO_PARALLEL_WORKERS is set") + ")"
+    yes = {True: "yes", False: "no"}
+    lines += [f"StarPU {major[0]}.{minor[0]}.{release[0]}"
+              f"{f' ({os.path.realpath(library)})' if library else ''}, "
+              f"STARPU_MAXCPUS {build.max_cpus}",
+              f"StarPU-MPI: {yes[bool(rt.lib.sl_mpi_available())]}, CUDA: {yes[build.cuda]}, "
+              f"parallel workers: {workers}",
+              f"BLAS: {rt.ffi.string(rt.lib.blas_name()).decode()}"]
+    return "\n".join(lines)
+
+
+class _Version(argparse.Action):
+    """--version: version_text, then the end (as --help), computed only when asked."""
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_text())
+        parser.exit()
+
+
 def _checked(parse, kind: str, ok, rule: str):
     """An argparse type for a flag: parse the text (int, float), then check ok(value)."""
     def for_flag(flag):
@@ -181,6 +220,8 @@ SWEPT_WORKERS = {"workers": dict(help="N: parallel workers; a comma-separated li
 def build_parser():
     from .model.config import MODELS
     ap = _Parser(prog="starpu-llm", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--version", action=_Version,
+                    help="this version, the StarPU it runs on and what the build has, then exit")
     sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
 
     t = sub.add_parser("train", help="train GPT-2 (default: 124M on the bundled Shakespeare)")

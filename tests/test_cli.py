@@ -1,6 +1,7 @@
 """The command line: a real run, its outputs, and one clear error for each kind of bad input."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -165,6 +166,20 @@ def test_an_unknown_flag_is_the_commands_error(command, words):
     rc, _, err = run(command, *words)
     assert_clean_error(rc, err, f"usage: starpu-llm {command} ",
                        f"starpu-llm {command}: error: unrecognized arguments: {' '.join(words)}")
+
+
+def test_version():
+    """--version: the package's version, the StarPU the compiled part loads (without starting
+    it) and what the build has."""
+    rc, out, err = run("--version")
+    assert rc == 0, err
+    lines = out.splitlines()
+    assert lines[0] == f"starpu-llm {starpu_llm.__version__}"
+    assert re.fullmatch(r"StarPU 1\.[34]\.\d+ \(/.*libstarpu-1\.[34]\.so.*\), STARPU_MAXCPUS \d+",
+                        lines[1]), out
+    assert re.fullmatch(r"StarPU-MPI: (yes|no), CUDA: (yes|no), parallel workers: .+", lines[2]), out
+    assert lines[3].startswith("BLAS: "), out
+    assert err == ""
 
 
 def test_impossible_partition(shard):
