@@ -123,6 +123,8 @@ class StopOnSignal:
         self._deferred = 0
         self._saves = True      # whether a stop inside deferred() writes something
         self._announce = True   # whether this process announces a stop (deferred)
+        self._first_seen = threading.Event()   # the watcher has taken the first signal
+        self._here = False      # a signal reached this process (not only another rank)
         self._installed = False
 
     # --- installing and removing
@@ -176,6 +178,7 @@ class StopOnSignal:
     # --- what a signal does
     def _handler(self, signum, frame):
         # the watcher counts; here, only whether to interrupt the main thread now
+        self._here = True
         if self.signum is None:
             self.signum = signum
         if not self._deferred:
@@ -223,9 +226,12 @@ class StopOnSignal:
         if self.signum is None:
             self.signum = signum
         if self._count == 1:
-            if self._deferred and self._announce:
-                say(f"{name(signum)}: stopping after the step under way{self._then()} (send it "
-                     f"again to stop at once{', without saving' if self._saves else ''})")
+            try:
+                if self._deferred and self._announce:
+                    say(f"{name(signum)}: stopping after the step under way{self._then()} (send "
+                        f"it again to stop at once{', without saving' if self._saves else ''})")
+            finally:
+                self._first_seen.set()
             return
         say(f"{name(signum)} again: stopped at once{', without saving' if self._saves else ''}")
         if _remove_at_once:
@@ -256,15 +262,25 @@ class StopOnSignal:
     def requested(self) -> bool:
         return self.signum is not None
 
+    def announced(self, timeout: float = 1.0) -> None:
+        """Wait (at most timeout seconds) until the watcher has said what a signal this
+        process received does: a run that stops within a few ms (a small model's step) would
+        otherwise print its last lines before the announcement of the stop."""
+        if self._here and self._installed:
+            self._first_seen.wait(timeout)
+
     def stop(self, comm) -> int | None:
         """The signal to stop on after this step (None: go on); under MPI every rank gets the
         same answer, after the same step: a signal that lands during the exchange stays
         requested and stops every rank after the next step."""
         if comm is None:
-            return self.signum
-        agreed = next((s for s in comm.allgather(self.signum) if s is not None), None)
-        if self.signum is None:
-            self.signum = agreed
+            agreed = self.signum
+        else:
+            agreed = next((s for s in comm.allgather(self.signum) if s is not None), None)
+            if self.signum is None:
+                self.signum = agreed
+        if agreed is not None:
+            self.announced()        # said before the lines that end the run
         return agreed
 
 

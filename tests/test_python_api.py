@@ -192,3 +192,24 @@ def test_a_cpu_without_the_builds_instruction_sets_is_one_clear_error():
     assert "-Dnative=false" in str(e.value)
     cpu.check("", {"sse2"})              # built without -march=native: any CPU
     cpu.check("avx2", None)              # flags unknown (not Linux): no refusal
+
+
+def test_a_stop_is_announced_before_the_run_ends(monkeypatch):
+    """A signal inside the training loop: the loop learns of it (stop()) only once the
+    watcher thread has announced it, so a run whose step takes milliseconds does not print
+    its last lines, then the announcement (seen under load: the command's last line was the
+    announcement)."""
+    import time
+    from starpu_llm import signals
+    said = []
+
+    def slow_say(text):             # a watcher thread descheduled under load
+        time.sleep(0.3)
+        said.append(text)
+    monkeypatch.setattr(signals, "say", slow_say)
+    with signals.StopOnSignal() as s, s.deferred(saves=False):
+        os.kill(os.getpid(), signal.SIGUSR1)
+        while s.signum is None:     # the handler has run; the watcher is still saying it
+            time.sleep(0.001)
+        assert s.stop(None) == signal.SIGUSR1
+        assert said and "SIGUSR1: stopping after the step under way" in said[0], said
