@@ -74,8 +74,18 @@ def version_text() -> str:
               f"STARPU_MAXCPUS {build.max_cpus}",
               f"StarPU-MPI: {yes[bool(rt.lib.sl_mpi_available())]}, CUDA: {yes[build.cuda]}, "
               f"parallel workers: {workers}",
-              f"BLAS: {rt.ffi.string(rt.lib.blas_name()).decode()}"]
+              f"BLAS: {rt.ffi.string(rt.lib.blas_name()).decode()}",
+              f"kernels: {_kernels_isa()}"]
     return "\n".join(lines)
+
+
+def _kernels_isa() -> str:
+    """What the kernels were compiled for (meson's `native` option; kernels/cpu.py)."""
+    try:
+        from ._build import ISA
+    except ImportError:
+        return "unknown (no build record)"
+    return f"-march=native ({ISA})" if ISA else "portable (-Dnative=false)"
 
 
 class _Version(argparse.Action):

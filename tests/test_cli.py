@@ -179,6 +179,9 @@ def test_version():
                         lines[1]), out
     assert re.fullmatch(r"StarPU-MPI: (yes|no), CUDA: (yes|no), parallel workers: .+", lines[2]), out
     assert lines[3].startswith("BLAS: "), out
+    from starpu_llm._build import ISA
+    assert lines[4] == (f"kernels: -march=native ({ISA})" if ISA
+                        else "kernels: portable (-Dnative=false)"), out
     assert err == ""
 
 
