@@ -29,8 +29,6 @@ _COMPILED = ("starpu_llm._clib", "starpu_llm._kernels", "libstarpu")
 
 def __getattr__(name):
     if name in _LAZY:
-        # a CPU without the build's instruction sets: an error, not a SIGILL in a kernel
-        importlib.import_module(".kernels.cpu", __name__).check()
         try:
             module = importlib.import_module(f".{_LAZY[name]}", __name__)
         except ImportError as e:

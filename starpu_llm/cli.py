@@ -80,12 +80,17 @@ def version_text() -> str:
 
 
 def _kernels_isa() -> str:
-    """What the kernels were compiled for (meson's `native` option; kernels/cpu.py)."""
+    """What the kernels were compiled for (meson's `native` option; kernels/cpu.py), and
+    whether this CPU has it."""
     try:
         from ._build import ISA
     except ImportError:
         return "unknown (no build record)"
-    return f"-march=native ({ISA})" if ISA else "portable (-Dnative=false)"
+    from .kernels.cpu import cpu_flags
+    flags = cpu_flags()
+    missing = [f for f in ISA.split() if flags is not None and f not in flags]
+    return ((f"-march=native ({ISA})" if ISA else "portable (-Dnative=false)")
+            + (f"; this CPU lacks {', '.join(missing)}: they cannot run here" if missing else ""))
 
 
 class _Version(argparse.Action):
@@ -562,8 +567,6 @@ def _main(argv=None) -> int:
     job = {"comm": None, "stop": None}      # the MPI communicator, once MPI runs
     try:
         with signals.stop_on_signal() as job["stop"]:
-            from .kernels.cpu import check
-            check()                        # this CPU runs what the kernels were built for
             parser = build_parser()        # the compiled modules load before MPI (runtime/mpi.py)
             from .runtime import mpi as distributed
             comm = job["comm"] = distributed.world()

@@ -255,8 +255,11 @@ class Node:                 # one rank on this node, as mpirun -np R on R nodes
 class Comm:
     def Split_type(self, kind): return Node()
     def allgather(self, x): return [x]
+    def Get_rank(self): return 0
 
 mine = mpi.pin_rank(Comm())
+from starpu_llm.runtime.cpus import cpu_indexes    # the thread's CPU in StarPU's numbers
+mine = cpu_indexes(mine)
 print(json.dumps(dict(mine=mine, thread=int(os.environ["STARPU_MPI_THREAD_CPUID"]),
                       spare=mpi.mpi_polling(mine[:-1]), full=mpi.mpi_polling(mine))))
 """

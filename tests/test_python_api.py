@@ -129,7 +129,8 @@ def test_an_engine_closed_or_whose_runtime_ended_refuses_to_run():
         eng.step(0, lr=1e-3, weight_decay=0.0)
         eng.close()
         for use in (lambda: eng.step(0, lr=1e-3, weight_decay=0.0), eng.logits, eng.sync,
-                    lambda: eng.loss(), lambda: eng.forward_backward(0)):
+                    lambda: eng.loss(), lambda: eng.forward_backward(0),
+                    lambda: eng.submit_step(0, 1e-3, 0.0, keep_previous=True)):
             with pytest.raises(StarpuLLMError, match="engine is closed"):
                 use()
         eng.close()
@@ -213,3 +214,22 @@ def test_a_stop_is_announced_before_the_run_ends(monkeypatch):
             time.sleep(0.001)
         assert s.stop(None) == signal.SIGUSR1
         assert said and "SIGUSR1: stopping after the step under way" in said[0], said
+
+
+def test_the_cpu_check_comes_where_kernels_first_run(monkeypatch):
+    """A build record naming an instruction set this CPU lacks: starting StarPU and making a
+    reference engine (the two places kernels first run) are refused; the package, its pure
+    Python names and --version's text are not (--version says what is missing)."""
+    import starpu_llm._build as build
+    from starpu_llm.cli import version_text
+    from starpu_llm.kernels import cpu
+    monkeypatch.setattr(build, "ISA", build.ISA + " nosuchisa")
+    monkeypatch.setattr(cpu, "_passed", False)
+    config = MODELS["tiny"]
+    with pytest.raises(StarpuLLMError, match="which this CPU lacks"):
+        Runtime(here())
+    assert starpu_stopped()
+    with pytest.raises(StarpuLLMError, match="nosuchisa"):
+        ReferenceEngine(config, TrainState(config=config, params=random_init(config)), 2, 16,
+                        np.zeros(100, np.uint16))
+    assert "this CPU lacks nosuchisa: they cannot run here" in version_text()

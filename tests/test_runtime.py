@@ -8,7 +8,7 @@ import pytest
 from starpu_llm import StarpuLLMError
 from starpu_llm._clib import ffi, lib
 from starpu_llm.errors import flag
-from starpu_llm.runtime import Runtime, partitions_that_fit, starpu, usable_cores
+from starpu_llm.runtime import Runtime, cpus, partitions_that_fit, starpu, usable_cores
 from partitions import here
 
 CORES = usable_cores()
@@ -41,8 +41,8 @@ def test_a_hand_set_workers_cpuid_places_each_team_on_its_cores(monkeypatch):
     (StarPU read the variable before the explicit binding: the worker went to the list's
     w-th core, into its own or another team, and two threads shared a core)."""
     # the list in StarPU's numbers (hwloc's logical), the threads' masks in the OS's
-    first, second = starpu.cpu_indexes(sorted(os.sched_getaffinity(0))[:2])
-    os_first, os_second = starpu.cpu_indexes([first, second], to_logical=False)
+    first, second = cpus.cpu_indexes(sorted(os.sched_getaffinity(0))[:2])
+    os_first, os_second = cpus.cpu_indexes([first, second], to_logical=False)
     monkeypatch.setenv("STARPU_WORKERS_CPUID", f"{second} {first}")
     with Runtime(here(1, 2, kcore="team")) as rt:
         for _ in range(4):
@@ -55,10 +55,20 @@ def test_a_hand_set_workers_cpuid_places_each_team_on_its_cores(monkeypatch):
     monkeypatch.setenv("STARPU_WORKERS_CPUID", f"{first} {second} {first} {second}")
     with Runtime(here(2, 2, kcore="team", oversubscribe=True)) as rt:
         assert rt.worker_cores() == [first, first]
-    assert starpu.listed_cores("0-2 5") == [0, 1, 2, 5]
-    monkeypatch.setenv("STARPU_WORKERS_CPUID", "0,1")
-    with pytest.raises(StarpuLLMError, match="STARPU_WORKERS_CPUID='0,1': give core numbers"):
+    # StarPU's own reading: one CPU a worker, its team the next ones
+    monkeypatch.setenv("STARPU_WORKERS_CPUID", f"{first}")
+    with Runtime(here(1, 2, kcore="team")) as rt:
+        assert rt.worker_cores() == [first]
+    # StarPU's syntax: spaces or commas, ranges, open ranges
+    assert cpus.listed_cores("0-2 5") == cpus.listed_cores("0,1,2,5") == [0, 1, 2, 5]
+    assert cpus.listed_cores(f"{CORES - 1}-") == [CORES - 1]
+    monkeypatch.setenv("STARPU_WORKERS_CPUID", "a b")
+    with pytest.raises(StarpuLLMError, match="STARPU_WORKERS_CPUID='a b': give CPU numbers"):
         Runtime(here(1, 2, kcore="team"))
+    # neither one a worker nor every team's: teams would share cores (it cycled)
+    monkeypatch.setenv("STARPU_WORKERS_CPUID", f"{first} {second} {first}")
+    with pytest.raises(StarpuLLMError, match="lists 3 CPU.s. for 2 team worker.s. of 2 cores"):
+        Runtime(here(2, 2, kcore="team", oversubscribe=True))
 
 
 def test_cpu_numbers_go_to_starpu_in_hwlocs_logical_order():
@@ -68,9 +78,9 @@ def test_cpu_numbers_go_to_starpu_in_hwlocs_logical_order():
     first thread of each core, 16-31 the second) the OS's 0-15 passed as they are would be
     both threads of 8 cores."""
     mine = sorted(os.sched_getaffinity(0))
-    logical = starpu.cpu_indexes(mine)
+    logical = cpus.cpu_indexes(mine)
     assert sorted(logical) == sorted(set(logical)) and len(logical) == len(mine)
-    assert starpu.cpu_indexes(logical, to_logical=False) == mine
+    assert cpus.cpu_indexes(logical, to_logical=False) == mine
     if CORES >= 2:      # team workers of 2 (the binding this code gives StarPU) on half
         workers = max(1, CORES // 4)    # of the cores: all of them would be one set either way
         with Runtime(here(workers, 2, kcore="team")) as rt:

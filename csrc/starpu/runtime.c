@@ -124,14 +124,20 @@ static int start(int nworkers, int cores_per_worker, int kcore, const int *cores
 		char *listed = NULL;
 		if (use_team && getenv("STARPU_WORKERS_CPUID")) {
 			listed = strdup(getenv("STARPU_WORKERS_CPUID"));
-			if (!listed)
+			if (!listed || unsetenv("STARPU_WORKERS_CPUID")) {
+				free(listed);
 				return -ENOMEM;
-			unsetenv("STARPU_WORKERS_CPUID");
+			}
 		}
 		ret = comm ? sl_mpi_start(&conf, comm) : starpu_init(&conf);
 		if (listed) {
-			setenv("STARPU_WORKERS_CPUID", listed, 1);
+			int put = setenv("STARPU_WORKERS_CPUID", listed, 1);
 			free(listed);
+			if (put && !ret) { /* the user's variable lost: stop, and say so */
+				initialized = 1;
+				sl_shutdown();
+				return -ENOMEM;
+			}
 		}
 		if (ret)
 			return ret;

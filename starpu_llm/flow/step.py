@@ -185,6 +185,7 @@ class Engine:
         loss or gradient norm is still to be read (step_loss, grad_norm) while this one
         runs, so this one writes them into the other of two sets of buffers (engines with
         `ahead`)."""
+        self._check_open()          # before the other buffers' first registration
         positions = self.micro_positions(positions)
         if keep_previous:
             self._alternate_buffers()

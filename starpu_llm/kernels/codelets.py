@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from .._kernels import ffi, lib
+from .cpu import check as check_cpu
 
 
 class SubmitError(RuntimeError):
@@ -138,6 +139,7 @@ class DirectOps:
     emulation of CUDA otherwise), matmuls in TF32 when tf32; the others' CPU bodies."""
 
     def __init__(self, gpu: bool = False, tf32: bool = False):
+        check_cpu()         # the kernels run from here: built for an instruction set here?
         self.gpu, self.tf32 = gpu, int(tf32)
 
     def at(self, where) -> "DirectOps":

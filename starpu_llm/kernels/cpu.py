@@ -20,9 +20,16 @@ def cpu_flags(path: str = "/proc/cpuinfo") -> set[str] | None:
     return None
 
 
+_passed = False       # this process's CPU passed check() once: nothing to read again
+
+
 def check(built: str | None = None, flags: set[str] | None = None) -> None:
     """One StarpuLLMError when this CPU lacks an instruction set the build used (built: the
     build's, starpu_llm._build.ISA; flags: this CPU's, cpu_flags())."""
+    global _passed
+    mine = built is None and flags is None
+    if mine and _passed:
+        return
     if built is None:
         try:
             from .._build import ISA as built
@@ -37,3 +44,4 @@ def check(built: str | None = None, flags: set[str] | None = None) -> None:
             f"instruction): build on this kind of node, or for any x86-64 CPU with "
             f"`pip install --no-build-isolation -Csetup-args=-Dnative=false -e .` in a fresh "
             f"build folder (docs/clusters.md)")
+    _passed = _passed or mine

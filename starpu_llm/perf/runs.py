@@ -85,7 +85,7 @@ def cpu_description() -> str:
 
 def mpi_rank() -> int:
     """This process's rank under mpirun (0 outside it), from the launcher's environment."""
-    for var in ("OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+    for var in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):   # runtime/mpi.py's launchers
         if os.environ.get(var):
             return int(os.environ[var])
     return 0

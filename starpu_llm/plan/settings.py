@@ -95,8 +95,9 @@ def check_fields(obj) -> None:
             if not isinstance(value, bool):
                 raise StarpuLLMError(f"{opt(f.name)} is a switch: True or False, got {value!r}")
         elif str(f.type).startswith("str"):
-            # text, or a path; a size may be a number of bytes (memory_limit: str | int)
-            kinds = (str, os.PathLike) + ((Integral,) if "int" in str(f.type) else ())
+            # text, or a path; a size may be a number of bytes (memory_limit: str | int | float)
+            kinds = ((str, os.PathLike) + ((Integral,) if "int" in str(f.type) else ())
+                     + ((Real,) if "float" in str(f.type) else ()))
             if not isinstance(value, kinds) or isinstance(value, bool) or not str(value).strip():
                 raise StarpuLLMError(f"{opt(f.name)} expects text (a path, a name, a size; not "
                                      f"empty), got {value!r}")

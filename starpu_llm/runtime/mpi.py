@@ -143,9 +143,10 @@ def pin_rank(comm) -> list[int]:
     # communication thread on the last of them unless the user chose (docs/clusters.md): a
     # partition of fewer cores than the rank has leaves that core to the thread alone, the
     # paper's reserved core, and the thread then spins (mpi_polling).
-    from .starpu import cpu_indexes       # StarPU numbers CPUs by hwloc's logical index
-    logical = cpu_indexes(mine)
-    os.environ.setdefault("STARPU_WORKERS_CPUID", " ".join(map(str, logical)))
+    from . import cpus          # StarPU numbers CPUs by hwloc's logical index
+    logical = cpus.cpu_indexes(mine)
+    if cpus.VARIABLE not in os.environ:
+        cpus.pinned = os.environ[cpus.VARIABLE] = " ".join(map(str, logical))
     os.environ.setdefault("STARPU_MPI_THREAD_CPUID", str(logical[-1]))
     # starpu_mpi_init_conf would otherwise keep one core out of the workers for that thread
     os.environ.setdefault("STARPU_RESERVE_NCPU", "0")

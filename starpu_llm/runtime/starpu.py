@@ -21,7 +21,8 @@ from ..errors import StarpuLLMError, opt
 from ..model.config import ATTENTIONS
 from ..plan.partition import Build, PartitionRequest, attention_of
 from ..plan.record import Partition
-from . import offload, starpupy_face
+from . import cpus, offload, starpupy_face
+from ..kernels.cpu import check as check_cpu
 from .mpi import BACKOFF_MAX_US, mpi_polling, phase
 from .submit import StarPUOps
 
@@ -70,39 +71,6 @@ def _environment(variables: dict):
     left as they are; then the environment as it was, so that a later start in this process
     (another partition) decides afresh."""
     return starpupy_face.environment({k: v for k, v in variables.items() if k not in os.environ})
-
-
-def cpu_indexes(ids, to_logical: bool = True) -> list[int]:
-    """CPUs ids converted from the OS's numbers (sched_getaffinity, taskset) to hwloc's
-    logical ones, which StarPU takes (STARPU_WORKERS_CPUID, the workers' binding), or back
-    (sl_cpu_indexes): they differ where a core's hyperthreads are not numbered together; the
-    same numbers where this build has no hwloc (StarPU numbers as the OS then)."""
-    ids = [int(i) for i in ids]
-    if not ids:
-        return ids
-    out = ffi.new("int[]", len(ids))
-    ret = lib.sl_cpu_indexes(ffi.new("int[]", ids), out, len(ids), int(to_logical))
-    if ret == -errno.EINVAL:
-        raise StarpuLLMError(f"CPU(s) {ids}: not all are CPUs this process may use (hwloc)")
-    if ret not in (0, -errno.ENOSYS):
-        raise RuntimeError(f"sl_cpu_indexes failed ({ret})")
-    return list(out)
-
-
-def listed_cores(text: str) -> list[int]:
-    """The cores of STARPU_WORKERS_CPUID, in order: numbers and ranges (a-b), separated by
-    spaces."""
-    cores = []
-    for word in text.split():
-        try:
-            first, _, last = word.partition("-")
-            cores += range(int(first), int(last or first) + 1)
-        except ValueError:
-            raise StarpuLLMError(f"STARPU_WORKERS_CPUID={text!r}: give core numbers or ranges "
-                                 f"(such as 0-7) separated by spaces, or unset it") from None
-    if not cores:
-        raise StarpuLLMError("STARPU_WORKERS_CPUID is empty: give core numbers, or unset it")
-    return cores
 
 
 def perf_model_dir() -> tuple[str, str]:
@@ -280,6 +248,7 @@ class Runtime:
             raise StarpuLLMError("the partition says no attention form: make it with "
                                  "plan.partition.resolve, or give Runtime(attention=) one of "
                                  f"{', '.join(ATTENTIONS)}")
+        check_cpu()         # the kernels run from here: built for an instruction set here?
         if Runtime._active is not None:
             raise StarpuLLMError("StarPU is already running in this process: shut the other "
                                  "Runtime down first (rt.shutdown(), or the end of its `with` "
@@ -345,13 +314,13 @@ class Runtime:
         os.environ.setdefault("STARPU_SILENT", "1")
         os.environ.setdefault("STARPU_NOPENCL", "0")
         n = p.cores
-        core_ids = cpu_indexes(sorted(os.sched_getaffinity(0)))    # StarPU's numbers
-        listed = os.environ.get("STARPU_WORKERS_CPUID")
+        core_ids = cpus.cpu_indexes(sorted(os.sched_getaffinity(0)))    # StarPU's numbers
+        listed = os.environ.get(cpus.VARIABLE)
         if listed is not None and p.kcore == "team":
-            # StarPU binds its N workers to the list's first N entries; a team worker's team
-            # takes its group's other cores, so the list is read as the groups' cores in
-            # order (sl_start binds each worker to its group's first)
-            core_ids = listed_cores(listed)
+            # StarPU would bind its N workers to the list's first N entries, whatever the
+            # teams' cores; read as the teams' cores instead (sl_start binds each worker to
+            # its team's first)
+            core_ids = cpus.team_cores(listed, p.workers, p.cores_per_worker, p.gpus)
         # the partition's cores, then one for each GPU's thread (oversubscribed: reused)
         core_ids = (core_ids * ((n + p.gpus) // len(core_ids) + 1))[:n + p.gpus]
         self.comm = comm

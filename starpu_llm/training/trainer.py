@@ -35,7 +35,7 @@ from ..perf.runs import peak_rss_mb
 from ..runtime import mpi as distributed
 from ..runtime.offload import MemoryLimit
 from .schedule import SCHEDULES, check_schedule, learning_rate
-from ..plan.settings import check_fields, setting
+from ..plan.settings import CHECKS, check_fields, setting
 from ..model.state import TrainState
 from .validation import Validation
 from .watchers import Checkpoints, Counters, Divergence, Samples, StepDone, StepLine, Trace
@@ -114,7 +114,7 @@ class TrainConfig(PartitionRequest):
     sample_every: int = setting(0, "every N steps, print a sample from the model being trained "
                                 "(default: never)", check="positive", metavar="N")
     # training under a memory budget (runtime/offload.py, flow/handles.py)
-    memory_limit: str | int | None = setting(
+    memory_limit: str | int | float | None = setting(
         None, "keep the run's main memory under SIZE (e.g. 12G, 800M; powers of 1024): StarPU "
         "allocates every tensor and evicts those that wait (AdamW moments, activations between "
         "their forward and backward tasks, gradients, parameters) to --offload-dir, fetching them "
@@ -226,9 +226,19 @@ def train(cfg: TrainConfig, state: TrainState | None = None, runtime=None) -> Tr
     the process at once (signals.py)."""
     with signals.stop_on_signal() as stop:
         run = _set_up(cfg, state, runtime)
-        with stop.deferred(saves=bool(run.cfg.save or run.cfg.save_hf or run.cfg.save_every),
-                           announce=run.rank == 0):
-            return _run(run, stop)
+        try:
+            with stop.deferred(saves=bool(run.cfg.save or run.cfg.save_hf or run.cfg.save_every),
+                               announce=run.rank == 0):
+                return _run(run, stop)
+        except BaseException:
+            # a signal or an error before _run's own try (entering deferred): StarPU still
+            # stopped, or the process could start no other Runtime (both idempotent)
+            try:
+                run.engine.close()
+            finally:
+                if run.own_runtime:
+                    run.own_runtime.shutdown()
+            raise
 
 
 @dataclass
@@ -332,7 +342,8 @@ def _check_settings(cfg: TrainConfig, comm, rank: int, runtime) -> MemoryLimit |
     """The settings alone, and the files rank 0 will write: a clear error now rather than
     after the training. The memory budget of the settings."""
     check_fields(cfg)       # each value of the kind and range its flag takes
-    if not (isinstance(cfg.untimed_steps, int) and cfg.untimed_steps >= 0):
+    whole = CHECKS["nonneg_int"]
+    if not (whole.is_kind(cfg.untimed_steps) and whole.ok(cfg.untimed_steps)):
         raise StarpuLLMError(f"untimed_steps {cfg.untimed_steps!r}: give a whole number >= 0")
     check_schedule(cfg.lr_schedule, cfg.lr, cfg.warmup_steps, cfg.min_lr, cfg.steps)
     if cfg.val_data and not cfg.val_every:
@@ -373,9 +384,10 @@ def _read_data(cfg: TrainConfig, config: GPTConfig, position: dict | None):
 def _run(run: Run, stop: signals.StopOnSignal) -> TrainResult:
     """The training loop: each step, then what watches it; then the run's end (saves, StarPU
     stopped). Raises signals.Interrupted after saving when a signal stopped it."""
-    result = TrainResult(engine=run.engine.describe())
+    result = TrainResult()
     watchers = []
     try:
+        result.engine = run.engine.describe()
         _watchers(run, result, watchers)
         _steps(run, stop, result, watchers)
         _finish(run, result)

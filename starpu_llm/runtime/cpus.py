@@ -1,0 +1,73 @@
+"""CPU numbers as StarPU takes them: hwloc's logical index (STARPU_WORKERS_CPUID, the
+workers' binding, StarPU-MPI's thread), not the OS's (sched_getaffinity, taskset), which
+differ where a core's hyperthreads are numbered apart; and how a STARPU_WORKERS_CPUID list
+places team workers."""
+from __future__ import annotations
+
+import errno
+import os
+
+from .._clib import ffi, lib
+from ..errors import StarpuLLMError
+
+VARIABLE = "STARPU_WORKERS_CPUID"
+
+# The list pin_rank set for this process's rank (its cores, in StarPU's numbers): the
+# variable holding exactly that is ours, read as the partition's cores; any other is the
+# user's (team_cores).
+pinned: str | None = None
+
+
+def cpu_indexes(ids, to_logical: bool = True) -> list[int]:
+    """CPUs ids converted from the OS's numbers to hwloc's logical ones, or back
+    (sl_cpu_indexes); the same numbers where this build has no hwloc (StarPU then numbers as
+    the OS does)."""
+    ids = [int(i) for i in ids]
+    if not ids:
+        return ids
+    out = ffi.new("int[]", len(ids))
+    ret = lib.sl_cpu_indexes(ffi.new("int[]", ids), out, len(ids), int(to_logical))
+    if ret == -errno.EINVAL:
+        raise StarpuLLMError(f"CPU(s) {ids}: not all are CPUs this process may use (hwloc)")
+    if ret not in (0, -errno.ENOSYS):
+        raise RuntimeError(f"sl_cpu_indexes failed ({ret})")
+    return list(out)
+
+
+def listed_cores(text: str) -> list[int]:
+    """The CPUs of a STARPU_WORKERS_CPUID value, in order, as StarPU reads it: numbers and
+    ranges (a-b; a- up to the last CPU), separated by spaces or commas."""
+    cores = []
+    for word in text.replace(",", " ").split():
+        try:
+            first, dash, last = word.partition("-")
+            end = int(last) if last else (os.cpu_count() or 1) - 1 if dash else int(first)
+            cores += range(int(first), end + 1)
+        except ValueError:
+            raise StarpuLLMError(f"{VARIABLE}={text!r}: give CPU numbers or ranges (such as "
+                                 f"0-7) separated by spaces or commas, or unset it") from None
+    if not cores:
+        raise StarpuLLMError(f"{VARIABLE} is empty: give CPU numbers, or unset it")
+    return cores
+
+
+def team_cores(text: str, workers: int, k: int, gpus: int) -> list[int]:
+    """The cores of a partition of team workers (workers x k, then one for each GPU's
+    thread) from a STARPU_WORKERS_CPUID value. pin_rank's own list is the rank's cores in
+    order. A user's is read as StarPU reads it, the GPUs' threads first, then either one CPU
+    a worker (its team: that CPU and the next k - 1) or every team's CPUs in order (worker
+    w's: entries w k to w k + k - 1); anything else is refused (cycled, teams would share
+    cores)."""
+    listed = listed_cores(text)
+    if text == pinned:
+        return listed
+    gpu, cpu = listed[:gpus], listed[gpus:]
+    if len(cpu) == workers and k > 1:
+        cpu = [c + t for c in cpu for t in range(k)]
+    elif len(cpu) < workers * k:
+        raise StarpuLLMError(
+            f"{VARIABLE}={text!r} lists {len(cpu)} CPU(s) for {workers} team worker(s) of {k} "
+            f"cores{f' (after {gpus} for the GPUs)' if gpus else ''}: give one CPU a worker "
+            f"({workers}: its team is that CPU and the next {k - 1}) or every team's CPUs in "
+            f"order ({workers * k}), or unset it")
+    return cpu[:workers * k] + gpu
