@@ -40,6 +40,7 @@ def test_a_hand_set_workers_cpuid_places_each_team_on_its_cores(monkeypatch):
     with team workers: the list is the teams' cores in order, the worker on its team's first
     (StarPU read the variable before the explicit binding: the worker went to the list's
     w-th core, into its own or another team, and two threads shared a core)."""
+    monkeypatch.setenv("SL_NO_PARALLEL_WORKERS", "1")    # team workers on StarPU 1.4 too
     # the list in StarPU's numbers (hwloc's logical), the threads' masks in the OS's
     first, second = cpus.cpu_indexes(sorted(os.sched_getaffinity(0))[:2])
     os_first, os_second = cpus.cpu_indexes([first, second], to_logical=False)
@@ -71,7 +72,7 @@ def test_a_hand_set_workers_cpuid_places_each_team_on_its_cores(monkeypatch):
         Runtime(here(2, 2, kcore="team", oversubscribe=True))
 
 
-def test_cpu_numbers_go_to_starpu_in_hwlocs_logical_order():
+def test_cpu_numbers_go_to_starpu_in_hwlocs_logical_order(monkeypatch):
     """StarPU binds by hwloc's logical CPU index; the OS's numbers (sched_getaffinity) are
     converted both ways without loss, and every CPU worker is bound where the partition says,
     in StarPU's numbers: on a machine whose hyperthreads are numbered apart (OS 0-15 the
@@ -81,6 +82,7 @@ def test_cpu_numbers_go_to_starpu_in_hwlocs_logical_order():
     logical = cpus.cpu_indexes(mine)
     assert sorted(logical) == sorted(set(logical)) and len(logical) == len(mine)
     assert cpus.cpu_indexes(logical, to_logical=False) == mine
+    monkeypatch.setenv("SL_NO_PARALLEL_WORKERS", "1")    # team workers on StarPU 1.4 too
     if CORES >= 2:      # team workers of 2 (the binding this code gives StarPU) on half
         workers = max(1, CORES // 4)    # of the cores: all of them would be one set either way
         with Runtime(here(workers, 2, kcore="team")) as rt:
