@@ -86,9 +86,8 @@ def _kernels_isa() -> str:
         from ._build import ISA
     except ImportError:
         return "unknown (no build record)"
-    from .kernels.cpu import cpu_flags
-    flags = cpu_flags()
-    missing = [f for f in ISA.split() if flags is not None and f not in flags]
+    from .kernels.cpu import missing as lacking
+    missing = lacking(ISA)
     return ((f"-march=native ({ISA})" if ISA else "portable (-Dnative=false)")
             + (f"; this CPU lacks {', '.join(missing)}: they cannot run here" if missing else ""))
 

@@ -23,23 +23,29 @@ def cpu_flags(path: str = "/proc/cpuinfo") -> set[str] | None:
 _passed = False       # this process's CPU passed check() once: nothing to read again
 
 
+def missing(built: str | None = None, flags: set[str] | None = None) -> list[str]:
+    """The instruction sets the build used (built: starpu_llm._build.ISA) that this CPU
+    (flags: cpu_flags()) lacks; none where either is unknown (a tree never built: the import
+    of the kernels says so; not Linux)."""
+    if built is None:
+        try:
+            from .._build import ISA as built
+        except ImportError:
+            return []
+    flags = cpu_flags() if flags is None else flags
+    return [f for f in built.split() if flags is not None and f not in flags]
+
+
 def check(built: str | None = None, flags: set[str] | None = None) -> None:
-    """One StarpuLLMError when this CPU lacks an instruction set the build used (built: the
-    build's, starpu_llm._build.ISA; flags: this CPU's, cpu_flags())."""
+    """One StarpuLLMError when this CPU lacks an instruction set the build used (missing)."""
     global _passed
     mine = built is None and flags is None
     if mine and _passed:
         return
-    if built is None:
-        try:
-            from .._build import ISA as built
-        except ImportError:         # a tree never built: the import of the kernels says so
-            return
-    flags = cpu_flags() if flags is None else flags
-    missing = [f for f in built.split() if flags is not None and f not in flags]
-    if missing:
+    lacking = missing(built, flags)
+    if lacking:
         raise StarpuLLMError(
-            f"starpu_llm was built with -march=native on a CPU with {', '.join(missing)}, which "
+            f"starpu_llm was built with -march=native on a CPU with {', '.join(lacking)}, which "
             f"this CPU lacks (its first kernel would end the process with an illegal "
             f"instruction): build on this kind of node, or for any x86-64 CPU with "
             f"`pip install --no-build-isolation -Csetup-args=-Dnative=false -e .` in a fresh "

@@ -34,18 +34,27 @@ def cpu_indexes(ids, to_logical: bool = True) -> list[int]:
     return list(out)
 
 
-def listed_cores(text: str) -> list[int]:
-    """The CPUs of a STARPU_WORKERS_CPUID value, in order, as StarPU reads it: numbers and
-    ranges (a-b; a- up to the last CPU), separated by spaces or commas."""
+def cpu_list(text: str, last: int | None = None) -> list[int]:
+    """The CPUs of a list such as "0-3,8 10" (a cgroup's cpuset, STARPU_WORKERS_CPUID), in
+    order: numbers and ranges separated by spaces or commas, "a-" up to `last` where given;
+    ValueError for anything else."""
     cores = []
     for word in text.replace(",", " ").split():
-        try:
-            first, dash, last = word.partition("-")
-            end = int(last) if last else (os.cpu_count() or 1) - 1 if dash else int(first)
-            cores += range(int(first), end + 1)
-        except ValueError:
-            raise StarpuLLMError(f"{VARIABLE}={text!r}: give CPU numbers or ranges (such as "
-                                 f"0-7) separated by spaces or commas, or unset it") from None
+        first, dash, end = word.partition("-")
+        if dash and not end and last is None:
+            raise ValueError(word)
+        cores += range(int(first), (int(end) if end else last if dash else int(first)) + 1)
+    return cores
+
+
+def listed_cores(text: str) -> list[int]:
+    """The CPUs of a STARPU_WORKERS_CPUID value, in order, as StarPU reads it (cpu_list; a-
+    up to the last CPU)."""
+    try:
+        cores = cpu_list(text, last=(os.cpu_count() or 1) - 1)
+    except ValueError:
+        raise StarpuLLMError(f"{VARIABLE}={text!r}: give CPU numbers or ranges (such as "
+                             f"0-7) separated by spaces or commas, or unset it") from None
     if not cores:
         raise StarpuLLMError(f"{VARIABLE} is empty: give CPU numbers, or unset it")
     return cores

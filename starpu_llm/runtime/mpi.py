@@ -72,15 +72,12 @@ def allowed_cpus() -> set[int] | None:
         paths.append(f"/sys/fs/cgroup/cpuset{v1.rstrip('/')}/cpuset.effective_cpus")
     except (OSError, StopIteration, IndexError):
         pass
+    from .cpus import cpu_list
     for path in paths:
         try:
-            text = open(path).read().strip()
-        except OSError:
+            cpus = set(cpu_list(open(path).read()))
+        except (OSError, ValueError):
             continue
-        cpus = set()
-        for part in filter(None, text.split(",")):
-            first, _, last = part.partition("-")
-            cpus.update(range(int(first), int(last or first) + 1))
         if cpus:
             return cpus
     return None

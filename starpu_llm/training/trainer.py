@@ -233,12 +233,19 @@ def train(cfg: TrainConfig, state: TrainState | None = None, runtime=None) -> Tr
         except BaseException:
             # a signal or an error before _run's own try (entering deferred): StarPU still
             # stopped, or the process could start no other Runtime (both idempotent)
-            try:
-                run.engine.close()
-            finally:
-                if run.own_runtime:
-                    run.own_runtime.shutdown()
+            _stop_starpu(run.engine, run.own_runtime)
             raise
+
+
+def _stop_starpu(engine, own_runtime) -> None:
+    """The engine closed (None: none made yet) and the runtime the run started shut down,
+    whatever the close raised."""
+    try:
+        if engine is not None:
+            engine.close()
+    finally:
+        if own_runtime:
+            own_runtime.shutdown()
 
 
 @dataclass
@@ -327,12 +334,7 @@ def _set_up(cfg: TrainConfig, state: TrainState | None, runtime) -> Run:
         # a memory limit too small, a log or warn callable that raises, Ctrl-C while the run
         # is described: StarPU stops (and its folder goes), or the process could start no
         # other Runtime
-        try:
-            if engine is not None:
-                engine.close()
-        finally:
-            if own_runtime:
-                own_runtime.shutdown()
+        _stop_starpu(engine, own_runtime)
         raise
     return Run(cfg, comm, rank, log, warn, memory, state, loader, validation, runtime,
                own_runtime, engine, record, Counters(comm, runtime, memory), peak)
@@ -396,11 +398,7 @@ def _run(run: Run, stop: signals.StopOnSignal) -> TrainResult:
             for watch in reversed(watchers):
                 watch.close()
         finally:        # StarPU stopped whatever a watcher's end raised
-            try:
-                run.engine.close()
-            finally:
-                if run.own_runtime:
-                    run.own_runtime.shutdown()
+            _stop_starpu(run.engine, run.own_runtime)
     return _end(run, stop, result)
 
 
