@@ -44,6 +44,7 @@ from starpu_llm.plan.partition import PartitionRequest, resolve, settings_of
 from starpu_llm.perf.predict import predict, target_partition
 from starpu_llm.plan.partition import Build, partitions_that_fit as build_partitions
 from starpu_llm.runtime import partitions_that_fit as partitions_here, resolve_here, usable_cores
+from starpu_llm.runtime.cpus import core_cpus
 
 import taskgraph
 from provenance import cpu_kind, machine_info, reusable
@@ -816,7 +817,7 @@ def sgemm_peaks(core_counts, out, machine, force, log, replot=False) -> dict:
     for k in sorted(set(core_counts)):
         if k in have or replot:
             continue
-        cpus = sorted(os.sched_getaffinity(0))[:k]
+        cpus = core_cpus()[:k]
         p = subprocess.run([sys.executable, os.path.join(HERE, "sgemm_peak.py"), "--threads",
                             str(k), "--json"], capture_output=True, text=True,
                            preexec_fn=lambda: os.sched_setaffinity(0, cpus))

@@ -203,7 +203,8 @@ def run(spec: dict, folder: str, timeout: float | None = None) -> dict:
                                 f"{spec['model']}")
     if not os.access(binary, os.X_OK):
         return dict(spec, error=f"{binary}: not built (experiments/llmc.py build)")
-    cores = sorted(os.sched_getaffinity(0))[:int(spec.get("cpus") or len(os.sched_getaffinity(0)))]
+    from starpu_llm.runtime.cpus import core_cpus     # one hardware thread a core
+    cores = core_cpus()[:int(spec.get("cpus") or len(core_cpus()))]
     threads = int(spec.get("threads") or len(cores))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), LLMC_CHECKPOINT=CHECKPOINT,
                LLMC_B=str(spec["batch"]), LLMC_T=str(spec["seq_len"]),

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import sys
 import time
 from dataclasses import replace
@@ -82,7 +81,7 @@ def run_one(spec: dict) -> dict:
         else:
             from .baselines.torch_gpt2 import torch_train_step_times
         tokens = formats.read_shard(data.timing_dataset(config.V), config.V)
-        threads = spec.get("threads") or len(os.sched_getaffinity(0))
+        threads = spec.get("threads") or usable_cores()
         ms = torch_train_step_times(config, random_init(config), tokens, B, T, steps + 1,
                                     threads=threads)
         import torch

@@ -125,6 +125,7 @@ class StopOnSignal:
         self._announce = True   # whether this process announces a stop (deferred)
         self._first_seen = threading.Event()   # the watcher has taken the first signal
         self._here = False      # a signal reached this process (not only another rank)
+        self._told = False      # the stop is announced already (another rank's signal)
         self._installed = False
 
     # --- installing and removing
@@ -227,7 +228,7 @@ class StopOnSignal:
             self.signum = signum
         if self._count == 1:
             try:
-                if self._deferred and self._announce:
+                if self._deferred and self._announce and not self._told:
                     say(f"{name(signum)}: stopping after the step under way{self._then()} (send "
                         f"it again to stop at once{', without saving' if self._saves else ''})")
             finally:
@@ -276,9 +277,16 @@ class StopOnSignal:
         if comm is None:
             agreed = self.signum
         else:
-            agreed = next((s for s in comm.allgather(self.signum) if s is not None), None)
-            if self.signum is None:
-                self.signum = agreed
+            signums = comm.allgather(self.signum)
+            agreed = next((s for s in signums if s is not None), None)
+            if self.signum is None and agreed is not None:
+                # only other ranks got it (`kill` of one rank, a node's OOM killer): the
+                # ranks that announce say which, once
+                self.signum, self._told = agreed, True
+                if self._announce:
+                    ranks = [r for r, s in enumerate(signums) if s is not None]
+                    say(f"{name(agreed)} on rank{'s' if len(ranks) > 1 else ''} "
+                        f"{', '.join(map(str, ranks))}: stopping{self._then()}")
         if agreed is not None:
             self.announced()        # said before the lines that end the run
         return agreed

@@ -410,10 +410,10 @@ def test_ctrl_c_of_one_rank_stops_every_rank_after_the_same_step(shard, tmp_path
     assert f"stopped by Ctrl-C after step {last}" in out
 
 
-def test_a_closed_stdout_of_mpirun_stops_every_rank_and_saves(shard, tmp_path):
-    """`mpirun ... | head`: mpirun sees the closed pipe and ends the job with SIGTERM to every
-    rank, which stop after the same step; rank 0 saves the model there with a metrics row
-    for every step, and alone says so; no traceback."""
+def stopped_after_step_3(shard, tmp_path, stop):
+    """2 ranks training (saving at the end) until rank 0 prints step 3, then stop(mpirun's
+    Popen): mpirun's stderr, after checking that the job failed without a traceback and
+    that rank 0 saved the model with a metrics row for every step up to the saved one."""
     save, metrics = tmp_path / "model.bin", tmp_path / "m.jsonl"
     args = train_args(shard, str(metrics), batch=4, steps=100000) + ["--save", str(save)]
     p = subprocess.Popen([MPIRUN, "--oversubscribe", "-np", "2", sys.executable, "-u", *args],
@@ -422,18 +422,55 @@ def test_a_closed_stdout_of_mpirun_stops_every_rank_and_saves(shard, tmp_path):
         for line in p.stdout:
             if line.startswith("step    3/"):
                 break
-        p.stdout.close()
+        stop(p)
         err = p.communicate(timeout=120)[1]
     finally:
         if p.poll() is None:
             p.kill()
             p.wait()
     assert p.returncode != 0 and "Traceback" not in err, err
+    last = checkpoint.read(save).step
+    assert last >= 3 and [json.loads(l)["step"] for l in open(metrics)] == list(range(1, last + 1))
+    return err
+
+
+def test_a_closed_stdout_of_mpirun_stops_every_rank_and_saves(shard, tmp_path):
+    """`mpirun ... | head`: mpirun sees the closed pipe and ends the job with SIGTERM to every
+    rank, which stop after the same step; rank 0 saves the model there with a metrics row
+    for every step, and alone says so; no traceback."""
+    err = stopped_after_step_3(shard, tmp_path, lambda p: p.stdout.close())
     # said once, by rank 0 (every rank got the signal: on 16 nodes, 16 copies before)
     assert err.count("starpu-llm: stopped by SIGTERM") == 1, err
     assert err.count("SIGTERM: stopping after the step under way") == 1, err
-    last = checkpoint.read(save).step
-    assert last >= 3 and [json.loads(l)["step"] for l in open(metrics)] == list(range(1, last + 1))
+
+
+def rank_pids(mpirun_pid: int) -> dict:
+    """The ranks' PIDs of a local mpirun by rank (Open MPI's rank in each child's environment)."""
+    pids = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != mpirun_pid:
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+        except (OSError, ValueError, IndexError):
+            continue
+        if b"OMPI_COMM_WORLD_RANK" in env:
+            pids[int(env[b"OMPI_COMM_WORLD_RANK"])] = int(entry)
+    return pids
+
+
+def test_a_signal_to_one_rank_alone_stops_every_rank_and_is_said_once(shard, tmp_path):
+    """`kill` of one rank that is not rank 0 (a user's, a node's OOM killer's SIGTERM): every
+    rank stops after the same step and rank 0 saves, as with a signal to every rank; rank 0
+    says which rank got it and the final line once (nothing was said before: rank 1 does not
+    announce, rank 0 did not get the signal)."""
+    err = stopped_after_step_3(
+        shard, tmp_path, lambda p: os.kill(rank_pids(p.pid)[1], signal.SIGTERM))
+    assert err.count("starpu-llm: SIGTERM on rank 1: stopping, then saving") == 1, err
+    assert err.count("starpu-llm: stopped by SIGTERM") == 1, err
 
 
 @pytest.mark.parametrize("flags", [[], ["--pipeline-stages", "2", "--sub-batches", "3"]],

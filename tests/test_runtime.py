@@ -91,6 +91,71 @@ def test_cpu_numbers_go_to_starpu_in_hwlocs_logical_order(monkeypatch):
             assert {bits(m)[0] for m in masks} <= set(mine)
 
 
+def fake_cores(root, siblings):
+    """A sysfs of CPUs whose cores are `siblings` (lists of OS numbers)."""
+    for group in siblings:
+        for c in group:
+            (root / f"cpu{c}" / "topology").mkdir(parents=True)
+            (root / f"cpu{c}" / "topology" / "thread_siblings_list").write_text(
+                ",".join(map(str, group)) + "\n")
+    return str(root)
+
+
+def test_cores_are_counted_once_whatever_their_hardware_threads(tmp_path, monkeypatch):
+    """One worker, one team thread, one rank's share a core, not a hardware thread (StarPU
+    counts and binds by core): on a machine of 4 cores x 2 threads numbered apart (OS 0-3 the
+    first thread of each core, 4-7 the second), the partition's cores were 8 (a team of 8
+    threads on 4 cores), and two ranks of the node got OS 0-3 and 4-7, the same 4 cores."""
+    from starpu_llm.runtime import mpi
+    apart = fake_cores(tmp_path / "apart", [[0, 4], [1, 5], [2, 6], [3, 7]])
+    together = fake_cores(tmp_path / "together", [[0, 1], [2, 3], [4, 5], [6, 7]])
+    monkeypatch.delenv("STARPU_NTHREADS_PER_CORE", raising=False)
+    assert cpus.core_groups(range(8), apart) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert cpus.core_cpus(range(8), apart) == [0, 1, 2, 3]
+    assert cpus.core_cpus(range(8), together) == [0, 2, 4, 6]
+    assert cpus.core_cpus([5, 2, 6], apart) == [2, 5]          # a mask of some threads
+    assert cpus.core_cpus([0, 1], tmp_path / "none") == [0, 1]  # siblings unknown: own cores
+    monkeypatch.setenv("STARPU_NTHREADS_PER_CORE", "2")         # hyperthreads on purpose
+    assert cpus.core_cpus(range(8), apart) == [0, 4, 1, 5, 2, 6, 3, 7]
+    monkeypatch.setenv("STARPU_NTHREADS_PER_CORE", "two")
+    with pytest.raises(StarpuLLMError, match="STARPU_NTHREADS_PER_CORE='two'"):
+        cpus.core_cpus(range(8), apart)
+    monkeypatch.delenv("STARPU_NTHREADS_PER_CORE")
+    # this process as if on that machine: its cores, and two ranks' shares of the node
+    monkeypatch.setattr(cpus, "SYSFS", apart)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert usable_cores() == 4
+    set_to = []
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, mask: set_to.append(list(mask)))
+    monkeypatch.setattr(cpus, "cpu_indexes", lambda ids, to_logical=True: list(ids))
+    monkeypatch.setattr(cpus, "pinned", None)
+    for var in (cpus.VARIABLE, "STARPU_MPI_THREAD_CPUID", "STARPU_RESERVE_NCPU"):
+        monkeypatch.setenv(var, "")     # what pin_rank sets is taken back after the test
+        monkeypatch.delenv(var)
+
+    # rank 1 of 2 on one node, both allowed every CPU (no MPI started in this process:
+    # StarPU 1.3 then crashes in its next start)
+    monkeypatch.setattr(mpi, "local_rank_and_size", lambda comm: (1, 2))
+
+    class Comm:
+        def Get_rank(self): return 1
+        def allgather(self, x): return [x, x]
+
+    assert mpi.pin_rank(Comm()) == [2, 3]
+    assert set_to == [[2, 6, 3, 7]]                     # whole cores: both their threads
+    assert os.environ[cpus.VARIABLE] == "2 3" and os.environ["STARPU_MPI_THREAD_CPUID"] == "3"
+
+
+def test_a_workers_cpuid_naming_cpus_this_machine_lacks_is_one_error(monkeypatch):
+    """A STARPU_WORKERS_CPUID from a bigger node (a job script copied): one error naming the
+    variable, whatever the partition (StarPU 1.3 crashed with a segmentation fault)."""
+    monkeypatch.setenv("STARPU_WORKERS_CPUID", f"0 {os.cpu_count()}")
+    for shape, kcore in ((1, 1), None), *([((1, 2), "team")] if CORES >= 2 else []):
+        with pytest.raises(StarpuLLMError, match=f"STARPU_WORKERS_CPUID='0 {os.cpu_count()}' "
+                                                 f"names CPU {os.cpu_count()}"):
+            Runtime(here(*shape, kcore=kcore))
+
+
 def test_default_partition_uses_every_core():
     with Runtime() as rt:
         assert rt.partition.cores == CORES == rt.partition.workers * rt.partition.cores_per_worker

@@ -20,14 +20,13 @@ position: the greedy rows in numpy, the drawn ones in C (sample_batch).
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from .._kernels import ffi, lib as kernels
 from ..kernels.codelets import DirectOps
 from ..model.config import ParamLayout
 from ..errors import StarpuLLMError, opt
+from ..runtime.cpus import core_cpus
 from ..runtime.submit import StarPUOps
 from . import taskflow
 from .batch import Feed, SlotDecoder
@@ -234,7 +233,7 @@ def sample_batch(logits, temperature, top_k, rngs, top_p,
     kernels.sample_rows(_ptr(out, "int64_t"), _ptr(x, "float") if f32 else ffi.NULL,
                         ffi.NULL if f32 else _ptr(x, "double"), V, _ptr(r, "int64_t"),
                         r.size, V, _ptr(t, "double"), _ptr(k, "int64_t"), _ptr(P, "double"),
-                        _ptr(u, "double"), threads or len(os.sched_getaffinity(0)))
+                        _ptr(u, "double"), threads or len(core_cpus()))
     if (out == -2).any():
         raise MemoryError(f"sampling: no memory for the scratch of {V} logits a thread")
     tokens[r] = out

@@ -18,6 +18,7 @@ import sys
 import time
 
 from ..io.atomic import atomic_write
+from ..runtime.cpus import core_cpus
 from ..runtime.mpi import COMM_STATS_ENV
 
 CHILD = "starpu_llm.bench"      # the module the child process runs (its __main__: run_one)
@@ -80,7 +81,7 @@ def cpu_description() -> str:
         flags = ", ".join(x for x in ("avx512f", "avx2", "fma") if f" {x}" in text)
     except OSError:
         pass
-    return f"{model} ({len(os.sched_getaffinity(0))} cores usable; {flags})"
+    return f"{model} ({len(core_cpus())} cores usable; {flags})"
 
 
 def mpi_rank() -> int:
@@ -118,7 +119,7 @@ def run_in_subprocess(spec: dict, env=None, python: str | None = None,
                    OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", **COMM_STATS_ENV)
     preexec = None
     if spec.get("cpus"):
-        cpus = sorted(os.sched_getaffinity(0))[:int(spec["cpus"])]
+        cpus = core_cpus()[:int(spec["cpus"])]
         preexec = lambda: os.sched_setaffinity(0, cpus)   # noqa: E731
     cwd = None if python is None else os.sep
     if timeout is not None:

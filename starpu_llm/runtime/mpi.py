@@ -128,19 +128,24 @@ def pin_rank(comm) -> list[int]:
     same_node = [m for host, m in masks if host == os.uname().nodename]
     if comm.Get_rank() == 0:
         say_if_bound(same_node)
+    from . import cpus          # StarPU numbers CPUs by hwloc's logical index
     overlapping = any(set(m) & set(mine) for m in same_node[:lrank] + same_node[lrank + 1:])
     if overlapping and lsize > 1:
-        per = len(mine) // lsize
+        # whole cores, each with its hardware threads: a rank's share of the OS's numbers
+        # would be the other ranks' cores' second threads where the OS numbers them apart
+        groups = cpus.core_groups(mine)
+        per = len(groups) // lsize
         if per >= 1:
-            mine = mine[lrank * per:(lrank + 1) * per]
+            groups = groups[lrank * per:(lrank + 1) * per]
         else:
-            mine = [mine[lrank % len(mine)]]
+            groups = [groups[lrank % len(groups)]]
+        mine = [c for g in groups for c in g]
         os.sched_setaffinity(0, mine)
     # Workers on this rank's cores, from the first (the Runtime takes the first N x K); the
     # communication thread on the last of them unless the user chose (docs/clusters.md): a
     # partition of fewer cores than the rank has leaves that core to the thread alone, the
     # paper's reserved core, and the thread then spins (mpi_polling).
-    from . import cpus          # StarPU numbers CPUs by hwloc's logical index
+    mine = cpus.core_cpus(mine)
     logical = cpus.cpu_indexes(mine)
     if cpus.VARIABLE not in os.environ:
         cpus.pinned = os.environ[cpus.VARIABLE] = " ".join(map(str, logical))

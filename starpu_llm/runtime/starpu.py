@@ -113,8 +113,9 @@ def have_cuda() -> bool:
 
 
 def usable_cores() -> int:
-    """Cores this process may run on (its affinity mask, e.g. under mpirun or taskset)."""
-    return len(os.sched_getaffinity(0))
+    """Cores this process may run on (its affinity mask, e.g. under mpirun or taskset): one
+    a core, whatever its hardware threads (cpus.core_cpus)."""
+    return len(cpus.core_cpus())
 
 
 def max_starpu_cpus() -> int:
@@ -314,8 +315,10 @@ class Runtime:
         os.environ.setdefault("STARPU_SILENT", "1")
         os.environ.setdefault("STARPU_NOPENCL", "0")
         n = p.cores
-        core_ids = cpus.cpu_indexes(sorted(os.sched_getaffinity(0)))    # StarPU's numbers
+        core_ids = cpus.cpu_indexes(cpus.core_cpus())    # StarPU's numbers, one a core
         listed = os.environ.get(cpus.VARIABLE)
+        if listed is not None:
+            cpus.check_listed(listed)       # before StarPU reads it
         if listed is not None and p.kcore == "team":
             # StarPU would bind its N workers to the list's first N entries, whatever the
             # teams' cores; read as the teams' cores instead (sl_start binds each worker to
