@@ -190,6 +190,9 @@ def test_completion_logprobs_against_the_logits(server, oracle):
                 for t, v in zip(c.choices[0].logprobs.tokens,
                                 c.choices[0].logprobs.token_logprobs)]
     assert [t for t, _ in streamed] == lp.tokens
+    # the offsets run on over the events, as in the whole answer (each event's were 0)
+    assert [o for c in chunks if c.choices and c.choices[0].logprobs
+            for o in c.choices[0].logprobs.text_offset] == lp.text_offset
     for i, (t, logits) in enumerate(zip(tokens, oracle.logits(ids + tokens)[len(ids) - 1:])):
         want = log_softmax(logits)
         bound = lp_bound(logits, len(ids) + i)

@@ -59,6 +59,7 @@ class Completion:
         self.seed, self.stream, self.include_usage, self.echo = seed, stream, include_usage, echo
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self._offsets: dict = {}     # streamed: choice index -> text_offset of its next token
 
     def rng(self, k: int):
         """Choice k's generator: with a seed, choice 0 draws as `starpu-llm generate --seed`
@@ -72,10 +73,14 @@ class Completion:
     def chunk(self, index: int, text: str, finish=None, logprobs=()) -> dict:
         """A server-sent event's object: a piece of choice index's text (and the scores of
         its tokens, scoring.Logprob, when the request asks for them; null in an event without
-        tokens)."""
+        tokens; their text_offset runs on from the choice's last event, as in the whole
+        answer)."""
         lp = None
         if self.sampling.logprobs is not None and logprobs:
-            lp = scoring.completion_logprobs(logprobs, self.tokenizer, 0)
+            start = self._offsets.get(index, len(self.choices[index].text))
+            lp = scoring.completion_logprobs(logprobs, self.tokenizer, start)
+            self._offsets[index] = start + sum(scoring.text_length(self.tokenizer, e.token)
+                                               for e in logprobs)
         out = {"id": self.id, "object": "text_completion", "created": self.created,
                "model": self.model,
                "choices": [{"index": index, "text": text, "logprobs": lp,

@@ -159,14 +159,20 @@ def _token_text(tokenizer, token: int) -> str:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
+def text_length(tokenizer, token: int) -> int:
+    """The characters that token moves text_offset on by."""
+    return len(tokenizer.decode([token]))
+
+
 def completion_logprobs(entries, tokenizer, offset: int) -> dict:
     """The completions API's logprobs object of a choice's scored tokens; offset: the text
-    offset of the first (0 with echo, else the prompt's length)."""
+    offset of the first (0 with echo, else the prompt's length; streamed, where the event's
+    first token is)."""
     tokens, offsets = [], []
     for e in entries:
         tokens.append(_token_text(tokenizer, e.token))
         offsets.append(offset)
-        offset += len(tokenizer.decode([e.token]))
+        offset += text_length(tokenizer, e.token)
     return {"tokens": tokens,
             "token_logprobs": [e.logprob for e in entries],
             "top_logprobs": [None if e.logprob is None else
