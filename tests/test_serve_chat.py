@@ -126,6 +126,8 @@ BAD_CHAT = [
      "messages[0].role must be one of system, user, assistant"),
     ({"model": "tiny", "messages": [{"role": "user", "content": 5}]},
      "messages[0].content must be a string"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "Hi", "name": 5}]},
+     "messages[0].name must be a string"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "top_logprobs": 2},
      "top_logprobs needs logprobs: true"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "logprobs": True,

@@ -159,8 +159,13 @@ def _messages(v) -> list:
         if m.get("role") not in ROLES:
             raise BadRequest(f"messages[{i}].role must be one of {', '.join(ROLES)}, got "
                              f"{json.dumps(m.get('role'))}", "messages")
+        name = m.get("name")
+        if name is not None and not isinstance(name, str):
+            raise BadRequest(f"messages[{i}].name must be a string, got {json.dumps(name)}",
+                             "messages")
         out.append({"role": m["role"], "content": _content(m, i),
-                    **({"name": m["name"]} if isinstance(m.get("name"), str) else {})})
+                    **({"name": api._utf8(name, f"messages[{i}].name")}
+                       if name is not None else {})})
     return out
 
 
