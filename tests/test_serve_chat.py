@@ -119,6 +119,16 @@ def test_chat_whole_and_streamed(server, oracle):
     assert [c.index for c in r.choices] == [0, 1]
 
 
+def test_chat_without_a_length_runs_to_the_end_of_the_context(server):
+    """OpenAI's chat API has no default length (the completions API's is 16 tokens): a chat
+    request without max_completion_tokens or max_tokens goes on until the context is full
+    (or a stop; it ended after 16 tokens, finish_reason "length")."""
+    r = server[0].client(max_retries=0, timeout=120).chat.completions.create(
+        model="tiny", messages=CONVERSATION, **GREEDY)
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens + r.usage.completion_tokens == TINY.max_seq_len
+
+
 BAD_CHAT = [
     ({"model": "tiny"}, "messages is required"),
     ({"model": "tiny", "messages": []}, "messages must be a non-empty list"),

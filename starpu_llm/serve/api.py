@@ -53,6 +53,7 @@ class Choice:
 class Completion:
     """A checked completion request: its choices (prompts x n), their Sampling, the seed of
     each choice's generator, and the response's settings."""
+    default_max_tokens = DEFAULT_MAX_TOKENS    # None: the rest of the context (chat's)
 
     def __init__(self, model, choices, sampling, seed, stream, include_usage, echo):
         self.model, self.choices, self.sampling = model, choices, sampling
@@ -292,7 +293,9 @@ def parse_completion(obj: dict, model: str, tokenizer, V: int, cache_len: int,
     """A completion request's body (parse_json's object) checked: BadRequest names the first
     field in error. cache_len: the positions a sequence may reach (prompt + max_tokens);
     max_batch: the most choices (prompts x n) one request may ask for; max_logprobs: the
-    most logprobs asked for; kind: the Completion class made (chat: serve/chat.py)."""
+    most logprobs asked for; kind: the Completion class made (chat: serve/chat.py; its
+    default_max_tokens is the default of max_tokens)."""
+    kind = kind or Completion
     unknown = sorted(set(obj) - _FIELDS)
     if unknown:
         raise BadRequest(f"unknown field {unknown[0]!r}; this server takes "
@@ -318,8 +321,9 @@ def parse_completion(obj: dict, model: str, tokenizer, V: int, cache_len: int,
         raise _too_long(longest, cache_len)
     echo = _bool(obj, "echo")
     # max_tokens 0 with echo: the prompt alone (scored with logprobs), as OpenAI's API takes it
-    max_tokens = _int(obj, "max_tokens", min(DEFAULT_MAX_TOKENS, cache_len - longest),
-                      low=0 if echo else 1)
+    fits = cache_len - longest
+    max_tokens = _int(obj, "max_tokens", fits if kind.default_max_tokens is None
+                      else min(kind.default_max_tokens, fits), low=0 if echo else 1)
     if longest + max_tokens > cache_len:
         raise BadRequest(f"the prompt ({longest} tokens) + max_tokens {max_tokens} = "
                          f"{longest + max_tokens} tokens exceed the model's maximum sequence "
@@ -367,6 +371,6 @@ def parse_completion(obj: dict, model: str, tokenizer, V: int, cache_len: int,
                         prompt_logprobs=echo and scored["logprobs"] is not None, **scored)
     choices = [Choice(i * n + j, ids, text, j == 0) for i, (ids, text) in enumerate(prompts)
                for j in range(n)]
-    c = (kind or Completion)(model, choices, sampling, seed, stream, include_usage, echo)
+    c = kind(model, choices, sampling, seed, stream, include_usage, echo)
     c.tokenizer = tokenizer
     return c

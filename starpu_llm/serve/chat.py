@@ -85,6 +85,7 @@ def load_template(path) -> Template:
 
 class ChatCompletion(api.Completion):
     """A checked chat request: a Completion answered in the chat shape."""
+    default_max_tokens = None      # OpenAI's chat API has no default: the rest of the context
 
     def __init__(self, *args):
         super().__init__(*args)
