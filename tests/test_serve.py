@@ -194,6 +194,8 @@ def test_sampling_seed_and_stop(server, expected):
                                          extra_body={"top_k": 40}).choices[0].text
     assert sampled(5) == sampled(5)
     assert sampled(5) != sampled(6)
+    # -1: no seed, as llama.cpp's and vLLM's servers take it (their clients send it; a 400)
+    assert sampled(-1) != sampled(-1)
     # a stop string: the text ends before it, finish_reason "stop"
     p = PROMPTS[0]
     full = text_of(expected[p])
@@ -269,6 +271,9 @@ BAD = [
     ({"model": "tiny", "prompt": "Hi", "temperature": -0.5}, 400, "temperature must be >= 0"),
     ({"model": "tiny", "prompt": "Hi", "temperature": "hot"}, 400, "temperature must be a number"),
     ({"model": "tiny", "prompt": "Hi", "top_p": 0}, 400, "top_p must be in (0, 1]"),
+    ({"model": "tiny", "prompt": "Hi", "seed": -2}, 400,
+     "seed must be in -1..18446744073709551615"),
+    ({"model": "tiny", "prompt": "Hi", "seed": -1.0}, 400, "seed must be an integer"),
     ({"model": "tiny", "prompt": "Hi", "n": 9}, 400, "more than this server runs at once"),
     ({"model": "tiny", "prompt": "Hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4"),
     ({"model": "tiny", "prompt": [1, 2, 50257]}, 400, "token id 50257"),

@@ -344,8 +344,9 @@ def parse_completion(obj: dict, model: str, tokenizer, V: int, cache_len: int,
         raise BadRequest(f"stop must be a non-empty string or a list of at most {MAX_STOP} "
                          f"of them, got {json.dumps(obj.get('stop'))}", "stop")
     seed = obj.get("seed")
-    if seed is not None:
-        seed = _int(obj, "seed", None, low=0, high=2 ** 64 - 1)
+    if seed is not None:        # -1: no seed, as llama.cpp's and vLLM's servers take it
+        seed = _int(obj, "seed", None, low=-1, high=2 ** 64 - 1)
+        seed = None if seed == -1 else seed
     stream = _bool(obj, "stream")
     options = obj.get("stream_options")
     include_usage = False
