@@ -5,7 +5,8 @@ The checkpoint is read here, then the engine thread starts StarPU, registers the
 and builds the key/value cache once; uvicorn then serves HTTP on the main thread. SIGINT or
 SIGTERM: uvicorn stops accepting connections, the engine refuses new requests (503) and lets
 the accepted ones finish for --shutdown-timeout seconds, then cancels what is left; StarPU is
-shut down and the command returns. A second SIGINT stops at once (the requests cancelled).
+shut down and the command returns. A second SIGINT or SIGTERM cancels the requests at once,
+each answered as at the deadline; a third SIGINT stops without waiting for their answers.
 An engine that fails (an error in a decode step: every request in flight answered 503) stops
 the server too, with status 1, for a supervisor to start it again (docs/serving.md).
 """
@@ -166,7 +167,11 @@ def run_serve(init_from, host: str = "127.0.0.1", port: int = 8000, max_batch: i
                           f"{shutdown_timeout:g} s to finish", flush=True)
                 stopped.append(sig)
                 eng.drain(0.0 if len(stopped) > 1 else shutdown_timeout)
-                super().handle_exit(sig, frame)
+                # the second cancels the requests, which are answered (a 503, a stream's error
+                # event) before uvicorn stops: its forced exit (a second SIGINT) would cut
+                # them; a third forces it
+                if len(stopped) != 2:
+                    super().handle_exit(sig, frame)
 
         app = middleware.wrap(create_app(eng, model, template), edges, metrics)
         server = Server(uvicorn.Config(app, log_level=log_level, lifespan="off",

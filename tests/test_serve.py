@@ -451,6 +451,36 @@ def test_shutdown_bound_cancels_what_is_left(ckpts):
         s.stop()
 
 
+def test_a_second_sigint_answers_every_request(ckpts):
+    """SIGINT, then SIGINT again: the running requests are cancelled at once and each is
+    answered (a stream's error event and [DONE], a whole request's 503 in OpenAI's shape);
+    uvicorn's forced exit cut them (a 500 in plain text, a stream without its end, a
+    traceback in the log)."""
+    s = Server(ckpts["long"], ckpts["dir"], "--shutdown-timeout", 120, name="twice",
+               code=FAULTY)
+    slow = {**LONG_BODY, "prompt": [SLOW_MARK, 5]}       # a step a second: running on
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool, \
+                httpx.stream("POST", s.url + "/v1/completions", timeout=300,
+                             json={**slow, "stream": True}) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            whole = pool.submit(s.post, slow)
+            wait_for("both requests to run", lambda: running(s) == 2)
+            s.proc.send_signal(signal.SIGINT)
+            wait_for("the port to close", lambda: not _accepts(s.port))
+            s.proc.send_signal(signal.SIGINT)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        assert "shutting down" in json.loads(rest[-2][len("data: "):])["error"]["message"]
+        r = whole.result()
+        assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
+        assert s.proc.wait(120) == 0, s.output()
+        assert "Traceback" not in s.output()
+    finally:
+        s.stop()
+
+
 def _accepts(port) -> bool:
     with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=5):
         return True
@@ -496,9 +526,11 @@ def test_serve_errors(ckpts, tmp_path):
 # ---- the edges: parsing limits, stalled connections, faults, counting, the key (issues 40, 44)
 
 KEY = "test-key-0123"
-NAN_MARK, STEP_MARK = 31337, 31338      # prompts starting with these trip FAULTY's hook
+# prompts starting with these trip FAULTY's hook (SLOW_MARK: each step 1 s longer)
+NAN_MARK, STEP_MARK, SLOW_MARK = 31337, 31338, 31339
 FAULTY = f"""
 import sys
+import time
 import numpy as np
 from starpu_llm.serve.engine import Engine
 
@@ -507,6 +539,8 @@ engine_step = Engine._step
 def faulty_step(self):
     if any(s.req.prompt[0] == {STEP_MARK} for s in self._running.values()):
         raise RuntimeError("injected fault in a decode step")
+    if any(s.req.prompt[0] == {SLOW_MARK} for s in self._running.values()):
+        time.sleep(1.0)
     nan = {{slot for slot, s in self._running.items() if s.req.prompt[0] == {NAN_MARK}}}
     decoder_collect = type(self.decoder).collect
 
