@@ -728,6 +728,10 @@ def test_a_launcher_binding_ranks_to_fewer_cores_than_allowed_is_warned(shard, t
     lines.clear()
     mpi.say_if_bound([[0, 1], [2, 3]])
     assert lines == []
+    warned = []                     # a run's warn (TrainConfig.warn) gets it instead
+    mpi.say_if_bound([[0]], warned.append)
+    assert lines == [] and warned[0].startswith("the launcher bound this node's 1 rank(s) to 1 "
+                                                "of the 4 cores")
     for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("PMIX_RANK", "0")

@@ -44,18 +44,24 @@ def launched_by_mpirun() -> bool:
     return "PMIX_RANK" in os.environ and tasks.isdigit() and int(tasks) > 1
 
 
-def say_if_bound(same_node: list) -> None:
-    """A warning (stderr) when a launcher bound the ranks of a node (their cores, same_node)
-    to fewer cores than their cgroup allows: mpirun's default binding, which a rank's
-    default partition then takes as all it has. Under mpirun -np 1 too (one process, no
-    communicator: same_node its own cores)."""
+def _to_stderr(text: str) -> None:
+    print(f"warning: {text}", file=sys.stderr, flush=True)
+
+
+def say_if_bound(same_node: list, warn=_to_stderr) -> None:
+    """A warning (to warn: the run's, else stderr) when a launcher bound the ranks of a node
+    (their CPUs, same_node) to fewer cores than their cgroup allows: mpirun's default
+    binding, which a rank's default partition then takes as all it has. Under mpirun -np 1
+    too (one process, no communicator: same_node its own CPUs). Cores counted once whatever
+    their hardware threads (a rank bound to a core has its 2 threads)."""
+    from .cpus import core_groups
     bound, allowed = set().union(*same_node), allowed_cpus()
     if allowed and bound < allowed:
-        print(f"warning: the launcher bound this node's {len(same_node)} rank(s) to "
-              f"{len(bound)} of the {len(allowed)} cores they may use (Open MPI's mpirun binds "
-              f"each rank to a core for 2 ranks or fewer, to a socket above): give mpirun "
-              f"--bind-to none to use them all (docs/clusters.md), unless that binding is meant",
-              file=sys.stderr, flush=True)
+        warn(f"the launcher bound this node's {len(same_node)} rank(s) to "
+             f"{len(core_groups(bound))} of the {len(core_groups(allowed))} cores they may use "
+             f"(Open MPI's mpirun binds each rank to a core for 2 ranks or fewer, to a socket "
+             f"above): give mpirun --bind-to none to use them all (docs/clusters.md), unless "
+             f"that binding is meant")
 
 
 def allowed_cpus() -> set[int] | None:
@@ -115,19 +121,20 @@ def local_rank_and_size(comm) -> tuple[int, int]:
         node.Free()
 
 
-def pin_rank(comm) -> list[int]:
+def pin_rank(comm, warn=_to_stderr) -> list[int]:
     """Give each rank on a shared node its own cores, for its StarPU workers and StarPU-MPI's
     communication thread, so ranks do not pile their threads on the same cores (StarPU would
     otherwise pin every rank's first worker to core 0). Returns this rank's cores.
 
     When mpirun already bound ranks to distinct cores, that binding is kept. With more ranks
-    than cores (mpirun --oversubscribe on a small machine), ranks share cores round-robin."""
+    than cores (mpirun --oversubscribe on a small machine), ranks share cores round-robin.
+    warn: where rank 0 says that a launcher's binding narrows the ranks (say_if_bound)."""
     lrank, lsize = local_rank_and_size(comm)
     mine = sorted(os.sched_getaffinity(0))
     masks = comm.allgather((os.uname().nodename, mine))
     same_node = [m for host, m in masks if host == os.uname().nodename]
     if comm.Get_rank() == 0:
-        say_if_bound(same_node)
+        say_if_bound(same_node, warn)
     from . import cpus          # StarPU numbers CPUs by hwloc's logical index
     overlapping = any(set(m) & set(mine) for m in same_node[:lrank] + same_node[lrank + 1:])
     if overlapping and lsize > 1:

@@ -283,9 +283,9 @@ def _set_up(cfg: TrainConfig, state: TrainState | None, runtime) -> Run:
     if memory is not None:
         log = _flushed(log)   # a disk that fills ends the process from inside StarPU
     if comm is not None and runtime is None:
-        distributed.pin_rank(comm)
+        distributed.pin_rank(comm, warn)
     elif runtime is None and "OMPI_COMM_WORLD_SIZE" in os.environ:    # mpirun -np 1
-        distributed.say_if_bound([os.sched_getaffinity(0)])
+        distributed.say_if_bound([os.sched_getaffinity(0)], warn)
     with distributed.phase(comm, "reading the inputs"):
         start = resume.start(cfg, state, ranks, memory is not None,
                              on_runtime=runtime is not None and cfg.engine == "starpu")
