@@ -291,6 +291,7 @@ BAD = [
     (b'{"model": "tiny", "prompt": "caf\xe9"}', 400, "not valid UTF-8"),
     (b'{"model": "tiny", "prompt": "Hi", "temperature": NaN}', 400, "not valid JSON"),
     ({"model": "gpt-4", "prompt": "Hi"}, 404, "this server serves 'tiny'"),
+    ({"model": 5, "prompt": "Hi"}, 400, "model must be a string, got 5"),
     (b'{"model": "tiny", "prompt": "' + b"a" * (17 << 20) + b'"}', 413, "larger than 16 MiB"),
 ]
 

@@ -129,11 +129,24 @@ def test_chat_without_a_length_runs_to_the_end_of_the_context(server):
     assert r.usage.prompt_tokens + r.usage.completion_tokens == TINY.max_seq_len
 
 
+def test_a_developer_message_is_a_system_message(server):
+    """OpenAI's "developer" role (the newer name of "system", as its SDK and some frontends
+    send it): the same conversation, the same greedy answer (it was a 400)."""
+    client = server[0].client(max_retries=0, timeout=120)
+    said = [client.chat.completions.create(
+        model="tiny", messages=[{"role": role, "content": "Speak in verse."},
+                                {"role": "user", "content": "Hello"}],
+        max_tokens=4, **GREEDY).choices[0].message.content for role in ("developer", "system")]
+    assert said[0] == said[1]
+
+
 BAD_CHAT = [
     ({"model": "tiny"}, "messages is required"),
     ({"model": "tiny", "messages": []}, "messages must be a non-empty list"),
     ({"model": "tiny", "messages": [{"role": "robot", "content": "Hi"}]},
      "messages[0].role must be one of system, user, assistant"),
+    ({"model": "tiny", "messages": [{"role": ["user"], "content": "Hi"}]},
+     "messages[0].role must be one of system, user, assistant, developer, got [\"user\"]"),
     ({"model": "tiny", "messages": [{"role": "user", "content": 5}]},
      "messages[0].content must be a string"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "Hi", "name": 5}]},

@@ -307,6 +307,9 @@ def parse_completion(obj: dict, model: str, tokenizer, V: int, cache_len: int,
                              f"{json.dumps(neutral)})", name)
     if obj.get("model") is None:
         raise BadRequest(f"model is required (this server serves {model!r})", "model")
+    if not isinstance(obj["model"], str):
+        raise BadRequest(f"model must be a string, got {json.dumps(obj['model'])} (this server "
+                         f"serves {model!r})", "model")
     if obj["model"] != model:
         raise BadRequest(f"the model {obj['model']!r} does not exist: this server serves "
                          f"{model!r} (GET /v1/models)", "model", 404, "model_not_found")

@@ -25,6 +25,9 @@ DEFAULT_TEMPLATE = ("{% for message in messages %}"
                     "{% endfor %}"
                     "{% if add_generation_prompt %}Assistant:{% endif %}")
 ROLES = ("system", "user", "assistant")
+# OpenAI's newer name for system messages (its SDK sends what the caller wrote): the template
+# gets "system"
+ALIASES = {"developer": "system"}
 EOS = "<|endoftext|>"
 
 # chat fields read here; the others are the completions API's own (api.parse_completion)
@@ -157,14 +160,17 @@ def _messages(v) -> list:
         if extra:
             raise BadRequest(f"messages[{i}] has the field {extra[0]!r}, which this server "
                              f"does not take (role, content, name)", "messages")
-        if m.get("role") not in ROLES:
-            raise BadRequest(f"messages[{i}].role must be one of {', '.join(ROLES)}, got "
-                             f"{json.dumps(m.get('role'))}", "messages")
+        role = m.get("role")
+        role = ALIASES.get(role, role) if isinstance(role, str) else role
+        if role not in ROLES:
+            raise BadRequest(f"messages[{i}].role must be one of "
+                             f"{', '.join((*ROLES, *ALIASES))}, got {json.dumps(m.get('role'))}",
+                             "messages")
         name = m.get("name")
         if name is not None and not isinstance(name, str):
             raise BadRequest(f"messages[{i}].name must be a string, got {json.dumps(name)}",
                              "messages")
-        out.append({"role": m["role"], "content": _content(m, i),
+        out.append({"role": role, "content": _content(m, i),
                     **({"name": api._utf8(name, f"messages[{i}].name")}
                        if name is not None else {})})
     return out
