@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from starpu_llm import StarpuLLMError
 from starpu_llm.model.config import MODELS, GPTConfig
 from starpu_llm.io import checkpoint, formats
 from starpu_llm.perf.machine import Machine, default_path, save as save_machine
-from starpu_llm.plan.record import Partition, RunRecord, Settings
+from starpu_llm.plan.record import Partition, RunRecord, Settings, run_identity
 from starpu_llm.plan.partition import PartitionRequest
 from starpu_llm.runtime import resolve_here, usable_cores
 from starpu_llm.model.state import TrainState, random_init
@@ -66,6 +67,23 @@ def test_the_run_record_round_trip(tmp_path):
     assert record == RECORD and state.step == 3
     checkpoint.write(path, state_at(3))
     assert checkpoint.read_with_record(path)[1] is None
+
+
+def test_a_record_of_before_the_decay_choice_decayed_every_tensor():
+    """A record saved before weight_decay_params was kept is of a run that decayed every
+    tensor: it reads as "all" (a resumed run keeps it); without weight decay the choice
+    changes nothing: no warning, the same run identity (that of before the choice)."""
+    d = json.loads(RECORD.to_json())
+    del d["settings"]["weight_decay_params"]
+    old = RunRecord.from_json(json.dumps(d))
+    assert old.settings.weight_decay_params == "all"
+    now = replace(old.settings, weight_decay_params="matrices")
+    assert old.settings.changed(now) == [("weight_decay_params", "all", "matrices")]
+    undecayed = replace(old.settings, weight_decay=0.0)
+    assert undecayed.changed(replace(now, weight_decay=0.0)) == []
+    ident = [run_identity(s, MICRO, "seed 1", [1]) for s in (old.settings, now, undecayed,
+                                                           replace(now, weight_decay=0.0))]
+    assert ident[0] != ident[1] and ident[2] == ident[3]
 
 
 def test_a_version_1_companion_is_still_read(tmp_path):

@@ -282,6 +282,46 @@ def test_clipped_starpu_matches_reference(clipped):
     assert np.array_equal(a["params"], b["params"])
 
 
+# --------------------------------------------------------------------------- weight decay
+
+# nanoGPT's decayed parameters (p.dim() >= 2 of nn.Linear/nn.Embedding weights), by name
+MATRICES = {"wte", "wpe", "qkvw", "attprojw", "fcw", "fcprojw"}
+
+
+@pytest.mark.parametrize("which", [None, "matrices", "all"])
+def test_weight_decay_shrinks_the_chosen_tensors(runtime, tmp_path, which):
+    """One step with AdamW's decoupled weight decay wd against the same step without: a
+    decayed tensor moves by -lr wd p (within the roundings of both updates: on the first
+    step |m_hat / (sqrt(v_hat) + eps)| <= 1; the biases start at 0, the layernorms' gains at
+    1), any other stays bitwise (0 * p adds nothing).
+    By default (and "matrices") the 2-D tensors only, as nanoGPT and llm.c's train_gpt2.cu:
+    not the biases nor the layernorms' gains and shifts; "all": every tensor, as llm.c's
+    train_gpt2.c."""
+    rng = np.random.default_rng(5)
+    path = str(tmp_path / "training.bin")
+    formats.write_shard(path, rng.integers(0, MICRO.V, 2000).astype(np.uint16))
+    lr, wd = 1e-2, 0.5
+    common = dict(model="micro", train_data=path, batch=2, seq_len=16, steps=1, lr=lr,
+                  engine="reference", log=None)
+    if which is not None:
+        common["weight_decay_params"] = which
+    with runtime.paused():
+        plain = train(TrainConfig(**common)).state.params
+        decayed = train(TrainConfig(**common, weight_decay=wd)).state.params
+    layout = ParamLayout(MICRO)
+    p0, a, b = (layout.views(x) for x in (random_init(MICRO, 1337), plain, decayed))
+    eps = np.finfo(np.float32).eps
+    for n in layout.names:
+        if n in (layout.names if which == "all" else MATRICES):
+            p = p0[n].astype(np.float64)
+            bound = 4 * eps * (np.abs(a[n]) + np.abs(b[n]) + lr * (1 + wd * np.abs(p)))
+            assert_within(b[n].astype(np.float64) - a[n], -lr * wd * p, bound,
+                          f"{which}: the decay of {n}")
+            assert np.any(b[n] != a[n]) or not np.any(p), f"{which}: {n} not decayed"
+        else:
+            assert np.array_equal(b[n], a[n]), f"{which}: {n} decayed"
+
+
 # --------------------------------------------------------------------------- accumulation
 
 ACCUM = 2       # micro-batches of B x T a step: one update on 2B sequences
@@ -418,6 +458,7 @@ def test_train_flags_and_metrics(tmp_path, engine):
     (["--lr-schedule", "cosine", "--lr", "1e-3", "--min-lr", "1e-2"], "--min-lr"),
     (["--warmup-steps", "-1"], "--warmup-steps"),
     (["--grad-clip", "-1"], "--grad-clip"),
+    (["--weight-decay-params", "biases"], "--weight-decay-params"),
     (["--val-batches", "0"], "--val-batches"),
     (["--val-data", "val.bin"], "--val-data is read only to validate every --val-every N steps"),
 ])

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..model.config import GPTConfig
+from ..model.config import DECAYED, DEFAULT_DECAYED, GPTConfig
 from .common import LN_EPS, batch, param_views, step_times
 
 __all__ = ["TorchGPT2", "batch", "torch_train_step_times"]
@@ -91,14 +91,17 @@ class TorchGPT2:
                                for n in self.layout.names]).astype(np.float32, copy=False)
 
     # ------------------------------------------------------------------ training
-    def adamw_update(self, lr: float, weight_decay: float):
-        """One torch.optim.AdamW step over all 16 tensors with the current gradients."""
-        if self.optimizer is None:
-            self.optimizer = torch.optim.AdamW([self.params[n] for n in self.layout.names],
-                                               lr=lr, betas=(0.9, 0.999), eps=1e-8,
-                                               weight_decay=weight_decay)
+    def adamw_update(self, lr: float, weight_decay: float,
+                     weight_decay_params: str = DEFAULT_DECAYED):
+        """One torch.optim.AdamW step over all 16 tensors with the current gradients, the
+        weight decay on those of DECAYED[weight_decay_params]."""
+        if self.optimizer is None:      # a group per tensor, named
+            self.optimizer = torch.optim.AdamW(
+                [{"params": [self.params[n]], "name": n} for n in self.layout.names], lr=lr,
+                betas=(0.9, 0.999), eps=1e-8)
         for group in self.optimizer.param_groups:
-            group["lr"], group["weight_decay"] = lr, weight_decay
+            decays = group["name"] in DECAYED[weight_decay_params]
+            group["lr"], group["weight_decay"] = lr, weight_decay if decays else 0.0
         self.optimizer.step()
 
     def adamw_step(self, inputs, targets, lr: float, weight_decay: float) -> float:

@@ -87,10 +87,15 @@ class SdpaGPT2:
         return logits.detach().cpu().numpy(), float(loss.detach())
 
     def adamw_update(self, lr: float, weight_decay: float):
+        """nanoGPT's AdamW: the weight decay on the 2-D tensors, not the biases nor the
+        layernorms (a second group without)."""
         if self.optimizer is None:
-            self.optimizer, self.optimizer_kind = _adamw(list(self.parameters()), lr, weight_decay)
+            params = list(self.parameters())
+            self.optimizer, self.optimizer_kind = _adamw(
+                [{"params": [t for t in params if (t.dim() >= 2) == d], "decays": d}
+                 for d in (True, False)], lr, weight_decay)
         for group in self.optimizer.param_groups:
-            group["lr"], group["weight_decay"] = lr, weight_decay
+            group["lr"], group["weight_decay"] = lr, weight_decay if group["decays"] else 0.0
         self.optimizer.step()
 
     def adamw_step(self, inputs, targets, lr: float, weight_decay: float) -> float:

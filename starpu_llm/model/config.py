@@ -125,6 +125,14 @@ def check_batch_shape(config: GPTConfig, B: int, T: int) -> None:
                              f"sequence length; use {opt('seq_len')} <= {config.maxT}")
 
 
+# The tensors AdamW's weight decay shrinks (--weight-decay-params): "matrices", the 2-D ones (wte,
+# wpe, each layer's four weight matrices; not the biases nor the layernorms' gains and shifts),
+# as nanoGPT, llm.c's train_gpt2.cu and GPT-3; "all", as llm.c's train_gpt2.c.
+DECAYED = {"matrices": frozenset(p.name for p in PARAMETERS if len(p.shape(GPTConfig())) == 2),
+           "all": frozenset(p.name for p in PARAMETERS)}
+DEFAULT_DECAYED = "matrices"
+
+
 # Named configurations: llm.c's GPT-2 sizes "dL" (L layers, maxT=1024, V=50257 padded to
 # Vp=50304), each also under its GPT-2 release's name; the tiny ones keep tests fast.
 GPT2_124M = GPTConfig()

@@ -96,6 +96,8 @@ class Settings:
     min_lr: float
     grad_clip: float
     grad_accum: int = 1     # micro-batches a step (a record saved before it was kept: 1)
+    weight_decay_params: str = "all"    # the tensors decayed (a record saved before it was
+                                        # kept: all, the only choice then)
 
     @classmethod
     def of(cls, cfg) -> "Settings":
@@ -104,11 +106,14 @@ class Settings:
 
     def changed(self, now: "Settings") -> list[tuple[str, object, object]]:
         """(name, recorded value, value now) of each setting that differs in a way that changes
-        the run: `steps` only under the cosine schedule (elsewhere it only says where to stop)."""
+        the run: `steps` only under the cosine schedule (elsewhere it only says where to stop),
+        `weight_decay_params` only with a weight decay."""
         out = []
         for f in fields(self):
             was, new = getattr(self, f.name), getattr(now, f.name)
             if f.name == "steps" and "cosine" not in (self.lr_schedule, now.lr_schedule):
+                continue
+            if f.name == "weight_decay_params" and not (self.weight_decay or now.weight_decay):
                 continue
             if was != new:
                 out.append((f.name, was, new))
@@ -123,6 +128,8 @@ def run_identity(settings: Settings, config, start: str, data: list) -> str:
     kept = asdict(settings)
     if kept["grad_accum"] == 1:     # as before it was a setting: the same runs, the same identity
         del kept["grad_accum"]
+    if kept["weight_decay_params"] == "all" or not kept["weight_decay"]:   # as before it was a
+        del kept["weight_decay_params"]         # setting (every tensor decayed): the same runs
     blob = json.dumps([kept, str(config), start, data], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

@@ -23,7 +23,7 @@ from typing import NamedTuple
 from . import resume
 from .. import signals
 from .checkpointing import check_outputs, check_checkpoint_dir, save_final
-from ..model.config import MODELS, GPTConfig, check_batch_shape
+from ..model.config import DECAYED, DEFAULT_DECAYED, MODELS, GPTConfig, check_batch_shape
 from .engines import (autotuned, calibrated_peak, calibration, check_memory, make_engine,
                       run_partition, start_runtime)
 from ..errors import StarpuLLMError, flag, opt, render
@@ -71,6 +71,12 @@ class TrainConfig(PartitionRequest):
                         ranks_agree=True)
     weight_decay: float = setting(0.0, "AdamW decoupled weight decay (default 0)", check="nonneg",
                                   ranks_agree=True)
+    weight_decay_params: str = setting(DEFAULT_DECAYED, "the tensors the weight decay shrinks: "
+                                       "matrices, the 2-D ones (wte, wpe, the layers' weight "
+                                       "matrices; as nanoGPT, llm.c's train_gpt2.cu), or all "
+                                       "(biases and layernorms too, as llm.c's train_gpt2.c; "
+                                       "default matrices)", choices=sorted(DECAYED),
+                                       ranks_agree=True)
     engine: str = setting("starpu", "starpu: the task graph; reference: the same kernels in a "
                           "plain loop", choices=["starpu", "reference"])
     seed: int = setting(1337, "seed of the random init (default 1337)", check="nonneg_int",
@@ -426,7 +432,8 @@ def _steps(run: Run, stop, result: TrainResult, watchers: list) -> None:
         run.counters.before_step()
         positions = [run.loader.next_position() for _ in range(cfg.grad_accum)]
         current = (engine.submit_step(positions, lr, cfg.weight_decay, cfg.grad_clip,
-                                      keep_previous=pending is not None), lr)
+                                      keep_previous=pending is not None,
+                                      weight_decay_params=cfg.weight_decay_params), lr)
         if pending is not None:         # the previous step, read while this one runs
             since = _done(run, stop, result, watchers, pending, since, False, after_read).at
             after_read = True
