@@ -243,7 +243,9 @@ def build_parser():
 
     pr = sub.add_parser("prepare", help="tokenize a text file into llm.c train/val shards")
     pr.add_argument("text", nargs="?", type=_given("TEXT", optional=False),
-                    help="UTF-8 text file (default: the bundled Shakespeare)")
+                    help="UTF-8 text file (default: the bundled Shakespeare); <|endoftext|> "
+                         "starts it and every paragraph after a blank line, each a document "
+                         "(llm.c's tinyshakespeare convention)")
     pr.add_argument("--out-dir", default=".", type=_given("--out-dir"),
                     help="where the shards go (default: .)")
     pr.add_argument("--val-tokens", type=_CHECKS["positive"]("--val-tokens"), default=32768,
