@@ -314,6 +314,9 @@ def build_parser():
                    help="softmax temperature (default 1; 0: greedy)")
     g.add_argument("--top-k", type=_CHECKS["nonneg_int"]("--top-k"), default=0, metavar="K",
                    help="sample among the K most likely tokens (default 0: all; 1: greedy)")
+    g.add_argument("--top-p", type=_CHECKS["probability"]("--top-p"), default=1.0, metavar="P",
+                   help="nucleus sampling: among the most likely tokens whose probabilities add "
+                        "up to P (default 1: all), after --top-k")
     g.add_argument("--seed", type=_CHECKS["nonneg_int"]("--seed"), default=1337,
                    help="seed of the sampling (default 1337)")
     g.add_argument("--engine", default="starpu", choices=["starpu", "reference"],
@@ -522,7 +525,7 @@ def decode_request(args):
 def cmd_generate(args):
     from .cli_generate import run_generate
     run_generate(args.init_from, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
-                 args.seed, args.engine, request=decode_request(args))
+                 args.seed, args.engine, request=decode_request(args), top_p=args.top_p)
     return 0
 
 

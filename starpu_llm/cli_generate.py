@@ -34,10 +34,10 @@ def read_text_model(init_from, engine: str, command: str):
 
 def run_generate(init_from, prompt: str = "", max_new_tokens: int = 64, temperature: float = 1.0,
                  top_k: int = 0, seed: int = 1337, engine: str = "starpu", write=_print,
-                 runtime=None, request=None) -> str:
+                 runtime=None, request=None, top_p: float = 1.0) -> str:
     """`starpu-llm generate`: continues the text prompt (empty: from <|endoftext|>) with the
     llm.c checkpoint init_from, a model of GPT-2's vocabulary, sampling with a numpy Generator
-    seeded with seed. Writes the prompt, then the text as it is produced, then a newline, to
+    seeded with seed (flow/generate.sample: temperature, top_k, top_p). Writes the prompt, then the text as it is produced, then a newline, to
     `write`; returns the generated text. The StarPU engine runs on `runtime`, or on a runtime
     of its own for the call on the partition of `request` (a partition.PartitionRequest, its
     flags serve's: --gpus runs the decode steps on GPUs; None: the default partition)."""
@@ -48,7 +48,7 @@ def run_generate(init_from, prompt: str = "", max_new_tokens: int = 64, temperat
     config, params = read_text_model(init_from, engine, "generate")
     tok = tokenizer.gpt2()
     ids = tok.encode(prompt) if prompt else [tok.eot]
-    check_request(config, len(ids), max_new_tokens, temperature, top_k)   # before any start-up
+    check_request(config, len(ids), max_new_tokens, temperature, top_k, top_p)  # before start-up
     own_runtime = None
     if engine == "starpu" and runtime is None:
         runtime = own_runtime = Runtime(partition)
@@ -59,7 +59,7 @@ def run_generate(init_from, prompt: str = "", max_new_tokens: int = 64, temperat
             write(prompt)
             stream = tokenizer.StreamDecoder(tok, write)
             new = generate(Decoder(backend), ids, max_new_tokens, temperature, top_k,
-                           np.random.default_rng(seed), stream)
+                           np.random.default_rng(seed), stream, top_p)
             stream.close()
             write("\n")
         finally:

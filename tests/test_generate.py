@@ -215,6 +215,8 @@ def test_cli_greedy_both_engines(starpu_idle, tiny_ckpt):
     rc, out, err = cli(*args)
     assert rc == 0, err
     assert cli(*args, "--engine", "reference")[1] == out
+    # --top-p: a nucleus of almost no probability is the most likely token alone, drawn
+    assert cli("--init-from", tiny_ckpt, "--max-new-tokens", 10, "--top-p", 1e-9)[1] == out
 
 
 def test_cli_errors(starpu_idle, tiny_ckpt, tmp_path):
@@ -227,6 +229,8 @@ def test_cli_errors(starpu_idle, tiny_ckpt, tmp_path):
     assert rc == 2 and "vocabulary of 250 tokens" in err, err
     rc, _, err = cli("--init-from", tiny_ckpt, "--top-k", -1)
     assert rc == 2 and "--top-k must be >= 0" in err, err
+    rc, _, err = cli("--init-from", tiny_ckpt, "--top-p", 0)
+    assert rc == 2 and "--top-p must be in (0, 1]" in err, err
     rc, _, err = cli("--init-from", tiny_ckpt, "--workers", 0)
     assert rc == 2 and "--workers must be at least 1" in err, err
     from starpu_llm.runtime.starpu import have_cuda

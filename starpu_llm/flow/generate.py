@@ -244,7 +244,8 @@ def _ptr(a, ctype):
     return ffi.cast(f"{ctype} *", ffi.from_buffer(a))
 
 
-def check_request(config, prompt_len: int, max_new_tokens: int, temperature: float, top_k: int):
+def check_request(config, prompt_len: int, max_new_tokens: int, temperature: float, top_k: int,
+                  top_p: float = 1.0):
     """A clear error for a generation this model cannot do."""
     if prompt_len < 1:
         raise StarpuLLMError("generation needs a prompt of at least one token")
@@ -254,6 +255,8 @@ def check_request(config, prompt_len: int, max_new_tokens: int, temperature: flo
         raise StarpuLLMError(f"{opt('temperature')} must be >= 0, got {temperature}")
     if top_k < 0:
         raise StarpuLLMError(f"{opt('top_k')} must be >= 0 (0: all tokens), got {top_k}")
+    if not 0 < top_p <= 1:
+        raise StarpuLLMError(f"{opt('top_p')} must be in (0, 1] (1: all tokens), got {top_p}")
     total = prompt_len + max_new_tokens
     if total > config.maxT:
         raise StarpuLLMError(
@@ -263,18 +266,18 @@ def check_request(config, prompt_len: int, max_new_tokens: int, temperature: flo
 
 
 def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
-             rng=None, on_token=None) -> list[int]:
+             rng=None, on_token=None, top_p: float = 1.0) -> list[int]:
     """Continues one sequence, prompt (token ids), by max_new_tokens tokens sampled from
     `model` (a Decoder, or Recompute) with rng (default: a fresh numpy Generator); each token
     goes to on_token as soon as it is drawn. Returns the new tokens."""
     prompt = [int(t) for t in prompt]
-    check_request(model.config, len(prompt), max_new_tokens, temperature, top_k)
+    check_request(model.config, len(prompt), max_new_tokens, temperature, top_k, top_p)
     rng = rng if rng is not None else np.random.default_rng()
     model.reset()
     logits = model.feed([prompt])[0]
     out = []
     while True:
-        token = sample(logits, temperature, top_k, rng)
+        token = sample(logits, temperature, top_k, rng, top_p)
         out.append(token)
         if on_token is not None:
             on_token(token)
