@@ -39,7 +39,7 @@ def starpu_stopped() -> bool:
     ("val_batches", 0, "val_batches must be at least 1, got 0"),
     ("save_every", 0, "save_every must be at least 1, got 0"),
     ("keep_checkpoints", -1, "keep_checkpoints must be at least 1, got -1"),
-    ("sample_every", -1, "sample_every must be at least 1, got -1"),
+    ("sample_every", -1, "sample_every must be >= 0, got -1"),
     ("val_every", -1, "val_every must be >= 0, got -1"),
     ("warmup_steps", -2, "warmup_steps must be >= 0, got -2"),
     ("engine", "fast", "engine 'fast': choose one of starpu, reference"),

@@ -118,7 +118,7 @@ class TrainConfig(PartitionRequest):
                                "AdamW (default 0: off)", check="nonneg", metavar="C",
                                ranks_agree=True)
     sample_every: int = setting(0, "every N steps, print a sample from the model being trained "
-                                "(default: never)", check="positive", metavar="N")
+                                "(default 0: never)", check="nonneg_int", metavar="N")
     # training under a memory budget (runtime/offload.py, flow/handles.py)
     memory_limit: str | int | float | None = setting(
         None, "keep the run's main memory under SIZE (e.g. 12G, 800M; powers of 1024): StarPU "
