@@ -41,6 +41,7 @@ def starpu_stopped() -> bool:
     ("keep_checkpoints", -1, "keep_checkpoints must be at least 1, got -1"),
     ("sample_every", -1, "sample_every must be >= 0, got -1"),
     ("val_every", -1, "val_every must be >= 0, got -1"),
+    ("beta2", 1.0, "beta2 must be in [0, 1), got 1.0"),
     ("warmup_steps", -2, "warmup_steps must be >= 0, got -2"),
     ("engine", "fast", "engine 'fast': choose one of starpu, reference"),
     ("oversubscribe", 1, "oversubscribe is a switch: True or False, got 1"),

@@ -9,7 +9,8 @@ observed error):
   gradient norm     per step, gradnorm_bound: the norm of the per-entry gradient bounds plus
                     both runs' rounding of the norm
   clipped training  AdamDrift per step with that step's learning rate and the clipped
-                    gradients' relative bound (clipped_grad_rel); losses within the step's
+                    gradients' relative bound (clipped_grad_rel), GPT-2's betas (0.9, 0.95)
+                    on both sides; losses within the step's
                     loss bound, parameters within the drift bound after 10 steps
   accumulation      the gradients and loss of 2 micro-batches of B against torch's of the
                     2B sequences in one batch: those of two fp32 runs of the 2B batch
@@ -57,6 +58,7 @@ LAYOUT = ParamLayout(SMALL)
 B, T, STEPS = 4, 16, 10
 LR, MIN_LR, WARMUP, WEIGHT_DECAY = 1e-3, 1e-4, 3, 0.01
 CLIP = 1.2        # between the gradient norms of these 10 steps: some steps clip, some not
+BETAS = (0.9, 0.95)     # GPT-2's recipe (--beta2 0.95), not the default: they reach the kernels
 GRAD_REL = grad_rel_bound(SMALL, B, T)
 
 _rng = np.random.default_rng(11)
@@ -208,7 +210,7 @@ def run_torch_clipped():
     bounds of comparing a run with it."""
     model = TorchGPT2(SMALL, PARAMS)
     tensors = [model.params[n] for n in LAYOUT.names]
-    drift = AdamDrift(LAYOUT, B, T, LR, WEIGHT_DECAY, GRAD_REL)
+    drift = AdamDrift(LAYOUT, B, T, LR, WEIGHT_DECAY, GRAD_REL, *BETAS)
     out = {"losses": [], "loss_bounds": [], "norms": [], "norm_bounds": []}
     for s, pos in enumerate(POSITIONS):
         logits, loss = model.forward_backward(*batch(TRAIN, pos, B, T))
@@ -218,7 +220,7 @@ def run_torch_clipped():
         drift.grad_rel = clipped_grad_rel(norm, norm_bound, CLIP, GRAD_REL)
         clipped = {n: t.grad.numpy() for n, t in model.params.items()}
         out["loss_bounds"].append(drift.gradients(clipped, loss, float(np.abs(logits).max())))
-        model.adamw_update(lr_at(s), WEIGHT_DECAY)
+        model.adamw_update(lr_at(s), WEIGHT_DECAY, betas=BETAS)
         drift.lr = lr_at(s)
         st = model.optimizer.state
         drift.update({n: st[t]["exp_avg"].numpy() for n, t in model.params.items()},
@@ -237,7 +239,7 @@ def run_engine_clipped(kind, runtime, sub_batches=None):
     with engine_of(kind, runtime, state, sub_batches) as eng:
         for s, pos in enumerate(POSITIONS):
             lr = learning_rate(s, STEPS, LR, "cosine", WARMUP, MIN_LR)
-            losses.append(eng.step(pos, lr, WEIGHT_DECAY, CLIP))
+            losses.append(eng.step(pos, lr, WEIGHT_DECAY, CLIP, betas=BETAS))
             norms.append(eng.grad_norm())
         coherent(eng)
         return {"losses": np.array(losses), "norms": np.array(norms),
@@ -320,6 +322,29 @@ def test_weight_decay_shrinks_the_chosen_tensors(runtime, tmp_path, which):
             assert np.any(b[n] != a[n]) or not np.any(p), f"{which}: {n} not decayed"
         else:
             assert np.array_equal(b[n], a[n]), f"{which}: {n} decayed"
+
+
+def test_the_betas_reach_the_update(runtime, tmp_path):
+    """TrainConfig's beta1 and beta2 (--beta1, --beta2) are the moments' decay rates of every
+    AdamW task: the first step depends on them only through roundings (its bias-corrected
+    moments are g and g^2 in exact arithmetic: a few float32 roundings of the update, at most
+    lr each), the second does, for each, far beyond them. (The oracle test of clipped
+    training runs with GPT-2's betas against torch's AdamW.)"""
+    rng = np.random.default_rng(6)
+    path = str(tmp_path / "training.bin")
+    formats.write_shard(path, rng.integers(0, MICRO.V, 2000).astype(np.uint16))
+    common = dict(model="micro", train_data=path, batch=2, seq_len=16, lr=1e-2,
+                  engine="reference", log=None)
+    with runtime.paused():
+        runs = {betas: [train(TrainConfig(**common, steps=s, beta1=betas[0], beta2=betas[1]))
+                        .state.params for s in (1, 2)]
+                for betas in ((0.9, 0.999), (0.9, 0.95), (0.5, 0.999))}
+    rounding = 8 * np.finfo(np.float32).eps * (np.abs(runs[(0.9, 0.999)][0]) + 1e-2)
+    for betas, (first, second) in runs.items():
+        assert np.all(np.abs(first - runs[(0.9, 0.999)][0]) <= rounding), betas
+        if betas != (0.9, 0.999):
+            far = np.abs(second - runs[(0.9, 0.999)][1]) > 100 * rounding
+            assert far.mean() > 0.5, (betas, far.mean())
 
 
 # --------------------------------------------------------------------------- accumulation

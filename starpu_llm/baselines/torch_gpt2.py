@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..model.config import DECAYED, DEFAULT_DECAYED, GPTConfig
+from ..model.config import ADAM_BETAS, DECAYED, DEFAULT_DECAYED, GPTConfig
 from .common import LN_EPS, batch, param_views, step_times
 
 __all__ = ["TorchGPT2", "batch", "torch_train_step_times"]
@@ -92,7 +92,7 @@ class TorchGPT2:
 
     # ------------------------------------------------------------------ training
     def adamw_update(self, lr: float, weight_decay: float,
-                     weight_decay_params: str = DEFAULT_DECAYED):
+                     weight_decay_params: str = DEFAULT_DECAYED, betas: tuple = ADAM_BETAS):
         """One torch.optim.AdamW step over all 16 tensors with the current gradients, the
         weight decay on those of DECAYED[weight_decay_params]."""
         if self.optimizer is None:      # a group per tensor, named
@@ -102,6 +102,7 @@ class TorchGPT2:
         for group in self.optimizer.param_groups:
             decays = group["name"] in DECAYED[weight_decay_params]
             group["lr"], group["weight_decay"] = lr, weight_decay if decays else 0.0
+            group["betas"] = betas
         self.optimizer.step()
 
     def adamw_step(self, inputs, targets, lr: float, weight_decay: float) -> float:

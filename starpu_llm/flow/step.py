@@ -16,7 +16,7 @@ import numpy as np
 
 from . import taskflow
 from .._kernels import ffi
-from ..model.config import DEFAULT_DECAYED, GPTConfig, ParamLayout, check_batch_shape
+from ..model.config import ADAM_BETAS, DEFAULT_DECAYED, GPTConfig, ParamLayout, check_batch_shape
 from ..errors import StarpuLLMError, opt
 from ..model.state import TrainState
 from .tensors import Tensor
@@ -164,13 +164,14 @@ class Engine:
         self._gradients_submitted()
 
     def submit_update(self, lr: float, weight_decay: float, grad_clip: float = 0.0,
-                      weight_decay_params: str = DEFAULT_DECAYED):
+                      weight_decay_params: str = DEFAULT_DECAYED, betas: tuple = ADAM_BETAS):
         """The AdamW tasks; grad_clip > 0 clips the gradients' global norm to it first; the
-        weight decay on the tensors weight_decay_params names (config.DECAYED)."""
+        weight decay on the tensors weight_decay_params names (config.DECAYED); betas: the
+        moments' decay rates."""
         self._check_open()
         self.state.step += 1
         taskflow.update(self.update_ops(), self.config, self.p, self.g, self.m, self.v, lr, weight_decay,
-                        self.state.step, grad_clip, self.norm, weight_decay_params)
+                        self.state.step, grad_clip, self.norm, weight_decay_params, betas)
 
     def _alternate_buffers(self):
         """Have the next step write its losses and gradient norm into the other of two sets
@@ -178,8 +179,8 @@ class Engine:
         raise StarpuLLMError(f"the {self.name} engine does not submit a step ahead")
 
     def submit_step(self, positions, lr: float, weight_decay: float, grad_clip: float = 0.0,
-                    keep_previous: bool = False,
-                    weight_decay_params: str = DEFAULT_DECAYED) -> Submitted:
+                    keep_previous: bool = False, weight_decay_params: str = DEFAULT_DECAYED,
+                    betas: tuple = ADAM_BETAS) -> Submitted:
         """Submit the step on the batch at token position positions (forward, backward,
         update; several positions: a gradient accumulation over those micro-batches, one
         update of their mean loss's gradient; grad_clip > 0 clips the gradients' global norm
@@ -193,7 +194,7 @@ class Engine:
         if keep_previous:
             self._alternate_buffers()
         self.submit_forward_backward(positions)
-        self.submit_update(lr, weight_decay, grad_clip, weight_decay_params)
+        self.submit_update(lr, weight_decay, grad_clip, weight_decay_params, betas)
         return Submitted(self.state.step, [a.losses for a, _ in self.subs],
                          self.norm[-1] if grad_clip > 0 else None, len(positions))
 
@@ -207,10 +208,10 @@ class Engine:
         return self.loss(micro_batches=len(positions))
 
     def step(self, positions, lr: float, weight_decay: float, grad_clip: float = 0.0,
-             weight_decay_params: str = DEFAULT_DECAYED) -> float:
+             weight_decay_params: str = DEFAULT_DECAYED, betas: tuple = ADAM_BETAS) -> float:
         """The step on the batch at positions (submit_step), waited for; its loss."""
         s = self.submit_step(positions, lr, weight_decay, grad_clip,
-                             weight_decay_params=weight_decay_params)
+                             weight_decay_params=weight_decay_params, betas=betas)
         self.wait()
         return self.loss(s.losses, s.micro_batches)
 

@@ -20,9 +20,9 @@ use wte (the embedding, the lm head) take every block (one in a single process).
 """
 from __future__ import annotations
 
-from ..model.config import DECAYED, DEFAULT_DECAYED, PARAMETERS, ROW_BLOCKED, GPTConfig
+from ..model.config import ADAM_BETAS, DECAYED, DEFAULT_DECAYED, PARAMETERS, ROW_BLOCKED, GPTConfig
 
-ADAM_BETA1, ADAM_BETA2, ADAM_EPS = 0.9, 0.999, 1e-8
+ADAM_EPS = 1e-8
 
 
 def forward(ops, cfg: GPTConfig, p, a, B: int, T: int, head_ops=None, add_loss: bool = False):
@@ -192,9 +192,11 @@ def norm_nodes(cfg: GPTConfig, wte_blocks: int = 1) -> int:
 
 
 def update(ops, cfg: GPTConfig, p, g, m, v, lr: float, weight_decay: float, t: int,
-           grad_clip: float = 0.0, norm=None, weight_decay_params: str = DEFAULT_DECAYED):
+           grad_clip: float = 0.0, norm=None, weight_decay_params: str = DEFAULT_DECAYED,
+           betas: tuple = ADAM_BETAS):
     """One AdamW task per parameter tensor per layer; each also zeroes its gradient. The
-    weight decay shrinks the tensors of DECAYED[weight_decay_params] (config.py) only.
+    weight decay shrinks the tensors of DECAYED[weight_decay_params] (config.py) only; betas:
+    the decay rates of the moments (beta1, beta2).
 
     grad_clip > 0: the gradients are first scaled by min(1, grad_clip / (||g|| + 1e-6)),
     ||g|| the L2 norm of all of them (torch.nn.utils.clip_grad_norm_). norm: norm_nodes(cfg)
@@ -213,5 +215,5 @@ def update(ops, cfg: GPTConfig, p, g, m, v, lr: float, weight_decay: float, t: i
         root = norm[-1]
     for (pt, gt, mt, vt), (name, _) in zip(order, names):
         wd = weight_decay if name in decayed else 0.0
-        ops.adamw(pt, gt, mt, vt, root, lr, ADAM_BETA1, ADAM_BETA2, ADAM_EPS, wd, t,
+        ops.adamw(pt, gt, mt, vt, root, lr, *betas, ADAM_EPS, wd, t,
                   grad_clip if root is not None else 0.0)

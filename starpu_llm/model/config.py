@@ -131,6 +131,9 @@ def check_batch_shape(config: GPTConfig, B: int, T: int) -> None:
 DECAYED = {"matrices": frozenset(p.name for p in PARAMETERS if len(p.shape(GPTConfig())) == 2),
            "all": frozenset(p.name for p in PARAMETERS)}
 DEFAULT_DECAYED = "matrices"
+# AdamW's decay rates of the moments (--beta1, --beta2): llm.c train_gpt2.c's; GPT-2's recipe
+# (nanoGPT, llm.c's train_gpt2.cu) takes beta2 = 0.95
+ADAM_BETAS = (0.9, 0.999)
 
 
 # Named configurations: llm.c's GPT-2 sizes "dL" (L layers, maxT=1024, V=50257 padded to

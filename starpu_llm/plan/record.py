@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, fields, replace
 import numpy as np
 
 from ..errors import opt
+from ..model.config import ADAM_BETAS
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,8 @@ class Settings:
     grad_accum: int = 1     # micro-batches a step (a record saved before it was kept: 1)
     weight_decay_params: str = "all"    # the tensors decayed (a record saved before it was
                                         # kept: all, the only choice then)
+    beta1: float = ADAM_BETAS[0]        # AdamW's (a record saved before they were kept:
+    beta2: float = ADAM_BETAS[1]        # llm.c's, the only ones then)
 
     @classmethod
     def of(cls, cfg) -> "Settings":
@@ -130,6 +133,9 @@ def run_identity(settings: Settings, config, start: str, data: list) -> str:
         del kept["grad_accum"]
     if kept["weight_decay_params"] == "all" or not kept["weight_decay"]:   # as before it was a
         del kept["weight_decay_params"]         # setting (every tensor decayed): the same runs
+    for name, was in zip(("beta1", "beta2"), ADAM_BETAS):
+        if kept[name] == was:
+            del kept[name]
     blob = json.dumps([kept, str(config), start, data], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

@@ -68,6 +68,7 @@ CHECKS = {
                     "a finite number >= 0"),
     "nonneg_int": Check(int, "a whole number", _whole, lambda v: v >= 0, ">= 0"),
     "probability": Check(float, "a number", _number, lambda v: 0 < v <= 1, "in (0, 1]"),
+    "unit": Check(float, "a number", _number, lambda v: 0 <= v < 1, "in [0, 1)"),
 }
 
 

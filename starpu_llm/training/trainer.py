@@ -23,7 +23,8 @@ from typing import NamedTuple
 from . import resume
 from .. import signals
 from .checkpointing import check_outputs, check_checkpoint_dir, save_final
-from ..model.config import DECAYED, DEFAULT_DECAYED, MODELS, GPTConfig, check_batch_shape
+from ..model.config import (ADAM_BETAS, DECAYED, DEFAULT_DECAYED, MODELS, GPTConfig,
+                            check_batch_shape)
 from .engines import (autotuned, calibrated_peak, calibration, check_memory, make_engine,
                       run_partition, start_runtime)
 from ..errors import StarpuLLMError, flag, opt, render
@@ -77,6 +78,12 @@ class TrainConfig(PartitionRequest):
                                        "(biases and layernorms too, as llm.c's train_gpt2.c; "
                                        "default matrices)", choices=sorted(DECAYED),
                                        ranks_agree=True)
+    beta1: float = setting(ADAM_BETAS[0], f"AdamW's decay rate of the gradients' mean (default "
+                           f"{ADAM_BETAS[0]})", check="unit", ranks_agree=True)
+    beta2: float = setting(ADAM_BETAS[1], f"AdamW's decay rate of the squared gradients' mean "
+                           f"(default {ADAM_BETAS[1]}, llm.c train_gpt2.c's; GPT-2's recipe in "
+                           f"nanoGPT and llm.c's train_gpt2.cu: 0.95)", check="unit",
+                           ranks_agree=True)
     engine: str = setting("starpu", "starpu: the task graph; reference: the same kernels in a "
                           "plain loop", choices=["starpu", "reference"])
     seed: int = setting(1337, "seed of the random init (default 1337)", check="nonneg_int",
@@ -433,7 +440,8 @@ def _steps(run: Run, stop, result: TrainResult, watchers: list) -> None:
         positions = [run.loader.next_position() for _ in range(cfg.grad_accum)]
         current = (engine.submit_step(positions, lr, cfg.weight_decay, cfg.grad_clip,
                                       keep_previous=pending is not None,
-                                      weight_decay_params=cfg.weight_decay_params), lr)
+                                      weight_decay_params=cfg.weight_decay_params,
+                                      betas=(cfg.beta1, cfg.beta2)), lr)
         if pending is not None:         # the previous step, read while this one runs
             since = _done(run, stop, result, watchers, pending, since, False, after_read).at
             after_read = True
