@@ -201,8 +201,9 @@ int sl_set_memory_limit(size_t bytes, const char *dir)
 int sl_ooc_before_init(void)
 {
 	if (!ooc.limit) {
-		if (ooc.env_set) /* ours, from an earlier start of this process */
-			unsetenv("STARPU_LIMIT_CPU_MEM");
+		/* the variable ours, from an earlier start of this process */
+		if (ooc.env_set && unsetenv("STARPU_LIMIT_CPU_MEM") != 0)
+			return -errno;
 		ooc.env_set = 0;
 		return 0;
 	}

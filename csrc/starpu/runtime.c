@@ -76,7 +76,8 @@ static int start(int nworkers, int cores_per_worker, int kcore, const int *cores
 		/* the CUDA workers asked for, no other count (the variable overrides conf.ncuda) */
 		char n[16];
 		snprintf(n, sizeof n, "%d", ncuda);
-		setenv("STARPU_NCUDA", n, 1);
+		if (setenv("STARPU_NCUDA", n, 1) != 0)
+			return -errno;
 	}
 	conf.ncpus = ncpus;
 	conf.ncuda = ncuda;
@@ -107,8 +108,9 @@ static int start(int nworkers, int cores_per_worker, int kcore, const int *cores
 		 * these variables. */
 		char k[16];
 		snprintf(k, sizeof k, "%d", cores_per_worker);
-		setenv("STARPU_MIN_WORKERSIZE", k, 1);
-		setenv("STARPU_MAX_WORKERSIZE", k, 1);
+		if (setenv("STARPU_MIN_WORKERSIZE", k, 1) != 0 ||
+		    setenv("STARPU_MAX_WORKERSIZE", k, 1) != 0)
+			return -errno;
 	}
 	sl_codelets_setup(use_team || use_parallel_workers ? 1 : cores_per_worker, ncuda);
 
