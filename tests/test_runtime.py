@@ -169,6 +169,17 @@ def test_restart_after_shutdown():
         assert not rt.running
 
 
+def test_shutdown_says_0_when_its_wait_and_stop_succeed():
+    # sl_shutdown returns the error of its wait or of StarPU-MPI's shutdown, 0 without one
+    rt = Runtime(here(1, 1))
+    try:
+        assert lib.sl_shutdown() == 0
+        assert lib.sl_shutdown() == 0       # stopped already: nothing to do
+    finally:
+        rt.shutdown()
+    assert not rt.running
+
+
 def test_only_one_runtime_per_process():
     with Runtime(here(1, 1)):
         with pytest.raises(StarpuLLMError, match="already running"):

@@ -14,7 +14,8 @@
 
 /* ---- mpi.c ---- */
 int sl_mpi_start(struct starpu_conf *conf, const void *comm);
-/* Returns 0 when it shut StarPU down (starpu_mpi_shutdown does), 1 when MPI was not used. */
+/* 1 when MPI was not used (the caller shuts StarPU down); else StarPU-MPI and StarPU shut
+ * down (starpu_mpi_shutdown does both), and 0, or its error (< 0). */
 int sl_mpi_stop(void);
 /* The communicator StarPU-MPI runs on, or NULL when it does not run. */
 const void *sl_mpi_comm(void);

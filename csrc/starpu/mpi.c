@@ -33,9 +33,9 @@ int sl_mpi_stop(void)
 {
 	if (!sl_mpi_active)
 		return 1;
-	starpu_mpi_shutdown();
+	int ret = starpu_mpi_shutdown();
 	sl_mpi_active = 0;
-	return 0;
+	return ret > 0 ? -ret : ret; /* never 1: StarPU is stopped */
 }
 
 int sl_mpi_rank(void)

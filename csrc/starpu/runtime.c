@@ -206,13 +206,14 @@ int sl_attach(const struct sl_partition *p, const int *cores)
 /* Waits for the tasks of every scheduling context. With the submitting thread's context
  * unset, starpu_task_wait_for_all() goes through all of them (the global one, the parallel
  * workers' own ones, the one enclosing them) instead of only the thread's. */
-static void wait_every_context(void)
+static int wait_every_context(void)
 {
 	unsigned ctx = starpu_sched_ctx_get_context();
 	starpu_sched_ctx_set_context(NULL);
-	starpu_task_wait_for_all();
+	int ret = starpu_task_wait_for_all();
 	if (ctx != STARPU_NMAX_SCHED_CTXS)
 		starpu_sched_ctx_set_context(&ctx);
+	return ret;
 }
 #endif
 
@@ -233,9 +234,10 @@ static int wait_tasks(int collective)
 	if (parallel_workers) {
 		do {
 			int ret = starpu_task_wait_for_all();
+			if (ret == 0)
+				ret = wait_every_context();
 			if (ret != 0)
 				return ret;
-			wait_every_context();
 		} while (starpu_task_nsubmitted() > 0);
 	}
 #endif
@@ -246,7 +248,7 @@ int sl_shutdown(void)
 {
 	if (!initialized)
 		return 0;
-	wait_tasks(0);
+	int ret = wait_tasks(0); /* its error returned once StarPU is stopped */
 	sl_args_free_completed();
 #if SL_HAVE_PARALLEL_WORKERS
 	if (parallel_workers) {
@@ -262,11 +264,16 @@ int sl_shutdown(void)
 		cublas_on = 0;
 	}
 #endif
-	if (initialized == 1 && sl_mpi_stop() != 0)
-		starpu_shutdown(); /* attached (2): the starter shuts StarPU down */
+	if (initialized == 1) { /* attached (2): the starter shuts StarPU down */
+		int mpi = sl_mpi_stop();
+		if (mpi == 1)
+			starpu_shutdown();
+		else if (ret == 0)
+			ret = mpi;
+	}
 	sl_ooc_after_shutdown();
 	initialized = 0;
-	return 0;
+	return ret;
 }
 
 int sl_wait_all(void)

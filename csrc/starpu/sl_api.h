@@ -65,6 +65,8 @@ int sl_attach(const struct sl_partition *p, const int *cores);
 /* Before starpu.init(): room in StarPU's table of data interfaces for the next n interface
  * ids (works around a StarPU 1.4.12 overflow from the 7th starpupy init in a process). */
 void sl_reserve_interface_ids(int n);
+/* Waits for the tasks, then stops StarPU (and StarPU-MPI) whatever the wait returned: 0, or
+ * the first error of the wait or of starpu_mpi_shutdown. */
 int sl_shutdown(void);
 int sl_wait_all(void);
 void sl_pause(void);
