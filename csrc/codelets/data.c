@@ -16,6 +16,7 @@ SL_CODELET(load_batch, struct sl_load_args, 0, 0.0, SL_W, SL_W)
 }
 
 /* ---- gradient reduction methods: init = zero, reduce = dst += src ---- */
+/* x (n) */
 SL_CODELET(zero, struct sl_no_args, SL_SEQUENTIAL, 0.0, SL_W)
 {
 	fill_zero(SL_F(0), SL_N(0));
@@ -25,7 +26,8 @@ SL_CUDA(zero)
 	fill_zero_cuda(g, SL_F(0), SL_N(0));
 }
 
-/* StarPU 1.3 requires the first buffer of a reduction codelet to be exactly STARPU_RW */
+/* dst (n), src (n). StarPU 1.3 requires the first buffer of a reduction codelet to be
+ * exactly STARPU_RW */
 SL_CODELET(add, struct sl_no_args, SL_SEQUENTIAL, 0.0, SL_RW, SL_R)
 {
 	add_inplace(SL_F(0), SL_F(1), SL_N(0));

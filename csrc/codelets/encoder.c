@@ -43,7 +43,7 @@ SL_CUDA(encoder_decode)
 	encoder_decode_cuda(g, SL_F(0), SL_I(1), (const float *const *)wte, rows, k, SL_F(2 + k),
 			    a->N, a->C);
 }
-/* dwte (Vp,C) in k row blocks, dwpe, dout (B,T,C), inp (B,T) */
+/* dwte (Vp,C) in k row blocks, dwpe (maxT,C), dout (B,T,C), inp (B,T) */
 SL_CODELET_REPEAT(encoder_backward, struct sl_encoder_backward_args, blocks, 0, 0.0,
 		  SL_GRAD | SL_REPEAT, SL_GRAD, SL_R, SL_R)
 {

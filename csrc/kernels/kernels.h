@@ -68,7 +68,8 @@ void matmul_backward_blocks(float *dinp, float *const *dweight, float *dbias, co
  * hs = C/NH. att (B,NH,T,T): the softmax of the scores scaled by 1/sqrt(hs) (entries above the
  * diagonal are written as 0). out (B,T,C). */
 void attention_forward(float *out, float *att, const float *qkv, int B, int T, int C, int NH);
-/* dqkv (B,T,3C) written; dpreatt, datt (B,NH,T,T) are scratch (written below the diagonal). */
+/* dqkv (B,T,3C) written; dpreatt, datt (B,NH,T,T) are scratch (written below the diagonal);
+ * dout (B,T,C); qkv, att as the forward's. */
 void attention_backward(float *dqkv, float *dpreatt, float *datt, const float *dout,
 			const float *qkv, const float *att, int B, int T, int C, int NH);
 /* The same attention fused (flash.c says how): no (T, T) tensor. The forward writes out
