@@ -20,6 +20,12 @@ SL_CUDA(attention_forward)
 	attention_forward_cuda(g, SL_F(0), SL_F(1), SL_F(2), a->B, a->T, a->C, a->NH);
 }
 
+/* attention_backward's scratch (2,B,NH,T,T): dpreatt, then datt, where this points. */
+static inline float *attention_datt(const struct sl_attention_args *a, float *scratch)
+{
+	return scratch + (size_t)a->B * a->NH * a->T * a->T;
+}
+
 /* dqkv (B,T,3C), scratch (2,B,NH,T,T), dout (B,T,C), qkv, att.
  * dpreatt and datt only live inside the task. STARPU_SCRATCH would fit, but StarPU 1.3.10
  * crashes when a FORKJOIN task under peager gets a buffer StarPU allocated itself, so the
@@ -27,17 +33,13 @@ SL_CUDA(attention_forward)
 SL_CODELET(attention_backward, struct sl_attention_args, 0, 2.0 * SL_ATTENTION_FLOPS(a), SL_W,
 	   SL_W, SL_R, SL_R, SL_R)
 {
-	float *dpreatt = SL_F(1);
-	float *datt = dpreatt + (size_t)a->B * a->NH * a->T * a->T;
-	attention_backward(SL_F(0), dpreatt, datt, SL_F(2), SL_F(3), SL_F(4), a->B, a->T, a->C,
-			   a->NH);
+	attention_backward(SL_F(0), SL_F(1), attention_datt(a, SL_F(1)), SL_F(2), SL_F(3), SL_F(4),
+			   a->B, a->T, a->C, a->NH);
 }
 SL_CUDA(attention_backward)
 {
-	float *dpreatt = SL_F(1);
-	float *datt = dpreatt + (size_t)a->B * a->NH * a->T * a->T;
-	attention_backward_cuda(g, SL_F(0), dpreatt, datt, SL_F(2), SL_F(3), SL_F(4), a->B, a->T,
-				a->C, a->NH);
+	attention_backward_cuda(g, SL_F(0), SL_F(1), attention_datt(a, SL_F(1)), SL_F(2), SL_F(3),
+				SL_F(4), a->B, a->T, a->C, a->NH);
 }
 
 /* The fused attention (kernels.h, attention_flash_*): its own codelets, since what the forward
