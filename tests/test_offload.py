@@ -27,8 +27,8 @@ from starpu_llm.flow.memory import step_needs
 from starpu_llm.io import checkpoint, formats
 from starpu_llm.perf.runs import run_sampling_rss
 from starpu_llm.plan.partition import PartitionRequest
-from starpu_llm.runtime import resolve_here
-from starpu_llm.runtime.offload import RSS_OVERHEAD, OffloadFolder, parse_size
+from starpu_llm.runtime import Runtime, resolve_here
+from starpu_llm.runtime.offload import RSS_OVERHEAD, MemoryLimit, OffloadFolder, parse_size
 from starpu_llm.model.state import RandomInit, random_init
 from starpu_llm.training.trainer import TrainConfig, train
 
@@ -240,6 +240,18 @@ def test_settings_it_cannot_run_are_refused(files, tmp_path, setting, why):
         fits(**setting)
     with pytest.raises(StarpuLLMError, match=why):
         train(TrainConfig(**{**settings(files, tmp_path, memory_limit=CAP), **setting}))
+
+
+def test_a_runtime_given_a_partition_resolved_without_the_limit_refuses_forkjoin(tmp_path):
+    """A Runtime started with a memory limit on a partition resolved without it applies
+    resolve's rule (check_memory_limit) before StarPU starts: no FORKJOIN tasks under it."""
+    fits(workers=1, cores_per_worker=2)
+    p = resolve_here(PartitionRequest(workers=1, cores_per_worker=2, kcore="forkjoin"))
+    if p.kcore != "forkjoin":
+        pytest.skip(f"this build runs 1x2 as {p.kcore}")
+    with pytest.raises(StarpuLLMError, match="use kcore team"):
+        Runtime(p, memory=MemoryLimit.of(CAP, str(tmp_path)))
+    assert Runtime._active is None and not list(tmp_path.iterdir())
 
 
 def test_a_disk_that_fills_mid_run_ends_it_cleanly(files, uncapped, tmp_path):

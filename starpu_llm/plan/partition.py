@@ -243,11 +243,8 @@ def resolve(req: PartitionRequest, *, cores: int, build: Build, ranks: int = 1,
     if cores_per_worker > build.max_group:
         raise StarpuLLMError(f"{opt('cores_per_worker')} {cores_per_worker} is above "
                              f"{build.max_group}")
-    if memory_limit and mechanism == "forkjoin":
-        raise StarpuLLMError(
-            f"{opt('memory_limit')} needs tasks on buffers StarPU allocates itself, which "
-            f"StarPU 1.3's FORKJOIN tasks (peager) cannot run: use {opt('kcore')} team (the "
-            f"default) or one core per worker")
+    if memory_limit:
+        check_memory_limit(mechanism, gpus)
     stages = req.pipeline_stages or 1
     schedule = ""
     if stages > 1:
@@ -375,8 +372,22 @@ def _check_gpus(req: PartitionRequest, kcore: str, build: Build, memory_limit: b
         raise StarpuLLMError(
             f"{opt('gpus')} {gpus}: this starpu-llm is a CPU build; `make cuda` builds StarPU "
             "with CUDA and starpu-llm against it in .venv-cuda (README, GPUs)")
-    for why, when in ((f"{opt('kcore')} forkjoin (combined CPU workers); use team", kcore == "forkjoin"),
-                      (f"{opt('memory_limit')}: not supported yet (the GPUs' memory budget "
-                       f"comes with it)", memory_limit)):
-        if when:
-            raise StarpuLLMError(f"{opt('gpus')} {gpus} does not run with {why}")
+    if kcore == "forkjoin":
+        raise StarpuLLMError(f"{opt('gpus')} {gpus} does not run with {opt('kcore')} forkjoin "
+                             f"(combined CPU workers); use team")
+    if memory_limit:
+        check_memory_limit(kcore, gpus)
+
+
+def check_memory_limit(mechanism: str, gpus: int) -> None:
+    """A partition of this mechanism and GPUs under a memory limit, or a clear error: the one
+    rule, for resolve and for a Runtime given a resolved partition and a limit (the partition
+    does not record the limit it was resolved for)."""
+    if gpus:
+        raise StarpuLLMError(f"{opt('gpus')} {gpus} does not run with {opt('memory_limit')}: "
+                             f"not supported yet (the GPUs' memory budget comes with it)")
+    if mechanism == "forkjoin":
+        raise StarpuLLMError(
+            f"{opt('memory_limit')} needs tasks on buffers StarPU allocates itself, which "
+            f"StarPU 1.3's FORKJOIN tasks (peager) cannot run: use {opt('kcore')} team (the "
+            f"default) or one core per worker")

@@ -19,7 +19,7 @@ from ..plan import partition
 from .._clib import ffi, lib
 from ..errors import StarpuLLMError, opt
 from ..model.config import ATTENTIONS
-from ..plan.partition import Build, PartitionRequest, attention_of
+from ..plan.partition import Build, PartitionRequest, attention_of, check_memory_limit
 from ..plan.record import Partition
 from . import cpus, offload, starpupy_face
 from ..kernels.cpu import check as check_cpu
@@ -312,6 +312,8 @@ class Runtime:
         if p.engine != "starpu" or not p.sched:
             raise StarpuLLMError(f"the StarPU runtime starts a StarPU partition (resolved), not "
                                  f"{p.describe()}")
+        if memory is not None:      # a partition resolved without the limit: resolve's rule
+            check_memory_limit(p.kcore, p.gpus)
         os.environ.setdefault("STARPU_SILENT", "1")
         os.environ.setdefault("STARPU_NOPENCL", "0")
         n = p.cores
