@@ -1,4 +1,4 @@
-"""The fused attention through StarPU on CPU workers: Runtime(attention="flash") lays each
+"""The fused attention through StarPU on CPU workers: a partition of attention "flash" lays each
 sub-batch's tensors out for it (att holds each query row's logsumexp (B,NH,T): no (T, T)
 tensor anywhere), the task flow submits its codelets (their CPU bodies here, the same tiled
 algorithm as the CUDA kernels), and the small model's forward/backward and 10 AdamW steps
@@ -19,16 +19,16 @@ from test_model import compare, make_case, report, run_engine, run_torch
 
 @pytest.fixture(scope="module")
 def runtime():
-    rt = Runtime(here(1, 1), attention="flash")
+    rt = Runtime(here(1, 1, attention="flash"))
     yield rt
     rt.shutdown()
 
 
 def test_a_partition_must_say_its_attention():
-    # partition.resolve decides the form; a Partition made otherwise says it, or the Runtime
-    # is given one (refused before anything starts: another runtime may be running)
+    # partition.resolve decides the form; a Partition made otherwise says it (refused before
+    # anything starts: another runtime may be running)
     blank = replace(here(1, 1), attention="")
-    with pytest.raises(StarpuLLMError, match="no attention form.*Runtime\\(attention=\\)"):
+    with pytest.raises(StarpuLLMError, match="no attention form.*PartitionRequest\\(attention=\\)"):
         Runtime(blank)
 
 

@@ -12,14 +12,13 @@ import errno
 import os
 import sys
 import tempfile
-from dataclasses import replace
 from typing import NamedTuple
 
 from ..plan import partition
 from .._clib import ffi, lib
 from ..errors import StarpuLLMError, opt
 from ..model.config import ATTENTIONS
-from ..plan.partition import Build, PartitionRequest, attention_of, check_memory_limit
+from ..plan.partition import Build, PartitionRequest, check_memory_limit
 from ..plan.record import Partition
 from . import cpus, offload, starpupy_face
 from ..kernels.cpu import check as check_cpu
@@ -235,20 +234,19 @@ class Runtime:
     of a codelet with a CUDA body runs on the GPUs only (placement()), the CPU workers run
     the rest (the batch loads), so dmda never tries a layer task on a CPU to calibrate its
     model (at GPT-2 124M, B=16, T=1024, seconds a task).
-    attention: the attention the layer tasks run (model/config.py's ATTENTIONS), in place of the
-    partition's (None: the partition's, which partition.resolve decides: the fused one, "flash",
-    with GPUs, the batched-GEMM one, "gemm", without); read by the task flow's tensors.
+    The attention the layer tasks run is the partition's (partition.resolve decides it: the
+    fused one, "flash", with GPUs, the batched-GEMM one, "gemm", without, or
+    PartitionRequest(attention=)); the task flow's tensors read it there.
     """
 
     _active: "Runtime | None" = None
 
     def __init__(self, partition: Partition | None = None, *, comm=None,
-                 face: str | None = None, memory: offload.MemoryLimit | None = None,
-                 attention: str | None = None):
-        if partition is not None and not (attention or partition.attention):
+                 face: str | None = None, memory: offload.MemoryLimit | None = None):
+        if partition is not None and not partition.attention:
             raise StarpuLLMError("the partition says no attention form: make it with "
-                                 "plan.partition.resolve, or give Runtime(attention=) one of "
-                                 f"{', '.join(ATTENTIONS)}")
+                                 "plan.partition.resolve (PartitionRequest(attention=) one of "
+                                 f"{', '.join(ATTENTIONS)}, or the default)")
         check_cpu()         # the kernels run from here: built for an instruction set here?
         if Runtime._active is not None:
             raise StarpuLLMError("StarPU is already running in this process: shut the other "
@@ -258,10 +256,7 @@ class Runtime:
             core_ids = self._plan(partition, comm, face, memory)
             check_perf_model_dir()
         p = self.partition
-        if attention:
-            p = self.partition = replace(p, attention=attention_of(attention, p.gpus))
         _say_parallel_workers_off(p, comm)
-        self.attention = p.attention
         self.offload = offload.start(memory)     # the limit, before StarPU starts
         self.offload_path = self.offload.path if self.offload else None
         sched = ffi.new("char[]", p.sched.encode())      # alive through the start
@@ -384,6 +379,11 @@ class Runtime:
         polls, sleeps, slept = ffi.new("long long *"), ffi.new("long long *"), ffi.new("long long *")
         lib.sl_mpi_poll_stats(polls, sleeps, slept)
         return dict(polls=polls[0], sleeps=sleeps[0], slept_s=slept[0] / 1e9)
+
+    @property
+    def attention(self) -> str:
+        """The attention the layer tasks run: the partition's."""
+        return self.partition.attention
 
     @property
     def running(self) -> bool:
