@@ -7,6 +7,8 @@ BIN    := $(VENV)/bin
 BATCH  ?= 4
 STEPS  ?= 11
 ARGS   ?=
+# make test TESTS=tests/test_runtime.py ARGS="-k team": some tests only
+TESTS  ?= tests
 # pyproject's optional dependencies, read from it (listed once): $(call extra,NAME), quoted for
 # the shell, the project's own extras left out. serve: starpu-llm serve's HTTP server; hf:
 # Hugging Face folders and the Hub cache; test: the oracle (torch, transformers) and the
@@ -22,7 +24,7 @@ train: $(VENV)/.installed
 	$(BIN)/starpu-llm train --batch $(BATCH) --seq-len 64 --steps $(STEPS) $(ARGS)
 
 test: $(VENV)/.installed $(VENV)/.test-deps
-	$(BIN)/pytest tests -q $(ARGS)
+	$(BIN)/pytest $(TESTS) -q $(ARGS)
 
 # The file readers under thousands of hostile files (tests/test_fuzz.py; `make test` runs a few
 # hundred); FUZZ_EXAMPLES=n sets the cases per reader (default 4000).
