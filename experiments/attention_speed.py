@@ -20,6 +20,7 @@ import time
 import numpy as np
 
 from starpu_llm._kernels import ffi, lib
+from starpu_llm.runtime.cpus import core_cpus     # one thread a core
 
 C, NH = 768, 12
 HS = C // NH
@@ -40,7 +41,7 @@ def median_time(call, repeat):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--threads", type=int, default=len(core_cpus()))
     ap.add_argument("--repeat", type=int, default=9)
     ap.add_argument("--label", default="this tree")
     ap.add_argument("--csv")

@@ -31,6 +31,7 @@ from starpu_llm.bench import bench_partitions, label_of
 from starpu_llm.plan.partition import settings_of
 from starpu_llm.cli import add_setting_args, partition_settings
 from starpu_llm.perf.runs import cpu_description, run_in_subprocess, write_csv
+from starpu_llm.runtime.cpus import core_cpus
 
 
 def parse_side(text: str) -> tuple[str, str, dict]:
@@ -95,7 +96,7 @@ def main(argv=None) -> int:
     ap.add_argument("--csv", help="every run, one row each")
     args = ap.parse_args(argv)
     sides = [parse_side(s) for s in args.side]
-    rows = plan(args, len(os.sched_getaffinity(0)))
+    rows = plan(args, len(core_cpus()))
     print(f"machine: {cpu_description()}", flush=True)
     runs = []
     for rep in range(args.repeat):

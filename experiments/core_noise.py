@@ -74,8 +74,9 @@ def main(argv=None):
         return 0
     if args.window <= 0 or args.seconds < 2 * args.window:
         ap.error("--seconds must hold at least two --window")
+    from starpu_llm.runtime.cpus import core_cpus   # here: the children import nothing
     cores = ([int(c) for c in args.cores.split(",")] if args.cores
-             else sorted(os.sched_getaffinity(0)))
+             else core_cpus())       # one busy loop a core (its first hardware thread)
     start = time.time() + 2.0            # after every child has imported and warmed up
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, __file__, "--child", str(c), str(args.seconds),

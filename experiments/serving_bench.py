@@ -248,12 +248,13 @@ def free_port() -> int:
 
 class LlamaServer:
     """llama-server on the GGUF, `slots` sequences at once, the key/value cache f32 (or its
-    default f16), every core's thread; ready once its /health answers 200."""
+    default f16), a thread a core; ready once its /health answers 200."""
 
     def __init__(self, binary, gguf, slots, per_slot, f32_kv, log):
         import httpx
+        from starpu_llm.runtime.cpus import core_cpus
         self.url = f"http://127.0.0.1:{free_port()}"
-        cmd = [binary, "-m", gguf, "-t", str(len(os.sched_getaffinity(0))), "-np", str(slots),
+        cmd = [binary, "-m", gguf, "-t", str(len(core_cpus())), "-np", str(slots),
                "-c", str(slots * per_slot), "--host", "127.0.0.1",
                "--port", self.url.rsplit(":", 1)[1]]
         if f32_kv:
@@ -329,7 +330,8 @@ def hf_worker(ckpt, texts_json, concurrency, new, out_json):
     from transformers import GPT2Config, GPT2LMHeadModel
     from starpu_llm.model.config import ParamLayout
     from starpu_llm.io import formats, tokenizer
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    from starpu_llm.runtime.cpus import core_cpus
+    torch.set_num_threads(len(core_cpus()))
     config, params = formats.read_checkpoint(ckpt)
     w = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in ParamLayout(config).views(params).items()}
     hf = GPT2LMHeadModel(GPT2Config(vocab_size=config.V, n_positions=config.maxT,
