@@ -146,6 +146,24 @@ def test_cores_are_counted_once_whatever_their_hardware_threads(tmp_path, monkey
     assert os.environ[cpus.VARIABLE] == "2 3" and os.environ["STARPU_MPI_THREAD_CPUID"] == "3"
 
 
+@pytest.mark.parametrize("value", ["0", "-1", "3"])
+def test_a_threads_per_core_starpu_cannot_take_is_one_error(tmp_path, monkeypatch, value):
+    """STARPU_NTHREADS_PER_CORE below 1, or above the hardware threads of this machine's cores
+    (2 on the fake sysfs), is refused before StarPU starts, as a word is: StarPU 1.3 aborts on
+    it (starpu_get_env_number's assertion for a negative value; "Incorrect number of
+    hyperthreads" in _starpu_initialize_workers_bindid for 0 or too many, with one core per
+    worker). It was taken as 1 (or as many as a core has)."""
+    apart = fake_cores(tmp_path, [[0, 4], [1, 5], [2, 6], [3, 7]])
+    monkeypatch.setenv("STARPU_NTHREADS_PER_CORE", value)
+    with pytest.raises(StarpuLLMError, match=f"STARPU_NTHREADS_PER_CORE='{value}'"):
+        cpus.core_cpus(range(8), apart)
+    monkeypatch.setenv("STARPU_NTHREADS_PER_CORE", "2")
+    assert cpus.core_cpus(range(8), apart) == [0, 4, 1, 5, 2, 6, 3, 7]
+    # where no core's siblings can be read, the threads a core has are not known: not refused
+    monkeypatch.setenv("STARPU_NTHREADS_PER_CORE", "3")
+    assert cpus.core_cpus([0, 1], tmp_path / "none") == [0, 1]
+
+
 def test_a_workers_cpuid_naming_cpus_this_machine_lacks_is_one_error(monkeypatch):
     """A STARPU_WORKERS_CPUID from a bigger node (a job script copied): one error naming the
     variable, whatever the partition (StarPU 1.3 crashed with a segmentation fault)."""
