@@ -54,15 +54,30 @@ def core_groups(cpus, sysfs: str | None = None) -> list[list[int]]:
     """`cpus` (the OS's numbers) grouped by core, each core's hardware threads among them in
     order, the cores in the order of their first (Linux's thread_siblings_list; a CPU whose
     siblings cannot be read is a core of its own)."""
+    return _by_core(cpus, sysfs)[0]
+
+
+def _by_core(cpus, sysfs: str | None = None) -> tuple[list[list[int]], int | None]:
+    """(core_groups' groups, the most hardware threads a core has among those whose siblings
+    could be read: None where none could), sysfs read once a CPU."""
     groups: dict[frozenset, list[int]] = {}
+    most = None
     for c in sorted(cpus):
-        try:
-            with open(f"{sysfs or SYSFS}/cpu{c}/topology/thread_siblings_list") as f:
-                core = frozenset(cpu_list(f.read()))
-        except (OSError, ValueError):
-            core = frozenset([c])
-        groups.setdefault(core, []).append(c)
-    return list(groups.values())
+        core = _siblings(c, sysfs)
+        if core is not None:
+            most = max(most or 0, len(core))
+        groups.setdefault(core or frozenset([c]), []).append(c)
+    return list(groups.values()), most
+
+
+def _siblings(cpu: int, sysfs: str | None = None) -> frozenset | None:
+    """The hardware threads of cpu's core (the OS's numbers, Linux's thread_siblings_list);
+    None where they cannot be read."""
+    try:
+        with open(f"{sysfs or SYSFS}/cpu{cpu}/topology/thread_siblings_list") as f:
+            return frozenset(cpu_list(f.read())) or None
+    except (OSError, ValueError):
+        return None
 
 
 def core_cpus(cpus=None, sysfs: str | None = None) -> list[int]:
@@ -71,13 +86,20 @@ def core_cpus(cpus=None, sysfs: str | None = None) -> list[int]:
     the first n of each with StarPU's STARPU_NTHREADS_PER_CORE=n (hyperthreads used on
     purpose)."""
     cpus = os.sched_getaffinity(0) if cpus is None else cpus
+    text = os.environ.get("STARPU_NTHREADS_PER_CORE", "1")
     try:
-        n = max(1, int(os.environ.get("STARPU_NTHREADS_PER_CORE", "1")))
+        n = int(text)
     except ValueError:
-        raise StarpuLLMError(f"STARPU_NTHREADS_PER_CORE="
-                             f"{os.environ['STARPU_NTHREADS_PER_CORE']!r}: give a whole "
-                             f"number of hardware threads a core, or unset it") from None
-    return [c for group in core_groups(cpus, sysfs) for c in group[:n]]
+        n = None
+    # StarPU 1.3 aborts below 1 (an assertion) and, placing workers itself (one core a
+    # worker, no STARPU_WORKERS_CPUID), above the threads its cores have
+    groups, most = _by_core(cpus, sysfs)
+    if n is None or n < 1 or (most is not None and n > most):
+        allowed = ("1 or more" if most is None else "1 (a core has one here)" if most == 1
+                   else f"1 to {most} (the threads a core has here)")
+        raise StarpuLLMError(f"STARPU_NTHREADS_PER_CORE={text!r}: give a whole number of "
+                             f"hardware threads a core, {allowed}, or unset it")
+    return [c for group in groups for c in group[:n]]
 
 
 def listed_cores(text: str) -> list[int]:
