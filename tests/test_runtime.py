@@ -174,6 +174,26 @@ def test_a_workers_cpuid_naming_cpus_this_machine_lacks_is_one_error(monkeypatch
             Runtime(here(*shape, kcore=kcore))
 
 
+def test_a_workers_cpuid_beyond_starpus_cpus_is_refused_on_a_bigger_host(monkeypatch):
+    """StarPU numbers the CPUs of the topology it loads, hwloc's allowed ones: in a container
+    or a Slurm job's cgroup those of its cpuset, fewer than os.cpu_count() (the host's). A
+    list naming CPUs the job lacks is refused there too (it passed the host's count, and
+    StarPU 1.3 segfaulted with team workers)."""
+    out = ffi.new("int[]", 1)
+    if lib.sl_cpu_indexes(ffi.new("int[]", [0]), out, 1, 0) != 0:
+        pytest.skip("this build numbers CPUs without hwloc")
+    pus = os.cpu_count()      # hwloc's PUs here (no cpuset narrows this machine's)
+    monkeypatch.setattr(os, "cpu_count", lambda: 4 * pus)      # a host 4 times as big
+    with pytest.raises(StarpuLLMError, match=f"STARPU_WORKERS_CPUID='0 {pus}' names CPU {pus}"
+                                             f".* 0 to {pus - 1}"):
+        cpus.check_listed(f"0 {pus}")
+    cpus.check_listed(f"0-{pus - 1}")
+    # "a-" runs to StarPU's last CPU, as StarPU reads it (nhwpus - 1), not the host's
+    assert cpus.starpu_cpu_count() == pus
+    assert cpus.listed_cores("0-") == list(range(pus))
+    cpus.check_listed("0-")
+
+
 def test_default_partition_uses_every_core():
     with Runtime() as rt:
         assert rt.partition.cores == CORES == rt.partition.workers * rt.partition.cores_per_worker
