@@ -104,9 +104,10 @@ def core_cpus(cpus=None, sysfs: str | None = None) -> list[int]:
 
 def listed_cores(text: str) -> list[int]:
     """The CPUs of a STARPU_WORKERS_CPUID value, in order, as StarPU reads it (cpu_list; a-
-    up to the last CPU)."""
+    up to StarPU's last CPU, starpu_cpu_count)."""
+    open_range = any(w.endswith("-") for w in text.replace(",", " ").split())
     try:
-        cores = cpu_list(text, last=(os.cpu_count() or 1) - 1)
+        cores = cpu_list(text, last=starpu_cpu_count() - 1 if open_range else None)
     except ValueError:
         raise StarpuLLMError(f"{VARIABLE}={text!r}: give CPU numbers or ranges (such as "
                              f"0-7) separated by spaces or commas, or unset it") from None
@@ -116,13 +117,43 @@ def listed_cores(text: str) -> list[int]:
 
 
 def check_listed(text: str) -> None:
-    """A STARPU_WORKERS_CPUID value that StarPU can read: CPUs of this machine (StarPU 1.3
-    crashed on others)."""
+    """A STARPU_WORKERS_CPUID value that StarPU can read: CPUs of the topology StarPU loads
+    (StarPU 1.3 crashed on others): hwloc's PUs, those of this process's cpuset (a
+    container's, a Slurm job's), fewer than the host's os.cpu_count() there; os.cpu_count()
+    in a build without hwloc."""
     cores = listed_cores(text)
-    if max(cores) >= (os.cpu_count() or 1):
-        raise StarpuLLMError(f"{VARIABLE}={text!r} names CPU {max(cores)}, and this machine "
-                             f"has CPUs 0 to {(os.cpu_count() or 1) - 1}: give CPUs of this "
-                             f"machine (hwloc's logical numbers, lstopo's L#), or unset it")
+    if not _starpu_has_cpu(max(cores)):
+        raise StarpuLLMError(f"{VARIABLE}={text!r} names CPU {max(cores)}, and StarPU has "
+                             f"CPUs 0 to {starpu_cpu_count() - 1} here: give CPUs of this "
+                             f"machine (of this job's or container's share; hwloc's logical "
+                             f"numbers, lstopo's L#), or unset it")
+
+
+def starpu_cpu_count() -> int:
+    """How many CPUs StarPU numbers here (hwloc's PUs of the topology it loads, numbered 0 to
+    n - 1: this process's cpuset's, fewer than os.cpu_count() in a container or a Slurm job;
+    os.cpu_count() without hwloc), found by bisection (a topology load a probe)."""
+    if not _starpu_has_cpu(0):
+        return os.cpu_count() or 1
+    lo, hi = 1, os.cpu_count() or 1     # _starpu_has_cpu(lo - 1); not _starpu_has_cpu(hi)
+    while _starpu_has_cpu(hi):
+        lo, hi = hi + 1, 2 * hi
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (mid + 1, hi) if _starpu_has_cpu(mid) else (lo, mid)
+    return lo
+
+
+def _starpu_has_cpu(logical: int) -> bool:
+    """Whether StarPU's topology has the CPU of this logical number (hwloc's, as
+    sl_cpu_indexes loads it); without hwloc, whether the machine has that CPU."""
+    from .._clib import ffi, lib
+    ret = lib.sl_cpu_indexes(ffi.new("int[]", [logical]), ffi.new("int[]", 1), 1, 0)
+    if ret == -errno.ENOSYS:        # no hwloc: StarPU numbers CPUs as the OS does
+        return logical < (os.cpu_count() or 1)
+    if ret not in (0, -errno.EINVAL):
+        raise RuntimeError(f"sl_cpu_indexes failed ({ret})")
+    return ret == 0
 
 
 def team_cores(text: str, workers: int, k: int, gpus: int) -> list[int]:
