@@ -254,6 +254,21 @@ def test_a_runtime_given_a_partition_resolved_without_the_limit_refuses_forkjoin
     assert Runtime._active is None and not list(tmp_path.iterdir())
 
 
+def test_a_runtime_given_a_parallel_workers_partition_and_a_limit_is_one_clear_error(tmp_path):
+    """A partition resolved without the limit where the build has parallel workers (StarPU
+    1.4 with the ws fix) runs K-core tasks on them, which resolve avoids under a limit (1.4.12
+    asserts when a parallel worker prefetches a task's data again): a Runtime given it with a
+    limit says so before StarPU starts, as for FORKJOIN (it was sl_start's -EINVAL, "starpu_init
+    failed (-22)"). The partition is made so here: this build may lack parallel workers."""
+    from dataclasses import replace
+    fits(workers=1, cores_per_worker=2)
+    p = replace(resolve_here(PartitionRequest(workers=1, cores_per_worker=2)),
+                kcore="parallel-workers")
+    with pytest.raises(StarpuLLMError, match="memory.limit.*parallel workers"):
+        Runtime(p, memory=MemoryLimit.of(CAP, str(tmp_path)))
+    assert Runtime._active is None and not list(tmp_path.iterdir())
+
+
 def test_a_disk_that_fills_mid_run_ends_it_cleanly(files, uncapped, tmp_path):
     """The disk fills during step 2 (SL_OOC_TEST_FULL_AFTER: full once that many bytes were
     written): one error, status 2, step 1's checkpoint intact (the uncapped run's), the
