@@ -391,3 +391,8 @@ def check_memory_limit(mechanism: str, gpus: int) -> None:
             f"{opt('memory_limit')} needs tasks on buffers StarPU allocates itself, which "
             f"StarPU 1.3's FORKJOIN tasks (peager) cannot run: use {opt('kcore')} team (the "
             f"default) or one core per worker")
+    if mechanism == "parallel-workers":     # resolve avoids them under a limit (_mechanism)
+        raise StarpuLLMError(
+            f"{opt('memory_limit')} does not run on StarPU's parallel workers (with a disk node "
+            f"StarPU 1.4.12 asserts when a parallel worker prefetches a task's data again): "
+            f"resolve the partition with the limit (memory_limit=True: team workers)")
