@@ -146,6 +146,22 @@ def test_cores_are_counted_once_whatever_their_hardware_threads(tmp_path, monkey
     assert os.environ[cpus.VARIABLE] == "2 3" and os.environ["STARPU_MPI_THREAD_CPUID"] == "3"
 
 
+def test_a_binding_to_a_thread_of_every_core_is_not_warned(tmp_path, monkeypatch):
+    """mpirun --bind-to hwthread, one rank a core (4 ranks on 4 cores x 2 threads): the ranks
+    have every core (the partition takes a core's first thread anyway), so nothing to warn
+    of; it said "bound ... to 4 of the 4 cores they may use: give --bind-to none to use them
+    all". A binding to fewer cores than allowed is still warned, in cores."""
+    from starpu_llm.runtime import mpi
+    monkeypatch.setattr(cpus, "SYSFS", fake_cores(tmp_path, [[0, 4], [1, 5], [2, 6], [3, 7]]))
+    monkeypatch.setattr(mpi, "allowed_cpus", lambda: set(range(8)))
+    warned = []
+    mpi.say_if_bound([[0], [1], [2], [3]], warned.append)
+    assert warned == []
+    mpi.say_if_bound([[0, 4], [1, 5]], warned.append)           # a core each, of 4
+    assert len(warned) == 1 and warned[0].startswith(
+        "the launcher bound this node's 2 rank(s) to 2 of the 4 cores"), warned
+
+
 @pytest.mark.parametrize("value", ["0", "-1", "3"])
 def test_a_threads_per_core_starpu_cannot_take_is_one_error(tmp_path, monkeypatch, value):
     """STARPU_NTHREADS_PER_CORE below 1, or above the hardware threads of this machine's cores
