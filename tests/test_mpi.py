@@ -441,7 +441,11 @@ def test_a_closed_stdout_of_mpirun_stops_every_rank_and_saves(shard, tmp_path):
     err = stopped_after_step_3(shard, tmp_path, lambda p: p.stdout.close())
     # said once, by rank 0 (every rank got the signal: on 16 nodes, 16 copies before)
     assert err.count("starpu-llm: stopped by SIGTERM") == 1, err
-    assert err.count("SIGTERM: stopping after the step under way") == 1, err
+    # announced once: rank 0's own copy ("stopping after the step under way"), or, where rank
+    # 1's copy reached the ranks' exchange before rank 0's watcher took its own (a loaded
+    # machine), "SIGTERM on rank 1: stopping" (the copy that lands after is not said again)
+    assert (err.count("SIGTERM: stopping after the step under way")
+            + err.count("SIGTERM on rank 1: stopping")) == 1, err
 
 
 def rank_pids(mpirun_pid: int) -> dict:
