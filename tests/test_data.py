@@ -59,6 +59,11 @@ def test_prepare_small_text(tmp_path):
     assert v.tolist() == expected[:5] and t.tolist() == expected[5:]
     tok = formats.read_tokenizer(tmp_path / "out" / "gpt2_tokenizer.bin")
     assert tok.decode(np.concatenate([v, t])) == decode(expected)
+    # a file written on Windows (CRLF): the same tokens (its blank lines start documents too)
+    crlf = tmp_path / "crlf.txt"
+    crlf.write_bytes(SMALL.replace("\n", "\r\n").encode())
+    v, t = (formats.read_shard(p, 50257) for p in prepare(crlf, tmp_path / "out", val_tokens=5)[::-1])
+    assert v.tolist() + t.tolist() == expected
     # the text itself (a str with newlines) and an explicit name
     train2, _ = prepare(SMALL, tmp_path / "out", val_tokens=5, name="inline")
     assert os.path.basename(train2) == "inline_train.bin"

@@ -42,6 +42,9 @@ def _load_text(source) -> tuple[str, str | None]:
                              f"convert it to UTF-8 first, e.g. `iconv -t UTF-8`") from None
     if text.startswith("\ufeff"):
         text = text[1:]
+    # Windows' and old Macs' line ends read as "\n", as Python's text mode (and llm.c's
+    # prepro scripts) read them: a blank line is then "\n\n" whatever wrote the file
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
     if not text.strip():
         raise StarpuLLMError(f"input text file {path} is empty; give a file with training text")
     return text, path
