@@ -7,6 +7,7 @@ core share its FMA units)."""
 from __future__ import annotations
 
 import errno
+import functools
 import os
 
 from ..errors import StarpuLLMError
@@ -63,18 +64,20 @@ def _by_core(cpus, sysfs: str | None = None) -> tuple[list[list[int]], int | Non
     groups: dict[frozenset, list[int]] = {}
     most = None
     for c in sorted(cpus):
-        core = _siblings(c, sysfs)
+        core = _siblings(c, sysfs or SYSFS)
         if core is not None:
             most = max(most or 0, len(core))
         groups.setdefault(core or frozenset([c]), []).append(c)
     return list(groups.values()), most
 
 
-def _siblings(cpu: int, sysfs: str | None = None) -> frozenset | None:
+@functools.lru_cache(maxsize=None)
+def _siblings(cpu: int, sysfs: str) -> frozenset | None:
     """The hardware threads of cpu's core (the OS's numbers, Linux's thread_siblings_list);
-    None where they cannot be read."""
+    None where they cannot be read. Read once a process (the sampler asks at every decode
+    step: a file a CPU on a 128-core node)."""
     try:
-        with open(f"{sysfs or SYSFS}/cpu{cpu}/topology/thread_siblings_list") as f:
+        with open(f"{sysfs}/cpu{cpu}/topology/thread_siblings_list") as f:
             return frozenset(cpu_list(f.read())) or None
     except (OSError, ValueError):
         return None
