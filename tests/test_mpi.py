@@ -571,6 +571,24 @@ def test_mpi_thread_backs_off_where_it_shares_a_worker_core(shard, tmp_path):
     assert len(backoff[0]["losses"]) == 3
 
 
+def test_tag_bound_is_starpu_mpis_not_mpi_tag_ub(tmp_path):
+    """Handles.check_tags refuses a run whose handles need more data tags than the bound: that
+    bound is StarPU-MPI's (STARPU_MPI_TAG_UB, a 64-bit tag carried in its envelope; its
+    messages use its own few MPI tags), not MPI's MPI_TAG_UB, which may be as small as 32767
+    and would refuse runs StarPU-MPI takes."""
+    script = tmp_path / "tag_ub.py"
+    script.write_text("import starpu_llm\n"
+                      "from mpi4py import MPI\n"
+                      "from starpu_llm.runtime.starpu import Runtime\n"
+                      "from starpu_llm._clib import lib\n"
+                      "with Runtime(comm=MPI.COMM_WORLD):\n"
+                      "    print('tag_ub', lib.sl_mpi_tag_ub(), flush=True)\n")
+    p = mpirun(2, [str(script)], timeout=120)
+    assert p.returncode == 0, p.stderr
+    bounds = [int(line.split()[1]) for line in p.stdout.splitlines() if line.startswith("tag_ub")]
+    assert bounds == [2**63 - 1] * 2
+
+
 def test_mpi_polling_follows_the_threads_core():
     """Backoff where the progression thread is bound to a worker's core or unbound; spin where
     it has a core no worker runs on; the environment's choice wins, a wrong one is refused."""

@@ -92,11 +92,17 @@ int sl_mpi_bytes_sent(size_t *sent)
 	return 0;
 }
 
-int sl_mpi_tag_ub(void)
+/* The largest data tag: StarPU-MPI's (starpu_mpi_comm_get_attr, STARPU_MPI_TAG_UB; INT64_MAX),
+ * not MPI's MPI_TAG_UB: a handle's tag travels in StarPU-MPI's envelope, and its messages go
+ * under StarPU-MPI's own few MPI tags (mpi/src/mpi/starpu_mpi_mpi.c: _STARPU_MPI_TAG_DATA,
+ * _STARPU_MPI_TAG_ENVELOPE), so an MPI whose MPI_TAG_UB is small (32767 is the least the
+ * standard guarantees) limits nothing. */
+int64_t sl_mpi_tag_ub(void)
 {
-	int *ub = NULL, flag = 0;
-	MPI_Comm_get_attr(sl_mpi_comm_, MPI_TAG_UB, &ub, &flag);
-	return flag && ub ? *ub : 32767; /* 32767: the least the MPI standard guarantees */
+	int64_t *ub = NULL;
+	int flag = 0;
+	starpu_mpi_comm_get_attr(sl_mpi_comm_, STARPU_MPI_TAG_UB, &ub, &flag);
+	return flag && ub ? *ub : 32767;
 }
 
 #else /* no MPI in this build */
@@ -120,7 +126,7 @@ int sl_mpi_register(sl_handle h, int64_t t, int o)
 	return -ENOSYS;
 }
 int sl_mpi_wait_all(void) { return -ENOSYS; }
-int sl_mpi_tag_ub(void) { return 0; }
+int64_t sl_mpi_tag_ub(void) { return 0; }
 int sl_mpi_fetch(sl_handle h, int node)
 {
 	(void)h;

@@ -124,7 +124,7 @@ int sl_mpi_size(void);
 /* Every process registers every handle with the same dense tag and the owning rank. */
 int sl_mpi_register(sl_handle h, int64_t tag, int owner);
 int sl_mpi_wait_all(void);
-int sl_mpi_tag_ub(void);
+int64_t sl_mpi_tag_ub(void); /* the largest data tag StarPU-MPI takes */
 /* Bring h's current value to rank `node` (its owner sends it; a no-op where node owns it);
  * detached: a later acquire on node waits for it. Every rank calls it. */
 int sl_mpi_fetch(sl_handle h, int node);
