@@ -15,6 +15,7 @@ the data. Every test skips without a CUDA build or without a GPU, naming which.
   - `--grad-accum 2`: the first step's loss and gradients against torch's batch of the 2B
     sequences (test_train_features' bounds, with the fused attention).
 `pytest -s` prints the errors against their bounds and where the tasks ran."""
+import os
 from collections import Counter
 from dataclasses import replace
 
@@ -340,3 +341,47 @@ def test_gpu_memory_is_read_on_the_cuda_workers_devices():
     devices, mb = json.loads(r.stdout.strip().splitlines()[-1])
     assert devices == [last], devices
     assert mb > 0, mb
+
+
+def _history_hashes(folder) -> set:
+    """The footprints (hashes) of the entries of sl_matmul_forward's history-based perf model
+    in a perf-model folder (STARPU_PERF_MODEL_DIR)."""
+    import glob
+    hashes = set()
+    for path in glob.glob(os.path.join(folder, "codelets", "*", "sl_matmul_forward.*")):
+        lines = open(path, encoding="utf-8", errors="replace").read().splitlines()
+        for i, line in enumerate(lines):
+            if line.startswith("# hash"):
+                for entry in lines[i + 1:]:
+                    if not entry.strip() or entry.startswith("#"):
+                        break
+                    hashes.add(entry.split()[0])
+    return hashes
+
+
+def test_fp32_and_tf32_matmuls_keep_apart_histories(tmp_path):
+    """A GEMM in fp32 takes several times its TF32 time for the same sizes, and StarPU adds
+    samples to a history entry only while it calibrates it: the perf model's footprint tells
+    the two precisions apart (csrc/starpu/codelets.c, footprint), so a host's CUDA history
+    calibrated by an fp32 run is not what dmdas reads for a TF32 one. Two runs, fp32 then
+    TF32, into one perf-model folder: the TF32 run's matmuls add entries of their own."""
+    import subprocess
+    import sys
+    from starpu_llm.io import formats
+    from starpu_llm.model.config import MODELS
+    rng = np.random.default_rng(1)
+    shard = formats.write_shard(str(tmp_path / "train.bin"),
+                                np.tile(rng.integers(0, MODELS["micro"].V, 41), 800)
+                                .astype(np.uint16))
+    folder = str(tmp_path / "models")
+    env = dict(os.environ, STARPU_PERF_MODEL_DIR=folder, STARPU_CALIBRATE="1")
+    seen = []
+    for matmul in ("fp32", "tf32"):
+        r = subprocess.run([sys.executable, "-m", "starpu_llm", "train", "--model", "micro",
+                            "--train-data", shard, "--batch", "4", "--seq-len", "16",
+                            "--steps", "2", "--gpus", "1", "--gpu-matmul", matmul],
+                           env=env, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        seen.append(_history_hashes(folder))
+    assert seen[0], "the fp32 run wrote no sl_matmul_forward history"
+    assert seen[1] > seen[0], f"the TF32 run's matmuls reused the fp32 entries: {seen}"

@@ -17,6 +17,22 @@ static struct starpu_codelet cls[SL_MAX_CODELETS];
 static struct starpu_perfmodel models[SL_MAX_CODELETS];
 static char symbols[SL_MAX_CODELETS][64];
 static int built;
+/* Whether this start's CUDA workers run their matmuls in fp32 (--gpu-matmul fp32), not TF32
+ * (sl_codelets_setup). */
+static int fp32_gpus;
+
+/* The history perf models' footprint: the task's data sizes (StarPU's own,
+ * starpu_task_data_footprint), told apart when the GPUs run fp32 matmuls. A GEMM there takes
+ * several times its TF32 time for the same sizes, and StarPU keeps a history entry's samples
+ * only while it calibrates it (perfmodel_history.c: model->benchmarking), so the two
+ * precisions under one footprint leave a host's CUDA history with the first precision run's
+ * times, which dmda/dmdas then weigh against the transfers for the other. TF32 runs and runs
+ * without GPUs keep StarPU's footprint, and their existing histories. */
+static uint32_t footprint(struct starpu_task *task)
+{
+	uint32_t fp = starpu_task_data_footprint(task);
+	return fp32_gpus ? starpu_hash_crc32c_be(1, fp) : fp;
+}
 /* The reduction methods of the gradients (sl_set_grad_reduction): copies of the add and zero
  * codelets, not the codelets themselves, which tasks use too: StarPU 1.4 changes the access mode
  * of a reduction method's buffer (RW | COMMUTE) and then refuses a task of that codelet given
@@ -153,7 +169,8 @@ static void build(void)
 		if (!(c->flags & SL_NO_PERFMODEL)) {
 			snprintf(symbols[id], sizeof symbols[id], "sl_%s", c->name);
 			models[id] = (struct starpu_perfmodel){ .type = STARPU_HISTORY_BASED,
-								.symbol = symbols[id] };
+								.symbol = symbols[id],
+								.footprint = footprint };
 			cl->model = &models[id];
 		}
 		if (fixed_modes(c)) {
@@ -192,6 +209,7 @@ void sl_codelets_setup(int cores_per_worker, int ncuda)
 {
 	if (!built)
 		build();
+	fp32_gpus = ncuda > 0 && !sl_gpu_tf32();
 	for (int id = 0; id < sl_codelet_count(); id++) {
 		const struct sl_codelet *c = sl_codelet_get(id);
 		/* where sl_codelet_where says: a CUDA function only when StarPU runs GPUs
