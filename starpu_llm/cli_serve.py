@@ -22,6 +22,7 @@ from .errors import StarpuLLMError
 from .io import tokenizer
 
 SERVE_INSTALL = "pip install 'starpu-llm[serve]' (make install does it)"
+BACKLOG = 2048        # connections waiting to be accepted (uvicorn's default)
 
 
 def _web():
@@ -67,9 +68,12 @@ def load_model(config, params, engine: str = "starpu", partition=None):
 
 
 def listen_socket(host: str, port: int):
-    """The server's socket, bound to host:port before StarPU starts, so that a port in use
-    or a host that is not this machine's is one error at once, not uvicorn's log line after
-    the loading. asyncio listens on it when uvicorn starts."""
+    """The server's socket, bound to host:port and listening before StarPU starts, so that a
+    port in use or a host that is not this machine's is one error at once, not uvicorn's
+    traceback after the loading. Listening, not only bound: with SO_REUSEADDR (a restart
+    beside the old connections' TIME_WAIT) Linux binds a second socket to a port nobody
+    listens on yet, so a second server started while the first loads was refused only once
+    loaded. Connections made while the model loads wait in the backlog until it serves."""
     import errno
     import socket
     try:
@@ -82,6 +86,7 @@ def listen_socket(host: str, port: int):
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(addr)
+        sock.listen(BACKLOG)
     except OSError as e:
         sock.close()
         why = {errno.EADDRINUSE: f"--port {port}: {host}:{port} is already in use (another "

@@ -524,6 +524,18 @@ def test_serve_errors(ckpts, tmp_path):
         assert rc == 2 and "--gpus 1" in err and "CPU build" in err, err
 
 
+
+def test_a_second_server_on_a_port_is_refused_before_it_loads():
+    """listen_socket listens, not only binds: with SO_REUSEADDR Linux binds a second socket to
+    a port nobody listens on yet, so a second server started while the first loaded its model
+    passed the check, loaded, then ended on uvicorn's traceback (status 1)."""
+    from starpu_llm.cli_serve import listen_socket
+    from starpu_llm.errors import StarpuLLMError
+    first = listen_socket("127.0.0.1", 0)
+    port = first.getsockname()[1]
+    with first, pytest.raises(StarpuLLMError, match=f"--port {port}: .* is already in use"):
+        listen_socket("127.0.0.1", port).close()
+
 # ---- the edges: parsing limits, stalled connections, faults, counting, the key (issues 40, 44)
 
 KEY = "test-key-0123"
