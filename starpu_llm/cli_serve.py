@@ -113,8 +113,8 @@ def check_cache_memory(config, max_batch: int) -> None:
     if need > have:
         raise StarpuLLMError(
             f"--max-batch {max_batch} needs {format_size(need)} of key/value cache ({max_batch} "
-            f"sequences of up to {config.maxT} positions), but this machine has "
-            f"{format_size(have)} available: give a smaller --max-batch (at most "
+            f"sequences of up to {config.maxT} positions), but this machine (or its container's "
+            f"memory limit) has {format_size(have)} available: give a smaller --max-batch (at most "
             f"{max(1, have // (need // max_batch))} here)")
 
 

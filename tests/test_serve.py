@@ -536,6 +536,37 @@ def test_a_second_server_on_a_port_is_refused_before_it_loads():
     with first, pytest.raises(StarpuLLMError, match=f"--port {port}: .* is already in use"):
         listen_socket("127.0.0.1", port).close()
 
+
+@pytest.mark.parametrize("version", ["v2", "v1"])
+def test_the_cache_check_counts_a_containers_memory_limit(tmp_path, monkeypatch, version):
+    """In a container (docker --memory 1g, a systemd unit's MemoryMax, a Kubernetes limit)
+    /proc/meminfo is the host's: --max-batch 16 of GPT-2 (1.1 GiB of cache) passed the check
+    and the kernel killed the server as it wrote the caches (status 137, no word). The
+    cgroup's limit less what it holds (its inactive page cache reclaimable) is what is left:
+    here 1 GiB - 512 MiB + 256 MiB. v1: a container sees its own group at the hierarchy's
+    root, not under the path /proc/self/cgroup names."""
+    from starpu_llm.cli_serve import check_cache_memory
+    from starpu_llm.errors import StarpuLLMError
+    from starpu_llm.runtime import offload
+    if version == "v2":
+        proc, group = "0::/system.slice/llm.service\n", tmp_path / "system.slice" / "llm.service"
+        files = {"memory.max": 1 << 30, "memory.current": 512 << 20,
+                 "memory.stat": "anon 1\ninactive_file 268435456\n"}
+    else:
+        proc, group = "4:memory:/docker/abc\n0::/\n", tmp_path / "memory"
+        files = {"memory.limit_in_bytes": 1 << 30, "memory.usage_in_bytes": 512 << 20,
+                 "memory.stat": "cache 1\ntotal_inactive_file 268435456\n"}
+    group.mkdir(parents=True)
+    for name, text in files.items():
+        (group / name).write_text(f"{text}\n")
+    (tmp_path / "cgroup").write_text(proc)
+    monkeypatch.setattr(offload, "CGROUP", str(tmp_path))
+    monkeypatch.setattr(offload, "PROC_CGROUP", str(tmp_path / "cgroup"))
+    assert offload.available_memory() == 768 << 20
+    with pytest.raises(StarpuLLMError, match=r"--max-batch 16 needs 1.1 GiB .* its container.s "
+                                             r"memory limit\) has 768 MiB .*at most 10 here"):
+        check_cache_memory(MODELS["d12"], 16)
+
 # ---- the edges: parsing limits, stalled connections, faults, counting, the key (issues 40, 44)
 
 KEY = "test-key-0123"

@@ -45,16 +45,56 @@ def physical_memory() -> int:
 
 
 def available_memory() -> int:
-    """Bytes of main memory available to a new allocation now (MemAvailable), or the
-    physical memory where the kernel does not say."""
+    """Bytes of main memory available to a new allocation now: MemAvailable (or the physical
+    memory where the kernel does not say), and no more than this process's memory cgroups
+    leave (a container's limit: /proc/meminfo is the host's there)."""
+    have = physical_memory()
     try:
         with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
+            have = next(int(line.split()[1]) * 1024 for line in f
+                        if line.startswith("MemAvailable:"))
+    except (OSError, ValueError, IndexError, StopIteration):
         pass
-    return physical_memory()
+    return min(have, cgroup_memory_left())
+
+
+CGROUP, PROC_CGROUP = "/sys/fs/cgroup", "/proc/self/cgroup"
+# the files of a memory cgroup, v2 and v1: (its folder, limit, usage, reclaimable in memory.stat)
+_CGROUP_FILES = {"v2": ("", "memory.max", "memory.current", "inactive_file"),
+                 "v1": ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes",
+                        "total_inactive_file")}
+
+
+def cgroup_memory_left() -> float:
+    """Bytes the memory cgroups of this process allow it yet (a container's --memory, a
+    systemd unit's MemoryMax, a Slurm job's): the least over its group and those above it
+    (a container sees its own group at the root of a v1 hierarchy) of the limit less the
+    usage, the inactive page cache counted free as the kubelet counts it; inf without one."""
+    left = float("inf")
+    try:
+        lines = open(PROC_CGROUP).read().splitlines()
+    except OSError:
+        return left
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        version = "v2" if not controllers else "v1" if "memory" in controllers.split(",") else None
+        if version is None:
+            continue
+        folder, limit_file, usage_file, reclaimable = _CGROUP_FILES[version]
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            group = os.path.join(CGROUP, folder, *parts[:depth])
+            try:
+                limit = open(os.path.join(group, limit_file)).read().strip()
+                if limit == "max" or int(limit) >= 1 << 60:       # v1's "no limit"
+                    continue
+                used = int(open(os.path.join(group, usage_file)).read())
+                stat = dict(l.split() for l in open(os.path.join(group, "memory.stat"))
+                            if l.strip())
+                left = min(left, max(0, int(limit) - used + int(stat.get(reclaimable, 0))))
+            except (OSError, ValueError):
+                continue
+    return left
 
 
 def format_size(n: float) -> str:
