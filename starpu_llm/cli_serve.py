@@ -13,8 +13,10 @@ the server too, with status 1, for a supervisor to start it again (docs/serving.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import signal
+import sys
 
 from . import signals
 from .cli_generate import read_text_model
@@ -101,6 +103,16 @@ def listen_socket(host: str, port: int):
     return sock
 
 
+def warn_if_open(sock, api_key) -> None:
+    """A warning when sock listens beyond this machine's loopback without a key: anyone who
+    reaches the port uses the model."""
+    host = sock.getsockname()[0]
+    if api_key is None and not ipaddress.ip_address(host).is_loopback:
+        print(f"warning: --host {host} without --api-key (or STARPU_LLM_API_KEY): anyone who "
+              f"reaches this port uses the model (fine behind a proxy that checks access)",
+              file=sys.stderr, flush=True)
+
+
 def check_cache_memory(config, max_batch: int) -> None:
     """Refuse, before allocating them, --max-batch slots whose key/value caches (a key and a
     value per layer, position (maxT of a slot) and channel, float32) do not fit the memory
@@ -143,6 +155,7 @@ def run_serve(init_from, host: str = "127.0.0.1", port: int = 8000, max_batch: i
     config, params = read_text_model(init_from, engine, "serve")
     check_cache_memory(config, max_batch)
     sock = listen_socket(host, port)      # before the slow part: a port in use is said at once
+    warn_if_open(sock, edges.api_key)
     with contextlib.closing(sock):
         model = model_name or os.path.splitext(os.path.basename(os.path.normpath(init_from)))[0]
         tok = tokenizer.gpt2()

@@ -537,6 +537,19 @@ def test_a_second_server_on_a_port_is_refused_before_it_loads():
         listen_socket("127.0.0.1", port).close()
 
 
+
+def test_listening_beyond_this_machine_without_a_key_is_warned(capsys):
+    """--host 0.0.0.0 (a container's, a proxy's upstream) without --api-key serves the model
+    to anyone who reaches the port: said once at start (it was silent); not with a key, nor
+    on the loopback."""
+    from starpu_llm.cli_serve import listen_socket, warn_if_open
+    for host, key, warned in (("0.0.0.0", None, True), ("0.0.0.0", "k", False),
+                              ("127.0.0.1", None, False)):
+        with listen_socket(host, 0) as sock:
+            warn_if_open(sock, key)
+        err = capsys.readouterr().err
+        assert ("warning: --host 0.0.0.0 without --api-key" in err) == warned, (host, key, err)
+
 @pytest.mark.parametrize("version", ["v2", "v1"])
 def test_the_cache_check_counts_a_containers_memory_limit(tmp_path, monkeypatch, version):
     """In a container (docker --memory 1g, a systemd unit's MemoryMax, a Kubernetes limit)
