@@ -185,6 +185,17 @@ def test_openai_streaming(server, expected):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == LONGEST_NEW
 
 
+
+def test_a_stream_is_not_buffered_by_a_proxy(server):
+    """nginx buffers a proxied answer by default (proxy_buffering on): a stream's tokens
+    reached the client in bursts of its buffers. A stream says X-Accel-Buffering: no (nginx
+    then passes each event on at once) and Cache-Control: no-cache."""
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=120,
+                      json={"model": "tiny", "prompt": "Hi", "max_tokens": 2, "stream": True}) as r:
+        assert r.headers["X-Accel-Buffering"] == "no"
+        assert r.headers["Cache-Control"] == "no-cache"
+        assert r.read().endswith(b"data: [DONE]\n\n")
+
 def test_sampling_seed_and_stop(server, expected):
     client = server.client(max_retries=0)
 

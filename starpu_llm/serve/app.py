@@ -90,8 +90,10 @@ def create_app(engine, model: str, chat_template=None) -> Starlette:
         except ShuttingDown as e:
             return _error(503, str(e), "server_unavailable", headers={"Retry-After": "5"})
         if c.stream:
+            # X-Accel-Buffering: nginx passes each event on at once (it buffers by default)
             return StreamingResponse(_stream(c, reqs, events), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+                                     headers={"Cache-Control": "no-cache",
+                                              "X-Accel-Buffering": "no"})
         return await _whole(request, c, reqs, events)
 
     async def chat_completions(request: HTTPRequest):
