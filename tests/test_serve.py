@@ -880,6 +880,18 @@ def test_recent_steps_stay_bounded_without_a_scraper(monkeypatch):
     assert metrics.tokens_per_second() == pytest.approx(4 / 0.5, rel=0.1)
 
 
+def test_metrics_have_the_process_ones():
+    """The server's own registry left out prometheus-client's process metrics, which every
+    exporter has: a dashboard had no memory (the key/value cache's), CPU, file descriptors,
+    nor start time (restarts)."""
+    from starpu_llm.serve.metrics import Metrics
+    text = Metrics(8).exposition().decode()
+    rss = re.search(r"^process_resident_memory_bytes (\S+)$", text, re.M)
+    assert rss and float(rss.group(1)) > 0
+    for name in ("process_cpu_seconds_total", "process_open_fds", "process_start_time_seconds"):
+        assert re.search(rf"^{name} ", text, re.M), name
+
+
 def test_serve_access_flag_errors(ckpts):
     def serve(*args, env=None):
         p = subprocess.run([sys.executable, "-m", "starpu_llm", "serve", "--init-from",

@@ -13,6 +13,8 @@
       when it ends: stop, length (its choices' finish reasons: length if any), cancelled (the
       client left), error (HTTP 500/503 after it was accepted), rejected (HTTP 503 at once:
       queue full or stopping), invalid (HTTP 4xx: refused by the checks)
+
+and prometheus-client's process_* metrics (memory, CPU, file descriptors, start time).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import collections
 import threading
 import time
 
-from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
                                generate_latest)
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE  # noqa: F401 (app.py)
 
@@ -33,6 +35,7 @@ class Metrics:
 
     def __init__(self, max_batch: int):
         r = self.registry = CollectorRegistry()
+        ProcessCollector(registry=r)
         self._queue = Gauge("starpu_llm_queue_length", "Requests waiting for a slot", registry=r)
         self._batch = Gauge("starpu_llm_batch_size", "Sequences in the last decode step",
                             registry=r)
