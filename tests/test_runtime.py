@@ -34,6 +34,23 @@ def test_task_threads_and_affinity(workers, cores, kcore):
             assert owned <= set(os.sched_getaffinity(0))
 
 
+@pytest.mark.skipif(CORES < 2, reason="a core other than the first")
+def test_a_one_core_worker_runs_on_the_cores_the_process_may_use():
+    """Under taskset (two servers on one machine, each given its own cores) the worker of a
+    one-core partition was bound by StarPU to the machine's first core, outside the process's
+    CPUs: two such servers both ran on core 0. It runs on the core the process may use."""
+    allowed = os.sched_getaffinity(0)
+    last = max(cpus.core_cpus())
+    os.sched_setaffinity(0, {last})
+    try:
+        with Runtime(here(1, 1)) as rt:
+            assert rt.partition.kcore == "single"
+            for _ in range(4):
+                nthreads, masks = rt.probe()
+                assert [bits(m) for m in masks] == [[last]]
+    finally:
+        os.sched_setaffinity(0, allowed)
+
 @pytest.mark.skipif(CORES < 2, reason="a team of 2 cores needs 2 usable cores")
 def test_a_hand_set_workers_cpuid_places_each_team_on_its_cores(monkeypatch):
     """STARPU_WORKERS_CPUID set by hand (and by pin_rank under mpirun, to the rank's cores)

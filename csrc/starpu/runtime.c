@@ -87,9 +87,11 @@ static int start(int nworkers, int cores_per_worker, int kcore, const int *cores
 
 	if (attach) {
 		/* the starter set the conf from the same decisions (starpu_llm/runtime/starpupy_face.py) */
-	} else if (use_team) {
+	} else if (use_team || kcore == SL_KCORE_SINGLE) {
 		/* One StarPU worker on the first core of each group; its tasks' OpenMP team takes
-		 * the group's other cores, which StarPU does not run workers on. The CUDA workers'
+		 * the group's other cores, which StarPU does not run workers on (one-core workers:
+		 * each on its core; StarPU 1.3 would put worker w on the machine's w-th CPU,
+		 * whatever this process's affinity, taskset's or a cpuset's). The CUDA workers'
 		 * threads are bound first (they come first in StarPU's numbering), each to a core
 		 * of the list, the one listed for it unless StarPU prefers another near its GPU (a
 		 * group's first: that group's worker then takes the GPU's listed core); the
