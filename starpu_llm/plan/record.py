@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 
 import numpy as np
 
@@ -129,13 +129,13 @@ def run_identity(settings: Settings, config, start: str, data: list) -> str:
     1337", and its data_fingerprint), so that the same run started again is the same run
     (its checkpoints are the same) and its files stay bitwise the same."""
     kept = asdict(settings)
-    if kept["grad_accum"] == 1:     # as before it was a setting: the same runs, the same identity
-        del kept["grad_accum"]
-    if kept["weight_decay_params"] == "all" or not kept["weight_decay"]:   # as before it was a
-        del kept["weight_decay_params"]         # setting (every tensor decayed): the same runs
-    for name, was in zip(("beta1", "beta2"), ADAM_BETAS):
-        if kept[name] == was:
-            del kept[name]
+    # a setting kept after the first records (a field with a default: the value every run had
+    # before), at that value, leaves the identity as it was: the same runs, the same identity
+    for f in fields(Settings):
+        if f.default is not MISSING and kept[f.name] == f.default:
+            del kept[f.name]
+    if not kept["weight_decay"]:        # no decay: the tensors it would shrink change nothing
+        kept.pop("weight_decay_params", None)
     blob = json.dumps([kept, str(config), start, data], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

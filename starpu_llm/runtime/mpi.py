@@ -56,10 +56,13 @@ def say_if_bound(same_node: list, warn=_to_stderr) -> None:
     their hardware threads (a rank bound to a core has its 2 threads)."""
     from .cpus import core_groups
     bound, allowed = set().union(*same_node), allowed_cpus()
+    if not allowed or not bound <= allowed:
+        return
     # in cores: a binding to one hardware thread of every core leaves the partition its cores
-    if allowed and bound < allowed and len(core_groups(bound)) < len(core_groups(allowed)):
-        warn(f"the launcher bound this node's {len(same_node)} rank(s) to "
-             f"{len(core_groups(bound))} of the {len(core_groups(allowed))} cores they may use "
+    cores, of = len(core_groups(bound)), len(core_groups(allowed))
+    if cores < of:
+        warn(f"the launcher bound this node's {len(same_node)} rank(s) to {cores} of the {of} "
+             f"cores they may use "
              f"(Open MPI's mpirun binds each rank to a core for 2 ranks or fewer, to a socket "
              f"above): give mpirun --bind-to none to use them all (docs/clusters.md), unless "
              f"that binding is meant")
