@@ -179,6 +179,39 @@ def test_a_binding_to_a_thread_of_every_core_is_not_warned(tmp_path, monkeypatch
         "the launcher bound this node's 2 rank(s) to 2 of the 4 cores"), warned
 
 
+@pytest.mark.parametrize("version", ["v2", "v1"])
+def test_a_controllers_cgroup_folders_and_the_cpus_they_allow(tmp_path, monkeypatch, version):
+    """controller_groups reads /proc/self/cgroup once for offload's memory and mpi's cpuset:
+    the unified hierarchy's groups first (v2: the line with no controllers, under the root),
+    then the controller's own (v1: under root/controller, also where several controllers share
+    a line), each from the process's group up to the root; other controllers' lines left out.
+    allowed_cpus reads the first group's effective CPUs, v2's where it has them."""
+    from starpu_llm.runtime import cgroups, mpi
+    root = tmp_path / "sys"
+    proc = tmp_path / "cgroup"
+    proc.write_text("12:cpuset:/slurm/job_7\n4:cpu,cpuacct:/slurm/job_7\n"
+                    "1:name=systemd:/user.slice/job.scope\n0::/user.slice/job.scope\n")
+    monkeypatch.setattr(cgroups, "CGROUP", str(root))
+    monkeypatch.setattr(cgroups, "PROC_CGROUP", str(proc))
+    v2 = ("v2", [str(root / "user.slice" / "job.scope"), str(root / "user.slice"), str(root)])
+    v1 = ("v1", [str(root / "cpuset" / "slurm" / "job_7"), str(root / "cpuset" / "slurm"),
+                 str(root / "cpuset")])
+    assert cgroups.controller_groups("cpuset") == [v2, v1]
+    assert cgroups.controller_groups("cpuacct") == [
+        v2, ("v1", [str(root / "cpuacct" / "slurm" / "job_7"), str(root / "cpuacct" / "slurm"),
+                    str(root / "cpuacct")])]
+    assert cgroups.controller_groups("memory") == [v2]
+    assert mpi.allowed_cpus() is None                    # no cpuset file in either yet
+    (root / "cpuset" / "slurm" / "job_7").mkdir(parents=True)
+    (root / "cpuset" / "slurm" / "job_7" / "cpuset.effective_cpus").write_text("0-1,4\n")
+    if version == "v2":
+        (root / "user.slice" / "job.scope").mkdir(parents=True)
+        (root / "user.slice" / "job.scope" / "cpuset.cpus.effective").write_text("2-3,5\n")
+    assert mpi.allowed_cpus() == ({2, 3, 5} if version == "v2" else {0, 1, 4})
+    monkeypatch.setattr(cgroups, "PROC_CGROUP", str(tmp_path / "none"))
+    assert cgroups.controller_groups("cpuset") == [] and mpi.allowed_cpus() is None
+
+
 @pytest.mark.parametrize("value", ["0", "-1", "3"])
 def test_a_threads_per_core_starpu_cannot_take_is_one_error(tmp_path, monkeypatch, value):
     """STARPU_NTHREADS_PER_CORE below 1, or above the hardware threads of this machine's cores

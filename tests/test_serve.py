@@ -571,7 +571,7 @@ def test_the_cache_check_counts_a_containers_memory_limit(tmp_path, monkeypatch,
     root, not under the path /proc/self/cgroup names."""
     from starpu_llm.cli_serve import check_cache_memory
     from starpu_llm.errors import StarpuLLMError
-    from starpu_llm.runtime import offload
+    from starpu_llm.runtime import cgroups, offload
     if version == "v2":
         proc, group = "0::/system.slice/llm.service\n", tmp_path / "system.slice" / "llm.service"
         files = {"memory.max": 1 << 30, "memory.current": 512 << 20,
@@ -584,8 +584,8 @@ def test_the_cache_check_counts_a_containers_memory_limit(tmp_path, monkeypatch,
     for name, text in files.items():
         (group / name).write_text(f"{text}\n")
     (tmp_path / "cgroup").write_text(proc)
-    monkeypatch.setattr(offload, "CGROUP", str(tmp_path))
-    monkeypatch.setattr(offload, "PROC_CGROUP", str(tmp_path / "cgroup"))
+    monkeypatch.setattr(cgroups, "CGROUP", str(tmp_path))
+    monkeypatch.setattr(cgroups, "PROC_CGROUP", str(tmp_path / "cgroup"))
     assert offload.available_memory() == 768 << 20
     with pytest.raises(StarpuLLMError, match=r"--max-batch 16 needs 1.1 GiB .* its container.s "
                                              r"memory limit\) has 768 MiB .*at most 10 here"):

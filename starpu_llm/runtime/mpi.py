@@ -15,6 +15,7 @@ import traceback
 from contextlib import contextmanager
 
 from ..errors import StarpuLLMError
+from .cgroups import controller_groups
 
 # The environment that turns StarPU-MPI's communication statistics on (StarPU 1.3 reads the
 # first, 1.4 the second, at the start): the bytes each rank sends (Runtime.bytes_sent).
@@ -68,24 +69,17 @@ def say_if_bound(same_node: list, warn=_to_stderr) -> None:
              f"that binding is meant")
 
 
+# the file of a cpuset cgroup with the CPUs its tasks may use, v2 and v1
+_CPUSET_FILE = {"v2": "cpuset.cpus.effective", "v1": "cpuset.effective_cpus"}
+
+
 def allowed_cpus() -> set[int] | None:
     """The CPUs this process's cgroup allows (cpuset: a Slurm job's, a container's), None
     where it cannot be read: what a launcher's own binding may narrow."""
-    try:
-        line = next(l for l in open("/proc/self/cgroup") if l.startswith("0::"))
-        paths = [f"/sys/fs/cgroup{line[3:].strip().rstrip('/')}/cpuset.cpus.effective"]
-    except (OSError, StopIteration):
-        paths = []
-    try:
-        v1 = next(l.split(":", 2)[2].strip() for l in open("/proc/self/cgroup")
-                  if "cpuset" in l.split(":", 2)[1].split(","))
-        paths.append(f"/sys/fs/cgroup/cpuset{v1.rstrip('/')}/cpuset.effective_cpus")
-    except (OSError, StopIteration, IndexError):
-        pass
     from .cpus import cpu_list
-    for path in paths:
+    for version, folders in controller_groups("cpuset"):
         try:
-            cpus = set(cpu_list(open(path).read()))
+            cpus = set(cpu_list(open(os.path.join(folders[0], _CPUSET_FILE[version])).read()))
         except (OSError, ValueError):
             continue
         if cpus:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from .. import signals
 from .._clib import ffi, lib
 from ..errors import StarpuLLMError, opt
+from . import cgroups
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -58,32 +59,20 @@ def available_memory() -> int:
     return min(have, cgroup_memory_left())
 
 
-CGROUP, PROC_CGROUP = "/sys/fs/cgroup", "/proc/self/cgroup"
-# the files of a memory cgroup, v2 and v1: (its folder, limit, usage, reclaimable in memory.stat)
-_CGROUP_FILES = {"v2": ("", "memory.max", "memory.current", "inactive_file"),
-                 "v1": ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes",
-                        "total_inactive_file")}
+# the files of a memory cgroup, v2 and v1: (limit, usage, reclaimable in memory.stat)
+_MEMORY_FILES = {"v2": ("memory.max", "memory.current", "inactive_file"),
+                 "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")}
 
 
 def cgroup_memory_left() -> float:
     """Bytes the memory cgroups of this process allow it yet (a container's --memory, a
-    systemd unit's MemoryMax, a Slurm job's): the least over its group and those above it
-    (a container sees its own group at the root of a v1 hierarchy) of the limit less the
-    usage, the inactive page cache counted free as the kubelet counts it; inf without one."""
+    systemd unit's MemoryMax, a Slurm job's): the least over its groups and those above them
+    (cgroups.controller_groups) of the limit less the usage, the inactive page cache counted
+    free as the kubelet counts it; inf without one."""
     left = float("inf")
-    try:
-        lines = open(PROC_CGROUP).read().splitlines()
-    except OSError:
-        return left
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        version = "v2" if not controllers else "v1" if "memory" in controllers.split(",") else None
-        if version is None:
-            continue
-        folder, limit_file, usage_file, reclaimable = _CGROUP_FILES[version]
-        parts = [p for p in path.split("/") if p]
-        for depth in range(len(parts), -1, -1):
-            group = os.path.join(CGROUP, folder, *parts[:depth])
+    for version, folders in cgroups.controller_groups("memory"):
+        limit_file, usage_file, reclaimable = _MEMORY_FILES[version]
+        for group in folders:
             try:
                 limit = open(os.path.join(group, limit_file)).read().strip()
                 if limit == "max" or int(limit) >= 1 << 60:       # v1's "no limit"
