@@ -260,6 +260,35 @@ def test_a_workers_cpuid_beyond_starpus_cpus_is_refused_on_a_bigger_host(monkeyp
     cpus.check_listed("0-")
 
 
+def test_starpus_cpu_count_is_hwlocs_and_an_unloadable_topology_is_one_error(monkeypatch):
+    """sl_cpu_count counts the PUs of the topology StarPU loads in one call (it was found by
+    bisection over sl_cpu_indexes, a topology load a probe): the last logical index it gives
+    is a CPU sl_cpu_indexes converts, the next one is not. A topology hwloc cannot load is one
+    error naming the variable, not a RuntimeError or a count of 0."""
+    import errno
+    from starpu_llm import _clib
+    n = cpus.starpu_cpu_count()
+    if lib.sl_cpu_count() == -errno.ENOSYS:
+        assert n == os.cpu_count()                  # StarPU numbers the OS's CPUs then
+    else:
+        assert lib.sl_cpu_count() == n >= 1
+        out = ffi.new("int[]", 1)
+        assert lib.sl_cpu_indexes(ffi.new("int[]", [n - 1]), out, 1, 0) == 0
+        assert lib.sl_cpu_indexes(ffi.new("int[]", [n]), out, 1, 0) == -errno.EINVAL
+
+    class NoTopology:
+        def __getattr__(self, name):
+            return getattr(lib, name)
+
+        def sl_cpu_count(self):
+            return -errno.ENODEV
+    monkeypatch.setattr(_clib, "lib", NoTopology())
+    for call in cpus.starpu_cpu_count, lambda: cpus.check_listed("0"):
+        with pytest.raises(StarpuLLMError, match="STARPU_WORKERS_CPUID cannot be checked: "
+                                                 "hwloc.*could not load .*ENODEV.*lstopo"):
+            call()
+
+
 def test_default_partition_uses_every_core():
     with Runtime() as rt:
         assert rt.partition.cores == CORES == rt.partition.workers * rt.partition.cores_per_worker

@@ -296,35 +296,61 @@ int sl_cpu_worker_count(void) { return (int)starpu_cpu_worker_get_count(); }
 
 int sl_cuda_worker_count(void) { return (int)starpu_cuda_worker_get_count(); }
 
+#ifdef SL_HAVE_HWLOC
+/* The topology as StarPU loads it (topology.c: this system, the allowed PUs), so that the
+ * logical indexes and the PU count are StarPU's. starpu_get_hwloc_topology() would give
+ * StarPU's own, but only once StarPU runs, and these are asked before it starts. 0, or
+ * -ENOMEM / -ENODEV with nothing to destroy. */
+static int load_topology(hwloc_topology_t *topo)
+{
+	if (hwloc_topology_init(topo))
+		return -ENOMEM;
+	if (hwloc_topology_set_flags(*topo, HWLOC_TOPOLOGY_FLAG_IS_THISSYSTEM) ||
+	    hwloc_topology_load(*topo)) {
+		hwloc_topology_destroy(*topo);
+		return -ENODEV;
+	}
+	return 0;
+}
+#endif
+
 int sl_cpu_indexes(const int *in, int *out, int n, int to_logical)
 {
 	for (int i = 0; i < n; i++)
 		out[i] = in[i];
 #ifdef SL_HAVE_HWLOC
-	/* the topology as StarPU loads it (topology.c: this system, the allowed PUs), so that the
-	 * logical indexes are StarPU's */
 	hwloc_topology_t topo;
-	if (hwloc_topology_init(&topo))
-		return -ENOMEM;
-	int ret = 0;
-	if (hwloc_topology_set_flags(topo, HWLOC_TOPOLOGY_FLAG_IS_THISSYSTEM) ||
-	    hwloc_topology_load(topo)) {
-		ret = -ENODEV;
-	} else {
-		for (int i = 0; i < n && !ret; i++) {
-			hwloc_obj_t pu = to_logical ?
-				hwloc_get_pu_obj_by_os_index(topo, (unsigned)in[i]) :
-				hwloc_get_obj_by_type(topo, HWLOC_OBJ_PU, (unsigned)in[i]);
-			if (!pu)
-				ret = -EINVAL;
-			else
-				out[i] = (int)(to_logical ? pu->logical_index : pu->os_index);
-		}
+	int ret = load_topology(&topo);
+	if (ret)
+		return ret;
+	for (int i = 0; i < n && !ret; i++) {
+		hwloc_obj_t pu = to_logical ?
+			hwloc_get_pu_obj_by_os_index(topo, (unsigned)in[i]) :
+			hwloc_get_obj_by_type(topo, HWLOC_OBJ_PU, (unsigned)in[i]);
+		if (!pu)
+			ret = -EINVAL;
+		else
+			out[i] = (int)(to_logical ? pu->logical_index : pu->os_index);
 	}
 	hwloc_topology_destroy(topo);
 	return ret;
 #else
 	(void)to_logical;
+	return -ENOSYS;
+#endif
+}
+
+int sl_cpu_count(void)
+{
+#ifdef SL_HAVE_HWLOC
+	hwloc_topology_t topo;
+	int ret = load_topology(&topo);
+	if (ret)
+		return ret;
+	int n = hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_PU);
+	hwloc_topology_destroy(topo);
+	return n > 0 ? n : -ENODEV;
+#else
 	return -ENOSYS;
 #endif
 }

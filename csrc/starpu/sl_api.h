@@ -83,6 +83,10 @@ int sl_cpu_worker_cores(int *cores, int max);
  * ones (to_logical) or back into out; 0, -EINVAL for an index no allowed PU has, -ENOSYS
  * without hwloc (out = in: StarPU then numbers as the OS does). */
 int sl_cpu_indexes(const int *in, int *out, int n, int to_logical);
+/* How many CPUs StarPU numbers (0 to n - 1): the PUs of the topology it loads, those of this
+ * process's cpuset (fewer than the host's in a container or a Slurm job); -ENOSYS without hwloc
+ * (StarPU then numbers the OS's CPUs), -ENOMEM / -ENODEV where the topology cannot be loaded. */
+int sl_cpu_count(void);
 /* The CUDA devices StarPU's CUDA workers run on (starpu_worker_get_devid: what
  * STARPU_WORKERS_CUDAID and CUDA_VISIBLE_DEVICES made of them), each once, in worker order,
  * the first `max` into devs; returns how many there are (0 without CUDA workers). */

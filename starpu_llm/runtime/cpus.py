@@ -125,38 +125,28 @@ def check_listed(text: str) -> None:
     container's, a Slurm job's), fewer than the host's os.cpu_count() there; os.cpu_count()
     in a build without hwloc."""
     cores = listed_cores(text)
-    if not _starpu_has_cpu(max(cores)):
+    have = starpu_cpu_count()
+    if max(cores) >= have:
         raise StarpuLLMError(f"{VARIABLE}={text!r} names CPU {max(cores)}, and StarPU has "
-                             f"CPUs 0 to {starpu_cpu_count() - 1} here: give CPUs of this "
-                             f"machine (of this job's or container's share; hwloc's logical "
-                             f"numbers, lstopo's L#), or unset it")
+                             f"CPUs 0 to {have - 1} here: give CPUs of this machine (of this "
+                             f"job's or container's share; hwloc's logical numbers, lstopo's "
+                             f"L#), or unset it")
 
 
 def starpu_cpu_count() -> int:
-    """How many CPUs StarPU numbers here (hwloc's PUs of the topology it loads, numbered 0 to
-    n - 1: this process's cpuset's, fewer than os.cpu_count() in a container or a Slurm job;
-    os.cpu_count() without hwloc), found by bisection (a topology load a probe)."""
-    if not _starpu_has_cpu(0):
+    """How many CPUs StarPU numbers here (sl_cpu_count: hwloc's PUs of the topology it loads,
+    numbered 0 to n - 1: this process's cpuset's, fewer than os.cpu_count() in a container or
+    a Slurm job; os.cpu_count() without hwloc)."""
+    from .._clib import lib
+    n = lib.sl_cpu_count()
+    if n == -errno.ENOSYS:        # no hwloc: StarPU numbers CPUs as the OS does
         return os.cpu_count() or 1
-    lo, hi = 1, os.cpu_count() or 1     # _starpu_has_cpu(lo - 1); not _starpu_has_cpu(hi)
-    while _starpu_has_cpu(hi):
-        lo, hi = hi + 1, 2 * hi
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (mid + 1, hi) if _starpu_has_cpu(mid) else (lo, mid)
-    return lo
-
-
-def _starpu_has_cpu(logical: int) -> bool:
-    """Whether StarPU's topology has the CPU of this logical number (hwloc's, as
-    sl_cpu_indexes loads it); without hwloc, whether the machine has that CPU."""
-    from .._clib import ffi, lib
-    ret = lib.sl_cpu_indexes(ffi.new("int[]", [logical]), ffi.new("int[]", 1), 1, 0)
-    if ret == -errno.ENOSYS:        # no hwloc: StarPU numbers CPUs as the OS does
-        return logical < (os.cpu_count() or 1)
-    if ret not in (0, -errno.EINVAL):
-        raise RuntimeError(f"sl_cpu_indexes failed ({ret})")
-    return ret == 0
+    if n <= 0:
+        raise StarpuLLMError(f"{VARIABLE} cannot be checked: hwloc, whose CPU numbers StarPU "
+                             f"takes, could not load this machine's topology "
+                             f"({errno.errorcode.get(-n, n)}): see what lstopo says, or unset "
+                             f"{VARIABLE}")
+    return n
 
 
 def team_cores(text: str, workers: int, k: int, gpus: int) -> list[int]:
