@@ -313,6 +313,46 @@ def test_shutdown_says_0_when_its_wait_and_stop_succeed():
     assert not rt.running
 
 
+def test_a_failed_shutdown_is_an_error_or_a_warning_that_never_masks_another(monkeypatch,
+                                                                            capsys):
+    """sl_shutdown's error (its last wait for the tasks, StarPU-MPI's stop) was dropped. StarPU
+    is stopped whatever it says (the next Runtime starts); the failure is a RuntimeError from a
+    plain shutdown, and a warning where another exception is on its way (a `with` block left by
+    it, a shutdown in an except block: that one comes out) and at exit."""
+    import errno
+
+    class FailingShutdown:      # the binding, its shutdown stopping StarPU and failing
+        def __getattr__(self, name):
+            return getattr(lib, name)
+
+        def sl_shutdown(self):
+            lib.sl_shutdown()
+            return -errno.EIO
+    monkeypatch.setattr(starpu, "lib", FailingShutdown())
+    failed = r"stopping StarPU: its wait for the last tasks or StarPU-MPI's shutdown failed \(-5\)"
+
+    rt = Runtime(here(1, 1))
+    with pytest.raises(RuntimeError, match=failed):
+        rt.shutdown()
+    assert not rt.running
+    rt.shutdown()                                   # stopped already: nothing to say
+    assert capsys.readouterr().err == ""
+
+    with pytest.raises(ValueError, match="the error to see"):
+        with Runtime(here(1, 1)):
+            raise ValueError("the error to see")
+    rt = Runtime(here(1, 1))
+    try:
+        raise KeyError("an error path")
+    except KeyError:
+        rt.shutdown()
+    rt = Runtime(here(1, 1))
+    rt._stop_at_exit()
+    warnings = capsys.readouterr().err.splitlines()
+    assert len(warnings) == 3 and all(w.startswith("warning: stopping StarPU") for w in warnings)
+    assert not rt.running and Runtime._active is None
+
+
 def test_only_one_runtime_per_process():
     with Runtime(here(1, 1)):
         with pytest.raises(StarpuLLMError, match="already running"):

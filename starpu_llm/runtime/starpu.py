@@ -280,7 +280,7 @@ class Runtime:
                                      + (f", or its disk node in {self.offload_path}"
                                         if self.offload_path else ""))
         Runtime._active = self
-        atexit.register(self.shutdown)
+        atexit.register(self._stop_at_exit)
         self.mpi_poll = None
         if comm is not None:
             self.mpi_poll = mpi_polling(core_ids)
@@ -289,11 +289,11 @@ class Runtime:
                 self.mpi_poll = ("spin (no backoff: mpi4py's MPI module was imported before "
                                  "starpu_llm; import starpu_llm first)")
             elif ret != 0:
-                self.shutdown()
+                self._stop(warn=True)       # the error below is the one to see
                 raise RuntimeError(f"sl_mpi_poll_backoff failed ({ret})")
         got = self.starpu_workers = lib.sl_cpu_worker_count()
         if got != p.starpu_workers:
-            self.shutdown()
+            self._stop(warn=True)
             raise StarpuLLMError(f"StarPU started {got} CPU worker(s) instead of "
                                  f"{p.starpu_workers} (STARPU_NCPU or "
                                  "STARPU_WORKERS_CPUID in the environment?)")
@@ -431,14 +431,32 @@ class Runtime:
             lib.sl_resume()
 
     def shutdown(self) -> None:
-        if Runtime._active is self:
-            if self.face == "starpupy":
-                starpupy_face.stop()
-            else:
-                lib.sl_shutdown()
+        """Stop StarPU (StarPU-MPI, the offload folder) whatever happens. Its last wait for the
+        tasks or StarPU-MPI's stop failing is a RuntimeError, or a warning where an exception
+        is on its way already (an error path, a `with` block left by one): that exception is
+        the one to see, never masked."""
+        self._stop(warn=sys.exc_info()[1] is not None)
+
+    def _stop_at_exit(self) -> None:
+        """shutdown at exit (atexit): a failure a warning, nothing left to raise it to."""
+        self._stop(warn=True)
+
+    def _stop(self, warn: bool) -> None:
+        if Runtime._active is not self:
+            return
+        try:
+            ret = starpupy_face.stop() if self.face == "starpupy" else lib.sl_shutdown()
+        finally:
             self._stop_offload()
             Runtime._active = None
-            atexit.unregister(self.shutdown)
+            atexit.unregister(self._stop_at_exit)
+        if ret != 0:
+            message = (f"stopping StarPU: its wait for the last tasks or StarPU-MPI's shutdown "
+                       f"failed ({ret}); StarPU is stopped, but what those tasks computed may "
+                       f"be missing")
+            if not warn:
+                raise RuntimeError(message)
+            print(f"warning: {message}", file=sys.stderr, flush=True)
 
     def _stop_offload(self) -> None:
         """No limit for the next start; the offload folder removed (StarPU is stopped)."""
@@ -455,8 +473,8 @@ class Runtime:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.shutdown()
+    def __exit__(self, exc_type, exc, tb):
+        self._stop(warn=exc_type is not None)
 
     def describe(self) -> str:
         major, minor, release = ffi.new("int *"), ffi.new("int *"), ffi.new("int *")

@@ -154,9 +154,11 @@ def start(partition, started, core_ids: list) -> None:
         raise StarpuLLMError(f"setting up the StarPU started by starpupy failed ({ret})")
 
 
-def stop() -> None:
-    """Our part of the shutdown (tasks, parallel workers), then starpupy's starpu.shutdown()."""
+def stop() -> int:
+    """Our part of the shutdown (tasks, parallel workers), then starpupy's starpu.shutdown();
+    sl_shutdown's result (Runtime checks it)."""
     starpu = import_starpupy()
 
-    lib.sl_shutdown()
+    ret = lib.sl_shutdown()
     starpu.shutdown()
+    return ret
