@@ -538,3 +538,33 @@ def test_a_run_is_killed_at_three_estimates_plus_the_grace(monkeypatch):
         figures.run_points([p], Cache(), 1, set(), lambda s: None,
                            deadline=time.time() + deadline_in, grace=grace)
         assert seen and abs(seen[0] - want) < 2, (grace, deadline_in, seen)
+
+
+def test_the_node_runs_on_one_thread_of_each_of_its_cores(tmp_path, monkeypatch):
+    """device-eval16.sh's CPUs (experiments/node_cores.py), on fake sysfs: the H200 machine
+    seen (16 cores of one thread: CPUs 0-15), a 32-CPU one of 16 cores x 2 threads numbered
+    apart (0-15, each core's first) or side by side (every other CPU: `taskset -c 0-15`
+    there gave 8 cores), and 8 cores x 2 threads: 8 CPUs, said first with what to do.
+    No sysfs topology (a VM without it): each CPU a core."""
+    import node_cores
+    from test_runtime import fake_cores
+    monkeypatch.delenv("STARPU_NTHREADS_PER_CORE", raising=False)
+    h200 = fake_cores(tmp_path / "h200", [[c] for c in range(16)])
+    apart = fake_cores(tmp_path / "apart", [[c, c + 16] for c in range(16)])
+    beside = fake_cores(tmp_path / "beside", [[2 * c, 2 * c + 1] for c in range(16)])
+    small = fake_cores(tmp_path / "small", [[2 * c, 2 * c + 1] for c in range(8)])
+    use, line = node_cores.node_cpus(16, range(16), h200)
+    assert use == list(range(16)) and "FEWER" not in line and "16 (one a core, of 16" in line
+    assert node_cores.node_cpus(16, range(32), apart)[0] == list(range(16))
+    assert node_cores.node_cpus(16, range(32), beside)[0] == list(range(0, 32, 2))
+    use, line = node_cores.node_cpus(16, range(16), small)
+    assert use == list(range(0, 16, 2))
+    assert "FEWER THAN THE PLAN'S 16" in line and "EVAL_NODE_CORES=8" in line, line
+    assert "STARPU_NTHREADS_PER_CORE=2" in line        # its hardware threads, on purpose
+    line = node_cores.node_cpus(16, range(8), h200)[1]          # 8 cores of one thread
+    assert "EVAL_NODE_CORES=8" in line and "STARPU_NTHREADS_PER_CORE" not in line, line
+    assert node_cores.node_cpus(16, range(16), str(tmp_path / "none"))[0] == list(range(16))
+    # the script pins its calibration and runs to those CPUs and says the line first
+    script = open(os.path.join(os.path.dirname(HERE), "tools", "device-eval16.sh")).read()
+    assert 'experiments/node_cores.py" --node-cores "$cores"' in script
+    assert 'pin=(taskset -c "$use")' in script and "0-$((cores - 1))" not in script
