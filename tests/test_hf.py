@@ -2,7 +2,9 @@
 in the file layouts found in the wild, converted and run by both engines against transformers;
 HF -> llm.c -> HF bitwise; a model trained from one and exported, loaded by transformers; the
 tokenizer files; the refused configs and damaged files; --init-from with a Hub name in the
-local cache (a cache laid out here: nothing is downloaded)."""
+local cache (a cache laid out here: nothing is downloaded). The layouts transformers reads
+but no longer writes (bf16 and fp16 weights, the tied pair saved as lm_head.weight alone) and
+the written config's fields are tested on files made here, without transformers."""
 from __future__ import annotations
 
 import contextlib
@@ -16,7 +18,6 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
 from starpu_llm import cli  # noqa: E402
@@ -26,7 +27,7 @@ from starpu_llm.flow import generate as gen  # noqa: E402
 from starpu_llm.flow.engine import StarPUEngine  # noqa: E402
 from starpu_llm.flow.reference import ReferenceEngine  # noqa: E402
 from starpu_llm.io import formats, hf, tokenizer  # noqa: E402
-from starpu_llm.model.state import TrainState  # noqa: E402
+from starpu_llm.model.state import TrainState, random_init  # noqa: E402
 from starpu_llm.training.trainer import TrainConfig, train  # noqa: E402
 
 from bounds import logits_bound  # noqa: E402
@@ -43,7 +44,13 @@ CONFIGS = {"gpt2vocab": (16, 50257, 1, 2, 16), "v97": (32, 97, 2, 4, 32),
 LAYOUTS = ("safetensors", "pytorch", "hub")
 
 
+def needs_transformers():
+    """transformers (the test extra), for the tests against it; the others run without it"""
+    return pytest.importorskip("transformers")
+
+
 def hf_model(name: str, seed: int = 0):
+    transformers = needs_transformers()
     n_pos, V, L, NH, C = CONFIGS[name]
     config = transformers.GPT2Config(n_positions=n_pos, vocab_size=V, n_layer=L, n_head=NH,
                                      n_embd=C, bos_token_id=min(50256, V - 1),
@@ -156,12 +163,99 @@ def test_hf_llmc_hf_bitwise(layout, tmp_path):
         "transformer.wte.weight"].tobytes()
 
 
+# --------------------------------------------------------------------------- in: files made here
+
+SMALL = GPTConfig(max_seq_len=8, vocab_size=97, padded_vocab_size=128, num_layers=2,
+                  num_heads=2, channels=8)
+
+
+def write_safetensors(path, tensors: dict) -> None:
+    """A safetensors file written by hand (the package's numpy writer has no bfloat16):
+    {name: (dtype tag, shape, little-endian bytes)} -> an 8-byte header size, the JSON header
+    (padded to 8 bytes), the data."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, (dtype, shape, raw) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": list(shape),
+                        "data_offsets": [offset, offset + len(raw)]}
+        offset += len(raw)
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    with open(path, "wb") as f:
+        f.write(len(head).to_bytes(8, "little") + head)
+        for _, _, raw in tensors.values():
+            f.write(raw)
+
+
+def small_folder(path) -> str:
+    """A folder with SMALL's config.json; the test writes the weights."""
+    os.makedirs(path)
+    with open(os.path.join(path, hf.CONFIG), "w") as f:
+        json.dump(hf.hf_config(SMALL), f)
+    return str(path)
+
+
+def assert_reads_as(src, want: dict) -> None:
+    """The folder src reads as SMALL with the fp32 tensors want (HF's names), bitwise."""
+    config, params = hf.read_model(src)
+    got = hf.hf_tensors(config, params)
+    assert config == SMALL and sorted(got) == sorted(want)
+    for name in want:
+        assert got[name].tobytes() == want[name].tobytes(), name
+
+
+@pytest.mark.parametrize("dtype", ["BF16", "F16"])
+def test_half_precision_weights_are_widened_exactly(dtype, tmp_path):
+    """A folder saved in bf16 or fp16 (save_pretrained of a model in that dtype): each weight
+    is read as the fp32 of its stored value, exactly. A bf16 is the upper 16 bits of a float32;
+    numpy has no bfloat16, and such a file was refused as damaged."""
+    fp32 = hf.hf_tensors(SMALL, random_init(SMALL, seed=4))
+    stored, want = {}, {}
+    for name, a in fp32.items():
+        if dtype == "BF16":
+            bits = a.view(np.uint32)
+            stored[name] = (dtype, a.shape, (bits >> 16).astype("<u2").tobytes())
+            want[name] = (bits & np.uint32(0xFFFF0000)).view(np.float32)
+        else:
+            stored[name] = (dtype, a.shape, a.astype("<f2").tobytes())
+            want[name] = a.astype(np.float16).astype(np.float32)
+    assert any(not np.array_equal(want[n], fp32[n]) for n in fp32)     # the rounding shows
+    src = small_folder(tmp_path / "half")
+    write_safetensors(os.path.join(src, hf.SAFETENSORS), stored)
+    assert_reads_as(src, want)
+
+
+def test_the_tied_pair_saved_as_the_head_alone(tmp_path):
+    """safetensors' save_model keeps one name of a shared tensor, lm_head.weight for
+    GPT2LMHeadModel's tied pair, and transformers loads such a file: it is read with wte =
+    that tensor (it was refused as missing transformer.wte.weight)."""
+    want = hf.hf_tensors(SMALL, random_init(SMALL, seed=5))
+    stored = dict(want)
+    stored["lm_head.weight"] = stored.pop("transformer.wte.weight")
+    src = small_folder(tmp_path / "head")
+    save_file(stored, os.path.join(src, hf.SAFETENSORS), metadata={"format": "pt"})
+    assert_reads_as(src, want)
+
+
+def test_written_config_has_what_other_readers_need(tmp_path):
+    """config.json of a written folder: n_ctx beside n_positions (transformers ignores it;
+    llama.cpp's convert_hf_to_gguf.py reads it as the context length), the vocabulary
+    unpadded (97, not llm.c's 128), and the settings the engine computes."""
+    out = hf.write_hf(tmp_path / "m", SMALL, random_init(SMALL))
+    with open(os.path.join(out, hf.CONFIG)) as f:
+        cfg = json.load(f)
+    assert cfg["n_ctx"] == cfg["n_positions"] == 8 and cfg["vocab_size"] == 97
+    assert (cfg["tie_word_embeddings"], cfg["activation_function"],
+            cfg["layer_norm_epsilon"]) == (True, "gelu_new", 1e-5)
+    assert hf.read_model(out)[0] == SMALL
+
+
 # --------------------------------------------------------------------------- out: trained, exported
 
 def test_train_from_hf_export_and_transformers_agree(tmp_path, runtime):
     """5 steps from a HF folder (--init-from), exported with --save-hf: transformers loads the
     folder (model and tokenizer), its logits are within the bound of ours and its greedy
     continuation is ours."""
+    transformers = needs_transformers()
     model = hf_model("gpt2vocab", seed=5)
     src = save(model, tmp_path / "src")
     shard = str(tmp_path / "training.bin")
@@ -205,6 +299,7 @@ def test_train_from_hf_export_and_transformers_agree(tmp_path, runtime):
 def test_exported_tokenizer_encodes_as_ours(tmp_path):
     """vocab.json + merges.txt reproduce GPT-2's BPE: transformers' tokenizer of the written
     folder gives our ids on text with spaces, newlines, unicode and <|endoftext|>."""
+    transformers = needs_transformers()
     config = GPTConfig(max_seq_len=8, vocab_size=50257, padded_vocab_size=50304, num_layers=1,
                        num_heads=1, channels=4)
     out = hf.write_hf(tmp_path / "m", config, np.zeros(config.num_parameters, np.float32))

@@ -12,7 +12,10 @@ pytorch_model.bin (read with torch.load(weights_only=True)). Between the two lay
   transposed both ways;
 - the vocabulary: HF's wte has V rows, llm.c's Vp (V rounded up to a multiple of 128, the
   extra rows 0): padded on reading, cut on writing;
-- the head is tied to wte: an lm_head.weight, when the file has one, must equal wte;
+- the head is tied to wte: an lm_head.weight, when the file has one, must equal wte; a file
+  holding the pair once, as lm_head.weight alone (safetensors' save_model), gives wte;
+- the dtype: fp16 and bf16 weights (numpy has no bfloat16: read from the file's bytes) are
+  widened to fp32, exactly; the model is trained and written in fp32;
 - attn.bias and attn.masked_bias (the causal mask buffers older files carry) are not weights:
   skipped.
 
@@ -122,6 +125,9 @@ def hf_config(config: GPTConfig) -> dict:
             "bos_token_id": eot, "eos_token_id": eot, "initializer_range": 0.02,
             "layer_norm_epsilon": 1e-5, "n_embd": config.C, "n_head": config.NH,
             "n_inner": None, "n_layer": config.L, "n_positions": config.maxT,
+            # n_ctx: transformers ignores it, but the Hub's gpt2 configs have it and llama.cpp's
+            # convert_hf_to_gguf.py reads it as the context length
+            "n_ctx": config.maxT,
             "reorder_and_upcast_attn": False, "scale_attn_by_inverse_layer_idx": False,
             "scale_attn_weights": True, "tie_word_embeddings": True, "use_cache": True,
             "vocab_size": config.V, "dtype": "float32"}
@@ -178,16 +184,39 @@ def _safetensors_api():
 def _safetensors(file: str) -> dict:
     safe_open = _safetensors_api()
     formats.open_regular(file, "safetensors")[0].close()
-    out = {}
+    out, bf16 = {}, []
     try:
         with safe_open(file, framework="np") as f:
             for name in f.keys():
-                out[name] = (file, f.get_tensor(name))
+                if f.get_slice(name).get_dtype() == "BF16":
+                    bf16.append(name)
+                else:
+                    out[name] = (file, f.get_tensor(name))
+        out.update((name, (file, a)) for name, a in _widened_bf16(file, bf16).items())
     except StarpuLLMError:
         raise
     except Exception as e:     # the package's SafetensorError and the dtypes numpy lacks
         raise StarpuLLMError(f"{file} cannot be read as safetensors ({e}); it is damaged or "
                              f"incomplete: download or save it again") from None
+    return out
+
+
+def _widened_bf16(file: str, names: list) -> dict:
+    """{name: float32 array} of the BF16 tensors `names` of a safetensors file safe_open has
+    checked: a bfloat16 is the upper half of a float32, so widening it is exact."""
+    out = {}
+    if not names:
+        return out
+    with open(file, "rb") as f:
+        # the format: an 8-byte little-endian header size, the JSON header, the data
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        for name in names:
+            begin, end = header[name]["data_offsets"]
+            f.seek(8 + n + begin)
+            half = np.frombuffer(f.read(end - begin), "<u2")
+            out[name] = (half.astype(np.uint32) << 16).view(np.float32).reshape(
+                header[name]["shape"])
     return out
 
 
@@ -238,6 +267,11 @@ def _to_llmc(config: GPTConfig, tensors: dict, source: str) -> np.ndarray:
     prefix = "transformer." if any(n.startswith("transformer.") for n in tensors) else ""
     layout = ParamLayout(config)
     used, parts = set(), []          # (llm.c tensor, layer or None, array in llm.c's layout)
+    head = "lm_head.weight"
+    if prefix + _TOP["wte"] not in tensors and head in tensors:
+        # the tied pair saved once, under the head's name (safetensors' save_model keeps one
+        # name of a shared tensor): it is wte, and the check below finds it equal to itself
+        tensors = {**tensors, prefix + _TOP["wte"]: tensors[head]}
 
     def take(name, shape, transposed=False):
         full = prefix + name
@@ -264,7 +298,6 @@ def _to_llmc(config: GPTConfig, tensors: dict, source: str) -> np.ndarray:
     for l in range(config.L):
         for name, (hf_name, conv) in _BLOCK.items():
             parts.append((name, l, take(f"h.{l}.{hf_name}", layout.shapes[name][1:], conv)))
-    head = "lm_head.weight"
     if head in tensors:
         file, a = tensors[head]
         used.add(head)
