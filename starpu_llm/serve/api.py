@@ -60,7 +60,7 @@ class Completion:
         self.seed, self.stream, self.include_usage, self.echo = seed, stream, include_usage, echo
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self._offsets: dict = {}     # streamed: choice index -> text_offset of its next token
+        self._offsets: dict = {}     # streamed: choice index -> its scoring.TextOffsets
 
     def rng(self, k: int):
         """Choice k's generator: with a seed, choice 0 draws as `starpu-llm generate --seed`
@@ -78,10 +78,10 @@ class Completion:
         answer)."""
         lp = None
         if self.sampling.logprobs is not None and logprobs:
-            start = self._offsets.get(index, len(self.choices[index].text))
-            lp = scoring.completion_logprobs(logprobs, self.tokenizer, start)
-            self._offsets[index] = start + sum(scoring.text_length(self.tokenizer, e.token)
-                                               for e in logprobs)
+            if index not in self._offsets:
+                self._offsets[index] = scoring.TextOffsets(self.tokenizer,
+                                                           len(self.choices[index].text))
+            lp = scoring.completion_logprobs(logprobs, self.tokenizer, self._offsets[index])
         out = {"id": self.id, "object": "text_completion", "created": self.created,
                "model": self.model,
                "choices": [{"index": index, "text": text, "logprobs": lp,
@@ -111,10 +111,13 @@ class Completion:
         if self.sampling.logprobs is None:
             return None
         if not self.echo:
-            return scoring.completion_logprobs(entries, self.tokenizer, len(choice.text))
+            return scoring.completion_logprobs(entries, self.tokenizer,
+                                               scoring.TextOffsets(self.tokenizer,
+                                                                   len(choice.text)))
         # the prompt's first token has no score (nothing before it), as in OpenAI's API
         first = scoring.Logprob(choice.ids[0], None)
-        return scoring.completion_logprobs([first, *entries], self.tokenizer, 0)
+        return scoring.completion_logprobs([first, *entries], self.tokenizer,
+                                           scoring.TextOffsets(self.tokenizer, 0))
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..flow.generate import sample_batch
+from ..io.tokenizer import StreamDecoder
 from .errors import BadRequest
 
 MAX_COMPLETION_LOGPROBS = 5      # OpenAI's limit on the completions API's logprobs
@@ -159,26 +160,37 @@ def _token_text(tokenizer, token: int) -> str:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
-def text_length(tokenizer, token: int) -> int:
-    """The characters that token moves text_offset on by."""
-    return len(tokenizer.decode([token]))
+class TextOffsets:
+    """text_offset of a choice's tokens, one after the other: where each token's text starts in
+    the text the client gets, in characters. That text holds back the bytes of a character
+    split over tokens (GPT-2's byte-level BPE splits emoji and CJK) until the token that
+    completes it (engine._Text, through the same StreamDecoder): a token ending inside a
+    character moves the offset by the characters it completes, never by a U+FFFD."""
+
+    def __init__(self, tokenizer, start: int):
+        self.next = start
+        self._stream = StreamDecoder(tokenizer, self._advance)
+
+    def _advance(self, text: str):
+        self.next += len(text)
+
+    def __call__(self, token: int) -> int:
+        """token's offset; the offset moves on past the characters it completes."""
+        at = self.next
+        self._stream(token)
+        return at
 
 
-def completion_logprobs(entries, tokenizer, offset: int) -> dict:
-    """The completions API's logprobs object of a choice's scored tokens; offset: the text
-    offset of the first (0 with echo, else the prompt's length; streamed, where the event's
-    first token is)."""
-    tokens, offsets = [], []
-    for e in entries:
-        tokens.append(_token_text(tokenizer, e.token))
-        offsets.append(offset)
-        offset += text_length(tokenizer, e.token)
-    return {"tokens": tokens,
+def completion_logprobs(entries, tokenizer, offsets: TextOffsets) -> dict:
+    """The completions API's logprobs object of a choice's scored tokens; offsets: the
+    choice's TextOffsets, at the text offset of the first (0 with echo, else the prompt's
+    length; streamed, where the event's first token is)."""
+    return {"tokens": [_token_text(tokenizer, e.token) for e in entries],
             "token_logprobs": [e.logprob for e in entries],
             "top_logprobs": [None if e.logprob is None else
                              {_token_text(tokenizer, t): lp for t, lp in e.top}
                              for e in entries],
-            "text_offset": offsets}
+            "text_offset": [offsets(e.token) for e in entries]}
 
 
 def chat_logprobs(entries, tokenizer) -> dict:

@@ -1,0 +1,128 @@
+"""The engine and the HTTP application in this process (no server process, no port): the
+reference engine on the tiny model (GPT-2's vocabulary), the application through Starlette's
+TestClient. The tokens are forced where a test needs given ones (a fake
+serve/scoring.choose_batch)."""
+import json
+
+import pytest
+from starlette.testclient import TestClient
+
+from starpu_llm.cli_serve import load_model
+from starpu_llm.io import tokenizer
+from starpu_llm.model.config import MODELS
+from starpu_llm.model.state import random_init
+from starpu_llm.serve import api, scoring
+from starpu_llm.serve import engine as eng
+from starpu_llm.serve.app import create_app
+
+TINY = MODELS["tiny"]
+TOK = tokenizer.gpt2()
+# GPT-2 tokens that end inside a UTF-8 character: b" \xf0\x9f\x98" + b"\x80" is " 😀";
+# "中文" is b"\xe4\xb8\xad" (中), b"\xe6\x96" + b"\x87" (文)
+SPACE_EMOJI_HEAD, EMOJI_TAIL, HI = 30325, 222, 23105
+ZHONG, WEN_HEAD, WEN_TAIL = 40792, 23877, 229
+EMOJI_HEAD = 47249          # b"\xf0\x9f\x98": 😀 without its last byte
+SPLIT = [SPACE_EMOJI_HEAD, EMOJI_TAIL, HI, ZHONG, WEN_HEAD, WEN_TAIL]
+
+
+def test_the_tokens_split_characters():
+    """The premise: each pair splits one character, which decodes whole only with its tail."""
+    raw = [TOK.decode_bytes(t) for t in SPLIT]
+    assert TOK.decode(SPLIT) == " 😀 hi中文"
+    for head in (raw[0], raw[4], TOK.decode_bytes(EMOJI_HEAD)):
+        with pytest.raises(UnicodeDecodeError):
+            head.decode("utf-8")
+
+
+def test_text_offsets_count_the_characters_sent():
+    """A token that ends inside a character moved text_offset on by one U+FFFD per stray byte
+    (" 😀 hi": " hi" at 4 of a 3-character text); the offsets now count the characters the
+    client gets, the character to the token that completes it, streamed (the offsets running
+    on from event to event) or whole alike."""
+    c = api.parse_completion({"model": "m", "prompt": "Hi", "logprobs": 0, "stream": True,
+                              "max_tokens": len(SPLIT)}, "m", TOK, TINY.V, 64, 1)
+    entries = [scoring.Logprob(t, -1.0) for t in SPLIT]
+    streamed = []
+    for e in entries:            # an event a token, as the engine sends them
+        streamed += c.chunk(0, "", logprobs=(e,))["choices"][0]["logprobs"]["text_offset"]
+    whole = c.response([""], ["length"], 1, len(SPLIT), logprobs=[entries])
+    text = "Hi" + TOK.decode(SPLIT)
+    assert streamed == whole["choices"][0]["logprobs"]["text_offset"] == [2, 3, 4, 7, 8, 8]
+    # each token's slice of the text is the characters it completes, never a U+FFFD
+    ends = streamed[1:] + [len(text)]
+    assert [text[a:b] for a, b in zip(streamed, ends)] == [" ", "😀", " hi", "中", "", "文"]
+
+
+def test_text_offsets_with_echo_start_at_the_prompt():
+    """echo: the prompt's tokens first, from 0; a prompt given as token ids that splits a
+    character counts it once."""
+    c = api.parse_completion({"model": "m", "prompt": [HI, SPACE_EMOJI_HEAD, EMOJI_TAIL],
+                              "logprobs": 0, "echo": True, "max_tokens": 0}, "m", TOK, TINY.V,
+                             64, 1)
+    r = c.response([""], ["length"], 3, 0, logprobs=[[scoring.Logprob(t, -1.0)
+                                                       for t in (SPACE_EMOJI_HEAD, EMOJI_TAIL)]])
+    assert r["choices"][0]["text"] == " hi 😀"
+    assert r["choices"][0]["logprobs"]["text_offset"] == [0, 3, 4]
+
+
+@pytest.fixture(scope="module")
+def tiny_params():
+    return random_init(TINY, 1)
+
+
+def forced(script):
+    """A scoring.choose_batch drawing script[k] as a sequence's k-th token, scored as the real
+    one scores it."""
+    def choose_batch(logits, rows, threads=None):
+        return [(script[len(drawn)], scoring.score(logits[i], script[len(drawn)], sp.logprobs)
+                 if sp.logprobs is not None else None)
+                for i, (sp, drawn, _) in enumerate(rows)]
+    return choose_batch
+
+
+def events_of(response) -> list:
+    return [json.loads(line[len("data: "):]) for line in response.iter_lines()
+            if line.startswith("data: {")]
+
+
+@pytest.mark.parametrize("script,final", [(SPLIT, " 😀 hi中文"),
+                                          ([HI, EMOJI_HEAD], " hi\ufffd")])
+def test_a_stream_holds_a_split_character_until_it_completes(monkeypatch, tiny_params, script,
+                                                              final):
+    """Streamed through the application, the generation of tokens that split characters: no
+    event's text holds a U+FFFD for a character that the next token completes (its bytes wait
+    for it); the text_offsets index the text the events make up, and equal the whole
+    answer's; a character still incomplete at the end is flushed (U+FFFD, as the whole
+    answer and `generate` decode it)."""
+    monkeypatch.setattr(scoring, "choose_batch", forced(script))
+    engine = eng.Engine(load_model(TINY, tiny_params, engine="reference"), TINY, TOK, TOK.eot,
+                        max_batch=2)
+    engine.start(180)
+    body = {"model": "tiny", "prompt": "Hi", "max_tokens": len(script), "logprobs": 1,
+            "ignore_eos": True}
+    try:
+        with TestClient(create_app(engine, "tiny")) as client:
+            with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                assert r.status_code == 200
+                events = events_of(r)
+            whole = client.post("/v1/completions", json=body).json()["choices"][0]
+    finally:
+        assert engine.close(30)
+    pieces = [e["choices"][0]["text"] for e in events]
+    offsets = [o for e in events if e["choices"][0]["logprobs"]
+               for o in e["choices"][0]["logprobs"]["text_offset"]]
+    text = "".join(pieces)
+    assert text == whole["text"] == final == TOK.decode(script)
+    for e in events:         # a U+FFFD only in the final flush, with the last token's score
+        if "\ufffd" in e["choices"][0]["text"]:
+            assert e["choices"][0]["logprobs"]["text_offset"][-1] == offsets[-1]
+    assert offsets == whole["logprobs"]["text_offset"]
+    # token k starts after the whole characters of the tokens before it (valid UTF-8 here:
+    # "ignore" drops only an incomplete character at their end)
+    assert offsets == [len("Hi") + len(TOK.decode_bytes(script[:k]).decode("utf-8", "ignore"))
+                       for k in range(len(script))]
+    full = "Hi" + text
+    ends = offsets[1:] + [len(full)]
+    assert "".join(full[a:b] for a, b in zip(offsets, ends)) == text
+    assert all(full[a:b] != "\ufffd" or k == len(script) - 1
+               for k, (a, b) in enumerate(zip(offsets, ends)))
