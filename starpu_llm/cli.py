@@ -361,6 +361,12 @@ def build_parser():
     sv.add_argument("--shutdown-timeout", type=_CHECKS["nonneg"]("--shutdown-timeout"),
                     default=30.0, help="seconds the running requests get to finish after "
                                        "SIGINT or SIGTERM, before they are cancelled (default 30)")
+    sv.add_argument("--stall-timeout", type=_CHECKS["nonneg"]("--stall-timeout"),
+                    default=None, help="seconds without a decode step completed, with requests "
+                                       "pending, after which GET /health answers 503 and new "
+                                       "requests are refused (a stuck task); 0: never "
+                                       "(default 300, beyond GPT-2 XL's longest step on a "
+                                       "loaded machine)")
     sv.add_argument("--log-level", default="info",
                     choices=["critical", "error", "warning", "info", "debug"],
                     help="uvicorn's log level (info: one line per request)")
@@ -534,7 +540,8 @@ def cmd_serve(args):
     request = decode_request(args)
     return run_serve(args.init_from, args.host, args.port, args.max_batch, args.max_queue,
                      args.engine, request, args.model_name, args.shutdown_timeout,
-                     args.log_level, edges=_serve_edges(args), chat_template=args.chat_template)
+                     args.log_level, edges=_serve_edges(args), chat_template=args.chat_template,
+                     stall_timeout=args.stall_timeout)
 
 
 def _serve_edges(args) -> dict:

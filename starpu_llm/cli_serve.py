@@ -25,6 +25,10 @@ from .io import tokenizer
 
 SERVE_INSTALL = "pip install 'starpu-llm[serve]' (make install does it)"
 BACKLOG = 2048        # connections waiting to be accepted (uvicorn's default)
+# --stall-timeout's default, seconds without a decode step completed (work pending) before
+# GET /health answers 503: about twice GPT-2 XL's longest step on a loaded 2-core machine
+# (docs/serving.md, "Faults and supervision", has the sum)
+STALL_TIMEOUT = 300.0
 
 
 def _web():
@@ -133,11 +137,12 @@ def check_cache_memory(config, max_batch: int) -> None:
 def run_serve(init_from, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8,
               max_queue: int = 64, engine: str = "starpu", request=None, model_name=None,
               shutdown_timeout: float = 30.0, log_level: str = "info", edges=None,
-              chat_template=None) -> int:
+              chat_template=None, stall_timeout: float | None = None) -> int:
     """`starpu-llm serve` (see the module docstring): request, a partition.PartitionRequest
     (None: the default partition); edges: serve/middleware.Edges' fields (the key, CORS, the
     timeouts; None: the defaults); chat_template: the --chat-template file (None: the default
-    template, serve/chat.py). Prints "serving MODEL on http://HOST:PORT" once it takes
+    template, serve/chat.py); stall_timeout: --stall-timeout (serve/engine.Engine; None:
+    STALL_TIMEOUT). Prints "serving MODEL on http://HOST:PORT" once it takes
     requests (port 0: a free port, the one printed)."""
     from .plan.partition import PartitionRequest
     from .runtime.starpu import resolve_here
@@ -162,7 +167,8 @@ def run_serve(init_from, host: str = "127.0.0.1", port: int = 8000, max_batch: i
         metrics = Metrics(max_batch)
         load = load_model(config, params, engine, partition)
         eng = Engine(load, config, tok, tok.eot, max_batch=max_batch, max_queue=max_queue,
-                     metrics=metrics)
+                     metrics=metrics,
+                     stall_timeout=STALL_TIMEOUT if stall_timeout is None else stall_timeout)
         eng.start()              # StarPU up, the model registered; an error is raised here
         stopped = []
 

@@ -1,15 +1,18 @@
 """The engine and the HTTP application in this process (no server process, no port): the
 reference engine on the tiny model (GPT-2's vocabulary), the application through Starlette's
 TestClient. The tokens are forced where a test needs given ones (a fake
-serve/scoring.choose_batch)."""
+serve/scoring.choose_batch), and a decode step is held where a test needs one stuck (a
+SlotDecoder whose collect waits); time is an injected clock, never slept."""
 import json
+import threading
 
 import pytest
 from starlette.testclient import TestClient
 
 from starpu_llm.cli_serve import load_model
+from starpu_llm.flow import batch
 from starpu_llm.io import tokenizer
-from starpu_llm.model.config import MODELS
+from starpu_llm.model.config import MODELS, GPTConfig
 from starpu_llm.model.state import random_init
 from starpu_llm.serve import api, scoring
 from starpu_llm.serve import engine as eng
@@ -126,3 +129,81 @@ def test_a_stream_holds_a_split_character_until_it_completes(monkeypatch, tiny_p
     assert "".join(full[a:b] for a, b in zip(offsets, ends)) == text
     assert all(full[a:b] != "\ufffd" or k == len(script) - 1
                for k, (a, b) in enumerate(zip(offsets, ends)))
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_a_stuck_step_makes_health_503_until_a_step_completes(monkeypatch, tiny_params):
+    """/health answered 200 while the engine thread hung in a step (a stuck task): a load
+    balancer kept sending requests to a dead server. With work pending and no step completed
+    for more than --stall-timeout seconds (the clock moved on; the step held in collect),
+    /health is 503 saying why and since when, and a new request is refused at once (503);
+    once the step completes, 200 again. An idle engine stays healthy however long it idles."""
+    entered, release = threading.Event(), threading.Event()
+
+    class Stuck(batch.SlotDecoder):
+        def collect(self, step):
+            entered.set()
+            assert release.wait(120), "the test never released the step"
+            return super().collect(step)
+    monkeypatch.setattr(eng, "SlotDecoder", Stuck)
+    clock = Clock()
+    engine = eng.Engine(load_model(TINY, tiny_params, engine="reference"), TINY, TOK, TOK.eot,
+                        max_batch=2, stall_timeout=30, clock=clock)
+    engine.start(180)
+    done = threading.Event()
+    try:
+        with TestClient(create_app(engine, "tiny")) as client:
+            clock.now += 1000                       # idle for 1000 s: healthy
+            assert client.get("/health").status_code == 200
+            engine.submit([eng.Request([HI, HI], eng.Sampling(max_tokens=2, top_k=1),
+                                       lambda ev: ev.finish and done.set())])
+            assert entered.wait(120)
+            clock.now += 30                         # at the threshold: not yet
+            assert client.get("/health").status_code == 200
+            clock.now += 15
+            r = client.get("/health")
+            assert r.status_code == 503
+            h = r.json()
+            assert h["status"] == "stalled" and h["stalled_s"] == 45.0 and h["running"] == 1
+            assert "no decode step has completed for 45 s" in h["why"]
+            assert "--stall-timeout 30" in h["why"] and h["since"].endswith("+00:00")
+            refused = client.post("/v1/completions", json={"model": "tiny", "prompt": "Hi"})
+            assert refused.status_code == 503 and refused.headers["Retry-After"]
+            assert "the server is stalled" in refused.json()["error"]["message"]
+            release.set()
+            assert done.wait(120)
+            assert client.get("/health").json()["status"] == "ok"
+    finally:
+        release.set()
+        assert engine.close(30)
+
+
+def test_stall_timeout_0_never_stalls():
+    config = GPTConfig(max_seq_len=64, num_layers=1, num_heads=1, channels=8)
+    clock = Clock()
+    for timeout, stalled in ((0, False), (5, True)):
+        engine = eng.Engine(None, config, TOK, TOK.eot, stall_timeout=timeout, clock=clock)
+        engine._queue.append(eng.Request([1], eng.Sampling(), print))     # work pending
+        clock.now += 10**6
+        assert (engine.stalled() is not None) == stalled
+
+
+def test_the_stall_timeout_flag():
+    """--stall-timeout: seconds, 0 turning the check off; anything else is one usage error
+    naming the flag; left out, run_serve takes cli_serve.STALL_TIMEOUT."""
+    from starpu_llm import cli
+    p = cli.build_parser()
+    serve = ["serve", "--init-from", "m.bin"]
+    assert p.parse_args(serve + ["--stall-timeout", "0"]).stall_timeout == 0
+    assert p.parse_args(serve + ["--stall-timeout", "12.5"]).stall_timeout == 12.5
+    assert p.parse_args(serve).stall_timeout is None
+    for bad in ("-1", "nan", "soon"):
+        with pytest.raises(cli.UsageError, match="--stall-timeout"):
+            p.parse_args(serve + ["--stall-timeout", bad])

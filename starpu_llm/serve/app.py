@@ -4,7 +4,8 @@ engine (serve/engine.py), served by uvicorn (cli_serve.py).
   POST /v1/completions   a completion, whole or streamed as server-sent events (stream: true)
   POST /v1/chat/completions  the same for a conversation (serve/chat.py)
   GET  /v1/models        the one model served (and GET /v1/models/{id})
-  GET  /health           200 {"status": "ok", ...} while serving, 503 once stopping or failed
+  GET  /health           200 {"status": "ok", ...} while serving, 503 once stopping or failed,
+                         or while stalled (serve/engine.Engine.stalled: why, and since when)
   GET  /metrics          Prometheus metrics (serve/metrics.py)
 
 The handlers run on the event loop and never wait for the engine thread: a request is
@@ -16,6 +17,7 @@ cancels its requests: the engine frees their slots before its next step.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
 import time
 
@@ -110,11 +112,17 @@ def create_app(engine, model: str, chat_template=None) -> Starlette:
         return JSONResponse(api.model_card(model, created))
 
     async def health(request):
-        state = engine.state()
+        state, stall = engine.state(), engine.stalled()
         body = {"status": state, "model": model, "running": engine.running(),
                 "waiting": engine.waiting(), "max_batch": engine.max_batch,
                 "engine": engine.describe}
-        return JSONResponse(body, 200 if state == "ok" else 503)
+        if state == "ok" and stall is not None:
+            since = datetime.datetime.fromtimestamp(time.time() - stall.seconds,
+                                                    datetime.timezone.utc)
+            body.update(status="stalled", why=stall.why,
+                        since=since.isoformat(timespec="seconds"),
+                        stalled_s=round(stall.seconds, 1))
+        return JSONResponse(body, 200 if body["status"] == "ok" else 503)
 
     async def prometheus(request):
         if metrics is None:

@@ -33,6 +33,11 @@ and the batch goes on; an exception anywhere else in the loop (a decode step) en
 request with an error (HTTP 503) and the thread: the engine is failed, and the server exits
 with a non-zero status for its supervisor to restart it (cli_serve.py).
 
+A step that never ends (a StarPU task stuck, a deadlock) fails nothing: stalled() says when the
+engine has had work pending and completed no step for longer than stall_timeout, for the
+health check to answer 503 (a load balancer then routes elsewhere) and submit() to refuse new
+requests at once instead of queueing them behind it.
+
 With nothing to do, the thread sleeps on a condition, StarPU paused (its idle workers would
 otherwise spin). drain() stops accepting and lets the accepted requests finish until a
 deadline, then cancels what is left; the thread then releases the model and shuts StarPU
@@ -67,7 +72,14 @@ class QueueFull(Exception):
 
 
 class ShuttingDown(Exception):
-    """The engine stops (or has stopped, or failed): it takes no new request."""
+    """The engine stops (or has stopped, or failed, or is stalled): it takes no new request."""
+
+
+class Stall(NamedTuple):
+    """An engine stalled (Engine.stalled): for how many seconds no step has completed, work
+    pending, and a sentence saying so."""
+    seconds: float
+    why: str
 
 
 @dataclass(frozen=True)
@@ -213,11 +225,14 @@ class Engine:
     slots), up to max_queue more waiting; rows: the new tokens of one step (per group);
     cache_len: the positions a slot holds (default the model's maxT). tokenizer: the text of
     the tokens (io/tokenizer.Tokenizer); eot: the end-of-text token. metrics: an object with
-    the serve/metrics.Metrics methods, or None."""
+    the serve/metrics.Metrics methods, or None. stall_timeout: the seconds without a step
+    completed, work pending, after which the engine is stalled (0: never); clock: the
+    monotonic clock those seconds are read on."""
 
     def __init__(self, load: Callable[[], Loaded], config, tokenizer, eot: int | None,
                  max_batch: int = 8, max_queue: int = 64, rows: int = DEFAULT_ROWS,
-                 cache_len: int | None = None, metrics=None):
+                 cache_len: int | None = None, metrics=None, stall_timeout: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic):
         if max_batch < 1 or max_queue < 0:
             raise StarpuLLMError(f"max_batch {max_batch} must be at least 1 and max_queue "
                                  f"{max_queue} at least 0")
@@ -237,6 +252,9 @@ class Engine:
         self._deadline = None
         self._failed: str | None = None
         self._request_s = 1.0           # a running mean of request durations (retry times)
+        self.stall_timeout, self._clock = stall_timeout, clock
+        # the end of the last step, or when work came to an idle engine (clock's time)
+        self._progress = clock()
         self.describe = ""
         self._cores = None              # the loaded model's (engine thread)
         self._paused = contextlib.nullcontext     # Loaded.paused, once loaded
@@ -270,6 +288,14 @@ class Engine:
                 if self.metrics:
                     self.metrics.rejected()
                 raise ShuttingDown(f"the server is {self.state()}: it takes no new request")
+            stall = self.stalled()
+            if stall is not None:
+                if self.metrics:
+                    self.metrics.rejected()
+                raise ShuttingDown(f"the server is stalled: {stall.why}; it takes no new "
+                                   f"request until a step completes")
+            if not self._queue and self._free == self.max_batch:    # idle until now
+                self._progress = self._clock()
             room = self.max_queue + self._free - len(self._queue)
             if len(requests) > room:
                 wait = self.retry_after()
@@ -293,6 +319,19 @@ class Engine:
 
     def running(self) -> int:
         return self.max_batch - self._free
+
+    def stalled(self) -> Stall | None:
+        """The stall when the engine has had work pending and completed no step for more than
+        stall_timeout seconds; None when it has not (an idle engine never has)."""
+        quiet = self._clock() - self._progress
+        if not self.stall_timeout or quiet <= self.stall_timeout:
+            return None
+        if not self._queue and self.running() == 0:
+            return None
+        return Stall(quiet, f"no decode step has completed for {quiet:.0f} s with "
+                            f"{self.running()} sequences running and {self.waiting()} waiting "
+                            f"(--stall-timeout {self.stall_timeout:g}): a StarPU task or the "
+                            f"engine thread is stuck")
 
     def retry_after(self) -> int:
         """Whole seconds after which a slot has likely freed: the requests ahead, a batch at
@@ -498,6 +537,7 @@ class Engine:
             else:
                 self._alone(seq, "scoring this request's prompt", self._score_prompt, seq, fed,
                             row)
+        self._progress = self._clock()
         if self.metrics:
             self.metrics.step(len(feeds), sum(len(f.tokens) for f in feeds), new_tokens,
                               now - t0)
