@@ -207,3 +207,37 @@ def test_the_stall_timeout_flag():
     for bad in ("-1", "nan", "soon"):
         with pytest.raises(cli.UsageError, match="--stall-timeout"):
             p.parse_args(serve + ["--stall-timeout", bad])
+
+
+def test_a_waiting_stream_sends_keepalive_comments(monkeypatch, tiny_params):
+    """A stream that waits (its step held here; in production the queue, a long prompt) sent
+    nothing: a proxy's read timeout (nginx's 60 s) cut it. It now sends an SSE comment line
+    after KEEPALIVE_S seconds without an event (0.05 s here), which the openai client skips;
+    the stream then ends as usual."""
+    from starpu_llm.serve import app
+    monkeypatch.setattr(app, "KEEPALIVE_S", 0.05)
+    release = threading.Event()
+
+    class Held(batch.SlotDecoder):
+        def collect(self, step):
+            assert release.wait(120), "the test never released the step"
+            return super().collect(step)
+    monkeypatch.setattr(eng, "SlotDecoder", Held)
+    engine = eng.Engine(load_model(TINY, tiny_params, engine="reference"), TINY, TOK, TOK.eot,
+                        max_batch=1)
+    engine.start(180)
+    try:
+        with TestClient(create_app(engine, "tiny")) as client:
+            with client.stream("POST", "/v1/completions", json={
+                    "model": "tiny", "prompt": "Hi", "max_tokens": 2, "stream": True}) as r:
+                lines = r.iter_lines()
+                first = next(line for line in lines if line)
+                release.set()
+                rest = [line for line in lines if line]
+    finally:
+        release.set()
+        assert engine.close(30)
+    assert first == ": keep-alive"
+    data = [line for line in rest if line.startswith("data: ")]
+    assert data[-1] == "data: [DONE]"
+    assert json.loads(data[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"

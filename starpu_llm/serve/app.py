@@ -36,6 +36,10 @@ from .metrics import CONTENT_TYPE
 # A body above this is refused as it arrives (HTTP 413), so that no client makes the server
 # hold gigabytes: prompts that fit a GPT-2 context, even --max-batch of them, are far smaller.
 MAX_BODY = 16 << 20
+# A stream with no event for this many seconds (waiting in the queue, a long prompt, a slow
+# step) sends an SSE comment line, which clients skip: a proxy's read timeout (nginx's
+# proxy_read_timeout, a load balancer's idle timeout: 60 s by default) otherwise cuts it.
+KEEPALIVE_S = 15.0
 
 
 async def _body(request: HTTPRequest) -> bytearray:
@@ -184,7 +188,8 @@ def _sse(obj) -> str:
 
 async def _stream(c: api.Completion, reqs, events: asyncio.Queue):
     """The completion as server-sent events, one per piece of text, as OpenAI sends them:
-    then, with include_usage, the usage; then "data: [DONE]". Starlette stops this generator
+    then, with include_usage, the usage; then "data: [DONE]"; a comment line after
+    KEEPALIVE_S seconds without one. Starlette stops this generator
     when the client goes away; the requests are then cancelled."""
     usage = [0, 0]
     left = len(reqs)
@@ -193,7 +198,11 @@ async def _stream(c: api.Completion, reqs, events: asyncio.Queue):
             for ch in c.choices:
                 yield _sse(c.chunk(ch.index, ch.text))
         while left:
-            k, ev = await events.get()
+            try:
+                k, ev = await asyncio.wait_for(events.get(), KEEPALIVE_S)
+            except asyncio.TimeoutError:
+                yield ": keep-alive\n\n"
+                continue
             ev: Event
             if ev.error:
                 yield _sse(error_body(ev.error, "server_error"))
