@@ -241,3 +241,29 @@ def test_a_waiting_stream_sends_keepalive_comments(monkeypatch, tiny_params):
     data = [line for line in rest if line.startswith("data: ")]
     assert data[-1] == "data: [DONE]"
     assert json.loads(data[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
+
+
+def test_healthy_probes_are_not_logged_at_info(caplog):
+    """A load balancer probes GET /health every few seconds from each of its nodes: each probe
+    was a log line at --log-level info. A 200 probe is logged at debug; a probe answered 503
+    and every other request stay at info."""
+    import logging
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+    from starpu_llm.serve import middleware
+    status = {"code": 200}
+
+    async def health(request):
+        return JSONResponse({}, status["code"])
+    app = middleware.wrap(Starlette(routes=[Route("/health", health), Route("/other", health)]),
+                          middleware.Edges())
+    with TestClient(app) as client, caplog.at_level(logging.INFO, "uvicorn.error"):
+        client.get("/health")
+        status["code"] = 503
+        client.get("/health")
+        status["code"] = 200
+        client.get("/other")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert '"GET /health" 503' in lines[0] and '"GET /other" 200' in lines[1]

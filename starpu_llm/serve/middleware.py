@@ -2,7 +2,8 @@
 
   request id  every answer carries an X-Request-Id header (the client's own when it sent a
               plain one, else a new one), and the log line of the request names it (one line
-              per request at --log-level info, in place of uvicorn's access line);
+              per request at --log-level info, in place of uvicorn's access line; a GET
+              /health answered 200 at debug);
   API key     with Edges.api_key, every request but GET /health needs the header
               "Authorization: Bearer KEY": without it, HTTP 401 in OpenAI's error shape;
   CORS        closed (no Access-Control-* header: browsers refuse cross-origin calls) unless
@@ -118,11 +119,14 @@ class _RequestId:
                     and 400 <= status < 499:        # 499: a client gone, the engine counts it
                 self.metrics.outcome("invalid")
             client = scope.get("client")
-            log.info('%s - "%s %s" %s %.0f ms, request %s%s',
-                     f"{client[0]}:{client[1]}" if client else "-", scope["method"],
-                     scope["path"], status if status is not None else "(no answer)",
-                     1e3 * (time.monotonic() - t0), rid,
-                     f": {state['why']}" if "why" in state else "")
+            # a healthy probe (a load balancer's, every few seconds) at debug: not a line each
+            probe = (scope["method"], scope["path"]) == HEALTH and status == 200
+            log.log(logging.DEBUG if probe else logging.INFO,
+                    '%s - "%s %s" %s %.0f ms, request %s%s',
+                    f"{client[0]}:{client[1]}" if client else "-", scope["method"],
+                    scope["path"], status if status is not None else "(no answer)",
+                    1e3 * (time.monotonic() - t0), rid,
+                    f": {state['why']}" if "why" in state else "")
 
 
 class _Key:
