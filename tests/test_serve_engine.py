@@ -4,6 +4,7 @@ TestClient. The tokens are forced where a test needs given ones (a fake
 serve/scoring.choose_batch), and a decode step is held where a test needs one stuck (a
 SlotDecoder whose collect waits); time is an injected clock, never slept."""
 import json
+import re
 import threading
 
 import pytest
@@ -17,6 +18,7 @@ from starpu_llm.model.state import random_init
 from starpu_llm.serve import api, scoring
 from starpu_llm.serve import engine as eng
 from starpu_llm.serve.app import create_app
+from starpu_llm.serve.metrics import Metrics
 
 TINY = MODELS["tiny"]
 TOK = tokenizer.gpt2()
@@ -144,7 +146,8 @@ def test_a_stuck_step_makes_health_503_until_a_step_completes(monkeypatch, tiny_
     balancer kept sending requests to a dead server. With work pending and no step completed
     for more than --stall-timeout seconds (the clock moved on; the step held in collect),
     /health is 503 saying why and since when, and a new request is refused at once (503);
-    once the step completes, 200 again. An idle engine stays healthy however long it idles."""
+    once the step completes, 200 again. An idle engine stays healthy however long it idles.
+    /metrics' starpu_llm_time_since_step_seconds counts the same seconds, 0 while idle."""
     entered, release = threading.Event(), threading.Event()
 
     class Stuck(batch.SlotDecoder):
@@ -155,19 +158,26 @@ def test_a_stuck_step_makes_health_503_until_a_step_completes(monkeypatch, tiny_
     monkeypatch.setattr(eng, "SlotDecoder", Stuck)
     clock = Clock()
     engine = eng.Engine(load_model(TINY, tiny_params, engine="reference"), TINY, TOK, TOK.eot,
-                        max_batch=2, stall_timeout=30, clock=clock)
+                        max_batch=2, stall_timeout=30, clock=clock, metrics=Metrics(2))
     engine.start(180)
     done = threading.Event()
     try:
         with TestClient(create_app(engine, "tiny")) as client:
+            def since_step():
+                text = client.get("/metrics").text
+                return float(re.search(r"^starpu_llm_time_since_step_seconds (\S+)$", text,
+                                       re.M).group(1))
             clock.now += 1000                       # idle for 1000 s: healthy
             assert client.get("/health").status_code == 200
+            assert since_step() == 0.0
             engine.submit([eng.Request([HI, HI], eng.Sampling(max_tokens=2, top_k=1),
                                        lambda ev: ev.finish and done.set())])
             assert entered.wait(120)
             clock.now += 30                         # at the threshold: not yet
             assert client.get("/health").status_code == 200
+            assert since_step() == 30.0             # from the request's arrival, not idling
             clock.now += 15
+            assert since_step() == 45.0
             r = client.get("/health")
             assert r.status_code == 503
             h = r.json()
@@ -180,6 +190,7 @@ def test_a_stuck_step_makes_health_503_until_a_step_completes(monkeypatch, tiny_
             release.set()
             assert done.wait(120)
             assert client.get("/health").json()["status"] == "ok"
+            assert since_step() == 0.0              # a step completed
     finally:
         release.set()
         assert engine.close(30)

@@ -255,6 +255,8 @@ class Engine:
         self.stall_timeout, self._clock = stall_timeout, clock
         # the end of the last step, or when work came to an idle engine (clock's time)
         self._progress = clock()
+        if metrics:
+            metrics.watch_progress(self.since_step)
         self.describe = ""
         self._cores = None              # the loaded model's (engine thread)
         self._paused = contextlib.nullcontext     # Loaded.paused, once loaded
@@ -320,13 +322,18 @@ class Engine:
     def running(self) -> int:
         return self.max_batch - self._free
 
+    def since_step(self) -> float:
+        """Seconds since the last decode step completed (or since work came to an idle
+        engine) while work is pending; 0 when the engine is idle."""
+        if not self._queue and self.running() == 0:
+            return 0.0
+        return self._clock() - self._progress
+
     def stalled(self) -> Stall | None:
         """The stall when the engine has had work pending and completed no step for more than
         stall_timeout seconds; None when it has not (an idle engine never has)."""
-        quiet = self._clock() - self._progress
+        quiet = self.since_step()
         if not self.stall_timeout or quiet <= self.stall_timeout:
-            return None
-        if not self._queue and self.running() == 0:
             return None
         return Stall(quiet, f"no decode step has completed for {quiet:.0f} s with "
                             f"{self.running()} sequences running and {self.waiting()} waiting "

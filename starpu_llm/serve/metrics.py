@@ -5,6 +5,9 @@
   starpu_llm_step_sequences                histogram of the same, over the steps
   starpu_llm_step_seconds                  histogram of a decode step's time
   starpu_llm_step_rows                     histogram of a step's rows (new tokens and prompt rows)
+  starpu_llm_time_since_step_seconds       seconds since the last decode step completed while
+      requests are pending (since the first of them came, after idling); 0 when idle: it
+      climbs toward --stall-timeout when a step hangs
   starpu_llm_generated_tokens_total        tokens generated (rate(): tokens/s over any window)
   starpu_llm_tokens_per_second             tokens generated per second over the last 10 s
   starpu_llm_time_to_first_token_seconds   histogram: from a request's arrival to its first token
@@ -47,6 +50,9 @@ class Metrics:
         self._step_rows = Histogram("starpu_llm_step_rows", "Rows of a decode step (new tokens "
                                     "and prompt rows)", buckets=(1, 4, 16, 64, 256, 1024),
                                     registry=r)
+        self._since_step = Gauge("starpu_llm_time_since_step_seconds",
+                                 "Seconds since the last decode step completed while requests "
+                                 "are pending; 0 when idle", registry=r)
         self._tokens = Counter("starpu_llm_generated_tokens", "Tokens generated", registry=r)
         self._tps = Gauge("starpu_llm_tokens_per_second",
                           f"Tokens generated per second over the last {WINDOW_S:g} s",
@@ -76,6 +82,11 @@ class Metrics:
         with self._lock:
             self._recent.append((now, new_tokens))
             self._forget(now)
+
+    def watch_progress(self, since_step):
+        """since_step(): the engine's seconds without a completed step (Engine.since_step),
+        read at each scrape."""
+        self._since_step.set_function(since_step)
 
     def idle(self):
         """Nothing running, nothing waiting."""
