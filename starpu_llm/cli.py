@@ -395,8 +395,13 @@ def _serve_edge_args(sv):
                     help="seconds a connection has to send a whole request head (default 30)")
     sv.add_argument("--body-timeout", type=seconds("--body-timeout"), default=30.0,
                     help="seconds a request body may pause before HTTP 408 (default 30)")
-    sv.add_argument("--idle-timeout", type=seconds("--idle-timeout"), default=5.0,
-                    help="seconds an idle kept-alive connection stays open (default 5)")
+    sv.add_argument("--idle-timeout", type=seconds("--idle-timeout"), default=75.0,
+                    help="seconds a kept-alive connection may idle between two requests "
+                         "(default 75: above a load balancer's or proxy's 60)")
+    sv.add_argument("--max-connections", type=_checked(int, "a whole number", lambda v: v >= 1,
+                                                       ">= 1")("--max-connections"),
+                    default=512, help="connections open at once (default 512); one more "
+                    "closes the one idle the longest, or with none idle is answered 503")
 
 
 def _api_key(s, name="--api-key"):
@@ -555,7 +560,7 @@ def _serve_edges(args) -> dict:
             raise StarpuLLMError(f"{e} (or unset: no key)") from None
     return dict(api_key=key, allow_origins=tuple(args.allow_origin),
                 header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-                idle_timeout=args.idle_timeout)
+                idle_timeout=args.idle_timeout, max_connections=args.max_connections)
 
 
 def cmd_convert(args):

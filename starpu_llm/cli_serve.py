@@ -29,6 +29,9 @@ BACKLOG = 2048        # connections waiting to be accepted (uvicorn's default)
 # GET /health answers 503: about twice GPT-2 XL's longest step on a loaded 2-core machine
 # (docs/serving.md, "Faults and supervision", has the sum)
 STALL_TIMEOUT = 300.0
+# file descriptors the server holds besides its connections (the listening socket, the event
+# loop's, StarPU's and CUDA's, the metrics' /proc reads): a tiny model served on 2 cores held 11
+FD_HEADROOM = 64
 
 
 def _web():
@@ -134,15 +137,28 @@ def check_cache_memory(config, max_batch: int) -> None:
             f"{max(1, have // (need // max_batch))} here)")
 
 
+def check_connection_room(max_connections: int) -> None:
+    """Refuse --max-connections beyond the file descriptors this process may open: past them
+    asyncio stops accepting and logs a traceback a second, and opening anything fails."""
+    import resource
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and max_connections + FD_HEADROOM > soft:
+        raise StarpuLLMError(
+            f"--max-connections {max_connections} needs {max_connections + FD_HEADROOM} file "
+            f"descriptors, but this process may open {soft} ('ulimit -n'; LimitNOFILE= in a "
+            f"systemd unit): raise that limit, or give --max-connections at most "
+            f"{max(1, soft - FD_HEADROOM)}")
+
+
 def run_serve(init_from, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8,
               max_queue: int = 64, engine: str = "starpu", request=None, model_name=None,
               shutdown_timeout: float = 30.0, log_level: str = "info", edges=None,
               chat_template=None, stall_timeout: float | None = None) -> int:
     """`starpu-llm serve` (see the module docstring): request, a partition.PartitionRequest
     (None: the default partition); edges: serve/middleware.Edges' fields (the key, CORS, the
-    timeouts; None: the defaults); chat_template: the --chat-template file (None: the default
-    template, serve/chat.py); stall_timeout: --stall-timeout (serve/engine.Engine; None:
-    STALL_TIMEOUT). Prints "serving MODEL on http://HOST:PORT" once it takes
+    timeouts, the connection cap; None: the defaults); chat_template: the --chat-template
+    file (None: the default template, serve/chat.py); stall_timeout: --stall-timeout
+    (serve/engine.Engine; None: STALL_TIMEOUT). Prints "serving MODEL on http://HOST:PORT" once it takes
     requests (port 0: a free port, the one printed)."""
     from .plan.partition import PartitionRequest
     from .runtime.starpu import resolve_here
@@ -159,6 +175,7 @@ def run_serve(init_from, host: str = "127.0.0.1", port: int = 8000, max_batch: i
                              f"{max_batch} and {max_queue})")
     config, params = read_text_model(init_from, engine, "serve")
     check_cache_memory(config, max_batch)
+    check_connection_room(edges.max_connections)
     sock = listen_socket(host, port)      # before the slow part: a port in use is said at once
     warn_if_open(sock, edges.api_key)
     with contextlib.closing(sock):
@@ -200,7 +217,7 @@ def run_serve(init_from, host: str = "127.0.0.1", port: int = 8000, max_batch: i
         app = middleware.wrap(create_app(eng, model, template), edges, metrics)
         server = Server(uvicorn.Config(app, log_level=log_level, lifespan="off",
                                        timeout_graceful_shutdown=shutdown_timeout + 5,
-                                       http=middleware.http_protocol(edges.header_timeout),
+                                       http=middleware.http_protocol(edges),
                                        timeout_keep_alive=edges.idle_timeout,
                                        access_log=False))      # middleware logs each request
         # the CLI's stop-after-the-step handlers (signals.py) out of the way: uvicorn's drain

@@ -24,6 +24,7 @@ import numpy as np
 import openai
 import pytest
 
+import test_serve_edges as edges_test
 from bounds import logits_bound
 from starpu_llm.model.config import MODELS, GPTConfig
 from starpu_llm.flow import generate as gen
@@ -684,16 +685,8 @@ def test_stalled_connections_are_closed(edged):
     timeouts (2 s here; they were never closed); the half body gets 408 first. An idle
     kept-alive connection is closed too."""
     def connect(data: bytes):
-        s = socket.create_connection(("127.0.0.1", edged.port), timeout=120)
-        s.sendall(data)
-        return s
-
-    def until_closed(s) -> bytes:
-        got = b""
-        while piece := s.recv(4096):
-            got += piece
-        s.close()
-        return got
+        return edges_test.connect(edged.port, data)
+    until_closed = edges_test.rest_until_closed
     nothing = connect(b"")
     half_head = connect(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
     half_body = connect(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "

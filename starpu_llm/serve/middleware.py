@@ -11,8 +11,12 @@
   timeouts    a connection that sends no whole request head within header_timeout seconds
               (from its opening, or from the first byte of its next request) is closed
               (http_protocol()); a body that stops arriving for body_timeout seconds gets
-              HTTP 408 and the connection is closed; between two requests, uvicorn's
-              keep-alive timeout (idle_timeout) closes an idle connection;
+              HTTP 408 and the connection is closed; between two requests (from the end of
+              an answer to the first byte of the next request), uvicorn's keep-alive timeout
+              (idle_timeout) closes an idle connection;
+  connections at most max_connections open at once (http_protocol()): one more closes the
+              kept-alive connection idle the longest, or, with none idle, has its request
+              answered 503 with Retry-After and closed;
   client gone a client that leaves while sending its body is one log line, no traceback;
   counting    a POST /v1/... answered 4xx by the checks counts once as "invalid", one whose
               client left mid-body as "cancelled" (serve/metrics.py; the engine counts the
@@ -43,12 +47,16 @@ _CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")    # a client's X-Request-Id 
 @dataclass(frozen=True)
 class Edges:
     """The serve flags of this module (docs/serving.md): the key, the origins CORS allows,
-    and the timeouts in seconds."""
+    the timeouts in seconds and the connections open at once. idle_timeout is above the 60 s
+    for which load balancers and proxies keep an idle connection to a backend (AWS ALB,
+    nginx's upstream keepalive_timeout): a backend that closes first races the balancer's
+    next request on that connection, which then fails (a 502)."""
     api_key: str | None = None
     allow_origins: tuple = ()
     header_timeout: float = 30.0
     body_timeout: float = 30.0
-    idle_timeout: float = 5.0
+    idle_timeout: float = 75.0
+    max_connections: int = 512
 
 
 def wrap(app, edges: Edges, metrics=None):
@@ -200,14 +208,53 @@ class _BodyGuard:
                 self.metrics.outcome("cancelled")
 
 
-class _HeadTimeout(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol with a deadline on each request head: a connection that
-    sends nothing, or half a head, for head_timeout seconds is closed."""
-    head_timeout = 30.0
+def _refuse(edges: Edges):
+    """The application of a connection beyond edges.max_connections, none idle to close: 503,
+    the connection closed."""
+    async def refuse(scope, receive, send):
+        more = True
+        while more:     # the body read first: a close over unread bytes resets the connection
+            try:        # and the client never reads the answer
+                message = await asyncio.wait_for(receive(), edges.body_timeout)
+            except asyncio.TimeoutError:
+                break
+            more = message["type"] == "http.request" and message.get("more_body", False)
+        await _json(send, 503, error_body(
+            f"the server has {edges.max_connections} connections open, its most "
+            f"(--max-connections), none of them idle; retry in a second", "server_busy"),
+            [(b"retry-after", b"1"), (b"connection", b"close")])
+    return refuse
+
+
+class _Edge(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with a deadline on each request head (a connection that
+    sends nothing, or half a head, for edges.header_timeout seconds is closed) and at most
+    edges.max_connections connections open."""
+    edges = Edges()
 
     def connection_made(self, transport):
         super().connection_made(transport)
-        self._head_timer = self.loop.call_later(self.head_timeout, self._head_stalled)
+        self._head_timer = self.loop.call_later(self.edges.header_timeout, self._head_stalled)
+        if len(self.connections) > self.edges.max_connections:
+            self._make_room()
+
+    def _make_room(self):
+        """This connection is one too many: close the one idle the longest (its keep-alive
+        timer due first), else refuse this one's request. Idle connections (a balancer's pool,
+        kept idle_timeout seconds) never keep a request out."""
+        live = [c for c in self.connections if not c.transport.is_closing()]
+        if len(live) <= self.edges.max_connections:
+            return                  # the excess is already closing
+        idle = [c for c in live if c.timeout_keep_alive_task is not None]
+        if idle:
+            oldest = min(idle, key=lambda c: c.timeout_keep_alive_task.when())
+            log.info("closed an idle kept-alive connection for the connection of %s "
+                     "(--max-connections %d)", self._who(), self.edges.max_connections)
+            oldest.timeout_keep_alive_handler()
+        else:
+            log.warning("the connection of %s is answered 503: %d connections are open, none "
+                        "idle (--max-connections)", self._who(), self.edges.max_connections)
+            self.app = _refuse(self.edges)
 
     def data_received(self, data: bytes):
         cycle = self.cycle
@@ -217,11 +264,15 @@ class _HeadTimeout(H11Protocol):
         elif (self._head_timer is None and not self.transport.is_closing()
               and (self.cycle is None or self.cycle.response_complete)):
             # the first bytes of the next request's head on a kept-alive connection
-            self._head_timer = self.loop.call_later(self.head_timeout, self._head_stalled)
+            self._head_timer = self.loop.call_later(self.edges.header_timeout,
+                                                    self._head_stalled)
 
     def connection_lost(self, exc):
         self._stop_head_timer()
         super().connection_lost(exc)
+
+    def _who(self) -> str:
+        return f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
 
     def _stop_head_timer(self):
         if self._head_timer is not None:
@@ -231,12 +282,12 @@ class _HeadTimeout(H11Protocol):
     def _head_stalled(self):
         self._head_timer = None
         if not self.transport.is_closing():
-            client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
             log.info("closed the connection of %s: no whole request head within %g s",
-                     client, self.head_timeout)
+                     self._who(), self.edges.header_timeout)
             self.transport.close()
 
 
-def http_protocol(head_timeout: float) -> type:
-    """The protocol class for uvicorn.Config(http=...): h11 with the head's deadline."""
-    return type("H11HeadTimeout", (_HeadTimeout,), {"head_timeout": head_timeout})
+def http_protocol(edges: Edges) -> type:
+    """The protocol class for uvicorn.Config(http=...): h11 with the head's deadline and the
+    cap on connections."""
+    return type("H11Edge", (_Edge,), {"edges": edges})
