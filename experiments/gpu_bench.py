@@ -219,7 +219,7 @@ def run_pytorch(B: int, T: int, steps: int, warmup: int, out: str) -> dict:
     import torch
     from starpu_llm.baselines.common import batch
     from starpu_llm.baselines.torch_sdpa import SdpaGPT2
-    from starpu_llm.model.config import MODELS
+    from starpu_llm.model.config import MODELS, AdamW
     from starpu_llm.io.data import default_dataset
     from starpu_llm.io.formats import read_shard
     from starpu_llm.model.state import random_init
@@ -238,7 +238,7 @@ def run_pytorch(B: int, T: int, steps: int, warmup: int, out: str) -> dict:
     for i in range(warmup + steps):
         x, y = batch(tokens, i * B * T, B, T)
         t0 = time.perf_counter()
-        losses.append(model.adamw_step(x, y, 1e-4, 0.0))      # reads the loss: synchronises
+        losses.append(model.adamw_step(x, y, AdamW(1e-4)))      # reads the loss: synchronises
         ms.append((time.perf_counter() - t0) * 1e3)
     return dict(step_ms=ms[warmup:], first_loss=losses[0], logits_scale=scale, losses=losses,
                 describe=f"PyTorch {torch.__version__} eager, SDPA, AdamW {model.optimizer_kind}, "

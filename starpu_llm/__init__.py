@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 
 _LAZY = {   # imported on first use: `import starpu_llm` loads no numpy (signals.py says why)
     "MODELS": "model.config", "GPTConfig": "model.config", "ParamLayout": "model.config",
+    "AdamW": "model.config",
     "TrainConfig": "training.trainer", "TrainResult": "training.trainer", "train": "training.trainer",
     "TrainState": "model.state", "Runtime": "runtime",
     "StarPUEngine": "flow.engine", "ReferenceEngine": "flow.reference",

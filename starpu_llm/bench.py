@@ -14,7 +14,7 @@ import time
 from dataclasses import replace
 
 from ._clib import ffi
-from .model.config import MODELS, check_batch_shape
+from .model.config import MODELS, AdamW, check_batch_shape
 from .errors import StarpuLLMError
 from .flow.engine import StarPUEngine
 from .io import data, formats
@@ -135,7 +135,7 @@ def traced_run(spec: dict) -> list:
         try:
             for _ in range(spec["steps"] + 1):
                 t0 = time.monotonic_ns()
-                engine.step(loader.next_position(), 1e-4, 0.0)
+                engine.step(loader.next_position(), AdamW(1e-4))
                 t1 = time.monotonic_ns()
                 ms.append((t1 - t0) / 1e6)
                 steps_ns.append([t0, t1])

@@ -9,7 +9,7 @@ import json
 import sys
 
 
-from starpu_llm.model.config import MODELS
+from starpu_llm.model.config import MODELS, AdamW
 from starpu_llm.flow.engine import StarPUEngine
 from starpu_llm.io import formats
 from starpu_llm.runtime import mpi
@@ -28,7 +28,7 @@ def main(schedule, micro, shard):
                                     pipeline_stages=S, pipeline_schedule=schedule))
         rt.start_trace(100_000)
         try:
-            eng.step(0, 1e-3, 0.0)
+            eng.step(0, AdamW(1e-3))
             events = rt.trace()
         finally:
             rt.stop_trace()

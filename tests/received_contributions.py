@@ -9,7 +9,7 @@ import json
 import sys
 
 from starpu_llm._clib import ffi, lib
-from starpu_llm.model.config import MODELS
+from starpu_llm.model.config import MODELS, AdamW
 from starpu_llm.flow.engine import StarPUEngine
 from starpu_llm.io import formats
 from starpu_llm.runtime import mpi
@@ -34,7 +34,7 @@ def main(ownership, shard):
             return [int(ffi.cast("uintptr_t", lib.sl_home_ptr(t.h))) for t in received]
         where = [where_now()]
         for step in range(2):
-            eng.step(step * 2 * R * 16, 1e-3, 0.0)
+            eng.step(step * 2 * R * 16, AdamW(1e-3))
             where.append(where_now())
         eng.close()
     every = comm.gather(dict(rank=rank, owned=len(mine), received=len(received), where=where))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from starpu_llm import Runtime, StarpuLLMError
-from starpu_llm.model.config import GPTConfig, ParamLayout
+from starpu_llm.model.config import AdamW, GPTConfig, ParamLayout
 from starpu_llm.flow.engine import StarPUEngine
 from starpu_llm.model.state import TrainState
 from partitions import here
@@ -38,7 +38,7 @@ def test_the_runtime_lays_out_the_fused_attention(runtime):
     eng = StarPUEngine(cfg, TrainState(config=cfg, params=case.params.copy()), case.B, case.T,
                        case.tokens, runtime=runtime, record=True)
     try:
-        eng.step(0, 1e-3, 0.0)
+        eng.step(0, AdamW(1e-3))
         names = eng.submitted()
         a, (s,) = eng.subs[0]
     finally:

@@ -90,7 +90,7 @@ def reference_run(runtime, cfg):
     with StarPUEngine(SMALL, state, B, T, loader.tokens, runtime) as eng:
         for s in range(STEPS):
             lr = learning_rate(s, STEPS, cfg.lr, cfg.lr_schedule, cfg.warmup_steps, cfg.min_lr)
-            losses.append(eng.step(loader.next_position(), lr, cfg.weight_decay, CLIP))
+            losses.append(eng.step(loader.next_position(), cfg.adamw.with_lr(lr)))
             norms.append(eng.grad_norm())
             if (s + 1) % cfg.val_every == 0 or s + 1 == STEPS:
                 vals.append((s + 1, eng.validation_loss(val.tokens, positions)))
@@ -199,6 +199,6 @@ def test_a_signal_while_a_step_is_ahead_stops_after_it_with_its_checkpoint(runti
     with StarPUEngine(SMALL, state, B, T, loader.tokens, runtime) as eng:
         for s in range(2):
             lr = learning_rate(s, STEPS, cfg.lr, cfg.lr_schedule, cfg.warmup_steps, cfg.min_lr)
-            eng.step(loader.next_position(), lr, cfg.weight_decay, CLIP)
+            eng.step(loader.next_position(), cfg.adamw.with_lr(lr))
         eng.sync()
     assert np.array_equal(params, state.params)

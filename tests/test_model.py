@@ -54,7 +54,7 @@ import pytest
 import torch
 
 from starpu_llm.baselines.torch_gpt2 import TorchGPT2, batch
-from starpu_llm.model.config import MODELS, GPTConfig, ParamLayout
+from starpu_llm.model.config import MODELS, AdamW, GPTConfig, ParamLayout
 from starpu_llm.io.data import DataLoader, default_dataset
 from starpu_llm.flow.engine import StarPUEngine
 from starpu_llm.io.formats import read_shard
@@ -184,7 +184,7 @@ def run_torch(case: Case, out: dict, tf32s=None):
                              loss_bound(case.config, case.B, case.T, loss, scale, f,
                                         case.attention),
                              slice_scales(layout, grads)) for f in tf32s}
-        model.adamw_update(case.lr, WEIGHT_DECAY)
+        model.adamw_update(AdamW(case.lr, WEIGHT_DECAY))
         state = model.optimizer.state
         moments = ({n: state[t]["exp_avg"].numpy() for n, t in model.params.items()},
                    {n: state[t]["exp_avg_sq"].numpy() for n, t in model.params.items()},
@@ -210,9 +210,9 @@ def run_engine(kind: str, case: Case, runtime, sub_batches=None):
         if kind == "starpu":
             engine.sync()
         fb = engine.logits(), loss, state.grads.copy()
-        engine.submit_update(case.lr, WEIGHT_DECAY)
+        engine.submit_update(AdamW(case.lr, WEIGHT_DECAY))
         engine.wait()
-        losses = [loss] + [engine.step(pos, case.lr, WEIGHT_DECAY) for pos in positions[1:]]
+        losses = [loss] + [engine.step(pos, AdamW(case.lr, WEIGHT_DECAY)) for pos in positions[1:]]
         if kind == "starpu":
             engine.sync()
         assert state.step == case.steps

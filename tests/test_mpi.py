@@ -19,7 +19,7 @@ import pytest
 from starpu_llm import StarpuLLMError
 from starpu_llm.io import checkpoint, formats
 from starpu_llm._clib import lib
-from starpu_llm.model.config import MODELS
+from starpu_llm.model.config import MODELS, AdamW
 from starpu_llm.io.data import DataLoader
 from starpu_llm.flow.reference import ReferenceEngine
 from starpu_llm.model.state import TrainState, random_init
@@ -86,7 +86,7 @@ def loss_bounds(shard, single):
     replay, bounds = [], []
     try:
         for _ in range(STEPS):
-            loss = eng.step(loader.next_position(), LR, WEIGHT_DECAY)
+            loss = eng.step(loader.next_position(), AdamW(LR, WEIGHT_DECAY))
             replay.append(loss)
             bounds.append(loss_bound(MICRO, BATCH, SEQ_LEN, loss,
                                      float(np.abs(eng.logits()).max())))

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from starpu_llm import Runtime, StarpuLLMError
-from starpu_llm.model.config import GPTConfig, ParamLayout
+from starpu_llm.model.config import AdamW, GPTConfig, ParamLayout
 from starpu_llm.flow.engine import StarPUEngine
 from starpu_llm.plan.partition import PartitionRequest
 from starpu_llm.runtime import resolve_here
@@ -55,7 +55,7 @@ def run(workers, cores, sub_batches=None, oversubscribe=False, kcore=None, drift
             grads = state.grads.copy()
             state.grads[:] = 0
             if drift is None:
-                losses = [eng.step(i * B * T, LR, WEIGHT_DECAY) for i in range(STEPS)]
+                losses = [eng.step(i * B * T, AdamW(LR, WEIGHT_DECAY)) for i in range(STEPS)]
                 loss_bounds = None
             else:
                 losses, loss_bounds = [], []
@@ -64,7 +64,7 @@ def run(workers, cores, sub_batches=None, oversubscribe=False, kcore=None, drift
                     eng.sync()
                     loss_bounds.append(drift.gradients(state.grads, loss,
                                                        float(np.abs(eng.logits()).max())))
-                    eng.submit_update(LR, WEIGHT_DECAY)
+                    eng.submit_update(AdamW(LR, WEIGHT_DECAY))
                     eng.sync()
                     drift.update(state.m, state.v, state.params)
                     losses.append(loss)
@@ -145,7 +145,7 @@ def test_sub_batches_stay_on_their_worker(sub_batches):
             eng = StarPUEngine(CFG, state, B, T, TOKENS, rt, subs(rt, sub_batches))
             try:
                 for i in range(2):
-                    eng.step(i * B * T, LR, WEIGHT_DECAY)
+                    eng.step(i * B * T, AdamW(LR, WEIGHT_DECAY))
             finally:
                 eng.close()
             events = rt.trace()

@@ -15,7 +15,7 @@ import pytest
 
 from starpu_llm import Runtime
 from starpu_llm._clib import ffi
-from starpu_llm.model.config import MODELS, GPTConfig
+from starpu_llm.model.config import MODELS, AdamW, GPTConfig
 from starpu_llm.flow.engine import StarPUEngine
 from starpu_llm.runtime import usable_cores
 from starpu_llm.runtime.submit import StarPUOps
@@ -43,9 +43,9 @@ def train(name, workers, cores, sub_batches=None):
     with Runtime(here(workers, cores)) as rt:
         eng = StarPUEngine(cfg, state, B, T, tokens, rt, subs(rt, sub_batches))
         try:
-            losses = [eng.step(0, 1e-3, 0.01)]
+            losses = [eng.step(0, AdamW(1e-3, 0.01))]
             logits_scale = float(np.abs(eng.logits()).max())   # of the first step's forward
-            losses += [eng.step(i * B * T, 1e-3, 0.01) for i in range(1, steps)]
+            losses += [eng.step(i * B * T, AdamW(1e-3, 0.01)) for i in range(1, steps)]
         finally:
             eng.close()
         how = rt.describe()

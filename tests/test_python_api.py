@@ -14,7 +14,7 @@ from starpu_llm import TrainConfig, train
 from starpu_llm.errors import StarpuLLMError
 from starpu_llm.flow.engine import StarPUEngine
 from starpu_llm.flow.reference import ReferenceEngine
-from starpu_llm.model.config import MODELS
+from starpu_llm.model.config import MODELS, AdamW
 from starpu_llm.model.state import TrainState, random_init
 from starpu_llm.runtime import Runtime
 from starpu_llm.signals import Interrupted
@@ -112,11 +112,33 @@ def test_a_position_outside_the_data_is_refused():
             with eng:
                 for pos in (len(tokens) - 10, 10**9, -5, [0, 90]):
                     with pytest.raises(StarpuLLMError, match="give a position from 0 to 67"):
-                        eng.step(pos, lr=1e-3, weight_decay=0.0)
+                        eng.step(pos, AdamW(1e-3))
                 with pytest.raises(StarpuLLMError, match="the validation data holds 100"):
                     eng.validation_loss(tokens, [68])
-                assert np.isfinite(eng.step(67, lr=1e-3, weight_decay=0.0))
+                assert np.isfinite(eng.step(67, AdamW(1e-3)))
                 assert np.isfinite(eng.validation_loss(tokens, [0, 67]))
+
+
+def test_an_update_takes_its_settings_as_one_adamw_value():
+    """Engine.step, submit_step and submit_update take the update's settings as one AdamW
+    value: a bare learning rate (the loose arguments they took before) is one StarpuLLMError
+    saying what to give, before any task (no update counted, and the next step's loss is the
+    first step's); an AdamW naming tensors to decay that DECAYED does not have is refused
+    where it is made."""
+    tokens = np.random.default_rng(0).integers(0, MODELS["tiny"].V, 100).astype(np.uint16)
+    with pytest.raises(StarpuLLMError, match="AdamW decayed 'biases': choose one of all, "
+                                             "matrices"):
+        AdamW(1e-3, 0.1, decayed="biases")
+    with Runtime(here()) as rt:
+        for eng in _engines(rt, tokens):
+            with eng:
+                first = eng.forward_backward(0)
+                for use in (lambda: eng.step(0, 1e-3), lambda: eng.submit_step(0, 1e-3),
+                            lambda: eng.submit_update(1e-3)):
+                    with pytest.raises(StarpuLLMError, match=r"give AdamW\(lr=...\)"):
+                        use()
+                assert eng.state.step == 0
+                assert eng.step(0, AdamW(1e-3)) == first and eng.state.step == 1
 
 
 def test_an_engine_closed_or_whose_runtime_ended_refuses_to_run():
@@ -127,18 +149,18 @@ def test_an_engine_closed_or_whose_runtime_ended_refuses_to_run():
     with Runtime(here()) as rt:
         eng = StarPUEngine(config, TrainState(config=config, params=random_init(config)), 2, 16,
                            tokens, rt)
-        eng.step(0, lr=1e-3, weight_decay=0.0)
+        eng.step(0, AdamW(1e-3))
         eng.close()
-        for use in (lambda: eng.step(0, lr=1e-3, weight_decay=0.0), eng.logits, eng.sync,
+        for use in (lambda: eng.step(0, AdamW(1e-3)), eng.logits, eng.sync,
                     lambda: eng.loss(), lambda: eng.forward_backward(0),
-                    lambda: eng.submit_step(0, 1e-3, 0.0, keep_previous=True)):
+                    lambda: eng.submit_step(0, AdamW(1e-3), keep_previous=True)):
             with pytest.raises(StarpuLLMError, match="engine is closed"):
                 use()
         eng.close()
         left = StarPUEngine(config, TrainState(config=config, params=random_init(config)), 2, 16,
                             tokens, rt)
-        left.step(0, lr=1e-3, weight_decay=0.0)
-    for use in (lambda: left.step(0, lr=1e-3, weight_decay=0.0), left.logits):
+        left.step(0, AdamW(1e-3))
+    for use in (lambda: left.step(0, AdamW(1e-3)), left.logits):
         with pytest.raises(StarpuLLMError, match="runtime of this engine has been shut down"):
             use()
     left.close()

@@ -15,7 +15,7 @@ starpu = pytest.importorskip(
 from starpu_llm import Runtime, StarpuLLMError                      # noqa: E402
 from starpu_llm.io import formats                                   # noqa: E402
 from starpu_llm.runtime import starpupy_face                      # noqa: E402
-from starpu_llm.model.config import MODELS, GPTConfig                      # noqa: E402
+from starpu_llm.model.config import MODELS, AdamW, GPTConfig               # noqa: E402
 from starpu_llm.flow.engine import StarPUEngine                           # noqa: E402
 from starpu_llm.runtime import usable_cores                          # noqa: E402
 from starpu_llm.model.state import TrainState, random_init                 # noqa: E402
@@ -51,7 +51,7 @@ def train(face, workers, cores, checkpoint_dir=None):
         eng = StarPUEngine(SMALL, state, B, T, tokens(), rt, subs(rt, 1))
         try:
             for s in range(STEPS):
-                losses.append(eng.step(s * B * T, 1e-3, 0.01))
+                losses.append(eng.step(s * B * T, AdamW(1e-3, 0.01)))
                 if checkpoint_dir is not None:
                     eng.submit_checkpoint(checkpoint_dir / f"step{s + 1}.bin")
                 eng.sync()
@@ -85,7 +85,7 @@ def test_checkpoint_submitted_before_the_next_step_without_waiting(tmp_path):
         try:
             for s in range(STEPS):
                 eng.submit_forward_backward(s * B * T)
-                eng.submit_update(1e-3, 0.01)
+                eng.submit_update(AdamW(1e-3, 0.01))
                 eng.submit_checkpoint(tmp_path / f"step{s + 1}.bin")
             eng.wait()
             assert eng.checkpoints.written == [str(tmp_path / f"step{s + 1}.bin")
@@ -102,7 +102,7 @@ def test_checkpoint_error_is_raised(tmp_path):
     with Runtime(here(1, 1), face="starpupy") as rt:
         eng = StarPUEngine(SMALL, state, B, T, tokens(), rt, subs(rt, 1))
         try:
-            eng.step(0, 1e-3, 0.01)
+            eng.step(0, AdamW(1e-3, 0.01))
             (tmp_path / "file").write_text("not a directory")
             eng.submit_checkpoint(tmp_path / "file" / "ck.bin")
             with pytest.raises(StarpuLLMError, match="writing a checkpoint failed"):

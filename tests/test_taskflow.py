@@ -9,7 +9,7 @@ from starpu_llm._clib import lib
 from tracing import named_buffers, traced_step
 from starpu_llm._kernels import ffi as kffi, lib as klib
 from starpu_llm.kernels.codelets import TABLE, add_methods, split_call
-from starpu_llm.model.config import MODELS, ParamLayout
+from starpu_llm.model.config import MODELS, AdamW, ParamLayout
 from starpu_llm.flow import taskflow
 from starpu_llm.flow.tensors import ATTENTIONS, ParameterTensors, Tensor, sub_batch_tensors
 from starpu_llm.flow.engine import StarPUEngine
@@ -41,7 +41,7 @@ def test_tasks_per_step(runtime):
     state = TrainState(config=MICRO, params=random_init(MICRO))
     eng = StarPUEngine(MICRO, state, 2, 16, tokens(), runtime, record=True)
     try:
-        eng.step(0, 1e-3, 0.0)
+        eng.step(0, AdamW(1e-3))
         names = eng.submitted()
     finally:
         eng.close()
@@ -139,10 +139,10 @@ def test_memory_does_not_grow_with_steps(runtime):
     eng = StarPUEngine(MICRO, state, 4, 32, tokens(20000), runtime)
     try:
         for i in range(5):
-            eng.step(i * 128, 1e-3, 0.0)
+            eng.step(i * 128, AdamW(1e-3))
         before = rss_mb()
         for i in range(5, 60):
-            eng.step((i * 128) % 15000, 1e-3, 0.0)
+            eng.step((i * 128) % 15000, AdamW(1e-3))
         after = rss_mb()
     finally:
         eng.close()

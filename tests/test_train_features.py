@@ -35,7 +35,7 @@ import torch
 from starpu_llm import TrainConfig, train
 from starpu_llm._clib import lib
 from starpu_llm.baselines.torch_gpt2 import TorchGPT2, batch
-from starpu_llm.model.config import MODELS, GPTConfig, ParamLayout
+from starpu_llm.model.config import MODELS, AdamW, GPTConfig, ParamLayout
 from starpu_llm.flow.engine import StarPUEngine
 from starpu_llm.flow.reference import ReferenceEngine
 from starpu_llm.flow.taskflow import update_order
@@ -60,6 +60,8 @@ LR, MIN_LR, WARMUP, WEIGHT_DECAY = 1e-3, 1e-4, 3, 0.01
 CLIP = 1.2        # between the gradient norms of these 10 steps: some steps clip, some not
 BETAS = (0.9, 0.95)     # GPT-2's recipe (--beta2 0.95), not the default: they reach the kernels
 GRAD_REL = grad_rel_bound(SMALL, B, T)
+# the clipped runs' update, the same value for torch and the engines (each step at lr_at)
+CLIPPED = AdamW(LR, WEIGHT_DECAY, betas=BETAS, grad_clip=CLIP)
 
 _rng = np.random.default_rng(11)
 # every parameter perturbed (no 0 or 1 left), as test_model's small case
@@ -102,7 +104,7 @@ def test_validation_loss_matches_torch(runtime, kind, sub_batches):
     state = TrainState(config=SMALL, params=PARAMS.copy())
     with engine_of(kind, runtime, state, sub_batches) as eng:
         for pos in POSITIONS[:2]:
-            eng.step(pos, LR, WEIGHT_DECAY)
+            eng.step(pos, AdamW(LR, WEIGHT_DECAY))
         got = eng.validation_loss(VAL, VAL_POSITIONS)
         coherent(eng)
         params = state.params.copy()
@@ -126,7 +128,7 @@ def test_validation_leaves_gradients_and_moments(runtime, kind):
     for validate in (False, True):
         state = TrainState(config=SMALL, params=PARAMS.copy())
         with engine_of(kind, runtime, state) as eng:
-            eng.step(POSITIONS[0], LR, WEIGHT_DECAY)          # moments no longer 0
+            eng.step(POSITIONS[0], AdamW(LR, WEIGHT_DECAY))          # moments no longer 0
             eng.forward_backward(POSITIONS[1])                # gradients pending
             coherent(eng)
             before = [x.copy() for x in (state.grads, state.m, state.v, state.params)]
@@ -137,8 +139,8 @@ def test_validation_leaves_gradients_and_moments(runtime, kind):
                 for name, x, y in zip(("grads", "m", "v", "params"), before,
                                       (state.grads, state.m, state.v, state.params)):
                     assert np.array_equal(x, y), f"{kind}: validation changed the {name}"
-            eng.submit_update(LR, WEIGHT_DECAY)
-            loss = eng.step(POSITIONS[2], LR, WEIGHT_DECAY)
+            eng.submit_update(AdamW(LR, WEIGHT_DECAY))
+            loss = eng.step(POSITIONS[2], AdamW(LR, WEIGHT_DECAY))
             coherent(eng)
             runs.append((loss, state.params.copy(), state.m.copy(), state.v.copy()))
     assert runs[0][0] == runs[1][0]
@@ -150,7 +152,7 @@ def test_validation_flow_is_forward_only(runtime):
     parameters read (R), no gradient, moment or gradient-norm handle touched."""
     state = TrainState(config=SMALL, params=PARAMS.copy())
     with engine_of("starpu", runtime, state, sub_batches=2) as eng:
-        eng.step(POSITIONS[0], LR, WEIGHT_DECAY)
+        eng.step(POSITIONS[0], AdamW(LR, WEIGHT_DECAY))
         runtime.start_trace(100_000)
         try:
             eng.validation_loss(VAL, VAL_POSITIONS)
@@ -206,21 +208,19 @@ def test_schedule():
 # --------------------------------------------------------------------------- clipping
 
 def run_torch_clipped():
-    """torch: clip_grad_norm_ then AdamW at the scheduled learning rate, 10 steps; the
-    bounds of comparing a run with it."""
+    """torch: clip_grad_norm_ then AdamW at the scheduled learning rate (TorchGPT2.adamw_update
+    of CLIPPED), 10 steps; the bounds of comparing a run with it."""
     model = TorchGPT2(SMALL, PARAMS)
-    tensors = [model.params[n] for n in LAYOUT.names]
     drift = AdamDrift(LAYOUT, B, T, LR, WEIGHT_DECAY, GRAD_REL, *BETAS)
     out = {"losses": [], "loss_bounds": [], "norms": [], "norm_bounds": []}
     for s, pos in enumerate(POSITIONS):
         logits, loss = model.forward_backward(*batch(TRAIN, pos, B, T))
         grads = {n: t.grad.numpy().copy() for n, t in model.params.items()}
         norm_bound = gradnorm_bound(LAYOUT, grads, GRAD_REL, len(update_order(SMALL)))
-        norm = float(torch.nn.utils.clip_grad_norm_(tensors, CLIP))
+        norm = model.adamw_update(CLIPPED.with_lr(lr_at(s)))    # clips, then updates
         drift.grad_rel = clipped_grad_rel(norm, norm_bound, CLIP, GRAD_REL)
-        clipped = {n: t.grad.numpy() for n, t in model.params.items()}
+        clipped = {n: t.grad.numpy() for n, t in model.params.items()}   # AdamW leaves them
         out["loss_bounds"].append(drift.gradients(clipped, loss, float(np.abs(logits).max())))
-        model.adamw_update(lr_at(s), WEIGHT_DECAY, betas=BETAS)
         drift.lr = lr_at(s)
         st = model.optimizer.state
         drift.update({n: st[t]["exp_avg"].numpy() for n, t in model.params.items()},
@@ -239,7 +239,7 @@ def run_engine_clipped(kind, runtime, sub_batches=None):
     with engine_of(kind, runtime, state, sub_batches) as eng:
         for s, pos in enumerate(POSITIONS):
             lr = learning_rate(s, STEPS, LR, "cosine", WARMUP, MIN_LR)
-            losses.append(eng.step(pos, lr, WEIGHT_DECAY, CLIP, betas=BETAS))
+            losses.append(eng.step(pos, CLIPPED.with_lr(lr)))
             norms.append(eng.grad_norm())
         coherent(eng)
         return {"losses": np.array(losses), "norms": np.array(norms),
@@ -371,8 +371,8 @@ def accumulated(runtime):
             first = eng.forward_backward(micro(0))
             coherent(eng)
             grads = state.grads.copy()
-            eng.submit_update(LR, WEIGHT_DECAY)
-            losses = [first] + [eng.step(micro(s), LR, WEIGHT_DECAY) for s in (1, 2)]
+            eng.submit_update(AdamW(LR, WEIGHT_DECAY))
+            losses = [first] + [eng.step(micro(s), AdamW(LR, WEIGHT_DECAY)) for s in (1, 2)]
             coherent(eng)
             out[name] = {"loss": first, "grads": grads, "losses": losses,
                          "params": state.params.copy()}

@@ -1,5 +1,6 @@
 """Test helpers: run one training step under the task trace and name its handles."""
 from starpu_llm.flow.engine import StarPUEngine
+from starpu_llm.model.config import AdamW
 from starpu_llm.plan.sites import Sites
 from starpu_llm.plan.topology import Topology
 from starpu_llm.model.state import TrainState, random_init
@@ -24,7 +25,7 @@ def traced_step(runtime, config, tokens, B=4, T=16, sub_batches=None, grad_clip=
                            sites=sites)
         try:
             for k in range(steps):
-                eng.submit_step(0, 1e-3, 0.0, grad_clip, keep_previous=k > 0)
+                eng.submit_step(0, AdamW(1e-3, grad_clip=grad_clip), keep_previous=k > 0)
             eng.wait()
             names = eng.tensor_names()
         finally:

@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from ..model.config import GPTConfig, ParamLayout
+from ..model.config import AdamW, GPTConfig, ParamLayout
 
 LN_EPS = 1e-5
 
@@ -32,6 +32,6 @@ def step_times(model, tokens: np.ndarray, B: int, T: int, steps: int, lr: float)
     for i in range(steps):
         x, y = batch(tokens, i * B * T, B, T)
         t0 = time.perf_counter()
-        model.adamw_step(x, y, lr, 0.0)
+        model.adamw_step(x, y, AdamW(lr))
         ms.append((time.perf_counter() - t0) * 1e3)
     return ms

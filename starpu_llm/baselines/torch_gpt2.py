@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..model.config import ADAM_BETAS, DECAYED, DEFAULT_DECAYED, GPTConfig
+from ..model.config import AdamW, GPTConfig
 from .common import LN_EPS, batch, param_views, step_times
 
 __all__ = ["TorchGPT2", "batch", "torch_train_step_times"]
@@ -91,24 +91,28 @@ class TorchGPT2:
                                for n in self.layout.names]).astype(np.float32, copy=False)
 
     # ------------------------------------------------------------------ training
-    def adamw_update(self, lr: float, weight_decay: float,
-                     weight_decay_params: str = DEFAULT_DECAYED, betas: tuple = ADAM_BETAS):
-        """One torch.optim.AdamW step over all 16 tensors with the current gradients, the
-        weight decay on those of DECAYED[weight_decay_params]."""
-        if self.optimizer is None:      # a group per tensor, named
+    def adamw_update(self, adamw: AdamW) -> float | None:
+        """One torch.optim.AdamW step over all 16 tensors with the current gradients and
+        adamw's settings (the weight decay on the tensors adamw.decays); adamw.grad_clip > 0
+        clips the gradients' global norm to it first (torch.nn.utils.clip_grad_norm_: the
+        engines' scale). Returns that norm before clipping (None without clipping)."""
+        norm = None
+        if adamw.grad_clip > 0:
+            norm = float(torch.nn.utils.clip_grad_norm_(
+                [self.params[n] for n in self.layout.names], adamw.grad_clip))
+        if self.optimizer is None:      # a group per tensor, named; each step sets its settings
             self.optimizer = torch.optim.AdamW(
-                [{"params": [self.params[n]], "name": n} for n in self.layout.names], lr=lr,
-                betas=(0.9, 0.999), eps=1e-8)
+                [{"params": [self.params[n]], "name": n} for n in self.layout.names])
         for group in self.optimizer.param_groups:
-            decays = group["name"] in DECAYED[weight_decay_params]
-            group["lr"], group["weight_decay"] = lr, weight_decay if decays else 0.0
-            group["betas"] = betas
+            group.update(lr=adamw.lr, betas=adamw.betas, eps=adamw.eps,
+                         weight_decay=adamw.decay_of(group["name"]))
         self.optimizer.step()
+        return norm
 
-    def adamw_step(self, inputs, targets, lr: float, weight_decay: float) -> float:
+    def adamw_step(self, inputs, targets, adamw: AdamW) -> float:
         """forward + backward + AdamW update; returns the loss (as the engines' step())."""
         _, loss = self.forward_backward(inputs, targets)
-        self.adamw_update(lr, weight_decay)
+        self.adamw_update(adamw)
         return loss
 
 

@@ -19,16 +19,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..model.config import GPTConfig
+from ..model.config import AdamW, GPTConfig
 from .common import LN_EPS, param_views, step_times
 
 
-def _adamw(params, lr, weight_decay):
-    kw = dict(lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay)
+def _adamw(groups):
+    """torch's AdamW over groups, fused where it can be (foreach where not); each step sets
+    the groups' settings (SdpaGPT2.adamw_update)."""
     try:
-        return torch.optim.AdamW(params, fused=True, **kw), "fused"
+        return torch.optim.AdamW(groups, fused=True), "fused"
     except (RuntimeError, ValueError, TypeError):
-        return torch.optim.AdamW(params, foreach=True, **kw), "foreach"
+        return torch.optim.AdamW(groups, foreach=True), "foreach"
 
 
 class SdpaGPT2:
@@ -47,11 +48,16 @@ class SdpaGPT2:
         self.optimizer = None
         self.optimizer_kind = None
 
-    def parameters(self):
-        """Every leaf tensor, in ParamLayout order (per-layer ones layer by layer)."""
+    def named_parameters(self):
+        """(name, leaf tensor) of every leaf tensor, in ParamLayout order (per-layer ones
+        layer by layer)."""
         for n in self.layout.names:
             p = self.params[n]
-            yield from (p if isinstance(p, list) else [p])
+            yield from ((n, t) for t in (p if isinstance(p, list) else [p]))
+
+    def parameters(self):
+        """Every leaf tensor, in ParamLayout order (per-layer ones layer by layer)."""
+        return (t for _, t in self.named_parameters())
 
     def forward(self, inputs, targets=None):
         """inputs, targets: (B, T) integer arrays or tensors. Returns (logits (B,T,V), loss)."""
@@ -86,24 +92,29 @@ class SdpaGPT2:
         loss.backward()
         return logits.detach().cpu().numpy(), float(loss.detach())
 
-    def adamw_update(self, lr: float, weight_decay: float):
-        """nanoGPT's AdamW: the weight decay on the 2-D tensors, not the biases nor the
-        layernorms (a second group without)."""
+    def adamw_update(self, adamw: AdamW):
+        """nanoGPT's AdamW with adamw's settings: two groups, the tensors adamw decays (at the
+        first update) and the others, the weight decay on the first (nanoGPT's: the 2-D
+        tensors, not the biases nor the layernorms); adamw.grad_clip > 0 clips the gradients'
+        global norm to it first."""
+        if adamw.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(list(self.parameters()), adamw.grad_clip)
         if self.optimizer is None:
-            params = list(self.parameters())
+            named = list(self.named_parameters())
             self.optimizer, self.optimizer_kind = _adamw(
-                [{"params": [t for t in params if (t.dim() >= 2) == d], "decays": d}
-                 for d in (True, False)], lr, weight_decay)
+                [{"params": [t for n, t in named if adamw.decays(n) == d], "decays": d}
+                 for d in (True, False)])
         for group in self.optimizer.param_groups:
-            group["lr"], group["weight_decay"] = lr, weight_decay if group["decays"] else 0.0
+            group.update(lr=adamw.lr, betas=adamw.betas, eps=adamw.eps,
+                         weight_decay=adamw.weight_decay if group["decays"] else 0.0)
         self.optimizer.step()
 
-    def adamw_step(self, inputs, targets, lr: float, weight_decay: float) -> float:
+    def adamw_step(self, inputs, targets, adamw: AdamW) -> float:
         for t in self.parameters():
             t.grad = None
         _, loss = self.forward(inputs, targets)
         loss.backward()
-        self.adamw_update(lr, weight_decay)
+        self.adamw_update(adamw)
         return float(loss.detach())
 
     # --- flat llm.c-layout views (for the tests) ---

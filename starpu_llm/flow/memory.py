@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 from ..errors import StarpuLLMError, opt
 from ..kernels.codelets import TABLE, add_methods, split_call
-from ..model.config import GPTConfig, ParamLayout
+from ..model.config import AdamW, GPTConfig, ParamLayout
 from . import taskflow
 from .tensors import ActivationTensors, BackwardScratch, ParameterTensors, Tensor
 
@@ -61,7 +61,7 @@ def step_needs(config: GPTConfig, B: int, T: int, sub_batches: int = 1,
     ops = _TaskBytes()
     taskflow.forward(ops, config, p, a, B, T)
     taskflow.backward(ops, config, p, g, a, [s], B, T, 1.0, 0)
-    taskflow.update(ops, config, p, g, m, v, 1e-4, 0.0, 1, 1.0, norm)
+    taskflow.update(ops, config, p, g, m, v, AdamW(1e-4, grad_clip=1.0), 1, norm)
     return StepNeeds(ops.largest[0], ops.largest[1],
                      footprint(config, B, T, sub_batches, attention=attention))
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from . import taskflow
 from .._kernels import ffi
-from ..model.config import ADAM_BETAS, DEFAULT_DECAYED, GPTConfig, ParamLayout, check_batch_shape
+from ..model.config import AdamW, GPTConfig, ParamLayout, check_batch_shape
 from ..errors import StarpuLLMError, opt
 from ..model.state import TrainState
 from .tensors import Tensor
@@ -55,6 +55,14 @@ def check_positions(positions, tokens: np.ndarray, B: int, T: int, what: str = "
                           f"{opt('seq_len')}")
             raise StarpuLLMError(f"position {pos}: a batch of {B} x {T} reads {need} tokens from "
                                  f"its position, and {what} holds {len(tokens)}: {where}")
+
+
+def _check_adamw(adamw) -> None:
+    """An update's settings are one AdamW value (model/config.py): a clear error for anything
+    else (a bare learning rate) before a task is submitted."""
+    if not isinstance(adamw, AdamW):
+        raise StarpuLLMError(f"an update takes its settings as one AdamW value, got {adamw!r}: "
+                             f"give AdamW(lr=...) (starpu_llm.AdamW)")
 
 
 class Engine:
@@ -163,40 +171,38 @@ class Engine:
             self._activations_used()
         self._gradients_submitted()
 
-    def submit_update(self, lr: float, weight_decay: float, grad_clip: float = 0.0,
-                      weight_decay_params: str = DEFAULT_DECAYED, betas: tuple = ADAM_BETAS):
-        """The AdamW tasks; grad_clip > 0 clips the gradients' global norm to it first; the
-        weight decay on the tensors weight_decay_params names (config.DECAYED); betas: the
-        moments' decay rates."""
+    def submit_update(self, adamw: AdamW):
+        """The AdamW tasks of the settings adamw holds (adamw.grad_clip > 0: the gradients'
+        global norm clipped to it first)."""
         self._check_open()
+        _check_adamw(adamw)
         self.state.step += 1
-        taskflow.update(self.update_ops(), self.config, self.p, self.g, self.m, self.v, lr, weight_decay,
-                        self.state.step, grad_clip, self.norm, weight_decay_params, betas)
+        taskflow.update(self.update_ops(), self.config, self.p, self.g, self.m, self.v, adamw,
+                        self.state.step, self.norm)
 
     def _alternate_buffers(self):
         """Have the next step write its losses and gradient norm into the other of two sets
         (the StarPU engine's; submit_step)."""
         raise StarpuLLMError(f"the {self.name} engine does not submit a step ahead")
 
-    def submit_step(self, positions, lr: float, weight_decay: float, grad_clip: float = 0.0,
-                    keep_previous: bool = False, weight_decay_params: str = DEFAULT_DECAYED,
-                    betas: tuple = ADAM_BETAS) -> Submitted:
+    def submit_step(self, positions, adamw: AdamW, keep_previous: bool = False) -> Submitted:
         """Submit the step on the batch at token position positions (forward, backward,
-        update; several positions: a gradient accumulation over those micro-batches, one
-        update of their mean loss's gradient; grad_clip > 0 clips the gradients' global norm
-        on the workers: the AdamW tasks read the norm tree's root) without waiting for it.
-        keep_previous: the previous step's
+        update with adamw's settings; several positions: a gradient accumulation over those
+        micro-batches, one update of their mean loss's gradient; adamw.grad_clip > 0 clips
+        the gradients' global norm on the workers: the AdamW tasks read the norm tree's root)
+        without waiting for it. keep_previous: the previous step's
         loss or gradient norm is still to be read (step_loss, grad_norm) while this one
         runs, so this one writes them into the other of two sets of buffers (engines with
         `ahead`)."""
         self._check_open()          # before the other buffers' first registration
+        _check_adamw(adamw)         # before any task
         positions = self.micro_positions(positions)
         if keep_previous:
             self._alternate_buffers()
         self.submit_forward_backward(positions)
-        self.submit_update(lr, weight_decay, grad_clip, weight_decay_params, betas)
+        self.submit_update(adamw)
         return Submitted(self.state.step, [a.losses for a, _ in self.subs],
-                         self.norm[-1] if grad_clip > 0 else None, len(positions))
+                         self.norm[-1] if adamw.grad_clip > 0 else None, len(positions))
 
     def forward_backward(self, positions) -> float:
         """Mean loss of the batch at token position positions (several: the micro-batches of a
@@ -207,11 +213,10 @@ class Engine:
         self.wait()
         return self.loss(micro_batches=len(positions))
 
-    def step(self, positions, lr: float, weight_decay: float, grad_clip: float = 0.0,
-             weight_decay_params: str = DEFAULT_DECAYED, betas: tuple = ADAM_BETAS) -> float:
-        """The step on the batch at positions (submit_step), waited for; its loss."""
-        s = self.submit_step(positions, lr, weight_decay, grad_clip,
-                             weight_decay_params=weight_decay_params, betas=betas)
+    def step(self, positions, adamw: AdamW) -> float:
+        """The step on the batch at positions with adamw's update (submit_step), waited for;
+        its loss."""
+        s = self.submit_step(positions, adamw)
         self.wait()
         return self.loss(s.losses, s.micro_batches)
 

@@ -20,9 +20,7 @@ use wte (the embedding, the lm head) take every block (one in a single process).
 """
 from __future__ import annotations
 
-from ..model.config import ADAM_BETAS, DECAYED, DEFAULT_DECAYED, PARAMETERS, ROW_BLOCKED, GPTConfig
-
-ADAM_EPS = 1e-8
+from ..model.config import PARAMETERS, ROW_BLOCKED, AdamW, GPTConfig
 
 
 def forward(ops, cfg: GPTConfig, p, a, B: int, T: int, head_ops=None, add_loss: bool = False):
@@ -191,29 +189,25 @@ def norm_nodes(cfg: GPTConfig, wte_blocks: int = 1) -> int:
     return n + len(norm_tree(n))
 
 
-def update(ops, cfg: GPTConfig, p, g, m, v, lr: float, weight_decay: float, t: int,
-           grad_clip: float = 0.0, norm=None, weight_decay_params: str = DEFAULT_DECAYED,
-           betas: tuple = ADAM_BETAS):
-    """One AdamW task per parameter tensor per layer; each also zeroes its gradient. The
-    weight decay shrinks the tensors of DECAYED[weight_decay_params] (config.py) only; betas:
-    the decay rates of the moments (beta1, beta2).
+def update(ops, cfg: GPTConfig, p, g, m, v, adamw: AdamW, t: int, norm=None):
+    """One AdamW task per parameter tensor per layer, with the settings adamw holds (t: the
+    update's number, 1-based); each also zeroes its gradient. The weight decay shrinks the
+    tensors of DECAYED[adamw.decayed] (config.py) only.
 
-    grad_clip > 0: the gradients are first scaled by min(1, grad_clip / (||g|| + 1e-6)),
+    adamw.grad_clip > 0: the gradients are first scaled by min(1, grad_clip / (||g|| + 1e-6)),
     ||g|| the L2 norm of all of them (torch.nn.utils.clip_grad_norm_). norm: norm_nodes(cfg)
     scalars (float64); a grad_sumsq task per tensor writes its partial sum of squares as soon
     as its gradient is final, norm_sum tasks add them up (norm_tree), and every AdamW task
     reads the root. Without clipping an update depends on its own gradient only."""
     names = update_order(cfg, len(p.wte))
     order = [tuple(_slice(ns, name, l) for ns in (p, g, m, v)) for name, l in names]
-    decayed = DECAYED[weight_decay_params]
     root = None
-    if grad_clip > 0:
+    if adamw.grad_clip > 0:
         for k, (_, gt, _, _) in enumerate(order):
             ops.grad_sumsq(norm[k], gt)
         for inputs, out in norm_tree(len(order)):
             ops.norm_sum(norm[out], [norm[k] for k in inputs])
         root = norm[-1]
     for (pt, gt, mt, vt), (name, _) in zip(order, names):
-        wd = weight_decay if name in decayed else 0.0
-        ops.adamw(pt, gt, mt, vt, root, lr, *betas, ADAM_EPS, wd, t,
-                  grad_clip if root is not None else 0.0)
+        ops.adamw(pt, gt, mt, vt, root, adamw.lr, *adamw.betas, adamw.eps, adamw.decay_of(name),
+                  t, adamw.grad_clip if root is not None else 0.0)

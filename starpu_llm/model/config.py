@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -134,6 +134,40 @@ DEFAULT_DECAYED = "matrices"
 # AdamW's decay rates of the moments (--beta1, --beta2): llm.c train_gpt2.c's; GPT-2's recipe
 # (nanoGPT, llm.c's train_gpt2.cu) takes beta2 = 0.95
 ADAM_BETAS = (0.9, 0.999)
+# AdamW's epsilon, added to the second moment's root (llm.c's and torch's)
+ADAM_EPS = 1e-8
+
+
+@dataclass(frozen=True)
+class AdamW:
+    """An update's AdamW settings, decided once (the trainer: from the run's settings, each
+    step's learning rate from the schedule, with_lr) and passed whole to the update tasks
+    (flow/taskflow.update) or the PyTorch baselines: the learning rate, the decoupled weight
+    decay of the tensors DECAYED[decayed] names, the moments' decay rates (beta1, beta2), the
+    global L2 norm the gradients are clipped to first (0: none) and epsilon."""
+    lr: float
+    weight_decay: float = 0.0
+    decayed: str = DEFAULT_DECAYED
+    betas: tuple = ADAM_BETAS
+    grad_clip: float = 0.0
+    eps: float = ADAM_EPS
+
+    def __post_init__(self):
+        if self.decayed not in DECAYED:
+            raise StarpuLLMError(f"AdamW decayed {self.decayed!r}: choose one of "
+                                 f"{', '.join(sorted(DECAYED))}")
+
+    def with_lr(self, lr: float) -> AdamW:
+        """These settings at learning rate lr (a step of a schedule)."""
+        return replace(self, lr=lr)
+
+    def decays(self, name: str) -> bool:
+        """Whether the weight decay shrinks the parameter tensor `name` (DECAYED[decayed])."""
+        return name in DECAYED[self.decayed]
+
+    def decay_of(self, name: str) -> float:
+        """The weight decay of the parameter tensor `name`: 0 where it does not decay."""
+        return self.weight_decay if self.decays(name) else 0.0
 
 
 # Named configurations: llm.c's GPT-2 sizes "dL" (L layers, maxT=1024, V=50257 padded to

@@ -145,7 +145,7 @@ def record(model: str, B: int, T: int, sites: Sites, grad_clip: float = 0.0,
     sub-batches per copy): a dry-run step of an engine made for those sites in this process
     (on a fresh one-worker runtime: no runtime may be running in this process), with the
     attention's form `attention` (None: a CPU run's default)."""
-    from ..model.config import MODELS, ParamLayout
+    from ..model.config import MODELS, AdamW, ParamLayout
     from ..flow.engine import StarPUEngine
     from ..plan.partition import PartitionRequest
     from ..runtime.starpu import Runtime, resolve_here
@@ -169,7 +169,7 @@ def record(model: str, B: int, T: int, sites: Sites, grad_clip: float = 0.0,
             try:
                 with np.errstate(all="ignore"):     # the step's values are of skipped kernels
                     eng.submit_forward_backward(0)
-                    eng.submit_update(0.0, 0.0, grad_clip)
+                    eng.submit_update(AdamW(0.0, grad_clip=grad_clip))
                     eng.wait()
                 events = rt.trace()
             finally:

@@ -23,7 +23,7 @@ from typing import NamedTuple
 from . import resume
 from .. import signals
 from .checkpointing import check_outputs, check_checkpoint_dir, save_final
-from ..model.config import (ADAM_BETAS, DECAYED, DEFAULT_DECAYED, MODELS, GPTConfig,
+from ..model.config import (ADAM_BETAS, DECAYED, DEFAULT_DECAYED, MODELS, AdamW, GPTConfig,
                             check_batch_shape)
 from .engines import (autotuned, calibrated_peak, calibration, check_memory, make_engine,
                       run_partition, start_runtime)
@@ -146,6 +146,12 @@ class TrainConfig(PartitionRequest):
                                            # recorded values (resume.py); None: every field
     log: callable = print              # where step lines go (None: silent)
     warn: callable = None              # where warnings go (None: stderr, "warning: ...")
+
+    @property
+    def adamw(self) -> AdamW:
+        """The run's AdamW settings, at lr (a step's learning rate: with_lr, the schedule's)."""
+        return AdamW(self.lr, self.weight_decay, self.weight_decay_params,
+                     (self.beta1, self.beta2), self.grad_clip)
 
     @property
     def tokens_per_step(self) -> int:
@@ -431,6 +437,7 @@ def _steps(run: Run, stop, result: TrainResult, watchers: list) -> None:
     pending, since = None, None       # a step submitted, not yet read; when its time began
     after_read = False                # whether it began at the previous step's read
     untimed_end = state.step + cfg.untimed_steps    # the last untimed step of this run
+    adamw = cfg.adamw                 # the update's settings; each step its scheduled lr
     for _ in range(cfg.steps - state.step):     # --steps counts the whole run
         if pending is None:
             since, after_read = time.perf_counter(), False
@@ -438,10 +445,8 @@ def _steps(run: Run, stop, result: TrainResult, watchers: list) -> None:
                            cfg.min_lr)
         run.counters.before_step()
         positions = [run.loader.next_position() for _ in range(cfg.grad_accum)]
-        current = (engine.submit_step(positions, lr, cfg.weight_decay, cfg.grad_clip,
-                                      keep_previous=pending is not None,
-                                      weight_decay_params=cfg.weight_decay_params,
-                                      betas=(cfg.beta1, cfg.beta2)), lr)
+        current = (engine.submit_step(positions, adamw.with_lr(lr),
+                                      keep_previous=pending is not None), lr)
         if pending is not None:         # the previous step, read while this one runs
             since = _done(run, stop, result, watchers, pending, since, False, after_read).at
             after_read = True
