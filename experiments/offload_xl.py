@@ -72,8 +72,10 @@ def run_model(model, args, out, log):
                                                             "--metrics-jsonl", metrics],
                                             os.path.join(out, f"{model}_{name}.log"))
         rows = [json.loads(line) for line in open(metrics)] if os.path.exists(metrics) else []
+        # the steps' rows; a fresh run's row of step 0 (its initial validation) has no step's
         runs[name] = dict(status=status, peak_rss_mb=round(peak / 2**20), seconds=round(seconds),
-                          steps=rows)
+                          steps=[r for r in rows if "loss" in r],
+                          val0=next((r["val_loss"] for r in rows if "loss" not in r), None))
         log(f"  {name}: status {status}, peak RSS {peak / GIB:.2f} GiB, {seconds:.0f} s, "
             + ", ".join(f"step {r['step']} loss {r['loss']:.4f} "
                         + (f"val {r['val_loss']:.4f} " if "val_loss" in r else "")
@@ -85,8 +87,10 @@ def run_model(model, args, out, log):
     fresh = [r["loss"] for r in runs["fresh"]["steps"]]
     every = [r["loss"] for name in ("fresh", "resumed") for r in runs.get(name, {}).get("steps", [])
              if r["step"] > (0 if name == "fresh" else args.steps)]
-    val = [r["val_loss"] for name in ("fresh", "resumed")
-           for r in runs.get(name, {}).get("steps", []) if "val_loss" in r]
+    val0 = runs["fresh"]["val0"]
+    val = ([] if val0 is None else [val0]) + [
+        r["val_loss"] for name in ("fresh", "resumed")
+        for r in runs.get(name, {}).get("steps", []) if "val_loss" in r]
     checks = dict(
         finite=all(math.isfinite(x) for x in every + val),
         below_first=len(every) > 1 and all(x < every[0] for x in every[1:]),

@@ -81,13 +81,14 @@ def test_with_gpus_every_layer_codelet_runs_on_cuda_only(runtime, shards):
 def reference_run(runtime, cfg):
     """What the loop must give: Engine.step (waits at every step) on the loader's batches,
     with the run's learning rates, the gradient norm read after each step, the validation
-    loss after step 3 and the last."""
+    loss of the initial weights (step 0), after step 3 and the last."""
     state = fresh_state()
     loader = DataLoader(cfg.train_data, B, T, vocab_size=SMALL.V)
     val = DataLoader(cfg.val_data, B, T, vocab_size=SMALL.V)
     positions = [val.next_position() for _ in range(cfg.val_batches)]    # as training/validation.py's
     losses, norms, vals = [], [], []
     with StarPUEngine(SMALL, state, B, T, loader.tokens, runtime) as eng:
+        vals.append((0, eng.validation_loss(val.tokens, positions)))     # the initial weights'
         for s in range(STEPS):
             lr = learning_rate(s, STEPS, cfg.lr, cfg.lr_schedule, cfg.warmup_steps, cfg.min_lr)
             losses.append(eng.step(loader.next_position(), cfg.adamw.with_lr(lr)))
@@ -100,8 +101,9 @@ def reference_run(runtime, cfg):
 
 def test_the_loop_submits_the_next_step_before_reading_a_loss(runtime, shards, monkeypatch,
                                                               tmp_path):
-    """5 steps, validation every 3: step n + 1 is submitted before step n's loss is read; the
-    loop waits for every task only after step 1 (the untimed one: the timed steps' times then
+    """5 steps, validation every 3: the initial weights' validation (its 2 batches, each
+    waited for) comes before step 1 is submitted; step n + 1 is submitted before step n's
+    loss is read; the loop waits for every task only after step 1 (the untimed one: the timed steps' times then
     add up to the wall time after it), after step 3 (a validation reads the parameters) and
     after the last; losses, gradient norms, validation losses and parameters equal
     Engine.step's."""
@@ -135,7 +137,7 @@ def test_the_loop_submits_the_next_step_before_reading_a_loss(runtime, shards, m
     # a validation waits for each of its batches (the "wait"s after a step's read); the run's
     # end may wait again
     end = log.index("read 5") + 1
-    assert log[:end] == ["submit 1", "wait", "read 1", "submit 2", "submit 3", "read 2", "wait",
+    assert log[:end] == ["wait", "wait", "submit 1", "wait", "read 1", "submit 2", "submit 3", "read 2", "wait",
                          "read 3", "wait", "wait", "submit 4", "submit 5", "read 4", "wait",
                          "read 5"], " ".join(log)
     assert set(log[end:]) == {"wait"}, " ".join(log)
@@ -143,7 +145,7 @@ def test_the_loop_submits_the_next_step_before_reading_a_loss(runtime, shards, m
     losses, norms, vals, params = reference_run(runtime, cfg)
     rows = [json.loads(line) for line in open(metrics)]
     assert [x.hex() for x in r.losses] == [x.hex() for x in losses]
-    assert [row["grad_norm"] for row in rows] == norms
+    assert [row["grad_norm"] for row in rows[1:]] == norms     # rows[0]: the step-0 validation
     assert any(n > CLIP for n in norms) and any(n < CLIP for n in norms)   # clipped sometimes
     assert r.val_losses == vals
     assert np.array_equal(r.state.params, params)

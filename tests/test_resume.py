@@ -368,6 +368,64 @@ def test_stopped_and_resumed_equals_uninterrupted(shard, tmp_path, engine, worke
            [(r["step"], r["loss"]) for r in rows(str(tmp_path / "whole.jsonl"))]
 
 
+@pytest.mark.parametrize("engine", ["reference", "starpu"])
+def test_validation_at_step_0_comes_first_and_a_resumed_run_does_not_repeat_it(
+        shard, tmp_path, monkeypatch, engine):
+    """With validation (every 2 steps), a run from step 0 first validates the weights it
+    starts from (llm.c's and nanoGPT's step 0): its line comes before step 1 is submitted,
+    (0, loss) is the first of val_losses, the metrics file's first row is step 0 with its
+    val_loss only, and the loss is the engine's validation loss of the initial weights on the
+    validation batches, bit for bit. Stopped at step 4 and resumed to 6, the resumed run
+    validates no step 0 (no line, not in its val_losses) and the metrics file is the
+    uninterrupted run's: the same steps, losses and validation losses."""
+    from starpu_llm.flow import step as step_module
+    from starpu_llm.flow.engine import StarPUEngine
+    from starpu_llm.flow.reference import ReferenceEngine
+    from starpu_llm.runtime import Runtime
+    from starpu_llm.training.validation import Validation
+    val = str(tmp_path / "val.bin")
+    formats.write_shard(val, np.random.default_rng(5).integers(0, MICRO.V, 500).astype(np.uint16))
+    one_core = dict(workers=1, cores_per_worker=1) if engine == "starpu" else {}
+    kw = dict(engine=engine, val_data=val, val_every=2, val_batches=2, **one_core)
+    lines, submit = [], step_module.Engine.submit_step
+
+    def logged_submit(self, *a, **k):
+        lines.append("submit")
+        return submit(self, *a, **k)
+    monkeypatch.setattr(step_module.Engine, "submit_step", logged_submit)
+    whole = train(config(shard, steps=6, metrics_jsonl=str(tmp_path / "whole.jsonl"),
+                         log=lines.append, **kw))
+    first_line = next(i for i, line in enumerate(lines) if line.startswith("step    0/6: "))
+    assert first_line < lines.index("submit"), lines
+    v0 = whole.val_losses[0][1]
+    assert lines[first_line] == f"step    0/6: val loss {v0:.6g}"
+    assert [s for s, _ in whole.val_losses] == [0, 2, 4, 6]
+    head = rows(str(tmp_path / "whole.jsonl"))[0]
+    assert (head["step"], head["val_loss"], sorted(head)) == (0, v0, ["partition", "step",
+                                                                      "val_loss"])
+    # the initial weights' loss on the validation batches, by the same engine
+    state = TrainState(config=MICRO, params=random_init(MICRO, TrainConfig.seed))
+    batches = Validation(val, 4, 16, MICRO.V, 2, 2)
+    if engine == "reference":
+        with ReferenceEngine(MICRO, state, 4, 16, batches.loader.tokens,
+                             threads=usable_cores()) as eng:
+            assert batches.loss(eng) == v0
+    else:
+        with Runtime(resolve_here(PartitionRequest(**one_core))) as rt, \
+                StarPUEngine(MICRO, state, 4, 16, batches.loader.tokens, rt) as eng:
+            assert batches.loss(eng) == v0
+
+    metrics, ck = str(tmp_path / "m.jsonl"), str(tmp_path / "ck")
+    train(config(shard, steps=4, save_every=4, checkpoint_dir=ck, metrics_jsonl=metrics, **kw))
+    lines.clear()
+    rest = train(config(shard, steps=6, resume=ck, metrics_jsonl=metrics, log=lines.append,
+                        **kw))
+    assert not any(line.startswith("step    0/") for line in lines), lines
+    assert [s for s, _ in rest.val_losses] == [6] and rest.val_losses == whole.val_losses[-1:]
+    same = lambda path: [(r["step"], r.get("loss"), r.get("val_loss")) for r in rows(path)]  # noqa: E731
+    assert same(metrics) == same(str(tmp_path / "whole.jsonl"))
+
+
 def test_resume_needs_steps_beyond_the_checkpoint(shard, tmp_path):
     path = str(tmp_path / "model.bin")
     checkpoint.write(path, state_at(3))

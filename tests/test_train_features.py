@@ -173,16 +173,37 @@ def test_validation_flow_is_forward_only(runtime):
 
 def test_validation_defaults_to_the_bundled_validation_shard(runtime):
     """Without val_data, train() validates on the bundled corpus's validation shard (the
-    tiny model has GPT-2's vocabulary), every step and after the last."""
+    tiny model has GPT-2's vocabulary), at step 0, every step and after the last."""
     from starpu_llm.io.data import default_dataset
     from starpu_llm.training.trainer import TrainConfig, train
     lines = []
     with runtime.paused():
         r = train(TrainConfig(model="tiny", engine="reference", batch=2, seq_len=16, steps=2,
                               val_every=1, val_batches=2, log=lines.append))
-    assert [s for s, _ in r.val_losses] == [1, 2]
+    assert [s for s, _ in r.val_losses] == [0, 1, 2]
     assert all(np.isfinite(v) and v > 0 for _, v in r.val_losses), r.val_losses
     assert any(line.startswith("validation: " + default_dataset()[1]) for line in lines), lines
+
+
+def test_the_first_validations_disk_traffic_is_no_steps():
+    """Under a memory limit a step's disk traffic is the change of the runtime's counters
+    over it; the validation before the first step is in none (Counters.skip): step 1's
+    starts after it."""
+    from starpu_llm.training.watchers import Counters
+
+    class Runtime:          # the counters read: 5 MB read, 1 MB written by the validation
+        traffic = iter([(0, 0), (5e6, 1e6), (7e6, 4e6)])
+
+        def disk_traffic(self):
+            return next(self.traffic)
+
+        def gpu_memory_mb(self):
+            return None
+    counters = Counters(None, Runtime(), memory=object())
+    counters.skip()
+    extra = {}
+    counters.after_step(extra)
+    assert extra == {"disk_read_mb": 2.0, "disk_written_mb": 3.0}
 
 
 # --------------------------------------------------------------------------- schedule
@@ -451,8 +472,9 @@ def run_cli(*args):
 @pytest.mark.parametrize("engine", ENGINES)
 def test_train_flags_and_metrics(tmp_path, engine):
     """`starpu-llm train` with validation, a cosine schedule with warmup and clipping: the
-    metrics file has val_loss after steps 2 and 3 (every 2 steps and the last), the
-    scheduled lr and the gradient norm at every step."""
+    metrics file has a row of step 0 with the initial weights' val_loss only, val_loss after
+    steps 2 and 3 (every 2 steps and the last), the scheduled lr and the gradient norm at
+    every step; the lines likewise."""
     rng = np.random.default_rng(0)
     train_path, val_path = str(tmp_path / "training.bin"), str(tmp_path / "val.bin")
     formats.write_shard(train_path, np.tile(rng.integers(0, MICRO.V, 37), 300).astype(np.uint16))
@@ -466,15 +488,18 @@ def test_train_flags_and_metrics(tmp_path, engine):
                            "--metrics-jsonl", metrics)
     assert rc == 0, err
     rows = [json.loads(line) for line in open(metrics)]
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    assert ["val_loss" in r for r in rows] == [False, True, True]
-    assert all(np.isfinite(r["val_loss"]) and r["val_loss"] > 0 for r in rows[1:])
-    assert [r["lr"] for r in rows] == pytest.approx(
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert sorted(rows[0]) == ["partition", "step", "val_loss"]
+    assert ["val_loss" in r for r in rows] == [True, False, True, True]
+    assert all(np.isfinite(r["val_loss"]) and r["val_loss"] > 0 for r in rows if "val_loss" in r)
+    steps = rows[1:]
+    assert [r["lr"] for r in steps] == pytest.approx(
         [learning_rate(s, 3, 1e-2, "cosine", 1, 1e-3) for s in range(3)], rel=1e-12)
-    assert all(r["grad_norm"] > 0 for r in rows)
+    assert all(r["grad_norm"] > 0 for r in steps)
     lines = [line for line in out.splitlines() if line.startswith("step ")]
-    assert ["val loss" in line for line in lines] == [False, True, True], out
-    assert all("grad norm" in line and ", lr " in line for line in lines), out
+    assert lines[0] == f"step    0/3: val loss {rows[0]['val_loss']:.6g}", out
+    assert ["val loss" in line for line in lines[1:]] == [False, True, True], out
+    assert all("grad norm" in line and ", lr " in line for line in lines[1:]), out
     assert "validation: " in out
 
 

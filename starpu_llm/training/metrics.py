@@ -6,7 +6,9 @@ on ("partition": record.Partition's fields) and, when they apply, the scheduled 
 ("lr"), the gradients' norm before clipping ("grad_norm"), the validation loss
 ("val_loss"), the disk traffic under a memory limit ("disk_read_mb", "disk_written_mb") and,
 where the machine is calibrated, the model FLOPs per second over the sgemm peak of the cores
-used ("mfu", as nanoGPT's)."""
+used ("mfu", as nanoGPT's). With validation, a run from step 0 first writes a row of step 0
+with its "val_loss" (the initial weights') and "partition" only: no update, so no loss or
+time (as llm.c logs a validation loss at step 0)."""
 from __future__ import annotations
 
 import json
@@ -45,22 +47,25 @@ class Metrics(Watcher):
             raise StarpuLLMError(f"cannot write {self.path}: {e.strerror}; choose a writable "
                                  f"output location") from e
 
-    def write(self, step: int, loss: float, ms: float, tokens_per_ms: float, extra: dict) -> None:
+    def write(self, row: dict) -> None:
+        """One row (its "step" first), with the partition."""
         if self.broken:
             return
         try:
-            self.file.write(json.dumps({"step": step, "loss": loss, "ms": ms,
-                                        "tokens_per_ms": tokens_per_ms, **extra,
-                                        "partition": self.partition}) + "\n")
+            self.file.write(json.dumps({**row, "partition": self.partition}) + "\n")
             self.file.flush()
         except OSError as e:
             self.broken = True
-            self.failed(f"{self.path}: its row of step {step} and later ones were not written "
-                        f"({e.strerror or e}); the rows before it are there")
+            self.failed(f"{self.path}: its row of step {row['step']} and later ones were not "
+                        f"written ({e.strerror or e}); the rows before it are there")
 
     def after_step(self, done) -> None:
         """The row of a step (trainer.StepDone)."""
-        self.write(done.step, done.loss, done.ms, done.tokens_per_ms, done.extra)
+        self.write({"step": done.step, "loss": done.loss, "ms": done.ms,
+                    "tokens_per_ms": done.tokens_per_ms, **done.extra})
+
+    def validated_first(self, val_loss) -> None:
+        self.write({"step": 0, "val_loss": val_loss})
 
     def sync(self) -> None:
         """The rows written so far on disk."""

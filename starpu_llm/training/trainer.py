@@ -109,8 +109,9 @@ class TrainConfig(PartitionRequest):
     # validation, learning-rate schedule, gradient clipping
     val_data: str | None = setting(None, "validation shard (default: the bundled corpus's "
                                    "validation shard)", metavar="SHARD")
-    val_every: int = setting(0, "mean validation loss every N steps and after the last "
-                             "(default 0: none)", check="nonneg_int", metavar="N",
+    val_every: int = setting(0, "mean validation loss before the first update (step 0), "
+                             "every N steps and after the last (default 0: none)",
+                             check="nonneg_int", metavar="N",
                              ranks_agree=True)
     val_batches: int = setting(10, "M fixed validation batches (default 10)", check="positive",
                                metavar="M", ranks_agree=True)
@@ -410,6 +411,7 @@ def _run(run: Run, stop: signals.StopOnSignal) -> TrainResult:
     try:
         result.engine = run.engine.describe()
         _watchers(run, result, watchers)
+        _validate_first(run, result, watchers)
         _steps(run, stop, result, watchers)
         _finish(run, result)
     finally:
@@ -460,6 +462,19 @@ def _steps(run: Run, stop, result: TrainResult, watchers: list) -> None:
             pending = None
             if done.stopping:
                 break
+
+
+def _validate_first(run: Run, result: TrainResult, watchers: list) -> None:
+    """With validation, the loss of the weights the run starts from, before its first update,
+    when due (Validation.due_first: at step 0, not on a resume); its time and disk traffic
+    are no step's."""
+    if not (run.validation and run.validation.due_first(run.state.step)):
+        return
+    loss = run.validation.loss(run.engine)
+    run.counters.skip()
+    result.val_losses.append((0, loss))
+    for watch in watchers:
+        watch.validated_first(loss)
 
 
 class _Done(NamedTuple):

@@ -8,7 +8,8 @@ from ..io import data
 
 class Validation:
     """The first `batches` (B, T) batches of the shard at path (all it has when it has fewer),
-    the same at every evaluation; every `every` steps and after the last step."""
+    the same at every evaluation; before the first update (step 0), every `every` steps and
+    after the last step."""
 
     def __init__(self, path: str, B: int, T: int, vocab_size: int, every: int, batches: int):
         if every < 0:
@@ -18,6 +19,13 @@ class Validation:
         self.batches = min(batches, self.loader.num_batches)
         self.positions = [self.loader.next_position() for _ in range(self.batches)]
 
+    def due_first(self, step: int) -> bool:
+        """Whether a run that starts at update `step` first validates the weights it starts
+        from: at step 0 (llm.c's and nanoGPT's step 0), not when it resumes one saved later
+        (that run validated then: an exact resume repeats nothing, its records the whole
+        run's)."""
+        return step == 0
+
     def due(self, step: int, last: bool) -> bool:
         """Whether to validate after update `step` (1-based); last: the run's last step."""
         return self.every > 0 and (step % self.every == 0 or last)
@@ -26,5 +34,5 @@ class Validation:
         return engine.validation_loss(self.loader.tokens, self.positions)
 
     def describe(self) -> str:
-        return (f"validation: {self.path}, {self.batches} batch(es) every {self.every} step(s) "
-                f"and after the last")
+        return (f"validation: {self.path}, {self.batches} batch(es) at step 0, every "
+                f"{self.every} step(s) and after the last")

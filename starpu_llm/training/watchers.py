@@ -30,6 +30,10 @@ class Watcher:
     def after_step(self, done: StepDone) -> None:
         pass
 
+    def validated_first(self, val_loss: float) -> None:
+        """The validation loss of the weights the run starts from (step 0, before any
+        update: Validation.due_first)."""
+
     def reads_state(self, step: int) -> bool:
         """Whether after update `step` it reads the model or the data position (the trainer
         then submits nothing past that step before it has run)."""
@@ -51,6 +55,9 @@ class StepLine(Watcher):
                         for k, v in d.extra.items())
         self.log(f"step {d.step:4d}/{self.steps}: train loss {d.loss:.6f} ({d.ms:.1f} ms, "
                  f"{d.tokens_per_ms:.3f} tok/ms){extra}")
+
+    def validated_first(self, val_loss):
+        self.log(f"step {0:4d}/{self.steps}: val loss {val_loss:.6g}")
 
 
 class Divergence(Watcher):
@@ -121,6 +128,12 @@ class Counters:
     def before_step(self):
         if self.comm is not None:
             self.sent.append(self.runtime.bytes_sent())
+
+    def skip(self):
+        """What ran since the last count (the validation before the first step) is no step's:
+        the next step's disk traffic starts from now."""
+        if self.disk is not None:
+            self.disk[-1] = self.runtime.disk_traffic()
 
     def after_step(self, extra: dict):
         gpu = self.runtime.gpu_memory_mb() if self.runtime is not None else None
