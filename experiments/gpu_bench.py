@@ -45,6 +45,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -307,6 +308,35 @@ def child(args) -> None:
 
 # ---------------------------------------------------------------- the run
 
+def run_group(cmd: list, timeout: float) -> subprocess.CompletedProcess:
+    """cmd in a process group of its own, its output captured; the whole group killed when it
+    ends, at the timeout (TimeoutExpired) and when this process gets TERM (the device script's
+    cap: exit 143), so what a run started (llm.c's binary, a PyTorch worker) never holds the
+    GPU into the next run or stage."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         process_group=0)
+
+    def end(signum=None, frame=None):
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if signum is not None:
+            sys.exit(128 + signum)
+
+    before = signal.signal(signal.SIGTERM, end)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        end()
+        p.communicate()
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        end()
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
 def run_order(shapes, systems) -> list[tuple[int, int, str]]:
     """(B, T, system) in the order they run: the systems interleaved shape by shape, then
     starpu-llm's VARIANTS (a run cut short keeps the comparison with the peers), each at every
@@ -380,7 +410,7 @@ def main():
         cmd += ["--trace"] if args.trace and system == "starpu-llm" else []
         t = time.perf_counter()
         try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+            p = run_group(cmd, args.timeout)
             line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
             if line is None:
                 raise RuntimeError(f"exit {p.returncode}: {(p.stderr or p.stdout)[-600:]}")

@@ -7,6 +7,9 @@ before a GPU is needed (issue 41, item 6).
   - StarPU's fixes (tools/patches/) apply once, recorded in the tree, so a fixed tree (what
     travels to the GPU machine) needs no patch program, and an unfixed one without it is one
     clear error;
+  - a stage's time cap ends all its command started (a grandchild ignoring TERM or in a session
+    of its own too) before the next stage, gpu_bench's per-run cap and TERM end each run's
+    whole process group, and a failed Gantt chart says why in device.log;
   - an unknown stage, and the benchmark's bad flags, are one clear error, exit status 2;
   - the benchmark's same-start check: a first loss within the TF32 bound passes, one outside
     it is flagged."""
@@ -422,3 +425,110 @@ def test_prepare_carries_the_pinned_wheels_alone_and_llmc(tmp_path):
     preflight = open(SCRIPT).read().split("stage_preflight() {")[1].split("\n}\n")[0]
     for name in (p.split("==")[0] for p in pins):
         assert re.search(rf"\b{imported[name]}\b", preflight), name
+
+
+def alive(pid: int) -> bool:
+    """pid is a live process (a zombie, dead but not yet reaped, is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def stand_in_repo(tmp_path, python3: str):
+    """A copy of the device script whose build fails at once, with python3 and nvidia-smi
+    stood in for (sh scripts; T is tmp_path); what a run of it needs: (repo, env)."""
+    import shutil
+    repo = tmp_path / "repo"
+    (repo / "tools").mkdir(parents=True)
+    shutil.copy(SCRIPT, repo / "tools" / "device-gpu.sh")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for path, text in ((repo / "tools" / "build-starpu.sh", "echo no build here >&2; exit 1"),
+                       (bindir / "python3", python3),
+                       # which of the pids in T/*.pid live when the build's first command runs
+                       (bindir / "nvidia-smi",
+                        'for f in "$T"/*.pid; do p=$(cat "$f"); s=$(cut -d" " -f3 '
+                        '"/proc/$p/stat" 2>/dev/null); [ -n "$s" ] && [ "$s" != Z ] && '
+                        'echo "$f" >>"$T/alive-at-build"; done; echo checked >>"$T/alive-at-build"')):
+        path.write_text("#!/bin/sh\n" + text + "\n")
+        path.chmod(0o755)
+    env = dict(os.environ, OUT=str(tmp_path / "out"), SL_DEVICE_WORK=str(tmp_path / "work"),
+               T=str(tmp_path), PATH=f"{bindir}:{os.environ['PATH']}")
+    return repo, env
+
+
+def test_a_stage_cap_ends_the_commands_grandchildren_before_the_next_stage(tmp_path):
+    """The preflight's imports (capped at 5 s) stood in for by a command that never ends and
+    leaves two sleeping grandchildren: one ignoring TERM, one in a session of its own (what
+    timeout's TERM to its process group misses). At the cap both are ended (TERM, then KILL),
+    and the build's first command finds neither alive."""
+    repo, env = stand_in_repo(tmp_path, python3=(
+        'case "$*" in *"print(f"*) (trap "" TERM; exec sleep 300) & echo $! >"$T/ignores-term.pid"\n'
+        '  setsid sleep 300 & echo $! >"$T/own-session.pid"\n  exec sleep 300;; esac'))
+    try:
+        p = subprocess.run(["bash", str(repo / "tools" / "device-gpu.sh"), "preflight", "build"],
+                           capture_output=True, text=True, env=env, timeout=120)
+        pids = {f.name: int(f.read_text()) for f in tmp_path.glob("*.pid")}
+        assert sorted(pids) == ["ignores-term.pid", "own-session.pid"], p.stdout
+        assert not [n for n, pid in pids.items() if alive(pid)], p.stdout
+        assert (tmp_path / "alive-at-build").read_text() == "checked\n", p.stdout
+        assert "preflight: the imports took over 5 s" in p.stdout
+        assert "TERM to what outlived its command" in p.stdout, p.stdout
+        assert "KILL to what outlived its command" in p.stdout, p.stdout     # the TERM-ignorer
+        assert "build: FAILED" in p.stdout and p.returncode == 1, p.stdout
+    finally:
+        for f in tmp_path.glob("*.pid"):
+            if alive(int(f.read_text())):
+                os.kill(int(f.read_text()), 9)
+
+
+def test_a_failed_gantt_chart_says_why_in_device_log(tmp_path):
+    """The bench stage, gpu_bench stood in for (one trace), gpu_gantt failing: its message and
+    exit status in device.log, and $OUT within the device tool's 8 files."""
+    repo, env = stand_in_repo(tmp_path, python3=(
+        'case "$*" in *gpu_bench.py*) echo job,codelet >"$SL_DEVICE_WORK/bench/trace_8x1024.csv";;\n'
+        '  *gpu_gantt.py*) echo "gpu_gantt: no matplotlib here" >&2; exit 3;; esac'))
+    p = subprocess.run(["bash", str(repo / "tools" / "device-gpu.sh"), "bench"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    log = (tmp_path / "out" / "device.log").read_text()
+    assert "gpu_gantt: no matplotlib here" in log, log
+    assert "no Gantt chart of trace_8x1024.csv (exit 3)" in log, log
+    assert len(os.listdir(tmp_path / "out")) <= 8
+
+
+def test_bench_ends_each_runs_whole_process_group(tmp_path):
+    """gpu_bench's run of one system at one shape (run_group): what it started (llm.c's binary
+    under the child) is killed with it at its timeout, and when gpu_bench itself gets TERM."""
+    sys.path.insert(0, os.path.dirname(BENCH))
+    import gpu_bench
+    import signal
+    import time
+    grandchild = ["sh", "-c", '(trap "" TERM; exec sleep 300) & echo $! >"$0"; exec sleep 300']
+    pidfile = tmp_path / "timeout.pid"
+    with pytest.raises(subprocess.TimeoutExpired):
+        gpu_bench.run_group(grandchild + [str(pidfile)], 1)
+    assert not alive(int(pidfile.read_text()))
+    done = gpu_bench.run_group(["sh", "-c", "echo out; echo err >&2; exit 4"], 30)
+    assert (done.returncode, done.stdout, done.stderr) == (4, "out\n", "err\n")
+    # gpu_bench under the device script's cap: TERM to it, none to the run's own group
+    pidfile = tmp_path / "term.pid"
+    code = (f"import sys; sys.path.insert(0, {os.path.dirname(BENCH)!r}); import gpu_bench; "
+            f"gpu_bench.run_group({grandchild + [str(pidfile)]!r}, 300)")
+    bench = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        for _ in range(300):
+            if pidfile.exists() and pidfile.read_text().strip():
+                break
+            time.sleep(0.1)
+        time.sleep(0.5)      # its TERM handler set (just after the run started)
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=60) == 128 + signal.SIGTERM
+        assert not alive(int(pidfile.read_text()))
+    finally:
+        bench.kill()
+        for f in tmp_path.glob("*.pid"):
+            if alive(int(f.read_text())):
+                os.kill(int(f.read_text()), 9)

@@ -25,10 +25,14 @@
 #             others, the settings; compute-sanitizer's memcheck and racecheck of the
 #             kernels)                                                          -> rest.log
 #
+# Each command of a stage has a time cap (capped) that ends all it started, grandchildren that
+# left its process group too, and no stage starts while an earlier one's processes live: what
+# a capped benchmark started (llm.c, PyTorch) never holds the GPU into the tests after it.
+#
 # $OUT (the device tool's; ./device-out elsewhere) gets at most 8 files: device.log (all the
-# output), parity.log, gpu_bench.md, gpu_bench.csv, rest.log and details.tar.gz (nvidia-smi,
-# build logs, StarPU's machine view, the benchmark's traces and llm.c logs; rewritten after
-# every stage).
+# output, the Gantt charts' messages too), parity.log, gpu_bench.md, gpu_bench.csv, rest.log
+# and details.tar.gz (nvidia-smi, build logs, StarPU's machine view, the benchmark's traces
+# and llm.c logs; rewritten after every stage).
 #
 #   tools/device-gpu.sh [STAGE...]        stages: preflight build smoke parity bench rest
 #                                         (default: all, in that order)
@@ -105,16 +109,58 @@ deadline=${SL_DEADLINE:-540}
 # seconds a stage may take: at most $1, and what the deadline leaves after $2 s kept for the
 # stages after it (at least 10)
 limit() { local l=$((deadline - SECONDS - $2)); [ "$l" -lt "$1" ] && echo $((l > 10 ? l : 10)) || echo "$1"; }
+
+# Every command of a stage runs capped: `capped SECONDS COMMAND...` gives COMMAND
+# SL_DEVICE_RUN=$mark (default: this run's pid) in its environment and runs it under timeout
+# (TERM to its process group at the cap, KILL 10 s later), then ends whatever it left (sweep).
+# The mark finds what the group does not: a child that ignored the TERM, or one in a group or
+# session of its own (gpu_bench's runs, a setsid) still holding the GPU. Status: COMMAND's (124
+# or 137 at the cap).
+capped() {
+  [ -z "$dry" ] || { echo timeout "$@"; return 0; }
+  local m=${mark:-$$} rc
+  SL_DEVICE_RUN=$m timeout --kill-after=10 "$@"
+  rc=$?
+  sweep "$m"
+  return $rc
+}
+# the live processes marked $1 (a zombie's environment reads empty): pid and command line
+marked() {
+  local f
+  for f in $(grep -lzx "SL_DEVICE_RUN=$1" /proc/[0-9]*/environ 2>/dev/null); do
+    f=${f%/environ}
+    echo "${f#/proc/} $(tr '\0' ' ' <"$f/cmdline" 2>/dev/null | cut -c1-100)"
+  done
+}
+# TERM to each process marked $1, KILL to those left 10 s later; 1 if one outlives the KILL by
+# 30 s (a process stuck in the driver)
+sweep() {
+  local sig left n wait=10
+  for sig in TERM KILL; do
+    left=$(marked "$1")
+    [ -n "$left" ] || return 0
+    say "$sig to what outlived its command: ${left//$'\n'/; }"
+    kill -s "$sig" $(cut -d' ' -f1 <<<"$left") 2>/dev/null
+    [ "$sig" = TERM ] || wait=30
+    for ((n = 0; n < wait; n++)); do
+      sleep 1
+      [ -n "$(marked "$1")" ] || return 0
+    done
+  done
+  left=$(marked "$1")
+  say "still alive after KILL: ${left//$'\n'/; }"
+  return 1
+}
 # pytest as the stages run it: from $work (the installed package), the repo's tests
-pytest_gpu() { (cd "$work" && $dry timeout "$1" python3 -m pytest -p no:cacheprovider -q -rs -s "${@:2}"); }
+pytest_gpu() { (cd "$work" && capped "$1" python3 -m pytest -p no:cacheprovider -q -rs -s "${@:2}"); }
 
 stage_preflight() {
-  $dry python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  capped 60 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target "$work/site" "$dev"/wheels/*.whl || return 1
   # every module the stages import, once (the data-only packages, installed without their
   # dependencies, found rather than imported): a missing one fails here in seconds, not in a
   # stage; only slow imports (rc 124) let the run go on
-  $dry timeout 5 python3 -c '
+  capped 5 python3 -c '
 import importlib, importlib.util, sys
 mods = ("numpy cffi pycparser mesonpy pyproject_metadata packaging tiktoken torch mpi4py "
         "pytest hypothesis").split()
@@ -130,7 +176,7 @@ if bad:
     sys.exit("preflight: cannot import " + ", ".join(bad))
 '
   local rc=$?
-  [ $rc -eq 124 ] && { say "preflight: the imports took over 5 s (slow, none missing so far): going on"; return 0; }
+  [ $rc -eq 124 ] || [ $rc -eq 137 ] && { say "preflight: the imports took over 5 s (slow, none missing so far): going on"; return 0; }
   return $rc
 }
 
@@ -154,35 +200,37 @@ find_cublas() {
 
 llmc_pid=
 stage_build() {
-  $dry nvidia-smi >"$details/nvidia-smi.txt" 2>&1 || say "nvidia-smi failed (no GPU driver?)"
+  capped 30 nvidia-smi >"$details/nvidia-smi.txt" 2>&1 || say "nvidia-smi failed (no GPU driver?)"
   find_cublas && say "cuBLAS: $cublas_libdir" ||
     say "no cuBLAS in CUBLAS_HOME, $CUDA_HOME nor python3's nvidia/cu13 (set CUBLAS_HOME)"
   say "StarPU 1.4.12 with CUDA (the carried tarball, fixed by --prepare)"
+  # the builds may take what the deadline leaves: a hung one still ends in time for its logs
   SL_SKIP_DEPS=1 JOBS=$(nproc) CUBLAS_HOME=${cublas_home:-$CUDA_HOME} PYTHON=python3 \
-      $dry "$repo/tools/build-starpu.sh" --cuda "$dev/$tarball_name" "$work/starpu" \
+      capped "$(limit "$deadline" 0)" "$repo/tools/build-starpu.sh" --cuda "$dev/$tarball_name" "$work/starpu" \
       >"$details/build-starpu.log" 2>&1 || { tail -n 40 "$details/build-starpu.log"; return 1; }
   local arch=${SL_GPU_ARCH:-$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null |
                               head -n1 | tr -d '.')}
   arch=${arch:-90}
   say "starpu-llm, CUDA build for sm_$arch"
   [ -n "$dry" ] || rm -rf "$work/starpu-llm"
-  PKG_CONFIG_PATH=$work/starpu/lib/pkgconfig $dry python3 -m pip install --no-index --no-deps \
+  PKG_CONFIG_PATH=$work/starpu/lib/pkgconfig capped "$(limit "$deadline" 0)" python3 -m pip install --no-index --no-deps \
       --no-build-isolation --no-compile --target "$work/starpu-llm" -Cbuild-dir="$work/build" \
       -Csetup-args=-Dcuda=enabled -Csetup-args=-Dgpu_arch="$arch" \
       -Csetup-args=-Dcudatoolkit="$CUDA_HOME" ${cublas_home:+-Csetup-args=-Dcublas_dir=$cublas_home} \
       "$repo" >"$details/build-starpu-llm.log" 2>&1 ||
       { tail -n 40 "$details/build-starpu-llm.log"; return 1; }
   # the package's own modules the stages import, and what it was built with
-  (cd "$work" && $dry timeout 20 python3 -c 'import starpu_llm._clib as c, starpu_llm.cli, starpu_llm.flow.engine, starpu_llm.baselines.torch_sdpa
+  (cd "$work" && capped 20 python3 -c 'import starpu_llm._clib as c, starpu_llm.cli, starpu_llm.flow.engine, starpu_llm.baselines.torch_sdpa
 print("starpu-llm built:", "CUDA" if c.lib.sl_have_cuda() else "CPU", "build,", c.lib.sl_gpu_devices(), "GPU(s) seen")') ||
       return 1
-  # llm.c for the benchmark, meanwhile (CPU only: nvcc), in a folder of its own
+  # llm.c for the benchmark, meanwhile (CPU only: nvcc), in a folder of its own; marked apart,
+  # the one process that outlives its stage
   if [ -f "$dev/llmc/train_gpt2_fp32.cu" ]; then
     rm -rf "$work/llmc" && cp -r "$dev/llmc" "$work/llmc"
     local cub=(-lcublas -lcublasLt)
     [ -z "$cublas_libdir" ] || [ -e "$cublas_libdir/libcublas.so" ] ||
       cub=(-Xlinker "-l:$(cd "$cublas_libdir" && ls libcublas.so.* | head -n1),-l:$(cd "$cublas_libdir" && ls libcublasLt.so.* | head -n1)")
-    (cd "$work/llmc" && $dry nice nvcc -O3 --use_fast_math -arch=sm_"$arch" \
+    (cd "$work/llmc" && mark=$$-llmc capped 300 nice nvcc -O3 --use_fast_math -arch=sm_"$arch" \
          ${cublas_home:+-I"$cublas_home/include" -L"$cublas_libdir" -Xlinker -rpath,"$cublas_libdir"} \
          -o train_gpt2fp32cu train_gpt2_fp32.cu "${cub[@]}" >"$details/llmc-build.log" 2>&1) &
     llmc_pid=$!
@@ -192,10 +240,10 @@ print("starpu-llm built:", "CUDA" if c.lib.sl_have_cuda() else "CPU", "build,", 
 stage_smoke() {
   # StarPU's view of the machine (its first start with CUDA also measures the bus, once per
   # STARPU_HOME), then a short run with StarPU's own messages on
-  $dry timeout 30 "$work/starpu/bin/starpu_machine_display" >"$details/machine_display.txt" 2>&1 ||
+  capped 30 "$work/starpu/bin/starpu_machine_display" >"$details/machine_display.txt" 2>&1 ||
       say "starpu_machine_display failed (details/machine_display.txt)"
   grep -E "STARPU_CUDA_WORKER|CUDA 0" "$details/machine_display.txt" | head -n 3
-  (cd "$work" && STARPU_SILENT=0 $dry timeout "$(limit 60 420)" python3 -m starpu_llm train \
+  (cd "$work" && STARPU_SILENT=0 capped "$(limit 60 420)" python3 -m starpu_llm train \
        --model tiny --gpus 1 --steps 4 --batch 4 --seq-len 64)
 }
 
@@ -215,7 +263,7 @@ stage_bench() {
     wait "$llmc_pid" && llmc=(--llmc-binary "$work/llmc/train_gpt2fp32cu") ||
       say "llm.c did not build (details/llmc-build.log): the benchmark runs without it"
   fi
-  (cd "$work" && $dry timeout "$(limit 240 30)" python3 "$repo/experiments/gpu_bench.py" \
+  (cd "$work" && capped "$(limit 240 30)" python3 "$repo/experiments/gpu_bench.py" \
        --out "$work/bench" "${llmc[@]}" --shapes 16x1024,8x1024,128x64 --steps 8 --warmup 2 \
        --timeout 60 --trace)
   local rc=$?
@@ -223,7 +271,10 @@ stage_bench() {
   cp "$work"/bench/trace_*.csv "$work"/bench/llmc_*.log "$details/" 2>/dev/null
   local t   # each traced step as a Gantt chart (the GPU's kernels, the workers' tasks)
   for t in "$details"/trace_*.csv; do
-    [ -f "$t" ] && $dry timeout 30 python3 "$repo/experiments/gpu_gantt.py" "$t" >/dev/null 2>&1
+    [ -f "$t" ] || continue
+    # its messages in device.log: a chart that failed says why
+    capped 30 python3 "$repo/experiments/gpu_gantt.py" "$t" ||
+      say "bench: no Gantt chart of ${t##*/} (exit $?)"
   done
   return $rc
 }
@@ -253,14 +304,19 @@ for s in "${stages[@]}"; do
   if [ $((deadline - SECONDS)) -lt 15 ]; then
     say "$s: skipped, the deadline ($deadline s) is near"; status=1; continue
   fi
+  # no stage shares the GPU with what an earlier one left (capped ends it; this is the check)
+  if [ -z "$dry" ] && ! sweep $$; then
+    say "$s and the stages after it not run: an earlier stage's processes outlive KILL"
+    status=1; break
+  fi
   if "stage_$s"; then say "$s: done in $((SECONDS - t)) s"
   else status=1; say "$s: FAILED after $((SECONDS - t)) s"; fi
-  tar -czf "$OUT/details.tar.gz.tmp" -C "$work" details 2>/dev/null &&
-    mv "$OUT/details.tar.gz.tmp" "$OUT/details.tar.gz"
+  tar -czf "$OUT/details.tar.gz.tmp" -C "$work" details &&
+    mv "$OUT/details.tar.gz.tmp" "$OUT/details.tar.gz" || say "details.tar.gz not written"
   case $s in preflight | build)
     [ $status -ne 0 ] && { say "$s failed: the other stages need it"; break; } ;;
   esac
 done
-[ -z "$llmc_pid" ] || kill "$llmc_pid" 2>/dev/null
+[ -n "$dry" ] || sweep $$-llmc     # llm.c's build, where no benchmark waited for it
 say "end (status $status)"
 exit $status
