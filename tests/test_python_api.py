@@ -121,8 +121,9 @@ def test_a_position_outside_the_data_is_refused():
 
 def test_an_update_takes_its_settings_as_one_adamw_value():
     """Engine.step, submit_step and submit_update take the update's settings as one AdamW
-    value: a bare learning rate (the loose arguments they took before) is one StarpuLLMError
-    saying what to give, before any task (no update counted, and the next step's loss is the
+    value: a call in the loose arguments they took before (positional or keywords: a
+    TypeError about arguments before), or a bare learning rate, is one StarpuLLMError naming
+    the call and saying what to give, before any task (no update counted, and the next step's loss is the
     first step's); an AdamW naming tensors to decay that DECAYED does not have is refused
     where it is made."""
     tokens = np.random.default_rng(0).integers(0, MODELS["tiny"].V, 100).astype(np.uint16)
@@ -133,10 +134,21 @@ def test_an_update_takes_its_settings_as_one_adamw_value():
         for eng in _engines(rt, tokens):
             with eng:
                 first = eng.forward_backward(0)
-                for use in (lambda: eng.step(0, 1e-3), lambda: eng.submit_step(0, 1e-3),
-                            lambda: eng.submit_update(1e-3)):
-                    with pytest.raises(StarpuLLMError, match=r"give AdamW\(lr=...\)"):
+                # the README's call before (keywords), the loose positional ones, a bare lr
+                for use, said in (
+                        (lambda: eng.step(0, lr=1e-3, weight_decay=0.0),
+                         r"step\(0, lr=0.001, weight_decay=0.0\)"),
+                        (lambda: eng.step(0, 1e-3, 0.0), r"step\(0, 0.001, 0.0\)"),
+                        (lambda: eng.step(0, 1e-3), r"step\(0, 0.001\)"),
+                        (lambda: eng.submit_step(0, 1e-3, 0.0, 1.0, keep_previous=False),
+                         r"submit_step\(0, 0.001, 0.0, 1.0, keep_previous=False\)"),
+                        (lambda: eng.submit_step(0, 1e-3), r"submit_step\(0, 0.001\)"),
+                        (lambda: eng.submit_update(1e-3, 0.0), r"submit_update\(0.001, 0.0\)")):
+                    with pytest.raises(StarpuLLMError, match=said + r": an update takes its "
+                                       r"settings as one AdamW value: give AdamW\(lr=...\)"):
                         use()
+                with pytest.raises(TypeError, match="positional"):   # not about the settings
+                    eng.step(0, AdamW(1e-3), 0.0)
                 assert eng.state.step == 0
                 assert eng.step(0, AdamW(1e-3)) == first and eng.state.step == 1
 

@@ -10,6 +10,8 @@ same order.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import NamedTuple
 
 import numpy as np
@@ -57,12 +59,28 @@ def check_positions(positions, tokens: np.ndarray, B: int, T: int, what: str = "
                                  f"its position, and {what} holds {len(tokens)}: {where}")
 
 
-def _check_adamw(adamw) -> None:
-    """An update's settings are one AdamW value (model/config.py): a clear error for anything
-    else (a bare learning rate) before a task is submitted."""
-    if not isinstance(adamw, AdamW):
-        raise StarpuLLMError(f"an update takes its settings as one AdamW value, got {adamw!r}: "
-                             f"give AdamW(lr=...) (starpu_llm.AdamW)")
+def _takes_adamw(method):
+    """An Engine method that takes an update's settings as one AdamW value (model/config.py):
+    a call without one, in the loose arguments these methods took before (step(pos, lr=1e-4,
+    weight_decay=0.0), step(pos, 1e-4, 0.0), a bare learning rate), is one clear error before
+    any task, not a TypeError about arguments or a failure inside the update."""
+    signature = inspect.signature(method)
+
+    @functools.wraps(method)
+    def checked(*args, **kw):
+        try:
+            adamw = signature.bind(*args, **kw).arguments.get("adamw")
+        except TypeError:
+            if any(isinstance(a, AdamW) for a in (*args, *kw.values())):
+                raise               # another mistake: Python's own message says it
+            adamw = None
+        if not isinstance(adamw, AdamW):
+            given = ", ".join([*map(repr, args[1:]), *(f"{k}={v!r}" for k, v in kw.items())])
+            raise StarpuLLMError(f"{method.__name__}({given}): an update takes its settings as "
+                                 f"one AdamW value: give AdamW(lr=...) (starpu_llm.AdamW: lr, "
+                                 f"weight_decay, decayed, betas, grad_clip, eps)")
+        return method(*args, **kw)
+    return checked
 
 
 class Engine:
@@ -171,11 +189,11 @@ class Engine:
             self._activations_used()
         self._gradients_submitted()
 
+    @_takes_adamw
     def submit_update(self, adamw: AdamW):
         """The AdamW tasks of the settings adamw holds (adamw.grad_clip > 0: the gradients'
         global norm clipped to it first)."""
         self._check_open()
-        _check_adamw(adamw)
         self.state.step += 1
         taskflow.update(self.update_ops(), self.config, self.p, self.g, self.m, self.v, adamw,
                         self.state.step, self.norm)
@@ -185,6 +203,7 @@ class Engine:
         (the StarPU engine's; submit_step)."""
         raise StarpuLLMError(f"the {self.name} engine does not submit a step ahead")
 
+    @_takes_adamw
     def submit_step(self, positions, adamw: AdamW, keep_previous: bool = False) -> Submitted:
         """Submit the step on the batch at token position positions (forward, backward,
         update with adamw's settings; several positions: a gradient accumulation over those
@@ -195,7 +214,6 @@ class Engine:
         runs, so this one writes them into the other of two sets of buffers (engines with
         `ahead`)."""
         self._check_open()          # before the other buffers' first registration
-        _check_adamw(adamw)         # before any task
         positions = self.micro_positions(positions)
         if keep_previous:
             self._alternate_buffers()
@@ -213,6 +231,7 @@ class Engine:
         self.wait()
         return self.loss(micro_batches=len(positions))
 
+    @_takes_adamw
     def step(self, positions, adamw: AdamW) -> float:
         """The step on the batch at positions with adamw's update (submit_step), waited for;
         its loss."""
