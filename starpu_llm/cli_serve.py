@@ -217,7 +217,7 @@ def run_serve(init_from, host: str = "127.0.0.1", port: int = 8000, max_batch: i
         app = middleware.wrap(create_app(eng, model, template), edges, metrics)
         server = Server(uvicorn.Config(app, log_level=log_level, lifespan="off",
                                        timeout_graceful_shutdown=shutdown_timeout + 5,
-                                       http=middleware.http_protocol(edges),
+                                       http=middleware.http_protocol(edges, metrics),
                                        timeout_keep_alive=edges.idle_timeout,
                                        access_log=False))      # middleware logs each request
         # the CLI's stop-after-the-step handlers (signals.py) out of the way: uvicorn's drain

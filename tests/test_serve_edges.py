@@ -6,6 +6,7 @@ for a machine whose cores are all busy, a timeout a test does not exercise is le
 nothing measures how long a closing took."""
 import contextlib
 import json
+import re
 import socket
 import threading
 import time
@@ -20,23 +21,26 @@ from starpu_llm import cli
 from starpu_llm.cli_serve import FD_HEADROOM, check_connection_room, listen_socket
 from starpu_llm.errors import StarpuLLMError
 from starpu_llm.serve import middleware
+from starpu_llm.serve.metrics import Metrics
 
 GET = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
 
 
 @contextlib.contextmanager
-def serving(edges: middleware.Edges):
-    """The port of a server with edges, stopped at the end."""
+def serving(edges: middleware.Edges, metrics=None):
+    """The port of a server with edges (and metrics, a serve/metrics.Metrics), stopped at the
+    end."""
     async def health(request):
         return JSONResponse({"status": "ok"})
 
     async def echo(request):
         return JSONResponse({"got": len(await request.body())})
     app = middleware.wrap(Starlette(routes=[Route("/health", health),
-                                            Route("/echo", echo, methods=["POST"])]), edges)
+                                            Route("/echo", echo, methods=["POST"])]), edges,
+                          metrics)
     sock = listen_socket("127.0.0.1", 0)
     server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning",
-                                           http=middleware.http_protocol(edges),
+                                           http=middleware.http_protocol(edges, metrics),
                                            timeout_keep_alive=edges.idle_timeout))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -130,10 +134,12 @@ def test_one_connection_beyond_max_connections():
     """At --max-connections (2 here) one more connection closes the kept-alive connection idle
     the longest and is served (idle connections, kept 75 s for a load balancer, never keep a
     request out); with none idle its request, body and all, is answered 503 in OpenAI's
-    shape with Retry-After, and closed; the server goes on serving. The half heads that keep
+    shape with Retry-After and, as every answer, an X-Request-Id (the refusal had none, and
+    was not counted), counted "rejected", and closed; the server goes on serving. The half heads that keep
     connections busy get a head timeout no loaded machine reaches."""
     edges = middleware.Edges(header_timeout=600, idle_timeout=600, max_connections=2)
-    with serving(edges) as port:
+    metrics = Metrics(1)
+    with serving(edges, metrics) as port:
         idle = connect(port, GET)
         assert answer(idle).startswith(b"HTTP/1.1 200 ")
         busy = connect(port, b"GET /health HTTP/1.1\r\n")          # half a head: not idle
@@ -142,11 +148,15 @@ def test_one_connection_beyond_max_connections():
         assert rest_until_closed(idle) == b""                    # made room for the third
         third.sendall(b"GET /health HTTP/1.1\r\n")                 # busy too now
         body = b'{"prompt": "Hi"}'
-        over = connect(port, b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Type: application/"
-                             b"json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        over = connect(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                             b"application/json\r\nContent-Length: %d\r\n\r\n%s"
+                       % (len(body), body))
         got = rest_until_closed(over)
         head, _, text = got.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 503 ") and b"\r\nretry-after: 1\r\n" in head.lower()
+        assert re.search(rb"\r\nx-request-id: [0-9a-f]{32}(\r\n|$)", head.lower())
+        assert re.search(r'^starpu_llm_requests_total\{outcome="rejected"\} 1\.0$',
+                         metrics.exposition().decode(), re.M)
         err = json.loads(text)["error"]
         assert "has 2 connections open, its most (--max-connections)" in err["message"]
         assert err["type"] == "server_busy"

@@ -208,10 +208,13 @@ class _BodyGuard:
                 self.metrics.outcome("cancelled")
 
 
-def _refuse(edges: Edges):
+def _refuse(edges: Edges, metrics=None):
     """The application of a connection beyond edges.max_connections, none idle to close: 503,
-    the connection closed."""
+    the connection closed; behind the request id (its header, its log line) and counted
+    "rejected" like a full queue's 503."""
     async def refuse(scope, receive, send):
+        if metrics is not None and _counted(scope):
+            metrics.rejected()
         more = True
         while more:     # the body read first: a close over unread bytes resets the connection
             try:        # and the client never reads the answer
@@ -223,14 +226,16 @@ def _refuse(edges: Edges):
             f"the server has {edges.max_connections} connections open, its most "
             f"(--max-connections), none of them idle; retry in a second", "server_busy"),
             [(b"retry-after", b"1"), (b"connection", b"close")])
-    return refuse
+    return _RequestId(refuse, metrics)
 
 
 class _Edge(H11Protocol):
     """uvicorn's HTTP/1.1 protocol with a deadline on each request head (a connection that
     sends nothing, or half a head, for edges.header_timeout seconds is closed) and at most
-    edges.max_connections connections open."""
+    edges.max_connections connections open (a refusal counted in metrics, a serve/metrics.Metrics
+    or None)."""
     edges = Edges()
+    metrics = None
 
     def connection_made(self, transport):
         super().connection_made(transport)
@@ -254,7 +259,7 @@ class _Edge(H11Protocol):
         else:
             log.warning("the connection of %s is answered 503: %d connections are open, none "
                         "idle (--max-connections)", self._who(), self.edges.max_connections)
-            self.app = _refuse(self.edges)
+            self.app = _refuse(self.edges, self.metrics)
 
     def data_received(self, data: bytes):
         cycle = self.cycle
@@ -287,7 +292,7 @@ class _Edge(H11Protocol):
             self.transport.close()
 
 
-def http_protocol(edges: Edges) -> type:
+def http_protocol(edges: Edges, metrics=None) -> type:
     """The protocol class for uvicorn.Config(http=...): h11 with the head's deadline and the
-    cap on connections."""
-    return type("H11Edge", (_Edge,), {"edges": edges})
+    cap on connections (its refusals counted in metrics, wrap()'s)."""
+    return type("H11Edge", (_Edge,), {"edges": edges, "metrics": metrics})
