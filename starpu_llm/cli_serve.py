@@ -68,8 +68,10 @@ def load_model(config, params, engine: str = "starpu", partition=None):
             raise
 
         def close():
-            backend.close()
-            runtime.shutdown()
+            try:
+                backend.close()
+            finally:                # StarPU stopped whatever the backend says
+                runtime.shutdown()
         part = runtime.partition
         return Loaded(backend, part.workers, runtime.paused, close, runtime.describe(),
                       part.cores)
@@ -236,6 +238,9 @@ def run_serve(init_from, host: str = "127.0.0.1", port: int = 8000, max_batch: i
         if failed:
             print(f"the engine {eng.state()}; the server stopped (status 1) for its "
                   f"supervisor to start it again", flush=True)
-        print("stopped: StarPU shut down" if done else
-              "stopped, but the engine thread did not end", flush=True)
-        return 0 if done and server.started and not failed else 1
+        if eng.close_error:
+            print(f"stopped, but {eng.close_error}", flush=True)
+        else:
+            print("stopped: StarPU shut down" if done else
+                  "stopped, but the engine thread did not end", flush=True)
+        return 0 if done and server.started and not failed and not eng.close_error else 1

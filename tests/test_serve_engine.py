@@ -278,3 +278,25 @@ def test_healthy_probes_are_not_logged_at_info(caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2, lines
     assert '"GET /health" 503' in lines[0] and '"GET /other" 200' in lines[1]
+
+
+def test_a_failed_unload_is_said_not_raised_in_the_engine_thread(tiny_params):
+    """StarPU's shutdown failing when the server stops (Runtime.shutdown's RuntimeError: its
+    last wait or StarPU-MPI's stop failed) was a traceback in the engine thread and the run
+    said "StarPU shut down", status 0; it is now the engine's close_error (run_serve prints it
+    and ends with status 1), the thread ending all the same."""
+    load = load_model(TINY, tiny_params, engine="reference")
+
+    def failing():
+        loaded = load()
+
+        def close():
+            loaded.close()
+            raise RuntimeError("stopping StarPU: its wait for the last tasks failed (-5)")
+        return loaded._replace(close=close)
+    engine = eng.Engine(failing, TINY, TOK, TOK.eot, max_batch=1)
+    engine.start(180)
+    assert engine.close_error is None
+    assert engine.close(30)
+    assert engine.close_error == ("unloading the model failed: RuntimeError: stopping StarPU: "
+                                  "its wait for the last tasks failed (-5)")

@@ -251,6 +251,8 @@ class Engine:
         self._draining = False
         self._deadline = None
         self._failed: str | None = None
+        # why unloading the model (Loaded.close: StarPU's shutdown) failed, once the thread ends
+        self.close_error: str | None = None
         self._request_s = 1.0           # a running mean of request durations (retry times)
         self.stall_timeout, self._clock = stall_timeout, clock
         # the end of the last step, or when work came to an idle engine (clock's time)
@@ -386,7 +388,10 @@ class Engine:
             self._failed = f"{type(e).__name__}: {e}"
             self._end_all(error=f"the engine failed: {self._failed}")
         finally:
-            loaded.close()
+            try:
+                loaded.close()
+            except Exception as e:      # noqa: BLE001 (the answers are sent: said, not raised)
+                self.close_error = f"unloading the model failed: {type(e).__name__}: {e}"
 
     def _loop(self):
         while True:
