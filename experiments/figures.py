@@ -664,11 +664,16 @@ def latest_commit(path, machine) -> str:
 
 
 def run_points(points, cache, repeat, force_figs, log, replot=False, deadline=None,
-               order="plan", llmc_dir=None, grace=60.0):
+               order="plan", llmc_dir=None, grace=60.0, run_env=None, after_run=None):
     """Round-robin over the distinct configurations, `repeat` times; cached runs skipped.
     order "cheap": within a round, by estimated run time (estimate_s). deadline (epoch
     seconds): a run whose estimate ends after it is not started (written down as not run),
-    and each run is killed at the deadline or at 3 x its estimate + grace seconds."""
+    and each run is killed at the deadline or at 3 x its estimate + grace seconds.
+    run_env (VAR=VALUE): in the environment of each run's processes; after_run: a shell
+    command run after each run, without run_env (tools/device-eval16.sh: it ends what the run
+    left, marked run_env, so that no run shares its cores with one before it); when it fails,
+    the runs after it are not run (written down)."""
+    var, _, value = (run_env or "").partition("=")
     configs = {}
     for p in points:
         configs.setdefault(config_key(p["spec"]), p)
@@ -688,8 +693,13 @@ def run_points(points, cache, repeat, force_figs, log, replot=False, deadline=No
         f"{len(todo)} to run")
     t_start = time.time()
     durations = []
+    stopped = None      # why the runs stopped: what a run left outlives after_run
     for i, (r, key, p) in enumerate(todo, 1):
         figs = ",".join(sorted({q["figure"] for q in points if config_key(q["spec"]) == key}))
+        if stopped:
+            cache.add(p["spec"], r, dict(error=stopped), 0.0)
+            log(f"[{i:3d}/{len(todo)}] {figs:<11} {describe_point(p):<34} NOT RUN: {stopped}")
+            continue
         timeout = None
         if deadline is not None:
             left, est = deadline - time.time(), p.get("estimate_s")
@@ -702,8 +712,22 @@ def run_points(points, cache, repeat, force_figs, log, replot=False, deadline=No
                 continue
             timeout = left if est is None else min(left, 3 * est + grace)
         t0 = time.time()
-        result = run_spec(p["spec"], llmc_dir, timeout)
+        before = os.environ.get(var)
+        if var:
+            os.environ[var] = value         # the run's processes inherit it
+        try:
+            result = run_spec(p["spec"], llmc_dir, timeout)
+        finally:
+            if var and before is None:
+                del os.environ[var]
+            elif var:
+                os.environ[var] = before
         dt = time.time() - t0
+        if after_run:
+            done = subprocess.run(after_run, shell=True)
+            if done.returncode != 0:
+                stopped = (f"not run: `{after_run}` failed (exit {done.returncode}) after "
+                           f"{describe_point(p)}: its processes may still run")
         durations.append(dt)
         row = cache.add(p["spec"], r, result, dt)
         left = (len(todo) - i) * statistics.mean(durations)
@@ -978,6 +1002,13 @@ def main(argv=None):
     node.add_argument("--run-grace", type=float, default=60.0, metavar="SECONDS",
                       help="with a deadline, a run is killed at 3 x its estimate + SECONDS "
                       "(default 60; more on a machine other processes load)")
+    node.add_argument("--run-env", metavar="VAR=VALUE", help="set in the environment of "
+                      "each run's processes (not of --after-each-run): a mark that finds what "
+                      "a run left, e.g. mpirun's ranks")
+    node.add_argument("--after-each-run", metavar="CMD", help="a shell command run after each "
+                      "run, before the next (tools/device-eval16.sh: ends what the run left, by "
+                      "--run-env's mark, so no run shares its cores with one before it); when "
+                      "it fails, the runs after it are not run")
     node.add_argument("--order", choices=["plan", "cheap", "priority"], default="plan",
                       help="cheap: the runs by estimated time, shortest first; priority: by "
                       "--only's order, the first figure first, and with --deadline a plan cut "
@@ -1014,6 +1045,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.repeat < 3 and not args.dry_run:
         print(f"note: --repeat {args.repeat} (< 3): fine for a test, not for the figures")
+    var, eq, _ = (args.run_env or "VAR=").partition("=")
+    if not (var and eq):
+        ap.error(f"--run-env {args.run_env!r}: give VAR=VALUE, e.g. SL_DEVICE_RUN=123-runs")
     only = set(args.only.split(","))
     unknown = only - set(FIGURES)
     unknown -= set(EXTRA_FIGURES)
@@ -1134,7 +1168,8 @@ def main(argv=None):
             cache.add(p["spec"], 1, dict(error=p.get("why") or "not run: cut from the plan "
                                          "(the deadline; lower priority)"), 0.0)
         run_points(points, cache, args.repeat, only if args.force else set(), log, args.replot,
-                   deadline, args.order, args.llmc, args.run_grace)
+                   deadline, args.order, args.llmc, args.run_grace, args.run_env,
+                   args.after_each_run)
         if args.no_plots:
             done = sum(1 for r in cache.rows if not r.get("error"))
             log(f"--no-plots: {done} run(s) in {os.path.join(args.out, 'runs.csv')}, "

@@ -436,22 +436,29 @@ def alive(pid: int) -> bool:
         return False
 
 
+def records_live_pids(name: str) -> str:
+    """A stand-in command's sh body: which of the pids in $T/*.pid are live when it runs, one
+    file a line into $T/name, then 'checked'."""
+    return ('for f in "$T"/*.pid; do p=$(cat "$f"); s=$(cut -d" " -f3 "/proc/$p/stat" '
+            f'2>/dev/null); [ -n "$s" ] && [ "$s" != Z ] && echo "$f" >>"$T/{name}"; done; '
+            f'echo checked >>"$T/{name}"')
+
+
 def stand_in_repo(tmp_path, python3: str):
-    """A copy of the device script whose build fails at once, with python3 and nvidia-smi
-    stood in for (sh scripts; T is tmp_path); what a run of it needs: (repo, env)."""
+    """A copy of the device script (and the device-lib.sh it sources) whose build fails at
+    once, with python3 and nvidia-smi stood in for (sh scripts; T is tmp_path); what a run of
+    it needs: (repo, env)."""
     import shutil
     repo = tmp_path / "repo"
     (repo / "tools").mkdir(parents=True)
-    shutil.copy(SCRIPT, repo / "tools" / "device-gpu.sh")
+    for f in ("device-gpu.sh", "device-lib.sh"):
+        shutil.copy(os.path.join(ROOT, "tools", f), repo / "tools" / f)
     bindir = tmp_path / "bin"
     bindir.mkdir()
     for path, text in ((repo / "tools" / "build-starpu.sh", "echo no build here >&2; exit 1"),
                        (bindir / "python3", python3),
-                       # which of the pids in T/*.pid live when the build's first command runs
-                       (bindir / "nvidia-smi",
-                        'for f in "$T"/*.pid; do p=$(cat "$f"); s=$(cut -d" " -f3 '
-                        '"/proc/$p/stat" 2>/dev/null); [ -n "$s" ] && [ "$s" != Z ] && '
-                        'echo "$f" >>"$T/alive-at-build"; done; echo checked >>"$T/alive-at-build"')):
+                       # the build's first command
+                       (bindir / "nvidia-smi", records_live_pids("alive-at-build"))):
         path.write_text("#!/bin/sh\n" + text + "\n")
         path.chmod(0o755)
     env = dict(os.environ, OUT=str(tmp_path / "out"), SL_DEVICE_WORK=str(tmp_path / "work"),

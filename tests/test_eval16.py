@@ -568,3 +568,173 @@ def test_the_node_runs_on_one_thread_of_each_of_its_cores(tmp_path, monkeypatch)
     script = open(os.path.join(os.path.dirname(HERE), "tools", "device-eval16.sh")).read()
     assert 'experiments/node_cores.py" --node-cores "$cores"' in script
     assert 'pin=(taskset -c "$use")' in script and "0-$((cores - 1))" not in script
+
+
+# ---------------------------------------------------------------- caps: nothing outlives its run
+
+ROOT = os.path.dirname(HERE)
+LIB = os.path.join(ROOT, "tools", "device-lib.sh")
+MARK_VAR = re.search(r"^MARK_VAR=(\w+)", open(LIB).read(), re.M)[1]
+
+
+def sh_script(path, text):
+    path.write_text("#!/bin/sh\n" + text + "\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_each_timed_run_is_swept_before_the_next_starts(tmp_path, monkeypatch):
+    """run_points as tools/device-eval16.sh runs it (--run-env, --after-each-run: device-lib.sh's
+    sweep), mpirun stood in for: the first run times out leaving a rank in a process group of
+    its own that ignores TERM (OpenMPI's ranks each have their own group, so a mpirun that
+    dies without ending them leaves them running); the second run's mpirun finds it gone."""
+    from test_device_gpu import alive, records_live_pids
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    rank = ("import os, signal, time; os.setpgid(0, 0); "
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)")
+    sh_script(bindir / "mpirun", (
+        'if [ ! -e "$T/first" ]; then touch "$T/first"\n'
+        f'  {sys.executable} -c "{rank}" </dev/null >"$T/rank.out" 2>&1 & echo $! >"$T/rank.pid"\n'
+        '  sleep 300\nfi\n' + records_live_pids("alive-at-second-run") +
+        '\necho \'{"step_ms": [1.0], "tokens_per_ms": 1.0}\''))
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    monkeypatch.setenv("T", str(tmp_path))
+    mark = f"test-{os.getpid()}-runs"
+    before = os.environ.get(MARK_VAR)
+    ran = []
+
+    class Cache:
+        def get(self, key, repeat):
+            return None
+
+        def add(self, spec, repeat, result, seconds):
+            ran.append(result)
+            return {"error": result.get("error", ""),
+                    "tokens_per_ms": result.get("tokens_per_ms", "")}
+
+    pts = [point("fig4", "sharded", 2, n=1, k=1, B=B, ranks=2, est=0.5) for B in (2, 4)]
+    try:
+        plan.run_points(pts, Cache(), 1, set(), lambda s: None, deadline=time.time() + 600,
+                        grace=1.0, run_env=f"{MARK_VAR}={mark}",
+                        after_run=f"bash {LIB} sweep {mark}")
+        assert "timed out" in ran[0]["error"], ran
+        assert (tmp_path / "alive-at-second-run").read_text() == "checked\n", ran
+        assert ran[1]["tokens_per_ms"] == 1.0
+        assert not alive(int((tmp_path / "rank.pid").read_text()))
+        assert os.environ.get(MARK_VAR) == before     # this process's environment as it was
+    finally:
+        pid = tmp_path / "rank.pid"
+        if pid.exists() and alive(int(pid.read_text())):
+            os.kill(int(pid.read_text()), 9)
+
+
+def test_when_the_sweep_fails_no_run_after_it_starts(monkeypatch, capsys):
+    """--after-each-run failing (a process outlived KILL): the runs after it are written down
+    as not run, naming the command, and none of them starts. A --run-env without = is one
+    error naming the flag."""
+    started = []
+    monkeypatch.setattr(plan, "run_spec", lambda spec, llmc_dir, timeout: (
+        started.append(spec["batch"]), {"error": "stand-in"})[1])
+    rows = []
+
+    class Cache:
+        def get(self, key, repeat):
+            return None
+
+        def add(self, spec, repeat, result, seconds):
+            rows.append(result.get("error", ""))
+            return {"error": result.get("error", ""), "tokens_per_ms": ""}
+
+    pts = [point("fig3", "B=16", "16x1", n=16, k=1, B=B, est=1.0) for B in (16, 32, 64)]
+    plan.run_points(pts, Cache(), 1, set(), lambda s: None, deadline=time.time() + 600,
+                    after_run="exit 3")
+    assert started == [16]
+    assert rows[1:] == ["not run: `exit 3` failed (exit 3) after starpu 16x1, B=16: its "
+                        "processes may still run"] * 2
+    with pytest.raises(SystemExit) as e:      # the mark given without its value
+        plan.main(["--run-env", "SL_DEVICE_RUN", "--dry-run"])
+    assert e.value.code == 2
+    assert "--run-env 'SL_DEVICE_RUN': give VAR=VALUE" in capsys.readouterr().err
+
+
+def test_a_timed_out_run_gets_term_before_kill(tmp_path):
+    """run_in_subprocess at its timeout: TERM to the run's process group first (mpirun ends
+    its ranks on TERM, not on KILL), KILL only what is left END_GRACE s later."""
+    from starpu_llm.perf.runs import run_in_subprocess
+    child = sh_script(tmp_path / "child", f'trap \'echo term >"{tmp_path}/got"; exit 0\' TERM\n'
+                                         'sleep 300 & wait')
+    r = run_in_subprocess(dict(engine="starpu"), python=child, timeout=1)
+    assert "timed out" in r["error"] and (tmp_path / "got").read_text() == "term\n"
+
+
+def eval16_stand_in(tmp_path, python3: str):
+    """A copy of tools/device-eval16.sh (and device-lib.sh) with what --device carries and runs
+    stood in for (sh scripts; T is tmp_path): PYTHON, dpkg, ldd, mpirun (writes which of T's
+    *.pid files are live into T/alive-at-mpirun), nvidia-smi and tar failing with a message;
+    StarPU given (EVAL_STARPU_PREFIX), no wheels. What a run needs: (script, env)."""
+    import shutil
+    from test_device_gpu import records_live_pids
+    repo, e = tmp_path / "repo", tmp_path / "repo" / ".device-eval"
+    for d in (repo / "tools", e / "cache", e / "deb", e / "llmc", tmp_path / "bin",
+              tmp_path / "starpu" / "lib" / "pkgconfig"):
+        d.mkdir(parents=True)
+    for f in ("device-eval16.sh", "device-lib.sh"):
+        shutil.copy(os.path.join(ROOT, "tools", f), repo / "tools" / f)
+    (e / "commit.txt").write_text("abc1234\n")
+    (e / "cache" / "tokens.bin").write_text("")
+    (tmp_path / "starpu" / "lib" / "pkgconfig" / "starpu-1.4.pc").write_text("Version: 1.4.12\n")
+    ob = tmp_path / "w" / "ob" / "usr" / "lib" / "x86_64-linux-gnu" / "openblas-openmp"
+    b = tmp_path / "bin"
+    sh_script(b / "python3", python3)
+    sh_script(b / "dpkg", f'mkdir -p "{ob}"')
+    sh_script(b / "ldd", f'echo "libopenblas.so.0 => {ob}/libopenblas.so.0 (0x1)"')
+    sh_script(b / "nvidia-smi", 'echo "NVIDIA-SMI has failed: no driver here" >&2; exit 9')
+    sh_script(b / "tar", 'echo "tar: stand-in: No space left on device" >&2; exit 2')
+    sh_script(b / "mpirun", records_live_pids("alive-at-mpirun"))
+    env = dict(os.environ, OUT=str(tmp_path / "out"), EVAL_WORK=str(tmp_path / "w"),
+               EVAL_STARPU_PREFIX=str(tmp_path / "starpu"), EVAL_NO_WHEELS="1",
+               PYTHON=str(b / "python3"), EVAL_SECONDS="300", EVAL_NODE_CORES="1", T=str(tmp_path),
+               PATH=f"{b}:{os.environ['PATH']}")
+    return str(repo / "tools" / "device-eval16.sh"), env
+
+
+def test_device_caps_each_command_and_its_errors_come_back(tmp_path):
+    """--device with stand-ins: the BLAS preflight (capped at EVAL_PREFLIGHT_SECONDS) never
+    ends and leaves two sleeping grandchildren, one ignoring TERM, one in a session of its own
+    (what `timeout` alone left running); at the cap both are ended and the next command, the
+    mpirun smoke run, finds neither. nvidia-smi's and tar's error messages (discarded before)
+    are in the log.txt that comes back, within the device tool's 8 files."""
+    from test_device_gpu import alive
+    script, env = eval16_stand_in(tmp_path, python3=(
+        'case "$*" in\n'
+        '  *blas_preflight.py*) (trap "" TERM; exec sleep 300) & echo $! >"$T/ignores-term.pid"\n'
+        '    setsid sleep 300 & echo $! >"$T/own-session.pid"\n    exec sleep 300;;\n'
+        '  -) cat >/dev/null; echo "parallel workers used True"; echo "blas openblas-openmp";;\n'
+        '  *node_cores.py*) echo 0; echo "cores: 1 (stand-in)";;\n'
+        '  *figures.py*) echo "figures: done in 0.0 min";;\n'
+        '  -c*) echo "no calibration here" >&2; exit 1;;\n'
+        'esac'))
+    env["EVAL_PREFLIGHT_SECONDS"] = "3"
+    try:
+        p = subprocess.run(["bash", script, "--device"], capture_output=True, text=True, env=env,
+                           timeout=200)
+        out = tmp_path / "out"
+        log = (out / "log.txt").read_text()
+        pids = {f.name: int(f.read_text()) for f in tmp_path.glob("*.pid")}
+        assert sorted(pids) == ["ignores-term.pid", "own-session.pid"], log
+        assert not [n for n, pid in pids.items() if alive(pid)], log
+        assert (tmp_path / "alive-at-mpirun").read_text() == "checked\n", log
+        assert "capped at 3 s: " in log and "blas_preflight.py" in log, log
+        assert "TERM to what outlived its command" in log and "KILL to what outlived" in log, log
+        status = (out / "00-status.txt").read_text()
+        assert "BLAS CHECK FAILED: the preflight (cut at its cap)" in status, status
+        assert "NVIDIA-SMI has failed: no driver here" in log, log
+        assert "tar: stand-in: No space left on device" in log, log
+        assert "eval16.tar.gz not written" in log, log
+        assert "figures: done in" in log and p.returncode == 0, p.stdout + p.stderr
+        assert len(os.listdir(out)) <= 8
+    finally:
+        for f in tmp_path.glob("*.pid"):
+            if alive(int(f.read_text())):
+                os.kill(int(f.read_text()), 9)

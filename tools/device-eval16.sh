@@ -56,6 +56,11 @@
 #      folder: env.txt, build, preflight and calibration logs); copied every 10 s, so a killed
 #      run still brings back what it measured. experiments/eval16_report.py turns them into
 #      the committed results.
+#   Each command is capped (tools/device-lib.sh: at the cap all it started ends, a child that
+#      ignores TERM or left its process group -- mpirun's ranks -- too, found by a mark in its
+#      environment) within the deadline, and every timed run of figures.py's is swept the same
+#      way before the next starts: nothing a run left takes cores from the runs after it.
+#      Every command's error messages go to log.txt.
 #   tools/device-eval16.sh --dry-run   # here: the plan for the node and its cut, predicted from
 #                                      # the reference calibration (EVAL_* settings apply)
 #
@@ -74,6 +79,7 @@ set -uo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 E=$REPO/.device-eval
+. "$REPO/tools/device-lib.sh"        # capped, sweep: each --device command's cap (the header)
 LLMC_COMMIT=f1e2ace
 # StarPU 1.4.12 as the node runs it: CPU, MPI, parallel workers, up to 64 CPU workers
 STARPU_OPTIONS=(--enable-mpi --enable-parallel-worker --enable-maxcpus=64 --disable-cuda
@@ -164,9 +170,15 @@ prepare() {
 # ------------------------------------------------------------------------------ --device
 START=$(date +%s)
 W=${EVAL_WORK:-/tmp/eval16}
-log() { echo "$(date +%T) [$(( $(date +%s) - START )) s] $*" | tee -a "$W/log.txt"; }
+# the marks of what --device starts (capped's default, $$: its commands): the two builds in
+# the background, and figures.py's timed runs
+MARK_STARPU=$$-starpu MARK_LLMC=$$-llmc MARK_RUNS=$$-runs
+stamp() { echo "$(date +%T) [$(( $(date +%s) - START )) s] $*"; }
+log() { stamp "$*" | tee -a "$W/log.txt"; }
+# device-lib.sh's messages: in log.txt, whatever the capped command's output is sent to
+say() { stamp "$*" >>"$W/log.txt"; }
 # 00-status.txt: the first file back (alphabetical) says what failed and why, and the machine
-status() { echo "$*" >>"$W/00-status.txt"; log "$*"; cp -f "$W/00-status.txt" "$OUT/" 2>/dev/null; }
+status() { echo "$*" >>"$W/00-status.txt"; log "$*"; cp -f "$W/00-status.txt" "$OUT/"; }
 
 # the files that come back ($OUT: at most 8); run every 10 s and at the end
 sync_out() {
@@ -178,13 +190,19 @@ sync_out() {
 }
 
 pack() {
-  [ -n "${SYNC_PID:-}" ] && kill "$SYNC_PID" 2>/dev/null
+  [ -n "${SYNC_PID:-}" ] && kill "$SYNC_PID" 2>/dev/null      # (ended already: nothing to do)
+  # what an early exit left running: a background build, figures.py's run at its cap
+  local m
+  for m in "$MARK_STARPU" "$MARK_LLMC" "$MARK_RUNS" "$$"; do sweep "$m"; done
   log "packing $OUT"
-  sync_out
-  tar -czf "$OUT/eval16.tar.gz" -C "$W" --exclude='build-*' --exclude=site --exclude='starpu-1.4.12' \
-    --exclude=starpu --exclude='llmc/*.bin' --exclude=cache --exclude=ob --exclude=gf \
-    --exclude='llmc/train_gpt2' --exclude=previous . 2>/dev/null
+  # log.txt apart (it comes back itself; tar's own messages go to it)
+  tar -czf "$OUT/eval16.tar.gz.tmp" -C "$W" --exclude='build-*' --exclude=site \
+    --exclude='starpu-1.4.12' --exclude=starpu --exclude='llmc/*.bin' --exclude=cache \
+    --exclude=ob --exclude=gf --exclude='llmc/train_gpt2' --exclude=previous \
+    --exclude=./log.txt . && mv "$OUT/eval16.tar.gz.tmp" "$OUT/eval16.tar.gz" ||
+    log "eval16.tar.gz not written (tar's message above)"
   ls -la "$OUT" | tee -a "$W/log.txt"
+  sync_out
 }
 
 # the settings of the plan, the same for the device run and --dry-run (figures.py's options)
@@ -227,7 +245,7 @@ dry_run() {
 
 device_kind() {
   # the H100 and H200 machines' CPUs report the same name: the kind from the GPU's
-  local gpu; gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1)
+  local gpu; gpu=$(capped 30 nvidia-smi --query-gpu=name --format=csv,noheader | head -n1)
   case "$gpu" in
     *H200*) echo nvidia-h200 ;; *H100*) echo nvidia-h100 ;;
     "") echo no-gpu ;; *) echo "gpu-$(echo "$gpu" | tr -cs 'A-Za-z0-9' - | tr A-Z a-z)" ;;
@@ -243,11 +261,18 @@ device() {
     mkdir -p "$W/previous" && cp "$W/fig/runs.csv" "$W/previous/runs-$(date +%s).csv"
   fi
   rm -rf "$W/fig" "$W/log.txt" "$W/00-status.txt" "$W/calibration.toml"
+  # every command's error messages in log.txt, which comes back (none discarded)
+  exec 2>>"$W/log.txt"
   PY=${PYTHON:-python3}
   local deadline; deadline=$(deadline_at)
   local model=${EVAL_MODEL:-d12}
+  # a command's cap: at most $1 s (default: no more), and what the deadline leaves (at least 10)
+  cap() { local l=$(( deadline - $(date +%s) )); l=$(( l > 10 ? l : 10 ));
+          echo $(( ${1:-$l} < l ? ${1:-$l} : l )); }
   trap pack EXIT
-  (while sleep 10; do sync_out; done) & SYNC_PID=$!
+  # every 10 s; its sleep ends with it (pack's kill), so nothing of it outlives the run
+  (trap 'kill $! 2>/dev/null; exit' TERM; while :; do sleep 10 & wait $!; sync_out; done) &
+  SYNC_PID=$!
   export STARPU_LLM_COMMIT; STARPU_LLM_COMMIT=$(cat "$E/commit.txt")
   export SL_DEVICE_KIND; SL_DEVICE_KIND=$(device_kind)
   local cpu; cpu=$(lscpu | sed -n 's/^Model name: *//p' | head -n1)
@@ -275,10 +300,13 @@ device() {
   fi
   if [ $build_starpu = 1 ]; then
     (
+      mark=$MARK_STARPU      # its own mark: it runs beside the commands below
       rm -rf "$W/starpu-1.4.12" && tar -xzf "$E/starpu-1.4.12-autogen.tar.gz" -C "$W" &&
       mkdir -p "$W/starpu-1.4.12/build" && cd "$W/starpu-1.4.12/build" &&
-      ../configure --prefix="$prefix" "${STARPU_OPTIONS[@]}" >"$W/starpu-configure.log" 2>&1 &&
-      make -j"$(nproc)" >"$W/starpu-make.log" 2>&1 && make install >>"$W/starpu-make.log" 2>&1
+      capped "$(cap)" ../configure --prefix="$prefix" "${STARPU_OPTIONS[@]}" \
+        >"$W/starpu-configure.log" 2>&1 &&
+      capped "$(cap)" make -j"$(nproc)" >"$W/starpu-make.log" 2>&1 &&
+      capped "$(cap)" make install >>"$W/starpu-make.log" 2>&1
     ) & local starpu_pid=$!
   fi
   rm -rf "$W/ob" && mkdir -p "$W/ob"
@@ -295,9 +323,10 @@ device() {
   mkdir -p "$W/cache" && cp "$E"/cache/* "$W/cache/"
   export STARPU_LLM_CACHE=$W/cache
   (
-    PYTHONPATH=$REPO $PY "$REPO/experiments/llmc.py" build "$E/llmc" "$W/llmc" \
-      --openblas "$ob" && PYTHONPATH=$REPO $PY "$REPO/experiments/llmc.py" checkpoint \
-      "$W/llmc" --model "$model"
+    mark=$MARK_LLMC
+    PYTHONPATH=$REPO capped "$(cap)" $PY "$REPO/experiments/llmc.py" build "$E/llmc" "$W/llmc" \
+      --openblas "$ob" && PYTHONPATH=$REPO capped "$(cap)" $PY "$REPO/experiments/llmc.py" \
+      checkpoint "$W/llmc" --model "$model"
   ) >"$W/llmc-build.log" 2>&1 & local llmc_pid=$!
   if [ $build_starpu = 1 ]; then
     wait "$starpu_pid" || { status "FAILED: StarPU's build (starpu-*.log): nothing measured";
@@ -312,12 +341,14 @@ device() {
   # ---- 2. starpu-llm with the carried wheels, linked to that OpenBLAS (rpath, no fallback)
   if [ -z "${EVAL_NO_WHEELS:-}" ]; then
     local whl=$E/whl; [ -d "$whl" ] || whl=$REPO/.device/wheels       # the GPU run's
-    $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$W/site" \
-      "$whl"/*.whl >"$W/pip.log" 2>&1 || { status "FAILED: the wheels (pip.log)"; exit 1; }
+    capped "$(cap 120)" $PY -m pip install -q --no-index --no-deps --no-compile --upgrade \
+      --target "$W/site" "$whl"/*.whl >"$W/pip.log" 2>&1 ||
+      { status "FAILED: the wheels (pip.log)"; tail -n 10 "$W/pip.log" >>"$W/00-status.txt"
+        exit 1; }
   fi
   export PYTHONPATH=$W/site
   build_starpu_llm() {    # against StarPU in $1; a build folder per StarPU (reused by a 2nd call)
-    PKG_CONFIG_PATH=$1/lib/pkgconfig $PY -m pip install -q --no-index --no-deps \
+    PKG_CONFIG_PATH=$1/lib/pkgconfig capped "$(cap)" $PY -m pip install -q --no-index --no-deps \
       --no-build-isolation --no-compile --upgrade --target "$W/site" \
       -Cbuild-dir="$W/build-$(basename "$(dirname "$1")")-$(basename "$1")" \
       -Csetup-args=-Dcuda=disabled -Csetup-args=-Dopenblas_dir="$ob" \
@@ -339,9 +370,9 @@ device() {
   cd "$W"     # not the checkout: its starpu_llm/ has no compiled part
   {
     echo "host $(hostname); $(nproc) cores; $(uname -r); device machine $SL_DEVICE_KIND"
-    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
+    capped 30 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
     lscpu; free -g
-    $PY - <<'PY'
+    capped "$(cap 120)" $PY - <<'PY'
 from starpu_llm._clib import ffi, lib
 from starpu_llm.runtime.starpu import max_starpu_cpus, parallel_workers_here
 v = [ffi.new("int *") for _ in range(3)]
@@ -353,7 +384,7 @@ print("parallel workers used", used, why)
 print("blas", ffi.string(lib.blas_name()).decode())
 PY
     ldd "$W"/site/starpu_llm/_clib*.so
-    ldd "$W/llmc/train_gpt2" 2>/dev/null
+    ldd "$W/llmc/train_gpt2"
   } >"$W/env.txt" 2>&1
   local blas; blas=$(sed -n 's/^blas //p' "$W/env.txt")
   status "machine: $cpu; $(nproc) CPUs; device machine $SL_DEVICE_KIND; StarPU $starpu_version" \
@@ -363,15 +394,15 @@ PY
     status "PARALLEL WORKERS OFF ($(sed -n 's/^parallel workers used //p' "$W/env.txt")):" \
            "the K > 1 points run on team workers"
   # ---- the BLAS checked: linked from $ob, the OpenMP build, and a k-core task's GEMM on k cores
-  local kcore_ok=1 why=""
+  local kcore_ok=1 why="" rc
   if ! grep -q "libopenblas.so.0 => $ob/" "$W/env.txt"; then
     kcore_ok=0 why="starpu-llm's libopenblas is not $ob's (env.txt's ldd)"
   elif [ "${blas#openblas-openmp}" = "$blas" ]; then
     kcore_ok=0 why="the BLAS is $blas, not OpenBLAS's OpenMP build"
-  elif ! timeout "${EVAL_PREFLIGHT_SECONDS:-90}" $PY "$REPO/experiments/blas_preflight.py" \
+  elif capped "$(cap "${EVAL_PREFLIGHT_SECONDS:-90}")" $PY "$REPO/experiments/blas_preflight.py" \
          --partitions "${EVAL_PREFLIGHT:-4x4,1x16}" --model "$model" --json "$W/preflight.json" \
-         >"$W/preflight.log" 2>&1; then
-    kcore_ok=0 why="the preflight: $(tail -n 3 "$W/preflight.log" | tr '\n' ' ')"
+         >"$W/preflight.log" 2>&1; rc=$?; [ $rc -ne 0 ]; then
+    kcore_ok=0 why="the preflight ($(ended $rc)): $(tail -n 3 "$W/preflight.log" | tr '\n' ' ')"
   fi
   if [ $kcore_ok = 1 ]; then
     status "BLAS preflight ok: $(grep -v '^blas preflight: ok' "$W/preflight.log" | tr '\n' ' ')"
@@ -379,7 +410,7 @@ PY
     status "BLAS CHECK FAILED: $why -- the k > 1 points are not run"
   fi
   local only=${EVAL_ONLY:-fig3,fig2b,fig2a,fig2-llmc,fig4}
-  if timeout 120 env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun \
+  if capped "$(cap 120)" env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun \
        --oversubscribe --bind-to none -np 2 $PY -m starpu_llm train --model tiny --batch 4 \
        --seq-len 16 --steps 1 >"$W/mpi-smoke.log" 2>&1; then
     log "mpirun smoke run: ok"
@@ -393,7 +424,8 @@ PY
   # count; CPUs 0-15 of a machine of 2 threads a core numbered side by side are 8 cores), and
   # said first when the machine has fewer than the plan's
   local cores=${EVAL_NODE_CORES:-16} pin=() node
-  if node=$(cd "$W" && $PY "$REPO/experiments/node_cores.py" --node-cores "$cores" 2>&1); then
+  if node=$(cd "$W" && capped 30 $PY "$REPO/experiments/node_cores.py" --node-cores "$cores" \
+               2>&1); then
     status "${node#*$'\n'}"
     local use=${node%%$'\n'*}
     if [ "$(nproc)" -gt "$(echo "$use" | tr ',' '\n' | wc -l)" ]; then
@@ -407,7 +439,7 @@ PY
   # ---- 3. the calibration, held out by configuration: CAL_PARTS only, no MPI link fit
   local cal=()
   local parts_py; parts_py=$(cal_parts | sed 's/\([0-9]*\)x\([0-9]*\)/(\1, \2)/g')
-  if timeout "${EVAL_CAL_SECONDS:-150}" "${pin[@]}" $PY -c "
+  if capped "$(cap "${EVAL_CAL_SECONDS:-150}")" "${pin[@]}" $PY -c "
 from starpu_llm.perf.calibrate import calibrate
 calibrate('$W/calibration.toml', steps=1, model='$model', quick=True, only=[$parts_py],
           link_run=False)" >"$W/calibrate.log" 2>&1; then
@@ -429,10 +461,15 @@ calibrate('$W/calibration.toml', steps=1, model='$model', quick=True, only=[$par
     [ -f "$f" ] && extra+=(--resume "$f")
   done
   log "figures.py: $only; $(( deadline - $(date +%s) )) s left for them"
+  # each timed run's processes marked and swept before the next run starts (the ranks a
+  # timed-out mpirun may leave): none shares the next run's cores. figures.py ends its runs at
+  # the deadline; its cap leaves it 20 s more to write its files (what it then cuts: pack's)
   # shellcheck disable=SC2046
-  PYTHONUNBUFFERED=1 "${pin[@]}" $PY "$REPO/experiments/figures.py" $(plan_args) --only "$only" \
-    --series "$series" --llmc "$W/llmc" "${cal[@]}" "${extra[@]}" --deadline-at "$deadline" \
-    --no-plots --no-sgemm-peak --allow-dirty --out "$W/fig" 2>&1 |
+  PYTHONUNBUFFERED=1 capped "$(( $(cap) + 20 ))" "${pin[@]}" $PY "$REPO/experiments/figures.py" \
+    $(plan_args) --only "$only" --series "$series" --llmc "$W/llmc" "${cal[@]}" "${extra[@]}" \
+    --deadline-at "$deadline" --no-plots --no-sgemm-peak --allow-dirty --out "$W/fig" \
+    --run-env "$MARK_VAR=$MARK_RUNS" \
+    --after-each-run "$(printf '%q ' bash "$REPO/tools/device-lib.sh" sweep "$MARK_RUNS")" 2>&1 |
     tee -a "$W/log.txt" | grep -E "NOT RUN|NOT IN|FAILED|predicted|sized|done in|the plan:|--resume"
   log "done"
 }

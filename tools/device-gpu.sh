@@ -110,47 +110,8 @@ deadline=${SL_DEADLINE:-540}
 # stages after it (at least 10)
 limit() { local l=$((deadline - SECONDS - $2)); [ "$l" -lt "$1" ] && echo $((l > 10 ? l : 10)) || echo "$1"; }
 
-# Every command of a stage runs capped: `capped SECONDS COMMAND...` gives COMMAND
-# SL_DEVICE_RUN=$mark (default: this run's pid) in its environment and runs it under timeout
-# (TERM to its process group at the cap, KILL 10 s later), then ends whatever it left (sweep).
-# The mark finds what the group does not: a child that ignored the TERM, or one in a group or
-# session of its own (gpu_bench's runs, a setsid) still holding the GPU. Status: COMMAND's (124
-# or 137 at the cap).
-capped() {
-  [ -z "$dry" ] || { echo timeout "$@"; return 0; }
-  local m=${mark:-$$} rc
-  SL_DEVICE_RUN=$m timeout --kill-after=10 "$@"
-  rc=$?
-  sweep "$m"
-  return $rc
-}
-# the live processes marked $1 (a zombie's environment reads empty): pid and command line
-marked() {
-  local f
-  for f in $(grep -lzx "SL_DEVICE_RUN=$1" /proc/[0-9]*/environ 2>/dev/null); do
-    f=${f%/environ}
-    echo "${f#/proc/} $(tr '\0' ' ' <"$f/cmdline" 2>/dev/null | cut -c1-100)"
-  done
-}
-# TERM to each process marked $1, KILL to those left 10 s later; 1 if one outlives the KILL by
-# 30 s (a process stuck in the driver)
-sweep() {
-  local sig left n wait=10
-  for sig in TERM KILL; do
-    left=$(marked "$1")
-    [ -n "$left" ] || return 0
-    say "$sig to what outlived its command: ${left//$'\n'/; }"
-    kill -s "$sig" $(cut -d' ' -f1 <<<"$left") 2>/dev/null
-    [ "$sig" = TERM ] || wait=30
-    for ((n = 0; n < wait; n++)); do
-      sleep 1
-      [ -n "$(marked "$1")" ] || return 0
-    done
-  done
-  left=$(marked "$1")
-  say "still alive after KILL: ${left//$'\n'/; }"
-  return 1
-}
+# every command of a stage runs capped (tools/device-lib.sh): at the cap, all it started ends
+. "$repo/tools/device-lib.sh"
 # pytest as the stages run it: from $work (the installed package), the repo's tests
 pytest_gpu() { (cd "$work" && capped "$1" python3 -m pytest -p no:cacheprovider -q -rs -s "${@:2}"); }
 

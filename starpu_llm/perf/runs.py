@@ -104,8 +104,8 @@ def run_in_subprocess(spec: dict, env=None, python: str | None = None,
     pinning (runtime.mpi.pin_rank); the result is rank 0's. python: the interpreter (default
     this one), e.g. another virtual environment's, whose starpu_llm (another build or commit)
     then runs; it starts outside any source tree, so it imports its own installed package.
-    timeout: seconds, after which the child and everything it started (mpirun's ranks) are
-    killed and the result's "error" says so (None: no limit)."""
+    timeout: seconds, after which the child is ended with its process group (TERM, then KILL:
+    _run_limited; mpirun ends its ranks) and the result's "error" says so (None: no limit)."""
     cmd = [python or sys.executable, "-m", CHILD, json.dumps(spec)]
     ranks = int(spec.get("ranks") or 1)
     if ranks > 1:
@@ -130,20 +130,32 @@ def run_in_subprocess(spec: dict, env=None, python: str | None = None,
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+END_GRACE = 10.0     # seconds between a timed-out run's TERM and its KILL
+
+
 def _run_limited(cmd, spec, env, preexec, cwd, timeout: float) -> dict:
-    """run_in_subprocess's child with a time limit: in a session of its own, so that at the
-    limit its whole process group (mpirun and its ranks) is killed, not mpirun alone."""
+    """run_in_subprocess's child with a time limit: in a session of its own, its process group
+    sent TERM at the limit, then KILL END_GRACE s later. TERM first: mpirun puts each rank in
+    a process group of its own, so only mpirun, on TERM, ends its ranks; killed outright it
+    leaves them running (what still outlives it is the caller's: tools/device-lib.sh's
+    sweep)."""
     import signal
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                          preexec_fn=preexec, cwd=cwd, start_new_session=True)
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        def signal_group(sig):
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                pass
+        signal_group(signal.SIGTERM)
         try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        p.communicate()
+            p.communicate(timeout=END_GRACE)
+        except subprocess.TimeoutExpired:
+            signal_group(signal.SIGKILL)
+            p.wait()        # not its pipes: a process outside the group may hold them
         return dict(spec, error=f"timed out after {timeout:.0f} s (killed)")
     if p.returncode != 0:
         return dict(spec, error=(err.strip().splitlines() or ["failed"])[-1])
