@@ -704,14 +704,16 @@ def test_device_caps_each_command_and_its_errors_come_back(tmp_path):
     ends and leaves two sleeping grandchildren, one ignoring TERM, one in a session of its own
     (what `timeout` alone left running); at the cap both are ended and the next command, the
     mpirun smoke run, finds neither. nvidia-smi's and tar's error messages (discarded before)
-    are in the log.txt that comes back, within the device tool's 8 files."""
+    are in the log.txt that comes back, within the device tool's 8 files; node_cores.py's
+    stderr is not read as its CPU list."""
     from test_device_gpu import alive
     script, env = eval16_stand_in(tmp_path, python3=(
         'case "$*" in\n'
         '  *blas_preflight.py*) (trap "" TERM; exec sleep 300) & echo $! >"$T/ignores-term.pid"\n'
         '    setsid sleep 300 & echo $! >"$T/own-session.pid"\n    exec sleep 300;;\n'
         '  -) cat >/dev/null; echo "parallel workers used True"; echo "blas openblas-openmp";;\n'
-        '  *node_cores.py*) echo 0; echo "cores: 1 (stand-in)";;\n'
+        '  *node_cores.py*) echo "DeprecationWarning: stand-in" >&2; echo 0\n'
+        '    echo "cores: 1 (stand-in)";;\n'
         '  *figures.py*) echo "figures: done in 0.0 min";;\n'
         '  -c*) echo "no calibration here" >&2; exit 1;;\n'
         'esac'))
@@ -732,6 +734,10 @@ def test_device_caps_each_command_and_its_errors_come_back(tmp_path):
         assert "NVIDIA-SMI has failed: no driver here" in log, log
         assert "tar: stand-in: No space left on device" in log, log
         assert "eval16.tar.gz not written" in log, log
+        # node_cores.py's stderr kept apart from the CPU list it prints (a warning there was
+        # taken for the CPUs), said in the log
+        assert "node_cores.py said: DeprecationWarning: stand-in" in log, log
+        assert "\ncores: 1 (stand-in)" in status and "0\ncores" not in status, status
         assert "figures: done in" in log and p.returncode == 0, p.stdout + p.stderr
         assert len(os.listdir(out)) <= 8
     finally:

@@ -424,8 +424,10 @@ PY
   # count; CPUs 0-15 of a machine of 2 threads a core numbered side by side are 8 cores), and
   # said first when the machine has fewer than the plan's
   local cores=${EVAL_NODE_CORES:-16} pin=() node
+  # (its stderr apart: a warning there would become the CPU list given to taskset)
   if node=$(cd "$W" && capped 30 $PY "$REPO/experiments/node_cores.py" --node-cores "$cores" \
-               2>&1); then
+               2>"$W/node_cores.err"); then
+    [ -s "$W/node_cores.err" ] && log "node_cores.py said: $(cat "$W/node_cores.err")"
     status "${node#*$'\n'}"
     local use=${node%%$'\n'*}
     if [ "$(nproc)" -gt "$(echo "$use" | tr ',' '\n' | wc -l)" ]; then
@@ -433,7 +435,7 @@ PY
       log "$(nproc) CPUs here: calibration and runs on CPUs $use"
     fi
   else
-    status "FAILED: counting the cores (experiments/node_cores.py): $node"
+    status "FAILED: counting the cores (experiments/node_cores.py): $node $(cat "$W/node_cores.err")"
   fi
 
   # ---- 3. the calibration, held out by configuration: CAL_PARTS only, no MPI link fit
