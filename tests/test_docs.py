@@ -1,0 +1,41 @@
+"""The README and docs/ hold together (tools/doc_links.py): every relative link leads to a file
+and, with an #anchor, to a heading GitHub would give that anchor; and the README keeps the
+commands that CI (.ci/run: "the README's test command") and the GPU tests' skip reasons
+("README, GPUs: make cuda") send a reader to."""
+import importlib.util
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location("doc_links", ROOT / "tools" / "doc_links.py")
+doc_links = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(doc_links)
+
+
+def test_every_relative_link_of_the_readme_and_docs_resolves():
+    assert doc_links.broken_links(ROOT) == []
+
+
+def test_the_checker_sees_a_missing_file_and_a_missing_heading(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text(
+        "# A\n\n## Measured at HEAD: `--x` and llama.cpp's server\n\n## Twice\n\n## Twice\n\n"
+        "```sh\n# not a heading\n```\n")
+    (tmp_path / "README.md").write_text(
+        "[ok](docs/a.md#measured-at-head---x-and-llamacpps-server) [second](docs/a.md#twice-1)\n"
+        "[gone](docs/b.md) [no such](docs/a.md#not-a-heading)\n"
+        "```\n[in code](nowhere.md)\n```\n`[in a span](nowhere.md)` [self](#nothing-here)\n"
+        "[web](https://example.org/x.md#y) ![img](docs/a.md)\n")
+    assert doc_links.broken_links(tmp_path) == [
+        ("README.md", 2, "docs/b.md", "no such file"),
+        ("README.md", 2, "docs/a.md#not-a-heading", "no heading #not-a-heading in a.md"),
+        ("README.md", 6, "#nothing-here", "no heading #nothing-here in README.md"),
+    ]
+
+
+def test_the_readme_keeps_the_commands_ci_and_the_tests_point_to():
+    readme = (ROOT / "README.md").read_text()
+    sections = dict(re.findall(r"^## (.+?)\n(.*?)(?=^## |\Z)", readme, re.M | re.S))
+    assert "make train" in sections["Quick start"] and "make test " in sections["Quick start"]
+    assert "make cuda" in sections["GPUs"] and "make test-cuda" in sections["GPUs"]
+    assert "make test" in sections["Tests"]

@@ -1,0 +1,87 @@
+"""The relative links of the README and docs/ that lead nowhere. Usage: python tools/doc_links.py
+[ROOT]; prints each broken link as FILE:LINE: TARGET (why); exit status 1 when there is one.
+
+A link is [text](target) or ![alt](target) outside code (fenced blocks and `spans`); web
+addresses are not followed. A target is a file or folder relative to the linking file, with an
+optional #anchor, which must be a heading of the .md file it names (or of the linking file
+when the target is #anchor alone), spelt as GitHub spells it: lower case, punctuation but
+hyphens and underscores dropped, each space a hyphen, "-1", "-2" ... after a repeated one.
+"""
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(([^()\s]+)(?:\s+\"[^\"]*\")?\)")
+FENCE = re.compile(r"^\s*(```|~~~)")
+HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$")
+
+
+def _prose(text: str):
+    """(line number, line) of text outside fenced code blocks, inline code blanked."""
+    fenced = False
+    for number, line in enumerate(text.split("\n"), 1):
+        if FENCE.match(line):
+            fenced = not fenced
+            continue
+        if not fenced:
+            yield number, re.sub(r"`[^`]*`", "``", line)
+
+
+def anchors(text: str) -> set:
+    """The #anchors GitHub gives the headings of a Markdown text."""
+    seen, found = {}, set()
+    fenced = False
+    for line in text.split("\n"):
+        if FENCE.match(line):
+            fenced = not fenced
+            continue
+        m = None if fenced else HEADING.match(line)
+        if not m:
+            continue
+        title = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", m.group(1))   # a link: its text
+        slug = re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        found.add(slug if n == 0 else f"{slug}-{n}")
+    return found
+
+
+def broken_links(root: Path, files=None) -> list:
+    """[(file relative to root, line, target, why)] over README.md and docs/*.md (or files)."""
+    root = Path(root)
+    files = files if files is not None else [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    headings = {}
+
+    def heads(path: Path) -> set:
+        if path not in headings:
+            headings[path] = anchors(path.read_text())
+        return headings[path]
+
+    broken = []
+    for f in files:
+        for number, line in _prose(f.read_text()):
+            for target in LINK.findall(line):
+                if re.match(r"[a-z][a-z0-9+.-]*:", target, re.I):     # http:, mailto:, ...
+                    continue
+                path, _, anchor = target.partition("#")
+                dest = (f.parent / path).resolve() if path else f
+                where = (str(f.relative_to(root)), number, target)
+                if not dest.exists():
+                    broken.append((*where, "no such file"))
+                elif anchor and dest.suffix == ".md" and anchor not in heads(dest):
+                    broken.append((*where, f"no heading #{anchor} in {dest.name}"))
+    return broken
+
+
+def main(argv) -> int:
+    root = Path(argv[1] if len(argv) > 1 else Path(__file__).resolve().parent.parent)
+    broken = broken_links(root)
+    for f, number, target, why in broken:
+        print(f"{f}:{number}: {target} ({why})")
+    return 1 if broken else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
