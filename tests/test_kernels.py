@@ -1189,6 +1189,28 @@ int main(int argc, char **argv)
 """
 
 
+def _emulation_probe(tmp_path, source):
+    """source (C++ against csrc/cuda/emulate.h) built with the CPU emulation, its cuBLAS on a
+    stub cblas_sgemm; returns run(*args), the program run with those arguments."""
+    import shutil
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    assert cxx, "no C++ compiler: the package's CPU build needs one"
+    (tmp_path / "cblas.h").write_text(      # emulate.cpp's cuBLAS goes to cblas_sgemm
+        "enum { CblasColMajor, CblasNoTrans, CblasTrans };\nvoid cblas_sgemm(int, int, int, int, "
+        "int, int, float, const float *, int, const float *, int, float, float *, int);\n")
+    (tmp_path / "probe.cpp").write_text(source)
+    cuda = os.path.join(os.path.dirname(__file__), "..", "csrc", "cuda")
+    exe = tmp_path / "probe"
+    subprocess.run([cxx, "-O1", "-std=c++17", "-Wno-unknown-pragmas", "-I", str(tmp_path),
+                    "-I", cuda, str(tmp_path / "probe.cpp"), os.path.join(cuda, "emulate.cpp"),
+                    "-o", str(exe)], check=True)
+
+    def run(*args):
+        return subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True,
+                              timeout=60)
+    return run
+
+
 def test_the_emulation_ends_a_wmma_access_a_gpu_would_fault_on(tmp_path):
     """A GPU requires a WMMA load or store's pointer 256-bit aligned and its stride a multiple
     of 16 bytes (else a misaligned-address fault, or wrong elements), which nothing on the CPU
@@ -1196,22 +1218,7 @@ def test_the_emulation_ends_a_wmma_access_a_gpu_would_fault_on(tmp_path):
     tests above (which pass) show its tiles and strides are ones a GPU takes. A probe built
     against the emulation: aligned offsets and strides of 4k floats run; 4 floats off, or a
     stride of 18, end with the message."""
-    import shutil
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    assert cxx, "no C++ compiler: the package's CPU build needs one"
-    (tmp_path / "cblas.h").write_text(      # emulate.cpp's cuBLAS goes to cblas_sgemm
-        "enum { CblasColMajor, CblasNoTrans, CblasTrans };\nvoid cblas_sgemm(int, int, int, int, "
-        "int, int, float, const float *, int, const float *, int, float, float *, int);\n")
-    (tmp_path / "probe.cpp").write_text(WMMA_PROBE)
-    cuda = os.path.join(os.path.dirname(__file__), "..", "csrc", "cuda")
-    exe = tmp_path / "probe"
-    subprocess.run([cxx, "-O1", "-std=c++17", "-Wno-unknown-pragmas", "-I", str(tmp_path),
-                    "-I", cuda, str(tmp_path / "probe.cpp"), os.path.join(cuda, "emulate.cpp"),
-                    "-o", str(exe)], check=True)
-
-    def probe(off, ldm):
-        return subprocess.run([str(exe), str(off), str(ldm)], capture_output=True, text=True,
-                              timeout=60)
+    probe = _emulation_probe(tmp_path, WMMA_PROBE)
     for off, ldm in ((0, 16), (8, 24), (16, 20)):
         r = probe(off, ldm)
         assert r.returncode == 0 and r.stdout == "ran\n", (off, ldm, r.stderr)
@@ -1219,6 +1226,100 @@ def test_the_emulation_ends_a_wmma_access_a_gpu_would_fault_on(tmp_path):
     assert r.returncode != 0 and "load_matrix_sync" in r.stderr and "256-bit aligned" in r.stderr
     r = probe(0, 18)
     assert r.returncode != 0 and "ldm 18" in r.stderr and "multiple of 4 floats" in r.stderr
+
+
+SCHEDULE_PROBE = r"""
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include "emulate.h"
+namespace wmma = nvcuda::wmma;
+void cblas_sgemm(int, int, int, int, int, int, float, const float *, int, const float *, int,
+		 float, float *, int) { abort(); }
+/* thread `from` of each block writes, thread `to` reads (after a barrier when sync); out[b]
+ * is what block b's `to` read, its `from` having written b + 1 */
+static void handover(float *out, int from, int to, bool sync)
+{
+	__shared__ float slot;
+	__syncthreads(); /* the block meets a barrier: fibers */
+	if ((int)threadIdx.x == from)
+		slot = (float)(blockIdx.x + 1);
+	if (sync)
+		__syncthreads();
+	if ((int)threadIdx.x == to)
+		out[blockIdx.x] = slot;
+}
+static void divergent()
+{
+	if (threadIdx.x < 16)
+		__syncthreads();
+	else
+		__syncthreads();
+}
+/* every lane loads tile + off (lane 0 only, when lone; odd lanes 32 floats on, when skew) */
+static void wmma_lanes(bool lone, bool skew)
+{
+	__shared__ __align__(32) float tile[64 * 8];
+	for (int e = threadIdx.x; e < 64 * 8; e += blockDim.x)
+		tile[e] = 1.0f;
+	__syncwarp();
+	wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::row_major> a;
+	if (!lone || threadIdx.x % 32 == 0)
+		wmma::load_matrix_sync(a, tile + (skew && threadIdx.x % 2 ? 32 : 0), 8);
+}
+int main(int argc, char **argv)
+{
+	const char *mode = argv[1];
+	if (!strcmp(mode, "handover")) { /* from, to, sync: the blocks whose read was wrong */
+		int from = atoi(argv[2]), to = atoi(argv[3]);
+		bool sync = atoi(argv[4]) != 0;
+		float out[8];
+		sl_emu::launch(dim3(8), dim3(64), 0, 0, [=, &out]() { handover(out, from, to, sync); });
+		int wrong = 0;
+		for (int b = 0; b < 8; b++)
+			wrong += out[b] != (float)(b + 1);
+		printf("%d\n", wrong);
+		return 0;
+	} else if (!strcmp(mode, "divergent")) {
+		sl_emu::launch(dim3(1), dim3(32), 0, 0, []() { divergent(); });
+	} else if (!strcmp(mode, "wmma")) {
+		bool lone = atoi(argv[2]) != 0, skew = atoi(argv[3]) != 0;
+		sl_emu::launch(dim3(1), dim3(64), 0, 0, [=]() { wmma_lanes(lone, skew); });
+	} else if (!strcmp(mode, "smem")) { /* the launch's error at that much dynamic shared memory */
+		size_t bytes = (size_t)atol(argv[2]);
+		sl_emu::launch(dim3(1), dim3(32), bytes, 0, []() {});
+		printf("%d\n", (int)cudaGetLastError());
+		return 0;
+	}
+	printf("ran\n");
+	return 0;
+}
+"""
+
+
+def test_the_emulation_shows_what_a_gpu_leaves_undefined(tmp_path):
+    """What a GPU may run without a word but the emulation refuses or shows, each in a probe
+    built against it: a value handed from one thread to another without the barrier between
+    (read wrong in some of 8 blocks whichever thread writes and which reads, lane 0 and 31
+    both ways: the blocks run their threads in lane order, reversed and scrambled; right in
+    all with the barrier); __syncthreads at two call sites in divergent code; a WMMA load made
+    by lane 0 alone, or with a pointer that differs between lanes; a launch asking for more
+    than 48 KiB of dynamic shared memory (a GPU needs cudaFuncSetAttribute's opt-in)."""
+    probe = _emulation_probe(tmp_path, SCHEDULE_PROBE)
+    for from_, to in ((0, 31), (31, 0), (5, 40), (40, 5)):
+        r = probe("handover", from_, to, 0)
+        assert r.returncode == 0 and int(r.stdout) > 0, (from_, to, r.stdout, r.stderr)
+        r = probe("handover", from_, to, 1)
+        assert r.returncode == 0 and r.stdout == "0\n", (from_, to, r.stdout, r.stderr)
+    r = probe("divergent")
+    assert r.returncode != 0 and "divergent barriers" in r.stderr, r.stderr
+    r = probe("wmma", 0, 0)
+    assert r.returncode == 0 and r.stdout == "ran\n", r.stderr
+    for lone, skew in ((1, 0), (0, 1)):
+        r = probe("wmma", lone, skew)
+        assert r.returncode != 0 and "not made by every lane" in r.stderr, (lone, skew, r.stderr)
+    assert probe("smem", 48 * 1024).stdout == "0\n"
+    assert probe("smem", 48 * 1024 + 4).stdout == "1\n"      # cudaErrorInvalidValue
 
 
 _FLASH_MANY_PAIRS = """

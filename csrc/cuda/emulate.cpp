@@ -4,6 +4,7 @@
 #include <cblas.h>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <ucontext.h>
 #include <vector>
@@ -51,6 +52,8 @@ struct fiber {
 	dim3 tid;
 	int linear; /* x + y bx + z bx by */
 	int state;
+	const char *site; /* the __syncthreads it waits at (WAIT_BLOCK) */
+	uint64_t wmma;	  /* its WMMA calls so far in the block, hashed (wmma_call) */
 };
 
 fiber *current;
@@ -120,7 +123,12 @@ static void wait(int st)
 	switch_to(&me->ctx, &scheduler);
 }
 
-void syncthreads() { wait(WAIT_BLOCK); }
+void syncthreads(const char *site)
+{
+	if (current)
+		current->site = site;
+	wait(WAIT_BLOCK);
+}
 
 void syncwarp() { wait(WAIT_WARP); }
 
@@ -146,6 +154,53 @@ uint64_t shuffle(uint64_t v, int lane_xor, int src_lane, int delta, int width, i
 }
 
 void *dynamic_shared() { return dyn_shared.data(); }
+
+/* FNV-1a over n bytes, continuing h */
+static uint64_t fnv(uint64_t h, const void *p, size_t n)
+{
+	for (size_t i = 0; i < n; i++)
+		h = (h ^ ((const unsigned char *)p)[i]) * 1099511628211ull;
+	return h;
+}
+
+bool wmma_call(const char *kind, const void *p, unsigned ldm, int layout)
+{
+	fiber *me = current;
+	if (!me)
+		fail("a WMMA call outside a kernel");
+	uint64_t h = fnv(me->wmma, kind, strlen(kind));
+	h = fnv(h, &p, sizeof p);
+	h = fnv(h, &ldm, sizeof ldm);
+	me->wmma = fnv(h, &layout, sizeof layout);
+	return me->linear % 32 == 0;
+}
+
+/* At a block's end: every lane of each warp made the same WMMA calls (count, kinds, pointers,
+ * strides, layouts), as CUDA requires of warp-wide calls; else the program ends. */
+static void check_wmma(int nthreads)
+{
+	for (int w = 0; w < nthreads; w += 32)
+		for (int i = w + 1; i < nthreads && i < w + 32; i++)
+			if (fibers[i].wmma != fibers[w].wmma) {
+				current = &fibers[i];
+				fail("a WMMA load, store or product not made by every lane of the warp "
+				     "with the same pointer, stride and layout (lane 0's calls differ "
+				     "from this thread's)");
+			}
+}
+
+/* The static __shared__ variables (emulate.h: section sl_emu_shared; the linker defines these
+ * bounds of a section named as a C identifier; weak: none in a program without one) */
+extern "C" char __start_sl_emu_shared[] __attribute__((weak));
+extern "C" char __stop_sl_emu_shared[] __attribute__((weak));
+
+/* a block's static shared memory as NaN, as nothing of the block before it is left */
+static void poison_static_shared()
+{
+	if (__start_sl_emu_shared && __stop_sl_emu_shared > __start_sl_emu_shared)
+		memset(__start_sl_emu_shared, 0xff,
+		       (size_t)(__stop_sl_emu_shared - __start_sl_emu_shared));
+}
 
 static void trampoline()
 {
@@ -181,14 +236,18 @@ static void prepare(fiber &f, char *stack)
 #endif
 }
 
-/* A scrambled but fixed order of n fibers (a missing barrier then reads unwritten data for
- * most patterns, whatever the order the kernel expects). */
-static std::vector<int> order(int n)
+/* The order in which block `block` (its linear index in the grid) runs its n fibers between
+ * barriers: lane order, the reverse, or one of several scrambled ones, in turn from block to
+ * block, so that a launch of a few blocks tries each (a missing barrier then reads unwritten
+ * data whichever thread the kernel expects first). The same on every run. */
+static void order(std::vector<int> &o, int n, unsigned block)
 {
-	std::vector<int> o(n);
+	o.resize(n);
 	for (int i = 0; i < n; i++)
-		o[i] = i;
-	uint32_t r = 2463534242u;
+		o[i] = block % 4 == 2 ? n - 1 - i : i;
+	if (block % 4 == 1 || block % 4 == 2)
+		return;
+	uint32_t r = 2463534242u ^ (block * 2654435761u);
 	for (int i = n - 1; i > 0; i--) {
 		r ^= r << 13;
 		r ^= r >> 17;
@@ -198,7 +257,6 @@ static std::vector<int> order(int n)
 		o[i] = o[j];
 		o[j] = t;
 	}
-	return o;
 }
 
 static void run_block(int nthreads, const std::vector<int> &ord)
@@ -209,6 +267,8 @@ static void run_block(int nthreads, const std::vector<int> &ord)
 		f.tid = dim3(i % block_dim.x, (i / block_dim.x) % block_dim.y,
 			     i / (block_dim.x * block_dim.y));
 		f.state = RUNNABLE;
+		f.site = nullptr;
+		f.wmma = 0;
 		prepare(f, stacks[i]);
 	}
 	int done = 0;
@@ -234,6 +294,17 @@ static void run_block(int nthreads, const std::vector<int> &ord)
 		if (at_block > 0 && at_block + done == nthreads) {
 			if (done > 0)
 				fail("__syncthreads with exited threads in the block");
+			/* one barrier for all: a __syncthreads in divergent code is undefined */
+			for (int i = 1; i < nthreads; i++)
+				if (fibers[i].site != fibers[0].site &&
+				    strcmp(fibers[i].site, fibers[0].site) != 0) {
+					char msg[320];
+					snprintf(msg, sizeof msg, "__syncthreads at %s met by thread %d "
+						 "while thread 0 waits at %s (divergent barriers)",
+						 fibers[i].site, i, fibers[0].site);
+					current = &fibers[i];
+					fail(msg);
+				}
 			for (int i = 0; i < nthreads; i++)
 				fibers[i].state = RUNNABLE;
 			continue;
@@ -257,6 +328,7 @@ static void run_block(int nthreads, const std::vector<int> &ord)
 		if (!released)
 			fail("deadlock: threads wait at __syncthreads while others wait in a warp");
 	}
+	check_wmma(nthreads);
 }
 
 static std::vector<unsigned> launches; /* the blocks of each launch since the last read */
@@ -274,9 +346,13 @@ int take_launches(unsigned *blocks, int max)
 void launch(dim3 grid, dim3 block, size_t smem, cudaStream_t, const std::function<void()> &fn)
 {
 	size_t nthreads = (size_t)block.x * block.y * block.z;
-	if (nthreads == 0 || nthreads > 1024 || grid.x == 0 || grid.y == 0 || grid.z == 0 ||
-	    grid.y > 65535 || grid.z > 65535 || smem > 227 * 1024) {
+	if (nthreads == 0 || nthreads > 1024 || block.z > 64 || grid.x == 0 || grid.y == 0 ||
+	    grid.z == 0 || grid.x > 2147483647u || grid.y > 65535 || grid.z > 65535) {
 		last_error = cudaErrorInvalidConfiguration;
+		return;
+	}
+	if (smem > 48 * 1024) { /* a GPU's limit without cudaFuncSetAttribute's opt-in */
+		last_error = cudaErrorInvalidValue;
 		return;
 	}
 	std::lock_guard<std::mutex> lock(one_launch);
@@ -292,14 +368,16 @@ void launch(dim3 grid, dim3 block, size_t smem, cudaStream_t, const std::functio
 	body = &fn;
 	grid_dim = grid;
 	block_dim = block;
-	std::vector<int> ord = order((int)nthreads);
+	std::vector<int> ord;
 	waited = direct = false;
 	for (unsigned z = 0; z < grid.z; z++)
 		for (unsigned y = 0; y < grid.y; y++)
 			for (unsigned x = 0; x < grid.x; x++) {
 				block_idx = dim3(x, y, z);
+				order(ord, (int)nthreads, x + grid.x * (y + grid.y * z));
 				dyn_shared.assign(smem, 0xff); /* NaN as floats */
 				if (!direct) {
+					poison_static_shared();
 					run_block((int)nthreads, ord);
 					direct = !waited;
 					continue;
@@ -309,10 +387,12 @@ void launch(dim3 grid, dim3 block, size_t smem, cudaStream_t, const std::functio
 					f.linear = ord[k];
 					f.tid = dim3(f.linear % block.x, (f.linear / block.x) % block.y,
 						     f.linear / (block.x * block.y));
+					f.wmma = 0;
 					current = &f;
 					fn();
 				}
 				current = nullptr;
+				check_wmma((int)nthreads);
 			}
 	direct = false;
 	body = nullptr;

@@ -5,14 +5,21 @@
  * How it runs: a launch runs its blocks one after another on the calling thread; the threads
  * of a block are cooperative fibers (ucontext) that run until they finish or wait at a
  * barrier (__syncthreads: the block's; __syncwarp and the shuffles: their warp's), resumed
- * in a scrambled order so that a missing barrier reads values not yet written. A __shared__
- * variable is a static: one per kernel, shared by the fibers, reused by the next block
- * (blocks never overlap). Dynamic shared memory and cudaMalloc'ed memory start as NaN, so an
- * element read before it is written shows. Strict where CUDA leaves a program undefined:
- * a thread that exits while others of its block wait at __syncthreads, a shuffle over an
- * exited lane, a launch of more than 1024 threads or of more dynamic shared memory than
- * asked for end the program with a message. Atomics are plain read-modify-writes (fibers
- * never interleave inside one).
+ * in an order that changes from block to block (lane order, reversed, scrambled: a launch's
+ * blocks try several) so that a missing barrier reads values not yet written. A __shared__
+ * variable is a static: one per kernel, shared by the fibers, in a section of its own that
+ * is set to NaN before every block that meets a barrier (as a GPU's shared memory, it holds
+ * nothing of another block; g++ 12 ignores the section of a static in a function template,
+ * so those of the tensor-core attention and the column sums keep what the block before left:
+ * the varied orders are what shows a missing barrier there). Dynamic shared memory and cudaMalloc'ed memory start as NaN, so
+ * an element read before it is written shows. Strict where CUDA leaves a program undefined:
+ * a thread that exits while others of its block wait at __syncthreads, threads released
+ * together from __syncthreads at different call sites (divergent control flow), a shuffle
+ * over an exited lane, a WMMA load, store or product not made by every lane of its warp with
+ * the same pointer and stride, a launch beyond the grid and block limits or of more than 48
+ * KiB of dynamic shared memory (a GPU takes more only after cudaFuncSetAttribute, which no
+ * kernel here calls) end the program with a message or fail the launch. Atomics are plain
+ * read-modify-writes (fibers never interleave inside one).
  *
  * cuBLAS: GEMMs in column-major order through the CPU BLAS (cblas), a batched call one product
  * after another (counted as one call, for the tests); TF32 compute rounds
@@ -45,7 +52,7 @@ struct fiber;
 extern fiber *current;		/* the thread running now */
 extern dim3 block_idx, block_dim, grid_dim;
 const dim3 &thread_idx(const fiber *f);
-void syncthreads();
+void syncthreads(const char *site);
 void syncwarp();
 /* shuffles: exchange 8 bytes through the warp's slots between two warp barriers */
 uint64_t shuffle(uint64_t v, int src_lane_xor, int src_lane, int delta, int width, int kind);
@@ -57,14 +64,18 @@ void *dynamic_shared();
 #define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
-#define __shared__ static
+/* every __shared__ variable in section sl_emu_shared, which each block starts with as NaN */
+#define __shared__ __attribute__((section("sl_emu_shared"))) static
 #define __align__(n) __attribute__((aligned(n)))
 #define threadIdx (sl_emu::thread_idx(sl_emu::current))
 #define blockIdx (sl_emu::block_idx)
 #define blockDim (sl_emu::block_dim)
 #define gridDim (sl_emu::grid_dim)
 #define warpSize 32
-#define __syncthreads() sl_emu::syncthreads()
+#define SL_EMU_STR_(x) #x
+#define SL_EMU_STR(x) SL_EMU_STR_(x)
+/* the call site: the threads a barrier releases must all wait at the same one */
+#define __syncthreads() sl_emu::syncthreads(__FILE__ ":" SL_EMU_STR(__LINE__))
 #define __syncwarp(...) sl_emu::syncwarp()
 
 namespace sl_emu {
@@ -134,12 +145,11 @@ inline float tf32_truncate(float x)
  * wmma: mptr 256-bit aligned, ldm a multiple of 16 bytes); else the program ends, naming them
  * (on a GPU: a misaligned address fault, or wrong elements) */
 void wmma_check(const void *p, unsigned ldm, const char *what);
-/* whether the running thread is its warp's lane 0 */
-inline bool warp_leader()
-{
-	const dim3 &t = thread_idx(current);
-	return (t.x + block_dim.x * (t.y + block_dim.y * t.z)) % 32 == 0;
-}
+/* A WMMA call (kind: its name) by the running thread on pointer p, stride ldm, an accumulator's
+ * memory layout (NULL, 0, 0: a product), folded into the thread's record of its warp-wide
+ * calls, which every lane of a warp must make alike (CUDA: each is made by the whole warp with
+ * the same arguments; checked at the block's end). Returns whether the thread is lane 0. */
+bool wmma_call(const char *kind, const void *p, unsigned ldm, int layout = 0);
 } // namespace sl_emu
 
 /* ---- WMMA (nvcuda::wmma): TF32 m16n16k8 only, what csrc/cuda/attention.cu uses ----
@@ -189,7 +199,7 @@ inline void load_matrix_sync(fragment<Use, 16, 16, 8, precision::tf32, Layout> &
 			     unsigned ldm)
 {
 	typedef fragment<Use, 16, 16, 8, precision::tf32, Layout> F;
-	if (!sl_emu::warp_leader())
+	if (!sl_emu::wmma_call("load_matrix_sync", p, ldm))
 		return;
 	sl_emu::wmma_check(p, ldm, "load_matrix_sync"); /* the warp's pointer: once, by its lane 0 */
 	const bool row = std::is_same<Layout, row_major>::value;
@@ -200,7 +210,7 @@ inline void load_matrix_sync(fragment<Use, 16, 16, 8, precision::tf32, Layout> &
 inline void load_matrix_sync(fragment<accumulator, 16, 16, 8, float> &f, const float *p,
 			     unsigned ldm, layout_t layout)
 {
-	if (!sl_emu::warp_leader())
+	if (!sl_emu::wmma_call("load_matrix_sync", p, ldm, layout))
 		return;
 	sl_emu::wmma_check(p, ldm, "load_matrix_sync"); /* the warp's pointer: once, by its lane 0 */
 	for (int r = 0; r < 16; r++)
@@ -211,7 +221,7 @@ inline void load_matrix_sync(fragment<accumulator, 16, 16, 8, float> &f, const f
 inline void store_matrix_sync(float *p, const fragment<accumulator, 16, 16, 8, float> &f,
 			      unsigned ldm, layout_t layout)
 {
-	if (!sl_emu::warp_leader())
+	if (!sl_emu::wmma_call("store_matrix_sync", p, ldm, layout))
 		return;
 	sl_emu::wmma_check(p, ldm, "store_matrix_sync"); /* the warp's pointer: once, by its lane 0 */
 	for (int r = 0; r < 16; r++)
@@ -226,7 +236,7 @@ inline void mma_sync(fragment<accumulator, 16, 16, 8, float> &d,
 		     const fragment<matrix_b, 16, 16, 8, precision::tf32, LB> &b,
 		     const fragment<accumulator, 16, 16, 8, float> &c)
 {
-	if (!sl_emu::warp_leader())
+	if (!sl_emu::wmma_call("mma_sync", nullptr, 0))
 		return;
 	float out[16 * 16];
 	for (int r = 0; r < 16; r++)
