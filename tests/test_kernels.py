@@ -1267,6 +1267,26 @@ static void wmma_lanes(bool lone, bool skew)
 	if (!lone || threadIdx.x % 32 == 0)
 		wmma::load_matrix_sync(a, tile + (skew && threadIdx.x % 2 ? 32 : 0), 8);
 }
+/* lane 0's accumulator from a row-major tile of 0, 1, .., 255: out[0] whether x[i] is element
+ * i for every i, out[1] whether a store gives the tile back */
+static void acc_layout(int *out)
+{
+	__shared__ __align__(32) float tile[256], back[256];
+	for (int e = threadIdx.x; e < 256; e += blockDim.x)
+		tile[e] = (float)e;
+	__syncwarp();
+	wmma::fragment<wmma::accumulator, 16, 16, 8, float> c;
+	wmma::load_matrix_sync(c, tile, 16, wmma::mem_row_major);
+	wmma::store_matrix_sync(back, c, 16, wmma::mem_row_major);
+	__syncwarp();
+	if (threadIdx.x == 0) {
+		out[0] = out[1] = 1;
+		for (int i = 0; i < 256; i++) {
+			out[0] &= c.x[i] == tile[i];
+			out[1] &= back[i] == tile[i];
+		}
+	}
+}
 int main(int argc, char **argv)
 {
 	const char *mode = argv[1];
@@ -1285,6 +1305,11 @@ int main(int argc, char **argv)
 	} else if (!strcmp(mode, "wmma")) {
 		bool lone = atoi(argv[2]) != 0, skew = atoi(argv[3]) != 0;
 		sl_emu::launch(dim3(1), dim3(64), 0, 0, [=]() { wmma_lanes(lone, skew); });
+	} else if (!strcmp(mode, "layout")) {
+		int out[2];
+		sl_emu::launch(dim3(1), dim3(32), 0, 0, [&out]() { acc_layout(out); });
+		printf("%d %d\n", out[0], out[1]);
+		return 0;
 	} else if (!strcmp(mode, "smem")) { /* the launch's error at that much dynamic shared memory */
 		size_t bytes = (size_t)atol(argv[2]);
 		sl_emu::launch(dim3(1), dim3(32), bytes, 0, []() {});
@@ -1304,7 +1329,9 @@ def test_the_emulation_shows_what_a_gpu_leaves_undefined(tmp_path):
     both ways: the blocks run their threads in lane order, reversed and scrambled; right in
     all with the barrier); __syncthreads at two call sites in divergent code; a WMMA load made
     by lane 0 alone, or with a pointer that differs between lanes; a launch asking for more
-    than 48 KiB of dynamic shared memory (a GPU needs cudaFuncSetAttribute's opt-in)."""
+    than 48 KiB of dynamic shared memory (a GPU needs cudaFuncSetAttribute's opt-in); reading
+    an accumulator's elements as the tile's row-major order (the GPU's layout is its own: a
+    load then a store give the tile back, element i of the fragment is not element i)."""
     probe = _emulation_probe(tmp_path, SCHEDULE_PROBE)
     for from_, to in ((0, 31), (31, 0), (5, 40), (40, 5)):
         r = probe("handover", from_, to, 0)
@@ -1318,6 +1345,7 @@ def test_the_emulation_shows_what_a_gpu_leaves_undefined(tmp_path):
     for lone, skew in ((1, 0), (0, 1)):
         r = probe("wmma", lone, skew)
         assert r.returncode != 0 and "not made by every lane" in r.stderr, (lone, skew, r.stderr)
+    assert probe("layout").stdout == "0 1\n"
     assert probe("smem", 48 * 1024).stdout == "0\n"
     assert probe("smem", 48 * 1024 + 4).stdout == "1\n"      # cudaErrorInvalidValue
 

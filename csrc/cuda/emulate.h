@@ -11,15 +11,15 @@
  * is set to NaN before every block that meets a barrier (as a GPU's shared memory, it holds
  * nothing of another block; g++ 12 ignores the section of a static in a function template,
  * so those of the tensor-core attention and the column sums keep what the block before left:
- * the varied orders are what shows a missing barrier there). Dynamic shared memory and cudaMalloc'ed memory start as NaN, so
- * an element read before it is written shows. Strict where CUDA leaves a program undefined:
- * a thread that exits while others of its block wait at __syncthreads, threads released
- * together from __syncthreads at different call sites (divergent control flow), a shuffle
- * over an exited lane, a WMMA load, store or product not made by every lane of its warp with
- * the same pointer and stride, a launch beyond the grid and block limits or of more than 48
- * KiB of dynamic shared memory (a GPU takes more only after cudaFuncSetAttribute, which no
- * kernel here calls) end the program with a message or fail the launch. Atomics are plain
- * read-modify-writes (fibers never interleave inside one).
+ * the varied orders are what shows a missing barrier there). Dynamic shared memory and
+ * cudaMalloc'ed memory start as NaN, so an element read before it is written shows. Strict
+ * where CUDA leaves a program undefined: a thread that exits while others of its block wait
+ * at __syncthreads, threads released together from __syncthreads at different call sites
+ * (divergent control flow), a shuffle over an exited lane, a WMMA load, store or product not
+ * made by every lane of its warp with the same pointer and stride end the program with a
+ * message; a launch beyond the grid and block limits or of more than 48 KiB of dynamic
+ * shared memory (a GPU takes more only after cudaFuncSetAttribute, which no kernel here
+ * calls) fails. Atomics are plain read-modify-writes (fibers never interleave inside one).
  *
  * cuBLAS: GEMMs in column-major order through the CPU BLAS (cblas), a batched call one product
  * after another (counted as one call, for the tests); TF32 compute rounds
@@ -155,11 +155,13 @@ bool wmma_call(const char *kind, const void *p, unsigned ldm, int layout = 0);
 /* ---- WMMA (nvcuda::wmma): TF32 m16n16k8 only, what csrc/cuda/attention.cu uses ----
  * A fragment holds its whole tile in every thread, and lane 0's is the warp's: loads, the
  * product and stores act on lane 0's alone (the other lanes' copies are never read; a
- * uniform elementwise pass over x[0..num_elements) touches all, as on a GPU). So memory that
- * other lanes wrote and a load reads needs the __syncwarp a GPU needs: fibers switch only at
- * barriers, and lane 0 may run first. The product reads its TF32 operands as a tensor core
- * does (truncated: tf32_truncate; __float_to_tf32 first, as the kernels do, rounds them) and
- * adds in fp32, k in order. */
+ * uniform elementwise pass over x[0..num_elements) touches all, as on a GPU). Which tile
+ * element x[i] is, the GPU does not say: here a scramble (row-major element k at
+ * x[wmma_slot(k)]), so code that reads x[i] as a given row or column is wrong here too. Memory
+ * that other lanes wrote and a load reads needs the __syncwarp a GPU needs: fibers switch
+ * only at barriers, and lane 0 may run first. The product reads its TF32 operands as a
+ * tensor core does (truncated: tf32_truncate; __float_to_tf32 first, as the kernels do, rounds
+ * them) and adds in fp32, k in order. */
 namespace nvcuda {
 namespace wmma {
 struct matrix_a {};
@@ -171,6 +173,9 @@ namespace precision {
 struct tf32 {};
 } // namespace precision
 enum layout_t { mem_row_major, mem_col_major };
+
+/* where a fragment of n (a power of 2) elements keeps element k of its tile, row-major */
+inline int wmma_slot(int k, int n) { return (k * 37 + 11) & (n - 1); }
 
 template <class Use, int M, int N, int K, class T, class Layout = void> struct fragment;
 template <class Layout> struct fragment<matrix_a, 16, 16, 8, precision::tf32, Layout> {
@@ -205,7 +210,8 @@ inline void load_matrix_sync(fragment<Use, 16, 16, 8, precision::tf32, Layout> &
 	const bool row = std::is_same<Layout, row_major>::value;
 	for (int r = 0; r < F::rows; r++)
 		for (int c = 0; c < F::cols; c++)
-			f.x[r * F::cols + c] = row ? p[(size_t)r * ldm + c] : p[(size_t)c * ldm + r];
+			f.x[wmma_slot(r * F::cols + c, F::num_elements)] =
+				row ? p[(size_t)r * ldm + c] : p[(size_t)c * ldm + r];
 }
 inline void load_matrix_sync(fragment<accumulator, 16, 16, 8, float> &f, const float *p,
 			     unsigned ldm, layout_t layout)
@@ -215,7 +221,8 @@ inline void load_matrix_sync(fragment<accumulator, 16, 16, 8, float> &f, const f
 	sl_emu::wmma_check(p, ldm, "load_matrix_sync"); /* the warp's pointer: once, by its lane 0 */
 	for (int r = 0; r < 16; r++)
 		for (int c = 0; c < 16; c++)
-			f.x[r * 16 + c] = layout == mem_row_major ? p[(size_t)r * ldm + c]
+			f.x[wmma_slot(r * 16 + c, 256)] = layout == mem_row_major
+								  ? p[(size_t)r * ldm + c]
 								  : p[(size_t)c * ldm + r];
 }
 inline void store_matrix_sync(float *p, const fragment<accumulator, 16, 16, 8, float> &f,
@@ -227,7 +234,7 @@ inline void store_matrix_sync(float *p, const fragment<accumulator, 16, 16, 8, f
 	for (int r = 0; r < 16; r++)
 		for (int c = 0; c < 16; c++)
 			(layout == mem_row_major ? p[(size_t)r * ldm + c] : p[(size_t)c * ldm + r]) =
-				f.x[r * 16 + c];
+				f.x[wmma_slot(r * 16 + c, 256)];
 }
 // d (16,16) = a (16,8) @ b (8,16) + c
 template <class LA, class LB>
@@ -241,11 +248,11 @@ inline void mma_sync(fragment<accumulator, 16, 16, 8, float> &d,
 	float out[16 * 16];
 	for (int r = 0; r < 16; r++)
 		for (int n = 0; n < 16; n++) {
-			float s = c.x[r * 16 + n];
+			float s = c.x[wmma_slot(r * 16 + n, 256)];
 			for (int k = 0; k < 8; k++)
-				s += sl_emu::tf32_truncate(a.x[r * 8 + k]) *
-				     sl_emu::tf32_truncate(b.x[k * 16 + n]);
-			out[r * 16 + n] = s;
+				s += sl_emu::tf32_truncate(a.x[wmma_slot(r * 8 + k, 128)]) *
+				     sl_emu::tf32_truncate(b.x[wmma_slot(k * 16 + n, 128)]);
+			out[wmma_slot(r * 16 + n, 256)] = s;
 		}
 	std::memcpy(d.x, out, sizeof out);
 }
