@@ -2,6 +2,7 @@
 codelet declarations above them, the StarPU layer on top, with no circle; and the checker
 itself finds a circle where there is one."""
 import importlib.util
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,3 +30,38 @@ def test_the_checker_sees_a_circle(tmp_path):
     graph = c_calls.call_graph(tmp_path)
     assert graph == {"a.c": {"b.c"}, "b.c": {"a.c"}, "c.c": set()}
     assert c_calls.cycles(graph) == [["a.c", "b.c"]]
+
+
+# meson.build's C source lists and the folder each one builds (cuda_src: both builds, the CPU
+# one #including each listed .cu into csrc/cuda/emulated.cpp.in)
+SOURCE_LISTS = {"kernel_src": ("kernels", ".c"), "codelet_src": ("codelets", ".c"),
+                "cuda_src": ("cuda", ".cu"), "starpu_src": ("starpu", ".c")}
+
+
+def meson_sources(text: str) -> dict:
+    """{list name: the files it names} of meson.build's `name = files(...)` source lists."""
+    out = {}
+    for name in SOURCE_LISTS:
+        m = re.search(rf"^{name} = files\((.*?)\)", text, re.S | re.M)
+        out[name] = set(re.findall(r"'([^']+)'", m.group(1))) if m else set()
+    return out
+
+
+def test_meson_builds_every_c_file():
+    """A layer's new C file left out of meson.build is either never compiled (a codelet file:
+    its codelets are silently not in the table) or an undefined symbol at import that names
+    no file: this names the list it belongs in."""
+    listed = meson_sources((ROOT / "meson.build").read_text())
+    for name, (folder, ext) in SOURCE_LISTS.items():
+        on_disk = {f"csrc/{folder}/{p.name}" for p in (ROOT / "csrc" / folder).glob(f"*{ext}")}
+        missing, stale = sorted(on_disk - listed[name]), sorted(listed[name] - on_disk)
+        assert not missing, f"add to meson.build's {name}: {missing}"
+        assert not stale, f"in meson.build's {name}, not on disk: {stale}"
+
+
+def test_the_meson_sources_check_can_fail():
+    text = ("kernel_src = files(\n  'csrc/kernels/a.c', 'csrc/kernels/b.c')\n"
+            "cuda_src = files('csrc/cuda/x.cu')\n")
+    assert meson_sources(text) == {"kernel_src": {"csrc/kernels/a.c", "csrc/kernels/b.c"},
+                                   "codelet_src": set(), "cuda_src": {"csrc/cuda/x.cu"},
+                                   "starpu_src": set()}
