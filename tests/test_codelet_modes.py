@@ -9,7 +9,7 @@ import pytest
 
 from starpu_llm import Runtime
 from starpu_llm._clib import ffi, lib
-from starpu_llm.kernels.codelets import DirectOps, TABLE as KERNEL_TABLE
+from starpu_llm.kernels.codelets import DirectOps, TableError, read_table, TABLE as KERNEL_TABLE
 from starpu_llm.runtime.submit import TABLE, StarPUOps, Where
 from starpu_llm.model.config import MODELS
 from starpu_llm.runtime import usable_cores
@@ -158,6 +158,37 @@ def test_both_executors_come_from_the_one_table():
         DirectOps().gelu_forward(None, None)          # no N
     with pytest.raises(TypeError, match="unexpected"):
         DirectOps().gelu_forward(None, None, 3, 4)
+
+
+class _Misdeclared:
+    """The C table as lib gives it, but for one codelet: another's name (a copied codelet
+    file not renamed) or an argument struct that sl_codelets.h lacks."""
+
+    def __init__(self, victim, name=None, args_type=None):
+        self.victim, self.name, self.args_type = TABLE[victim].id, name, args_type
+
+    def __getattr__(self, attr):
+        return getattr(lib, attr)
+
+    def sl_codelet_name(self, i):
+        return ffi.new("char[]", self.name.encode()) if i == self.victim and self.name \
+            else lib.sl_codelet_name(i)
+
+    def sl_codelet_args_type(self, i):
+        return ffi.new("char[]", self.args_type.encode()) \
+            if i == self.victim and self.args_type else lib.sl_codelet_args_type(i)
+
+
+def test_a_misdeclared_codelet_is_named_at_import():
+    """A codelet declared twice under one name would hide the other one in the table; an
+    argument struct outside sl_codelets.h is unknown to cffi: each is one error naming the
+    codelet and what to change, where a raw cffi error or nothing came before."""
+    assert read_table(ffi, _Misdeclared("residual_forward")) == TABLE
+    with pytest.raises(TableError, match=r"codelet gelu_forward is declared twice.*rename"):
+        read_table(ffi, _Misdeclared("residual_forward", name="gelu_forward"))
+    with pytest.raises(TableError, match=r"codelet residual_forward's arguments, struct "
+                                         r"sl_relu_args, .*csrc/codelets/sl_codelets.h"):
+        read_table(ffi, _Misdeclared("residual_forward", args_type="struct sl_relu_args"))
 
 
 def test_flops_come_from_the_declaration():

@@ -34,6 +34,11 @@ class SubmitError(RuntimeError):
     pass
 
 
+class TableError(RuntimeError):
+    """The C codelet table cannot be read as the calling convention needs (a mistake in
+    csrc/codelets/, caught at import rather than as a missing or wrong method later)."""
+
+
 class Codelet(NamedTuple):
     """One declaration of the codelet table."""
     id: int
@@ -52,14 +57,25 @@ class Codelet(NamedTuple):
 
 
 def read_table(ffi_, lib_) -> dict:
-    """{name: Codelet} of a binding module's codelet table."""
+    """{name: Codelet} of a binding module's codelet table; TableError for a name declared
+    twice (a copied codelet file not renamed: one would hide the other) or an argument struct
+    cffi does not see."""
     out = {}
     for i in range(lib_.sl_codelet_count()):
         name = ffi_.string(lib_.sl_codelet_name(i)).decode()
+        if name in out:
+            raise TableError(f"codelet {name} is declared twice in csrc/codelets/ (two "
+                             f"SL_CODELET({name}, ...)): rename one, its name is its method "
+                             f"in Python and its perf model in StarPU")
         args_type = ffi_.string(lib_.sl_codelet_args_type(i)).decode()
         count = ffi_.string(lib_.sl_codelet_repeat_field(i)).decode()
-        fields = () if args_type == "struct sl_no_args" else tuple(
-            f for f, _ in ffi_.typeof(args_type).fields if f != count)
+        try:
+            fields = () if args_type == "struct sl_no_args" else tuple(
+                f for f, _ in ffi_.typeof(args_type).fields if f != count)
+        except ffi_.error:
+            raise TableError(f"codelet {name}'s arguments, {args_type}, are not declared in "
+                             f"csrc/codelets/sl_codelets.h, the header Python's binding is "
+                             f"generated from: move the struct there") from None
         modes = ffi_.new("int32_t[]", lib_.SL_MAX_BUFFERS)
         n = lib_.sl_codelet_modes(i, 0, 0, modes, lib_.SL_MAX_BUFFERS)
         out[name] = Codelet(i, name, args_type, ffi_.sizeof(args_type), fields, n,
