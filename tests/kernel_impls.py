@@ -66,6 +66,19 @@ class GPUKernels:
         if ret != 0:
             raise RuntimeError(f"sl_codelet_run_cuda({codelet}) failed ({ret})")
 
+    def __getattr__(self, name):
+        """A codelet named as its CPU kernel and taking the kernel's arguments in the same
+        order (buffers, then its struct's fields: an element-wise layer's, gelu_forward,
+        residual_forward): its CUDA body, with no method here. The others have one below."""
+        cd = TABLE.get(name)
+        if cd is None or name.startswith("_"):
+            raise AttributeError(f"GPUKernels has no {name}: no codelet of that name; give the "
+                                 f"kernel a method here that calls its codelet")
+
+        def call(*args):
+            self.run(name, list(args[:cd.nbuffers]), **dict(zip(cd.fields, args[cd.nbuffers:])))
+        return call
+
     def encoder_forward(self, out, inp, wte, wpe, B, T, C):
         self.run("encoder_forward", [out, inp, wte, wpe], B=B, T=T, C=C, blocks=1)
 
@@ -102,15 +115,6 @@ class GPUKernels:
         self.run("attention_backward", [dqkv, scratch, dout, qkv, att], B=B, T=T, C=C, NH=NH)
         dpreatt.reshape(-1)[:] = scratch[:dpreatt.size]
         datt.reshape(-1)[:] = scratch[dpreatt.size:]
-
-    def gelu_forward(self, out, inp, n):
-        self.run("gelu_forward", [out, inp], N=n)
-
-    def gelu_backward(self, dinp, inp, dout, n):
-        self.run("gelu_backward", [dinp, inp, dout], N=n)
-
-    def residual_forward(self, out, a, b, n):
-        self.run("residual_forward", [out, a, b], N=n)
 
     def crossentropy_softmax_forward(self, probs, losses, logits, targets, N, V, Vp,
                                      accumulate):
