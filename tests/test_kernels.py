@@ -355,6 +355,56 @@ def test_matmul_few_rows_alone_or_together(rng):
         assert np.array_equal(part, out[-n:]), f"the last {n} rows alone differ"
 
 
+
+# A fresh process: k-thread GEMMs after kernels_set_threads(k), the CPU time each of the
+# process's threads spent in them (/proc/self/task/*/stat: utime + stime, in clock ticks) and
+# the threads the process gained. Prints: threads gained, threads that did a share, BLAS name.
+_GEMM_THREADS = r"""
+import os, sys
+import numpy as np
+from starpu_llm._kernels import ffi, lib
+
+def ticks():
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        out[tid] = int(fields[11]) + int(fields[12])
+    return out
+
+k = int(sys.argv[1])
+N, C, OC = 512, 768, 3072                     # one training matmul: ~2.4 GFLOP a call
+rng = np.random.default_rng(0)
+inp = rng.standard_normal((N, C), dtype=np.float32)
+weight = rng.standard_normal((OC, C), dtype=np.float32)
+out = np.empty((N, OC), np.float32)
+p = lambda a: ffi.cast("float *", a.ctypes.data)
+before = ticks()
+lib.kernels_set_threads(k)
+for _ in range(60):
+    lib.matmul_forward(p(out), p(inp), p(weight), ffi.NULL, N, C, OC)
+after = ticks()
+spent = {t: after[t] - before.get(t, 0) for t in after}
+busy = [t for t in spent if spent[t] >= sum(spent.values()) / (4 * k)]
+print(len(after) - len(before), len(busy), ffi.string(lib.blas_name()).decode())
+"""
+
+
+def test_a_k_thread_gemm_runs_on_k_threads_and_no_other_pool():
+    """The threads promise at the BLAS (docs/clusters.md): after kernels_set_threads(k), as a
+    k-core task's codelet calls it, a GEMM runs on k threads, each doing a share, and they are
+    the caller's OpenMP team: the process gains k - 1 threads, not a pool of the BLAS's own
+    (OpenBLAS's pthread build, MKL under Intel's OpenMP: a second runtime, its threads beside
+    libgomp's). Whichever BLAS this build links (tools/test-matrix.sh's mkl cell checks MKL)."""
+    k = min(2, len(os.sched_getaffinity(0)))
+    r = subprocess.run([sys.executable, "-c", _GEMM_THREADS, str(k)], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    gained, busy, name = r.stdout.strip().split(" ", 2)
+    assert (int(gained), int(busy)) == (k - 1, k), \
+        f"{name}: {k}-thread GEMMs: the process gained {gained} thread(s), {busy} did a share"
+
+
 FEW_ROWS_CHECK = r"""
 #include <stdio.h>
 #include <stdlib.h>

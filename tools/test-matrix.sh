@@ -4,6 +4,8 @@
 #   KERNELS  native (-march=native, the default build in .venv) | portable (meson -Dnative=false,
 #            built once into .venv-portable, which reuses .venv's packages)
 #   BLAS     default (OpenBLAS picks for this CPU) | Haswell | SkylakeX   (OPENBLAS_CORETYPE)
+#            | mkl (meson -Dblas=mkl against PyPI's MKL, built once into .venv-mkl, which reuses
+#            .venv's packages; native kernels only: the clusters' MKL build, docs/clusters.md)
 #   ATEN     default | avx2 | avx512                  (ATEN_CPU_CAPABILITY: PyTorch's dispatch)
 #   CORES    all | 1                                   (taskset -c <first core>: 1 thread)
 # Cells that need AVX-512 (SkylakeX, avx512) are skipped, with the reason, on a CPU without it.
@@ -11,6 +13,8 @@
 #   tools/test-matrix.sh               9 cells covering every pair of settings (pairwise)
 #   tools/test-matrix.sh --full        all 36 combinations
 #   tools/test-matrix.sh --cell portable:Haswell:avx2:all [--cell ...]
+#   tools/test-matrix.sh --cell native:mkl:default:all  (the MKL build; not in the 9 or the 36)
+#   --tests tests/a.py,tests/b.py   other test files than the numerical ones below
 # Extra arguments after -- go to pytest. Needs `make install` (the Makefile's test set-up) first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +34,7 @@ while [ $# -gt 0 ]; do
               for a in default avx2 avx512; do for c in all 1; do cells+=("$k:$b:$a:$c")
               done; done; done; done ;;
     --cell) cells+=("$2"); shift ;;
+    --tests) IFS=, read -r -a TESTS <<<"$2"; shift ;;
     --) shift; pytest_args=("$@"); break ;;
     *) echo "test-matrix: unknown argument $1 (see the header of $0)" >&2; exit 2 ;;
   esac
@@ -54,6 +59,24 @@ portable_venv() {   # the kernels built without -march=native, beside the main b
   touch .venv-portable/.installed
 }
 
+# MKL's libraries, headers and pkg-config files alone, at the version checked: the full mkl wheel
+# also brings Intel's OpenMP, TBB and a libhwloc that the GNU-OpenMP link does not use (meson.build)
+MKL_PIN=(mkl==2026.2.0 mkl-include==2026.2.0 mkl-devel==2026.2.0)
+mkl_venv() {   # the kernels linked to MKL (meson -Dblas=mkl), beside the main build
+  [ -f .venv-mkl/.installed ] && return
+  echo "== building against MKL into .venv-mkl (${MKL_PIN[*]} from PyPI, meson -Dblas=mkl)"
+  .venv/bin/python -m venv .venv-mkl
+  site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
+  own=$(.venv-mkl/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
+  echo "$site" > "$own/main-venv-packages.pth"
+  .venv-mkl/bin/python -m pip install -q --no-deps "${MKL_PIN[@]}"
+  PKG_CONFIG_PATH="$PWD/.venv-mkl/lib/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}" \
+    PATH="$PWD/.venv/bin:$PATH" .venv-mkl/bin/python -m pip install -q --no-deps \
+    --no-build-isolation -Cbuild-dir=build/mkl -Csetup-args=-Dblas=mkl -e .
+  cp tools/00-starpu-llm-start.pth "$own/"
+  touch .venv-mkl/.installed
+}
+
 declare -a results
 status=0
 for cell in "${cells[@]}"; do
@@ -62,12 +85,16 @@ for cell in "${cells[@]}"; do
   if [ $avx512 = 0 ] && { [ "$blas" = SkylakeX ] || [ "$aten" = avx512 ]; }; then
     skip="this CPU has no AVX-512"
   fi
-  case "$kernels" in native) py=.venv/bin/python ;; portable) portable_venv; py=.venv-portable/bin/python ;;
+  case "$kernels:$blas" in
+    native:mkl) mkl_venv; py=.venv-mkl/bin/python ;;
+    portable:mkl) echo "test-matrix: the mkl build has native kernels only, not $cell" >&2; exit 2 ;;
+    native:*) py=.venv/bin/python ;;
+    portable:*) portable_venv; py=.venv-portable/bin/python ;;
     *) echo "test-matrix: kernels must be native or portable, not $kernels" >&2; exit 2 ;; esac
   # a "default" cell is the libraries' own choice for this CPU, even where the environment
   # already forces one (some machines export OPENBLAS_CORETYPE)
   env=(-u OPENBLAS_CORETYPE -u ATEN_CPU_CAPABILITY PATH="$PWD/.venv/bin:$PATH")
-  [ "$blas" = default ] || env+=(OPENBLAS_CORETYPE="$blas")
+  case "$blas" in default|mkl) ;; *) env+=(OPENBLAS_CORETYPE="$blas") ;; esac
   [ "$aten" = default ] || env+=(ATEN_CPU_CAPABILITY="$aten")
   pin=()
   [ "$cores" = 1 ] && pin=(taskset -c "$first_core")

@@ -8,6 +8,15 @@
 /* MKL has a thread-local setting; OpenBLAS's OpenMP build follows the caller's OpenMP team
  * size (omp_set_num_threads); its pthread build only has a process-global count, which is
  * right as long as every task of a run uses the same number of cores (an n x k partition). */
+#if defined(SL_MKL_RT)
+/* MKL's single dynamic library picks its threading layer at the first call (MKL_THREADING_LAYER,
+ * else Intel's OpenMP): GNU's, at load, whatever the environment says (meson.build: why). */
+__attribute__((constructor)) static void mkl_gnu_threads(void)
+{
+	mkl_set_threading_layer(MKL_THREADING_GNU);
+}
+#endif
+
 void blas_set_threads(int k)
 {
 #if defined(SL_USE_MKL)
