@@ -25,11 +25,14 @@ def test_the_checker_sees_a_missing_file_and_a_missing_heading(tmp_path):
         "[ok](docs/a.md#measured-at-head---x-and-llamacpps-server) [second](docs/a.md#twice-1)\n"
         "[gone](docs/b.md) [no such](docs/a.md#not-a-heading)\n"
         "```\n[in code](nowhere.md)\n```\n`[in a span](nowhere.md)` [self](#nothing-here)\n"
-        "[web](https://example.org/x.md#y) ![img](docs/a.md)\n")
+        "[web](https://example.org/x.md#y) ![img](docs/a.md)\n"
+        "a link [wrapped over\ntwo lines](docs/c.md), `a span\n[over two](nowhere.md)`\n\n"
+        "[a paragraph\n\napart](nowhere.md)\n")
     assert doc_links.broken_links(tmp_path) == [
         ("README.md", 2, "docs/b.md", "no such file"),
         ("README.md", 2, "docs/a.md#not-a-heading", "no heading #not-a-heading in a.md"),
         ("README.md", 6, "#nothing-here", "no heading #nothing-here in README.md"),
+        ("README.md", 8, "docs/c.md", "no such file"),     # the line it starts on
     ]
 
 

@@ -13,20 +13,28 @@ import re
 import sys
 from pathlib import Path
 
-LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(([^()\s]+)(?:\s+\"[^\"]*\")?\)")
+# within a paragraph: a link's text, and a `span`, may go on over a line break (the README wraps
+# them), never over a blank line
+_IN = r"(?:[^\n{}]|\n(?![ \t]*\n))"
+LINK = re.compile(r"!?\[(?:" + _IN.format(r"\[\]") + r"|\[[^\]]*\])*\]"
+                  r"\(([^()\s]+)(?:\s+\"[^\"]*\")?\)")
+SPAN = re.compile("`" + _IN.format("`") + "*`")
 FENCE = re.compile(r"^\s*(```|~~~)")
 HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$")
 
 
-def _prose(text: str):
-    """(line number, line) of text outside fenced code blocks, inline code blanked."""
-    fenced = False
-    for number, line in enumerate(text.split("\n"), 1):
+def _links(text: str):
+    """(line number, target) of each link outside code: fenced blocks and `spans` blanked
+    (their line breaks kept, so that a link's line is its first line's)."""
+    lines, fenced = [], False
+    for line in text.split("\n"):
         if FENCE.match(line):
             fenced = not fenced
-            continue
-        if not fenced:
-            yield number, re.sub(r"`[^`]*`", "``", line)
+            line = ""
+        lines.append("" if fenced else line)
+    prose = SPAN.sub(lambda m: "``" + "\n" * m.group().count("\n"), "\n".join(lines))
+    for m in LINK.finditer(prose):
+        yield prose.count("\n", 0, m.start()) + 1, m.group(1)
 
 
 def anchors(text: str) -> set:
@@ -61,17 +69,16 @@ def broken_links(root: Path, files=None) -> list:
 
     broken = []
     for f in files:
-        for number, line in _prose(f.read_text()):
-            for target in LINK.findall(line):
-                if re.match(r"[a-z][a-z0-9+.-]*:", target, re.I):     # http:, mailto:, ...
-                    continue
-                path, _, anchor = target.partition("#")
-                dest = (f.parent / path).resolve() if path else f
-                where = (str(f.relative_to(root)), number, target)
-                if not dest.exists():
-                    broken.append((*where, "no such file"))
-                elif anchor and dest.suffix == ".md" and anchor not in heads(dest):
-                    broken.append((*where, f"no heading #{anchor} in {dest.name}"))
+        for number, target in _links(f.read_text()):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target, re.I):     # http:, mailto:, ...
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (f.parent / path).resolve() if path else f
+            where = (str(f.relative_to(root)), number, target)
+            if not dest.exists():
+                broken.append((*where, "no such file"))
+            elif anchor and dest.suffix == ".md" and anchor not in heads(dest):
+                broken.append((*where, f"no heading #{anchor} in {dest.name}"))
     return broken
 
 
