@@ -76,6 +76,11 @@ class GPUKernels:
                                  f"kernel a method here that calls its codelet")
 
         def call(*args):
+            # a kernel whose arguments are not the codelet's would leave a field 0 or drop one
+            if len(args) != cd.nbuffers + len(cd.fields):
+                raise TypeError(f"GPUKernels.{name}: its codelet takes {cd.nbuffers} buffers "
+                                f"then {', '.join(cd.fields)}, not {len(args)} arguments: give "
+                                f"the kernel a method here")
             self.run(name, list(args[:cd.nbuffers]), **dict(zip(cd.fields, args[cd.nbuffers:])))
         return call
 

@@ -1574,6 +1574,16 @@ def test_residual(kern, rng, n):
     assert np.array_equal(out, a + b)  # one float32 addition: exact
 
 
+def test_gpu_kernels_map_a_kernels_arguments_onto_its_codelet_exactly():
+    """GPUKernels' call for a codelet without a method of its own (gelu's, residual's): an
+    argument count that is not the codelet's buffers and fields is an error naming them, not
+    a field left 0 or an argument dropped (a kernel whose signature is not its codelet's)."""
+    x = np.zeros(4, np.float32)
+    for args in ((x, x), (x, x, 4, 1)):
+        with pytest.raises(TypeError, match=r"gelu_forward: its codelet takes 2 buffers then N"):
+            GPUKernels().gelu_forward(*args)
+
+
 # ---------------------------------------------------------------- crossentropy
 
 
