@@ -1,5 +1,6 @@
 /* The subset of CUDA and cuBLAS that csrc/cuda/<layer>.cu use, run on the CPU: the same kernel
- * sources compiled by g++ (csrc/cuda/emulated.cpp) so that the tests check their indexing,
+ * sources compiled by g++ (the build's emulated.cpp, meson.build's cuda_src #included into
+ * csrc/cuda/emulated.cpp.in) so that the tests check their indexing,
  * reductions and cuBLAS arguments on a machine without a GPU (tests/test_kernels.py, tests/test_model_cuda.py).
  *
  * How it runs: a launch runs its blocks one after another on the calling thread; the threads
