@@ -298,7 +298,7 @@ class Engine:
                     self.metrics.rejected()
                 raise ShuttingDown(f"the server is stalled: {stall.why}; it takes no new "
                                    f"request until a step completes")
-            if not self._queue and self._free == self.max_batch:    # idle until now
+            if self.idle():            # idle until now: no step was due
                 self._progress = self._clock()
             room = self.max_queue + self._free - len(self._queue)
             if len(requests) > room:
@@ -324,10 +324,14 @@ class Engine:
     def running(self) -> int:
         return self.max_batch - self._free
 
+    def idle(self) -> bool:
+        """No request running or waiting."""
+        return not self._queue and self.running() == 0
+
     def since_step(self) -> float:
         """Seconds since the last decode step completed (or since work came to an idle
         engine) while work is pending; 0 when the engine is idle."""
-        if not self._queue and self.running() == 0:
+        if self.idle():
             return 0.0
         return self._clock() - self._progress
 
