@@ -94,6 +94,31 @@ def test_an_interrupted_run_hands_back_what_it_trained():
     assert starpu_stopped()
 
 
+def test_ctrl_c_as_starpu_starts_leaves_it_stopped(monkeypatch):
+    """Ctrl-C landing while StarPU starts (Python raises it as sl_start returns, before the
+    Runtime held StarPU; a notebook's interrupt during train()'s start): Interrupted, StarPU
+    stopped, and the next run starts (each one after failed "starpu_init failed (-114)":
+    StarPU initialized, no Runtime to stop it)."""
+    from starpu_llm.runtime import starpu
+    real = starpu.lib
+
+    class SignalledStart:              # the binding, with Ctrl-C arriving during sl_start
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def sl_start(self, *args):
+            ret = real.sl_start(*args)
+            os.kill(os.getpid(), signal.SIGINT)     # its handler runs here, at once
+            return ret
+    monkeypatch.setattr(starpu, "lib", SignalledStart())
+    with pytest.raises(Interrupted) as e:
+        train(TrainConfig(**TINY))
+    assert e.value.result is None
+    assert starpu_stopped()
+    monkeypatch.undo()
+    assert len(train(TrainConfig(**TINY)).losses) == 2
+
+
 def _engines(rt, tokens):
     config = MODELS["tiny"]
     for make in (lambda s: ReferenceEngine(config, s, 2, 16, tokens, threads=1),

@@ -262,41 +262,49 @@ class Runtime:
         sched = ffi.new("char[]", p.sched.encode())      # alive through the start
         started = c_partition(p, sched)
         if self.face == "starpupy":
-            starpupy_face.start(p, started, core_ids[:p.cores])
-        else:
-            comm_addr = ffi.NULL
+            starpupy_face.start(p, started, core_ids[:p.cores])   # undone there if it fails
+        try:
+            # ours from before sl_start returns: whatever ends __init__ from here (an error,
+            # Ctrl-C landing as the start returns) stops StarPU, or no Runtime could start again
+            Runtime._active = self
+            atexit.register(self._stop_at_exit)
+            if self.face != "starpupy":
+                self._start_cffi(p, started, core_ids, comm, memory)
+            self.mpi_poll = None
             if comm is not None:
-                from mpi4py import MPI
-                comm_addr = ffi.cast("void *", MPI._addressof(comm))
-            with _environment(start_environment(p, memory, self._rank_gpus)):
-                ret = lib.sl_start(started, ffi.new("int[]", core_ids), comm_addr)
-            if ret != 0:
-                self._stop_offload()
-                if ret == -errno.ENODEV and p.gpus:
-                    raise StarpuLLMError(f"{opt('gpus')} {p.gpus}: StarPU started fewer CUDA "
-                                         f"workers (no GPU, or fewer GPUs, visible to CUDA here)")
-                raise StarpuLLMError(f"starpu_init failed ({ret}) for {p.describe()} with "
-                                     f"scheduler {p.sched!r}"
-                                     + (f", or its disk node in {self.offload_path}"
-                                        if self.offload_path else ""))
-        Runtime._active = self
-        atexit.register(self._stop_at_exit)
-        self.mpi_poll = None
+                self.mpi_poll = mpi_polling(core_ids)
+                ret = lib.sl_mpi_poll_backoff(BACKOFF_MAX_US if self.mpi_poll == "backoff" else 0)
+                if ret == -errno.ENOTSUP:
+                    self.mpi_poll = ("spin (no backoff: mpi4py's MPI module was imported before "
+                                     "starpu_llm; import starpu_llm first)")
+                elif ret != 0:
+                    raise RuntimeError(f"sl_mpi_poll_backoff failed ({ret})")
+            got = self.starpu_workers = lib.sl_cpu_worker_count()
+            if got != p.starpu_workers:
+                raise StarpuLLMError(f"StarPU started {got} CPU worker(s) instead of "
+                                     f"{p.starpu_workers} (STARPU_NCPU or "
+                                     "STARPU_WORKERS_CPUID in the environment?)")
+        except BaseException:
+            self._stop(warn=True)       # the error on its way is the one to see
+            raise
+
+    def _start_cffi(self, p: Partition, started, core_ids: list, comm, memory) -> None:
+        """sl_start: StarPU (StarPU-MPI on comm) started on the partition (`started`, its C
+        form) and core_ids, or one error saying why not."""
+        comm_addr = ffi.NULL
         if comm is not None:
-            self.mpi_poll = mpi_polling(core_ids)
-            ret = lib.sl_mpi_poll_backoff(BACKOFF_MAX_US if self.mpi_poll == "backoff" else 0)
-            if ret == -errno.ENOTSUP:
-                self.mpi_poll = ("spin (no backoff: mpi4py's MPI module was imported before "
-                                 "starpu_llm; import starpu_llm first)")
-            elif ret != 0:
-                self._stop(warn=True)       # the error below is the one to see
-                raise RuntimeError(f"sl_mpi_poll_backoff failed ({ret})")
-        got = self.starpu_workers = lib.sl_cpu_worker_count()
-        if got != p.starpu_workers:
-            self._stop(warn=True)
-            raise StarpuLLMError(f"StarPU started {got} CPU worker(s) instead of "
-                                 f"{p.starpu_workers} (STARPU_NCPU or "
-                                 "STARPU_WORKERS_CPUID in the environment?)")
+            from mpi4py import MPI
+            comm_addr = ffi.cast("void *", MPI._addressof(comm))
+        with _environment(start_environment(p, memory, self._rank_gpus)):
+            ret = lib.sl_start(started, ffi.new("int[]", core_ids), comm_addr)
+        if ret == -errno.ENODEV and p.gpus:
+            raise StarpuLLMError(f"{opt('gpus')} {p.gpus}: StarPU started fewer CUDA "
+                                 f"workers (no GPU, or fewer GPUs, visible to CUDA here)")
+        if ret != 0:
+            raise StarpuLLMError(f"starpu_init failed ({ret}) for {p.describe()} with "
+                                 f"scheduler {p.sched!r}"
+                                 + (f", or its disk node in {self.offload_path}"
+                                    if self.offload_path else ""))
 
     def _plan(self, partition, comm, face, memory) -> list:
         """The partition (None: the default one here), settle what the start needs (no side
