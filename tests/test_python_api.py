@@ -178,6 +178,27 @@ def test_an_update_takes_its_settings_as_one_adamw_value():
                 assert eng.step(0, AdamW(1e-3)) == first and eng.state.step == 1
 
 
+def test_a_step_given_its_adamw_binds_no_arguments(monkeypatch):
+    """step, submit_step and submit_update given an AdamW (step calls the other two) check
+    it without binding the call's arguments to the signature (three bindings a step before:
+    the check's own cost on every step); the loose calls still bind to name the mistake."""
+    import inspect
+    bound = []
+    real = inspect.Signature.bind
+    monkeypatch.setattr(inspect.Signature, "bind", lambda *a, **k: bound.append(1) or real(*a, **k))
+    tokens = np.random.default_rng(0).integers(0, MODELS["tiny"].V, 100).astype(np.uint16)
+    config = MODELS["tiny"]
+    with ReferenceEngine(config, TrainState(config=config, params=random_init(config)), 2, 16,
+                         tokens, threads=1) as eng:
+        eng.step(0, AdamW(1e-3))
+        eng.step(0, adamw=AdamW(1e-3))
+        eng.submit_update(adamw=AdamW(1e-3))
+        assert bound == []
+        with pytest.raises(StarpuLLMError, match=r"step\(0, 0.001\): an update takes"):
+            eng.step(0, 1e-3)
+        assert bound
+
+
 def test_an_engine_closed_or_whose_runtime_ended_refuses_to_run():
     """A StarPU engine used after close() or after its Runtime's end: one StarpuLLMError (the
     process aborted inside StarPU before: its data unregistered); close() twice is fine."""

@@ -65,9 +65,14 @@ def _takes_adamw(method):
     weight_decay=0.0), step(pos, 1e-4, 0.0), a bare learning rate), is one clear error before
     any task, not a TypeError about arguments or a failure inside the update."""
     signature = inspect.signature(method)
+    at = list(signature.parameters).index("adamw")     # its place among the arguments (self 0)
 
     @functools.wraps(method)
     def checked(*args, **kw):
+        # the call as documented (step calls submit_step calls submit_update: every step):
+        # no binding of the arguments
+        if isinstance(args[at] if len(args) > at else kw.get("adamw"), AdamW):
+            return method(*args, **kw)
         try:
             adamw = signature.bind(*args, **kw).arguments.get("adamw")
         except TypeError:
