@@ -227,6 +227,47 @@ def test_an_engine_closed_or_whose_runtime_ended_refuses_to_run():
                      tokens, rt)
 
 
+DROPPED = """
+import gc, numpy as np
+from starpu_llm import MODELS, AdamW, Runtime, StarPUEngine, TrainState
+from starpu_llm.model.state import random_init
+from partitions import here
+config = MODELS["tiny"]
+tokens = np.random.default_rng(0).integers(0, config.V, 100).astype(np.uint16)
+def engine(rt):
+    return StarPUEngine(config, TrainState(config=config, params=random_init(config)), 2, 16,
+                        tokens.copy(), rt)
+rt = Runtime(here())
+first = engine(rt).step(0, AdamW(1e-3))
+for _ in range(6):      # a notebook's cell run again: each engine dropped, its steps running
+    eng = engine(rt)
+    eng.submit_step(0, AdamW(1e-3))
+    eng.submit_step(0, AdamW(1e-3), keep_previous=True)
+    gc.collect()
+print(engine(rt).step(0, AdamW(1e-3)) == first)
+kept = engine(rt)       # never closed, the runtime never shut down: the exit stops it
+kept.step(0, AdamW(1e-3))
+"""
+
+
+def test_engines_dropped_unclosed_leave_their_tasks_memory_and_no_handle():
+    """StarPU engines dropped without close() (a name bound again, steps still running), one
+    left open at exit with its Runtime: their tasks finish on memory that is still there
+    (freed under them before: a segfault), each dropped engine's handles are unregistered
+    by the runtime (the next engine made, or its shutdown), and StarPU warns of no handle
+    left registered (STARPU_SILENT=0 shows its warnings)."""
+    import subprocess
+    import sys
+    env = {**os.environ, "STARPU_SILENT": "0",
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__),
+                                          os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", DROPPED], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+    assert out.stdout.split() == ["True"], out.stdout
+    assert "not unregistered" not in out.stderr, out.stderr
+
+
 def test_without_the_compiled_part_the_import_says_how_to_build_it():
     """`from starpu_llm import TrainConfig` where the cffi binding does not load (not built,
     StarPU's library not found): one ImportError saying how to build it; the package and its

@@ -99,7 +99,8 @@ class StarPUEngine(Engine):
         self.sites = sites or Sites(topology, self.subs_per_rank, p.workers,
                                     p.pins_sub_batches, p.pipeline_schedule or "eager", p.gpus)
         self.handles = place = Handles(runtime, config, self.sites, self.memory,
-                                       everywhere=sites is not None)
+                                       everywhere=sites is not None, owner=self)
+        place.keep(tokens)
         self.layer_stage = place.layer_stage if place.stages > 1 else None
         self.redux = place.redux
         # mpi: the step spans ranks (the recording of another partition's too)

@@ -86,7 +86,7 @@ class StarPUBackend:
         if runtime.size > 1:
             raise StarpuLLMError("generation runs in one process: it is not available under mpirun")
         self.runtime, self.config, self.ops = runtime, config, StarPUOps()
-        self.handles = Handles(runtime, config)
+        self.handles = Handles(runtime, config, owner=self)
         self.p = p if p is not None else self.handles.parameter_tensors(
             "param", ParamLayout(config), params)
         self.write = write_tensor

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import mmap
+import weakref
 
 import numpy as np
 
@@ -119,8 +120,15 @@ class Handles:
     the gradients take their contributions (redux)."""
 
     def __init__(self, runtime, config: GPTConfig, sites: Sites | None = None, memory=None,
-                 everywhere: bool = False):
+                 everywhere: bool = False, owner=None):
         self.runtime = runtime
+        # the owner (an engine) dropped without close(): these handles and the buffers under
+        # them, which its tasks may still be using, go to the runtime to unregister
+        # (Runtime.left) instead of being freed under StarPU (a segfault)
+        self._dropped = None
+        if owner is not None:
+            self._dropped = weakref.finalize(owner, runtime.left, self)
+            self._dropped.atexit = False    # at exit the runtime's shutdown unregisters them
         self.sites = sites = sites or Sites(Topology(config, runtime.size, 1, "rank0"))
         # Under a memory limit (memory: runtime.offload.MemoryLimit) StarPU allocates every
         # tensor itself, so that it can evict any of them to its disk node (it never evicts a
@@ -145,6 +153,7 @@ class Handles:
         self._held = set()        # this process's activation and scratch handles (tensor())
         self._next_tag = 0
         self.elsewhere = set()    # names of the slices this process holds no memory for
+        runtime.holding(self)
 
     # --- the handles ---
     def parameter_tensors(self, kind: str, layout: ParamLayout, flat) -> ParameterTensors:
@@ -393,6 +402,8 @@ class Handles:
     def unregister_all(self):
         """After the pending tasks, unregister every handle, in reverse order (nothing to do
         once StarPU has shut down)."""
+        if self._dropped is not None:
+            self._dropped.detach()
         if not self._registered or not self.runtime.running:
             self._registered = []
             return
@@ -401,6 +412,11 @@ class Handles:
             lib.sl_unregister(h)
         self._registered = []
         self._buffers = []
+
+    def keep(self, buffer) -> None:
+        """buffer (tasks read it through a pointer: the token shard) alive as long as the
+        handles."""
+        self._buffers.append(buffer)
 
     def gather_to_root(self, tensors):
         """Under MPI, bring the current value of each tensor to rank 0 (its owner sends it; a

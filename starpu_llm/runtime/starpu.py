@@ -12,6 +12,7 @@ import errno
 import os
 import sys
 import tempfile
+import weakref
 from typing import NamedTuple
 
 from ..plan import partition
@@ -256,6 +257,8 @@ class Runtime:
             core_ids = self._plan(partition, comm, face, memory)
             check_perf_model_dir()
         p = self.partition
+        self._held = weakref.WeakSet()     # the data registered on it (holding)
+        self._left = []                    # ... whose owner was dropped unclosed (left)
         _say_parallel_workers_off(p, comm)
         self.offload = offload.start(memory)     # the limit, before StarPU starts
         self.offload_path = self.offload.path if self.offload else None
@@ -449,10 +452,34 @@ class Runtime:
         """shutdown at exit (atexit): a failure a warning, nothing left to raise it to."""
         self._stop(warn=True)
 
+    def holding(self, data) -> None:
+        """data (an engine's handles, flow/handles.py: its unregister_all()) is registered on
+        this runtime. In one process the shutdown unregisters it if its owner did not (an
+        engine never closed: StarPU warns of handles left registered), and the data of owners
+        dropped unclosed (left) are unregistered here, their memory given back."""
+        if self.comm is None:
+            self._unregister(self._left)
+            self._left = []
+            self._held.add(data)
+
+    def left(self, data) -> None:
+        """data's owner was dropped without closing it (a finalizer: anywhere, in any thread,
+        so only noted here): data and the memory under it, which tasks may still be using,
+        stay alive until they are unregistered (the next holding(), or the shutdown)."""
+        self._left.append(data)
+
+    def _unregister(self, held) -> None:
+        for data in list(held):
+            with contextlib.suppress(RuntimeError):   # a failed wait: the shutdown's says it
+                data.unregister_all()
+
     def _stop(self, warn: bool) -> None:
         if Runtime._active is not self:
             return
         try:
+            if self.comm is None:
+                self._unregister([*self._held, *self._left])
+                self._left = []
             ret = starpupy_face.stop() if self.face == "starpupy" else lib.sl_shutdown()
         finally:
             self._stop_offload()
