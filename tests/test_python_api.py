@@ -144,6 +144,38 @@ def test_a_position_outside_the_data_is_refused():
                 assert np.isfinite(eng.validation_loss(tokens, [0, 67]))
 
 
+def test_tokens_the_load_tasks_cannot_read_are_refused():
+    """An engine's tokens (and validation_loss's) other than a 1-D contiguous uint16 array
+    (an int64 array from tok.encode, float, strided, a list) is one StarpuLLMError naming
+    DataLoader, which converts it (their bytes were read as other ids: a silent wrong loss,
+    or a segfault); an id >= V in a batch, one naming the position (a row past wte's read)."""
+    config = MODELS["tiny"]
+    ids = np.random.default_rng(0).integers(0, config.V, 100)
+    tokens = ids.astype(np.uint16)
+    with Runtime(here()) as rt:
+        for make in (lambda s, t: ReferenceEngine(config, s, 2, 16, t, threads=1),
+                     lambda s, t: StarPUEngine(config, s, 2, 16, t, rt)):
+            for wrong in (ids, ids.astype(np.float32), np.repeat(tokens, 2)[::2], list(tokens)):
+                with pytest.raises(StarpuLLMError, match="the training data: the load tasks read "
+                                   "a 1-D contiguous numpy uint16 array .* give DataLoader"):
+                    make(TrainState(config=config, params=random_init(config)), wrong)
+            high = tokens.copy()
+            high[40] = config.V
+            with make(TrainState(config=config, params=random_init(config)), high) as eng:
+                with pytest.raises(StarpuLLMError, match=f"position 30: the training data holds "
+                                   f"token id {config.V} there"):
+                    eng.step(30, AdamW(1e-3))
+                with pytest.raises(StarpuLLMError, match="the validation data: the load tasks"):
+                    eng.validation_loss(ids, [0])
+                with pytest.raises(StarpuLLMError, match="the validation data holds token id"):
+                    eng.validation_loss(high, [0, 30])
+                assert eng.state.step == 0
+                assert np.isfinite(eng.step(0, AdamW(1e-3)))
+    from starpu_llm.io.data import DataLoader
+    strided = DataLoader(np.repeat(tokens, 2)[::2], 2, 16, config.V).tokens
+    assert strided.flags.c_contiguous and (strided == tokens).all()
+
+
 def test_an_update_takes_its_settings_as_one_adamw_value():
     """Engine.step, submit_step and submit_update take the update's settings as one AdamW
     value: a call in the loose arguments they took before (positional or keywords: a

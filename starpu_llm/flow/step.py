@@ -45,10 +45,29 @@ def micro_positions(positions) -> list[int]:
     return out
 
 
-def check_positions(positions, tokens: np.ndarray, B: int, T: int, what: str = "the data"):
+def token_pointer(tokens, what: str = "the data"):
+    """The address the load tasks read tokens at, as uint16 ids one after the other: tokens
+    must be a 1-D C-contiguous numpy uint16 array (a shard's memmap, DataLoader.tokens); any
+    other array's bytes would be read as other ids (an int64 array: 3 zeros a token), or
+    past its end."""
+    if (not isinstance(tokens, np.ndarray) or tokens.dtype != np.uint16 or tokens.ndim != 1
+            or not tokens.flags.c_contiguous):
+        got = (f"a {tokens.ndim}-D {tokens.dtype} array"
+               + ("" if tokens.flags.c_contiguous else ", not contiguous")
+               if isinstance(tokens, np.ndarray) else type(tokens).__name__)
+        raise StarpuLLMError(f"{what}: the load tasks read a 1-D contiguous numpy uint16 array of "
+                             f"token ids, got {got}: give DataLoader(tokens, B, T, "
+                             f"config.V).tokens (io/data.py), which checks and converts it")
+    return ffi.cast("const uint16_t *", ffi.from_buffer(tokens))
+
+
+def check_positions(positions, tokens: np.ndarray, B: int, T: int, V: int,
+                    what: str = "the data"):
     """Each batch of B x T tokens at one of positions lies inside tokens: it reads B x T + 1
     tokens from its position (the inputs, and the targets one token on); the load tasks read
-    the shard as it is, so a position past its end would read other memory."""
+    the shard as it is, so a position past its end would read other memory, and an id >= V
+    (an array not checked by DataLoader) a row past wte's and a probability past the
+    logits'."""
     need = B * T + 1
     for pos in positions:
         if not 0 <= pos <= len(tokens) - need:
@@ -57,6 +76,11 @@ def check_positions(positions, tokens: np.ndarray, B: int, T: int, what: str = "
                           f"{opt('seq_len')}")
             raise StarpuLLMError(f"position {pos}: a batch of {B} x {T} reads {need} tokens from "
                                  f"its position, and {what} holds {len(tokens)}: {where}")
+        top = int(tokens[pos:pos + need].max())
+        if top >= V:
+            raise StarpuLLMError(f"position {pos}: {what} holds token id {top} there, but the "
+                                 f"vocabulary has {V} ids (0..{V - 1}): give tokens made with "
+                                 f"this model's tokenizer")
 
 
 def _takes_adamw(method):
@@ -114,8 +138,8 @@ class Engine:
         # the pipeline stage of each layer (the StarPU engine's topology; here one stage)
         self.layer_stage = None
         self.layout = ParamLayout(config)
+        self.tokens_ptr = token_pointer(tokens, "the training data")
         self.tokens = tokens   # keep the shard alive: load tasks read it
-        self.tokens_ptr = ffi.cast("const uint16_t *", ffi.from_buffer(tokens))
 
     # --- what subclasses provide ---
     def wait(self):
@@ -167,7 +191,8 @@ class Engine:
     def micro_positions(self, positions) -> list[int]:
         """positions as micro_positions gives them, each checked against the training data."""
         positions = micro_positions(positions)
-        check_positions(positions, self.tokens, self.B, self.T, "the training data")
+        check_positions(positions, self.tokens, self.B, self.T, self.config.V,
+                        "the training data")
         return positions
 
     # --- the step ---
@@ -256,8 +281,8 @@ class Engine:
         parameters and touch no gradient or moment (no backward, no update)."""
         self._check_open()
         positions = [int(p) for p in positions]
-        check_positions(positions, tokens, self.B, self.T, "the validation data")
-        ptr = ffi.cast("const uint16_t *", ffi.from_buffer(tokens))
+        ptr = token_pointer(tokens, "the validation data")
+        check_positions(positions, tokens, self.B, self.T, self.config.V, "the validation data")
         n = self.Bs * self.T
         losses = []
         for pos in positions:

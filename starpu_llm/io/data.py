@@ -186,7 +186,7 @@ class DataLoader:
             if vocab_size is not None and arr.size and int(arr.max()) >= vocab_size:
                 raise StarpuLLMError(f"in-memory tokens contain id {int(arr.max())}, but the vocabulary has "
                                      f"only {vocab_size} tokens")
-            self.tokens = arr.astype(np.uint16, copy=False)
+            self.tokens = np.ascontiguousarray(arr, dtype=np.uint16)   # the load tasks' layout
             src = "the in-memory token array"
         need, have = B * T + 1, int(self.tokens.size)
         if have < need:
