@@ -439,6 +439,32 @@ def test_convert_refuses_to_overwrite(saved, tmp_path, capsys):
     assert [n for n in os.listdir(tmp_path) if n.startswith(".")] == []
 
 
+def test_write_hf_from_python_never_replaces_other_files(tmp_path):
+    """hf.write_hf called from Python (no command's check before it) onto a folder holding
+    other files, or onto a file: one StarpuLLMError naming them, nothing touched (the folder
+    was moved aside and removed with everything in it); a folder it wrote is replaced."""
+    from starpu_llm.model.config import MODELS
+    config = MODELS["tiny"]
+    params = random_init(config)
+    mine = tmp_path / "project"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    with pytest.raises(StarpuLLMError, match=r"the folder .*project holds files that are not "
+                                             r"a GPT-2 model's \(notes.txt\)"):
+        hf.write_hf(mine, config, params)
+    text = tmp_path / "text"
+    text.write_text("mine")
+    with pytest.raises(StarpuLLMError, match="is a file"):
+        hf.write_hf(text, config, params, "DST")
+    assert (mine / "notes.txt").read_text() == "mine" and text.read_text() == "mine"
+    out = tmp_path / "out"
+    for _ in range(2):
+        hf.write_hf(out, config, params)
+    np.testing.assert_array_equal(hf.read_model(out)[1][:config.num_parameters],
+                                  params[:config.num_parameters])
+    assert sorted(os.listdir(tmp_path)) == ["out", "project", "text"]
+
+
 def test_train_save_hf_checked_before_training(saved, tmp_path, capsys):
     other = tmp_path / "notes"
     other.mkdir()

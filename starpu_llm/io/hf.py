@@ -395,11 +395,13 @@ def materialize(config: GPTConfig, flat) -> np.ndarray:
     return out
 
 
-def write_hf(path, config: GPTConfig, flat) -> str:
+def write_hf(path, config: GPTConfig, flat, what: str = "the folder") -> str:
     """The Hugging Face GPT-2 folder of a model at path (config.json, model.safetensors, and
     the tokenizer files for GPT-2's vocabulary), written beside it under a temporary name and
-    renamed onto it; a folder there is replaced (check_hf_output says which may be)."""
+    renamed onto it; a folder there is replaced whole, so one holding anything but a model's
+    files, or a file, is refused (what: how the error names path)."""
     _safetensors_api()
+    _check_replaceable(os.fspath(path), what)
     from safetensors import SafetensorError
     from safetensors.numpy import save_file
     path = os.path.abspath(os.fspath(path))
@@ -486,6 +488,15 @@ def check_hf_output(path, what: str) -> None:
     except StarpuLLMError as e:
         raise StarpuLLMError(f"{what} {path}: {e}") from None
     path = os.fspath(path)
+    _check_replaceable(path, what)
+    parent = os.path.dirname(os.path.abspath(path)) or "."
+    probe = os.path.join(parent, f".{os.path.basename(os.path.abspath(path))}.probe")
+    atomic.check_writable(probe)
+
+
+def _check_replaceable(path: str, what: str) -> None:
+    """Nothing at path, or a folder of a GPT-2 model's files only: what write_hf may replace
+    whole without losing data."""
     if os.path.lexists(path) and not os.path.isdir(path):
         raise StarpuLLMError(f"{what} {path} is a file; give a folder (a Hugging Face model "
                              f"folder is written there)")
@@ -496,6 +507,3 @@ def check_hf_output(path, what: str) -> None:
             raise StarpuLLMError(f"{what} {path} holds files that are not a GPT-2 model's "
                                  f"({shown}), and the folder is replaced as a whole; give an "
                                  f"empty or new folder, or one written by --save-hf")
-    parent = os.path.dirname(os.path.abspath(path)) or "."
-    probe = os.path.join(parent, f".{os.path.basename(os.path.abspath(path))}.probe")
-    atomic.check_writable(probe)

@@ -217,7 +217,7 @@ def save_final(cfg, state: TrainState, record: RunRecord, log) -> None:
     if cfg.save_hf:
         from ..io.hf import write_hf
         try:
-            written = write_hf(cfg.save_hf, state.config, state.params)
+            written = write_hf(cfg.save_hf, state.config, state.params, opt("save_hf"))
         except StarpuLLMError as e:
             if cfg.save:        # the model is there already
                 raise StarpuLLMError(f"{e.args[0]}; the trained model is in {cfg.save}") from e
@@ -261,4 +261,4 @@ def convert(src, dst) -> str:
     config, flat = hf.read_model(src)
     if to_llmc:
         return formats.write_checkpoint(dst, config, flat)
-    return hf.write_hf(dst, config, flat)
+    return hf.write_hf(dst, config, flat, "DST")
