@@ -113,7 +113,10 @@ def _takes_adamw(method):
 
 
 class Engine:
-    """The per-step orchestration shared by both engines. A subclass sets ops (the
+    """The per-step orchestration shared by both engines, made with config (GPTConfig), state
+    (TrainState: its flat float32 arrays trained in place), B x T the batch, tokens (the
+    training data: a 1-D uint16 array of token ids < V, DataLoader.tokens; a step's position
+    is a token offset into it) and sub_batches (B's split). A subclass sets ops (the
     executor of taskflow's calls), p, g, m, v (ParameterTensors of the parameters, gradients
     and moments), subs (each sub-batch's (ActivationTensors, [BackwardScratch of each pipeline
     stage])) and norm (the taskflow.norm_nodes float64 scalars of the gradient norm, for

@@ -178,9 +178,10 @@ TrainConfig.__doc__ += _field_help(TrainConfig)
 @dataclass
 class TrainResult:
     """What train() returns (and signals.Interrupted.result holds when a signal stopped it):
-    the losses of this run's steps (a resumed run: its own), each step's time, the run's
-    tokens/ms over its timed steps, the peak memory, the final state (parameters, moments,
-    step, data position), and what the run could not write."""
+    the losses of this run's steps (each the mean cross-entropy of its tokens, in nats; a
+    resumed run: its own), each step's time (ms), the run's tokens/ms over its timed steps,
+    the peak memory (MiB), the final state (parameters, moments, step, data position), and
+    what the run could not write."""
     losses: list = field(default_factory=list)
     step_ms: list = field(default_factory=list)
     tokens_per_ms: float = float("nan")   # over the timed (post-warmup) steps
