@@ -79,8 +79,7 @@ class Completion:
         lp = None
         if self.sampling.logprobs is not None and logprobs:
             if index not in self._offsets:
-                self._offsets[index] = scoring.TextOffsets(self.tokenizer,
-                                                           len(self.choices[index].text))
+                self._offsets[index] = self._text_offsets(self.choices[index])
             lp = scoring.completion_logprobs(logprobs, self.tokenizer, self._offsets[index])
         out = {"id": self.id, "object": "text_completion", "created": self.created,
                "model": self.model,
@@ -107,17 +106,18 @@ class Completion:
                             for k, (c, t, f) in enumerate(zip(self.choices, texts, finishes))],
                 "usage": usage(prompt_tokens, completion_tokens)}
 
+    def _text_offsets(self, choice: Choice) -> scoring.TextOffsets:
+        """A new scoring.TextOffsets of choice's scored tokens, at the first one's place in
+        the text the client gets: 0 with echo (the prompt's own tokens are scored first; a
+        stream never has both, parse_completion refuses it), else the prompt's end."""
+        return scoring.TextOffsets(self.tokenizer, 0 if self.echo else len(choice.text))
+
     def _logprobs(self, choice, entries):
         if self.sampling.logprobs is None:
             return None
-        if not self.echo:
-            return scoring.completion_logprobs(entries, self.tokenizer,
-                                               scoring.TextOffsets(self.tokenizer,
-                                                                   len(choice.text)))
-        # the prompt's first token has no score (nothing before it), as in OpenAI's API
-        first = scoring.Logprob(choice.ids[0], None)
-        return scoring.completion_logprobs([first, *entries], self.tokenizer,
-                                           scoring.TextOffsets(self.tokenizer, 0))
+        if self.echo:       # the prompt's first token has no score (nothing before it), as
+            entries = [scoring.Logprob(choice.ids[0], None), *entries]    # in OpenAI's API
+        return scoring.completion_logprobs(entries, self.tokenizer, self._text_offsets(choice))
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
