@@ -327,23 +327,26 @@ def build_parser():
                          type=_CHECKS["positive"]("--workers"),
                          help="N StarPU workers (default 1, on all the cores)")})
 
+    from .serve.settings import Edges, Serving     # plain dataclasses: no serve extra needed
+    dflt = Serving()
     sv = sub.add_parser("serve", help="serve a model (llm.c checkpoint with GPT-2's vocabulary) "
                                       "over HTTP with OpenAI's completions API, batching the "
                                       "requests (docs/serving.md)")
     sv.add_argument("--init-from", required=True, metavar="MODEL",
                     type=_given("--init-from", optional=False), help=INIT_FROM_HELP)
-    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default "
-                                                        "127.0.0.1: this machine only)")
+    sv.add_argument("--host", default=dflt.host, help=f"address to listen on (default "
+                                                      f"{dflt.host}: this machine only)")
     sv.add_argument("--port", type=_checked(int, "a port number", lambda v: 0 <= v < 65536,
-                                            "in 0..65535")("--port"), default=8000,
-                    help="TCP port (default 8000; 0: a free one, printed)")
-    sv.add_argument("--max-batch", type=_CHECKS["positive"]("--max-batch"), default=8,
-                    help="sequences generated at once, each in a slot of the key/value cache "
-                         "(default 8)")
+                                            "in 0..65535")("--port"), default=dflt.port,
+                    help=f"TCP port (default {dflt.port}; 0: a free one, printed)")
+    sv.add_argument("--max-batch", type=_CHECKS["positive"]("--max-batch"),
+                    default=dflt.max_batch,
+                    help=f"sequences generated at once, each in a slot of the key/value cache "
+                         f"(default {dflt.max_batch})")
     sv.add_argument("--max-queue", type=_checked(int, "a whole number", lambda v: v >= 0,
-                                                 ">= 0")("--max-queue"), default=64,
-                    help="requests waiting for a slot beyond those; more are refused with HTTP "
-                         "503 and Retry-After (default 64)")
+                                                 ">= 0")("--max-queue"), default=dflt.max_queue,
+                    help=f"requests waiting for a slot beyond those; more are refused with HTTP "
+                         f"503 and Retry-After (default {dflt.max_queue})")
     sv.add_argument("--engine", default="starpu", choices=["starpu", "reference"],
                     help="starpu: the task graph; reference: the same kernels in a plain loop")
     add_setting_args(sv, partition_settings(*DECODE_PARTITION),
@@ -359,18 +362,19 @@ def build_parser():
                          "tokenizers ship them (default: 'Role: content' lines ending in "
                          "'Assistant:', docs/serving.md)")
     sv.add_argument("--shutdown-timeout", type=_CHECKS["nonneg"]("--shutdown-timeout"),
-                    default=30.0, help="seconds the running requests get to finish after "
-                                       "SIGINT or SIGTERM, before they are cancelled (default 30)")
+                    default=dflt.shutdown_timeout,
+                    help=f"seconds the running requests get to finish after SIGINT or SIGTERM, "
+                         f"before they are cancelled (default {dflt.shutdown_timeout:g})")
     sv.add_argument("--stall-timeout", type=_CHECKS["nonneg"]("--stall-timeout"),
-                    default=None, help="seconds without a decode step completed, with requests "
-                                       "pending, after which GET /health answers 503 and new "
-                                       "requests are refused (a stuck task); 0: never "
-                                       "(default 300, beyond GPT-2 XL's longest step on a "
-                                       "loaded machine)")
+                    default=dflt.stall_timeout,
+                    help=f"seconds without a decode step completed, with requests pending, "
+                         f"after which GET /health answers 503 and new requests are refused (a "
+                         f"stuck task); 0: never (default {dflt.stall_timeout:g}, beyond GPT-2 "
+                         f"XL's longest step on a loaded machine)")
     sv.add_argument("--log-level", default="info",
                     choices=["critical", "error", "warning", "info", "debug"],
                     help="uvicorn's log level (info: one line per request)")
-    _serve_edge_args(sv)
+    _serve_edge_args(sv, Edges())
 
     cv = sub.add_parser("convert", help="convert a model between llm.c's checkpoint and a "
                                         "Hugging Face GPT-2 folder (transformers' "
@@ -382,26 +386,38 @@ def build_parser():
     return ap
 
 
-def _serve_edge_args(sv):
-    """serve's access and timeout flags (serve/middleware.py)."""
+def _serve_edge_args(sv, dflt):
+    """serve's access, timeout and size flags (serve/middleware.py), their defaults dflt's (a
+    serve/settings.Edges)."""
     seconds = _checked(float, "a number of seconds", lambda v: math.isfinite(v) and v > 0, "> 0")
-    sv.add_argument("--api-key", type=_api_key, default=None,
+    whole = _checked(int, "a whole number", lambda v: v >= 1, ">= 1")
+    sv.add_argument("--api-key", type=_api_key, default=dflt.api_key,
                     help="clients must send 'Authorization: Bearer KEY' (HTTP 401 otherwise; "
                          "GET /health stays open); default: $STARPU_LLM_API_KEY, else no key")
-    sv.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+    sv.add_argument("--allow-origin", action="append", default=list(dflt.allow_origins),
+                    metavar="ORIGIN",
                     help="an origin (https://host[:port], or *) whose web pages may call the "
-                         "server (CORS); repeatable; default none")
-    sv.add_argument("--header-timeout", type=seconds("--header-timeout"), default=30.0,
-                    help="seconds a connection has to send a whole request head (default 30)")
-    sv.add_argument("--body-timeout", type=seconds("--body-timeout"), default=30.0,
-                    help="seconds a request body may pause before HTTP 408 (default 30)")
-    sv.add_argument("--idle-timeout", type=seconds("--idle-timeout"), default=75.0,
-                    help="seconds a kept-alive connection may idle between two requests "
-                         "(default 75: above a load balancer's or proxy's 60)")
-    sv.add_argument("--max-connections", type=_checked(int, "a whole number", lambda v: v >= 1,
-                                                       ">= 1")("--max-connections"),
-                    default=512, help="connections open at once (default 512); one more "
-                    "closes the one idle the longest, or with none idle is answered 503")
+                         "server (CORS); a request from another origin (a browser's Origin "
+                         "header) is refused with HTTP 403; repeatable; default none")
+    sv.add_argument("--header-timeout", type=seconds("--header-timeout"),
+                    default=dflt.header_timeout,
+                    help=f"seconds a connection has to send a whole request head (default "
+                         f"{dflt.header_timeout:g})")
+    sv.add_argument("--body-timeout", type=seconds("--body-timeout"), default=dflt.body_timeout,
+                    help=f"seconds a request body may pause before HTTP 408, and a client may "
+                         f"leave the answer unread before its connection is cut (default "
+                         f"{dflt.body_timeout:g})")
+    sv.add_argument("--idle-timeout", type=seconds("--idle-timeout"), default=dflt.idle_timeout,
+                    help=f"seconds a kept-alive connection may idle between two requests "
+                         f"(default {dflt.idle_timeout:g}: above a load balancer's or proxy's 60)")
+    sv.add_argument("--max-connections", type=whole("--max-connections"),
+                    default=dflt.max_connections,
+                    help=f"connections open at once (default {dflt.max_connections}); one more "
+                         f"closes the one idle the longest, or with none idle is answered 503")
+    sv.add_argument("--max-body", type=whole("--max-body"), default=dflt.max_body,
+                    metavar="MIB",
+                    help=f"the largest request body, in MiB; a larger one is refused with HTTP "
+                         f"413 as it arrives (default {dflt.max_body})")
 
 
 def _api_key(s, name="--api-key"):
@@ -560,7 +576,8 @@ def _serve_edges(args) -> dict:
             raise StarpuLLMError(f"{e} (or unset: no key)") from None
     return dict(api_key=key, allow_origins=tuple(args.allow_origin),
                 header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-                idle_timeout=args.idle_timeout, max_connections=args.max_connections)
+                idle_timeout=args.idle_timeout, max_connections=args.max_connections,
+                max_body=args.max_body)
 
 
 def cmd_convert(args):

@@ -22,13 +22,10 @@ from . import signals
 from .cli_generate import read_text_model
 from .errors import StarpuLLMError
 from .io import tokenizer
+from .serve.settings import Serving
 
 SERVE_INSTALL = "pip install 'starpu-llm[serve]' (make install does it)"
 BACKLOG = 2048        # connections waiting to be accepted (uvicorn's default)
-# --stall-timeout's default, seconds without a decode step completed (work pending) before
-# GET /health answers 503: about twice GPT-2 XL's longest step on a loaded 2-core machine
-# (docs/serving.md, "Faults and supervision", has the sum)
-STALL_TIMEOUT = 300.0
 # file descriptors the server holds besides its connections (the listening socket, the event
 # loop's, StarPU's and CUDA's, the metrics' /proc reads): a tiny model served on 2 cores held 11
 FD_HEADROOM = 64
@@ -152,16 +149,19 @@ def check_connection_room(max_connections: int) -> None:
             f"{max(1, soft - FD_HEADROOM)}")
 
 
-def run_serve(init_from, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8,
-              max_queue: int = 64, engine: str = "starpu", request=None, model_name=None,
-              shutdown_timeout: float = 30.0, log_level: str = "info", edges=None,
-              chat_template=None, stall_timeout: float | None = None) -> int:
+def run_serve(init_from, host: str = Serving.host, port: int = Serving.port,
+              max_batch: int = Serving.max_batch, max_queue: int = Serving.max_queue,
+              engine: str = "starpu", request=None, model_name=None,
+              shutdown_timeout: float = Serving.shutdown_timeout, log_level: str = "info",
+              edges=None, chat_template=None,
+              stall_timeout: float = Serving.stall_timeout) -> int:
     """`starpu-llm serve` (see the module docstring): request, a partition.PartitionRequest
     (None: the default partition); edges: serve/middleware.Edges' fields (the key, CORS, the
     timeouts, the connection cap; None: the defaults); chat_template: the --chat-template
     file (None: the default template, serve/chat.py); stall_timeout: --stall-timeout
-    (serve/engine.Engine; None: STALL_TIMEOUT). Prints "serving MODEL on http://HOST:PORT" once it takes
-    requests (port 0: a free port, the one printed)."""
+    (serve/engine.Engine; 0: off); the defaults are serve/settings.py's. Prints "serving
+    MODEL on http://HOST:PORT" once it takes requests (port 0: a free port, the one
+    printed)."""
     from .plan.partition import PartitionRequest
     from .runtime.starpu import resolve_here
     request = request or PartitionRequest()
@@ -175,6 +175,8 @@ def run_serve(init_from, host: str = "127.0.0.1", port: int = 8000, max_batch: i
     if max_batch < 1 or max_queue < 0:
         raise StarpuLLMError(f"--max-batch must be at least 1 and --max-queue at least 0 (got "
                              f"{max_batch} and {max_queue})")
+    metrics = Metrics(max_batch)
+    protocol = middleware.http_protocol(edges, metrics)     # a uvicorn it cannot use: said now
     config, params = read_text_model(init_from, engine, "serve")
     check_cache_memory(config, max_batch)
     check_connection_room(edges.max_connections)
@@ -183,11 +185,10 @@ def run_serve(init_from, host: str = "127.0.0.1", port: int = 8000, max_batch: i
     with contextlib.closing(sock):
         model = model_name or os.path.splitext(os.path.basename(os.path.normpath(init_from)))[0]
         tok = tokenizer.gpt2()
-        metrics = Metrics(max_batch)
         load = load_model(config, params, engine, partition)
         eng = Engine(load, config, tok, tok.eot, max_batch=max_batch, max_queue=max_queue,
                      metrics=metrics,
-                     stall_timeout=STALL_TIMEOUT if stall_timeout is None else stall_timeout)
+                     stall_timeout=stall_timeout)
         eng.start()              # StarPU up, the model registered; an error is raised here
         stopped = []
 
@@ -219,7 +220,7 @@ def run_serve(init_from, host: str = "127.0.0.1", port: int = 8000, max_batch: i
         app = middleware.wrap(create_app(eng, model, template), edges, metrics)
         server = Server(uvicorn.Config(app, log_level=log_level, lifespan="off",
                                        timeout_graceful_shutdown=shutdown_timeout + 5,
-                                       http=middleware.http_protocol(edges, metrics),
+                                       http=protocol,
                                        timeout_keep_alive=edges.idle_timeout,
                                        access_log=False))      # middleware logs each request
         # the CLI's stop-after-the-step handlers (signals.py) out of the way: uvicorn's drain

@@ -4,6 +4,7 @@ front of a small application (no model), driven by raw sockets. The timeouts are
 small; a wait in a test is a fraction of the timeout it stays under, with seconds to spare
 for a machine whose cores are all busy, a timeout a test does not exercise is left long, and
 nothing measures how long a closing took."""
+import argparse
 import contextlib
 import json
 import re
@@ -14,7 +15,7 @@ import time
 import pytest
 import uvicorn
 from starlette.applications import Starlette
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from starpu_llm import cli
@@ -24,20 +25,31 @@ from starpu_llm.serve import middleware
 from starpu_llm.serve.metrics import Metrics
 
 GET = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+BIG = 64 << 20          # an answer beyond any socket's buffers
 
 
 @contextlib.contextmanager
-def serving(edges: middleware.Edges, metrics=None):
+def serving(edges: middleware.Edges, metrics=None, big_ended=None):
     """The port of a server with edges (and metrics, a serve/metrics.Metrics), stopped at the
-    end."""
+    end. GET /big streams BIG bytes, then sets big_ended (a threading.Event), as it ends or is
+    stopped."""
     async def health(request):
         return JSONResponse({"status": "ok"})
 
     async def echo(request):
         return JSONResponse({"got": len(await request.body())})
+
+    async def big(request):
+        async def pieces():
+            try:
+                for _ in range(BIG >> 16):
+                    yield b"x" * (1 << 16)
+            finally:
+                big_ended.set()
+        return StreamingResponse(pieces())
     app = middleware.wrap(Starlette(routes=[Route("/health", health),
-                                            Route("/echo", echo, methods=["POST"])]), edges,
-                          metrics)
+                                            Route("/echo", echo, methods=["POST"]),
+                                            Route("/big", big)]), edges, metrics)
     sock = listen_socket("127.0.0.1", 0)
     server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning",
                                            http=middleware.http_protocol(edges, metrics),
@@ -104,6 +116,34 @@ def test_the_idle_timeout_and_max_connections_flags():
                       ("--max-connections", "0"), ("--max-connections", "2.5")):
         with pytest.raises(cli.UsageError, match=flag):
             p.parse_args(serve + [flag, bad])
+
+
+def test_serve_defaults_are_stated_once(monkeypatch):
+    """serve's defaults live in serve/settings.py alone: `serve` without flags gives Serving's
+    and Edges' fields, each flag's help says that value, and run_serve's and the engine's
+    defaults are the same (a number changed there changes them all; a second copy in cli.py
+    would diverge). The engine's stall_timeout stays 0 (off: a library's engine watches for
+    stalls only when asked)."""
+    import inspect
+    from dataclasses import asdict
+    from starpu_llm.cli_serve import run_serve
+    from starpu_llm.serve.engine import Engine
+    from starpu_llm.serve.settings import Edges, Serving
+    monkeypatch.delenv("STARPU_LLM_API_KEY", raising=False)
+    p = cli.build_parser()
+    args = p.parse_args(["serve", "--init-from", "m.bin"])
+    serving = asdict(Serving())
+    assert {name: getattr(args, name) for name in serving} == serving
+    assert middleware.Edges(**cli._serve_edges(args)) == Edges()
+    (sv,) = [a.choices["serve"] for a in p._actions if isinstance(a, argparse._SubParsersAction)]
+    helps = {a.dest: a.help for a in sv._actions}
+    for name, value in [*serving.items(), *asdict(Edges()).items()]:
+        if isinstance(value, (int, float)):
+            assert f"default {value:g}" in helps[name], (name, helps[name])
+    for fn, names in ((run_serve, set(serving)), (Engine, {"max_batch", "max_queue"})):
+        for name, param in inspect.signature(fn).parameters.items():
+            if name in names:
+                assert param.default == serving[name], (fn.__name__, name)
 
 
 def test_an_idle_connection_lasts_the_idle_timeout_and_a_stall_mid_request_does_not():
@@ -177,3 +217,107 @@ def test_max_connections_beyond_the_file_descriptor_limit_is_refused(monkeypatch
                                              rf"file descriptors, but this process may open 256 "
                                              rf".*at most {256 - FD_HEADROOM}"):
         check_connection_room(512)
+
+
+def test_a_body_over_max_body_is_413_as_it_arrives():
+    """--max-body (1 MiB here): a larger body is refused with 413 in OpenAI's shape naming the
+    flag, from its Content-Length before a byte of it is read, or, chunked, once its bytes pass
+    the limit; a body under it is served."""
+    with serving(middleware.Edges(max_body=1)) as port:
+        over = (1 << 20) + 1
+        declared = connect(port, b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n"
+                                 b"\r\n" % over)
+        chunk = b"%x\r\n%s\r\n" % (1 << 16, b"a" * (1 << 16))
+        chunked = connect(port, b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: "
+                                b"chunked\r\n\r\n" + chunk * 17)
+        for s in (declared, chunked):
+            head, _, text = answer(s).partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 413 "), head
+            err = json.loads(text)["error"]
+            assert "larger than 1 MiB (--max-body)" in err["message"], err
+            s.close()
+        body = b"a" * (1 << 20)
+        ok = connect(port, b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                           % (len(body), body))
+        assert json.loads(answer(ok).partition(b"\r\n\r\n")[2]) == {"got": 1 << 20}
+        ok.close()
+    p = cli.build_parser()
+    args = p.parse_args(["serve", "--init-from", "m.bin", "--max-body", "2"])
+    assert cli._serve_edges(args)["max_body"] == 2
+    with pytest.raises(cli.UsageError, match="--max-body"):
+        p.parse_args(["serve", "--init-from", "m.bin", "--max-body", "0"])
+
+
+def test_a_web_page_of_another_origin_is_refused():
+    """A browser's request from a page of an origin --allow-origin does not name is 403 before
+    it runs (a plain-text POST needs no CORS preflight: any site a user visited ran
+    completions on their local server, CORS only hiding the answer); a named origin, "*",
+    and clients without an Origin (curl, OpenAI's) are served."""
+    post = (b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\n%sContent-Length: "
+            b"2\r\n\r\n{}")
+    with serving(middleware.Edges(allow_origins=("https://ui.example",))) as port:
+        s = connect(port, post % b"Origin: https://evil.example\r\n")
+        head, _, text = answer(s).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 403 "), head
+        err = json.loads(text)["error"]
+        assert "--allow-origin https://evil.example" in err["message"]
+        assert err["code"] == "origin_not_allowed"
+        for origin in (b"Origin: https://ui.example\r\n", b""):
+            s = connect(port, post % origin)
+            assert answer(s).startswith(b"HTTP/1.1 200 ")
+            s.close()
+    with serving(middleware.Edges(allow_origins=("*",))) as port:
+        s = connect(port, post % b"Origin: https://evil.example\r\n")
+        assert answer(s).startswith(b"HTTP/1.1 200 ")
+        s.close()
+
+
+def test_a_client_that_reads_nothing_of_its_answer_is_cut():
+    """A client that sends its request and never reads (its receive window full) held its
+    connection, and the answer's bytes in the server, for ever (a streamed completion's
+    events are made whatever the client reads: a few hundred such clients filled
+    --max-connections); after --body-timeout (1 s here) without a byte read it is cut: the
+    answer's generator ends and the client never gets the whole answer."""
+    ended = threading.Event()
+    with serving(middleware.Edges(body_timeout=1), big_ended=ended) as port:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.settimeout(120)
+        s.connect(("127.0.0.1", port))
+        s.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert ended.wait(120), "the server still waits for the client to read"
+        got = 0
+        with contextlib.suppress(ConnectionResetError):
+            while piece := s.recv(1 << 16):
+                got += len(piece)
+        s.close()
+        assert got < BIG
+        s = connect(port, GET)                  # and the server goes on
+        assert answer(s).startswith(b"HTTP/1.1 200 ")
+        s.close()
+
+
+@pytest.mark.parametrize("change", ["method", "attribute", "constructor"])
+def test_a_uvicorn_without_what_the_edges_use_is_one_error_at_start(monkeypatch, change):
+    """The cap on connections and the deadlines are built on uvicorn's H11Protocol (no public
+    option does it): a uvicorn whose protocol lacks one of middleware.UVICORN_NEEDS is one
+    error naming it and the versions tested, when the protocol is made (at start, before the
+    model loads), not a failure on each connection or a cap that silently does not hold."""
+    from uvicorn.protocols.http import h11_impl
+    if change == "method":
+        monkeypatch.delattr(h11_impl.H11Protocol, "timeout_keep_alive_handler")
+        name = "timeout_keep_alive_handler"
+    elif change == "attribute":
+        init = h11_impl.H11Protocol.__init__
+
+        def without(self, *a, **kw):
+            init(self, *a, **kw)
+            del self.timeout_keep_alive_task
+        monkeypatch.setattr(h11_impl.H11Protocol, "__init__", without)
+        name = "timeout_keep_alive_task"
+    else:
+        monkeypatch.setattr(h11_impl.H11Protocol, "__init__", lambda self, config: None)
+        name = "__init__"
+    with pytest.raises(StarpuLLMError, match=rf"uvicorn \S+ lacks what serve's --max-connections"
+                                             rf".*H11Protocol\.{name}.*uvicorn>=0\.30"):
+        middleware.http_protocol(middleware.Edges())

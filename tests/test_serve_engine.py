@@ -208,13 +208,14 @@ def test_stall_timeout_0_never_stalls():
 
 def test_the_stall_timeout_flag():
     """--stall-timeout: seconds, 0 turning the check off; anything else is one usage error
-    naming the flag; left out, run_serve takes cli_serve.STALL_TIMEOUT."""
+    naming the flag; left out, serve/settings.Serving's (300 s)."""
+    from starpu_llm.serve.settings import Serving
     from starpu_llm import cli
     p = cli.build_parser()
     serve = ["serve", "--init-from", "m.bin"]
     assert p.parse_args(serve + ["--stall-timeout", "0"]).stall_timeout == 0
     assert p.parse_args(serve + ["--stall-timeout", "12.5"]).stall_timeout == 12.5
-    assert p.parse_args(serve).stall_timeout is None
+    assert p.parse_args(serve).stall_timeout == Serving.stall_timeout == 300
     for bad in ("-1", "nan", "soon"):
         with pytest.raises(cli.UsageError, match="--stall-timeout"):
             p.parse_args(serve + ["--stall-timeout", bad])

@@ -7,4 +7,5 @@ scoring.py log-probabilities, penalties and logit_bias
 app.py     the HTTP application (Starlette), served by uvicorn (cli_serve.py)
 middleware.py  its edges: the API key, request ids, CORS, timeouts (and uvicorn's protocol)
 metrics.py Prometheus metrics
+settings.py serve's settings and their defaults (the flags', stated once)
 """

@@ -33,9 +33,6 @@ from .errors import BadRequest, error_body
 from .metrics import CONTENT_TYPE
 
 
-# A body above this is refused as it arrives (HTTP 413), so that no client makes the server
-# hold gigabytes: prompts that fit a GPT-2 context, even --max-batch of them, are far smaller.
-MAX_BODY = 16 << 20
 # A stream with no event for this many seconds (waiting in the queue, a long prompt, a slow
 # step) sends an SSE comment line, which clients skip: a proxy's read timeout (nginx's
 # proxy_read_timeout, a load balancer's idle timeout: 60 s by default) otherwise cuts it.
@@ -43,17 +40,10 @@ KEEPALIVE_S = 15.0
 
 
 async def _body(request: HTTPRequest) -> bytearray:
-    """The request's body, read up to MAX_BODY bytes (BadRequest 413 beyond)."""
-    too_large = BadRequest(f"the request body is larger than {MAX_BODY >> 20} MiB; a "
-                               f"prompt must fit the model's context: send fewer or shorter "
-                               f"prompts", status=413)
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY:
-        raise too_large
+    """The request's body (its size bounded by --max-body: serve/middleware.py's body guard
+    refuses a larger one as it arrives)."""
     body = bytearray()            # grown in place: the body is held once, not twice
     async for chunk in request.stream():
-        if len(body) + len(chunk) > MAX_BODY:
-            raise too_large
         body += chunk
     return body
 

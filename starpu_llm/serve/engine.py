@@ -58,6 +58,7 @@ from ..errors import StarpuLLMError
 from ..flow.batch import DEFAULT_ROWS, Feed, SlotDecoder
 from ..io.tokenizer import StreamDecoder
 from . import scoring
+from .settings import Serving
 
 # a step's logits for this many rows of scored prompts (echo with logprobs) a group, beside
 # one a slot: a scored prompt goes in this many tokens a step (GPT-2: 13 MB of logits)
@@ -230,7 +231,8 @@ class Engine:
     monotonic clock those seconds are read on."""
 
     def __init__(self, load: Callable[[], Loaded], config, tokenizer, eot: int | None,
-                 max_batch: int = 8, max_queue: int = 64, rows: int = DEFAULT_ROWS,
+                 max_batch: int = Serving.max_batch, max_queue: int = Serving.max_queue,
+                 rows: int = DEFAULT_ROWS,
                  cache_len: int | None = None, metrics=None, stall_timeout: float = 0.0,
                  clock: Callable[[], float] = time.monotonic):
         if max_batch < 1 or max_queue < 0:

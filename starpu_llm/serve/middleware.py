@@ -7,16 +7,24 @@
   API key     with Edges.api_key, every request but GET /health needs the header
               "Authorization: Bearer KEY": without it, HTTP 401 in OpenAI's error shape;
   CORS        closed (no Access-Control-* header: browsers refuse cross-origin calls) unless
-              Edges.allow_origins names origins;
+              Edges.allow_origins names origins; a request a browser sends from a page of
+              another origin (its Origin header) is refused with 403 before it runs: CORS
+              only hides the answer, and a page's plain-text POST needs no preflight, so any
+              site a user visits could otherwise run completions on a server on their machine
+              or network;
   timeouts    a connection that sends no whole request head within header_timeout seconds
               (from its opening, or from the first byte of its next request) is closed
               (http_protocol()); a body that stops arriving for body_timeout seconds gets
               HTTP 408 and the connection is closed; between two requests (from the end of
               an answer to the first byte of the next request), uvicorn's keep-alive timeout
-              (idle_timeout) closes an idle connection;
+              (idle_timeout) closes an idle connection; a client that reads nothing of its
+              answer for body_timeout seconds (the socket's buffers full) has its connection
+              cut, so that it does not hold the connection and the answer's bytes for ever;
   connections at most max_connections open at once (http_protocol()): one more closes the
               kept-alive connection idle the longest, or, with none idle, has its request
               answered 503 with Retry-After and closed;
+  body size   a body over max_body MiB is answered 413 and the connection closed, as it
+              arrives (its Content-Length, or its bytes so far), never held whole;
   client gone a client that leaves while sending its body is one log line, no traceback;
   counting    a POST /v1/... answered 4xx by the checks counts once as "invalid", one whose
               client left mid-body as "cancelled" (serve/metrics.py; the engine counts the
@@ -31,42 +39,30 @@ import logging
 import re
 import time
 import uuid
-from dataclasses import dataclass
 
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from ..errors import StarpuLLMError
 from .errors import error_body
+from .settings import Edges
 
 log = logging.getLogger("uvicorn.error")
 HEALTH = ("GET", "/health")            # open without the key: a supervisor's probe
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")    # a client's X-Request-Id that we keep
 
 
-@dataclass(frozen=True)
-class Edges:
-    """The serve flags of this module (docs/serving.md): the key, the origins CORS allows,
-    the timeouts in seconds and the connections open at once. idle_timeout is above the 60 s
-    for which load balancers and proxies keep an idle connection to a backend (AWS ALB,
-    nginx's upstream keepalive_timeout): a backend that closes first races the balancer's
-    next request on that connection, which then fails (a 502)."""
-    api_key: str | None = None
-    allow_origins: tuple = ()
-    header_timeout: float = 30.0
-    body_timeout: float = 30.0
-    idle_timeout: float = 75.0
-    max_connections: int = 512
-
-
 def wrap(app, edges: Edges, metrics=None):
     """The ASGI application serving app (a Starlette application, not yet started) behind the
     edges: request id outermost (so that every answer has one), then CORS, then the key;
     the body's guard goes inside Starlette's own error handling, next to the routes."""
-    app.add_middleware(_BodyGuard, timeout=edges.body_timeout, metrics=metrics)
+    app.add_middleware(_BodyGuard, edges=edges, metrics=metrics)
     outer = app
     if edges.api_key is not None:
         outer = _Key(outer, edges.api_key)
+    if "*" not in edges.allow_origins:
+        outer = _Origin(outer, edges.allow_origins)
     if edges.allow_origins:
         outer = CORSMiddleware(outer, allow_origins=list(edges.allow_origins),
                                allow_methods=["GET", "POST"],
@@ -157,21 +153,53 @@ class _Key:
             [(b"www-authenticate", b"Bearer")])
 
 
+class _Origin:
+    """A request with an Origin header (a browser's, from a web page) of an origin that
+    --allow-origin does not name: HTTP 403, before it runs. Clients that are not browsers
+    (curl, OpenAI's) send no Origin."""
+
+    def __init__(self, app, origins):
+        self.app, self.allowed = app, {o.encode() for o in origins}
+
+    async def __call__(self, scope, receive, send):
+        origin = _header(scope, b"origin") if scope["type"] == "http" else None
+        if origin is None or origin in self.allowed:
+            return await self.app(scope, receive, send)
+        shown = origin.decode("latin-1")
+        scope.setdefault("state", {})["why"] = f"a web page of {shown} sent it"
+        await _json(send, 403, error_body(
+            f"requests from web pages of the origin {shown} are not allowed; to let that "
+            f"site's pages call this server, start it with --allow-origin {shown}",
+            code="origin_not_allowed"))
+
+
 class _BodyStalled(Exception):
     pass
 
 
-class _BodyGuard:
-    """Inside Starlette's error handling: a body that stops arriving for `timeout` seconds
-    ends with HTTP 408 (the connection closed); a client that leaves mid-body is one log
-    line instead of a ClientDisconnect traceback."""
+class _BodyTooLarge(Exception):
+    pass
 
-    def __init__(self, app, timeout: float, metrics=None):
-        self.app, self.timeout, self.metrics = app, timeout, metrics
+
+class _BodyGuard:
+    """Inside Starlette's error handling: a body over edges.max_body MiB is refused as it
+    arrives, before it is held (HTTP 413, the connection closed: its Content-Length, or the
+    bytes come so far of a chunked one); a body that stops arriving for edges.body_timeout
+    seconds ends with HTTP 408 (the connection closed); a client that leaves mid-body is one
+    log line instead of a ClientDisconnect traceback."""
+
+    def __init__(self, app, edges: Edges, metrics=None):
+        self.app, self.timeout, self.metrics = app, edges.body_timeout, metrics
+        self.max_body = edges.max_body
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        state = scope.setdefault("state", {})       # "why": said on the request's log line
+        limit = self.max_body << 20
+        declared = (_header(scope, b"content-length") or b"").strip()
+        if declared.isdigit() and int(declared) > limit:
+            return await self._too_large(send, state, int(declared))
         got, whole, started = 0, False, False
 
         async def guarded_receive():
@@ -183,6 +211,8 @@ class _BodyGuard:
             except asyncio.TimeoutError:
                 raise _BodyStalled from None
             got += len(message.get("body", b""))
+            if got > limit:
+                raise _BodyTooLarge
             whole = message["type"] != "http.request" or not message.get("more_body", False)
             return message
 
@@ -191,9 +221,11 @@ class _BodyGuard:
             started = started or message["type"] == "http.response.start"
             await send(message)
 
-        state = scope.setdefault("state", {})       # "why": said on the request's log line
         try:
             await self.app(scope, guarded_receive, tracked_send)
+        except _BodyTooLarge:
+            if not started:
+                await self._too_large(send, state, got)
         except _BodyStalled:
             state["why"] = (f"its body stopped arriving for {self.timeout:g} s after {got} "
                             f"bytes; answered 408 and closed")
@@ -206,6 +238,13 @@ class _BodyGuard:
             state["why"] = f"the client left after {got} bytes of its body"
             if self.metrics is not None and _counted(scope):
                 self.metrics.outcome("cancelled")
+
+    async def _too_large(self, send, state, size: int):
+        state["why"] = f"its body of {size} bytes or more is over --max-body; answered 413"
+        await _json(send, 413, error_body(
+            f"the request body is larger than {self.max_body} MiB (--max-body): send fewer or "
+            f"shorter prompts (a prompt must fit the model's context)", code="body_too_large"),
+            [(b"connection", b"close")])
 
 
 def _refuse(edges: Edges, metrics=None):
@@ -229,6 +268,12 @@ def _refuse(edges: Edges, metrics=None):
     return _RequestId(refuse, metrics)
 
 
+def _cancel(timer) -> None:
+    """timer (an asyncio.TimerHandle or None) cancelled; None, for its attribute."""
+    if timer is not None:
+        timer.cancel()
+
+
 class _Edge(H11Protocol):
     """uvicorn's HTTP/1.1 protocol with a deadline on each request head (a connection that
     sends nothing, or half a head, for edges.header_timeout seconds is closed) and at most
@@ -236,6 +281,7 @@ class _Edge(H11Protocol):
     or None)."""
     edges = Edges()
     metrics = None
+    _unread_timer = None
 
     def connection_made(self, transport):
         super().connection_made(transport)
@@ -272,17 +318,36 @@ class _Edge(H11Protocol):
             self._head_timer = self.loop.call_later(self.edges.header_timeout,
                                                     self._head_stalled)
 
+    def pause_writing(self):
+        """The socket's buffers are full (the client reads nothing): cut the connection if
+        that lasts edges.body_timeout seconds."""
+        super().pause_writing()
+        if self._unread_timer is None:
+            self._unread_timer = self.loop.call_later(self.edges.body_timeout, self._unread)
+
+    def resume_writing(self):
+        super().resume_writing()
+        self._stop_unread_timer()
+
     def connection_lost(self, exc):
         self._stop_head_timer()
+        self._stop_unread_timer()
         super().connection_lost(exc)
+
+    def _unread(self):
+        self._unread_timer = None
+        log.info("cut the connection of %s: it read nothing of its answer for %g s "
+                 "(--body-timeout)", self._who(), self.edges.body_timeout)
+        self.transport.abort()      # close() would wait for the unread bytes to go
 
     def _who(self) -> str:
         return f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
 
     def _stop_head_timer(self):
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
+        self._head_timer = _cancel(self._head_timer)
+
+    def _stop_unread_timer(self):
+        self._unread_timer = _cancel(self._unread_timer)
 
     def _head_stalled(self):
         self._head_timer = None
@@ -292,7 +357,42 @@ class _Edge(H11Protocol):
             self.transport.close()
 
 
+# What _Edge uses of uvicorn's H11Protocol beyond asyncio's Protocol methods: no public option
+# does what it does (uvicorn's limit_concurrency answers a plain-text 503 and never closes an
+# idle kept-alive connection; it has no head or unread-answer deadline). Tested with uvicorn
+# 0.54.0 (pyproject asks for 0.30 or later).
+UVICORN_NEEDS = ("connections", "cycle", "app", "loop", "client", "transport", "flow",
+                 "timeout_keep_alive_task", "timeout_keep_alive_handler")
+
+
+def _check_uvicorn():
+    """One error at start when this uvicorn's H11Protocol lacks what _Edge uses (else the cap
+    and the deadlines would fail on each connection, or silently not hold)."""
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    async def nothing(scope, receive, send):
+        pass
+    loop = asyncio.new_event_loop()
+    try:
+        config = uvicorn.Config(nothing, lifespan="off", log_config=None)
+        config.load()
+        probe = H11Protocol(config, ServerState(), {}, loop)
+        missing = [name for name in UVICORN_NEEDS if not hasattr(probe, name)]
+    except TypeError as e:          # its constructor changed
+        missing = [f"__init__ ({e})"]
+    finally:
+        loop.close()
+    if missing:
+        raise StarpuLLMError(
+            f"uvicorn {uvicorn.__version__} lacks what serve's --max-connections and "
+            f"--header-timeout are built on (uvicorn's H11Protocol.{missing[0]}): install a "
+            f"uvicorn this server was tested with, pip install 'uvicorn>=0.30,<=0.54'")
+
+
 def http_protocol(edges: Edges, metrics=None) -> type:
-    """The protocol class for uvicorn.Config(http=...): h11 with the head's deadline and the
-    cap on connections (its refusals counted in metrics, wrap()'s)."""
+    """The protocol class for uvicorn.Config(http=...): h11 with the head's deadline, the
+    unread answer's, and the cap on connections (its refusals counted in metrics, wrap()'s);
+    StarpuLLMError when this uvicorn's protocol lacks what they are built on."""
+    _check_uvicorn()
     return type("H11Edge", (_Edge,), {"edges": edges, "metrics": metrics})
