@@ -69,10 +69,14 @@ def version_text() -> str:
     else:
         workers = "off (" + (rt.parallel_workers_here()[1] or "SL_NO_PARALLEL_WORKERS is set") + ")"
     yes = {True: "yes", False: "no"}
+    cuda = yes[build.cuda]
+    if build.cuda:
+        n, why = rt.cuda_devices()
+        cuda += f" ({why or f'{n} GPU(s) seen'})"
     lines += [f"StarPU {major[0]}.{minor[0]}.{release[0]}"
               f"{f' ({os.path.realpath(library)})' if library else ''}, "
               f"STARPU_MAXCPUS {build.max_cpus}",
-              f"StarPU-MPI: {yes[bool(rt.lib.sl_mpi_available())]}, CUDA: {yes[build.cuda]}, "
+              f"StarPU-MPI: {yes[bool(rt.lib.sl_mpi_available())]}, CUDA: {cuda}, "
               f"parallel workers: {workers}",
               f"BLAS: {rt.ffi.string(rt.lib.blas_name()).decode()}",
               f"kernels: {_kernels_isa()}"]

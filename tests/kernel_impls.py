@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from starpu_llm._kernels import ffi, lib
-from starpu_llm.kernels.codelets import TABLE
+from starpu_llm.kernels.codelets import TABLE, cuda_devices
 
 _PTR = {np.dtype(np.float32): "float *", np.dtype(np.int32): "int32_t *",
         np.dtype(np.uint16): "uint16_t *", np.dtype(np.float64): "double *"}
@@ -41,8 +41,10 @@ def gpu_available() -> str | None:
     """None when the GPU kernels can run here, else why not."""
     if lib.sl_gpu_emulated():
         return None
-    if lib.sl_gpu_devices() < 1:
-        return "no GPU: CUDA reports no device (the CUDA build runs its kernels on a GPU only)"
+    n, why = cuda_devices()
+    if n < 1:
+        return (f"no GPU: {why or 'CUDA reports no device'} (the CUDA build runs its kernels on "
+                "a GPU only)")
     return None
 
 

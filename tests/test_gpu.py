@@ -26,6 +26,7 @@ from starpu_llm import TrainConfig, train
 from starpu_llm._clib import lib
 from starpu_llm.model.config import ParamLayout
 from starpu_llm.runtime import Runtime
+from starpu_llm.kernels.codelets import cuda_devices
 from starpu_llm.runtime.starpu import have_cuda, placed, placement
 from partitions import here
 from test_model import STEPS, compare, make_case, param_errors, report, run_engine, run_torch
@@ -34,8 +35,9 @@ from test_model import STEPS, compare, make_case, param_errors, report, run_engi
 def _why_no_gpu():
     if not have_cuda():
         return "not a CUDA build (README, GPUs: make cuda), so no GPU runs"
-    if lib.sl_gpu_devices() < 1:
-        return "no GPU: CUDA reports no device"
+    n, why = cuda_devices()
+    if n < 1:
+        return f"no GPU: {why or 'CUDA reports no device'}"
     return None
 
 
@@ -330,7 +332,7 @@ def test_gpu_memory_is_read_on_the_cuda_workers_devices():
     import os
     import subprocess
     import sys
-    last = lib.sl_gpu_devices() - 1
+    last = cuda_devices()[0] - 1
     code = ("import json\nfrom starpu_llm.runtime import Runtime\nfrom partitions import here\n"
             "with Runtime(here(gpus=1)) as rt:\n"
             "    print(json.dumps([rt.cuda_devices(), rt.gpu_memory_mb()]))\n")

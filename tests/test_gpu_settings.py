@@ -4,16 +4,18 @@ a CUDA body (tests/test_gpu.py runs them on a GPU; test_kernels.py and test_mode
 check the CUDA bodies here)."""
 import json
 import os
+import re
 
 import pytest
 
 from starpu_llm import StarpuLLMError, TrainConfig
 from starpu_llm._kernels import lib as klib
 from starpu_llm.cli import build_parser
-from starpu_llm.kernels.codelets import CUDA_BODIES, TABLE
+from starpu_llm.kernels.codelets import CUDA_BODIES, TABLE, cuda_devices
 from starpu_llm.plan.record import Partition, RunRecord, Settings
 from starpu_llm.runtime import Runtime
 from starpu_llm.plan.partition import Build, PartitionRequest, resolve
+from starpu_llm.runtime import starpu as rt
 from starpu_llm.runtime.starpu import have_cuda, this_build, usable_cores
 from partitions import here
 
@@ -61,6 +63,39 @@ def test_gpus_refused_where_they_cannot_run():
                 Runtime(here(gpus=1, **kw))
     with pytest.raises(StarpuLLMError, match="reference engine"):
         resolve(PartitionRequest(gpus=1), cores=2, build=this_build(), engine="reference")
+
+
+def test_a_driver_cuda_cannot_use_is_one_clear_error_not_no_gpu(monkeypatch):
+    """cudaGetDeviceCount failing (a driver older than the build's CUDA: error 35) is not "no
+    GPU": --gpus 1 is one error naming CUDA's message and what to check, never a run on the
+    CPUs or a skipped GPU test; --gpus 0 does not ask CUDA. The CPU emulation's
+    cudaGetDeviceCount answers that error under SL_EMULATE_DEVICE_COUNT_ERROR."""
+    insufficient = "CUDA driver version is insufficient for CUDA runtime version"
+    request = PartitionRequest(gpus=1)
+    broken = Build(max_cpus=64, parallel_workers=True, cuda=True,
+                   cuda_error=f"cudaGetDeviceCount failed: {insufficient} (cudaError 35)")
+    with pytest.raises(StarpuLLMError) as e:
+        resolve(request, cores=8, build=broken)
+    gpus = "gpus"       # as Python's API names it (the CLI's message says --gpus)
+    assert str(e.value) == (f"{gpus} 1: cudaGetDeviceCount failed: {insufficient} (cudaError "
+                            "35): check the NVIDIA driver (nvidia-smi; it must be as new as the "
+                            "CUDA this starpu-llm was built with) and CUDA_VISIBLE_DEVICES, or "
+                            f"run with {gpus} 0")
+    resolve(PartitionRequest(gpus=0), cores=8, build=broken)
+    if not klib.sl_gpu_emulated():
+        return          # a CUDA build: its own driver answers; the rest is the emulation's
+    assert klib.sl_gpu_devices() == 0 and cuda_devices() == (0, "")     # no device: no error
+    monkeypatch.setenv("SL_EMULATE_DEVICE_COUNT_ERROR", "35")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert klib.sl_gpu_devices() == -35
+    why = f"cudaGetDeviceCount failed: {insufficient} (cudaError 35; CUDA_VISIBLE_DEVICES '0')"
+    assert cuda_devices() == (0, why)
+    monkeypatch.setattr(rt, "have_cuda", lambda: True)     # as a CUDA build on that driver
+    assert this_build(1).cuda_error == why and this_build(0).cuda_error == ""
+    with pytest.raises(StarpuLLMError, match=rf"^{gpus} 1: {re.escape(why)}: check the NVIDIA"):
+        rt.resolve_here(request)
+    monkeypatch.setenv("SL_EMULATE_DEVICE_COUNT_ERROR", "803")
+    assert "unsupported display driver" in cuda_devices()[1]
 
 
 def test_gpus_take_a_core_each():

@@ -153,11 +153,13 @@ def test_ranks_equal_single_process(shard, single, loss_bounds, tmp_path, mode):
 
 
 def _why_no_gpu_ranks():
+    from starpu_llm.kernels.codelets import cuda_devices
     from starpu_llm.runtime.starpu import have_cuda
     if not have_cuda():
         return "not a CUDA build (README, GPUs: make cuda), so no GPU runs"
-    if lib.sl_gpu_devices() < 1:
-        return "no GPU: CUDA reports no device"
+    n, why = cuda_devices()
+    if n < 1:
+        return f"no GPU: {why or 'CUDA reports no device'}"
     if not lib.sl_mpi_available():
         return "this CUDA build has no StarPU-MPI (an MPI and libstarpumpi at its build)"
     return None

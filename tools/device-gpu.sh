@@ -181,8 +181,14 @@ stage_build() {
       "$repo" >"$details/build-starpu-llm.log" 2>&1 ||
       { tail -n 40 "$details/build-starpu-llm.log"; return 1; }
   # the package's own modules the stages import, and what it was built with
+  # and no GPU (a driver that does not match CUDA 13: cudaGetDeviceCount's error) stops here,
+  # not as skipped GPU tests
   (cd "$work" && capped 20 python3 -c 'import starpu_llm._clib as c, starpu_llm.cli, starpu_llm.flow.engine, starpu_llm.baselines.torch_sdpa
-print("starpu-llm built:", "CUDA" if c.lib.sl_have_cuda() else "CPU", "build,", c.lib.sl_gpu_devices(), "GPU(s) seen")') ||
+from starpu_llm.kernels.codelets import cuda_devices
+n, why = cuda_devices()
+print("starpu-llm built:", "CUDA" if c.lib.sl_have_cuda() else "CPU", "build,", n, "GPU(s) seen", why)
+if n < 1:
+    raise SystemExit("no GPU for the stages: " + (why or "CUDA reports no device") + ": check nvidia-smi and CUDA_VISIBLE_DEVICES")') ||
       return 1
   # llm.c for the benchmark, meanwhile (CPU only: nvcc), in a folder of its own; marked apart,
   # the one process that outlives its stage

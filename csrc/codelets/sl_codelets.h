@@ -118,7 +118,11 @@ int sl_codelet_has_cuda(int codelet);
 int sl_codelet_run_cuda(int codelet, void *const *ptr, const size_t *count,
 			const size_t *elemsize, int n, const void *args, int tf32);
 int sl_gpu_emulated(void); /* 1: the CUDA bodies run in the CPU emulation (no CUDA build) */
-int sl_gpu_devices(void);  /* the GPUs CUDA sees (0 without a CUDA build, driver or GPU) */
+/* The GPUs CUDA sees: 0 where it finds none (no device, the CPU emulation), -(its cudaError)
+ * where it could not count them (a driver older than the build's CUDA, a broken install),
+ * which sl_gpu_error_string names: never read as "no GPU". */
+int sl_gpu_devices(void);
+const char *sl_gpu_error_string(int err); /* cudaGetErrorString(err) */
 /* The emulation's launches since the last call: their count, and the block count of each of
  * the first max in blocks (the grids the kernels chose); -ENOSYS in a CUDA build. */
 int sl_gpu_emulated_launches(unsigned *blocks, int max);

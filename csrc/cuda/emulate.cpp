@@ -412,8 +412,12 @@ const char *cudaGetErrorString(cudaError_t err)
 		return "out of memory";
 	case cudaErrorInvalidConfiguration:
 		return "invalid configuration argument";
+	case cudaErrorInsufficientDriver:
+		return "CUDA driver version is insufficient for CUDA runtime version";
 	case cudaErrorNoDevice:
 		return "no CUDA-capable device is detected";
+	case cudaErrorSystemDriverMismatch:
+		return "system has unsupported display driver / cuda driver combination";
 	default:
 		return "unknown error";
 	}
@@ -481,10 +485,13 @@ cudaError_t cudaStreamDestroy(cudaStream_t s)
 
 cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
 
+/* no device, as a machine without a GPU; SL_EMULATE_DEVICE_COUNT_ERROR=N: CUDA's error N
+ * instead, as a broken or mismatched driver answers (the tests' stand-in for one) */
 cudaError_t cudaGetDeviceCount(int *n)
 {
+	const char *err = getenv("SL_EMULATE_DEVICE_COUNT_ERROR");
 	*n = 0;
-	return cudaErrorNoDevice;
+	return err && *err ? (cudaError_t)atoi(err) : cudaErrorNoDevice;
 }
 
 /* ---- cuBLAS ---- */

@@ -267,7 +267,9 @@ enum {
 	cudaErrorInvalidValue = 1,
 	cudaErrorMemoryAllocation = 2,
 	cudaErrorInvalidConfiguration = 9,
+	cudaErrorInsufficientDriver = 35,
 	cudaErrorNoDevice = 100,
+	cudaErrorSystemDriverMismatch = 803,
 };
 enum cudaMemcpyKind {
 	cudaMemcpyHostToHost = 0,

@@ -48,7 +48,16 @@ extern "C" int sl_gpu_emulated_blas_calls(void)
 extern "C" int sl_gpu_devices(void)
 {
 	int n = 0;
-	return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+	cudaError_t err = cudaGetDeviceCount(&n);
+	if (err == cudaSuccess)
+		return n;
+	(void)cudaGetLastError(); /* not left for the next call's check */
+	return err == cudaErrorNoDevice ? 0 : -(int)err;
+}
+
+extern "C" const char *sl_gpu_error_string(int err)
+{
+	return cudaGetErrorString((cudaError_t)err);
 }
 
 extern "C" int sl_codelet_has_cuda(int codelet)

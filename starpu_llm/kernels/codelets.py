@@ -24,10 +24,23 @@ sequence of layers.
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 from .._kernels import ffi, lib
 from .cpu import check as check_cpu
+
+
+def cuda_devices() -> tuple[int, str]:
+    """The GPUs CUDA sees here, and "" or why it could not count them (cudaGetDeviceCount's
+    error: a driver older than this build's CUDA, a broken install), which is no "no GPU"."""
+    n = lib.sl_gpu_devices()
+    if n >= 0:
+        return n, ""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return 0, (f"cudaGetDeviceCount failed: {ffi.string(lib.sl_gpu_error_string(-n)).decode()} "
+               f"(cudaError {-n}; CUDA_VISIBLE_DEVICES "
+               f"{'unset' if visible is None else repr(visible)})")
 
 
 class SubmitError(RuntimeError):

@@ -49,6 +49,7 @@ class Build:
     cuda: bool = False              # a CUDA build (GPUs)
     max_group: int = 64             # cores of one team worker (SL_MAX_GROUP)
     schedulers: tuple = ()          # its scheduling policies by name (empty: not checked)
+    cuda_error: str = ""            # why CUDA could not count its GPUs (runtime.cuda_devices)
 
 
 # The fields that give the partition's shape (PartitionRequest.given)
@@ -372,6 +373,11 @@ def _check_gpus(req: PartitionRequest, kcore: str, build: Build, memory_limit: b
         raise StarpuLLMError(
             f"{opt('gpus')} {gpus}: this starpu-llm is a CPU build; `make cuda` builds StarPU "
             "with CUDA and starpu-llm against it in .venv-cuda (README, GPUs)")
+    if build.cuda_error:
+        raise StarpuLLMError(
+            f"{opt('gpus')} {gpus}: {build.cuda_error}: check the NVIDIA driver (nvidia-smi; it "
+            "must be as new as the CUDA this starpu-llm was built with) and CUDA_VISIBLE_DEVICES, "
+            f"or run with {opt('gpus')} 0")
     if kcore == "forkjoin":
         raise StarpuLLMError(f"{opt('gpus')} {gpus} does not run with {opt('kcore')} forkjoin "
                              f"(combined CPU workers); use team")

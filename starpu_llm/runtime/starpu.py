@@ -22,6 +22,7 @@ from ..model.config import ATTENTIONS
 from ..plan.partition import Build, PartitionRequest, check_memory_limit
 from ..plan.record import Partition
 from . import cpus, offload, starpupy_face
+from ..kernels.codelets import cuda_devices
 from ..kernels.cpu import check as check_cpu
 from .mpi import BACKOFF_MAX_US, mpi_polling, phase
 from .submit import StarPUOps
@@ -123,11 +124,15 @@ def max_starpu_cpus() -> int:
     return lib.sl_max_cpus()
 
 
-def this_build() -> Build:
-    """What this process's StarPU build supports (its parallel workers: parallel_workers_here)."""
+def this_build(gpus: int = 0) -> Build:
+    """What this process's StarPU build supports (its parallel workers: parallel_workers_here).
+    gpus > 0 (a CUDA build): CUDA asked for its devices, its error kept (Build.cuda_error); else
+    CUDA is left untouched (a process that forks later must not have started it)."""
+    asked = have_cuda() and isinstance(gpus, int) and gpus > 0
     return Build(max_cpus=max_starpu_cpus(), parallel_workers=parallel_workers_here()[0],
                  cuda=have_cuda(), max_group=lib.SL_MAX_GROUP,
-                 schedulers=tuple(sched_policies()))
+                 schedulers=tuple(sched_policies()),
+                 cuda_error=cuda_devices()[1] if asked else "")
 
 
 def parallel_workers_here() -> tuple[bool, str]:
@@ -166,7 +171,8 @@ def resolve_here(request: PartitionRequest, ranks: int = 1, batch: int | None = 
                  cores: int | None = None) -> Partition:
     """partition.resolve on this process's cores (or `cores` of them) and StarPU build (and
     $STARPU_SCHED)."""
-    return partition.resolve(request, cores=cores or usable_cores(), build=this_build(), ranks=ranks,
+    return partition.resolve(request, cores=cores or usable_cores(), build=this_build(request.gpus),
+                             ranks=ranks,
                              engine=engine, batch=batch, memory_limit=memory_limit,
                              sched_env=os.environ.get("STARPU_SCHED"))
 
@@ -348,7 +354,7 @@ class Runtime:
             try:
                 if "STARPU_WORKERS_CUDAID" not in os.environ:
                     self._rank_gpus = rank_cuda_devices(local.Get_rank(), p.gpus,
-                                                        lib.sl_gpu_devices())
+                                                        cuda_devices()[0])
             finally:
                 local.Free()
         explicit = face is not None
