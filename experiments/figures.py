@@ -36,7 +36,7 @@ import subprocess
 import sys
 import time
 
-from starpu_llm.perf.runs import run_in_subprocess, write_csv
+from starpu_llm.perf.runs import END_GRACE, run_in_subprocess, write_csv
 from starpu_llm.model.config import MODELS
 from starpu_llm.perf.machine import default_path, load
 from starpu_llm.errors import StarpuLLMError
@@ -664,16 +664,22 @@ def latest_commit(path, machine) -> str:
 
 
 def run_points(points, cache, repeat, force_figs, log, replot=False, deadline=None,
-               order="plan", llmc_dir=None, grace=60.0, run_env=None, after_run=None):
+               order="plan", llmc_dir=None, grace=60.0, run_env=None, after_run=None,
+               after_run_s=0.0, clock=time.time, run=None):
     """Round-robin over the distinct configurations, `repeat` times; cached runs skipped.
     order "cheap": within a round, by estimated run time (estimate_s). deadline (epoch
-    seconds): a run whose estimate ends after it is not started (written down as not run),
-    and each run is killed at the deadline or at 3 x its estimate + grace seconds.
+    seconds): every run and what follows it end before it, whatever happens: a run whose
+    estimate does not fit is not started (written down as not run), and each run is killed at
+    3 x its estimate + grace seconds or where the time left ends, less its tail (END_GRACE
+    from TERM to KILL, then after_run_s, the after-run command's longest).
+    clock and run (run_spec's signature): worst_case's stand-ins.
     run_env (VAR=VALUE): in the environment of each run's processes; after_run: a shell
     command run after each run, without run_env (tools/device-eval16.sh: it ends what the run
     left, marked run_env, so that no run shares its cores with one before it); when it fails,
     the runs after it are not run (written down)."""
     var, _, value = (run_env or "").partition("=")
+    run = run or run_spec
+    tail = END_GRACE + after_run_s
     configs = {}
     for p in points:
         configs.setdefault(config_key(p["spec"]), p)
@@ -691,38 +697,39 @@ def run_points(points, cache, repeat, force_figs, log, replot=False, deadline=No
     log(f"{len(configs)} configurations x {repeat} repeats = {total} runs; "
         f"{total - len(todo)} in the cache (same configuration, machine and commit), "
         f"{len(todo)} to run")
-    t_start = time.time()
+    t_start = clock()
     durations = []
     stopped = None      # why the runs stopped: what a run left outlives after_run
     for i, (r, key, p) in enumerate(todo, 1):
         figs = ",".join(sorted({q["figure"] for q in points if config_key(q["spec"]) == key}))
         if stopped:
             cache.add(p["spec"], r, dict(error=stopped), 0.0)
-            log(f"[{i:3d}/{len(todo)}] {figs:<11} {describe_point(p):<34} NOT RUN: {stopped}")
+            log(f"[{i:3d}/{len(todo)}] {figs:<11} {describe_point(p):<34} "
+                f"NOT RUN: {stopped.removeprefix('not run: ')}")
             continue
         timeout = None
         if deadline is not None:
-            left, est = deadline - time.time(), p.get("estimate_s")
+            left, est = deadline - clock() - tail, p.get("estimate_s")
             if left <= 0 or (est is not None and est > left):
                 why = (f"not run: estimated {est or 0:.0f} s, {max(0, left):.0f} s left before "
                        "the deadline")
                 cache.add(p["spec"], r, dict(error=why), 0.0)
-                log(f"[{i:3d}/{len(todo)}] {figs:<11} {describe_point(p):<34} NOT RUN: estimated "
-                    f"{est or 0:.0f} s, {max(0, left):.0f} s left before the deadline")
+                log(f"[{i:3d}/{len(todo)}] {figs:<11} {describe_point(p):<34} "
+                    f"NOT RUN: {why.removeprefix('not run: ')}")
                 continue
             timeout = left if est is None else min(left, 3 * est + grace)
-        t0 = time.time()
+        t0 = clock()
         before = os.environ.get(var)
         if var:
             os.environ[var] = value         # the run's processes inherit it
         try:
-            result = run_spec(p["spec"], llmc_dir, timeout)
+            result = run(p["spec"], llmc_dir, timeout)
         finally:
             if var and before is None:
                 del os.environ[var]
             elif var:
                 os.environ[var] = before
-        dt = time.time() - t0
+        dt = clock() - t0
         if after_run:
             done = subprocess.run(after_run, shell=True)
             if done.returncode != 0:
@@ -734,8 +741,33 @@ def run_points(points, cache, repeat, force_figs, log, replot=False, deadline=No
         status = (f"{float(row['tokens_per_ms']):.4f} tok/ms" if not row["error"]
                   else f"FAILED: {row['error']}")
         log(f"[{i:3d}/{len(todo)}] {figs:<11} {describe_point(p):<34} repeat {r}/{repeat}: "
-            f"{status} ({dt:.0f} s; {(time.time() - t_start) / 60:.1f} min so far, "
+            f"{status} ({dt:.0f} s; {(clock() - t_start) / 60:.1f} min so far, "
             f"~{left / 60:.1f} min left)")
+
+
+def worst_case(points, deadline, now, grace=60.0, after_run_s=0.0) -> tuple[int, float]:
+    """run_points on a clock of its own where every run is killed at its timeout and takes
+    END_GRACE more to end, then after_run_s (the after-run command's longest): the points that
+    would still run, and when the last of them ends (seconds after now); the deadline is never
+    passed (--dry-run prints it)."""
+    t = [now]
+    ran = []
+
+    def killed(spec, llmc_dir, timeout):
+        t[0] += timeout + END_GRACE + after_run_s
+        ran.append(t[0])
+        return dict(spec, error="timed out (worst case)")
+
+    class Nothing:          # no cache: every point runs, nothing written
+        def get(self, key, repeat):
+            return None
+
+        def add(self, spec, repeat, result, seconds):
+            return {"error": result.get("error", ""), "tokens_per_ms": ""}
+
+    run_points(points, Nothing(), 1, set(), lambda s: None, deadline=deadline, grace=grace,
+               after_run_s=after_run_s, clock=lambda: t[0], run=killed)
+    return len(ran), (ran[-1] if ran else now) - now
 
 
 # --------------------------------------------------------------------------- traced runs
@@ -1009,6 +1041,9 @@ def main(argv=None):
                       "run, before the next (tools/device-eval16.sh: ends what the run left, by "
                       "--run-env's mark, so no run shares its cores with one before it); when "
                       "it fails, the runs after it are not run")
+    node.add_argument("--after-each-run-seconds", type=float, default=0.0, metavar="SECONDS",
+                      help="the longest --after-each-run takes: each run ends that long (and "
+                      "the TERM-to-KILL grace) before the deadline (default 0)")
     node.add_argument("--order", choices=["plan", "cheap", "priority"], default="plan",
                       help="cheap: the runs by estimated time, shortest first; priority: by "
                       "--only's order, the first figure first, and with --deadline a plan cut "
@@ -1138,6 +1173,11 @@ def main(argv=None):
     if args.order == "priority" or args.dry_run:
         print_plan(points, dropped, deadline, args.margin, log, now)
     if args.dry_run:
+        if deadline is not None:
+            n, end = worst_case(points, deadline, now, args.run_grace, args.after_each_run_seconds)
+            log(f"  worst case, every run killed at its cap (+{END_GRACE:.0f} s to end, "
+                f"+{args.after_each_run_seconds:.0f} s after it): {n} of {len(points)} runs, "
+                f"the last ending +{end:.0f} s, {deadline - now - end:.0f} s before the deadline")
         return 0
 
     made = {}
@@ -1169,7 +1209,7 @@ def main(argv=None):
                                          "(the deadline; lower priority)"), 0.0)
         run_points(points, cache, args.repeat, only if args.force else set(), log, args.replot,
                    deadline, args.order, args.llmc, args.run_grace, args.run_env,
-                   args.after_each_run)
+                   args.after_each_run, args.after_each_run_seconds)
         if args.no_plots:
             done = sum(1 for r in cache.rows if not r.get("error"))
             log(f"--no-plots: {done} run(s) in {os.path.join(args.out, 'runs.csv')}, "

@@ -359,6 +359,10 @@ def test_dry_run_prints_the_plan_and_its_cut(tmp_path):
     ends = re.search(r"the plan: ~(\d+) s of runs, ending (-?\d+) s before", p.stdout)
     # a dry run plans from its start: this machine's prediction time is not the node's
     assert int(ends[1]) <= 41 - 30 and int(ends[2]) >= 30, ends[0]
+    # and every run killed at its cap still ends before the deadline
+    worst = re.search(r"worst case, every run killed at its cap .*: (\d+) of (\d+) runs, the "
+                      r"last ending \+(\d+) s, (-?\d+) s before the deadline", p.stdout)
+    assert worst and int(worst[3]) <= 41 and int(worst[4]) >= 0, p.stdout[-2000:]
     saved = json.load(open(tmp_path / "points.json"))
     assert all(q["spec"]["steps"] >= 3 and q["spec"]["warmup"] == 2
                for q in saved["points"] + saved["dropped"])
@@ -518,7 +522,7 @@ def test_calibration_on_a_named_subset_of_partitions(tmp_path):
 
 def test_a_run_is_killed_at_three_estimates_plus_the_grace(monkeypatch):
     """run_points' per-run timeout: 3 x the estimate + --run-grace (60 s by default, the
-    device's), never past the deadline; the pipeline test gives its tiny runs 600 s so a
+    device's), never past the deadline less the killed run's time to end; the pipeline test gives its tiny runs 600 s so a
     loaded machine cannot kill one."""
     import figures
     seen = []
@@ -533,7 +537,9 @@ def test_a_run_is_killed_at_three_estimates_plus_the_grace(monkeypatch):
             return {"error": result.get("error", ""), "tokens_per_ms": ""}
 
     p = point("fig3", "B=16", "16x1", n=16, k=1, est=5.0)
-    for grace, deadline_in, want in ((60.0, 1000, 75), (600.0, 1000, 615), (600.0, 100, 100)):
+    from starpu_llm.perf.runs import END_GRACE      # a killed run's TERM-to-KILL, kept free
+    for grace, deadline_in, want in ((60.0, 1000, 75), (600.0, 1000, 615),
+                                     (600.0, 100, 100 - END_GRACE)):
         seen.clear()
         figures.run_points([p], Cache(), 1, set(), lambda s: None,
                            deadline=time.time() + deadline_in, grace=grace)
@@ -647,15 +653,49 @@ def test_when_the_sweep_fails_no_run_after_it_starts(monkeypatch, capsys):
             return {"error": result.get("error", ""), "tokens_per_ms": ""}
 
     pts = [point("fig3", "B=16", "16x1", n=16, k=1, B=B, est=1.0) for B in (16, 32, 64)]
-    plan.run_points(pts, Cache(), 1, set(), lambda s: None, deadline=time.time() + 600,
+    said = []
+    plan.run_points(pts, Cache(), 1, set(), said.append, deadline=time.time() + 600,
                     after_run="exit 3")
     assert started == [16]
     assert rows[1:] == ["not run: `exit 3` failed (exit 3) after starpu 16x1, B=16: its "
                         "processes may still run"] * 2
+    # the log says it once: "NOT RUN: `exit 3` failed", not "NOT RUN: not run: ..."
+    skipped = [line for line in said if "NOT RUN" in line]
+    assert len(skipped) == 2 and all("NOT RUN: `exit 3` failed" in line for line in skipped)
+    assert not [line for line in said if line.lower().count("not run") > 1], said
     with pytest.raises(SystemExit) as e:      # the mark given without its value
         plan.main(["--run-env", "SL_DEVICE_RUN", "--dry-run"])
     assert e.value.code == 2
     assert "--run-env 'SL_DEVICE_RUN': give VAR=VALUE" in capsys.readouterr().err
+
+
+def test_every_run_killed_at_its_cap_still_ends_before_the_deadline():
+    """run_points' worst case (figures.worst_case: its own clock, every run killed at its
+    timeout, END_GRACE more to end, then the after-run command's longest): the last run ends
+    before the deadline, each point's timeout being the time left less that tail; what does
+    not fit is not started. A point's estimate far below what it takes (a run hung) costs its
+    cap, 3 x the estimate + the grace, not more."""
+    from starpu_llm.perf.runs import END_GRACE
+    pts = [point("fig3", "B=16", f"{n}x{16 // n}", n=n, k=16 // n, B=B, est=est)
+           for B, est in ((16, 5.0), (32, 9.0)) for n in (1, 2, 4, 8, 16)]
+    now = 1000.0
+    for budget, grace, after in ((300.0, 60.0, 40.0), (120.0, 60.0, 40.0), (600.0, 5.0, 0.0),
+                                 (2.0 * END_GRACE, 60.0, 10.0)):
+        n, end = plan.worst_case(pts, now + budget, now, grace, after)
+        assert end <= budget, (budget, grace, after, n, end)
+        if budget >= 600:       # room for all: each its cap, 3 x estimate + grace, and tail
+            assert n == len(pts)
+            assert end == pytest.approx(sum(3 * p["estimate_s"] + grace + END_GRACE + after
+                                            for p in pts))
+        if budget <= 2 * END_GRACE:
+            assert n == 0       # no time for even the tail of one run
+    # and the tail is what a timeout leaves out: 10 s left after the tail -> a 10 s cap
+    caps = []
+    plan.run_points([pts[0]], type("C", (), {"get": lambda *a: None, "add": lambda *a: {
+        "error": "x", "tokens_per_ms": ""}})(), 1, set(), lambda s: None,
+        deadline=now + 10 + END_GRACE + 7, after_run_s=7, clock=lambda: now,
+        run=lambda spec, d, timeout: (caps.append(timeout), dict(error="x"))[1])
+    assert caps == [pytest.approx(10.0)]
 
 
 def test_a_timed_out_run_gets_term_before_kill(tmp_path):
