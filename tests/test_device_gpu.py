@@ -503,6 +503,46 @@ def test_a_stage_cap_ends_the_commands_grandchildren_before_the_next_stage(tmp_p
                 os.kill(int(f.read_text()), 9)
 
 
+def test_capped_tells_its_cap_from_a_signal_it_did_not_send(tmp_path):
+    """device-lib.sh's capped: a command that outlives its cap is "capped after N s"; one ended
+    before it by a signal capped did not send is named by that signal, and for SIGKILL (the
+    kernel's OOM killer, which no cap sends before the cap) by what dmesg says, or "likely the
+    OOM killer" where dmesg cannot be read; a plain exit is said nowhere. capped_how keeps it."""
+    lib = os.path.join(ROOT, "tools", "device-lib.sh")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+
+    def run(body, dmesg):
+        (bindir / "dmesg").write_text("#!/bin/sh\n" + dmesg + "\n")
+        (bindir / "dmesg").chmod(0o755)
+        script = (f'. {lib}; say() {{ echo "SAID $*"; }}; {body}; rc=$?; '
+                  'echo "rc=$rc how=$capped_how"')
+        p = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
+                           env=dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}"))
+        return p.stdout
+
+    unreadable = 'echo "dmesg: read kernel buffer failed: Operation not permitted" >&2; exit 1'
+    out = run("capped 1 sleep 30", unreadable)
+    assert "SAID capped after 1 s: sleep 30" in out and "rc=124 how=capped after 1 s" in out, out
+    out = run("kill_after=1 capped 1 sh -c 'trap \"\" TERM; sleep 30'", unreadable)
+    assert "rc=137 how=capped after 2 s (SIGKILL: it outlived the cap's TERM)" in out, out
+    out = run("capped 30 sh -c 'kill -KILL $$'", unreadable)
+    assert ("SAID killed by SIGKILL after 0 s, before its cap (30 s): likely the OOM killer "
+            "(dmesg unreadable here): sh -c kill -KILL $$") in out and "rc=137" in out, out
+    oom = "[ 12.3] Out of memory: Killed process 4242 (python3) total-vm:99kB"
+    out = run("capped 30 sh -c 'kill -KILL $$'", f'echo "[ 1.0] boot"; echo "{oom}"')
+    assert f"before its cap (30 s): dmesg's last OOM kill: {oom}" in out, out
+    out = run("capped 30 sh -c 'kill -KILL $$'", 'echo "[ 1.0] boot"')
+    assert "not the OOM killer by dmesg (no OOM kill there)" in out, out
+    out = run("capped 30 sh -c 'kill -TERM $$'", unreadable)
+    assert "SAID killed by SIGTERM after 0 s, before its cap (30 s): sh -c" in out, out
+    assert "OOM" not in out
+    out = run("capped 30 sh -c 'exit 3'", unreadable)
+    assert "SAID" not in out and "rc=3 how=exit 3" in out, out
+    out = run("capped 30 sh -c 'exit 124'", unreadable)      # its own 124, not the cap
+    assert "rc=124 how=exit 124" in out, out
+
+
 def test_a_failed_gantt_chart_says_why_in_device_log(tmp_path):
     """The bench stage, gpu_bench stood in for (one trace), gpu_gantt failing: its message and
     exit status in device.log, and $OUT within the device tool's 8 files."""

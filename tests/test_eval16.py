@@ -768,10 +768,10 @@ def test_device_caps_each_command_and_its_errors_come_back(tmp_path):
         assert sorted(pids) == ["ignores-term.pid", "own-session.pid"], log
         assert not [n for n, pid in pids.items() if alive(pid)], log
         assert (tmp_path / "alive-at-mpirun").read_text() == "checked\n", log
-        assert "capped at 3 s: " in log and "blas_preflight.py" in log, log
+        assert "capped after 3 s" in log and "blas_preflight.py" in log, log
         assert "TERM to what outlived its command" in log and "KILL to what outlived" in log, log
         status = (out / "00-status.txt").read_text()
-        assert "BLAS CHECK FAILED: the preflight (cut at its cap)" in status, status
+        assert "BLAS CHECK FAILED: the preflight (capped after 3 s" in status, status
         assert "NVIDIA-SMI has failed: no driver here" in log, log
         assert "tar: stand-in: No space left on device" in log, log
         assert "eval16.tar.gz not written" in log, log
@@ -785,3 +785,38 @@ def test_device_caps_each_command_and_its_errors_come_back(tmp_path):
         for f in tmp_path.glob("*.pid"):
             if alive(int(f.read_text())):
                 os.kill(int(f.read_text()), 9)
+
+
+def test_a_stage_past_its_time_is_cut_and_the_run_ends_by_its_deadline(tmp_path):
+    """--device's worst case, stand-ins for the commands: figures.py never ends and ignores
+    TERM (as every point hung at once, or a build not reused took the time): the watchdog ends
+    the stages PACK_S s before EVAL_DEADLINE_AT, pack sweeps what they left (the hung process
+    too), says so first in 00-status.txt, and the script has ended by the deadline with its
+    files in $OUT. (The pack's 30 s reserve is many times what it takes here.)"""
+    from test_device_gpu import alive
+    script, env = eval16_stand_in(tmp_path, python3=(
+        'case "$*" in\n'
+        '  *figures.py*) echo $$ >"$T/figures.pid"; trap "" TERM; while :; do sleep 1; done;;\n'
+        '  -) cat >/dev/null; echo "parallel workers used True"; echo "blas openblas-openmp";;\n'
+        '  *node_cores.py*) echo 0; echo "cores: 1 (stand-in)";;\n'
+        'esac'))
+    pack_s = int(re.search(r"PACK_S=(\d+)", open(script).read())[1])
+    start = time.time()
+    env["EVAL_DEADLINE_AT"] = str(int(start) + pack_s + 25)
+    try:
+        p = subprocess.run(["bash", script, "--device"], capture_output=True, text=True, env=env,
+                           timeout=300)
+        ended = time.time()
+        out = tmp_path / "out"
+        log = (out / "log.txt").read_text()
+        status = (out / "00-status.txt").read_text()
+        assert ended <= int(env["EVAL_DEADLINE_AT"]), (ended - start, log)
+        assert f"CUT at +" in status and f"{pack_s} s before the end" in status, status
+        pid = int((tmp_path / "figures.pid").read_text())
+        assert not alive(pid), log        # swept: TERM ignored, then KILL
+        assert "KILL to what outlived its command" in log and "packing" in log, log
+        assert p.returncode != 0
+    finally:
+        f = tmp_path / "figures.pid"
+        if f.exists() and alive(int(f.read_text())):
+            os.kill(int(f.read_text()), 9)

@@ -60,13 +60,15 @@
 #      ignores TERM or left its process group -- mpirun's ranks -- too, found by a mark in its
 #      environment) within the deadline, and every timed run of figures.py's is swept the same
 #      way before the next starts: nothing a run left takes cores from the runs after it.
-#      Every command's error messages go to log.txt.
+#      A watchdog ends the stages PACK_S s before the end whatever they do (times(): the run
+#      ends by EVAL_DEADLINE_AT and within the device's 600 s, a build not reused and every
+#      point at its cap included). Every command's error messages go to log.txt.
 #   tools/device-eval16.sh --dry-run   # here: the plan for the node and its cut, predicted from
 #                                      # the reference calibration (EVAL_* settings apply)
 #
-# Settings (environment; the defaults are the node's): EVAL_SECONDS (530: the deadline after
-# the start) or EVAL_DEADLINE_AT (epoch seconds: e.g. what the device session has left after
-# the GPU run), EVAL_MARGIN (30), EVAL_MODEL (d12), EVAL_CORE_COUNTS (1,2,4,8,16), EVAL_WEAK
+# Settings (environment; the defaults are the node's): EVAL_SECONDS (590: the end after the
+# start) or EVAL_DEADLINE_AT (epoch seconds: e.g. what the device session has left after the
+# GPU run), either way at most the start + 590, EVAL_MARGIN (30), EVAL_MODEL (d12), EVAL_CORE_COUNTS (1,2,4,8,16), EVAL_WEAK
 # (sequences per core, 1), EVAL_STRONG (16), EVAL_FIG3 (16,160,96,64,32: the first, then the
 # largest that fits), EVAL_LLMC_BATCHES (32,64), EVAL_RANKS (1,2,4), EVAL_RESERVE (1),
 # EVAL_MPI_BATCH (per rank, 8), EVAL_WARMUP (2), EVAL_MIN_STEPS (3), EVAL_POINT_SECONDS (3),
@@ -171,8 +173,8 @@ prepare() {
 START=$(date +%s)
 W=${EVAL_WORK:-/tmp/eval16}
 # the marks of what --device starts (capped's default, $$: its commands): the two builds in
-# the background, and figures.py's timed runs
-MARK_STARPU=$$-starpu MARK_LLMC=$$-llmc MARK_RUNS=$$-runs
+# the background, figures.py's timed runs, and the stages' other commands (body)
+MARK_STARPU=$$-starpu MARK_LLMC=$$-llmc MARK_RUNS=$$-runs MARK_BODY=$$-body
 stamp() { echo "$(date +%T) [$(( $(date +%s) - START )) s] $*"; }
 log() { stamp "$*" | tee -a "$W/log.txt"; }
 # device-lib.sh's messages: in log.txt, whatever the capped command's output is sent to
@@ -191,12 +193,12 @@ sync_out() {
 
 pack() {
   [ -n "${SYNC_PID:-}" ] && kill "$SYNC_PID" 2>/dev/null      # (ended already: nothing to do)
-  # what an early exit left running: a background build, figures.py's run at its cap
-  local m
-  for m in "$MARK_STARPU" "$MARK_LLMC" "$MARK_RUNS" "$$"; do sweep "$m"; done
+  # what the stages left running (cut by the watchdog, or an early exit): a background build,
+  # figures.py's run at its cap; within PACK_S (the waits below)
+  sweep_term_s=3 sweep_kill_s=5 sweep "$MARK_BODY" "$MARK_STARPU" "$MARK_LLMC" "$MARK_RUNS" "$$"
   log "packing $OUT"
   # log.txt apart (it comes back itself; tar's own messages go to it)
-  tar -czf "$OUT/eval16.tar.gz.tmp" -C "$W" --exclude='build-*' --exclude=site \
+  timeout -k 2 10 tar -czf "$OUT/eval16.tar.gz.tmp" -C "$W" --exclude='build-*' --exclude=site \
     --exclude='starpu-1.4.12' --exclude=starpu --exclude='llmc/*.bin' --exclude=cache \
     --exclude=ob --exclude=gf --exclude='llmc/train_gpt2' --exclude=previous \
     --exclude=./log.txt . && mv "$OUT/eval16.tar.gz.tmp" "$OUT/eval16.tar.gz" ||
@@ -221,9 +223,26 @@ plan_args() {
 # sequences per worker (calibrate --quick's); every other point is a prediction
 cal_parts() { echo "${EVAL_CAL_PARTITIONS:-1x16,4x4,16x1}"; }
 
-# the deadline: EVAL_DEADLINE_AT (epoch seconds, e.g. what is left after the GPU run), else
-# the start + EVAL_SECONDS
-deadline_at() { echo "${EVAL_DEADLINE_AT:-$((START + ${EVAL_SECONDS:-530}))}"; }
+# The times of a --device run, each fact once (epoch seconds):
+#   END      everything in $OUT and the script ended: EVAL_DEADLINE_AT (e.g. what the device
+#            session leaves after the GPU run), else the start + EVAL_SECONDS, and never later
+#            than the device tool's 600 s per command less 10 (bash's start, the exit)
+#   T_PACK   END - PACK_S: the watchdog ends whatever stage still runs, and pack starts
+#   RUNS_AT  figures.py's deadline, T_PACK - FIG_WRITE_S (its files written after its last
+#            run); each of its runs is capped at the time left less its tail: END_GRACE from
+#            TERM to KILL, then the after-run sweep's RUN_SWEEP_S
+# So the stages end by T_PACK whatever they do (at worst the watchdog's TERM, then KILL 3 s
+# later), and pack takes at most PACK_S: its sweep (waits 3 + 5 s), tar (10 s, KILL 2 s
+# later), the copies. figures.py --dry-run shows its runs' worst case (every run killed at
+# its cap) ending before RUNS_AT.
+DEVICE_LIMIT_S=600 PACK_S=30 FIG_WRITE_S=10
+RUN_SWEEP_WAITS="sweep_term_s=4 sweep_kill_s=4" RUN_SWEEP_S=10   # its waits, and its longest
+times() {
+  END=${EVAL_DEADLINE_AT:-$((START + ${EVAL_SECONDS:-590}))}
+  local hard=$((START + DEVICE_LIMIT_S - 10))
+  [ "$END" -le "$hard" ] || END=$hard
+  T_PACK=$((END - PACK_S)) RUNS_AT=$((END - PACK_S - FIG_WRITE_S))
+}
 
 dry_run() {
   # the plan on the 16-core node, here: predicted from the bundled reference calibration and
@@ -232,14 +251,18 @@ dry_run() {
   # preflight ~20 s, mpirun smoke run ~10 s, calibration ~60 s, predictions ~15 s)
   local py=${PYTHON:-$REPO/.venv/bin/python}
   local setup=${EVAL_SETUP_SECONDS:-130}
-  local deadline; deadline=$(( $(deadline_at) - setup ))
-  echo "dry run: the node's set-up counted as $setup s; the runs' deadline $(date -d "@$deadline" +%T)"
+  times
+  local deadline=$((RUNS_AT - setup))
+  echo "dry run: the end +$((END - START)) s, pack from +$((T_PACK - START)) s, the runs'" \
+       "deadline +$((RUNS_AT - START)) s, less the node's set-up counted as $setup s:" \
+       "$(date -d "@$deadline" +%T)"
   mkdir -p /tmp/eval16-dry
   # shellcheck disable=SC2046  # (plan_args: words on purpose)
   cd "$REPO/experiments" && $py figures.py --dry-run --node-cores "${EVAL_NODE_CORES:-16}" \
     --machine "$REPO/experiments/machines/device-node-16.toml" \
     --calibration "$REPO/starpu_llm/perf/reference-calibration.toml" $(plan_args) \
     --series tensor,data,llmc --deadline-at "$deadline" --allow-dirty --no-plots \
+    --after-each-run-seconds "$RUN_SWEEP_S" \
     --no-sgemm-peak --out /tmp/eval16-dry $(for f in ${EVAL_RESUME:-}; do echo --resume "$f"; done)
 }
 
@@ -264,21 +287,40 @@ device() {
   # every command's error messages in log.txt, which comes back (none discarded)
   exec 2>>"$W/log.txt"
   PY=${PYTHON:-python3}
-  local deadline; deadline=$(deadline_at)
-  local model=${EVAL_MODEL:-d12}
-  # a command's cap: at most $1 s (default: no more), and what the deadline leaves (at least 10)
-  cap() { local l=$(( deadline - $(date +%s) )); l=$(( l > 10 ? l : 10 ));
-          echo $(( ${1:-$l} < l ? ${1:-$l} : l )); }
-  trap pack EXIT
+  times
   # every 10 s; its sleep ends with it (pack's kill), so nothing of it outlives the run
   (trap 'kill $! 2>/dev/null; exit' TERM; while :; do sleep 10 & wait $!; sync_out; done) &
   SYNC_PID=$!
+  # the stages in a subshell, their commands marked MARK_BODY; the watchdog below ends them
+  # at T_PACK whatever they do, then pack (the EXIT trap)
+  ( trap - EXIT; export "$MARK_VAR=$MARK_BODY"; stages ) &
+  local body=$! rc n
+  trap pack EXIT
+  while kill -0 "$body" 2>/dev/null && [ "$(date +%s)" -lt "$T_PACK" ]; do sleep 1; done
+  if kill -0 "$body" 2>/dev/null; then
+    status "CUT at +$((T_PACK - START)) s, $PACK_S s before the end: the stage running then" \
+           "ended (log.txt's last lines); what was measured before comes back"
+    kill -TERM "$body" 2>/dev/null
+    for ((n = 0; n < 3; n++)); do sleep 1; kill -0 "$body" 2>/dev/null || break; done
+    kill -KILL "$body" 2>/dev/null
+  fi
+  wait "$body"; rc=$?
+  exit $rc
+}
+
+# the --device stages (a subshell of device's, ended at T_PACK)
+stages() {
+  local model=${EVAL_MODEL:-d12}
+  # a command's cap: at most $1 s (default: no more), and what T_PACK leaves (at least 1: the
+  # watchdog ends it there anyway)
+  cap() { local l=$(( T_PACK - $(date +%s) )); l=$(( l > 1 ? l : 1 ));
+          echo $(( ${1:-$l} < l ? ${1:-$l} : l )); }
   export STARPU_LLM_COMMIT; STARPU_LLM_COMMIT=$(cat "$E/commit.txt")
   export SL_DEVICE_KIND; SL_DEVICE_KIND=$(device_kind)
   local cpu; cpu=$(lscpu | sed -n 's/^Model name: *//p' | head -n1)
   status "eval16 on $(hostname): $cpu, $(nproc) CPUs, device machine $SL_DEVICE_KIND;" \
-         "commit $STARPU_LLM_COMMIT; deadline $(date -d "@$deadline" +%T)" \
-         "($(( deadline - START )) s from the start); $($PY --version 2>&1)"
+         "commit $STARPU_LLM_COMMIT; ends by $(date -d "@$END" +%T) (+$((END - START)) s;" \
+         "runs until +$((RUNS_AT - START)) s); $($PY --version 2>&1)"
 
   # ---- 1. StarPU (the GPU run's if this machine has it, else the carried one, else built),
   # OpenBLAS's OpenMP build (runtime and headers, unpacked), llm.c
@@ -402,7 +444,7 @@ PY
   elif capped "$(cap "${EVAL_PREFLIGHT_SECONDS:-90}")" $PY "$REPO/experiments/blas_preflight.py" \
          --partitions "${EVAL_PREFLIGHT:-4x4,1x16}" --model "$model" --json "$W/preflight.json" \
          >"$W/preflight.log" 2>&1; rc=$?; [ $rc -ne 0 ]; then
-    kcore_ok=0 why="the preflight ($(ended $rc)): $(tail -n 3 "$W/preflight.log" | tr '\n' ' ')"
+    kcore_ok=0 why="the preflight ($capped_how): $(tail -n 3 "$W/preflight.log" | tr '\n' ' ')"
   fi
   if [ $kcore_ok = 1 ]; then
     status "BLAS preflight ok: $(grep -v '^blas preflight: ok' "$W/preflight.log" | tr '\n' ' ')"
@@ -462,16 +504,17 @@ calibrate('$W/calibration.toml', steps=1, model='$model', quick=True, only=[$par
   for f in "$W"/previous/runs-*.csv ${EVAL_RESUME:-}; do
     [ -f "$f" ] && extra+=(--resume "$f")
   done
-  log "figures.py: $only; $(( deadline - $(date +%s) )) s left for them"
+  log "figures.py: $only; $(( RUNS_AT - $(date +%s) )) s left for them"
   # each timed run's processes marked and swept before the next run starts (the ranks a
-  # timed-out mpirun may leave): none shares the next run's cores. figures.py ends its runs at
-  # the deadline; its cap leaves it 20 s more to write its files (what it then cuts: pack's)
+  # timed-out mpirun may leave): none shares the next run's cores. figures.py ends its runs,
+  # and their sweeps, by RUNS_AT; its cap, T_PACK, leaves it FIG_WRITE_S to write its files
   # shellcheck disable=SC2046
-  PYTHONUNBUFFERED=1 capped "$(( $(cap) + 20 ))" "${pin[@]}" $PY "$REPO/experiments/figures.py" \
+  PYTHONUNBUFFERED=1 capped "$(cap)" "${pin[@]}" $PY "$REPO/experiments/figures.py" \
     $(plan_args) --only "$only" --series "$series" --llmc "$W/llmc" "${cal[@]}" "${extra[@]}" \
-    --deadline-at "$deadline" --no-plots --no-sgemm-peak --allow-dirty --out "$W/fig" \
-    --run-env "$MARK_VAR=$MARK_RUNS" \
-    --after-each-run "$(printf '%q ' bash "$REPO/tools/device-lib.sh" sweep "$MARK_RUNS")" 2>&1 |
+    --deadline-at "$RUNS_AT" --no-plots --no-sgemm-peak --allow-dirty --out "$W/fig" \
+    --run-env "$MARK_VAR=$MARK_RUNS" --after-each-run-seconds "$RUN_SWEEP_S" \
+    --after-each-run "$(printf '%q ' env $RUN_SWEEP_WAITS bash "$REPO/tools/device-lib.sh" sweep \
+                        "$MARK_RUNS")" 2>&1 |
     tee -a "$W/log.txt" | grep -E "NOT RUN|NOT IN|FAILED|predicted|sized|done in|the plan:|--resume"
   log "done"
 }
