@@ -543,6 +543,18 @@ def test_capped_tells_its_cap_from_a_signal_it_did_not_send(tmp_path):
     assert "rc=124 how=exit 124" in out, out
 
 
+def test_rest_starts_no_second_test_run_past_its_deadline(tmp_path):
+    """The rest stage's second pytest is not started with under 15 s to the deadline (its cap
+    of at least 10 s and its kill and sweep would pass the device's 600 s): said, status 1.
+    pytest stood in for by 5 s of sleep, SL_DEADLINE 18 s."""
+    repo, env = stand_in_repo(tmp_path, python3='case "$*" in *pytest*) echo ran >>"$T/runs"; sleep 5;; esac')
+    env["SL_DEADLINE"] = "18"
+    p = subprocess.run(["bash", str(repo / "tools" / "device-gpu.sh"), "rest"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert "rest: the kernel tests not run (the deadline)" in p.stdout, p.stdout
+    assert (tmp_path / "runs").read_text() == "ran\n" and p.returncode == 1, p.stdout
+
+
 def test_a_failed_gantt_chart_says_why_in_device_log(tmp_path):
     """The bench stage, gpu_bench stood in for (one trace), gpu_gantt failing: its message and
     exit status in device.log, and $OUT within the device tool's 8 files."""
