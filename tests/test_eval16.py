@@ -811,7 +811,7 @@ def test_a_stage_past_its_time_is_cut_and_the_run_ends_by_its_deadline(tmp_path)
         log = (out / "log.txt").read_text()
         status = (out / "00-status.txt").read_text()
         assert ended <= int(env["EVAL_DEADLINE_AT"]), (ended - start, log)
-        assert f"CUT at +" in status and f"{pack_s} s before the end" in status, status
+        assert "CUT at +" in status and f"{pack_s} s before the end" in status, status
         pid = int((tmp_path / "figures.pid").read_text())
         assert not alive(pid), log        # swept: TERM ignored, then KILL
         assert "KILL to what outlived its command" in log and "packing" in log, log
