@@ -113,3 +113,42 @@ def test_without_dpkg_a_missing_command_is_named_with_what_to_do(tmp_path):
     assert "autoconf" not in r.stderr.split("missing system packages:")[1].split(".")[0]
     assert "module load" in r.stderr and "SL_SKIP_DEPS=1" in r.stderr
     assert "installing" not in r.stdout + r.stderr
+
+
+def fake_cuda_tree(tmp_path):
+    """A CUDA home (nvcc, cublas_v2.h, libcublas.so.13 as stand-ins) and a StarPU tarball whose
+    tree records the fixes and whose configure prints the options it was given and fails."""
+    cuda = tmp_path / "cuda"
+    for d in ("bin", "include", "lib64"):
+        (cuda / d).mkdir(parents=True)
+    (cuda / "bin" / "nvcc").write_text("#!/bin/sh\nexit 0\n")
+    (cuda / "bin" / "nvcc").chmod(0o755)
+    (cuda / "include" / "cublas_v2.h").write_text("")
+    (cuda / "lib64" / "libcublas.so.13").write_text("")
+    tree = tmp_path / "src" / "starpu-1.4.12"
+    tree.mkdir(parents=True)
+    fixes = sorted((SCRIPT.parent / "patches").glob("starpu-1.4.12-*.patch"))
+    (tree / ".starpu-llm-fixes").write_text("".join(
+        f"{f.name} {subprocess.run(['sha256sum', str(f)], capture_output=True, text=True).stdout.split()[0]}\n"
+        for f in fixes))
+    (tree / "configure").write_text('#!/bin/sh\necho "CONFIGURE: $*"\nexit 1\n')
+    (tree / "configure").chmod(0o755)
+    tarball = tmp_path / "starpu-1.4.12.tar.gz"
+    subprocess.run(["tar", "-czf", str(tarball), "-C", str(tree.parent), tree.name], check=True)
+    return cuda, tarball
+
+
+@pytest.mark.parametrize("mpicc", [True, False])
+def test_a_gpu_node_without_mpicc_builds_starpu_without_mpi(tmp_path, mpicc):
+    # the device machine (SL_SKIP_DEPS, nothing installed): without an MPI compiler configure
+    # would stop at --enable-mpi and nothing of the GPU run would follow
+    cuda, tarball = fake_cuda_tree(tmp_path)
+    env = machine_without_dpkg(tmp_path, [c for c in BUILD_COMMANDS if mpicc or c != "mpicc"],
+                               hwloc=True)
+    env.update(CUDA_HOME=str(cuda), SL_SKIP_DEPS="1")
+    r = subprocess.run(["bash", str(SCRIPT), "--cuda", str(tarball), str(tmp_path / "prefix")],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "CONFIGURE: " in r.stderr, r.stderr   # reached configure
+    options = r.stderr.split("CONFIGURE: ", 1)[1].split("\n", 1)[0].split()
+    assert ("--enable-mpi" in options) == mpicc and ("--disable-mpi" in options) != mpicc
+    assert ("built without StarPU-MPI" in r.stderr) != mpicc

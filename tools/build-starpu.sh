@@ -227,6 +227,17 @@ else
            --disable-static
            --disable-starpufft --disable-socl --disable-fxt)
   features=("StarPU MPI" "Parallel Worker support")
+  # A GPU node without an MPI compiler that nothing will install (no dpkg, or SL_SKIP_DEPS as
+  # on the device machine) still gets its CUDA StarPU (configure stops at --enable-mpi without
+  # mpicc): one process, GPUs under mpirun left out, said once.
+  if ! command -v "${MPICC:-mpicc}" >/dev/null &&
+     { [ -n "${SL_SKIP_DEPS:-}" ] || ! command -v dpkg-query >/dev/null; }; then
+    no_mpi=1
+    echo "$0: --cuda: no ${MPICC:-mpicc} (no MPI compiler): StarPU built without StarPU-MPI" \
+         "(one process; load an MPI module or set MPICC for mpirun runs)" >&2
+    options=("${options[@]/--enable-mpi/--disable-mpi}")
+    features=("Parallel Worker support")
+  fi
   stubs=
   [ -f "$cuda_home/include/cusparse.h" ] || stubs=$tools/cuda-stubs
   cppflags="${CPPFLAGS:-} -I$cublas_inc${stubs:+ -I$stubs}"
@@ -250,7 +261,8 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
 fi
 
 # ---- Debian build dependencies ----
-pkgs=(autoconf automake libtool-bin make gcc patch pkg-config libhwloc-dev libopenmpi-dev openmpi-bin)
+pkgs=(autoconf automake libtool-bin make gcc patch pkg-config libhwloc-dev)
+[ -n "${no_mpi:-}" ] || pkgs+=(libopenmpi-dev openmpi-bin)
 # Debian's python3 needs its -dev package for Python.h; another Python (venv, pyenv) has its own.
 [ $mode = cpu ] && case "$(realpath "$python")" in /usr/bin/*) pkgs+=(python3-dev python3-setuptools) ;; esac
 # Without dpkg (another distribution, a cluster's modules) install-system-deps.sh checks the
