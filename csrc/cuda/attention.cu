@@ -534,15 +534,17 @@ template <int HS> static __device__ void tc_rows(tc_a (&f)[HS / 8], const float 
 		wmma::load_matrix_sync(f[k], rows + 8 * k, TC_LD);
 }
 
-/* each warp's 16 rows of x's rows r0 .. r0 + TC_ROWS - 1 (an hs-wide slice of a (T, ld)
- * matrix) as TF32 operands, through buf (TC_ROWS, TC_LD) */
+/* the 16 rows 16 slab .. of x's rows r0 .. r0 + TC_ROWS - 1 (an hs-wide slice of a (T, ld)
+ * matrix) as TF32 operands, through buf (TC_ROWS, TC_LD), into f of the warps that take them
+ * (every warp of the block calls it: it stages with all and syncs) */
 template <int HS>
 static __device__ void tc_rows_of(tc_a (&f)[HS / 8], float *buf, const float *x, size_t ld,
-				  int r0, int T, int hs)
+				  int r0, int T, int hs, int slab, bool take)
 {
 	tc_stage<HS>(buf, x, ld, r0, TC_ROWS, T, hs);
 	__syncthreads();
-	tc_rows<HS>(f, buf + 16 * (threadIdx.x / 32) * TC_LD);
+	if (take)
+		tc_rows<HS>(f, buf + 16 * slab * TC_LD);
 	__syncthreads(); /* buf is staged again next */
 }
 
@@ -621,7 +623,7 @@ static __global__ void __launch_bounds__(32 * TC_WARPS)
 	float *ks = kv, *vs = kv + TC_TILE * TC_LD, *s = sc[warp], *o = os[warp];
 
 	tc_a q[HS / 8];
-	tc_rows_of<HS>(q, kv, head, C3, t0, T, hs);
+	tc_rows_of<HS>(q, kv, head, C3, t0, T, hs, warp, true);
 	for (int e = lane; e < 16 * TC_LD; e += 32)
 		o[e] = 0.0f;
 	float m = -INFINITY, l = 0.0f;
@@ -700,8 +702,8 @@ static __global__ void __launch_bounds__(32 * TC_WARPS)
 	float *ks = kv, *vs = kv + TC_TILE * TC_LD, *s = sc[warp], *d = dp[warp];
 
 	tc_a q[HS / 8], dy[HS / 8];
-	tc_rows_of<HS>(q, kv, head, C3, t0, T, hs);
-	tc_rows_of<HS>(dy, kv, dyh, C, t0, T, hs);
+	tc_rows_of<HS>(q, kv, head, C3, t0, T, hs, warp, true);
+	tc_rows_of<HS>(dy, kv, dyh, C, t0, T, hs, warp, true);
 	const float lt = t < T ? lse[(size_t)bh * T + t] : 0.0f;
 	const float dt = t < T ? dsum[(size_t)bh * T + t] : 0.0f;
 	tc_acc dq[HS / 16];
@@ -733,9 +735,15 @@ static __global__ void __launch_bounds__(32 * TC_WARPS)
 }
 
 /* dk, dv per key row j over the query tiles from the block's first key on (as
- * attention_flash_dkv_kernel): dv = a dy_t, dk = g q_t summed over the queries t >= j */
+ * attention_flash_dkv_kernel): dv = a dy_t, dk = g q_t summed over the queries t >= j.
+ * Two warps a 16-row slab, 2 TC_WARPS a block: the slab's k warp holds its k and sums dv, its
+ * v warp holds its v and sums dk (one warp holding both, with both sums, took 255 registers
+ * at HS 64 and spilled: ptxas, docs/gpus.md); a tile's scores k.q and v.dy go to the slab's
+ * scratch, where the two warps turn them into a and g (4 lanes a row), and each then adds its
+ * product, the block's barriers between. */
+#define TC_DKV_WARPS (2 * TC_WARPS)
 template <int HS>
-static __global__ void __launch_bounds__(32 * TC_WARPS)
+static __global__ void __launch_bounds__(32 * TC_DKV_WARPS)
 	attention_flash_tc_dkv_kernel(float *dqkv, const float *dsum, const float *dout,
 				      const float *qkv, const float *lse, int T, int C, int NH,
 				      float scale)
@@ -745,22 +753,22 @@ static __global__ void __launch_bounds__(32 * TC_WARPS)
 	__shared__ __align__(32) float gt[TC_WARPS][16 * TC_SLD];   /* v.dy, then g */
 	__shared__ float ls[TC_TILE], ds[TC_TILE];
 	const int bh = blockIdx.x, b = bh / NH, h = bh % NH, hs = C / NH, C3 = 3 * C;
-	const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-	const int j0 = blockIdx.y * TC_ROWS, w0 = j0 + 16 * warp;  /* the block's, warp's keys */
-	const int r = lane / 2, half = lane % 2, j = w0 + r;
+	const int warp = threadIdx.x / 32, slab = warp % TC_WARPS;
+	const bool kw = warp < TC_WARPS;	/* the slab's k warp (else its v warp) */
+	const int j0 = blockIdx.y * TC_ROWS, w0 = j0 + 16 * slab;  /* the block's, slab's keys */
+	const int pl = (kw ? 0 : 32) + threadIdx.x % 32;	/* the slab's lanes 0 .. 63 */
+	const int r = pl / 4, quarter = pl % 4, j = w0 + r;	/* 4 lanes a row */
 	const float *head = qkv + (size_t)b * T * C3 + h * hs;
 	const float *dyh = dout + (size_t)b * T * C + h * hs;
-	float *qs = qd, *dys = qd + TC_TILE * TC_LD, *p = pt[warp], *g = gt[warp];
+	float *qs = qd, *dys = qd + TC_TILE * TC_LD, *p = pt[slab], *g = gt[slab];
 
-	tc_a k[HS / 8], v[HS / 8];
-	tc_rows_of<HS>(k, qd, head + C, C3, j0, T, hs);
-	tc_rows_of<HS>(v, qd, head + 2 * C, C3, j0, T, hs);
-	tc_acc dk[HS / 16], dv[HS / 16];
+	tc_a x[HS / 8];	/* the slab's k (k warp) or v (v warp) */
+	tc_rows_of<HS>(x, qd, head + C, C3, j0, T, hs, slab, kw);
+	tc_rows_of<HS>(x, qd, head + 2 * C, C3, j0, T, hs, slab, !kw);
+	tc_acc acc[HS / 16];	/* dv (k warp) or dk (v warp) */
 #pragma unroll
-	for (int n = 0; n < HS / 16; n++) {
-		wmma::fill_fragment(dk[n], 0.0f);
-		wmma::fill_fragment(dv[n], 0.0f);
-	}
+	for (int n = 0; n < HS / 16; n++)
+		wmma::fill_fragment(acc[n], 0.0f);
 	for (int t0 = j0; t0 < T; t0 += TC_TILE) {
 		tc_stage<HS>(qs, head, C3, t0, TC_TILE, T, hs);
 		tc_stage<HS>(dys, dyh, C, t0, TC_TILE, T, hs);
@@ -769,30 +777,35 @@ static __global__ void __launch_bounds__(32 * TC_WARPS)
 			ds[e] = t0 + e < T ? dsum[(size_t)bh * T + t0 + e] : 0.0f;
 		}
 		__syncthreads();
-		if (w0 < T && t0 + TC_TILE > w0) {	/* a query of the tile sees the warp's keys */
-			tc_times_tile_t<HS>(p, k, qs);
-			tc_times_tile_t<HS>(g, v, dys);
-			__syncwarp();
-			float *pr = p + r * TC_SLD + half, *gr = g + r * TC_SLD + half;
+		/* a query of the tile sees the slab's keys (both its warps alike) */
+		const bool sees = w0 < T && t0 + TC_TILE > w0;
+		if (sees)
+			tc_times_tile_t<HS>(kw ? p : g, x, kw ? qs : dys);
+		__syncthreads(); /* the slab's p and g both written */
+		if (sees) {
+			float *pr = p + r * TC_SLD + quarter, *gr = g + r * TC_SLD + quarter;
 #pragma unroll
-			for (int c = 0; c < 32; c += 2) {	/* queries t0 + half, + 2, .. */
-				const int e = c + half, tq = t0 + e;
+			for (int c = 0; c < TC_TILE; c += 4) {	/* queries t0 + quarter, + 4, .. */
+				const int e = c + quarter, tq = t0 + e;
 				const bool on = tq >= j && tq < T && j < T;
 				const float a = on ? expf(pr[c] * scale - ls[e]) : 0.0f;
 				gr[c] = on ? scale * (a * (gr[c] - ds[e])) : 0.0f;
 				pr[c] = a;
 			}
-			__syncwarp();
-			tc_tile_times<HS>(dv, p, dys);
-			tc_tile_times<HS>(dk, g, qs);
-			__syncwarp();
 		}
-		__syncthreads();
+		__syncthreads(); /* a and g of the slab's 16 rows both done */
+		if (sees)
+			tc_tile_times<HS>(acc, kw ? p : g, kw ? dys : qs);
+		__syncthreads(); /* the next tile overwrites qs, dys, p, g */
 	}
-	float *rows = qd + 16 * warp * TC_LD;
+	/* the k warps' dv, then the v warps' dk, each through its slab's rows of qd */
+	float *rows = qd + 16 * slab * TC_LD;
 	float *dst = dqkv + (size_t)b * T * C3 + h * hs;
-	tc_write<HS>(dst + C, C3, dk, rows, w0, T, hs);
-	tc_write<HS>(dst + 2 * C, C3, dv, rows, w0, T, hs);
+	if (kw)
+		tc_write<HS>(dst + 2 * C, C3, acc, rows, w0, T, hs);
+	__syncthreads();
+	if (!kw)
+		tc_write<HS>(dst + C, C3, acc, rows, w0, T, hs);
 }
 
 /* the tensor-core kernels' head size, HS = hs rounded up to 16 columns, or 0 where they
@@ -821,7 +834,7 @@ static void flash_tc_backward(const struct sl_gpu *g, float *dqkv, const float *
 	dim3 grid((unsigned)(B * NH), (unsigned)((T + TC_ROWS - 1) / TC_ROWS));
 	SL_LAUNCH(attention_flash_tc_dq_kernel<HS>, grid, 32 * TC_WARPS, 0, sl_stream(g), dqkv,
 		  dsum, dout, qkv, lse, T, C, NH, scale);
-	SL_LAUNCH(attention_flash_tc_dkv_kernel<HS>, grid, 32 * TC_WARPS, 0, sl_stream(g), dqkv,
+	SL_LAUNCH(attention_flash_tc_dkv_kernel<HS>, grid, 32 * TC_DKV_WARPS, 0, sl_stream(g), dqkv,
 		  dsum, dout, qkv, lse, T, C, NH, scale);
 }
 
