@@ -412,8 +412,14 @@ static __global__ void __launch_bounds__(FLASH_ROWS)
 }
 
 /* dk, dv (the k and v parts of dqkv) per key row j over the query tiles from j's on (the
- * queries t >= j see it): dv += a dy_t, dk += scale a (da - dsum_t) q_t */
-static __global__ void __launch_bounds__(FLASH_ROWS)
+ * queries t >= j see it): dv += a dy_t, dk += scale a (da - dsum_t) q_t. Two threads a key
+ * row, side by side in a warp: the even one holds k and sums dv, the odd one holds v and
+ * sums dk, the odd one reading a from its pair through a shuffle (one thread holding all
+ * four rows, 4 x 64 floats, took 255 registers and spilled: ptxas, docs/gpus.md). A warp
+ * walks the queries from its first key row's on, a row adding only those t >= j (the
+ * shuffle wants the warp's lanes together). */
+#define FLASH_DKV_THREADS (2 * FLASH_ROWS)
+static __global__ void __launch_bounds__(FLASH_DKV_THREADS)
 	attention_flash_dkv_kernel(float *dqkv, const float *dsum, const float *dout,
 				   const float *qkv, const float *lse, int T, int C, int NH,
 				   float scale)
@@ -421,16 +427,16 @@ static __global__ void __launch_bounds__(FLASH_ROWS)
 	__shared__ float qs[SL_FLASH_TILE][FLASH_HS], dys[SL_FLASH_TILE][FLASH_HS];
 	__shared__ float ls[SL_FLASH_TILE], ds[SL_FLASH_TILE];
 	const int bh = blockIdx.x, b = bh / NH, h = bh % NH, hs = C / NH, C3 = 3 * C;
-	const int j0 = blockIdx.y * FLASH_ROWS, j = j0 + threadIdx.x;
-	const bool live = j < T;
+	const int j0 = blockIdx.y * FLASH_ROWS, j = j0 + threadIdx.x / 2;
+	const int jw = j0 + threadIdx.x / 32 * 16; /* the warp's first key row */
+	const bool kt = threadIdx.x % 2 == 0, live = j < T; /* the row's k thread (else v) */
 	const float *head = qkv + (size_t)b * T * C3 + h * hs;
-	float k[FLASH_HS], v[FLASH_HS], dk[FLASH_HS], dv[FLASH_HS];
+	const float *row = head + (size_t)j * C3 + (kt ? C : 2 * C);
+	float x[FLASH_HS], acc[FLASH_HS]; /* k, dv (k thread) or v, dk (v thread) */
 #pragma unroll
 	for (int i = 0; i < FLASH_HS; i++) {
-		k[i] = live && i < hs ? head[(size_t)j * C3 + C + i] : 0.0f;
-		v[i] = live && i < hs ? head[(size_t)j * C3 + 2 * C + i] : 0.0f;
-		dk[i] = 0.0f;
-		dv[i] = 0.0f;
+		x[i] = live && i < hs ? row[i] : 0.0f;
+		acc[i] = 0.0f;
 	}
 	// the query tiles from the block's first key (j0, a multiple of SL_FLASH_TILE) to T
 	for (int t0 = j0; t0 < T; t0 += SL_FLASH_TILE) {
@@ -443,39 +449,35 @@ static __global__ void __launch_bounds__(FLASH_ROWS)
 			}
 		}
 		__syncthreads();
-		if (live && t0 + SL_FLASH_TILE > j) {
+		if (jw < T && t0 + SL_FLASH_TILE > jw) {
 			const int n = flash_min(SL_FLASH_TILE, T - t0);
-			for (int e = j > t0 ? j - t0 : 0; e < n; e++) {
-				float dot = 0.0f, da = 0.0f;
+			const float (*y)[FLASH_HS] = kt ? qs : dys, (*z)[FLASH_HS] = kt ? dys : qs;
+			for (int e = jw > t0 ? jw - t0 : 0; e < n; e++) {
+				const bool on = live && t0 + e >= j;
+				float dot = 0.0f; /* k.q_t (k thread), v.dy_t = da (v thread) */
 #pragma unroll
-				for (int i = 0; i < FLASH_HS; i++) {
-					if (i < hs) {
-						dot += qs[e][i] * k[i];
-						da += dys[e][i] * v[i];
-					}
-				}
-				const float a = expf(dot * scale - ls[e]);
-				const float g = scale * (a * (da - ds[e]));
+				for (int i = 0; i < FLASH_HS; i++)
+					if (i < hs)
+						dot += y[e][i] * x[i];
+				const float a = kt && on ? expf(dot * scale - ls[e]) : 0.0f;
+				const float ap = __shfl_xor_sync(0xffffffffu, a, 1); /* the pair's */
+				if (on) {
+					const float w = kt ? a : scale * (ap * (dot - ds[e]));
 #pragma unroll
-				for (int i = 0; i < FLASH_HS; i++) {
-					if (i < hs) {
-						dk[i] += g * qs[e][i];
-						dv[i] += a * dys[e][i];
-					}
+					for (int i = 0; i < FLASH_HS; i++)
+						if (i < hs)
+							acc[i] += w * z[e][i];
 				}
 			}
 		}
 		__syncthreads();
 	}
 	if (live) {
-		float *d = dqkv + ((size_t)b * T + j) * C3 + C + h * hs;
+		float *d = dqkv + ((size_t)b * T + j) * C3 + (kt ? 2 * C : C) + h * hs;
 #pragma unroll
-		for (int i = 0; i < FLASH_HS; i++) {
-			if (i < hs) {
-				d[i] = dk[i];
-				d[C + i] = dv[i];
-			}
-		}
+		for (int i = 0; i < FLASH_HS; i++)
+			if (i < hs)
+				d[i] = acc[i];
 	}
 }
 
@@ -877,6 +879,6 @@ void attention_flash_backward_cuda(const struct sl_gpu *g, float *dqkv, float *d
 	}
 	SL_LAUNCH(attention_flash_dq_kernel, flash_grid(B, T, NH), FLASH_ROWS, 0, sl_stream(g),
 		  dqkv, dsum, dout, qkv, lse, T, C, NH, scale);
-	SL_LAUNCH(attention_flash_dkv_kernel, flash_grid(B, T, NH), FLASH_ROWS, 0, sl_stream(g),
-		  dqkv, dsum, dout, qkv, lse, T, C, NH, scale);
+	SL_LAUNCH(attention_flash_dkv_kernel, flash_grid(B, T, NH), FLASH_DKV_THREADS, 0,
+		  sl_stream(g), dqkv, dsum, dout, qkv, lse, T, C, NH, scale);
 }
