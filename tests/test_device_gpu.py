@@ -335,6 +335,31 @@ def test_gpu_static_reads_ptxas_report(tmp_path):
     assert not (tmp_path / "t.csv").exists()
 
 
+@pytest.mark.parametrize("arch", ["80", "90"])
+def test_gpu_static_tables_name_every_kernel_and_none_spills(arch):
+    """The committed ptxas tables (experiments/results/gpu/static/, meson's gpu_arch 80,90):
+    every __global__ of csrc/cuda is in them (a kernel added or renamed without a new table
+    fails here), and no kernel spills (the dk/dv kernels did: docs/gpus.md, "Static checks")."""
+    import csv
+    import glob
+    kernel = re.compile(r"__global__\s+(?:void\s+)?(?:__launch_bounds__\([^)]*\)\s*)?"
+                        r"(?:void\s+)?(\w+)\s*\(")
+    src = set()
+    for f in glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")) + \
+            glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.h")):
+        with open(f) as fh:
+            src |= set(kernel.findall(fh.read()))
+    with open(os.path.join(ROOT, "experiments", "results", "gpu", "static",
+                           f"ptxas_sm{arch}.csv")) as fh:
+        rows = list(csv.DictReader(fh))
+    assert {r["arch"] for r in rows} == {f"sm_{arch}"}
+    assert {re.match(r"(?:void )?(\w+)", r["kernel"]).group(1) for r in rows} == src
+    assert [r["kernel"] for r in rows
+            if int(r["spill_store_bytes"]) or int(r["spill_load_bytes"])] == []
+    assert {r["kernel"].split("(")[0] for r in rows if "tc_dkv" in r["kernel"]} == {
+        f"void attention_flash_tc_dkv_kernel<{hs}>" for hs in (16, 32, 48, 64)}
+
+
 def test_cublas_from_the_python_wheel_when_cuda_has_none(tmp_path):
     # the device's cuBLAS may be only torch's nvidia-cublas wheel (lib/libcublas.so.13, no
     # libcublas.so): the build finds it in python3's site-packages and passes it on

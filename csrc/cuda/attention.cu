@@ -227,7 +227,8 @@ void attention_backward_cuda(const struct sl_gpu *g, float *dqkv, float *dpreatt
  * products) as mma.sync m16n8k8 in TF32, ~8x the fp32 FMA rate, with a 16-row slab per warp
  * instead of a row per thread; the online softmax between the two products stays as here.
  * The backward is deterministic: dq per query row, dk and dv per key row, each written by
- * the one thread that owns it (no atomics), the scores recomputed in each pass. */
+ * the one thread that owns it (dk/dv: two threads a key row, one each; no atomics), the
+ * scores recomputed in each pass. */
 #define FLASH_ROWS 64 /* rows per block: a multiple of SL_FLASH_TILE */
 #define FLASH_HS SL_FLASH_MAX_HS /* the largest head size (kernels.h) */
 
@@ -487,13 +488,13 @@ static __global__ void __launch_bounds__(FLASH_DKV_THREADS)
  * products (q k^T, p v; the backward's dy v^T, ds k, p^T dy, ds^T q) as warp-wide TF32 MMAs
  * (WMMA m16n16k8: operands converted to TF32 to nearest, fp32 accumulation), the scalar
  * FMAs above doing 1/20 of the GPU's fp32 rate on an H200 (docs/gpus.md). A block is
- * TC_WARPS warps of 16 rows each (TC_ROWS consecutive rows of one (b, h)); each warp keeps
- * its 16 rows' q (or k and v) in registers, the tile of keys (or queries) is staged in shared
- * memory by the whole block, and the products go through a per-warp shared scratch, where two
- * lanes a row apply the softmax (a WMMA accumulator's layout is the GPU's own). Head sizes:
- * multiples of 8 up to FLASH_HS, computed in HS = that rounded up to 16 columns (the extra
- * ones staged as 0, never written out); others run the kernels above. Deterministic: no
- * atomics, fixed orders. */
+ * TC_WARPS warps of 16 rows each (TC_ROWS consecutive rows of one (b, h); dk/dv: two warps
+ * each 16); each warp keeps its 16 rows' q (or k, or v) in registers, the tile of keys (or
+ * queries) is staged in shared memory by the whole block, and the products go through a
+ * per-warp shared scratch, where two lanes a row (dk/dv: four) apply the softmax (a WMMA
+ * accumulator's layout is the GPU's own). Head sizes: multiples of 8 up to FLASH_HS,
+ * computed in HS = that rounded up to 16 columns (the extra ones staged as 0, never written
+ * out); others run the kernels above. Deterministic: no atomics, fixed orders. */
 #define TC_WARPS 4
 #define TC_ROWS (16 * TC_WARPS)
 #define TC_TILE SL_FLASH_TILE	      /* keys (or queries) a tile: 32 */
