@@ -28,18 +28,28 @@ _LAZY = {   # imported on first use: `import starpu_llm` loads no numpy (signals
 _COMPILED = ("starpu_llm._clib", "starpu_llm._kernels", "libstarpu")
 
 
+def compiled_part_missing(e: ImportError) -> str | None:
+    """What to do when e is the compiled part failing to load (not built, or a library it was
+    linked against not found on this machine: a wheel built elsewhere); None for another
+    ImportError."""
+    if not any(part in f"{e.name} {e}" for part in _COMPILED):
+        return None
+    return (f"the compiled part (the cffi binding and the libraries it was built against: "
+            f"StarPU's, the BLAS's), which did not load ({e}): build it with `make`, or `pip "
+            f"install --no-build-isolation -e .` where pkg-config finds StarPU "
+            f"(docs/clusters.md); a wheel needs those libraries where it runs (README, \"Build, "
+            f"StarPU 1.4, clusters\")")
+
+
 def __getattr__(name):
     if name in _LAZY:
         try:
             module = importlib.import_module(f".{_LAZY[name]}", __name__)
         except ImportError as e:
-            if not any(part in f"{e.name} {e}" for part in _COMPILED):
+            missing = compiled_part_missing(e)
+            if missing is None:
                 raise
-            raise ImportError(
-                f"starpu_llm.{name} needs the compiled part (the cffi binding and StarPU's "
-                f"library), which did not load ({e}): build it with `make`, or `pip install "
-                f"--no-build-isolation -e .` where pkg-config finds StarPU (docs/clusters.md)"
-            ) from e
+            raise ImportError(f"starpu_llm.{name} needs {missing}") from e
         return getattr(module, name)
     raise AttributeError(f"module 'starpu_llm' has no attribute {name!r}")
 

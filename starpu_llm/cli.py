@@ -19,7 +19,7 @@ from dataclasses import fields
 
 # Only what a signal during start-up needs is imported here: the rest is imported by the
 # commands, once main() handles signals (a Ctrl-C while numpy loads is no traceback).
-from . import signals
+from . import compiled_part_missing, signals
 from .errors import StarpuLLMError, flag as flag_of
 from .plan.settings import CHECKS
 
@@ -604,7 +604,13 @@ def _main(argv=None) -> int:
     job = {"comm": None, "stop": None}      # the MPI communicator, once MPI runs
     try:
         with signals.stop_on_signal() as job["stop"]:
-            parser = build_parser()        # the compiled modules load before MPI (runtime/mpi.py)
+            try:
+                parser = build_parser()    # the compiled modules load before MPI (runtime/mpi.py)
+            except ImportError as e:       # not from a signal: a library the build linked
+                missing = compiled_part_missing(e)
+                if missing is None or job["stop"].signum is not None:
+                    raise
+                raise StarpuLLMError(f"starpu-llm needs {missing}") from None
             from .runtime import mpi as distributed
             comm = job["comm"] = distributed.world()
             with distributed.phase(comm, "reading the command line"):
@@ -652,8 +658,11 @@ def _failed(e: StarpuLLMError, comm, status: int) -> int:
     else:
         where = f"rank {comm.Get_rank()}: " if comm is not None and not agreed else ""
         text = f"starpu-llm: error: {where}{e.render(flag_of)}"
-    from .runtime.mpi import PeerFailed
-    if not isinstance(e, PeerFailed):
+    quiet = False            # another rank's failure, said by rank 0 (only under MPI, whose
+    if comm is not None:     # import needs the compiled part: an error may be that it is missing)
+        from .runtime.mpi import PeerFailed
+        quiet = isinstance(e, PeerFailed)
+    if not quiet:
         print(text, file=sys.stderr, flush=True)
     return _end_job(comm, status, agreed)
 

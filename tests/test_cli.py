@@ -854,3 +854,20 @@ def test_predict_a_described_machine_without_a_calibration(tmp_path):
     assert "no calibration" in err and "bundled" in err
     rc, out, err = run("predict", "--machine", paper, "--ranks", "2", "--pipeline-stages", "3")
     assert_clean_error(rc, err, "--pipeline-stages 3", "--ranks 2")
+
+
+def test_a_compiled_part_that_does_not_load_is_one_error():
+    """The command where the cffi binding does not load (a wheel on a machine without a library
+    it was linked against, such as an MKL wheel without its environment's mkl): one line saying
+    what did not load and what to do, status 2, no traceback (it was ImportError's, status 1)."""
+    code = ("import sys; sys.modules['starpu_llm._clib'] = None\n"
+            "from starpu_llm.cli import main\n"
+            "sys.exit(main(['train', '--steps', '1']))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith("starpu-llm: error: starpu-llm needs the compiled part"), lines[0]
+    assert "starpu_llm._clib" in lines[0] and "a wheel needs those libraries" in lines[0], lines[0]
