@@ -14,8 +14,6 @@ import importlib  # noqa: E402
 
 from .errors import StarpuLLMError  # noqa: E402
 
-__version__ = "0.1.0"
-
 _LAZY = {   # imported on first use: `import starpu_llm` loads no numpy (signals.py says why)
     "MODELS": "model.config", "GPTConfig": "model.config", "ParamLayout": "model.config",
     "AdamW": "model.config",
@@ -42,6 +40,9 @@ def compiled_part_missing(e: ImportError) -> str | None:
 
 
 def __getattr__(name):
+    if name == "__version__":     # stated once, in meson.build; the build writes it
+        from ._build import VERSION
+        return VERSION
     if name in _LAZY:
         try:
             module = importlib.import_module(f".{_LAZY[name]}", __name__)

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -183,6 +184,18 @@ def test_version():
     assert lines[4] == (f"kernels: -march=native ({ISA})" if ISA
                         else "kernels: portable (-Dnative=false)"), out
     assert err == ""
+
+
+def test_the_version_is_stated_once():
+    # meson.build's project() version is the package's metadata (pyproject's is dynamic) and
+    # starpu_llm.__version__ (the build's _build.py): no second copy to fall behind
+    import importlib.metadata
+    import tomllib
+    root = Path(starpu_llm.__file__).resolve().parents[1]
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    assert "version" not in project and "version" in project["dynamic"]
+    meson = re.search(r"project\([^)]*?\bversion:\s*'([^']+)'", (root / "meson.build").read_text()).group(1)
+    assert starpu_llm.__version__ == meson == importlib.metadata.version("starpu-llm")
 
 
 def test_impossible_partition(shard):
