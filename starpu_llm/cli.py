@@ -304,7 +304,9 @@ def build_parser():
                          "bandwidth are added")
     pd.add_argument("--calibration", metavar="PATH", type=_given("--calibration"), help="this machine's calibration file")
     pd.add_argument("--machine", metavar="FILE", type=_given("--machine"), help="predict for another machine described "
-                                                      "in FILE (TOML, see experiments/machines/)")
+                                                      "in FILE (TOML: docs/perfmodel.md, \"What-if: the "
+                                                      "paper's node\"; examples in the source's "
+                                                      "experiments/machines/)")
 
     g = sub.add_parser("generate", help="continue a prompt with a model (llm.c checkpoint with "
                                         "GPT-2's vocabulary), printing the text as it comes")

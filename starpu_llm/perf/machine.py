@@ -159,7 +159,8 @@ def load(path: str) -> Machine:
         raise StarpuLLMError(f"{path}: cannot read the machine description ({e.strerror})")
     except UnicodeDecodeError as e:
         raise StarpuLLMError(f"{path}: not a machine description (not UTF-8 text: byte "
-                             f"{e.start}); give a TOML file such as experiments/machines/'s, "
+                             f"{e.start}); give a TOML file as docs/perfmodel.md describes (\"What-if: "
+                             f"the paper's node\"; examples in the source's experiments/machines/), "
                              f"or run starpu-llm calibrate")
     return loads(text, path)
 
