@@ -469,6 +469,34 @@ def test_failed_final_save_goes_to_a_fallback_file(shard, tmp_path, monkeypatch)
     assert checkpoint.read(fallback).step == 2
 
 
+def test_a_diverged_update_writes_nothing_over_the_good_checkpoints(shard, tmp_path,
+                                                                   monkeypatch):
+    """An update that makes the parameters inf (lr 1e36 with weight decay 1e6: p - lr wd p
+    overflows) after a step whose loss is finite (computed before the update: the loss check
+    lets it pass): one error naming the step; no checkpoint of it, so the good one the
+    --save-every rotation would have deleted (keep 1) stays, and no --save (nor a fallback
+    file) is written over the good model. Without a save at that step, the next step's NaN
+    loss is the error, naming that step."""
+    monkeypatch.chdir(tmp_path)             # where a fallback file would go
+    ck, out = tmp_path / "ck", tmp_path / "model.bin"
+    kw = dict(engine="reference", save=str(out))
+    train(config(shard, steps=2, save_every=1, keep_checkpoints=1, checkpoint_dir=str(ck), **kw))
+    good = checkpoint.latest(str(ck))
+    diverging = dict(lr=1e36, weight_decay=1e6, resume=good, **kw)
+    with pytest.raises(StarpuLLMError, match=r"parameters after step 3 are not finite .*not "
+                                             r"writing the checkpoint of step 3"):
+        train(config(shard, steps=4, save_every=1, keep_checkpoints=1, checkpoint_dir=str(ck),
+                     **diverging))
+    assert sorted(os.listdir(ck)) == ["step_00000002.bin", "step_00000002.bin.state"]
+    assert np.isfinite(checkpoint.read(good).params).all()
+    with pytest.raises(StarpuLLMError, match=r"parameters after step 3 are not finite .*not "
+                                             r"writing save"):
+        train(config(shard, steps=3, **diverging))
+    assert checkpoint.read(str(out)).step == 2 and not list(tmp_path.glob("starpu-llm-unsaved*"))
+    with pytest.raises(StarpuLLMError, match=r"the loss diverged at step 4 \(nan\)"):
+        train(config(shard, steps=4, **{**diverging, "save": None}))
+
+
 class _FillsAt:
     """A file whose writes fail as on a full disk from the n-th on."""
 

@@ -14,10 +14,13 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
+
 from ..errors import StarpuLLMError, opt
 from ..io import atomic, checkpoint, formats
 from ..plan.record import RunRecord
-from ..model.state import TrainState
+from ..model.config import ParamLayout
+from ..model.state import TrainState, chunks
 
 
 def check_outputs(cfg) -> None:
@@ -204,6 +207,7 @@ def checkpoint_step(cfg, engine, state: TrainState, loader, rank: int, record: R
     state.data = loader.state()
     if rank != 0:
         return
+    check_finite(state, f"the checkpoint of step {state.step}")
     try:
         log(f"checkpoint {checkpoint.save_step(cfg.checkpoint_dir, state, cfg.keep_checkpoints, record)}")
     except StarpuLLMError as e:
@@ -212,6 +216,7 @@ def checkpoint_step(cfg, engine, state: TrainState, loader, rank: int, record: R
 
 def save_final(cfg, state: TrainState, record: RunRecord, log) -> None:
     """The outputs written at the end of the run: --save, then --save-hf."""
+    check_finite(state, " and ".join(opt(k) for k in ("save", "save_hf") if getattr(cfg, k)))
     if cfg.save:
         save_model(cfg.save, state, record, log)
     if cfg.save_hf:
@@ -223,6 +228,23 @@ def save_final(cfg, state: TrainState, record: RunRecord, log) -> None:
                 raise StarpuLLMError(f"{e.args[0]}; the trained model is in {cfg.save}") from e
             _fallback(state, record, e)
         log(f"saved {written} (Hugging Face)")
+
+
+_FINITE_BLOCK = 1 << 22       # floats checked at once (a small temporary)
+
+
+def check_finite(state: TrainState, output: str) -> None:
+    """Refuse to write parameters that an update made inf or NaN: the step's loss, computed
+    before its update, was finite, so the divergence check let it pass, and the checkpoint
+    would replace the good ones (--save-every keeps only the newest) with a model that cannot
+    be resumed. output: what was not written."""
+    for c in chunks(state.params, ParamLayout(state.config)):
+        for i in range(0, c.size, _FINITE_BLOCK):
+            if not np.isfinite(c[i:i + _FINITE_BLOCK]).all():
+                raise StarpuLLMError(
+                    f"the parameters after step {state.step} are not finite (inf or NaN: the "
+                    f"update diverged): not writing {output}, the files already written are "
+                    f"kept; lower {opt('lr')}")
 
 
 def save_model(path, state: TrainState, record: RunRecord, log) -> None:
