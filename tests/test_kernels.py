@@ -1595,8 +1595,10 @@ def _crossentropy_bounds(logits, targets, V):
     Z = x - x.max(1, keepdims=True)
     E = np.exp(Z)
     P = E / E.sum(1, keepdims=True)
-    # fl(x - max) rounds once (u |Z|; the max is exact), then vexpf's 2 ulp
-    phi = exp_rel(U * np.abs(Z))
+    # fl(x - max) rounds once (u |Z|; the max is exact), then vexpf's 2 ulp; a -inf logit's
+    # exp is exactly 0 (vexpf's, CUDA's expf)
+    with np.errstate(invalid="ignore"):
+        phi = np.where(np.isfinite(Z), exp_rel(U * np.abs(Z)), 0.0)
     # the normaliser is summed in double (V - 1 additions) and inverted in double (gamma64),
     # the inverse rounded to float and the product p = e * inv (gamma(2))
     e_p = softmax_bound(P, phi, gamma(2) + gamma64(V + 1))
@@ -1652,6 +1654,26 @@ def test_crossentropy(kern, rng, N, V, Vp, scale):
     inplace = probs.copy()
     kern.crossentropy_softmax_backward(inplace, inplace, targets, N, V, Vp, dloss)
     assert np.array_equal(inplace, dlogits)
+
+
+def test_crossentropy_minus_inf_logits(kern, rng):
+    """-inf logits (a mask) take no probability and leave the loss of the others finite: the
+    GPU body's per-thread running sum added exp(-inf - -inf) = NaN while a thread had seen
+    only -inf columns (the first 600 here, over its 512 threads)."""
+    N, V, Vp = 4, 1000, 1024
+    logits = randn(rng, N, Vp, scale=3.0)
+    logits[:, :600] = -np.inf
+    logits[:, 601::3] = -np.inf
+    targets = np.array([600, 602, 603, V - 1], np.int32)
+    probs = np.full((N, Vp), np.nan, np.float32)
+    losses = np.full(N, np.nan, np.float32)
+    kern.crossentropy_softmax_forward(probs, losses, logits, targets, N, V, Vp, 0)
+    lg_t = t64(logits[:, :V], True)
+    P, e_p, e_L = _crossentropy_bounds(logits, targets, V)  # as in test_crossentropy
+    assert np.all(probs[:, :V][np.isinf(logits[:, :V])] == 0)
+    close(probs[:, :V], torch.softmax(lg_t, -1), e_p, "crossentropy probs")
+    ref_losses = F.cross_entropy(lg_t, torch.from_numpy(targets).long(), reduction="none")
+    close(losses, ref_losses, e_L, "crossentropy losses")
 
 
 def test_crossentropy_gpt2_vocab_row(kern, rng):

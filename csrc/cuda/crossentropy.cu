@@ -25,7 +25,9 @@ static __global__ void crossentropy_forward_kernel(float *probs, float *losses,
 				s *= exp((double)m - (double)xj);
 				m = xj;
 			}
-			s += expf(xj - m);
+			/* -inf columns add 0 (the CPU's vexpf(-inf)), also while the thread has seen
+			 * nothing else: expf(-inf - -inf) would make its sum NaN */
+			s += m == -INFINITY ? 0.0f : expf(xj - m);
 		}
 		float mx = sl_block_max(m, fscratch);
 		/* a thread that saw no column (m = -inf) adds 0 */
