@@ -221,18 +221,20 @@ def gpt2_chain_lengths(config, B: int, T: int, tf32: bool = False,
     L, C, NH, V, Vp) on a (B, T) batch. Per operation (engine and torch alike):
 
       forward, one block (from its input x to its output):
-        ln1: mean (C terms), centring (1), variance (C terms), /C + eps, sqrt, 1/ (3),
-             normalise * w + b (4)                                       2C + 10
+        ln1: mean (C terms; then corrected by the mean of x - mean, whose C + 1
+             roundings handle the spread and the last addition the mean: 2 more),
+             centring (1), variance (C terms), /C + eps, sqrt, 1/ (3), normalise * w + b
+             (4)                                                         2C + 12
         qkv: dot over C + bias                                          C + 1
         scores q.k over hs, * 1/sqrt(hs)                                 hs + 1
         softmax: - max (1), exp (4), sum of <= T terms, 1/, *           T + 7
         att @ v: dot over <= T                                          T
-        attproj: C + 1; residual add: 1; ln2: 2C + 10; fc: C + 1
+        attproj: C + 1; residual add: 1; ln2: 2C + 12; fc: C + 1
         GeLU (tanh form: cube and polynomial 5, exp 4, 1 + e and 1/ 2, select * r 1,
               x * s 1; rounded up)                                      16
         fcproj: dot over 4C + bias 4C + 1; residual add: 1
-        one block: 11C + 2T + hs + 50
-      logits: embedding add (1) + L blocks + lnf (2C + 10) + head dot over C (C)
+        one block: 11C + 2T + hs + 54
+      logits: embedding add (1) + L blocks + lnf (2C + 12) + head dot over C (C)
       backward, from the logits:
         dlogits = softmax - onehot, * 1/(BT): - max, exp, sum over V, 1/, *, -, *   V + 9
         d lnf output = dlogits @ wte: dot over Vp                       Vp
@@ -261,7 +263,7 @@ def gpt2_chain_lengths(config, B: int, T: int, tf32: bool = False,
         att_fwd, att_bwd = hs + 2 * T + 6 * nt + 3, hs + T + 13
     else:
         att_fwd, att_bwd = hs + 2 * T + 8, hs + 2 * T + 5
-    logits = 1 + L * (11 * C + 42 + att_fwd) + (2 * C + 10) + C
+    logits = 1 + L * (11 * C + 46 + att_fwd) + (2 * C + 12) + C
     grads = (logits + (V + 9) + Vp + (C + 10) + L * (11 * C + 47 + att_bwd)
              + B * T + 1)
     if tf32:      # the TF32 matmuls along each chain (see above)

@@ -17,6 +17,11 @@ static __global__ void layernorm_forward_kernel(float *out, float *mean, float *
 		for (int c = lane; c < C; c += 32)
 			s += x[c];
 		float m = sl_warp_sum(s) / C;
+		/* m corrected by the mean of x - m (the CPU kernel's, layernorm.c: why) */
+		float sd = 0.0f;
+		for (int c = lane; c < C; c += 32)
+			sd += x[c] - m;
+		m += sl_warp_sum(sd) / C;
 		/* two passes (the variance of the centred values): no cancellation */
 		float v = 0.0f;
 		for (int c = lane; c < C; c += 32) {
