@@ -1,10 +1,11 @@
 """The Shakespeare corpus, prepare(), default_dataset() caching and the DataLoader."""
+import errno
 import os
 
 import numpy as np
 import pytest
 
-from starpu_llm.io import corpus, formats
+from starpu_llm.io import corpus, data, formats
 from starpu_llm.io.corpus import shakespeare_text
 from starpu_llm.io.data import DataLoader, default_dataset, prepare
 from starpu_llm.errors import StarpuLLMError, flag
@@ -90,6 +91,81 @@ def test_prepare_bad_inputs(tmp_path):
     with pytest.raises(StarpuLLMError, match=r"short.txt is too short for a validation split: it has \d+ tokens"):
         prepare(short, out)                  # default val_tokens=32768
     assert not out.exists() or not any(out.glob("*_train.bin"))
+
+
+# a text whose blocks split everything a block can split: a "\r\n", UTF-8 sequences of 2 to 4
+# bytes, runs of blank lines and of spaces, contractions, numbers, a literal <|endoftext|>
+TRICKY = ("First Citizen:\r\nBefore we proceed, hear me speak.\r\n\r\n\r\n"
+          "All:  \r\nSpeak,   speak. It's 1,234 caf\u00e9s \u65e5\u672c \U0001f600!\r\r"
+          "Old Mac line\r\n\n\n\n\tTabbed  \n \nyou'll<|endoftext|>see\n\n  \n end")
+
+
+def test_prepare_a_block_at_a_time_gives_the_whole_texts_ids(tmp_path):
+    """prepare reads and tokenizes a block at a time (its memory a block's, not the file's:
+    4.9 GB for a 300 MB file before): the ids are those of the whole text, whatever the
+    block size cuts."""
+    text = (TRICKY * 3).replace("\r\n", "\n").replace("\r", "\n")
+    expected = encode("<|endoftext|>" + text.replace("\n\n", "\n\n<|endoftext|>"))
+    src = tmp_path / "tricky.txt"
+    raw = ("\ufeff" + TRICKY * 3).encode()       # with a byte-order mark
+    src.write_bytes(raw)
+    for block in [*range(1, 41), 97, 1000, len(raw)]:
+        v, t = (formats.read_shard(p, 50257) for p in prepare(src, tmp_path / "out", val_tokens=7,
+                                                               block=block)[::-1])
+        assert v.tolist() + t.tolist() == expected, block
+    # the text itself (a str) is cut the same way
+    v, t = (formats.read_shard(p, 50257) for p in prepare(text, tmp_path / "out", val_tokens=7,
+                                                           block=5)[::-1])
+    assert v.tolist() + t.tolist() == expected
+    # and a block's text is tokenized when it is read, not at the end
+    pieces = list(data.document_ids(SMALL[i:i + 16] for i in range(0, len(SMALL), 16)))
+    assert len(pieces) > len(SMALL) // 32 and max(p.size for p in pieces) < 16
+    assert np.concatenate(pieces).tolist() == encode("<|endoftext|>" + SMALL.replace("\n\n", "\n\n<|endoftext|>"))
+
+
+def test_prepare_refuses_what_is_not_text_wherever_a_block_ends(tmp_path):
+    out = tmp_path / "out"
+    nul = tmp_path / "utf16.txt"                   # valid UTF-8, but UTF-16 text or binary
+    nul.write_bytes("Hello\n\nworld\n".encode("utf-16-le"))
+    with pytest.raises(StarpuLLMError, match="utf16.txt has a NUL byte at offset 1.*iconv -f UTF-16"):
+        prepare(nul, out, val_tokens=1)
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("caf\u00e9\n\n".encode() * 3 + "na\u00efve\n".encode("latin-1"))
+    for block in (1, 2, 3, 5, 64):
+        with pytest.raises(StarpuLLMError, match=r"latin1.txt is not valid UTF-8 \(bad byte at offset 23\)"):
+            prepare(bad, out, val_tokens=1, block=block)
+    cut = tmp_path / "cut.txt"                     # ends inside a 2-byte character
+    cut.write_bytes("caf\u00e9\n".encode()[:4])
+    for block in (1, 2, 64):
+        with pytest.raises(StarpuLLMError, match=r"cut.txt is not valid UTF-8 \(bad byte at offset 3\)"):
+            prepare(cut, out, val_tokens=1, block=block)
+    assert not out.exists() or not os.listdir(out)
+
+
+def test_prepare_replaces_the_shards_only_once_all_are_written(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    src = tmp_path / "small.txt"
+    src.write_text(SMALL)
+    old = prepare(src, out, val_tokens=5)
+    before = {p: open(p, "rb").read() for p in (*old, out / "gpt2_tokenizer.bin")}
+    src.write_text(SMALL + "\n\nAll:\nWe are resolved.\n")
+    writes = []
+
+    def disk_full(f, arr, crc=None):
+        writes.append(arr.size)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(formats, "_write_array", disk_full)
+    with pytest.raises(StarpuLLMError, match="small_train.bin failed: No space left on device"):
+        prepare(src, out, val_tokens=5)
+    assert writes
+    assert {p: open(p, "rb").read() for p in before} == before     # the three files of the last run
+    assert sorted(os.listdir(out)) == ["gpt2_tokenizer.bin", "small_train.bin", "small_val.bin"]
+    monkeypatch.undo()
+    with pytest.raises(StarpuLLMError, match="too short"):          # found at the text's end
+        prepare(src, out, val_tokens=10_000)
+    assert {p: open(p, "rb").read() for p in before} == before
+    assert sorted(os.listdir(out)) == ["gpt2_tokenizer.bin", "small_train.bin", "small_val.bin"]
 
 
 # --------------------------------------------------------------------------- default dataset

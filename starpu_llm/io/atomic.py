@@ -59,6 +59,12 @@ class AtomicFile:
         if not self.file.closed:
             self._or_discard(self._complete)
 
+    def fill(self, write: Callable) -> None:
+        """write(file), then finish(); should either fail, what was written is dropped (an
+        OSError reported as a StarpuLLMError naming the file)."""
+        self._or_discard(write, self.file)
+        self.finish()
+
     def _complete(self) -> None:
         self.file.flush()
         os.fsync(self.file.fileno())

@@ -2,8 +2,11 @@
 Shakespeare of corpus.py), and the batch loader."""
 from __future__ import annotations
 
+import codecs
 import json
 import os
+import re
+from typing import Iterable, Iterator
 
 import numpy as np
 
@@ -19,10 +22,11 @@ _CACHE_FORMAT = 1                     # bump when the corpus conversion or token
 
 # --------------------------------------------------------------------------- tokenization into shards
 
-def _load_text(source) -> tuple[str, str | None]:
-    """(text, path or None). A str containing a newline is text; any other str or PathLike is a path."""
+def _text_path(source) -> str | None:
+    """The path of the text file `source` names, checked; None when source is the text itself
+    (a str containing a newline)."""
     if isinstance(source, str) and "\n" in source:
-        return source, None
+        return None
     if not isinstance(source, (str, os.PathLike)):
         raise TypeError(f"prepare() needs a text or a file path, got {type(source).__name__}")
     path = os.fspath(source)
@@ -30,59 +34,133 @@ def _load_text(source) -> tuple[str, str | None]:
         raise StarpuLLMError(f"input text file {path} does not exist; check the path")
     if not os.path.isfile(path):
         raise StarpuLLMError(f"input text path {path} is not a regular file; give a UTF-8 text file")
+    return path
+
+
+def _file_text(path: str, block: int) -> Iterator[str]:
+    """The text of the file at path in pieces, `block` bytes read at a time, as Python's text
+    mode reads it: UTF-8, a byte-order mark dropped, Windows' and old Macs' line ends read as
+    "\n" (as llm.c's prepro scripts read them: a blank line is then "\n\n" whatever wrote the
+    file)."""
+    utf8 = codecs.getincrementaldecoder("utf-8")()
+    offset, cr, first = 0, "", True        # cr: a "\r" held until the next byte shows its line end
     try:
         with open(path, "rb") as f:
-            raw = f.read()
+            while True:
+                raw = f.read(block)
+                nul = raw.find(b"\0")
+                if nul >= 0:
+                    raise StarpuLLMError(f"input text file {path} has a NUL byte at offset {offset + nul}, "
+                                         f"so it is not text (binary, or UTF-16: convert that with "
+                                         f"`iconv -f UTF-16 -t UTF-8`)")
+                held = len(utf8.getstate()[0])          # bytes of a character begun in the last block
+                try:
+                    text = cr + utf8.decode(raw, final=not raw)
+                except UnicodeDecodeError as e:
+                    raise StarpuLLMError(f"input text file {path} is not valid UTF-8 (bad byte at offset "
+                                         f"{offset - held + e.start}); convert it to UTF-8 first, e.g. "
+                                         f"`iconv -f LATIN1 -t UTF-8`") from None
+                offset += len(raw)
+                if first and text:
+                    text, first = text.removeprefix("\ufeff"), False
+                cr = "\r" if raw and text.endswith("\r") else ""
+                yield text[:len(text) - len(cr)].replace("\r\n", "\n").replace("\r", "\n")
+                if not raw:
+                    return
     except OSError as e:
         raise StarpuLLMError(f"cannot read input text file {path}: {e.strerror}") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise StarpuLLMError(f"input text file {path} is not valid UTF-8 (bad byte at offset {e.start}); "
-                             f"convert it to UTF-8 first, e.g. `iconv -t UTF-8`") from None
-    if text.startswith("\ufeff"):
-        text = text[1:]
-    # Windows' and old Macs' line ends read as "\n", as Python's text mode (and llm.c's
-    # prepro scripts) read them: a blank line is then "\n\n" whatever wrote the file
-    text = text.replace("\r\n", "\n").replace("\r", "\n")
-    if not text.strip():
-        raise StarpuLLMError(f"input text file {path} is empty; give a file with training text")
-    return text, path
 
 
-def tokenize_documents(text: str) -> np.ndarray:
-    """llm.c's tinyshakespeare convention: EOT at the start and after every blank line ("\\n\\n")."""
-    ids = encode(EOT_TEXT + text.replace("\n\n", "\n\n" + EOT_TEXT))
-    return np.asarray(ids, dtype=np.uint16)
+# where GPT-2's pre-tokenizer always splits (a word's end, then a space or a line end; its
+# pieces never hold both) and a "\n\n" never straddles: the ids of a text cut there are the
+# ids of its two sides, one after the other
+_CUT = re.compile(r"\w(?=[ \n])")
 
 
-def prepare(source, out_dir, val_tokens: int = 32768, name: str | None = None) -> tuple[str, str]:
+def _last_cut(text: str, start: int) -> int:
+    """The index after text's last cut place at or after `start`, or 0 when it has none."""
+    window = 4096
+    while True:
+        lo = max(start, len(text) - window)
+        cut = 0
+        for m in _CUT.finditer(text, lo):
+            cut = m.end()
+        if cut or lo == start:
+            return cut
+        window *= 16
+
+
+def document_ids(pieces: Iterable[str]) -> Iterator[np.ndarray]:
+    """GPT-2 ids (uint16 arrays, one after the other) of the text made of `pieces`, with
+    llm.c's tinyshakespeare convention: EOT at the start and after every blank line ("\n\n").
+    They are the ids of the whole text encoded at once, computed up to each piece's last cut
+    place (_CUT), what follows carried into the next piece: the memory is a piece's."""
+    carry = EOT_TEXT
+    for piece in pieces:
+        text = carry + piece
+        cut = _last_cut(text, max(len(carry) - 1, 0))      # carry has none: it was cut after its last
+        if cut:
+            yield _ids(text[:cut])
+        carry = text[cut:]
+    yield _ids(carry)
+
+
+def _ids(text: str) -> np.ndarray:
+    return np.asarray(encode(text.replace("\n\n", "\n\n" + EOT_TEXT)), dtype=np.uint16)
+
+
+def prepare(source, out_dir, val_tokens: int = 32768, name: str | None = None,
+            block: int = 8 << 20) -> tuple[str, str]:
     """Tokenize a text into llm.c shards; return (train_path, val_path).
 
     `source` is a text file path (str or PathLike) or the text itself (a str containing a newline).
     The first `val_tokens` tokens become `<name>_val.bin`, the rest `<name>_train.bin`; the GPT-2
     tokenizer is written to `gpt2_tokenizer.bin` in out_dir. `name` defaults to the file's stem
-    (or "data" for a text).
+    (or "data" for a text). The text is read and tokenized `block` bytes (characters) at a time,
+    the memory a block's whatever the text's size; the shards are written under temporary names
+    and replace what is there only once all are complete.
     """
-    text, path = _load_text(source)
+    path = _text_path(source)
     what = f"input text file {path}" if path else "the input text"
-    if not text.strip():
-        raise StarpuLLMError(f"{what} is empty; give some training text")
     if int(val_tokens) < 1:
         raise StarpuLLMError(f"the validation split needs at least 1 token, got {opt('val_tokens')} "
                              f"{val_tokens}")
     val_tokens = int(val_tokens)
     train_path, val_path, tokenizer_path = prepared_paths(path, out_dir, name)
-    tokens = tokenize_documents(text)
-    if tokens.size <= val_tokens:
-        raise StarpuLLMError(f"{what} is too short for a validation split: it has {tokens.size} tokens, but "
-                             f"the first {val_tokens} ({opt('val_tokens')}) go to validation and "
-                             f"training needs the rest; use a longer text or a smaller "
-                             f"{opt('val_tokens')}")
-    formats.write_tokenizer(tokenizer_path, gpt2())
-    formats.write_shard(val_path, tokens[:val_tokens])
-    formats.write_shard(train_path, tokens[val_tokens:])
-    return train_path, val_path
+    pieces = (_file_text(path, block) if path else
+              (source[i:i + block] for i in range(0, len(source), block)))
+    val: list[np.ndarray] = []
+    text = {"seen": False}                 # a character that is not whitespace
+
+    def watched(pieces):
+        for piece in pieces:
+            text["seen"] = text["seen"] or bool(piece) and not piece.isspace()
+            yield piece
+
+    def train_ids():
+        n = 0
+        for ids in document_ids(watched(pieces)):
+            take = min(max(val_tokens - n, 0), ids.size)
+            if take:
+                val.append(ids[:take])
+            n += ids.size
+            yield ids[take:]
+        if not text["seen"]:
+            raise StarpuLLMError(f"{what} is empty (or only whitespace); give a file with training text")
+        if n <= val_tokens:
+            raise StarpuLLMError(f"{what} is too short for a validation split: it has {n} tokens, but "
+                                 f"the first {val_tokens} ({opt('val_tokens')}) go to validation and "
+                                 f"training needs the rest; use a longer text or a smaller "
+                                 f"{opt('val_tokens')}")
+
+    train = formats.shard_file(train_path, train_ids())
+    try:
+        formats.write_tokenizer(tokenizer_path, gpt2())
+        formats.write_shard(val_path, np.concatenate(val))
+    except BaseException:
+        train.discard()
+        raise
+    return train.commit(), val_path
 
 
 def prepared_paths(path: str | None, out_dir, name: str | None = None) -> tuple[str, str, str]:

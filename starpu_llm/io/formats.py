@@ -31,7 +31,7 @@ import zlib
 
 import numpy as np
 
-from .atomic import atomic_write
+from .atomic import AtomicFile, atomic_write
 from ..model.config import GPTConfig, ParamLayout
 from ..errors import StarpuLLMError
 from ..model.state import Slices, chunks
@@ -291,7 +291,38 @@ def read_shard(path, vocab_size: int | None = None) -> np.ndarray:
 
 def write_shard(path, tokens) -> str:
     """Write token ids (each 0..65535) as an llm.c uint16 token shard."""
+    return shard_file(path, [tokens]).commit()
+
+
+def shard_file(path, blocks) -> AtomicFile:
+    """The token ids of the arrays in `blocks`, one after the other, as an llm.c uint16 token
+    shard under a temporary name next to path, one block in memory at a time: an AtomicFile
+    whose commit() puts it at path (discard() drops it). What a block raises drops it."""
     path = os.fspath(path)
+    limit = np.iinfo(np.int32).max
+
+    def write(f):
+        f.write(bytes(HEADER_BYTES))           # the count is known at the end
+        n = 0
+        for block in blocks:
+            data = _shard_tokens(path, block)
+            n += data.size
+            if n > limit:
+                raise StarpuLLMError(f"cannot write token shard {path}: more than 2**31-1 tokens, the "
+                                     f"format's limit; split the data into several shards")
+            _write_array(f, data)
+        header = np.zeros(HEADER_INTS, dtype=_I32)
+        header[:3] = [SHARD_MAGIC, SHARD_VERSION, n]
+        f.seek(0)
+        f.write(header.tobytes())
+
+    out = AtomicFile(path)
+    out.fill(write)
+    return out
+
+
+def _shard_tokens(path: str, tokens) -> np.ndarray:
+    """tokens as the shard's little-endian uint16, or an error naming the shard."""
     arr = np.asarray(tokens)
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         raise StarpuLLMError(f"cannot write token shard {path}: tokens must be integers, got {arr.dtype}")
@@ -301,18 +332,7 @@ def write_shard(path, tokens) -> str:
         if lo < 0 or hi > 0xFFFF:
             raise StarpuLLMError(f"cannot write token shard {path}: token ids must fit uint16 (0..65535), "
                                  f"found {lo if lo < 0 else hi}; use a vocabulary of at most 65536 tokens")
-    if arr.size > np.iinfo(np.int32).max:
-        raise StarpuLLMError(f"cannot write token shard {path}: {arr.size} tokens exceed the format's limit "
-                             f"of 2**31-1; split the data into several shards")
-    header = np.zeros(HEADER_INTS, dtype=_I32)
-    header[:3] = [SHARD_MAGIC, SHARD_VERSION, arr.size]
-    data = np.ascontiguousarray(arr, dtype=_U16)
-
-    def write(f):
-        f.write(header.tobytes())
-        _write_array(f, data)
-
-    return atomic_write(path, write)
+    return np.ascontiguousarray(arr, dtype=_U16)
 
 
 # --------------------------------------------------------------------------- tokenizer files
