@@ -511,6 +511,11 @@ def test_train_flags_and_metrics(tmp_path, engine):
     (["--weight-decay-params", "biases"], "--weight-decay-params"),
     (["--val-batches", "0"], "--val-batches"),
     (["--val-data", "val.bin"], "--val-data is read only to validate every --val-every N steps"),
+    # its own data validated on the bundled Shakespeare's validation shard, silently
+    (["--train-data", "d/mine_train.bin", "--val-every", "5"],
+     "--val-every with --train-data d/mine_train.bin needs --val-data, the validation shard of the "
+     "same text (without it, the bundled Shakespeare's would be used); give the one `prepare` wrote "
+     "beside the training shard (d/mine_val.bin)"),
 ])
 def test_bad_schedule_and_clip_flags(args, flag):
     rc, _, err = run_cli("train", "--model", "micro", "--steps", "1", *args)

@@ -17,6 +17,7 @@ from .tokenizer import EOT_TEXT, N_VOCAB, encode, gpt2
 
 TOKENIZER_FILENAME = "gpt2_tokenizer.bin"
 DEFAULT_DATASET = "shakespeare"
+_TRAIN, _VAL = "_train.bin", "_val.bin"      # prepare's shards: <name>_train.bin, <name>_val.bin
 _CACHE_FORMAT = 1                     # bump when the corpus conversion or tokenization changes
 
 
@@ -171,8 +172,16 @@ def prepared_paths(path: str | None, out_dir, name: str | None = None) -> tuple[
     if not name or os.sep in name or (os.altsep and os.altsep in name):
         raise StarpuLLMError(f"dataset name {name!r} is not a plain file name; give a name without slashes")
     out_dir = os.fspath(out_dir)
-    return (os.path.join(out_dir, f"{name}_train.bin"), os.path.join(out_dir, f"{name}_val.bin"),
+    return (os.path.join(out_dir, name + _TRAIN), os.path.join(out_dir, name + _VAL),
             os.path.join(out_dir, TOKENIZER_FILENAME))
+
+
+def val_shard_beside(train_path: str) -> str:
+    """The validation shard prepare() wrote with the training shard at train_path (its name
+    with <name> in place of the dataset's when train_path is not one of prepare's)."""
+    head, base = os.path.split(train_path)
+    name = base.removesuffix(_TRAIN) if base.endswith(_TRAIN) else "<name>"
+    return os.path.join(head, name + _VAL)
 
 
 def default_cache_dir() -> str:

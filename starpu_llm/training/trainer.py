@@ -108,7 +108,7 @@ class TrainConfig(PartitionRequest):
                                         "ran on)", metavar="PATH")
     # validation, learning-rate schedule, gradient clipping
     val_data: str | None = setting(None, "validation shard (default: the bundled corpus's "
-                                   "validation shard)", metavar="SHARD")
+                                   "validation shard; needed with --train-data)", metavar="SHARD")
     val_every: int = setting(0, "mean validation loss before the first update (step 0), "
                              "every N steps and after the last (default 0: none)",
                              check="nonneg_int", metavar="N",
@@ -372,6 +372,12 @@ def _check_settings(cfg: TrainConfig, comm, rank: int, runtime) -> MemoryLimit |
     if cfg.val_data and not cfg.val_every:
         raise StarpuLLMError(f"{opt('val_data')} is read only to validate every "
                              f"{opt('val_every')} N steps: give {opt('val_every')} too")
+    if cfg.val_every and cfg.train_data and not cfg.val_data:
+        # the default validation shard is the bundled Shakespeare's: a loss on other text
+        raise StarpuLLMError(f"{opt('val_every')} with {opt('train_data')} {cfg.train_data} needs "
+                             f"{opt('val_data')}, the validation shard of the same text (without it, "
+                             f"the bundled Shakespeare's would be used); give the one `prepare` wrote "
+                             f"beside the training shard ({data.val_shard_beside(cfg.train_data)})")
     memory = MemoryLimit.of(cfg.memory_limit, cfg.offload_dir)
     if memory is not None and cfg.engine != "starpu":
         raise StarpuLLMError(f"{opt('memory_limit')} needs {opt('engine')} starpu (the reference "
