@@ -245,3 +245,28 @@ def test_dataloader_bad_inputs(tmp_path):
         DataLoader(p, B=1, T=2, vocab_size=5)
     with pytest.raises(StarpuLLMError, match="nothere.bin"):
         DataLoader(tmp_path / "nothere.bin", B=1, T=2)
+
+
+def test_an_id_past_the_vocabulary_in_a_shard_names_the_shard(tmp_path):
+    """llm.c's shards hold uint16 ids, up to 65535 whatever the vocabulary: train's loader
+    (vocab_size given) refuses the shard when it opens it, and a DataLoader made without one
+    from Python, at the step whose batch holds the id (flow/step.check_positions), naming the
+    shard's file there too (it said "the training data")."""
+    from starpu_llm import MODELS, AdamW, ReferenceEngine, TrainState
+    from starpu_llm.model.state import random_init
+    config = MODELS["micro"]
+    ids = np.random.default_rng(0).integers(0, config.V, 600)
+    ids[300] = config.V + 5
+    path = tmp_path / "other_vocab.bin"
+    formats.write_shard(path, ids)
+    with pytest.raises(StarpuLLMError, match=rf"other_vocab.bin contains token id {config.V + 5} "
+                                             rf"\(the first out of range at token 300\)"):
+        DataLoader(path, 2, 16, vocab_size=config.V)
+    loader = DataLoader(path, 2, 16)
+    state = TrainState(config=config, params=random_init(config))
+    with ReferenceEngine(config, state, 2, 16, loader.tokens, threads=1) as eng:
+        for _ in range(9):                   # batches at 0..256: ids 0..288
+            eng.step(loader.next_position(), AdamW(1e-3))
+        with pytest.raises(StarpuLLMError, match=rf"position 288: the training data \({path}\) holds "
+                                                 rf"token id {config.V + 5}"):
+            eng.step(loader.next_position(), AdamW(1e-3))

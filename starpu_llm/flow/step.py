@@ -69,6 +69,8 @@ def check_positions(positions, tokens: np.ndarray, B: int, T: int, V: int,
     (an array not checked by DataLoader) a row past wte's and a probability past the
     logits'."""
     need = B * T + 1
+    if getattr(tokens, "filename", None):         # a shard memory-mapped (formats.read_shard)
+        what = f"{what} ({tokens.filename})"
     for pos in positions:
         if not 0 <= pos <= len(tokens) - need:
             where = (f"give a position from 0 to {len(tokens) - need}" if len(tokens) >= need
