@@ -147,6 +147,19 @@ def test_shard_shorter_than_one_batch(tmp_path):
     assert_clean_error(rc, err, "short.bin", "33")
 
 
+def test_a_shard_error_names_its_flag(shard, tmp_path):
+    """A validation shard shorter than one batch (or any error reading a shard given) names
+    the flag that gave it: the message alone did not say whether the file was --train-data or
+    --val-data."""
+    path = str(tmp_path / "short.bin")
+    formats.write_shard(path, np.arange(30, dtype=np.uint16))
+    common = ("train", "--model", "micro", "--batch", "2", "--seq-len", "16", "--val-every", "1")
+    rc, _, err = run(*common, "--train-data", shard, "--val-data", path)
+    assert_clean_error(rc, err, f"--val-data: {path} is too short: needs at least B*T+1 = 33")
+    rc, _, err = run(*common, "--train-data", path, "--val-data", shard)
+    assert_clean_error(rc, err, f"--train-data: {path} is too short")
+
+
 @pytest.mark.parametrize("args,flag", [
     (["--engine", "gpu"], "--engine"),
     (["--batch", "0"], "--batch"),

@@ -12,6 +12,7 @@ one rank ends every rank at once, reported by rank 0.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import textwrap
@@ -399,15 +400,29 @@ def _read_data(cfg: TrainConfig, config: GPTConfig, position: dict | None):
     """The training data (at the position a resumed state records) and the validation (None
     without --val-every), for config's batch shape."""
     check_batch_shape(config, cfg.batch, cfg.seq_len)
-    loader = data.DataLoader(cfg.train_data or data.default_dataset()[0], cfg.batch,
-                             cfg.seq_len, vocab_size=config.V)
-    if position:
-        loader.load_state(position)
+    with _about("train_data", cfg.train_data):
+        loader = data.DataLoader(cfg.train_data or data.default_dataset()[0], cfg.batch,
+                                 cfg.seq_len, vocab_size=config.V)
+        if position:
+            loader.load_state(position)
     validation = None
     if cfg.val_every:
-        validation = Validation(cfg.val_data or data.default_dataset()[1], cfg.batch,
-                                cfg.seq_len, config.V, cfg.val_every, cfg.val_batches)
+        with _about("val_data", cfg.val_data):
+            validation = Validation(cfg.val_data or data.default_dataset()[1], cfg.batch,
+                                    cfg.seq_len, config.V, cfg.val_every, cfg.val_batches)
     return loader, validation
+
+
+@contextlib.contextmanager
+def _about(field: str, given):
+    """An error about the file a setting gave names the setting first (one file may be
+    given to two: --train-data and --val-data)."""
+    try:
+        yield
+    except StarpuLLMError as e:
+        if not given:
+            raise
+        raise StarpuLLMError(f"{opt(field)}: {e.args[0]}") from None
 
 
 def _run(run: Run, stop: signals.StopOnSignal) -> TrainResult:
