@@ -298,3 +298,30 @@ def test_more_workers_than_cores_names_the_partitions_that_fit_first():
     with pytest.raises(StarpuLLMError, match="this process can use 2; partitions that fit: "
                                              "1x2, 2x1"):
         resolve(PartitionRequest(workers=5), cores=2, build=DEBIAN)
+
+
+def test_the_copies_of_a_partition_are_stated_once(monkeypatch):
+    """R = S x D: the data-parallel copies and each one's share of the batch are the
+    Partition's (copies, per_copy), read by with_batch, the engine and the prediction alike.
+    The engine hands with_batch the whole batch, as the trainer's resolve does: a pipeline of
+    2 stages on 4 ranks (2 copies) with N = 2 and B = 24 takes 12 micro-batches a copy
+    either way (the copy's share taken twice, 6, gave 6)."""
+    from types import SimpleNamespace
+
+    from starpu_llm.flow import engine
+    from starpu_llm.plan import partition
+    req = PartitionRequest(workers=2, cores_per_worker=1, pipeline_stages=2)
+    p = resolve(req, cores=2, build=DEBIAN, ranks=4)
+    assert (p.copies, p.per_copy(24), p.sub_batches) == (2, 12, 0)
+    resolved = resolve(req, cores=2, build=DEBIAN, ranks=4, batch=24)
+    assert partition.with_batch(p, 24) == resolved and resolved.sub_batches == 12
+    given = []
+
+    def stop(q, batch):
+        given.append(partition.with_batch(q, batch))
+        raise RuntimeError("stop here")
+    monkeypatch.setattr(engine, "with_batch", stop)
+    runtime = SimpleNamespace(running=True, size=4, partition=p)
+    with pytest.raises(RuntimeError, match="stop here"):
+        engine.StarPUEngine(None, None, 24, 64, None, runtime)
+    assert given == [resolved]

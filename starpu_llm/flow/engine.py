@@ -63,9 +63,10 @@ class StarPUEngine(Engine):
                                  "`with Runtime(partition) as rt:`")
         self._closed = False
         nranks = runtime.size
-        # the resolved partition (default: the runtime's), its sub-batches for this batch
+        # the resolved partition (default: the runtime's), its sub-batches for this batch (the
+        # whole batch: with_batch takes each copy's share itself)
         given = partition or runtime.partition
-        p = with_batch(given, B // max(1, nranks // given.stages))
+        p = with_batch(given, B)
         if sites is not None:
             topology, sub_batches = sites.topology, sites.subs_per_copy
         else:

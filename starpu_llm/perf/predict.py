@@ -114,7 +114,7 @@ def layout_label(p: Partition) -> str:
         return p.ownership
     if p.stages == p.ranks:
         return f"pipeline {p.stages} stages"
-    return f"pipeline {p.stages} stages x {p.ranks // p.stages} {p.ownership}"
+    return f"pipeline {p.stages} stages x {p.copies} {p.ownership}"
 
 
 def sites_of(model: str, B: int, T: int, partition: Partition | None = None,
@@ -125,14 +125,14 @@ def sites_of(model: str, B: int, T: int, partition: Partition | None = None,
     the layers' predicted costs (on `cost`'s machine; by flops without one), as the engine
     balances them with the calibration (engines.stage_costs)."""
     p = with_batch(partition or target_partition(PartitionRequest()), B)
-    copies = p.ranks // p.stages
+    copies = p.copies
     config = MODELS[model]
     S = p.sub_batches
     if B % (S * copies):
         over = f"{p.ranks} rank(s)" if p.stages == 1 else f"{copies} pipeline cop(ies)"
         raise StarpuLLMError(f"{opt('batch')} {B} does not split into {S} sub-batch(es) x {over}; "
                              f"choose a {opt('batch')} divisible by {S * copies}")
-    costs = (layer_costs(config, B // copies // S, T, cost, p.cores_per_worker)
+    costs = (layer_costs(config, p.per_copy(B) // S, T, cost, p.cores_per_worker)
              if p.stages > 1 and cost is not None else None)
     topology = Topology.of(config, p.ranks, p.stages, p.ownership, T, costs)
     return Sites(topology, S, p.workers, p.pins_sub_batches)

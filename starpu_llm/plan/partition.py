@@ -268,7 +268,7 @@ def with_batch(p: Partition, batch: int) -> Partition:
     share of the batch."""
     if p.sub_batches or p.engine != "starpu":
         return p
-    per_copy = max(1, batch // max(1, p.ranks // p.stages))
+    per_copy = max(1, p.per_copy(batch))
     return replace(p, sub_batches=default_sub_batches(per_copy, p.stages, p.workers, p.gpus))
 
 

@@ -44,6 +44,16 @@ class Partition:
         return self.workers * self.cores_per_worker
 
     @property
+    def copies(self) -> int:
+        """D: the data-parallel copies of the model among the ranks (R = S stages x D); each
+        copy trains on its share of the batch (per_copy)."""
+        return max(1, self.ranks // self.stages)
+
+    def per_copy(self, batch: int) -> int:
+        """The sequences of one data-parallel copy in a step of `batch` (over all ranks)."""
+        return batch // self.copies
+
+    @property
     def starpu_workers(self) -> int:
         """StarPU CPU workers: N team workers (their OpenMP teams take the other cores), else a
         worker on every core."""
@@ -67,7 +77,7 @@ class Partition:
 
     def describe(self) -> str:
         if self.stages > 1:
-            ranks = (f" per copy, {self.ranks // self.stages} copies of {self.stages} pipeline "
+            ranks = (f" per copy, {self.copies} copies of {self.stages} pipeline "
                      f"stages on {self.ranks} MPI processes, {self.ownership} ownership")
         else:
             ranks = (f" on each of {self.ranks} MPI processes, {self.ownership} ownership"

@@ -108,7 +108,7 @@ def stage_costs(p: Partition, cfg, config, calibration):
     boundaries change no result, only the speed."""
     if calibration is None:
         return None
-    per_copy = cfg.batch // max(1, p.ranks // p.stages)
+    per_copy = p.per_copy(cfg.batch)
     if not p.sub_batches or per_copy % p.sub_batches:
         return None          # the engine says what is wrong
     return layer_costs(config, per_copy // p.sub_batches, cfg.seq_len, CostModel(calibration),
