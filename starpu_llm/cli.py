@@ -237,6 +237,7 @@ SWEPT_WORKERS = {"workers": dict(help="N: parallel workers; a comma-separated li
 
 def build_parser():
     from .model.config import MODELS
+    from .plan.partition import ENGINES
     ap = _Parser(prog="starpu-llm", description=__doc__.split("\n\n")[0])
     ap.add_argument("--version", action=_Version,
                     help="this version, the StarPU it runs on and what the build has, then exit")
@@ -325,7 +326,7 @@ def build_parser():
                         "up to P (default 1: all), after --top-k")
     g.add_argument("--seed", type=_CHECKS["nonneg_int"]("--seed"), default=1337,
                    help="seed of the sampling (default 1337)")
-    g.add_argument("--engine", default="starpu", choices=["starpu", "reference"],
+    g.add_argument("--engine", default=ENGINES[0], choices=list(ENGINES),
                    help="starpu: the task graph with a key/value cache; reference: the same "
                         "kernels in a plain loop")
     add_setting_args(g, partition_settings(*DECODE_PARTITION),
@@ -353,7 +354,7 @@ def build_parser():
                                                  ">= 0")("--max-queue"), default=dflt.max_queue,
                     help=f"requests waiting for a slot beyond those; more are refused with HTTP "
                          f"503 and Retry-After (default {dflt.max_queue})")
-    sv.add_argument("--engine", default="starpu", choices=["starpu", "reference"],
+    sv.add_argument("--engine", default=ENGINES[0], choices=list(ENGINES),
                     help="starpu: the task graph; reference: the same kernels in a plain loop")
     add_setting_args(sv, partition_settings(*DECODE_PARTITION),
                      overrides={"workers": dict(

@@ -6,7 +6,7 @@ import sys
 
 import numpy as np
 
-from .errors import StarpuLLMError, opt
+from .errors import StarpuLLMError
 from .flow.generate import Decoder, DirectBackend, StarPUBackend, check_request, generate
 from .io import hf, tokenizer
 from .runtime.starpu import Runtime, resolve_here
@@ -17,18 +17,16 @@ def _print(text: str):
     sys.stdout.flush()
 
 
-def read_text_model(init_from, engine: str, command: str):
+def read_text_model(init_from, command: str):
     """(config, parameters) of the model init_from (io/hf.read_model: an llm.c checkpoint, a
-    Hugging Face folder, a Hub name in the local cache) for `command` on `engine`: a
-    clear error for a model without GPT-2's vocabulary (the text goes through the GPT-2
-    tokenizer) or an unknown engine."""
+    Hugging Face folder, a Hub name in the local cache) for `command`: a clear error for a
+    model without GPT-2's vocabulary (the text goes through the GPT-2 tokenizer). The engine
+    is checked before, with the partition (resolve_here)."""
     config, params = hf.read_model(init_from)
     if config.V != tokenizer.N_VOCAB:
         raise StarpuLLMError(f"{init_from} has a vocabulary of {config.V} tokens, not GPT-2's "
                              f"{tokenizer.N_VOCAB}: {command} reads and writes text with the "
                              f"GPT-2 tokenizer; give the checkpoint of a GPT-2-vocabulary model")
-    if engine not in ("starpu", "reference"):
-        raise StarpuLLMError(f"{opt('engine')} {engine!r}: choose starpu or reference")
     return config, params
 
 
@@ -45,7 +43,7 @@ def run_generate(init_from, prompt: str = "", max_new_tokens: int = 64, temperat
     partition = None            # the flags checked first, unless a runtime is given to run on
     if runtime is None or engine != "starpu":
         partition = resolve_here(request or PartitionRequest(), engine=engine)
-    config, params = read_text_model(init_from, engine, "generate")
+    config, params = read_text_model(init_from, "generate")
     tok = tokenizer.gpt2()
     ids = tok.encode(prompt) if prompt else [tok.eot]
     check_request(config, len(ids), max_new_tokens, temperature, top_k, top_p)  # before start-up

@@ -177,7 +177,7 @@ def run_serve(init_from, host: str = Serving.host, port: int = Serving.port,
                              f"{max_batch} and {max_queue})")
     metrics = Metrics(max_batch)
     protocol = middleware.http_protocol(edges, metrics)     # a uvicorn it cannot use: said now
-    config, params = read_text_model(init_from, engine, "serve")
+    config, params = read_text_model(init_from, "serve")
     check_cache_memory(config, max_batch)
     check_connection_room(edges.max_connections)
     sock = listen_socket(host, port)      # before the slow part: a port in use is said at once

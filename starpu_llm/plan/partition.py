@@ -28,6 +28,9 @@ from .record import Partition
 from .settings import check_fields, setting
 
 PARALLELISM = "parallelism (StarPU engine)"     # the help group of the partition flags
+# The engines a run, `generate` and `serve` choose among (--engine), the first the default:
+# the task graph on StarPU, or the same kernels in a plain loop
+ENGINES = ("starpu", "reference")
 KCORE_REQUESTS = ("team", "forkjoin")
 DEFAULT_KCORE = "team"
 # With GPUs: the precision of the CUDA tasks' matmuls (TF32 on tensor cores, as llm.c's fp32
@@ -194,8 +197,8 @@ def resolve(req: PartitionRequest, *, cores: int, build: Build, ranks: int = 1,
                                  f"{opt('oversubscribe')} to share cores, for tests only)")
         return Partition("reference", 1, threads, req.sub_batches or 1, "openmp", 1,
                          attention=attention_of(req.attention, 0))
-    if engine != "starpu":
-        raise StarpuLLMError(f"{opt('engine')} {engine!r}: choose starpu or reference")
+    if engine not in ENGINES:
+        raise StarpuLLMError(f"{opt('engine')} {engine!r}: choose one of {', '.join(ENGINES)}")
     if req.threads:
         raise StarpuLLMError(f"{opt('threads')} sets the reference engine's threads; the StarPU "
                              f"engine's cores are {opt('workers')} x {opt('cores_per_worker')}")

@@ -31,7 +31,7 @@ from .engines import (autotuned, calibrated_peak, calibration, check_memory, mak
 from ..errors import StarpuLLMError, flag, opt, render
 from ..io import data
 from .metrics import Metrics, step_extras
-from ..plan.partition import PartitionRequest
+from ..plan.partition import ENGINES, PartitionRequest
 from ..plan.record import RunRecord, Settings, data_fingerprint, run_identity
 from ..perf.runs import peak_rss_mb
 from ..runtime import mpi as distributed
@@ -85,8 +85,8 @@ class TrainConfig(PartitionRequest):
                            f"(default {ADAM_BETAS[1]}, llm.c train_gpt2.c's; GPT-2's recipe in "
                            f"nanoGPT and llm.c's train_gpt2.cu: 0.95)", check="unit",
                            ranks_agree=True)
-    engine: str = setting("starpu", "starpu: the task graph; reference: the same kernels in a "
-                          "plain loop", choices=["starpu", "reference"])
+    engine: str = setting(ENGINES[0], "starpu: the task graph; reference: the same kernels in a "
+                          "plain loop", choices=list(ENGINES))
     seed: int = setting(1337, "seed of the random init (default 1337)", check="nonneg_int",
                         ranks_agree=True)
     save: str | None = setting(None, "write the trained model (llm.c format) and its PATH.state "
