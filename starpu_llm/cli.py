@@ -309,23 +309,29 @@ def build_parser():
                                                       "paper's node\"; examples in the source's "
                                                       "experiments/machines/)")
 
+    from .cli_generate import Generating
+    gen = Generating()
     g = sub.add_parser("generate", help="continue a prompt with a model (llm.c checkpoint with "
                                         "GPT-2's vocabulary), printing the text as it comes")
     g.add_argument("--init-from", required=True, metavar="MODEL",
                    type=_given("--init-from", optional=False), help=INIT_FROM_HELP)
     g.add_argument("--prompt", default="", help="text to continue (default: none, start from "
                                                 "<|endoftext|>)")
-    g.add_argument("--max-new-tokens", type=_CHECKS["positive"]("--max-new-tokens"), default=64,
-                   help="tokens to generate (default 64); prompt + new tokens <= the model's maxT")
-    g.add_argument("--temperature", type=_CHECKS["nonneg"]("--temperature"), default=1.0,
-                   help="softmax temperature (default 1; 0: greedy)")
-    g.add_argument("--top-k", type=_CHECKS["nonneg_int"]("--top-k"), default=0, metavar="K",
-                   help="sample among the K most likely tokens (default 0: all; 1: greedy)")
-    g.add_argument("--top-p", type=_CHECKS["probability"]("--top-p"), default=1.0, metavar="P",
-                   help="nucleus sampling: among the most likely tokens whose probabilities add "
-                        "up to P (default 1: all), after --top-k")
-    g.add_argument("--seed", type=_CHECKS["nonneg_int"]("--seed"), default=1337,
-                   help="seed of the sampling (default 1337)")
+    g.add_argument("--max-new-tokens", default=gen.max_new_tokens, help=f"tokens to generate "
+                   f"(default {gen.max_new_tokens}); prompt + new tokens <= the model's maxT",
+                   type=_CHECKS["positive"]("--max-new-tokens"))
+    g.add_argument("--temperature", default=gen.temperature, help=f"softmax temperature "
+                   f"(default {gen.temperature:g}; 0: greedy)",
+                   type=_CHECKS["nonneg"]("--temperature"))
+    g.add_argument("--top-k", type=_CHECKS["nonneg_int"]("--top-k"), default=gen.top_k,
+                   metavar="K", help=f"sample among the K most likely tokens (default "
+                                     f"{gen.top_k}: all; 1: greedy)")
+    g.add_argument("--top-p", type=_CHECKS["probability"]("--top-p"), default=gen.top_p,
+                   metavar="P",
+                   help=f"nucleus sampling: among the most likely tokens whose probabilities add "
+                        f"up to P (default {gen.top_p:g}: all), after --top-k")
+    g.add_argument("--seed", type=_CHECKS["nonneg_int"]("--seed"), default=gen.seed,
+                   help=f"seed of the sampling (default {gen.seed})")
     g.add_argument("--engine", default=ENGINES[0], choices=list(ENGINES),
                    help="starpu: the task graph with a key/value cache; reference: the same "
                         "kernels in a plain loop")
@@ -378,7 +384,7 @@ def build_parser():
                          f"after which GET /health answers 503 and new requests are refused (a "
                          f"stuck task); 0: never (default {dflt.stall_timeout:g}, beyond GPT-2 "
                          f"XL's longest step on a loaded machine)")
-    sv.add_argument("--log-level", default="info",
+    sv.add_argument("--log-level", default=dflt.log_level,
                     choices=["critical", "error", "warning", "info", "debug"],
                     help="uvicorn's log level (info: one line per request)")
     _serve_edge_args(sv, Edges())

@@ -3,13 +3,29 @@ text printed as it comes (the decode flow itself is flow/generate.py)."""
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 
 import numpy as np
 
 from .errors import StarpuLLMError
 from .flow.generate import Decoder, DirectBackend, StarPUBackend, check_request, generate
 from .io import hf, tokenizer
+from .plan.partition import ENGINES, PartitionRequest
 from .runtime.starpu import Runtime, resolve_here
+
+
+@dataclass(frozen=True)
+class Generating:
+    """`starpu-llm generate`'s defaults, each stated here once: cli.py builds the flags (their
+    defaults and the numbers in their help) from these, run_generate's keywords default to
+    them (no prompt is "": the text starts from <|endoftext|>). The sampling's defaults leave
+    the model's distribution as it is (temperature 1, no top-k or top-p cut)."""
+    max_new_tokens: int = 64
+    # the sampling (flow/generate.sample)
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 1337
 
 
 def _print(text: str):
@@ -30,16 +46,17 @@ def read_text_model(init_from, command: str):
     return config, params
 
 
-def run_generate(init_from, prompt: str = "", max_new_tokens: int = 64, temperature: float = 1.0,
-                 top_k: int = 0, seed: int = 1337, engine: str = "starpu", write=_print,
-                 runtime=None, request=None, top_p: float = 1.0) -> str:
+def run_generate(init_from, prompt: str = "",
+                 max_new_tokens: int = Generating.max_new_tokens,
+                 temperature: float = Generating.temperature, top_k: int = Generating.top_k,
+                 seed: int = Generating.seed, engine: str = ENGINES[0], write=_print,
+                 runtime=None, request=None, top_p: float = Generating.top_p) -> str:
     """`starpu-llm generate`: continues the text prompt (empty: from <|endoftext|>) with the
     llm.c checkpoint init_from, a model of GPT-2's vocabulary, sampling with a numpy Generator
     seeded with seed (flow/generate.sample: temperature, top_k, top_p). Writes the prompt, then the text as it is produced, then a newline, to
     `write`; returns the generated text. The StarPU engine runs on `runtime`, or on a runtime
     of its own for the call on the partition of `request` (a partition.PartitionRequest, its
     flags serve's: --gpus runs the decode steps on GPUs; None: the default partition)."""
-    from .plan.partition import PartitionRequest
     partition = None            # the flags checked first, unless a runtime is given to run on
     if runtime is None or engine != "starpu":
         partition = resolve_here(request or PartitionRequest(), engine=engine)

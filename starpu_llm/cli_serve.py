@@ -22,6 +22,7 @@ from . import signals
 from .cli_generate import read_text_model
 from .errors import StarpuLLMError
 from .io import tokenizer
+from .plan.partition import ENGINES
 from .serve.settings import Serving
 
 SERVE_INSTALL = "pip install 'starpu-llm[serve]' (make install does it)"
@@ -151,8 +152,9 @@ def check_connection_room(max_connections: int) -> None:
 
 def run_serve(init_from, host: str = Serving.host, port: int = Serving.port,
               max_batch: int = Serving.max_batch, max_queue: int = Serving.max_queue,
-              engine: str = "starpu", request=None, model_name=None,
-              shutdown_timeout: float = Serving.shutdown_timeout, log_level: str = "info",
+              engine: str = ENGINES[0], request=None, model_name=None,
+              shutdown_timeout: float = Serving.shutdown_timeout,
+              log_level: str = Serving.log_level,
               edges=None, chat_template=None,
               stall_timeout: float = Serving.stall_timeout) -> int:
     """`starpu-llm serve` (see the module docstring): request, a partition.PartitionRequest

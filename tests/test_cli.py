@@ -920,3 +920,26 @@ def test_the_engines_are_stated_once(tmp_path):
         with pytest.raises(starpu_llm.StarpuLLMError,
                            match=f"^engine 'gpu': choose one of {', '.join(ENGINES)}$"):
             call()
+
+
+def test_generate_defaults_are_stated_once():
+    """generate's defaults live in cli_generate.Generating alone: `generate` without flags
+    gives its fields, each number flag's help says that value, and run_generate's keywords
+    default to the same (a second copy in cli.py would diverge)."""
+    import argparse
+    import inspect
+    from dataclasses import asdict
+
+    from starpu_llm import cli
+    from starpu_llm.cli_generate import Generating, run_generate
+    p = cli.build_parser()
+    args = p.parse_args(["generate", "--init-from", "m.bin"])
+    gen = asdict(Generating())
+    assert {name: getattr(args, name) for name in gen} == gen
+    (sub,) = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
+    helps = {a.dest: a.help for a in sub.choices["generate"]._actions}
+    for name, value in gen.items():
+        if isinstance(value, (int, float)):
+            assert f"default {value:g}" in helps[name], (name, helps[name])
+    params = inspect.signature(run_generate).parameters
+    assert {name: params[name].default for name in gen} == gen

@@ -12,13 +12,15 @@ class Serving:
     """The engine and process flags: where to listen, the slots and the queue, the seconds
     a stop waits for the running requests, and those without a decode step completed (work
     pending) after which GET /health answers 503: about twice GPT-2 XL's longest step on a
-    loaded 2-core machine (docs/serving.md, "Faults and supervision", has the sum; 0: off)."""
+    loaded 2-core machine (docs/serving.md, "Faults and supervision", has the sum; 0: off);
+    uvicorn's log level (info: a line a request)."""
     host: str = "127.0.0.1"
     port: int = 8000
     max_batch: int = 8
     max_queue: int = 64
     shutdown_timeout: float = 30.0
     stall_timeout: float = 300.0
+    log_level: str = "info"
 
 
 @dataclass(frozen=True)
