@@ -808,3 +808,25 @@ def test_predictions_under_a_memory_limit():
     m.disk_read_gbs = 0.0
     with pytest.raises(StarpuLLMError, match="no disk bandwidth"):
         predict(model, B, T, on(1, 2), calibration=m, memory_limit=least + (peak - least) // 2)
+
+
+def test_a_prediction_runs_the_partitions_attention(monkeypatch):
+    """predict records the graph of the attention its partition was resolved with (resolve's
+    decision, plan/partition.attention_of), not a CPU run's default: a partition asking for
+    flash on CPUs is predicted with the flash graph, the default one with gemm's."""
+    from starpu_llm.perf import predict as predicting
+    m = synthetic(2, [1.0, 2.0], [1.0, 2.0])
+    seen = []
+
+    def stop(model, B, T, sites, attention=None):
+        seen.append(attention)
+        raise RuntimeError("stop here")
+    monkeypatch.setattr(predicting, "task_graph", stop)
+    for asked in ("flash", None):
+        p = target_partition(PartitionRequest(workers=1, cores_per_worker=1, attention=asked),
+                             1, 4, 2)
+        with pytest.raises(RuntimeError, match="stop here"):
+            predict(MODEL, 4, T, p, calibration=m)
+    assert seen == ["flash", "gemm"]
+    assert request_of(target_partition(PartitionRequest(), 1, 4, 2)).gpu_matmul == \
+        PartitionRequest().gpu_matmul

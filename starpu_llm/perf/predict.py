@@ -15,7 +15,7 @@ from ..model.config import MODELS
 from ..errors import StarpuLLMError, opt
 from ..plan.sites import Sites
 from ..plan.topology import OWNERSHIPS, Topology
-from ..plan.partition import Build, PartitionRequest, resolve, with_batch
+from ..plan.partition import Build, PartitionRequest, attention_of, resolve, with_batch
 from ..plan.record import Partition
 from . import graph as graphs
 from . import memory
@@ -237,7 +237,8 @@ def predict(model: str, B: int, T: int, partition: Partition,
     cost = CostModel(target, calibration)
     sites = sites_of(model, B, T, p, cost)
     S, topology = sites.subs_per_copy, sites.topology
-    g = task_graph(model, B, T, sites)
+    attention = attention_of(p.attention or None, p.gpus)   # the partition's (resolve's)
+    g = task_graph(model, B, T, sites, attention)
 
     def schedule(extra=None):
         return simulate(g, cost, cores_per_worker, ranks_per_node=ranks_per_node, extra=extra)
@@ -246,7 +247,7 @@ def predict(model: str, B: int, T: int, partition: Partition,
         if ranks > 1:
             raise StarpuLLMError(f"predicting {opt('memory_limit')} under mpirun is not modelled: "
                                  f"predict one process")
-        needs = step_needs(MODELS[model], B // S, T, S, p.attention or "gemm")
+        needs = step_needs(MODELS[model], B // S, T, S, attention)
         check_limit(memory_limit, MODELS[model], needs, S, workers)   # as the run refuses it
         if not (target.disk_read_gbs > 0 and target.disk_write_gbs > 0):
             raise StarpuLLMError(f"{target.name} has no disk bandwidth in its description: run "

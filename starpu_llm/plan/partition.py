@@ -33,11 +33,11 @@ PARALLELISM = "parallelism (StarPU engine)"     # the help group of the partitio
 ENGINES = ("starpu", "reference")
 KCORE_REQUESTS = ("team", "forkjoin")
 DEFAULT_KCORE = "team"
-# With GPUs: the precision of the CUDA tasks' matmuls (TF32 on tensor cores, as llm.c's fp32
-# trainer does and PyTorch with allow_tf32, or fp32), and the scheduler, a history-model one by
-# default (dmdas: dmda with its queues sorted by priority), which weighs a task's time on a CPU
-# against a GPU and the transfers; never lws, whose idle CPU workers steal GPU tasks (measured:
-# 1.8 ms per GPU-only task, against 15-30 us under dmda/dmdas).
+# With GPUs: the precision of the CUDA tasks' matmuls (the first the default: TF32 on tensor
+# cores, as llm.c's fp32 trainer does and PyTorch with allow_tf32; or fp32), and the scheduler,
+# a history-model one by default (dmdas: dmda with its queues sorted by priority), which weighs
+# a task's time on a CPU against a GPU and the transfers; never lws, whose idle CPU workers
+# steal GPU tasks (measured: 1.8 ms per GPU-only task, against 15-30 us under dmda/dmdas).
 GPU_MATMUL = ("tf32", "fp32")
 GPU_SCHED = "dmdas"
 NOT_WITH_GPUS = ("lws", "ws")
@@ -107,7 +107,7 @@ class PartitionRequest:
                         "build; README, GPUs): the scheduler (dmdas) puts each task on a CPU or a "
                         "GPU and StarPU moves the data (default 0: CPUs only)", check="nonneg_int",
                         metavar="G", group=PARALLELISM, ranks_agree=True)
-    gpu_matmul: str = setting("tf32", "the GPUs' matmul precision: tf32 (tensor cores; the "
+    gpu_matmul: str = setting(GPU_MATMUL[0], "the GPUs' matmul precision: tf32 (tensor cores; the "
                               "default) or fp32", choices=list(GPU_MATMUL), group=PARALLELISM,
                               ranks_agree=True)
     attention: str | None = setting(
@@ -142,7 +142,7 @@ def request_of(p: Partition) -> PartitionRequest:
         kcore=p.kcore if p.kcore in KCORE_REQUESTS else None,
         ownership=p.ownership if p.ranks > 1 else None,
         pipeline_stages=p.stages if p.ranks > 1 else None,
-        gpus=p.gpus, gpu_matmul=p.gpu_matmul or "tf32", sched=p.sched or None,
+        gpus=p.gpus, gpu_matmul=p.gpu_matmul or GPU_MATMUL[0], sched=p.sched or None,
         pipeline_schedule=p.pipeline_schedule or None, attention=p.attention or None)
 
 
