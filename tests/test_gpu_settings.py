@@ -98,6 +98,26 @@ def test_a_driver_cuda_cannot_use_is_one_clear_error_not_no_gpu(monkeypatch):
     assert "unsupported display driver" in cuda_devices()[1]
 
 
+def test_more_gpus_than_cuda_sees_is_one_clear_error(monkeypatch):
+    """--gpus N above the GPUs CUDA sees (a 1-GPU node, CUDA_VISIBLE_DEVICES, SLURM's
+    allocation) is refused before StarPU starts, naming the count, instead of StarPU's fewer
+    CUDA workers (or, under mpirun, two workers of a rank on one device)."""
+    one = Build(max_cpus=64, parallel_workers=True, cuda=True, cuda_seen=1)
+    resolve(PartitionRequest(gpus=1), cores=8, build=one)
+    with pytest.raises(StarpuLLMError, match=r"^gpus 2: CUDA sees 1 GPU\(s\) here .*"
+                                              r"ask for at most 1$"):
+        resolve(PartitionRequest(gpus=2), cores=8, build=one)
+    # not counted (another machine's build, perf/predict.py): not checked
+    resolve(PartitionRequest(gpus=2), cores=8, build=Build(max_cpus=64, parallel_workers=True,
+                                                           cuda=True))
+    if not klib.sl_gpu_emulated():
+        return
+    monkeypatch.setattr(rt, "have_cuda", lambda: True)     # a CUDA build on a GPU-less node
+    assert this_build(1).cuda_seen == 0 and this_build(0).cuda_seen is None
+    with pytest.raises(StarpuLLMError, match=r"^gpus 1: CUDA sees 0 GPU\(s\) here"):
+        rt.resolve_here(PartitionRequest(gpus=1))
+
+
 def test_gpus_take_a_core_each():
     """A CUDA build's partition (partition.resolve on a build with CUDA): team workers, and a
     core for each GPU's worker thread."""

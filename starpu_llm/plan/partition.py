@@ -53,6 +53,7 @@ class Build:
     max_group: int = 64             # cores of one team worker (SL_MAX_GROUP)
     schedulers: tuple = ()          # its scheduling policies by name (empty: not checked)
     cuda_error: str = ""            # why CUDA could not count its GPUs (runtime.cuda_devices)
+    cuda_seen: int | None = None    # the GPUs CUDA sees (None: not asked, as without --gpus)
 
 
 # The fields that give the partition's shape (PartitionRequest.given)
@@ -381,6 +382,12 @@ def _check_gpus(req: PartitionRequest, kcore: str, build: Build, memory_limit: b
             f"{opt('gpus')} {gpus}: {build.cuda_error}: check the NVIDIA driver (nvidia-smi; it "
             "must be as new as the CUDA this starpu-llm was built with) and CUDA_VISIBLE_DEVICES, "
             f"or run with {opt('gpus')} 0")
+    if build.cuda_seen is not None and gpus > build.cuda_seen:
+        # StarPU would start fewer CUDA workers than asked (or, under MPI, two on one device)
+        raise StarpuLLMError(
+            f"{opt('gpus')} {gpus}: CUDA sees {build.cuda_seen} GPU(s) here (those nvidia-smi "
+            "lists, less what CUDA_VISIBLE_DEVICES or the batch system's GPU allocation hides; "
+            f"under mpirun or srun, each rank's own): ask for at most {build.cuda_seen}")
     if kcore == "forkjoin":
         raise StarpuLLMError(f"{opt('gpus')} {gpus} does not run with {opt('kcore')} forkjoin "
                              f"(combined CPU workers); use team")

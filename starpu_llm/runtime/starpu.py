@@ -126,13 +126,15 @@ def max_starpu_cpus() -> int:
 
 def this_build(gpus: int = 0) -> Build:
     """What this process's StarPU build supports (its parallel workers: parallel_workers_here).
-    gpus > 0 (a CUDA build): CUDA asked for its devices, its error kept (Build.cuda_error); else
-    CUDA is left untouched (a process that forks later must not have started it)."""
+    gpus > 0 (a CUDA build): CUDA asked for its devices, their count or its error kept
+    (Build.cuda_seen, Build.cuda_error); else CUDA is left untouched (a process that forks
+    later must not have started it)."""
     asked = have_cuda() and isinstance(gpus, int) and gpus > 0
+    seen, why = cuda_devices() if asked else (None, "")
     return Build(max_cpus=max_starpu_cpus(), parallel_workers=parallel_workers_here()[0],
                  cuda=have_cuda(), max_group=lib.SL_MAX_GROUP,
                  schedulers=tuple(sched_policies()),
-                 cuda_error=cuda_devices()[1] if asked else "")
+                 cuda_error=why, cuda_seen=None if why else seen)
 
 
 def parallel_workers_here() -> tuple[bool, str]:
