@@ -5,6 +5,9 @@ check the CUDA bodies here)."""
 import json
 import os
 import re
+import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -116,6 +119,44 @@ def test_more_gpus_than_cuda_sees_is_one_clear_error(monkeypatch):
     assert this_build(1).cuda_seen == 0 and this_build(0).cuda_seen is None
     with pytest.raises(StarpuLLMError, match=r"^gpus 1: CUDA sees 0 GPU\(s\) here"):
         rt.resolve_here(PartitionRequest(gpus=1))
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_meson_takes_the_cuda_toolkit_of_the_nvcc_on_path(tmp_path):
+    """A cluster's `module load cuda/12.x` puts its toolkit's nvcc on PATH, the toolkit
+    anywhere but /usr/local/cuda: meson takes nvcc, cudart and cuBLAS from that toolkit (it
+    looked in -Dcudatoolkit's /usr/local/cuda, which mixed two CUDAs or missed cudart), says
+    which, and refuses a -Dgpu_arch the kernels cannot be built for, naming the option. A
+    stand-in toolkit (nvcc a script, cudart and cuBLAS empty libraries): configure only."""
+    kit = tmp_path / "cuda-12.4"
+    for d in ("bin", "lib64", "include"):
+        (kit / d).mkdir(parents=True)
+    (kit / "bin" / "nvcc").write_text("#!/bin/sh\nexit 0\n")
+    (kit / "bin" / "nvcc").chmod(0o755)
+    (kit / "include" / "cublas_v2.h").write_text("")
+    (tmp_path / "e.c").write_text("int sl_stand_in;\n")
+    for lib in ("cudart", "cublas"):
+        subprocess.run([shutil.which("cc") or "gcc", "-shared", "-fPIC", "-o",
+                        str(kit / "lib64" / f"lib{lib}.so"), str(tmp_path / "e.c")], check=True)
+    env = dict(os.environ, PATH=f"{kit / 'bin'}:{os.environ['PATH']}")
+    meson = os.path.join(os.path.dirname(sys.executable), "meson")
+
+    def setup(name, *options):
+        return subprocess.run([meson, "setup", str(tmp_path / name), ROOT, *options],
+                              capture_output=True, text=True, env=env, timeout=300)
+    p = setup("b", "-Dgpu_arch= 80, 90")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr
+    assert f"CUDA toolkit: {kit} (the nvcc on PATH)" in p.stdout, p.stdout
+    said = re.search(r"CUDA build: (on|off)[^\n]*", p.stdout).group(0)
+    if said.startswith("CUDA build: on"):       # a StarPU with CUDA found here
+        assert f"nvcc {kit / 'bin' / 'nvcc'}, sm 80,90, cuBLAS {kit / 'lib64'}" in said, said
+    else:       # StarPU without CUDA: the toolkit's parts were all found
+        assert not re.search(r"nvcc|cudart|cuBLAS", said), said
+    p = setup("bad", "-Dgpu_arch=70,80")
+    assert p.returncode != 0 and "-Dgpu_arch=70,80: give compute capabilities x10, 80 or more" \
+        in p.stdout, p.stdout[-3000:]
 
 
 def test_gpus_take_a_core_each():
