@@ -71,8 +71,12 @@ def version_text() -> str:
     yes = {True: "yes", False: "no"}
     cuda = yes[build.cuda]
     if build.cuda:
-        n, why = rt.cuda_devices()
-        cuda += f" ({why or f'{n} GPU(s) seen'})"
+        from ._build import GPU_ARCH
+        seen = rt.cuda_devices()
+        details = cuda_text(GPU_ARCH, rt.lib.sl_gpu_runtime_version(),
+                            rt.lib.sl_gpu_driver_version(), seen,
+                            [rt.lib.sl_gpu_device_cc(d) for d in range(seen[0])])
+        cuda += f" ({details})"
     lines += [f"StarPU {major[0]}.{minor[0]}.{release[0]}"
               f"{f' ({os.path.realpath(library)})' if library else ''}, "
               f"STARPU_MAXCPUS {build.max_cpus}",
@@ -81,6 +85,40 @@ def version_text() -> str:
               f"BLAS: {rt.ffi.string(rt.lib.blas_name()).decode()}",
               f"kernels: {_kernels_isa()}"]
     return "\n".join(lines)
+
+
+def gpu_arch_runs(cc: int, archs: list) -> bool:
+    """Whether kernels built for archs (compute capabilities x10: the code of each, the PTX of
+    the last) run on a GPU of compute capability cc: a code of its major version no newer than
+    it, or the PTX of one no newer, which the driver compiles for it."""
+    return any(a // 10 == cc // 10 and a <= cc for a in archs) or (bool(archs) and archs[-1] <= cc)
+
+
+def cuda_text(gpu_arch: str, runtime: int, driver: int, seen: tuple, ccs: list) -> str:
+    """A CUDA build's details in --version, what to check on a node before queuing a job: the
+    CUDA it was built with (runtime, CUDART_VERSION) and for which GPUs (gpu_arch, _build.py's),
+    the driver's CUDA (0: none), then the GPUs seen (seen: runtime.cuda_devices' count and
+    error), each by its compute capability x10 in ccs (negative: -(its cudaError)) and whether
+    the kernels run on it."""
+    def cuda(v):
+        return f"CUDA {v // 1000}.{v % 1000 // 10}"
+    archs = [int(a) for a in gpu_arch.split()]
+    text = (f"built with {cuda(runtime)} for {' '.join(f'sm_{a}' for a in archs)} + PTX "
+            f"compute_{archs[-1]}; driver: {cuda(driver) if driver else 'none found'}; ")
+    n, why = seen
+    if why:
+        return text + why
+    gpus = []
+    for d, cc in enumerate(ccs):
+        if cc < 0:
+            gpus.append(f"{d}: cudaError {-cc}")
+        elif gpu_arch_runs(cc, archs):
+            gpus.append(f"{d}: sm_{cc}")
+        else:
+            gpus.append(f"{d}: sm_{cc}, which this build's kernels do not run on (rebuild with "
+                        f"-Dgpu_arch={','.join(map(str, sorted(set(archs) | {cc})))})" if cc >= 80 else
+                        f"{d}: sm_{cc}, older than the kernels' sm_80")
+    return text + f"{n} GPU(s) seen" + (f": {', '.join(gpus)}" if gpus else "")
 
 
 def _kernels_isa() -> str:

@@ -191,7 +191,8 @@ def test_version():
     assert lines[0] == f"starpu-llm {starpu_llm.__version__}"
     assert re.fullmatch(r"StarPU 1\.[34]\.\d+ \(/.*libstarpu-1\.[34]\.so.*\), STARPU_MAXCPUS \d+",
                         lines[1]), out
-    assert re.fullmatch(r"StarPU-MPI: (yes|no), CUDA: (yes|no), parallel workers: .+", lines[2]), out
+    assert re.fullmatch(r"StarPU-MPI: (yes|no), CUDA: (no|yes \(built with CUDA .+\)), "
+                        r"parallel workers: .+", lines[2]), out
     assert lines[3].startswith("BLAS: "), out
     from starpu_llm._build import ISA
     assert lines[4] == (f"kernels: -march=native ({ISA})" if ISA
@@ -209,6 +210,30 @@ def test_the_version_is_stated_once():
     assert "version" not in project and "version" in project["dynamic"]
     meson = re.search(r"project\([^)]*?\bversion:\s*'([^']+)'", (root / "meson.build").read_text()).group(1)
     assert starpu_llm.__version__ == meson == importlib.metadata.version("starpu-llm")
+
+
+def test_version_says_what_cuda_the_build_has_and_which_gpus_it_runs_on():
+    """A CUDA build's --version, the check before queuing a GPU job: the CUDA it was built
+    with and its architectures (meson's gpu_arch, recorded in _build.py: none in a CPU build),
+    the driver's CUDA, and each GPU seen, by compute capability, with whether the kernels run
+    on it (the code of its major version no newer, or the last's PTX)."""
+    from starpu_llm._build import GPU_ARCH
+    from starpu_llm.cli import cuda_text, gpu_arch_runs
+    from starpu_llm.runtime.starpu import have_cuda
+    assert bool(GPU_ARCH) == have_cuda()
+    assert [cc for cc in (70, 75, 80, 86, 89, 90, 100, 120) if gpu_arch_runs(cc, [80, 90])] == \
+        [80, 86, 89, 90, 100, 120]
+    assert not gpu_arch_runs(80, [90]) and gpu_arch_runs(86, [80]) and not gpu_arch_runs(90, [])
+    head = "built with CUDA 12.4 for sm_80 sm_90 + PTX compute_90; driver: "
+    assert cuda_text("80 90", 12040, 12080, (2, ""), [80, 90]) == \
+        head + "CUDA 12.8; 2 GPU(s) seen: 0: sm_80, 1: sm_90"
+    assert cuda_text("90", 13000, 0, (0, "cudaGetDeviceCount failed: x"), []) == (
+        "built with CUDA 13.0 for sm_90 + PTX compute_90; driver: none found; "
+        "cudaGetDeviceCount failed: x")
+    assert cuda_text("90", 13000, 13000, (3, ""), [80, 75, -999]) == (
+        "built with CUDA 13.0 for sm_90 + PTX compute_90; driver: CUDA 13.0; 3 GPU(s) seen: "
+        "0: sm_80, which this build's kernels do not run on (rebuild with -Dgpu_arch=80,90), "
+        "1: sm_75, older than the kernels' sm_80, 2: cudaError 999")
 
 
 def test_impossible_partition(shard):

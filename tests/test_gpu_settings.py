@@ -82,7 +82,8 @@ def test_a_driver_cuda_cannot_use_is_one_clear_error_not_no_gpu(monkeypatch):
     gpus = "gpus"       # as Python's API names it (the CLI's message says --gpus)
     assert str(e.value) == (f"{gpus} 1: cudaGetDeviceCount failed: {insufficient} (cudaError "
                             "35): check the NVIDIA driver (nvidia-smi; it must be as new as the "
-                            "CUDA this starpu-llm was built with) and CUDA_VISIBLE_DEVICES, or "
+                            "CUDA this starpu-llm was built with: starpu-llm --version names "
+                            "both) and CUDA_VISIBLE_DEVICES, or "
                             f"run with {gpus} 0")
     resolve(PartitionRequest(gpus=0), cores=8, build=broken)
     if not klib.sl_gpu_emulated():

@@ -123,6 +123,12 @@ int sl_gpu_emulated(void); /* 1: the CUDA bodies run in the CPU emulation (no CU
  * which sl_gpu_error_string names: never read as "no GPU". */
 int sl_gpu_devices(void);
 const char *sl_gpu_error_string(int err); /* cudaGetErrorString(err) */
+/* The CUDA this build was compiled with (CUDART_VERSION: 1000 major + 10 minor) and the newest
+ * the driver runs (cudaDriverGetVersion; 0: no driver), 0 and 0 in the CPU emulation; device
+ * dev's compute capability x10 (90: sm_90), -(its cudaError), -ENODEV in the emulation. */
+int sl_gpu_runtime_version(void);
+int sl_gpu_driver_version(void);
+int sl_gpu_device_cc(int dev);
 /* The emulation's launches since the last call: their count, and the block count of each of
  * the first max in blocks (the grids the kernels chose); -ENOSYS in a CUDA build. */
 int sl_gpu_emulated_launches(unsigned *blocks, int max);

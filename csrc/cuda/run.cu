@@ -55,6 +55,47 @@ extern "C" int sl_gpu_devices(void)
 	return err == cudaErrorNoDevice ? 0 : -(int)err;
 }
 
+extern "C" int sl_gpu_runtime_version(void)
+{
+#ifdef SL_CUDA_EMULATION
+	return 0;
+#else
+	return CUDART_VERSION;
+#endif
+}
+
+extern "C" int sl_gpu_driver_version(void)
+{
+#ifdef SL_CUDA_EMULATION
+	return 0;
+#else
+	int v = 0;
+	if (cudaDriverGetVersion(&v) != cudaSuccess) {
+		(void)cudaGetLastError();
+		return 0;
+	}
+	return v;
+#endif
+}
+
+extern "C" int sl_gpu_device_cc(int dev)
+{
+#ifdef SL_CUDA_EMULATION
+	(void)dev;
+	return -ENODEV;
+#else
+	int major = 0, minor = 0;
+	cudaError_t err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+	if (err == cudaSuccess)
+		err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+	if (err != cudaSuccess) {
+		(void)cudaGetLastError();
+		return -(int)err;
+	}
+	return major * 10 + minor;
+#endif
+}
+
 extern "C" const char *sl_gpu_error_string(int err)
 {
 	return cudaGetErrorString((cudaError_t)err);

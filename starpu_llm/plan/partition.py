@@ -380,7 +380,8 @@ def _check_gpus(req: PartitionRequest, kcore: str, build: Build, memory_limit: b
     if build.cuda_error:
         raise StarpuLLMError(
             f"{opt('gpus')} {gpus}: {build.cuda_error}: check the NVIDIA driver (nvidia-smi; it "
-            "must be as new as the CUDA this starpu-llm was built with) and CUDA_VISIBLE_DEVICES, "
+            "must be as new as the CUDA this starpu-llm was built with: starpu-llm --version "
+            "names both) and CUDA_VISIBLE_DEVICES, "
             f"or run with {opt('gpus')} 0")
     if build.cuda_seen is not None and gpus > build.cuda_seen:
         # StarPU would start fewer CUDA workers than asked (or, under MPI, two on one device)
