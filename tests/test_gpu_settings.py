@@ -132,15 +132,15 @@ def test_meson_takes_the_cuda_toolkit_of_the_nvcc_on_path(tmp_path):
     which, and refuses a -Dgpu_arch the kernels cannot be built for, naming the option. A
     stand-in toolkit (nvcc a script, cudart and cuBLAS empty libraries): configure only."""
     kit = tmp_path / "cuda-12.4"
-    for d in ("bin", "lib64", "include"):
-        (kit / d).mkdir(parents=True)
-    (kit / "bin" / "nvcc").write_text("#!/bin/sh\nexit 0\n")
-    (kit / "bin" / "nvcc").chmod(0o755)
-    (kit / "include" / "cublas_v2.h").write_text("")
+    (kit / "lib64").mkdir(parents=True)
     (tmp_path / "e.c").write_text("int sl_stand_in;\n")
-    for lib in ("cudart", "cublas"):
+    for lib in ("cudart", "cublas"):       # ELF libraries: meson's find_library reads them
         subprocess.run([shutil.which("cc") or "gcc", "-shared", "-fPIC", "-o",
                         str(kit / "lib64" / f"lib{lib}.so"), str(tmp_path / "e.c")], check=True)
+    for name, text in (("bin/nvcc", "#!/bin/sh\nexit 0\n"), ("include/cublas_v2.h", "")):
+        (kit / name).parent.mkdir(exist_ok=True)
+        (kit / name).write_text(text)
+    (kit / "bin" / "nvcc").chmod(0o755)
     env = dict(os.environ, PATH=f"{kit / 'bin'}:{os.environ['PATH']}")
     meson = os.path.join(os.path.dirname(sys.executable), "meson")
 
