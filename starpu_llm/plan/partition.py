@@ -262,6 +262,7 @@ def resolve(req: PartitionRequest, *, cores: int, build: Build, ranks: int = 1,
                   req.gpu_matmul if gpus else "", pipeline_schedule=schedule,
                   attention=attention_of(req.attention, gpus))
     p = replace(p, sched=scheduler(p, req.sched, build.schedulers, sched_env))
+    _check_devices(gpus, build)
     return with_batch(p, batch) if batch is not None else p
 
 
@@ -377,6 +378,18 @@ def _check_gpus(req: PartitionRequest, kcore: str, build: Build, memory_limit: b
         raise StarpuLLMError(
             f"{opt('gpus')} {gpus}: this starpu-llm is a CPU build; `make cuda` builds StarPU "
             "with CUDA and starpu-llm against it in .venv-cuda (README, GPUs)")
+    if kcore == "forkjoin":
+        raise StarpuLLMError(f"{opt('gpus')} {gpus} does not run with {opt('kcore')} forkjoin "
+                             f"(combined CPU workers); use team")
+    if memory_limit:
+        check_memory_limit(kcore, gpus)
+
+
+def _check_devices(gpus: int, build: Build) -> None:
+    """The GPUs this machine has for `gpus` asked, or a clear error: after every check of the
+    settings, so that a job script's mistake is said on a login node without a driver too."""
+    if not gpus:
+        return
     if build.cuda_error:
         raise StarpuLLMError(
             f"{opt('gpus')} {gpus}: {build.cuda_error}: check the NVIDIA driver (nvidia-smi; it "
@@ -389,11 +402,6 @@ def _check_gpus(req: PartitionRequest, kcore: str, build: Build, memory_limit: b
             f"{opt('gpus')} {gpus}: CUDA sees {build.cuda_seen} GPU(s) here (those nvidia-smi "
             "lists, less what CUDA_VISIBLE_DEVICES or the batch system's GPU allocation hides; "
             f"under mpirun or srun, each rank's own): ask for at most {build.cuda_seen}")
-    if kcore == "forkjoin":
-        raise StarpuLLMError(f"{opt('gpus')} {gpus} does not run with {opt('kcore')} forkjoin "
-                             f"(combined CPU workers); use team")
-    if memory_limit:
-        check_memory_limit(kcore, gpus)
 
 
 def check_memory_limit(mechanism: str, gpus: int) -> None:
