@@ -160,6 +160,30 @@ def test_a_shard_error_names_its_flag(shard, tmp_path):
     assert_clean_error(rc, err, f"--train-data: {path} is too short")
 
 
+def test_train_on_shards_named_by_a_glob_pattern(tmp_path):
+    """--train-data and --val-data take a quoted glob pattern: its shards, sorted, said at
+    the start; --val-batches over several validation shards; a shard refused names itself
+    and its flag; a pattern that matches nothing is one clean error."""
+    rng = np.random.default_rng(2)
+    for name, n in [("t_001", 80), ("t_000", 100), ("v_000", 40), ("v_001", 40)]:
+        formats.write_shard(tmp_path / f"{name}.bin", rng.integers(0, MICRO.V, n).astype(np.uint16))
+    common = ("train", "--model", "micro", "--batch", "2", "--seq-len", "16")
+    train_glob, val_glob = str(tmp_path / "t_*.bin"), str(tmp_path / "v_*.bin")
+    rc, out, err = run(*common, "--steps", "4", "--train-data", train_glob, "--val-data",
+                       val_glob, "--val-every", "2", "--val-batches", "5")
+    assert rc == 0, err
+    assert f"data: {train_glob} (180 tokens, 2 shards), B=2 T=16" in out
+    assert f"validation: {val_glob} (80 tokens, 2 shards), 2 batch(es)" in out
+    assert "step    4/4: train loss" in out
+    formats.write_shard(tmp_path / "v_002.bin", np.full(40, MICRO.V, np.uint16))
+    rc, _, err = run(*common, "--train-data", train_glob, "--val-data", val_glob,
+                     "--val-every", "2", "--val-batches", "5")
+    assert_clean_error(rc, err, f"--val-data: {tmp_path / 'v_002.bin'} contains token id "
+                                f"{MICRO.V}")
+    rc, _, err = run(*common, "--train-data", str(tmp_path / "x_*.bin"))
+    assert_clean_error(rc, err, f"--train-data: no file matches the pattern {tmp_path / 'x_*.bin'}")
+
+
 @pytest.mark.parametrize("args,flag", [
     (["--engine", "gpu"], "--engine"),
     (["--batch", "0"], "--batch"),

@@ -270,3 +270,144 @@ def test_an_id_past_the_vocabulary_in_a_shard_names_the_shard(tmp_path):
         with pytest.raises(StarpuLLMError, match=rf"position 288: the training data \({path}\) holds "
                                                  rf"token id {config.V + 5}"):
             eng.step(loader.next_position(), AdamW(1e-3))
+
+
+# --------------------------------------------------------------------------- several shards
+
+def write_shards(folder, sizes, start=0):
+    """Shards <folder>/d_train_<k>.bin of the given sizes, shard k's ids 100*k + 0, 1, ...,
+    written in reverse order (the loader sorts them); and a validation shard the pattern
+    d_train_*.bin does not match."""
+    paths = [str(folder / f"d_train_{k:03d}.bin") for k in range(start, start + len(sizes))]
+    for k, (p, n) in reversed(list(enumerate(zip(paths, sizes), start))):
+        formats.write_shard(p, 100 * k + np.arange(n))
+    formats.write_shard(folder / "d_val_000.bin", np.arange(50))
+    return paths
+
+
+def firsts(dl, n):
+    """The first input id of the next n batches."""
+    return [int(dl.next_batch()[0][0, 0]) for _ in range(n)]
+
+
+def test_shards_are_read_in_sorted_order_a_batch_never_straddles_and_they_wrap(tmp_path):
+    """A glob pattern: its shards in sorted order, each memory-mapped (a batch is a view into
+    it, not a copy); a batch that would run past a shard's end is the next shard's first
+    (llm.c's rule: shard 0's last 1 token and shard 1's are never read); after the last shard,
+    the first's (an epoch)."""
+    write_shards(tmp_path, [20, 13, 9])        # B*T+1 = 7: 3, 2 and 1 batches
+    dl = DataLoader(str(tmp_path / "d_train_*.bin"), B=2, T=3)
+    assert (dl.num_shards, dl.num_tokens, dl.num_batches) == (3, 42, 6)
+    assert dl.describe() == f"{tmp_path / 'd_train_*.bin'} (42 tokens, 3 shards)"
+    view = dl.next_tokens()
+    assert isinstance(view, np.memmap) and view.filename.endswith("d_train_000.bin")
+    assert np.shares_memory(view, dl.tokens) and view.tolist() == list(range(7))
+    assert firsts(dl, 5) == [6, 12, 100, 106, 200]
+    assert dl.state() == {"position": 0}       # shard 0 again: a new epoch
+    assert firsts(dl, 4) == [0, 6, 12, 100] and dl.state() == {"shard": 1, "position": 6}
+    x, y = dl.next_batch()                     # shard 1's last batch: 106..112, all 13
+    assert x.ravel().tolist() == list(range(106, 112)) and y[-1, -1] == 112
+
+
+def test_the_position_in_several_shards_is_saved_and_restored(tmp_path):
+    write_shards(tmp_path, [20, 13, 9])
+    pattern = str(tmp_path / "d_train_*.bin")
+    dl = DataLoader(pattern, B=2, T=3)
+    firsts(dl, 4)
+    state = dl.state()
+    assert state == {"shard": 1, "position": 6}
+    expect = firsts(dl, 8)
+    again = DataLoader(pattern, B=2, T=3)
+    again.load_state(state)
+    assert again.tokens.filename.endswith("d_train_001.bin") and firsts(again, 8) == expect
+    again.load_state({"position": 12})         # no shard: shard 0 (a state saved before shards)
+    assert firsts(again, 2) == [12, 100]
+    with pytest.raises(StarpuLLMError, match=r"the state is at shard 3 \(counted from 0\), but "
+                                             r".*d_train_\*\.bin has 3; .*give the shards it was "
+                                             r"saved with"):
+        again.load_state({"shard": 3, "position": 0})
+    with pytest.raises(StarpuLLMError, match=r"data position 7 is outside .*d_train_002.bin"):
+        again.load_state({"shard": 2, "position": 7})
+    with pytest.raises(StarpuLLMError, match=r"next_position\(\) is a position in one shard, and "
+                                             r".* has 3: take next_tokens\(\)"):
+        again.next_position()
+
+
+def test_each_shard_is_checked_and_its_errors_name_it(tmp_path):
+    """Every shard's header and size when the loader is made (a bad one anywhere is refused
+    at once, naming it), its ids when it is opened to be read; a pattern that matches
+    nothing is named."""
+    paths = write_shards(tmp_path, [20, 13, 9])
+    pattern = str(tmp_path / "d_train_*.bin")
+    with pytest.raises(StarpuLLMError, match=r"no file matches the pattern .*nothing_\*\.bin; "
+                                             r".*quote it"):
+        DataLoader(str(tmp_path / "nothing_*.bin"), 2, 3)
+    with pytest.raises(StarpuLLMError, match=r"d_train_002.bin is too short: needs at least "
+                                             r"B\*T\+1 = 11 tokens, has 9; .*every shard of .* "
+                                             r"must hold a batch"):
+        DataLoader(pattern, 2, 5)
+    formats.write_shard(paths[2], 100 * 2 + np.arange(9))
+    with open(paths[1], "r+b") as f:
+        f.truncate(1024 + 2 * 10)              # its header says 13
+    with pytest.raises(StarpuLLMError, match=r"d_train_001.bin is truncated"):
+        DataLoader(pattern, 2, 3)
+    formats.write_shard(paths[1], 100 + np.arange(13))
+    dl = DataLoader(pattern, 2, 3, vocab_size=205)   # shard 2's ids are 200..208
+    firsts(dl, 4)
+    with pytest.raises(StarpuLLMError, match=r"d_train_002.bin contains token id 208 \(the "
+                                             r"first out of range at token 5\)"):
+        firsts(dl, 1)                          # shard 1's last batch: shard 2 opens
+
+
+def test_an_engine_reads_a_shards_batches_through_views(tmp_path):
+    """An engine made without token data (the trainer's) steps on the batches' own tokens,
+    views into the memory-mapped shards (DataLoader.next_tokens): the same losses, bit for
+    bit, as an engine over the shard stepping at the same positions, and the same validation
+    loss on the next shard's batches; the load tasks read the view's memory itself
+    (flow/step.token_pointer: no copy); a position without token data is refused."""
+    from starpu_llm import MODELS, AdamW, StarPUEngine, TrainState
+    from starpu_llm.model.state import random_init
+    from starpu_llm.flow.step import token_pointer
+    from starpu_llm.plan.partition import PartitionRequest
+    from starpu_llm.runtime import Runtime, resolve_here
+    from starpu_llm._kernels import ffi
+    config = MODELS["micro"]
+    rng = np.random.default_rng(3)
+    paths = [str(tmp_path / f"s_{k}.bin") for k in range(2)]
+    for p in paths:
+        formats.write_shard(p, rng.integers(0, config.V, 70))     # 2 batches of 2 x 16 each
+    loader = DataLoader(str(tmp_path / "s_*.bin"), 2, 16, config.V)
+    view = loader.next_tokens()
+    assert int(ffi.cast("uintptr_t", token_pointer(view))) == view.ctypes.data
+    loader.reset()
+    with Runtime(resolve_here(PartitionRequest(workers=1, cores_per_worker=1))) as rt:
+        state = TrainState(config=config, params=random_init(config))
+        with StarPUEngine(config, state, 2, 16, None, rt) as eng:
+            got = [eng.step(loader.next_tokens(), AdamW(1e-3)) for _ in range(2)]
+            second = [loader.next_tokens() for _ in range(2)]
+            assert all(v.filename.endswith("s_1.bin") for v in second)
+            val = (eng.validation_loss(None, second),
+                   eng.validation_loss(formats.read_shard(paths[1]), [0, 32]))
+            with pytest.raises(StarpuLLMError, match="position 0: the engine was made without "
+                                                     "token data"):
+                eng.step(0, AdamW(1e-3))
+            with pytest.raises(StarpuLLMError, match=r"a batch's tokens of the training data: 70 "
+                                                     r"ids, but a batch of 2 x 16 reads B\*T\+1 = 33"):
+                eng.step(formats.read_shard(paths[0]), AdamW(1e-3))
+        state = TrainState(config=config, params=random_init(config))
+        with StarPUEngine(config, state, 2, 16, formats.read_shard(paths[0]), rt) as eng:
+            want = [eng.step(pos, AdamW(1e-3)) for pos in (0, 32)]
+    assert got == want and val[0] == val[1]
+
+
+def test_validation_takes_the_first_batches_of_several_shards_in_order(tmp_path):
+    """--val-batches M over several validation shards: the first M batches in the loader's
+    order (shard after shard), all of them (an epoch, no wrap) when they have fewer."""
+    from starpu_llm.training.validation import Validation
+    write_shards(tmp_path, [20, 13, 9])
+    pattern = str(tmp_path / "d_train_*.bin")
+    four = Validation(pattern, 2, 3, 300, every=1, batches=4)
+    assert [int(t[0]) for t in four.tokens] == [0, 6, 12, 100]
+    every = Validation(pattern, 2, 3, 300, every=1, batches=10)
+    assert every.batches == 6 and [int(t[0]) for t in every.tokens] == [0, 6, 12, 100, 106, 200]
+    assert "(42 tokens, 3 shards), 6 batch(es)" in every.describe()

@@ -502,6 +502,24 @@ def test_resumed_run_equals_uninterrupted(shard, tmp_path, flags):
     assert losses(str(tmp_path / "saving.jsonl")) == losses(whole)
 
 
+def test_ranks_read_a_glob_of_shards_as_the_shard_they_were_cut_from(shard, tmp_path):
+    """2 ranks over two shards cut from the shard at a batch's start (the first ends with
+    that batch's first token, as a batch never straddles two shards): the batches, so the
+    losses, of the shard itself, bit for bit; each rank reads the views of its own memory
+    maps."""
+    tokens = formats.read_shard(shard)
+    need = BATCH * SEQ_LEN
+    formats.write_shard(str(tmp_path / "cut_0.bin"), tokens[:2 * need + 1])     # batches 0, 1
+    formats.write_shard(str(tmp_path / "cut_1.bin"), tokens[2 * need:5 * need + 1])
+    got = {}
+    for name, data in (("one", shard), ("cut", str(tmp_path / "cut_*.bin"))):
+        m = str(tmp_path / f"{name}.jsonl")
+        p = mpirun(2, train_args(data, m))
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+        got[name] = losses(m)
+    assert len(got["cut"]) == STEPS and got["cut"] == got["one"]
+
+
 def test_resume_under_another_mode_and_rank_count(shard, single, loss_bounds, tmp_path):
     """A checkpoint of 2 sharded ranks at step 2, resumed on 3 ranks with rank-0 ownership,
     in one process and in a 2-stage pipeline: steps 3-5 within the loss bounds of the

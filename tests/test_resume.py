@@ -426,6 +426,60 @@ def test_validation_at_step_0_comes_first_and_a_resumed_run_does_not_repeat_it(
     assert same(metrics) == same(str(tmp_path / "whole.jsonl"))
 
 
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """Three shards of 150, 100 and 140 tokens (2, 1 and 2 batches of 4 x 16 + 1): 6 steps
+    cross every boundary and wrap once; the glob pattern that names them."""
+    folder = tmp_path_factory.mktemp("shards")
+    rng = np.random.default_rng(1)
+    for k, n in enumerate((150, 100, 140)):
+        formats.write_shard(str(folder / f"micro_train_{k:06d}.bin"),
+                            rng.integers(0, MICRO.V, n).astype(np.uint16))
+    return str(folder / "micro_train_*.bin")
+
+
+@pytest.mark.parametrize("engine,accum", [("reference", 1), ("starpu", 1), ("starpu", 2)])
+def test_resumed_across_a_shard_boundary_equals_uninterrupted(shards, tmp_path, engine, accum):
+    """Over three shards (a glob pattern), a run saved after step 3 (its data position: the
+    third shard, offset 0; with 2 micro-batches a step, the second shard's...) and resumed to
+    step 6 gives the uninterrupted run's losses and final state, bit for bit; the checkpoint
+    records (shard, offset)."""
+    one_core = dict(workers=1, cores_per_worker=1) if engine == "starpu" else {}
+    kw = dict(engine=engine, grad_accum=accum, **one_core)
+    whole = train(config(shards, steps=6, **kw))
+    ck = str(tmp_path / "ck")
+    first = train(config(shards, steps=3, save_every=3, checkpoint_dir=ck, **kw))
+    # 3 batches: shard 0's two and shard 1's; 6 (accum 2): an epoch, then shard 0's first
+    assert checkpoint.read(ck).data == ({"shard": 2, "position": 0} if accum == 1 else
+                                        {"position": 64})
+    rest = train(config(shards, steps=6, resume=ck, **kw))
+    assert first.losses + rest.losses == whole.losses
+    assert_same_state(rest.state, whole.state)
+
+
+def test_resuming_on_other_shards(shards, tmp_path):
+    """Resumed with other shards: the saved position in a shard they do not have is refused,
+    naming the shard count; on as many shards but others, the run goes on with the warning
+    of any data change (the run is no longer the uninterrupted one)."""
+    ck = str(tmp_path / "ck")
+    train(config(shards, steps=3, save_every=3, checkpoint_dir=ck))   # at shard 2
+    folder = os.path.dirname(shards)
+    fewer = str(tmp_path / "fewer_*.bin")
+    for k in range(2):
+        os.link(os.path.join(folder, f"micro_train_{k:06d}.bin"),
+                str(tmp_path / f"fewer_{k}.bin"))
+    with pytest.raises(StarpuLLMError, match=r"train_data: the state is at shard 2 \(counted "
+                                             r"from 0\), but .*fewer_\*\.bin has 2; .*give the "
+                                             r"shards it was saved with"):
+        train(config(fewer, steps=6, resume=ck))
+    formats.write_shard(str(tmp_path / "fewer_2.bin"),
+                        np.random.default_rng(9).integers(0, MICRO.V, 140).astype(np.uint16))
+    warnings = []
+    train(config(fewer, steps=4, resume=ck, warn=warnings.append))
+    assert warnings == ["train_data: these are not the tokens the run was saved with (as many, "
+                        "but others): the run is no longer the uninterrupted one"]
+
+
 def test_resume_needs_steps_beyond_the_checkpoint(shard, tmp_path):
     path = str(tmp_path / "model.bin")
     checkpoint.write(path, state_at(3))

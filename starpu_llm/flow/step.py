@@ -10,6 +10,7 @@ same order.
 """
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 from typing import NamedTuple
@@ -34,12 +35,16 @@ class Submitted(NamedTuple):
     micro_batches: int = 1
 
 
-def micro_positions(positions) -> list[int]:
-    """The token position of each micro-batch of a step: one position (no accumulation) or
-    a sequence of them (gradient accumulation: the data loader's next ones)."""
+def micro_positions(positions) -> list:
+    """Each micro-batch of a step: its token position in the engine's data (an int), or its
+    own B*T+1 tokens (a 1-D uint16 array: DataLoader.next_tokens, a view into its shard);
+    one (no accumulation) or a sequence of them (gradient accumulation: the data loader's
+    next ones)."""
     if isinstance(positions, (int, np.integer)):
         return [int(positions)]
-    out = [int(p) for p in positions]
+    if isinstance(positions, np.ndarray) and positions.dtype == np.uint16:
+        return [positions]              # a batch's tokens: ids are uint16, positions are not
+    out = [p if isinstance(p, np.ndarray) else int(p) for p in positions]
     if not out:
         raise StarpuLLMError("a step needs the position of at least one micro-batch")
     return out
@@ -118,7 +123,8 @@ class Engine:
     """The per-step orchestration shared by both engines, made with config (GPTConfig), state
     (TrainState: its flat float32 arrays trained in place), B x T the batch, tokens (the
     training data: a 1-D uint16 array of token ids < V, DataLoader.tokens; a step's position
-    is a token offset into it) and sub_batches (B's split). A subclass sets ops (the
+    is a token offset into it; None: each step gives its batches' tokens, views into shards,
+    DataLoader.next_tokens) and sub_batches (B's split). A subclass sets ops (the
     executor of taskflow's calls), p, g, m, v (ParameterTensors of the parameters, gradients
     and moments), subs (each sub-batch's (ActivationTensors, [BackwardScratch of each pipeline
     stage])) and norm (the taskflow.norm_nodes float64 scalars of the gradient norm, for
@@ -143,8 +149,14 @@ class Engine:
         # the pipeline stage of each layer (the StarPU engine's topology; here one stage)
         self.layer_stage = None
         self.layout = ParamLayout(config)
-        self.tokens_ptr = token_pointer(tokens, "the training data")
+        # None: every step gives its batches' tokens (DataLoader.next_tokens: shards)
+        self.tokens_ptr = token_pointer(tokens, "the training data") if tokens is not None else None
         self.tokens = tokens   # keep the shard alive: load tasks read it
+        # the batches' tokens of the last two steps submitted, alive while their load tasks
+        # may not have run (a step's loss read, its loads ran: the trainer submits a step
+        # once the one before the previous was read; a caller submitting further ahead keeps
+        # its batches' tokens itself)
+        self._held = collections.deque(maxlen=2)
 
     # --- what subclasses provide ---
     def wait(self):
@@ -193,12 +205,29 @@ class Engine:
         """Raise where this engine can no longer submit or read (the StarPU engine's, once
         closed or its runtime shut down)."""
 
-    def micro_positions(self, positions) -> list[int]:
-        """positions as micro_positions gives them, each checked against the training data."""
-        positions = micro_positions(positions)
-        check_positions(positions, self.tokens, self.B, self.T, self.config.V,
-                        "the training data")
-        return positions
+    def micro_batches(self, positions, tokens=None, what: str = "the training data") -> list:
+        """Each micro-batch of positions (micro_positions) as (the pointer its load tasks read
+        tokens at, its position there), checked: a position in `tokens` (None: the engine's),
+        or a batch's own tokens, read from 0."""
+        tokens = self.tokens if tokens is None else tokens
+        out = []
+        for p in micro_positions(positions):
+            if isinstance(p, np.ndarray):
+                if p.size != self.B * self.T + 1:
+                    raise StarpuLLMError(f"a batch's tokens of {what}: {p.size} ids, but a batch "
+                                         f"of {self.B} x {self.T} reads B*T+1 = "
+                                         f"{self.B * self.T + 1}: give DataLoader.next_tokens()")
+                check_positions([0], p, self.B, self.T, self.config.V, f"a batch of {what}")
+                out.append((token_pointer(p, what), 0))
+            elif tokens is None:
+                raise StarpuLLMError(f"position {p}: the engine was made without token data "
+                                     f"(tokens None), so each micro-batch is given as its "
+                                     f"tokens: DataLoader.next_tokens() (io/data.py)")
+            else:
+                check_positions([p], tokens, self.B, self.T, self.config.V, what)
+                out.append((self.tokens_ptr if tokens is self.tokens
+                            else token_pointer(tokens, what), p))
+        return out
 
     # --- the step ---
     def submit_forward_backward(self, positions):
@@ -207,14 +236,15 @@ class Engine:
         gradient adds into the parameters' gradients, each token's loss into the sub-batch's
         losses (the first micro-batch writes them)."""
         self._check_open()
-        positions = self.micro_positions(positions)
+        self._held.append([p for p in micro_positions(positions) if isinstance(p, np.ndarray)])
+        batches = self.micro_batches(positions)
         n = self.Bs * self.T
         # the gradients of all sub-batches and micro-batches sum to the mean loss's
-        dloss = 1.0 / (self.B * self.T * len(positions))
-        for j, pos in enumerate(positions):
+        dloss = 1.0 / (self.B * self.T * len(batches))
+        for j, (ptr, pos) in enumerate(batches):
             for i, (a, s) in enumerate(self.subs):
                 ops = self.sub_batch_ops(i)
-                ops.load_batch(a.inputs, a.targets, self.tokens_ptr, pos + i * n, n)
+                ops.load_batch(a.inputs, a.targets, ptr, pos + i * n, n)
                 taskflow.forward(ops, self.config, self.p, a, self.Bs, self.T,
                                  self.sub_batch_ops(i, "head"), add_loss=j > 0)
                 taskflow.backward(self.sub_batch_ops(i, "backward"), self.config, self.p,
@@ -249,7 +279,8 @@ class Engine:
         runs, so this one writes them into the other of two sets of buffers (engines with
         `ahead`)."""
         self._check_open()          # before the other buffers' first registration
-        positions = self.micro_positions(positions)
+        positions = micro_positions(positions)
+        self.micro_batches(positions)       # checked before any task
         if keep_previous:
             self._alternate_buffers()
         self.submit_forward_backward(positions)
@@ -261,7 +292,7 @@ class Engine:
         """Mean loss of the batch at token position positions (several: the micro-batches of a
         gradient accumulation); leaves its gradients in the gradients' tensors (in
         state.grads once sync() has run: the StarPU engine's workers may hold them)."""
-        positions = self.micro_positions(positions)
+        positions = micro_positions(positions)
         self.submit_forward_backward(positions)
         self.wait()
         return self.loss(micro_batches=len(positions))
@@ -280,17 +311,19 @@ class Engine:
         not after every task."""
         return float(np.sqrt(self.read(norm or self.norm[-1])[0]))
 
-    def validation_loss(self, tokens: np.ndarray, positions) -> float:
-        """Mean loss over the batches of tokens (a uint16 shard) starting at positions:
+    def validation_loss(self, tokens: np.ndarray | None, positions) -> float:
+        """Mean loss over the batches of tokens (a uint16 shard) starting at positions (tokens
+        None: each of positions is a batch's own tokens, DataLoader.next_tokens):
         forward-only task flows on the training's activation buffers. They read the
         parameters and touch no gradient or moment (no backward, no update)."""
         self._check_open()
-        positions = [int(p) for p in positions]
-        ptr = token_pointer(tokens, "the validation data")
-        check_positions(positions, tokens, self.B, self.T, self.config.V, "the validation data")
+        if tokens is None and any(not isinstance(p, np.ndarray) for p in positions):
+            raise StarpuLLMError("validation_loss(None, positions): without tokens each "
+                                 "position is a batch's tokens (DataLoader.next_tokens())")
+        batches = self.micro_batches(positions, tokens, "the validation data")
         n = self.Bs * self.T
         losses = []
-        for pos in positions:
+        for ptr, pos in batches:
             for i, (a, _) in enumerate(self.subs):
                 ops = self.sub_batch_ops(i)
                 ops.load_batch(a.inputs, a.targets, ptr, pos + i * n, n)

@@ -5,7 +5,8 @@ position.
 A checkpoint is two files, the model at PATH and its companion at PATH.state:
 
     header  128 little-endian int64 (1024 bytes): magic, version, the model's config (maxT,
-            V, L, NH, C, Vp), step, data position, CRC-32 of the model's parameters, CRC-32
+            V, L, NH, C, Vp), step, data position (the shard's index x 2**32 + the token
+            offset in it: a shard holds < 2**31 tokens, and one shard's is its offset), CRC-32 of the model's parameters, CRC-32
             of the first ten fields, of the run record and of the body (so a damaged step,
             position or record is caught too); then (version 2) the length n of the run
             record and, from byte 104, its n bytes: the partition and the settings of the
@@ -83,6 +84,20 @@ def _record_field(record: RunRecord | None) -> np.ndarray:
     return out
 
 
+_SHARD_AT = 1 << 32            # the data position's field: shard x _SHARD_AT + offset
+
+
+def _packed(data: dict) -> int:
+    """The data position field of a loader's state (io/data.DataLoader.state)."""
+    return data.get("shard", 0) * _SHARD_AT + data.get("position", 0)
+
+
+def _unpacked(field: int) -> dict:
+    """The loader's state of a data position field (no "shard" when 0, as DataLoader.state)."""
+    shard, position = divmod(field, _SHARD_AT)
+    return {**({"shard": shard} if shard else {}), "position": position}
+
+
 def previous(path) -> str:
     """Where the pair a save replaces stays until the new pair is complete (see the module)."""
     return os.fspath(path) + ".prev"
@@ -150,7 +165,7 @@ def write(path, state: TrainState, record: RunRecord | None = None) -> str:
 def _write_companion(f, state: TrainState, record: RunRecord | None, model_crc: int) -> None:
     header = np.zeros(HEADER_INTS, _I64)
     fields = [MAGIC, VERSION, *_config_fields(state.config), state.step,
-              state.data.get("position", 0), model_crc]
+              _packed(state.data), model_crc]
     header[:len(fields)] = fields
     header[RECORD_AT - 1:] = _record_field(record)
     layout = ParamLayout(state.config)
@@ -317,7 +332,7 @@ def _read_pair(path: str, lazy: bool) -> tuple[TrainState, RunRecord | None]:
     else:
         m, v = np.split(moments.astype(np.float32, copy=False), 2)
     return TrainState(config=config, params=params, m=m, v=v, step=step,
-                      data={"position": position}), record
+                      data=_unpacked(position)), record
 
 
 def read_record(path) -> RunRecord | None:

@@ -3,6 +3,7 @@ Shakespeare of corpus.py), and the batch loader."""
 from __future__ import annotations
 
 import codecs
+import glob
 import json
 import os
 import re
@@ -249,24 +250,48 @@ def timing_dataset(vocab_size: int, cache_dir=None) -> str:
 
 # --------------------------------------------------------------------------- batch loader
 
-class DataLoader:
-    """llm.c's loader over one shard: batch i is the B*T+1 tokens starting at i*B*T.
+def shard_paths(spec) -> list[str]:
+    """The token shards `spec` names: a path (one shard), or a glob pattern (`*`, `?`, `[...]`;
+    quoted on a command line, as llm.c's `fineweb_train_*.bin`) whose matches are the shards
+    in sorted order (llm.c's order)."""
+    spec = os.fspath(spec)
+    if not any(c in spec for c in "*?["):
+        return [spec]
+    found = sorted(p for p in glob.glob(spec) if not os.path.isdir(p))
+    if not found:
+        raise StarpuLLMError(f"no file matches the pattern {spec}; check its folder and pattern "
+                             f"(quote it on a command line, so that the shell passes it as it is)")
+    return found
 
-    inputs are the first B*T tokens and targets the same shifted by one, both int32 of shape (B, T).
-    When the next batch would run past the end of the shard it wraps to position 0.
+
+class DataLoader:
+    """llm.c's loader over one shard or several (a glob pattern: shard_paths), read in order.
+
+    Batch i of a shard is its B*T+1 tokens starting at i*B*T: inputs the first B*T, targets
+    the same shifted by one, both int32 of shape (B, T). A batch never straddles two shards
+    (llm.c's rule): when the current shard cannot supply B*T+1 more tokens the next shard's
+    first batch follows (its last tokens, fewer than a batch's, are never read), and after
+    the last shard the first's (an epoch). The position is (shard index, token offset in it).
+
+    Shards are memory-mapped, one at a time: the memory is never the dataset's. Every shard's
+    header and size are checked when the loader is made (each must hold B*T+1 tokens), and
+    its token ids (< vocab_size, when given) when it is opened to be read; each error names
+    the shard's file.
     """
 
     def __init__(self, path_or_tokens, B: int, T: int, vocab_size: int | None = None):
         B, T = int(B), int(T)
         if B < 1 or T < 1:
             raise StarpuLLMError(f"batch size and sequence length must be >= 1, got B={B}, T={T}")
-        self.B, self.T = B, T
+        self.B, self.T, self.vocab_size = B, T, vocab_size
+        need = B * T + 1
         if isinstance(path_or_tokens, (str, os.PathLike)):
-            self.path = os.fspath(path_or_tokens)
-            self.tokens = formats.read_shard(self.path, vocab_size)
-            src = self.path
+            self.path = os.fspath(path_or_tokens)      # as given: a path or a pattern
+            self.paths = shard_paths(self.path)
+            self.sizes = [int(formats.read_shard(p).size) for p in self.paths]   # headers
+            sources = self.paths
         else:
-            self.path = None
+            self.path, self.paths = None, []
             arr = np.asarray(path_or_tokens).reshape(-1)
             if arr.size and (not np.issubdtype(arr.dtype, np.integer) or arr.min() < 0 or arr.max() > 0xFFFF):
                 raise StarpuLLMError("in-memory tokens must be integers in 0..65535")
@@ -274,66 +299,123 @@ class DataLoader:
                 raise StarpuLLMError(f"in-memory tokens contain id {int(arr.max())}, but the vocabulary has "
                                      f"only {vocab_size} tokens")
             self.tokens = np.ascontiguousarray(arr, dtype=np.uint16)   # the load tasks' layout
-            src = "the in-memory token array"
-        need, have = B * T + 1, int(self.tokens.size)
-        if have < need:
-            raise StarpuLLMError(f"{src} is too short: needs at least B*T+1 = {need} tokens, has {have}; "
-                                 f"use a smaller {opt('batch')}/{opt('seq_len')} or a larger shard")
+            self.sizes = [int(self.tokens.size)]
+            sources = ["the in-memory token array"]
+        for src, have in zip(sources, self.sizes):
+            if have < need:
+                several = (f" (every shard of {self.path} must hold a batch: remove it from "
+                           f"the shards)" if len(self.sizes) > 1 else "")
+                raise StarpuLLMError(f"{src} is too short: needs at least B*T+1 = {need} tokens, has "
+                                     f"{have}; use a smaller {opt('batch')}/{opt('seq_len')} or a "
+                                     f"larger shard{several}")
+        self.shard = None
+        self._open(0)
         self._position = 0
+
+    def _open(self, shard: int) -> None:
+        """Make `shard` the current one: memory-mapped, its ids checked (a shard file)."""
+        if shard != self.shard and self.paths:
+            self.tokens = formats.read_shard(self.paths[shard], self.vocab_size)
+            if self.tokens.size != self.sizes[shard]:
+                raise StarpuLLMError(f"{self.paths[shard]} changed while training read the shards "
+                                     f"(it held {self.sizes[shard]} tokens, now {self.tokens.size}); "
+                                     f"leave the shards as they are while a run reads them")
+        self.shard = shard
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.sizes)
 
     @property
     def num_tokens(self) -> int:
-        return int(self.tokens.size)
+        """Tokens in all the shards."""
+        return sum(self.sizes)
 
     @property
     def num_batches(self) -> int:
-        """Batches per pass over the shard before wrapping."""
-        return (self.num_tokens - 1) // (self.B * self.T)
+        """Batches per pass over the shards (an epoch)."""
+        return sum((n - 1) // (self.B * self.T) for n in self.sizes)
+
+    def describe(self) -> str:
+        """The data in words: its path (or pattern, with its shard count) and its size."""
+        where = self.path or "the in-memory token array"
+        shards = f", {self.num_shards} shards" if self.num_shards > 1 else ""
+        return f"{where} ({self.num_tokens:,} tokens{shards})"
+
+    def shard_tokens(self) -> Iterator[np.ndarray]:
+        """Each shard's tokens in order, memory-mapped one at a time (ids not checked)."""
+        if not self.paths:
+            yield self.tokens
+        for p in self.paths:
+            yield formats.read_shard(p)
 
     @property
     def position(self) -> int:
-        """Start of the next batch in the shard."""
+        """Start of the next batch in the current shard (self.shard)."""
         return self._position
 
     @position.setter
     def position(self, value):
         p = int(value)
-        last = self.num_tokens - (self.B * self.T + 1)
+        last = self.sizes[self.shard] - (self.B * self.T + 1)
         if not 0 <= p <= last:
-            src = self.path or "the in-memory token array"
+            src = (self.paths[self.shard] if self.paths else "the in-memory token array")
             raise StarpuLLMError(f"data position {p} is outside {src} (valid: 0..{last} for B={self.B}, "
                                  f"T={self.T}); the state was saved for a different dataset or batch shape")
         self._position = p
 
     def reset(self):
+        self._open(0)
         self._position = 0
 
     def state(self) -> dict:
-        return {"position": self._position}
+        """{"shard": index, "position": offset}; "shard" left out when 0 (a state without it,
+        of a single shard or saved before shards, is at shard 0)."""
+        return {**({"shard": self.shard} if self.shard else {}), "position": self._position}
 
     def load_state(self, d: dict):
         try:
-            self.position = d["position"]
-        except (KeyError, TypeError):
+            shard, position = d.get("shard", 0), d["position"]
+        except (KeyError, TypeError, AttributeError):
             raise StarpuLLMError(f"data loader state {d!r} has no 'position'; the checkpoint's state is "
                                  f"incomplete") from None
+        if not 0 <= int(shard) < self.num_shards:
+            raise StarpuLLMError(f"the state is at shard {int(shard)} (counted from 0), but "
+                                 f"{self.path or 'the in-memory token array'} has "
+                                 f"{self.num_shards}; the state was saved for other data: give "
+                                 f"the shards it was saved with")
+        self._open(int(shard))
+        self.position = position
+
+    def _advance(self) -> tuple[np.ndarray, int]:
+        """(the current shard's tokens, the start of the next batch there), moving past it:
+        to the next shard (after the last, the first) when this one holds no other batch."""
+        n = self.B * self.T
+        tokens, pos = self.tokens, self._position
+        self._position += n
+        if self._position + n + 1 > self.sizes[self.shard]:
+            self._open((self.shard + 1) % self.num_shards)
+            self._position = 0
+        return tokens, pos
+
+    def next_tokens(self) -> np.ndarray:
+        """The next batch's B*T+1 tokens, a view into its shard (no copy: what the load tasks
+        read, flow/step.py), and advance past it."""
+        tokens, pos = self._advance()
+        return tokens[pos:pos + self.B * self.T + 1]
 
     def next_position(self) -> int:
-        """Start of the next batch in the shard, and advance past it (the load task reads the
-        B*T+1 tokens from there itself)."""
-        n = self.B * self.T
-        if self._position + n + 1 > self.num_tokens:
-            self._position = 0
-        pos = self._position
-        self._position += n
-        if self._position + n + 1 > self.num_tokens:
-            self._position = 0
-        return pos
+        """Start of the next batch in the shard (`tokens`), and advance past it (the load task
+        reads the B*T+1 tokens from there itself). A single shard's: with several, a position
+        says nothing of its shard (take next_tokens)."""
+        if self.num_shards > 1:
+            raise StarpuLLMError(f"next_position() is a position in one shard, and {self.path} "
+                                 f"has {self.num_shards}: take next_tokens(), the batch's tokens")
+        return self._advance()[1]
 
     def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
         B, T = self.B, self.T
-        pos = self.next_position()
-        buf = np.array(self.tokens[pos:pos + B * T + 1], dtype=np.int32)
+        buf = np.array(self.next_tokens(), dtype=np.int32)
         return buf[:-1].reshape(B, T).copy(), buf[1:].reshape(B, T).copy()
 
     def __iter__(self):

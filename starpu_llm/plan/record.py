@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import zlib
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 
 import numpy as np
@@ -150,11 +151,16 @@ def run_identity(settings: Settings, config, start: str, data: list) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def data_fingerprint(tokens) -> list:
-    """What tells two token shards apart cheaply: [their length, the sums of their first and
-    of their last 4096 tokens]."""
-    return [int(tokens.size), int(tokens[:4096].astype(np.int64).sum()),
-            int(tokens[-4096:].astype(np.int64).sum())]
+def data_fingerprint(shards) -> list:
+    """What tells token data apart cheaply, from its shards (uint16 arrays, in order): one
+    shard, [its length, the sums of its first and of its last 4096 tokens]; several, [their
+    total length, their count, a CRC-32 of each one's fingerprint in order] (a record has
+    room for three numbers, not a hundred shards')."""
+    each = [[int(t.size), int(t[:4096].astype(np.int64).sum()),
+             int(t[-4096:].astype(np.int64).sum())] for t in shards]
+    if len(each) == 1:
+        return each[0]
+    return [sum(f[0] for f in each), len(each), zlib.crc32(json.dumps(each).encode())]
 
 
 @dataclass(frozen=True)

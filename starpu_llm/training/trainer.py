@@ -58,8 +58,9 @@ class TrainConfig(PartitionRequest):
                                     "gpt2-medium) in the local Hugging Face cache",
                                     metavar="MODEL",
                                     ranks_agree=True)   # its header gives the model
-    train_data: str | None = setting(None, "llm.c token shard (default: bundled Shakespeare)",
-                                     metavar="SHARD")
+    train_data: str | None = setting(None, "llm.c token shard, or a quoted glob pattern of "
+                                     "several (\"data/fineweb_train_*.bin\"), read in sorted "
+                                     "order (default: bundled Shakespeare)", metavar="SHARDS")
     batch: int = setting(4, "B, global batch (default 4)", short="-b", check="positive",
                          ranks_agree=True)
     seq_len: int = setting(64, "T (default 64)", short="-t", check="positive", ranks_agree=True)
@@ -108,8 +109,9 @@ class TrainConfig(PartitionRequest):
     metrics_jsonl: str | None = setting(None, "one JSON object per step (with the partition it "
                                         "ran on)", metavar="PATH")
     # validation, learning-rate schedule, gradient clipping
-    val_data: str | None = setting(None, "validation shard (default: the bundled corpus's "
-                                   "validation shard; needed with --train-data)", metavar="SHARD")
+    val_data: str | None = setting(None, "validation shard, or a quoted glob pattern of "
+                                   "several (default: the bundled corpus's validation shard; "
+                                   "needed with --train-data)", metavar="SHARDS")
     val_every: int = setting(0, "mean validation loss before the first update (step 0), "
                              "every N steps and after the last (default 0: none)",
                              check="nonneg_int", metavar="N",
@@ -210,8 +212,8 @@ def run_settings(cfg: TrainConfig, config: GPTConfig, loader) -> dict:
     """What every MPI rank must agree on (compared before training): the TrainConfig fields
     marked ranks_agree, the model's shape, and the training data (its content, not its path)."""
     settings = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.metadata.get("ranks_agree")}
-    return {**settings, "model": str(config), "train_data": data_fingerprint(loader.tokens),
-            "data_position": loader.position}
+    return {**settings, "model": str(config),
+            "train_data": data_fingerprint(loader.shard_tokens()), "data_position": loader.state()}
 
 
 def _flushed(log):
@@ -320,7 +322,7 @@ def _set_up(cfg: TrainConfig, state: TrainState | None, runtime) -> Run:
         if memory is None:
             check_memory(cfg, config, partition, ranks)
         peak = calibrated_peak(partition, machine)      # what a step's "mfu" is of
-        fingerprint = data_fingerprint(loader.tokens)
+        fingerprint = data_fingerprint(loader.shard_tokens())
         run_id = (start.run if start.saved is not None      # the run's identity (plan/record.py)
                   else run_identity(Settings.of(cfg), config, start.origin, fingerprint))
         record = RunRecord(partition, Settings.of(cfg), run=run_id, data=fingerprint)
@@ -334,12 +336,13 @@ def _set_up(cfg: TrainConfig, state: TrainState | None, runtime) -> Run:
     runtime, engine = own_runtime or runtime, None
     try:
         with distributed.phase(comm, "making the engine"):
-            engine = make_engine(cfg, partition, state, loader.tokens, runtime, machine)
+            # no data of its own: each step gives its batches' tokens (loader.next_tokens)
+            engine = make_engine(cfg, partition, state, None, runtime, machine)
         log(f"model: L={config.L} NH={config.NH} C={config.C} V={config.V} Vp={config.Vp} "
             f"maxT={config.maxT}, {config.num_parameters:,} parameters")
         accum = (f", {cfg.grad_accum} micro-batches a step (gradient accumulation: "
                  f"{cfg.tokens_per_step:,} tokens)" if cfg.grad_accum > 1 else "")
-        log(f"data: {loader.path} ({loader.num_tokens:,} tokens), B={cfg.batch} T={cfg.seq_len}{accum}")
+        log(f"data: {loader.describe()}, B={cfg.batch} T={cfg.seq_len}{accum}")
         log(f"engine: {engine.describe()}")
         log(f"partition: {partition.describe()}")
         for text in start.warnings:
@@ -468,7 +471,8 @@ def _steps(run: Run, stop, result: TrainResult, watchers: list) -> None:
         lr = learning_rate(state.step, cfg.steps, cfg.lr, cfg.lr_schedule, cfg.warmup_steps,
                            cfg.min_lr)
         run.counters.before_step()
-        positions = [run.loader.next_position() for _ in range(cfg.grad_accum)]
+        with _about("train_data", cfg.train_data):   # a shard opened (checked) as it comes
+            positions = [run.loader.next_tokens() for _ in range(cfg.grad_accum)]
         current = (engine.submit_step(positions, adamw.with_lr(lr),
                                       keep_previous=pending is not None), lr)
         if pending is not None:         # the previous step, read while this one runs

@@ -7,7 +7,8 @@ from ..io import data
 
 
 class Validation:
-    """The first `batches` (B, T) batches of the shard at path (all it has when it has fewer),
+    """The first `batches` (B, T) batches of the shards at path (a shard or a glob pattern:
+    io/data.DataLoader, in its order; all they have when they have fewer),
     the same at every evaluation; before the first update (step 0), every `every` steps and
     after the last step."""
 
@@ -16,8 +17,8 @@ class Validation:
             raise StarpuLLMError(f"{opt('val_every')} must be >= 0 (0: no validation), got {every}")
         self.path, self.every = path, every
         self.loader = data.DataLoader(path, B, T, vocab_size=vocab_size)
-        self.batches = min(batches, self.loader.num_batches)
-        self.positions = [self.loader.next_position() for _ in range(self.batches)]
+        self.batches = min(batches, self.loader.num_batches)    # an epoch's at most
+        self.tokens = [self.loader.next_tokens() for _ in range(self.batches)]   # views
 
     def due_first(self, step: int) -> bool:
         """Whether a run that starts at update `step` first validates the weights it starts
@@ -31,8 +32,8 @@ class Validation:
         return self.every > 0 and (step % self.every == 0 or last)
 
     def loss(self, engine) -> float:
-        return engine.validation_loss(self.loader.tokens, self.positions)
+        return engine.validation_loss(None, self.tokens)
 
     def describe(self) -> str:
-        return (f"validation: {self.path}, {self.batches} batch(es) at step 0, every "
+        return (f"validation: {self.loader.describe()}, {self.batches} batch(es) at step 0, every "
                 f"{self.every} step(s) and after the last")
