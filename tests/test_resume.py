@@ -369,6 +369,21 @@ def test_stopped_and_resumed_equals_uninterrupted(shard, tmp_path, engine, worke
 
 
 @pytest.mark.parametrize("engine", ["reference", "starpu"])
+def test_a_final_save_resumes_at_the_next_batch(shard, tmp_path, engine):
+    """--save at the end of a run records the data position after its last step (the
+    shard's batches: 0, 64, then 128; one batch behind would train 64 again): 2 steps saved
+    with --save and resumed from that file to 6 equal 6 steps in one run, to the bit."""
+    kw = dict(engine=engine, workers=1, cores_per_worker=1) if engine == "starpu" else {}
+    whole = train(config(shard, steps=6, **kw))
+    path = str(tmp_path / "model.bin")
+    first = train(config(shard, steps=2, save=path, **kw))
+    assert checkpoint.read(path).data == {"position": 128}
+    rest = train(config(shard, steps=6, resume=path, **kw))
+    assert first.losses + rest.losses == whole.losses
+    assert_same_state(rest.state, whole.state)
+
+
+@pytest.mark.parametrize("engine", ["reference", "starpu"])
 def test_validation_at_step_0_comes_first_and_a_resumed_run_does_not_repeat_it(
         shard, tmp_path, monkeypatch, engine):
     """With validation (every 2 steps), a run from step 0 first validates the weights it
