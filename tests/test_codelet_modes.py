@@ -60,8 +60,12 @@ def test_declared_table():
     assert declared(ids["matmul_backward"], 0, 0) == [w, rw | rep, r, r, r | rep, rw | opt]
     assert declared(ids["matmul_backward"], 1, 0) == [w, redux | rep, r, r, r | rep, redux | opt]
     assert declared(ids["encoder_backward"], 1, 0) == [redux | rep, redux, r, r]
-    assert declared(ids["layernorm_backward"], 0, 0)[0] == w
-    assert declared(ids["layernorm_backward"], 0, 1)[0] == rw
+    # dinp (W, or RW when it adds into the residual's gradient), dweight and dbias (added
+    # into: RW, or a reduction across sub-batches), then what it reads
+    for redux_grads, accumulate in ((0, 0), (0, 1), (1, 0), (1, 1)):
+        grad = redux if redux_grads else rw
+        assert declared(ids["layernorm_backward"], redux_grads, accumulate) == \
+            [rw if accumulate else w, grad, grad] + [r] * 5, (redux_grads, accumulate)
     assert lib.sl_codelet_modes(lib.sl_codelet_count(), 0, 0, ffi.NULL, 0) < 0
 
 
