@@ -314,9 +314,10 @@ def build_parser():
                                          "(a few minutes; one file per machine)")
     c.add_argument("--out", metavar="PATH", type=_given("--out"), help="where to write it (default: "
                                                  "~/.cache/starpu-llm/machine-HOST.toml)")
+    from .perf.calibrate import QUICK_STEPS, STEPS
     c.add_argument("--steps", type=_CHECKS["positive"]("--steps"), default=None,
-                   help="traced steps per calibration run, after one warm-up (default 2; "
-                        "1 with --quick)")
+                   help=f"traced steps per calibration run, after one warm-up (default: "
+                        f"{STEPS}; {QUICK_STEPS} with --quick)")
     c.add_argument("--model", default="d12", choices=sorted(MODELS),
                    help="the model of the traced runs (default d12, GPT-2 124M; smaller ones "
                         "only to test the calibration)")
@@ -535,8 +536,7 @@ def cmd_calibrate(args):
     out = args.out or default_path()
     # before minutes of measuring; the default file, starpu-llm's own, is replaced whatever it is
     check_new_outputs({"--out": Output(out, is_machine_file if args.out else lambda p: True)}, {})
-    calibrate(out, steps=args.steps or (1 if args.quick else 2), model=args.model,
-              quick=args.quick)
+    calibrate(out, steps=args.steps, model=args.model, quick=args.quick)
     return 0
 
 

@@ -313,6 +313,39 @@ def calibrated(tmp_path_factory):
                                 disk_bytes=64 << 20)
 
 
+class _Traced(Exception):
+    """Raised by a stand-in traced_runs: the steps calibrate gave it."""
+
+
+@pytest.mark.parametrize("given, quick, steps", [(None, False, 2), (None, True, 1),
+                                                 (3, True, 3), (1, False, 1)])
+def test_calibrate_decides_its_steps(monkeypatch, tmp_path, given, quick, steps):
+    """calibrate()'s steps: STEPS, or QUICK_STEPS with quick, unless given: decided there
+    once; the CLI passes --steps or None (a Python caller with quick=True gets the CLI's 1).
+    The measurements are stand-ins: the traced runs are reached with the steps decided."""
+    from starpu_llm import cli
+    from starpu_llm.perf import calibrate as cal
+    monkeypatch.setattr(cal, "measure_rates", lambda cores, seconds: {
+        k: [1.0] * cores for k in ("sgemm", "stream", "touch", "zero", "add")})
+    monkeypatch.setattr(cal, "measure_link", lambda: None)
+    monkeypatch.setattr(cal, "measure_disk", lambda folder, nbytes: dict(write_gbs=1.0,
+                                                                          read_gbs=1.0))
+
+    def traced(cores, n, *args, **kwargs):
+        raise _Traced(n)
+    monkeypatch.setattr(cal, "traced_runs", traced)
+    with pytest.raises(_Traced) as got:
+        cal.calibrate(str(tmp_path / "m.toml"), given, log=lambda *_: None, quick=quick)
+    assert got.value.args == (steps,)
+    argv = ["calibrate"] + (["--steps", str(given)] if given else []) + (["--quick"] * quick)
+    args = cli.build_parser().parse_args(argv)
+    assert (args.steps, args.quick) == (given, quick)
+    args.out = str(tmp_path / "cli.toml")
+    with pytest.raises(_Traced) as got:
+        cli.cmd_calibrate(args)
+    assert got.value.args == (steps,)
+
+
 def test_calibration_describes_every_partition(calibrated):
     """What a calibration writes (its values are measurements: only their presence and sign
     are checked here): rates for each core count, and the codelets' costs at the core count of

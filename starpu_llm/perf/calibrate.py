@@ -59,6 +59,8 @@ FIT_SUB_BATCH = (1, 3, 6)   # sequences per sub-batch of those runs
 # against 0.111-0.114 measured, the attention 4.4 x too fast; with this run, 0.115.
 # One sequence of full length per sub-batch, one timed step (~80 s on 2 cores).
 LONG_SEQ_STEPS = 1
+STEPS = 2                   # traced steps per calibration run, after one warm-up
+QUICK_STEPS = 1             # --quick's
 QUICK_SUB_BATCH = (1, 6)    # --quick: the two ends of FIT_SUB_BATCH
 QUICK_RATE_SECONDS = 0.15   # --quick: each rate's timing window (the full one: 0.5 s)
 QUICK_DISK_BYTES = 256 << 20
@@ -397,11 +399,14 @@ def traced_runs(cores: int, steps: int, log, model: str = "d12", sub_batch=FIT_S
     return samples, history, overheads
 
 
-def calibrate(path: str, steps: int = 2, log=print, model: str = "d12",
+def calibrate(path: str, steps: int | None = None, log=print, model: str = "d12",
               disk_bytes: int = 1 << 30, quick: bool = False, only=None,
               link_run: bool = True) -> Machine:
     """Calibrate this machine on `model` (GPT-2 124M; the tests use a small one) into path;
     the disk with a file of disk_bytes. quick: the cut-down calibration of the module's doc.
+    steps: traced steps per calibration run, after one warm-up (None: STEPS, or QUICK_STEPS
+    with quick, as `starpu-llm calibrate [--quick]`: decided here, the CLI passes --steps or
+    None).
     only: the traced runs on these (N, K) partitions alone (a calibration held out by
     configuration: the other partitions' costs are then predicted, each worker size from the
     largest calibrated one below it); link_run=False: no mpirun -np 2 run for the link (its
@@ -415,6 +420,8 @@ def calibrate(path: str, steps: int = 2, log=print, model: str = "d12",
             raise ValueError(f"calibrate: partitions {', '.join(bad) or '(none)'} are not "
                              f"N x K = {cores} (this machine's usable cores)")
     t0 = time.perf_counter()
+    if steps is None:
+        steps = QUICK_STEPS if quick else STEPS
     if quick:
         disk_bytes = min(disk_bytes, QUICK_DISK_BYTES)
     log(f"calibrating {cpu_description()}" + (" (quick)" if quick else ""))
