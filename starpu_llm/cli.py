@@ -170,6 +170,11 @@ def _given(flag, optional: bool = True):
     return conv
 
 
+def _listed(values) -> str:
+    """A list flag's default as the flag takes it: comma-separated."""
+    return ",".join(map(str, values))
+
+
 def _train_settings():
     from .training.trainer import TrainConfig
     return [f for f in fields(TrainConfig) if "help" in f.metadata]
@@ -262,6 +267,12 @@ def partition_settings(*names):
     return [f for f in fields(PartitionRequest) if f.name in names]
 
 
+def serving_settings(*names):
+    """serve/settings.Serving's fields of these names, in declaration order."""
+    from .serve.settings import Serving     # a plain dataclass: no serve extra needed
+    return [f for f in fields(Serving) if f.name in names]
+
+
 # the partition flags of serve and generate (PartitionRequest fields), declared and read back
 # by name
 DECODE_PARTITION = ("workers", "cores_per_worker", "kcore", "sched", "gpus", "gpu_matmul")
@@ -293,20 +304,22 @@ def build_parser():
                     help="where the shards go (default: .)")
     pr.add_argument("--val-tokens", type=_CHECKS["positive"]("--val-tokens"), default=32768,
                     help="the text's first tokens that make the validation shard (default "
-                         "32768); the rest make the training shard")
+                         "%(default)s); the rest make the training shard")
 
     b = sub.add_parser("bench", help="tokens/ms of the engines (and PyTorch eager) side by side")
     b.add_argument("--model", default="d12", choices=sorted(MODELS))
-    b.add_argument("--batches", default=[1, 4, 8], type=_CHECKS["positive_list"]("--batches"),
-                   help="comma-separated B values (default 1,4,8)")
+    batches = [1, 4, 8]
+    b.add_argument("--batches", default=batches, type=_CHECKS["positive_list"]("--batches"),
+                   help=f"comma-separated B values (default {_listed(batches)})")
     b.add_argument("--seq-len", type=_CHECKS["positive"]("--seq-len"), default=64)
-    b.add_argument("--steps", type=_CHECKS["positive"]("--steps"), default=10, help="timed steps (default 10)")
+    b.add_argument("--steps", type=_CHECKS["positive"]("--steps"), default=10,
+                   help="timed steps (default %(default)s)")
     add_setting_args(b, partition_settings("workers", "cores_per_worker", "sub_batches", "kcore"),
                      sweep=True, overrides=SWEPT_WORKERS)
     b.add_argument("--no-torch", action="store_true", help="skip the PyTorch eager reference")
     b.add_argument("--repeat", type=_CHECKS["positive"]("--repeat"), default=1,
                    help="runs of each configuration, interleaved round-robin; the median is "
-                        "reported (default 1)")
+                        "reported (default %(default)s)")
     b.add_argument("--csv", metavar="PATH", type=_given("--csv"),
                    help="also write the table as CSV")
 
@@ -319,8 +332,8 @@ def build_parser():
                    help=f"traced steps per calibration run, after one warm-up (default: "
                         f"{STEPS}; {QUICK_STEPS} with --quick)")
     c.add_argument("--model", default="d12", choices=sorted(MODELS),
-                   help="the model of the traced runs (default d12, GPT-2 124M; smaller ones "
-                        "only to test the calibration)")
+                   help="the model of the traced runs (default %(default)s, GPT-2 124M; "
+                        "smaller ones only to test the calibration)")
     c.add_argument("--quick", action="store_true",
                    help="a cut-down calibration for a node lent for minutes: shorter rate "
                         "timings, two batch sizes, no full-length run (perf/calibrate.py)")
@@ -329,12 +342,14 @@ def build_parser():
                                         "graph and the calibrated cost model")
     pd.add_argument("--model", default="d12", choices=sorted(MODELS))
     pd.add_argument("--batch", type=_CHECKS["positive"]("--batch"), default=4,
-                    help="sequences per step (default 4); with a list of --ranks, per rank (weak "
+                    help="sequences per step (default %(default)s); with a list of --ranks, per rank (weak "
                          "scaling, as the paper's Figure 4)")
     pd.add_argument("--seq-len", type=_CHECKS["positive"]("--seq-len"), default=64)
-    pd.add_argument("--ranks", type=_CHECKS["positive_list"]("--ranks"), default=[1],
-                    help="MPI processes, one per node (default 1); a comma-separated list "
-                         "predicts each (1,2,4,8,16: the paper's Figure 4, tokens/ms per node)")
+    ranks = [1]
+    pd.add_argument("--ranks", type=_CHECKS["positive_list"]("--ranks"), default=ranks,
+                    help=f"MPI processes, one per node (default {_listed(ranks)}); a "
+                         f"comma-separated list predicts each (1,2,4,8,16: the paper's Figure "
+                         f"4, tokens/ms per node)")
     add_setting_args(pd, partition_settings("workers", "cores_per_worker", "sub_batches",
                                             "ownership", "pipeline_stages"), sweep=True,
                      overrides=SWEPT_WORKERS)
@@ -348,63 +363,35 @@ def build_parser():
                                                       "paper's node\"; examples in the source's "
                                                       "experiments/machines/)")
 
-    from .cli_generate import Generating
-    gen = Generating()
+    from .flow.generate import Generating
     g = sub.add_parser("generate", help="continue a prompt with a model (llm.c checkpoint with "
                                         "GPT-2's vocabulary), printing the text as it comes")
     g.add_argument("--init-from", required=True, metavar="MODEL",
                    type=_given("--init-from", optional=False), help=INIT_FROM_HELP)
     g.add_argument("--prompt", default="", help="text to continue (default: none, start from "
                                                 "<|endoftext|>)")
-    g.add_argument("--max-new-tokens", default=gen.max_new_tokens, help=f"tokens to generate "
-                   f"(default {gen.max_new_tokens}); prompt + new tokens <= the model's maxT",
-                   type=_CHECKS["positive"]("--max-new-tokens"))
-    g.add_argument("--temperature", default=gen.temperature, help=f"softmax temperature "
-                   f"(default {gen.temperature:g}; 0: greedy)",
-                   type=_CHECKS["nonneg"]("--temperature"))
-    g.add_argument("--top-k", type=_CHECKS["nonneg_int"]("--top-k"), default=gen.top_k,
-                   metavar="K", help=f"sample among the K most likely tokens (default "
-                                     f"{gen.top_k}: all; 1: greedy)")
-    g.add_argument("--top-p", type=_CHECKS["probability"]("--top-p"), default=gen.top_p,
-                   metavar="P",
-                   help=f"nucleus sampling: among the most likely tokens whose probabilities add "
-                        f"up to P (default {gen.top_p:g}: all), after --top-k")
-    g.add_argument("--seed", type=_CHECKS["nonneg_int"]("--seed"), default=gen.seed,
-                   help=f"seed of the sampling (default {gen.seed})")
+    add_setting_args(g, fields(Generating))
     g.add_argument("--engine", default=ENGINES[0], choices=list(ENGINES),
                    help="starpu: the task graph with a key/value cache; reference: the same "
                         "kernels in a plain loop")
     add_setting_args(g, partition_settings(*DECODE_PARTITION),
                      overrides={"workers": dict(
                          type=_CHECKS["positive"]("--workers"),
-                         help="N StarPU workers (default 1, on all the cores)")})
+                         help="N StarPU workers (default: 1, on all the cores)")})
 
-    from .serve.settings import Edges, Serving     # plain dataclasses: no serve extra needed
-    dflt = Serving()
+    from .serve.settings import Edges     # plain dataclasses: no serve extra needed
     sv = sub.add_parser("serve", help="serve a model (llm.c checkpoint with GPT-2's vocabulary) "
                                       "over HTTP with OpenAI's completions API, batching the "
                                       "requests (docs/serving.md)")
     sv.add_argument("--init-from", required=True, metavar="MODEL",
                     type=_given("--init-from", optional=False), help=INIT_FROM_HELP)
-    sv.add_argument("--host", default=dflt.host, help=f"address to listen on (default "
-                                                      f"{dflt.host}: this machine only)")
-    sv.add_argument("--port", type=_checked(int, "a port number", lambda v: 0 <= v < 65536,
-                                            "in 0..65535")("--port"), default=dflt.port,
-                    help=f"TCP port (default {dflt.port}; 0: a free one, printed)")
-    sv.add_argument("--max-batch", type=_CHECKS["positive"]("--max-batch"),
-                    default=dflt.max_batch,
-                    help=f"sequences generated at once, each in a slot of the key/value cache "
-                         f"(default {dflt.max_batch})")
-    sv.add_argument("--max-queue", type=_checked(int, "a whole number", lambda v: v >= 0,
-                                                 ">= 0")("--max-queue"), default=dflt.max_queue,
-                    help=f"requests waiting for a slot beyond those; more are refused with HTTP "
-                         f"503 and Retry-After (default {dflt.max_queue})")
+    add_setting_args(sv, serving_settings("host", "port", "max_batch", "max_queue"))
     sv.add_argument("--engine", default=ENGINES[0], choices=list(ENGINES),
                     help="starpu: the task graph; reference: the same kernels in a plain loop")
     add_setting_args(sv, partition_settings(*DECODE_PARTITION),
                      overrides={"workers": dict(
                          type=_CHECKS["positive"]("--workers"),
-                         help="N StarPU workers (default 1, on all the cores); with N > 1 the "
+                         help="N StarPU workers (default: 1, on all the cores); with N > 1 the "
                               "slots are split into N groups that step side by side")})
     sv.add_argument("--model-name", type=_model_name, default=None, help="the model's name in the API (default: "
                                                        "the checkpoint's file name, without "
@@ -413,19 +400,7 @@ def build_parser():
                     help="Jinja2 chat template of /v1/chat/completions, as Hugging Face "
                          "tokenizers ship them (default: 'Role: content' lines ending in "
                          "'Assistant:', docs/serving.md)")
-    sv.add_argument("--shutdown-timeout", type=_CHECKS["nonneg"]("--shutdown-timeout"),
-                    default=dflt.shutdown_timeout,
-                    help=f"seconds the running requests get to finish after SIGINT or SIGTERM, "
-                         f"before they are cancelled (default {dflt.shutdown_timeout:g})")
-    sv.add_argument("--stall-timeout", type=_CHECKS["nonneg"]("--stall-timeout"),
-                    default=dflt.stall_timeout,
-                    help=f"seconds without a decode step completed, with requests pending, "
-                         f"after which GET /health answers 503 and new requests are refused (a "
-                         f"stuck task); 0: never (default {dflt.stall_timeout:g}, beyond GPT-2 "
-                         f"XL's longest step on a loaded machine)")
-    sv.add_argument("--log-level", default=dflt.log_level,
-                    choices=["critical", "error", "warning", "info", "debug"],
-                    help="uvicorn's log level (info: one line per request)")
+    add_setting_args(sv, serving_settings("shutdown_timeout", "stall_timeout", "log_level"))
     _serve_edge_args(sv, Edges())
 
     cv = sub.add_parser("convert", help="convert a model between llm.c's checkpoint and a "
@@ -442,7 +417,6 @@ def _serve_edge_args(sv, dflt):
     """serve's access, timeout and size flags (serve/middleware.py), their defaults dflt's (a
     serve/settings.Edges)."""
     seconds = _checked(float, "a number of seconds", lambda v: math.isfinite(v) and v > 0, "> 0")
-    whole = _checked(int, "a whole number", lambda v: v >= 1, ">= 1")
     sv.add_argument("--api-key", type=_api_key, default=dflt.api_key,
                     help="clients must send 'Authorization: Bearer KEY' (HTTP 401 otherwise; "
                          "GET /health stays open); default: $STARPU_LLM_API_KEY, else no key")
@@ -450,26 +424,26 @@ def _serve_edge_args(sv, dflt):
                     metavar="ORIGIN",
                     help="an origin (https://host[:port], or *) whose web pages may call the "
                          "server (CORS); a request from another origin (a browser's Origin "
-                         "header) is refused with HTTP 403; repeatable; default none")
+                         "header) is refused with HTTP 403; repeatable; default: none")
     sv.add_argument("--header-timeout", type=seconds("--header-timeout"),
                     default=dflt.header_timeout,
-                    help=f"seconds a connection has to send a whole request head (default "
-                         f"{dflt.header_timeout:g})")
+                    help="seconds a connection has to send a whole request head (default "
+                         "%(default)g)")
     sv.add_argument("--body-timeout", type=seconds("--body-timeout"), default=dflt.body_timeout,
-                    help=f"seconds a request body may pause before HTTP 408, and a client may "
-                         f"leave the answer unread before its connection is cut (default "
-                         f"{dflt.body_timeout:g})")
+                    help="seconds a request body may pause before HTTP 408, and a client may "
+                         "leave the answer unread before its connection is cut (default "
+                         "%(default)g)")
     sv.add_argument("--idle-timeout", type=seconds("--idle-timeout"), default=dflt.idle_timeout,
-                    help=f"seconds a kept-alive connection may idle between two requests "
-                         f"(default {dflt.idle_timeout:g}: above a load balancer's or proxy's 60)")
-    sv.add_argument("--max-connections", type=whole("--max-connections"),
+                    help="seconds a kept-alive connection may idle between two requests "
+                         "(default %(default)g: above a load balancer's or proxy's 60)")
+    sv.add_argument("--max-connections", type=_CHECKS["positive"]("--max-connections"),
                     default=dflt.max_connections,
-                    help=f"connections open at once (default {dflt.max_connections}); one more "
-                         f"closes the one idle the longest, or with none idle is answered 503")
-    sv.add_argument("--max-body", type=whole("--max-body"), default=dflt.max_body,
+                    help="connections open at once (default %(default)s); one more closes the "
+                         "one idle the longest, or with none idle is answered 503")
+    sv.add_argument("--max-body", type=_CHECKS["positive"]("--max-body"), default=dflt.max_body,
                     metavar="MIB",
-                    help=f"the largest request body, in MiB; a larger one is refused with HTTP "
-                         f"413 as it arrives (default {dflt.max_body})")
+                    help="the largest request body, in MiB; a larger one is refused with HTTP "
+                         "413 as it arrives (default %(default)s)")
 
 
 def _api_key(s, name="--api-key"):

@@ -3,29 +3,16 @@ text printed as it comes (the decode flow itself is flow/generate.py)."""
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 
 import numpy as np
 
 from .errors import StarpuLLMError
-from .flow.generate import Decoder, DirectBackend, StarPUBackend, check_request, generate
+from .flow.generate import (Decoder, DirectBackend, Generating, StarPUBackend, check_request,
+                             generate)
 from .io import hf, tokenizer
 from .plan.partition import ENGINES, PartitionRequest
+from .plan.settings import check_fields
 from .runtime.starpu import Runtime, resolve_here
-
-
-@dataclass(frozen=True)
-class Generating:
-    """`starpu-llm generate`'s defaults, each stated here once: cli.py builds the flags (their
-    defaults and the numbers in their help) from these, run_generate's keywords default to
-    them (no prompt is "": the text starts from <|endoftext|>). The sampling's defaults leave
-    the model's distribution as it is (temperature 1, no top-k or top-p cut)."""
-    max_new_tokens: int = 64
-    # the sampling (flow/generate.sample)
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 1337
 
 
 def _print(text: str):
@@ -63,6 +50,7 @@ def run_generate(init_from, prompt: str = "",
     config, params = read_text_model(init_from, "generate")
     tok = tokenizer.gpt2()
     ids = tok.encode(prompt) if prompt else [tok.eot]
+    check_fields(Generating(seed=seed))                  # the others: check_request's
     check_request(config, len(ids), max_new_tokens, temperature, top_k, top_p)  # before start-up
     own_runtime = None
     if engine == "starpu" and runtime is None:

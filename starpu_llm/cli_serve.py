@@ -23,6 +23,7 @@ from .cli_generate import read_text_model
 from .errors import StarpuLLMError
 from .io import tokenizer
 from .plan.partition import ENGINES
+from .plan.settings import check_fields
 from .serve.settings import Serving
 
 SERVE_INSTALL = "pip install 'starpu-llm[serve]' (make install does it)"
@@ -166,6 +167,9 @@ def run_serve(init_from, host: str = Serving.host, port: int = Serving.port,
     printed)."""
     from .plan.partition import PartitionRequest
     from .runtime.starpu import resolve_here
+    check_fields(Serving(host=host, port=port, max_batch=max_batch, max_queue=max_queue,
+                         shutdown_timeout=shutdown_timeout, stall_timeout=stall_timeout,
+                         log_level=log_level))        # the flags' rules, for a Python caller
     request = request or PartitionRequest()
     partition = resolve_here(request, engine=engine)      # bad flags fail before the model loads
     uvicorn, create_app, Metrics = _web()
@@ -174,9 +178,6 @@ def run_serve(init_from, host: str = Serving.host, port: int = Serving.port,
     from .serve.engine import Engine
     edges = middleware.Edges(**(edges or {}))
     template = load_template(chat_template) if chat_template is not None else None
-    if max_batch < 1 or max_queue < 0:
-        raise StarpuLLMError(f"--max-batch must be at least 1 and --max-queue at least 0 (got "
-                             f"{max_batch} and {max_queue})")
     metrics = Metrics(max_batch)
     protocol = middleware.http_protocol(edges, metrics)     # a uvicorn it cannot use: said now
     config, params = read_text_model(init_from, "serve")

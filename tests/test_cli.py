@@ -972,23 +972,94 @@ def test_the_engines_are_stated_once(tmp_path):
 
 
 def test_generate_defaults_are_stated_once():
-    """generate's defaults live in cli_generate.Generating alone: `generate` without flags
-    gives its fields, each number flag's help says that value, and run_generate's keywords
-    default to the same (a second copy in cli.py would diverge)."""
+    """generate's defaults live in flow/generate.Generating alone: `generate` without flags
+    gives its fields, each number flag's help says that value, and run_generate's and
+    generate()'s keywords default to the same (a second copy in cli.py would diverge)."""
     import argparse
     import inspect
     from dataclasses import asdict
 
     from starpu_llm import cli
-    from starpu_llm.cli_generate import Generating, run_generate
+    from starpu_llm.cli_generate import run_generate
+    from starpu_llm.flow.generate import Generating, generate
     p = cli.build_parser()
     args = p.parse_args(["generate", "--init-from", "m.bin"])
     gen = asdict(Generating())
     assert {name: getattr(args, name) for name in gen} == gen
     (sub,) = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
-    helps = {a.dest: a.help for a in sub.choices["generate"]._actions}
+    g = sub.choices["generate"]
+    helps = {a.dest: g._get_formatter()._expand_help(a) for a in g._actions if a.help}
     for name, value in gen.items():
         if isinstance(value, (int, float)):
             assert f"default {value:g}" in helps[name], (name, helps[name])
     params = inspect.signature(run_generate).parameters
     assert {name: params[name].default for name in gen} == gen
+    params = inspect.signature(generate).parameters
+    assert {name: params[name].default for name in ("temperature", "top_k", "top_p")} == \
+        {name: gen[name] for name in ("temperature", "top_k", "top_p")}
+
+
+def _wrong_defaults(parser) -> list:
+    """(command, flag, what its help says, its default) for each help of parser's commands
+    (as --help shows it) that says "(default X" or "; default X" where X is not the flag's
+    default: a number unequal, a word not the same, a list not the same comma-separated, or
+    any X for a flag whose default is decided later (None: say it after a colon, "(default:
+    ...)", a description). Also how many such statements it read."""
+    import argparse
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    wrong, read = [], 0
+    for command, p in sub.choices.items():
+        fmt = p._get_formatter()
+        for a in p._actions:
+            if not a.help or a.help == argparse.SUPPRESS:
+                continue
+            for m in re.finditer(r"(?:\(|; )default ([^\s;)]+)", fmt._expand_help(a)):
+                said, d = m.group(1).rstrip(",:"), a.default
+                read += 1
+                if isinstance(d, (list, tuple)):
+                    ok = said == ",".join(map(str, d))
+                elif d is None or isinstance(d, bool):
+                    ok = False
+                elif isinstance(d, (int, float)):
+                    try:
+                        ok = float(said) == d
+                    except ValueError:
+                        ok = False
+                else:
+                    ok = said == str(d)
+                if not ok:
+                    wrong.append((command, a.option_strings[0], m.group(0), d))
+    return wrong, read
+
+
+def test_every_default_a_help_states_is_the_flags():
+    """A help's "(default X)" is its flag's default, for every subcommand: written
+    %(default)s (a setting's field, cli.py's own flags) or built from the value at the
+    parser's construction, so that a default changed in one place changes the help too. The
+    check itself sees a help that states another number, a word for a None default, a list."""
+    from dataclasses import fields
+
+    from starpu_llm import cli
+    from starpu_llm.flow.generate import Generating
+    from starpu_llm.serve.settings import Serving
+    from starpu_llm.training.trainer import TrainConfig
+    wrong, read = _wrong_defaults(cli.build_parser())
+    assert not wrong and read >= 40, (wrong, read)
+    for cls in (TrainConfig, Generating, Serving):      # a setting's value: its own field's
+        for f in fields(cls):
+            for m in re.finditer(r"(?:\(|; )default ([^\s;)]+)", f.metadata.get("help", "")):
+                assert m.group(1).startswith("%(default"), (f.name, m.group(0))
+    p = cli._Parser(prog="t")
+    sub = p.add_subparsers(dest="cmd")
+    c = sub.add_parser("c")
+    c.add_argument("--steps", default=4, help="steps (default 5)")
+    c.add_argument("--good", default=4, help="steps (default %(default)s)")
+    c.add_argument("--lr", default=1e-4, help="rate (default %(default)g; 0: none)")
+    c.add_argument("--model", default=None, help="a model (default d12)")
+    c.add_argument("--later", default=None, help="decided later (default: one per worker)")
+    c.add_argument("--ranks", default=[1], help="ranks (default 1,2)")
+    c.add_argument("--kind", default="a", help="a kind; default b")
+    assert _wrong_defaults(p) == ([("c", "--steps", "(default 5", 4),
+                                   ("c", "--model", "(default d12", None),
+                                   ("c", "--ranks", "(default 1,2", [1]),
+                                   ("c", "--kind", "; default b", "a")], 6)

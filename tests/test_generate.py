@@ -5,6 +5,7 @@ The logits of the cached decoder and of the full forward are two fp32 computatio
 same exact logits: they agree within bounds.logits_bound (twice the fp32 error bound of one
 run; its derivation is in tests/bounds.py), at the length of the sequence so far."""
 import contextlib
+import re
 import subprocess
 import sys
 
@@ -112,6 +113,29 @@ def test_too_long_says_maxT(make_backend):
     decoder.feed([[1]])
     with pytest.raises(StarpuLLMError, match=r"maxT = 32"):
         decoder.feed([[1]])                  # a 33rd position
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("temperature", float("inf"), "temperature must be a finite number >= 0, got inf"),
+    ("temperature", -0.5, "temperature must be a finite number >= 0, got -0.5"),
+    ("top_k", -1, "top_k must be >= 0, got -1"),
+    ("top_p", 0.0, "top_p must be in (0, 1], got 0.0"),
+    ("max_new_tokens", 0, "max_new_tokens must be at least 1, got 0"),
+    ("top_k", 2.5, "top_k expects a whole number, got 2.5"),
+])
+def test_a_generation_keeps_its_flags_rules(name, value, message):
+    """From Python (check_request: generate(), run_generate) a sampling setting keeps the rule
+    of its flag, both stated once by its flow/generate.Generating field: the message names the
+    field, the flag's the flag (an infinite temperature was taken before, and drew the argmax
+    of a NaN softmax)."""
+    from starpu_llm import cli
+    request = {**dict(max_new_tokens=4, temperature=1.0, top_k=0, top_p=1.0), name: value}
+    with pytest.raises(StarpuLLMError, match=f"^{re.escape(message)}$"):
+        gen.check_request(MICRO, 1, **request)
+    flag = "--" + name.replace("_", "-")
+    rule = message[len(name):].split(", got")[0]
+    with pytest.raises(cli.UsageError, match=re.escape(flag + rule)):
+        cli.build_parser().parse_args(["generate", "--init-from", "m.bin", flag, str(value)])
 
 
 def test_decode_tasks_and_cache_modes(runtime):

@@ -136,7 +136,7 @@ def test_serve_defaults_are_stated_once(monkeypatch):
     assert {name: getattr(args, name) for name in serving} == serving
     assert middleware.Edges(**cli._serve_edges(args)) == Edges()
     (sv,) = [a.choices["serve"] for a in p._actions if isinstance(a, argparse._SubParsersAction)]
-    helps = {a.dest: a.help for a in sv._actions}
+    helps = {a.dest: sv._get_formatter()._expand_help(a) for a in sv._actions if a.help}
     for name, value in [*serving.items(), *asdict(Edges()).items()]:
         if isinstance(value, (int, float)):
             assert f"default {value:g}" in helps[name], (name, helps[name])
@@ -144,6 +144,30 @@ def test_serve_defaults_are_stated_once(monkeypatch):
         for name, param in inspect.signature(fn).parameters.items():
             if name in names:
                 assert param.default == serving[name], (fn.__name__, name)
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("max_batch", 0, "max_batch must be at least 1, got 0"),
+    ("max_queue", -1, "max_queue must be >= 0, got -1"),
+    ("port", 70000, "port must be in 0..65535, got 70000"),
+    ("stall_timeout", float("nan"), "stall_timeout must be a finite number >= 0, got nan"),
+    ("log_level", "loud", "log_level 'loud': choose one of critical, error, warning, info, "
+                          "debug"),
+])
+def test_serve_settings_keep_their_flags_rules_from_python(tmp_path, name, value, message):
+    """run_serve from Python holds Serving's settings to their flags' rules (serve/settings,
+    the one statement), before the model is read: the message names the field; the flag's
+    names the flag; the engine keeps the same rule for its slots and queue."""
+    from starpu_llm.cli_serve import run_serve
+    from starpu_llm.serve.engine import Engine
+    with pytest.raises(StarpuLLMError, match=f"^{re.escape(message)}$"):
+        run_serve(str(tmp_path / "no-such-model.bin"), **{name: value})
+    flag = "--" + name.replace("_", "-")
+    with pytest.raises(cli.UsageError, match=re.escape(flag)):
+        cli.build_parser().parse_args(["serve", "--init-from", "m.bin", flag, str(value)])
+    if name in ("max_batch", "max_queue"):
+        with pytest.raises(StarpuLLMError, match=f"^{re.escape(message)}$"):
+            Engine(lambda: None, None, None, None, **{name: value})
 
 
 def test_an_idle_connection_lasts_the_idle_timeout_and_a_stall_mid_request_does_not():

@@ -20,12 +20,15 @@ position: the greedy rows in numpy, the drawn ones in C (sample_batch).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from .._kernels import ffi, lib as kernels
 from ..kernels.codelets import DirectOps
 from ..model.config import ParamLayout
 from ..errors import StarpuLLMError, opt
+from ..plan.settings import check_fields, setting
 from ..runtime.cpus import core_cpus
 from ..runtime.submit import StarPUOps
 from . import taskflow
@@ -35,6 +38,26 @@ from .handles import Handles
 from .tensors import ActivationTensors, ParameterTensors, Tensor
 
 DEFAULT_CHUNK = 64     # prompt positions per prefill step
+
+
+@dataclass(frozen=True)
+class Generating:
+    """A generation's settings, each stated here once with its default and its rule: cli.py
+    makes `starpu-llm generate`'s flags of them, run_generate's and generate()'s keywords
+    default to them, check_request holds a Python caller's values to the same rules, and the
+    server's temperature and top_p keep them too (serve/api.py). The sampling's defaults leave
+    the model's distribution as it is (temperature 1, no top-k or top-p cut)."""
+    max_new_tokens: int = setting(64, "tokens to generate (default %(default)s); prompt + new "
+                                  "tokens <= the model's maxT", check="positive")
+    # the sampling (sample)
+    temperature: float = setting(1.0, "softmax temperature (default %(default)g; 0: greedy)",
+                                 check="nonneg")
+    top_k: int = setting(0, "sample among the K most likely tokens (default %(default)s: all; "
+                         "1: greedy)", check="nonneg_int", metavar="K")
+    top_p: float = setting(1.0, "nucleus sampling: among the most likely tokens whose "
+                           "probabilities add up to P (default %(default)g: all), after --top-k",
+                           check="probability", metavar="P")
+    seed: int = setting(1337, "seed of the sampling (default %(default)s)", check="nonneg_int")
 
 
 # ---- where the tensors live and how the tasks run (one backend per engine)
@@ -245,18 +268,13 @@ def _ptr(a, ctype):
 
 
 def check_request(config, prompt_len: int, max_new_tokens: int, temperature: float, top_k: int,
-                  top_p: float = 1.0):
-    """A clear error for a generation this model cannot do."""
+                  top_p: float = Generating.top_p):
+    """A clear error for a generation this model cannot do: the settings' rules are
+    Generating's (check_fields), the sequence must fit the model."""
     if prompt_len < 1:
         raise StarpuLLMError("generation needs a prompt of at least one token")
-    if max_new_tokens < 1:
-        raise StarpuLLMError(f"{opt('max_new_tokens')} must be at least 1, got {max_new_tokens}")
-    if not temperature >= 0:
-        raise StarpuLLMError(f"{opt('temperature')} must be >= 0, got {temperature}")
-    if top_k < 0:
-        raise StarpuLLMError(f"{opt('top_k')} must be >= 0 (0: all tokens), got {top_k}")
-    if not 0 < top_p <= 1:
-        raise StarpuLLMError(f"{opt('top_p')} must be in (0, 1] (1: all tokens), got {top_p}")
+    check_fields(Generating(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                            top_p=top_p))
     total = prompt_len + max_new_tokens
     if total > config.maxT:
         raise StarpuLLMError(
@@ -265,8 +283,8 @@ def check_request(config, prompt_len: int, max_new_tokens: int, temperature: flo
             f"shorten the prompt or lower {opt('max_new_tokens')}")
 
 
-def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
-             rng=None, on_token=None, top_p: float = 1.0) -> list[int]:
+def generate(model, prompt, max_new_tokens: int, temperature: float = Generating.temperature,
+             top_k: int = Generating.top_k, rng=None, on_token=None, top_p: float = Generating.top_p) -> list[int]:
     """Continues one sequence, prompt (token ids), by max_new_tokens tokens sampled from
     `model` (a Decoder, or Recompute) with rng (default: a fresh numpy Generator); each token
     goes to on_token as soon as it is drawn. Returns the new tokens."""

@@ -93,7 +93,7 @@ class PartitionRequest:
         None, "under mpirun, S pipeline stages: the layers split into S contiguous stages (the "
         "first also runs the embedding and the head), balanced by their predicted time; the "
         "sub-batches flow through them as micro-batches; R = S x D ranks run D data-parallel "
-        "copies (default 1: data parallelism only)", check="positive", metavar="S",
+        "copies (default: 1 stage, data parallelism only)", check="positive", metavar="S",
         group=PARALLELISM, ranks_agree=True, sweep=True)
     pipeline_schedule: str | None = setting(
         None, "how the micro-batches go through the pipeline's stages: eager (each stage holds "
@@ -106,7 +106,7 @@ class PartitionRequest:
                                   check="positive", group=PARALLELISM)
     gpus: int = setting(0, "G GPUs beside the CPU workers, a StarPU CUDA worker each (a CUDA "
                         "build; README, GPUs): the scheduler (dmdas) puts each task on a CPU or a "
-                        "GPU and StarPU moves the data (default 0: CPUs only)", check="nonneg_int",
+                        "GPU and StarPU moves the data (default %(default)s: CPUs only)", check="nonneg_int",
                         metavar="G", group=PARALLELISM, ranks_agree=True)
     gpu_matmul: str = setting(GPU_MATMUL[0], "the GPUs' matmul precision: tf32 (tensor cores; the "
                               "default) or fp32", choices=list(GPU_MATMUL), group=PARALLELISM,

@@ -16,7 +16,8 @@ from ..errors import StarpuLLMError, opt
 def setting(default, help: str | None = None, *, short: str | None = None,
             check: str | None = None, choices=None, metavar: str | None = None,
             group: str | None = None, ranks_agree: bool = False, sweep: bool = False):
-    """A field. With `help` it is also the flag --<name with dashes>: `short` option, `check`
+    """A field. With `help` it is also the flag --<name with dashes> (the help says its default
+    as %(default)s, or %(default)g for a number: help_of): `short` option, `check`
     (a key of CHECKS: "positive": a whole number >= 1, "nonneg": a finite number >= 0, ...),
     `choices`, `metavar`, help `group`. `ranks_agree`: every MPI rank must have the same value
     (trainer.run_settings). `sweep`: `bench` and `predict` take a comma-separated list of
@@ -69,7 +70,15 @@ CHECKS = {
     "nonneg_int": Check(int, "a whole number", _whole, lambda v: v >= 0, ">= 0"),
     "probability": Check(float, "a number", _number, lambda v: 0 < v <= 1, "in (0, 1]"),
     "unit": Check(float, "a number", _number, lambda v: 0 <= v < 1, "in [0, 1)"),
+    "port": Check(int, "a port number", _whole, lambda v: 0 <= v < 65536, "in 0..65535"),
 }
+
+
+def help_of(f) -> str:
+    """A setting's help as --help shows it: its default where the text says %(default)s (or
+    %(default)g, a number's shortest form), the field's own, so that no second copy of it is
+    written in the text (TrainConfig's docstring; argparse fills the same for --help)."""
+    return f.metadata["help"] % {"default": f.default}
 
 
 def check_fields(obj) -> None:
@@ -79,27 +88,40 @@ def check_fields(obj) -> None:
     Python, before anything starts: a wrong type otherwise fails deep inside, or not at all
     (True taken as a batch of 1)."""
     for f in fields(obj):
-        value, m = getattr(obj, f.name), f.metadata
-        if "help" not in m or value is None or (type(value) is type(f.default)
-                                                and value == f.default):
+        value = getattr(obj, f.name)
+        if "help" not in f.metadata or value is None or (type(value) is type(f.default)
+                                                         and value == f.default):
             continue
-        if "check" in m:
-            c = CHECKS[m["check"]]
-            if not c.is_kind(value):
-                raise StarpuLLMError(f"{opt(f.name)} expects {c.kind}, got {value!r}")
-            if not c.ok(value):
-                raise StarpuLLMError(f"{opt(f.name)} must be {c.rule}, got {value!r}")
-        elif "choices" in m:
-            if not isinstance(value, str) or value not in m["choices"]:
-                raise StarpuLLMError(f"{opt(f.name)} {value!r}: choose one of "
-                                     f"{', '.join(map(str, m['choices']))}")
-        elif isinstance(f.default, bool):
-            if not isinstance(value, bool):
-                raise StarpuLLMError(f"{opt(f.name)} is a switch: True or False, got {value!r}")
-        elif str(f.type).startswith("str"):
-            # text, or a path; a size may be a number of bytes (memory_limit: str | int | float)
-            kinds = ((str, os.PathLike) + ((Integral,) if "int" in str(f.type) else ())
-                     + ((Real,) if "float" in str(f.type) else ()))
-            if not isinstance(value, kinds) or isinstance(value, bool) or not str(value).strip():
-                raise StarpuLLMError(f"{opt(f.name)} expects text (a path, a name, a size; not "
-                                     f"empty), got {value!r}")
+        check_field(f, value)
+
+
+def check_setting(cls, name: str, value) -> None:
+    """value for the setting `name` of the dataclass cls, checked as check_fields does (the
+    server's sampling fields: serve/api.py)."""
+    (f,) = [f for f in fields(cls) if f.name == name]
+    check_field(f, value)
+
+
+def check_field(f, value) -> None:
+    """check_fields' rule for one setting f (a dataclass field) and its value."""
+    m = f.metadata
+    if "check" in m:
+        c = CHECKS[m["check"]]
+        if not c.is_kind(value):
+            raise StarpuLLMError(f"{opt(f.name)} expects {c.kind}, got {value!r}")
+        if not c.ok(value):
+            raise StarpuLLMError(f"{opt(f.name)} must be {c.rule}, got {value!r}")
+    elif "choices" in m:
+        if not isinstance(value, str) or value not in m["choices"]:
+            raise StarpuLLMError(f"{opt(f.name)} {value!r}: choose one of "
+                                 f"{', '.join(map(str, m['choices']))}")
+    elif isinstance(f.default, bool):
+        if not isinstance(value, bool):
+            raise StarpuLLMError(f"{opt(f.name)} is a switch: True or False, got {value!r}")
+    elif str(f.type).startswith("str"):
+        # text, or a path; a size may be a number of bytes (memory_limit: str | int | float)
+        kinds = ((str, os.PathLike) + ((Integral,) if "int" in str(f.type) else ())
+                 + ((Real,) if "float" in str(f.type) else ()))
+        if not isinstance(value, kinds) or isinstance(value, bool) or not str(value).strip():
+            raise StarpuLLMError(f"{opt(f.name)} expects text (a path, a name, a size; not "
+                                 f"empty), got {value!r}")

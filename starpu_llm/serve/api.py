@@ -23,6 +23,9 @@ import uuid
 
 import numpy as np
 
+from ..errors import StarpuLLMError
+from ..flow.generate import Generating
+from ..plan.settings import check_setting
 from . import scoring
 from .errors import BadRequest
 from .engine import Sampling
@@ -225,6 +228,17 @@ def _number(obj, name, default):
     return float(v)
 
 
+def _sampling(obj, name, default):
+    """A number of the sampling (temperature, top_p) under the rule of generate's flag of that
+    name (flow/generate.Generating: one statement of it)."""
+    v = _number(obj, name, default)
+    try:
+        check_setting(Generating, name, v)
+    except StarpuLLMError as e:
+        raise BadRequest(str(e), name) from None
+    return v
+
+
 def _bool(obj, name, default=False):
     v = obj.get(name, default)
     if v is None:
@@ -335,13 +349,8 @@ def parse_completion(obj: dict, model: str, tokenizer, V: int, cache_len: int,
                          f"{longest + max_tokens} tokens exceed the model's maximum sequence "
                          f"length (maxT = {cache_len}); lower max_tokens to at most "
                          f"{cache_len - longest}", "max_tokens")
-    temperature = _number(obj, "temperature", 1.0)
-    if temperature < 0:
-        raise BadRequest(f"temperature must be >= 0 (0: greedy), got {temperature:g}",
-                         "temperature")
-    top_p = _number(obj, "top_p", 1.0)
-    if not 0 < top_p <= 1:
-        raise BadRequest(f"top_p must be in (0, 1], got {top_p:g}", "top_p")
+    temperature = _sampling(obj, "temperature", 1.0)
+    top_p = _sampling(obj, "top_p", 1.0)
     top_k = min(_int(obj, "top_k", 0, low=-1), V)     # V or more: every token
     stop = obj.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop

@@ -54,9 +54,9 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from ..errors import StarpuLLMError
 from ..flow.batch import DEFAULT_ROWS, Feed, SlotDecoder
 from ..io.tokenizer import StreamDecoder
+from ..plan.settings import check_fields
 from . import scoring
 from .settings import Serving
 
@@ -235,9 +235,7 @@ class Engine:
                  rows: int = DEFAULT_ROWS,
                  cache_len: int | None = None, metrics=None, stall_timeout: float = 0.0,
                  clock: Callable[[], float] = time.monotonic):
-        if max_batch < 1 or max_queue < 0:
-            raise StarpuLLMError(f"max_batch {max_batch} must be at least 1 and max_queue "
-                                 f"{max_queue} at least 0")
+        check_fields(Serving(max_batch=max_batch, max_queue=max_queue))
         self.config, self.tokenizer, self.eot = config, tokenizer, eot
         self.max_batch, self.max_queue = max_batch, max_queue
         self.rows = max(rows, max_batch)      # every running sequence gets its row

@@ -37,7 +37,7 @@ from ..perf.runs import peak_rss_mb
 from ..runtime import mpi as distributed
 from ..runtime.offload import MemoryLimit
 from .schedule import SCHEDULES, check_schedule, learning_rate
-from ..plan.settings import CHECKS, check_fields, setting
+from ..plan.settings import CHECKS, check_fields, help_of, setting
 from ..model.state import TrainState
 from .validation import Validation
 from .watchers import Checkpoints, Counters, Divergence, Samples, StepDone, StepLine, Trace
@@ -50,8 +50,9 @@ MEMORY = "memory budget (StarPU engine)"     # the help group of the memory flag
 class TrainConfig(PartitionRequest):
     """A run's settings: each field with help is a `starpu-llm train` flag (cli.py makes them);
     the partition's fields come from PartitionRequest (plan/partition.py)."""
-    model: str | None = setting(None, "model size (default d12 = GPT-2 124M; with --init-from or "
-                                "--resume, the checkpoint's: a contradicting one is refused)",
+    model: str | None = setting(None, f"model size (default: {resume.DEFAULT_MODEL} = GPT-2 "
+                                "124M; with --init-from or --resume, the checkpoint's: a "
+                                "contradicting one is refused)",
                                 choices=sorted(MODELS))
     init_from: str | None = setting(None, "the weights to start from: an llm.c fp32 checkpoint, "
                                     "a Hugging Face GPT-2 folder, or a Hub model's name (gpt2, "
@@ -61,34 +62,34 @@ class TrainConfig(PartitionRequest):
     train_data: str | None = setting(None, "llm.c token shard, or a quoted glob pattern of "
                                      "several (\"data/fineweb_train_*.bin\"), read in sorted "
                                      "order (default: bundled Shakespeare)", metavar="SHARDS")
-    batch: int = setting(4, "B, global batch (default 4)", short="-b", check="positive",
+    batch: int = setting(4, "B, global batch (default %(default)s)", short="-b", check="positive",
                          ranks_agree=True)
-    seq_len: int = setting(64, "T (default 64)", short="-t", check="positive", ranks_agree=True)
+    seq_len: int = setting(64, "T (default %(default)s)", short="-t", check="positive", ranks_agree=True)
     grad_accum: int = setting(1, "gradient accumulation: N micro-batches of B x T a step, one "
                               "AdamW update on their mean loss (N x B x T tokens a step, in "
-                              "the memory of B x T; default 1)", check="positive", metavar="N",
+                              "the memory of B x T; default %(default)s)", check="positive", metavar="N",
                               ranks_agree=True)
-    steps: int = setting(10, "training steps (default 10)", short="-n", check="positive",
+    steps: int = setting(10, "training steps (default %(default)s)", short="-n", check="positive",
                          ranks_agree=True)
-    lr: float = setting(1e-4, "AdamW learning rate (default 1e-4)", check="nonneg",
+    lr: float = setting(1e-4, "AdamW learning rate (default %(default)g)", check="nonneg",
                         ranks_agree=True)
-    weight_decay: float = setting(0.0, "AdamW decoupled weight decay (default 0)", check="nonneg",
+    weight_decay: float = setting(0.0, "AdamW decoupled weight decay (default %(default)g)", check="nonneg",
                                   ranks_agree=True)
     weight_decay_params: str = setting(DEFAULT_DECAYED, "the tensors the weight decay shrinks: "
                                        "matrices, the 2-D ones (wte, wpe, the layers' weight "
                                        "matrices; as nanoGPT, llm.c's train_gpt2.cu), or all "
                                        "(biases and layernorms too, as llm.c's train_gpt2.c; "
-                                       "default matrices)", choices=sorted(DECAYED),
+                                       "default %(default)s)", choices=sorted(DECAYED),
                                        ranks_agree=True)
-    beta1: float = setting(ADAM_BETAS[0], f"AdamW's decay rate of the gradients' mean (default "
-                           f"{ADAM_BETAS[0]})", check="unit", ranks_agree=True)
-    beta2: float = setting(ADAM_BETAS[1], f"AdamW's decay rate of the squared gradients' mean "
-                           f"(default {ADAM_BETAS[1]}, llm.c train_gpt2.c's; GPT-2's recipe in "
-                           f"nanoGPT and llm.c's train_gpt2.cu: 0.95)", check="unit",
+    beta1: float = setting(ADAM_BETAS[0], "AdamW's decay rate of the gradients' mean (default "
+                           "%(default)g)", check="unit", ranks_agree=True)
+    beta2: float = setting(ADAM_BETAS[1], "AdamW's decay rate of the squared gradients' mean "
+                           "(default %(default)g, llm.c train_gpt2.c's; GPT-2's recipe in "
+                           "nanoGPT and llm.c's train_gpt2.cu: 0.95)", check="unit",
                            ranks_agree=True)
     engine: str = setting(ENGINES[0], "starpu: the task graph; reference: the same kernels in a "
                           "plain loop", choices=list(ENGINES))
-    seed: int = setting(1337, "seed of the random init (default 1337)", check="nonneg_int",
+    seed: int = setting(1337, "seed of the random init (default %(default)s)", check="nonneg_int",
                         ranks_agree=True)
     save: str | None = setting(None, "write the trained model (llm.c format) and its PATH.state "
                                "(to --resume from), also when Ctrl-C stops the run", metavar="PATH")
@@ -99,8 +100,8 @@ class TrainConfig(PartitionRequest):
                                      "--checkpoint-dir", check="positive", metavar="N",
                                      ranks_agree=True)
     checkpoint_dir: str = setting("checkpoints", "where --save-every writes step_<N>.bin and its "
-                                  ".state (default: checkpoints)", metavar="DIR")
-    keep_checkpoints: int = setting(2, "checkpoints of --save-every kept, the newest (default 2)",
+                                  ".state (default %(default)s)", metavar="DIR")
+    keep_checkpoints: int = setting(2, "checkpoints of --save-every kept, the newest (default %(default)s)",
                                     check="positive", metavar="K")
     resume: str | None = setting(None, "continue the run saved in CKPT (a model with its .state, or "
                                  "a --checkpoint-dir: its newest) on its recorded partition unless "
@@ -113,23 +114,23 @@ class TrainConfig(PartitionRequest):
                                    "several (default: the bundled corpus's validation shard; "
                                    "needed with --train-data)", metavar="SHARDS")
     val_every: int = setting(0, "mean validation loss before the first update (step 0), "
-                             "every N steps and after the last (default 0: none)",
+                             "every N steps and after the last (default %(default)s: none)",
                              check="nonneg_int", metavar="N",
                              ranks_agree=True)
-    val_batches: int = setting(10, "M fixed validation batches (default 10)", check="positive",
+    val_batches: int = setting(10, "M fixed validation batches (default %(default)s)", check="positive",
                                metavar="M", ranks_agree=True)
     lr_schedule: str = setting("constant", "learning rate: constant, or cosine decay to "
                                "--min-lr over the run (after the warmup)",
                                choices=list(SCHEDULES), ranks_agree=True)
     warmup_steps: int = setting(0, "linear learning-rate warmup over the first N steps "
-                                "(default 0)", check="nonneg_int", metavar="N", ranks_agree=True)
-    min_lr: float = setting(0.0, "the cosine schedule's final learning rate (default 0)",
+                                "(default %(default)s)", check="nonneg_int", metavar="N", ranks_agree=True)
+    min_lr: float = setting(0.0, "the cosine schedule's final learning rate (default %(default)g)",
                             check="nonneg", ranks_agree=True)
     grad_clip: float = setting(0.0, "clip the global L2 norm of the gradients to C before "
-                               "AdamW (default 0: off)", check="nonneg", metavar="C",
+                               "AdamW (default %(default)g: off)", check="nonneg", metavar="C",
                                ranks_agree=True)
     sample_every: int = setting(0, "every N steps, print a sample from the model being trained "
-                                "(default 0: never)", check="nonneg_int", metavar="N")
+                                "(default %(default)s: never)", check="nonneg_int", metavar="N")
     # training under a memory budget (runtime/offload.py, flow/handles.py)
     memory_limit: str | int | float | None = setting(
         None, "keep the run's main memory under SIZE (e.g. 12G, 800M; powers of 1024): StarPU "
@@ -169,7 +170,7 @@ def _field_help(cls) -> str:
     lines = []
     for f in fields(cls):
         if "help" in f.metadata:
-            text = f"{f.name} = {f.default!r}: {f.metadata['help']}"
+            text = f"{f.name} = {f.default!r}: {help_of(f)}"
             lines += textwrap.wrap(text, 92, initial_indent="    ", subsequent_indent="        ")
     return "\n\nSettings (each the `starpu-llm train` flag --<name with dashes>):\n" + \
         "\n".join(lines)
