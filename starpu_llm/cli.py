@@ -1,5 +1,5 @@
 """Command line: starpu-llm train | prepare | bench | calibrate | predict | generate |
-serve | convert (also python -m starpu_llm).
+serve | eval | convert (also python -m starpu_llm).
 
 Errors end the command with one message and status 2; under mpirun rank 0 reports an error
 that every rank knows (runtime/mpi.phase: a bad flag, a file missing on one node, settings
@@ -403,6 +403,26 @@ def build_parser():
     add_setting_args(sv, serving_settings("shutdown_timeout", "stall_timeout", "log_level"))
     _serve_edge_args(sv, Edges())
 
+    from .training.hellaswag import DEFAULT_ROWS
+    ev = sub.add_parser("eval", help="HellaSwag's accuracy of a model (llm.c checkpoint with "
+                                     "GPT-2's vocabulary): acc and acc_norm (docs/training.md)")
+    ev.add_argument("--hellaswag", required=True, metavar="FILE",
+                    type=_given("--hellaswag", optional=False),
+                    help="HellaSwag's jsonl (hellaswag_val.jsonl: ctx, 4 endings, label a line)")
+    ev.add_argument("--init-from", required=True, metavar="MODEL",
+                    type=_given("--init-from", optional=False), help=INIT_FROM_HELP)
+    ev.add_argument("--limit", type=_CHECKS["positive"]("--limit"), metavar="N",
+                    help="only the first N examples (default: all)")
+    ev.add_argument("--batch", type=_CHECKS["positive"]("--batch"), default=DEFAULT_ROWS,
+                    metavar="B", help=f"rows (an example's 4 endings are 4 rows) a forward "
+                                      f"(default {DEFAULT_ROWS})")
+    ev.add_argument("--engine", default=ENGINES[0], choices=list(ENGINES),
+                    help="starpu: the task graph; reference: the same kernels in a plain loop")
+    add_setting_args(ev, partition_settings(*DECODE_PARTITION),
+                     overrides={"workers": dict(
+                         type=_CHECKS["positive"]("--workers"),
+                         help="N StarPU workers (default 1, on all the cores)")})
+
     cv = sub.add_parser("convert", help="convert a model between llm.c's checkpoint and a "
                                         "Hugging Face GPT-2 folder (transformers' "
                                         "save_pretrained)")
@@ -605,6 +625,14 @@ def _serve_edges(args) -> dict:
                 max_body=args.max_body)
 
 
+def cmd_eval(args):
+    from .cli_generate import run_eval, tenths
+    s = run_eval(args.init_from, args.hellaswag, args.limit, args.batch, args.engine,
+                 decode_request(args), tenths("hellaswag"))
+    print(f"hellaswag: {args.hellaswag}, {s.examples} example(s): {s.describe()}")
+    return 0
+
+
 def cmd_convert(args):
     from .training.checkpointing import convert
     print(f"wrote {convert(args.src, args.dst)}")
@@ -613,7 +641,7 @@ def cmd_convert(args):
 
 COMMANDS = {"convert": cmd_convert, "train": cmd_train, "prepare": cmd_prepare, "bench": cmd_bench,
             "calibrate": cmd_calibrate, "predict": cmd_predict, "generate": cmd_generate,
-            "serve": cmd_serve}
+            "serve": cmd_serve, "eval": cmd_eval}
 
 
 def main(argv=None) -> int:

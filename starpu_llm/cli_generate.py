@@ -1,5 +1,6 @@
 """`starpu-llm generate`: a prompt continued by a model read from an llm.c checkpoint, the
-text printed as it comes (the decode flow itself is flow/generate.py)."""
+text printed as it comes (the decode flow itself is flow/generate.py); `starpu-llm eval`:
+HellaSwag's accuracy of such a model (training/hellaswag.py scores it)."""
 from __future__ import annotations
 
 import sys
@@ -13,6 +14,7 @@ from .io import hf, tokenizer
 from .plan.partition import ENGINES, PartitionRequest
 from .plan.settings import check_fields
 from .runtime.starpu import Runtime, resolve_here
+from .training import hellaswag
 
 
 def _print(text: str):
@@ -71,3 +73,37 @@ def run_generate(init_from, prompt: str = "",
         if own_runtime is not None:
             own_runtime.shutdown()
     return tok.decode(new)
+
+
+def run_eval(init_from, path: str, limit: int | None = None, B: int = hellaswag.DEFAULT_ROWS,
+             engine: str = ENGINES[0], request=None, progress=None) -> hellaswag.Score:
+    """The Score of the model init_from on the first `limit` examples of the HellaSwag file at
+    path (None: all), B rows a forward, on the engine's backend (the StarPU engine on a
+    runtime of its own, on the partition of `request`); progress(rows done, rows) after each
+    forward when given."""
+    partition = resolve_here(request or PartitionRequest(), engine=engine)  # the flags first
+    config, params = read_text_model(init_from, "eval")
+    examples = hellaswag.read_examples(path, config, limit)
+    runtime = Runtime(partition) if engine == "starpu" else None
+    try:
+        backend = (StarPUBackend(runtime, config, params) if runtime is not None
+                   else DirectBackend(config, params))
+        try:
+            return hellaswag.evaluate(examples, backend, B, progress)
+        finally:
+            backend.close()
+    finally:
+        if runtime is not None:
+            runtime.shutdown()
+
+
+def tenths(label: str):
+    """A progress callable that says on stderr each tenth of the rows done."""
+    said = [0]
+
+    def progress(done: int, total: int):
+        tenth = done * 10 // total
+        if tenth > said[0]:
+            said[0] = tenth
+            print(f"{label}: {done}/{total} rows scored", file=sys.stderr, flush=True)
+    return progress

@@ -4,11 +4,12 @@ survives a killed run and continues a resumed one).
 Each record has the step, its loss, its time (ms, tokens_per_ms), the partition the step ran
 on ("partition": record.Partition's fields) and, when they apply, the scheduled learning rate
 ("lr"), the gradients' norm before clipping ("grad_norm"), the validation loss
-("val_loss"), the disk traffic under a memory limit ("disk_read_mb", "disk_written_mb") and,
+("val_loss"), HellaSwag's acc_norm ("hellaswag_acc_norm"), the disk traffic under a memory limit ("disk_read_mb", "disk_written_mb") and,
 where the machine is calibrated, the model FLOPs per second over the sgemm peak of the cores
 used ("mfu", as nanoGPT's). With validation, a run from step 0 first writes a row of step 0
 with its "val_loss" (the initial weights') and "partition" only: no update, so no loss or
-time (as llm.c logs a validation loss at step 0)."""
+time (as llm.c logs a validation loss at step 0); so with HellaSwag, its
+"hellaswag_acc_norm" in that row."""
 from __future__ import annotations
 
 import json
@@ -64,8 +65,8 @@ class Metrics(Watcher):
         self.write({"step": done.step, "loss": done.loss, "ms": done.ms,
                     "tokens_per_ms": done.tokens_per_ms, **done.extra})
 
-    def validated_first(self, val_loss) -> None:
-        self.write({"step": 0, "val_loss": val_loss})
+    def validated_first(self, measured) -> None:
+        self.write({"step": 0, **measured})
 
     def sync(self) -> None:
         """The rows written so far on disk."""
@@ -110,17 +111,19 @@ def _lines(path: str):
         return f.readlines()
 
 
-def step_extras(cfg, engine, validation, lr: float, rank: int, last: bool, step: int,
+def step_extras(cfg, engine, evaluations, lr: float, rank: int, last: bool, step: int,
                 norm=None) -> dict:
     """What the metrics record of update `step` beyond its loss and time, when it applies:
     the scheduled learning rate, the gradients' norm before clipping (rank 0 holds it; norm:
-    the step's norm root, Submitted.norm), the validation loss (after the step's update,
-    every val_every steps and after the last: the trainer has drained the step then)."""
+    the step's norm root, Submitted.norm), each evaluation's measure (validation.Evaluation:
+    the validation loss, HellaSwag's acc_norm; after the step's update, when due: the
+    trainer has drained the step then)."""
     extra = {}
     if cfg.lr_schedule != "constant" or cfg.warmup_steps:
         extra["lr"] = lr
     if cfg.grad_clip > 0 and rank == 0:
         extra["grad_norm"] = engine.grad_norm(norm)
-    if validation and validation.due(step, last):
-        extra["val_loss"] = validation.loss(engine)
+    for e in evaluations:
+        if e.due(step, last):
+            extra[e.key] = e.measure(engine)
     return extra

@@ -39,6 +39,7 @@ from ..runtime.offload import MemoryLimit
 from .schedule import SCHEDULES, check_schedule, learning_rate
 from ..plan.settings import CHECKS, check_fields, help_of, setting
 from ..model.state import TrainState
+from .hellaswag import HellaSwag
 from .validation import Validation
 from .watchers import Checkpoints, Counters, Divergence, Samples, StepDone, StepLine, Trace
 
@@ -119,6 +120,14 @@ class TrainConfig(PartitionRequest):
                              ranks_agree=True)
     val_batches: int = setting(10, "M fixed validation batches (default %(default)s)", check="positive",
                                metavar="M", ranks_agree=True)
+    hellaswag: str | None = setting(None, "HellaSwag's validation jsonl (hellaswag_val.jsonl, "
+                                    "docs/training.md): its acc_norm, as the validation loss is "
+                                    "measured, every --hellaswag-every N steps", metavar="FILE")
+    hellaswag_every: int = setting(0, "HellaSwag's acc_norm before the first update (step 0), "
+                                   "every N steps and after the last (default 0: none)",
+                                   check="nonneg_int", metavar="N")
+    hellaswag_limit: int | None = setting(None, "only the first N examples of --hellaswag "
+                                          "(default: all)", check="positive", metavar="N")
     lr_schedule: str = setting("constant", "learning rate: constant, or cosine decay to "
                                "--min-lr over the run (after the warmup)",
                                choices=list(SCHEDULES), ranks_agree=True)
@@ -197,6 +206,7 @@ class TrainResult:
     trace: list | None = None
     records: list | None = None
     val_losses: list = field(default_factory=list)   # (step, validation loss)
+    hellaswag: list = field(default_factory=list)    # (step, HellaSwag's acc_norm)
     # under mpirun: every rank's (bytes sent, bytes received) per timed step, from StarPU-MPI's
     # statistics (None when off: runtime.mpi.COMM_STATS_ENV), and every rank's peak RSS
     traffic: list | None = None
@@ -284,7 +294,7 @@ class Run:
     memory: MemoryLimit | None
     state: TrainState
     loader: data.DataLoader
-    validation: Validation | None
+    evaluations: list        # validation.Evaluation: the validation loss, HellaSwag
     runtime: object
     own_runtime: object
     engine: object
@@ -315,7 +325,7 @@ def _set_up(cfg: TrainConfig, state: TrainState | None, runtime) -> Run:
         start = resume.start(cfg, state, ranks, memory is not None,
                              on_runtime=runtime is not None and cfg.engine == "starpu")
         cfg, state, config = start.cfg, start.state, start.state.config
-        loader, validation = _read_data(cfg, config, state.data)
+        loader, evaluations = _read_data(cfg, config, state.data)
         machine = calibration()         # this machine's (None: uncalibrated), read once
         if cfg.workers == "auto":
             cfg = autotuned(cfg, config, comm, runtime, log, machine)
@@ -354,15 +364,15 @@ def _set_up(cfg: TrainConfig, state: TrainState | None, runtime) -> Run:
                 + (f" with its recorded settings {taken}" if taken else ""))
             for text in record.changes_since(start.saved.record):
                 warn(text)
-        if validation:
-            log(validation.describe())
+        for e in evaluations:
+            log(e.describe())
     except BaseException:
         # a memory limit too small, a log or warn callable that raises, Ctrl-C while the run
         # is described: StarPU stops (and its folder goes), or the process could start no
         # other Runtime
         _stop_starpu(engine, own_runtime)
         raise
-    return Run(cfg, comm, rank, log, warn, memory, state, loader, validation, runtime,
+    return Run(cfg, comm, rank, log, warn, memory, state, loader, evaluations, runtime,
                own_runtime, engine, record, Counters(comm, runtime, memory), peak)
 
 
@@ -383,6 +393,15 @@ def _check_settings(cfg: TrainConfig, comm, rank: int, runtime) -> MemoryLimit |
                              f"{opt('val_data')}, the validation shard of the same text (without it, "
                              f"the bundled Shakespeare's would be used); give the one `prepare` wrote "
                              f"beside the training shard ({data.val_shard_beside(cfg.train_data)})")
+    if bool(cfg.hellaswag) != bool(cfg.hellaswag_every):
+        raise StarpuLLMError(f"{opt('hellaswag')} FILE and {opt('hellaswag_every')} N go together "
+                             f"(the examples, and how often they are scored): give both")
+    if cfg.hellaswag_limit and not cfg.hellaswag:
+        raise StarpuLLMError(f"{opt('hellaswag_limit')} limits {opt('hellaswag')}'s examples: "
+                             f"give {opt('hellaswag')} FILE too")
+    if comm is not None and cfg.hellaswag:
+        raise StarpuLLMError(f"{opt('hellaswag')} is not available under mpirun (its forward "
+                             f"runs in one process, as generation's)")
     memory = MemoryLimit.of(cfg.memory_limit, cfg.offload_dir)
     if memory is not None and cfg.engine != "starpu":
         raise StarpuLLMError(f"{opt('memory_limit')} needs {opt('engine')} starpu (the reference "
@@ -401,20 +420,26 @@ def _check_settings(cfg: TrainConfig, comm, rank: int, runtime) -> MemoryLimit |
 
 
 def _read_data(cfg: TrainConfig, config: GPTConfig, position: dict | None):
-    """The training data (at the position a resumed state records) and the validation (None
-    without --val-every), for config's batch shape."""
+    """The training data (at the position a resumed state records) and what the run measures
+    of the model (the validation with --val-every, HellaSwag with --hellaswag), for config's
+    batch shape."""
     check_batch_shape(config, cfg.batch, cfg.seq_len)
     with _about("train_data", cfg.train_data):
         loader = data.DataLoader(cfg.train_data or data.default_dataset()[0], cfg.batch,
                                  cfg.seq_len, vocab_size=config.V)
         if position:
             loader.load_state(position)
-    validation = None
+    evaluations = []
     if cfg.val_every:
         with _about("val_data", cfg.val_data):
-            validation = Validation(cfg.val_data or data.default_dataset()[1], cfg.batch,
-                                    cfg.seq_len, config.V, cfg.val_every, cfg.val_batches)
-    return loader, validation
+            evaluations.append(Validation(cfg.val_data or data.default_dataset()[1], cfg.batch,
+                                          cfg.seq_len, config.V, cfg.val_every,
+                                          cfg.val_batches))
+    if cfg.hellaswag:
+        with _about("hellaswag", cfg.hellaswag):
+            evaluations.append(HellaSwag(cfg.hellaswag, config, cfg.hellaswag_every,
+                                         cfg.hellaswag_limit, cfg.batch))
+    return loader, evaluations
 
 
 @contextlib.contextmanager
@@ -482,7 +507,7 @@ def _steps(run: Run, stop, result: TrainResult, watchers: list) -> None:
         pending = current
         step = current[0].step
         if not (engine.ahead and step < cfg.steps and step != untimed_end and not stop.requested
-                and not (run.validation and run.validation.due(step, False))
+                and not any(e.due(step, False) for e in run.evaluations)
                 and not any(w.reads_state(step) for w in watchers)):
             engine.wait()
             done = _done(run, stop, result, watchers, pending, since, True, after_read)
@@ -492,16 +517,24 @@ def _steps(run: Run, stop, result: TrainResult, watchers: list) -> None:
 
 
 def _validate_first(run: Run, result: TrainResult, watchers: list) -> None:
-    """With validation, the loss of the weights the run starts from, before its first update,
-    when due (Validation.due_first: at step 0, not on a resume); its time and disk traffic
-    are no step's."""
-    if not (run.validation and run.validation.due_first(run.state.step)):
+    """The measures (validation loss, HellaSwag) of the weights the run starts from, before
+    its first update, when due (Evaluation.due_first: at step 0, not on a resume); their time
+    and disk traffic are no step's."""
+    measured = {e.key: e.measure(run.engine) for e in run.evaluations
+                if e.due_first(run.state.step)}
+    if not measured:
         return
-    loss = run.validation.loss(run.engine)
     run.counters.skip()
-    result.val_losses.append((0, loss))
+    _record_measures(result, 0, measured)
     for watch in watchers:
-        watch.validated_first(loss)
+        watch.validated_first(measured)
+
+
+def _record_measures(result: TrainResult, step: int, extra: dict) -> None:
+    """The measures of update `step` among its extras, into the result's lists."""
+    for key, out in ((Validation.key, result.val_losses), (HellaSwag.key, result.hellaswag)):
+        if key in extra:
+            out.append((step, extra[key]))
 
 
 class _Done(NamedTuple):
@@ -538,13 +571,12 @@ def _done(run: Run, stop, result: TrainResult, watchers, submitted, since: float
     at_loss = 1.0 - (1.0 - FORWARD_SHARE) / cfg.grad_accum   # done when its loss is there
     work = (1.0 - at_loss if after_read else 0.0) + (1.0 if drained else at_loss)
     tokens_per_ms = work * cfg.tokens_per_step / ms
-    extra = step_extras(cfg, engine, run.validation, lr, run.rank, last=s.step == cfg.steps,
+    extra = step_extras(cfg, engine, run.evaluations, lr, run.rank, last=s.step == cfg.steps,
                         step=s.step, norm=s.norm)
     run.counters.after_step(extra)
     if run.peak:
         extra["mfu"] = state.config.flops_per_token(cfg.seq_len) * tokens_per_ms * 1e3 / run.peak
-    if "val_loss" in extra:
-        result.val_losses.append((s.step, extra["val_loss"]))
+    _record_measures(result, s.step, extra)
     done = StepDone(s.step, loss, ms, tokens_per_ms, extra,
                     bool(stop.stop(run.comm)) if drained else False)
     for watch in watchers:

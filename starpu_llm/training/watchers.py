@@ -20,7 +20,8 @@ class StepDone:
     loss: float
     ms: float
     tokens_per_ms: float
-    extra: dict             # step_extras: lr, grad_norm, val_loss, disk traffic, mfu
+    extra: dict             # step_extras: lr, grad_norm, val_loss, hellaswag_acc_norm,
+                            # disk traffic, mfu
     stopping: bool          # a signal stops the run after this step (every rank's answer)
 
 
@@ -30,9 +31,9 @@ class Watcher:
     def after_step(self, done: StepDone) -> None:
         pass
 
-    def validated_first(self, val_loss: float) -> None:
-        """The validation loss of the weights the run starts from (step 0, before any
-        update: Validation.due_first)."""
+    def validated_first(self, measured: dict) -> None:
+        """The measures of the weights the run starts from (step 0, before any update:
+        Evaluation.due_first), {key: value} (val_loss, hellaswag_acc_norm)."""
 
     def reads_state(self, step: int) -> bool:
         """Whether after update `step` it reads the model or the data position (the trainer
@@ -51,13 +52,18 @@ class StepLine(Watcher):
         self.log, self.steps = log, steps
 
     def after_step(self, d):
-        extra = "".join(f", {k} {v:.1%}" if k == "mfu" else f", {k.replace('_', ' ')} {v:.6g}"
-                        for k, v in d.extra.items())
+        extra = "".join(", " + _extra(k, v) for k, v in d.extra.items())
         self.log(f"step {d.step:4d}/{self.steps}: train loss {d.loss:.6f} ({d.ms:.1f} ms, "
                  f"{d.tokens_per_ms:.3f} tok/ms){extra}")
 
-    def validated_first(self, val_loss):
-        self.log(f"step {0:4d}/{self.steps}: val loss {val_loss:.6g}")
+    def validated_first(self, measured):
+        self.log(f"step {0:4d}/{self.steps}: "
+                 + ", ".join(_extra(k, v) for k, v in measured.items()))
+
+
+def _extra(key: str, value: float) -> str:
+    """One of a step's extras as its line says it ("val loss 4.2", "mfu 31.0%")."""
+    return f"mfu {value:.1%}" if key == "mfu" else f"{key.replace('_', ' ')} {value:.6g}"
 
 
 class Divergence(Watcher):
