@@ -949,23 +949,24 @@ def test_a_compiled_part_that_does_not_load_is_one_error():
 
 
 def test_the_engines_are_stated_once(tmp_path):
-    """train's, generate's and serve's --engine choose among plan/partition.ENGINES, its
-    first the default; from Python an unknown engine is the partition's one error
+    """train's, generate's, serve's and eval's --engine choose among plan/partition.ENGINES,
+    its first the default; from Python an unknown engine is the partition's one error
     (resolve), said before the model is read (no second check in cli_generate)."""
     import argparse
 
     from starpu_llm import cli
-    from starpu_llm.cli_generate import run_generate
+    from starpu_llm.cli_generate import run_eval, run_generate
     from starpu_llm.cli_serve import run_serve
     from starpu_llm.plan.partition import ENGINES
     p = cli.build_parser()
     (sub,) = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
-    for command in ("train", "generate", "serve"):
+    for command in ("train", "generate", "serve", "eval"):
         (engine,) = [a for a in sub.choices[command]._actions if a.dest == "engine"]
         assert (list(engine.choices), engine.default) == (list(ENGINES), ENGINES[0]), command
     missing = str(tmp_path / "no-such-model.bin")
     for call in (lambda: run_generate(missing, engine="gpu"),
-                 lambda: run_serve(missing, engine="gpu")):
+                 lambda: run_serve(missing, engine="gpu"),
+                 lambda: run_eval(missing, "no-such.jsonl", engine="gpu")):
         with pytest.raises(starpu_llm.StarpuLLMError,
                            match=f"^engine 'gpu': choose one of {', '.join(ENGINES)}$"):
             call()

@@ -17,7 +17,7 @@ import torch
 
 from bounds import loss_bound
 from starpu_llm.baselines.torch_gpt2 import TorchGPT2
-from starpu_llm.errors import StarpuLLMError
+from starpu_llm.errors import StarpuLLMError, flag
 from starpu_llm.flow import generate as gen
 from starpu_llm.flow.losses import TokenLosses
 from starpu_llm.io import formats, hellaswag as hs_io, tokenizer
@@ -206,7 +206,8 @@ def test_bad_files(tmp_path, tiny_ckpt):
 def test_train_measures_hellaswag_as_it_validates(runtime, tmp_path):
     """train --hellaswag FILE --hellaswag-every 2: acc_norm at step 0, every 2 steps and
     after the last, in the step lines and the metrics rows; step 0's is evaluate()'s on the
-    initial weights. The file without N (or N without the file) is refused."""
+    initial weights. The file without N (or N without the file) is refused, and a bad file
+    before the first step, naming the flag, the file and the line."""
     path = write_jsonl(tmp_path / "hs.jsonl", EXAMPLES)
     lines, metrics = [], tmp_path / "m.jsonl"
     kw = dict(model="tiny", engine="reference", batch=2, seq_len=16, hellaswag=path)
@@ -226,3 +227,10 @@ def test_train_measures_hellaswag_as_it_validates(runtime, tmp_path):
         [(0, initial), (1, None), (2, r.hellaswag[1][1]), (3, r.hellaswag[2][1])]
     with pytest.raises(StarpuLLMError, match="go together"):
         train(TrainConfig(steps=1, **kw))
+    bad = write_jsonl(tmp_path / "bad.jsonl", [EXAMPLES[0], {"ctx": "a", "endings": ["b"] * 4,
+                                                             "label": -1}])
+    lines.clear()
+    with pytest.raises(StarpuLLMError) as e:
+        train(TrainConfig(steps=1, hellaswag_every=1, log=lines.append, **dict(kw, hellaswag=bad)))
+    assert e.value.render(flag).startswith(f"--hellaswag: {bad}:2: \"label\" must be"), e.value
+    assert not any(line.startswith("step") for line in lines), lines
