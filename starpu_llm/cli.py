@@ -286,7 +286,6 @@ SWEPT_WORKERS = {"workers": dict(help="N: parallel workers; a comma-separated li
 
 def build_parser():
     from .model.config import MODELS
-    from .plan.partition import ENGINES
     ap = _Parser(prog="starpu-llm", description=__doc__.split("\n\n")[0])
     ap.add_argument("--version", action=_Version,
                     help="this version, the StarPU it runs on and what the build has, then exit")
@@ -371,13 +370,8 @@ def build_parser():
     g.add_argument("--prompt", default="", help="text to continue (default: none, start from "
                                                 "<|endoftext|>)")
     add_setting_args(g, fields(Generating))
-    g.add_argument("--engine", default=ENGINES[0], choices=list(ENGINES),
-                   help="starpu: the task graph with a key/value cache; reference: the same "
-                        "kernels in a plain loop")
-    add_setting_args(g, partition_settings(*DECODE_PARTITION),
-                     overrides={"workers": dict(
-                         type=_CHECKS["positive"]("--workers"),
-                         help="N StarPU workers (default: 1, on all the cores)")})
+    _model_run_args(g, "starpu: the task graph with a key/value cache; reference: the same "
+                       "kernels in a plain loop")
 
     from .serve.settings import Edges     # plain dataclasses: no serve extra needed
     sv = sub.add_parser("serve", help="serve a model (llm.c checkpoint with GPT-2's vocabulary) "
@@ -386,13 +380,8 @@ def build_parser():
     sv.add_argument("--init-from", required=True, metavar="MODEL",
                     type=_given("--init-from", optional=False), help=INIT_FROM_HELP)
     add_setting_args(sv, serving_settings("host", "port", "max_batch", "max_queue"))
-    sv.add_argument("--engine", default=ENGINES[0], choices=list(ENGINES),
-                    help="starpu: the task graph; reference: the same kernels in a plain loop")
-    add_setting_args(sv, partition_settings(*DECODE_PARTITION),
-                     overrides={"workers": dict(
-                         type=_CHECKS["positive"]("--workers"),
-                         help="N StarPU workers (default: 1, on all the cores); with N > 1 the "
-                              "slots are split into N groups that step side by side")})
+    _model_run_args(sv, workers="; with N > 1 the slots are split into N groups that step "
+                                "side by side")
     sv.add_argument("--model-name", type=_model_name, default=None, help="the model's name in the API (default: "
                                                        "the checkpoint's file name, without "
                                                        "its extension)")
@@ -416,12 +405,7 @@ def build_parser():
     ev.add_argument("--batch", type=_CHECKS["positive"]("--batch"), default=DEFAULT_ROWS,
                     metavar="B", help=f"rows (an example's 4 endings are 4 rows) a forward "
                                       f"(default {DEFAULT_ROWS})")
-    ev.add_argument("--engine", default=ENGINES[0], choices=list(ENGINES),
-                    help="starpu: the task graph; reference: the same kernels in a plain loop")
-    add_setting_args(ev, partition_settings(*DECODE_PARTITION),
-                     overrides={"workers": dict(
-                         type=_CHECKS["positive"]("--workers"),
-                         help="N StarPU workers (default 1, on all the cores)")})
+    _model_run_args(ev)
 
     cv = sub.add_parser("convert", help="convert a model between llm.c's checkpoint and a "
                                         "Hugging Face GPT-2 folder (transformers' "
@@ -431,6 +415,19 @@ def build_parser():
     cv.add_argument("dst", metavar="DST", type=_given("DST", optional=False), help="a path ending in .bin: an llm.c checkpoint; "
                                                "else a Hugging Face folder (written whole)")
     return ap
+
+
+def _model_run_args(p, engine: str = "starpu: the task graph; reference: the same kernels in a "
+                                      "plain loop", workers: str = ""):
+    """--engine (its help `engine`) and the partition flags of a command that runs a model
+    read from a file (generate, serve, eval; decode_request reads them back); `workers`: what
+    --workers' help adds."""
+    from .plan.partition import ENGINES
+    p.add_argument("--engine", default=ENGINES[0], choices=list(ENGINES), help=engine)
+    add_setting_args(p, partition_settings(*DECODE_PARTITION),
+                     overrides={"workers": dict(
+                         type=_CHECKS["positive"]("--workers"),
+                         help=f"N StarPU workers (default: 1, on all the cores){workers}")})
 
 
 def _serve_edge_args(sv, dflt):

@@ -20,11 +20,12 @@ from starpu_llm.baselines.torch_gpt2 import TorchGPT2
 from starpu_llm.errors import StarpuLLMError, flag
 from starpu_llm.flow import generate as gen
 from starpu_llm.flow.losses import TokenLosses
-from starpu_llm.io import formats, hellaswag as hs_io, tokenizer
+from starpu_llm.io import hellaswag as hs_io, tokenizer
 from starpu_llm.model.config import MODELS
 from starpu_llm.model.state import random_init
 from starpu_llm.training import hellaswag
 from starpu_llm.training.trainer import TrainConfig, train
+import test_generate
 
 TINY = MODELS["tiny"]
 LONG = " ".join(["The long story goes on and on, word after word."] * 12)     # > maxT tokens
@@ -38,13 +39,8 @@ EXAMPLES = [
 ]
 
 
-def params_of(config, seed=3):
-    """random_init, every tensor moved by N(0, 0.02) (biases, layernorms, positions matter)."""
-    p = random_init(config, seed)
-    return p + np.random.default_rng(seed).standard_normal(p.size).astype(np.float32) * 0.02
-
-
-PARAMS = params_of(TINY)
+PARAMS = test_generate.params_of(TINY)
+tiny_ckpt = test_generate.tiny_ckpt        # the fixture: the tiny model of PARAMS
 
 
 def write_jsonl(path, rows):
@@ -53,16 +49,10 @@ def write_jsonl(path, rows):
 
 
 def eval_cli(*args):
+    """`starpu-llm eval *args`: (status, stdout, stderr)."""
     p = subprocess.run([sys.executable, "-m", "starpu_llm", "eval", *map(str, args)],
                        capture_output=True, text=True, timeout=300)
     return p.returncode, p.stdout, p.stderr
-
-
-@pytest.fixture(scope="module")
-def tiny_ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("hellaswag") / "tiny.bin"
-    formats.write_checkpoint(path, TINY, PARAMS)
-    return path
 
 
 @pytest.fixture(params=["reference", "starpu"])
