@@ -124,7 +124,7 @@ class TrainConfig(PartitionRequest):
                                     "docs/training.md): its acc_norm, as the validation loss is "
                                     "measured, every --hellaswag-every N steps", metavar="FILE")
     hellaswag_every: int = setting(0, "HellaSwag's acc_norm before the first update (step 0), "
-                                   "every N steps and after the last (default 0: none)",
+                                   "every N steps and after the last (default %(default)s: none)",
                                    check="nonneg_int", metavar="N")
     hellaswag_limit: int | None = setting(None, "only the first N examples of --hellaswag "
                                           "(default: all)", check="positive", metavar="N")
