@@ -474,8 +474,9 @@ def test_resumed_across_a_shard_boundary_equals_uninterrupted(shards, tmp_path, 
 
 def test_resuming_on_other_shards(shards, tmp_path):
     """Resumed with other shards: the saved position in a shard they do not have is refused,
-    naming the shard count; on as many shards but others, the run goes on with the warning
-    of any data change (the run is no longer the uninterrupted one)."""
+    naming the shard count; on other shards, the run goes on with the warning of any data
+    change (the run is no longer the uninterrupted one), saying the tokens and the shards
+    then and now (as many in as many shards: that some are others)."""
     ck = str(tmp_path / "ck")
     train(config(shards, steps=3, save_every=3, checkpoint_dir=ck))   # at shard 2
     folder = os.path.dirname(shards)
@@ -491,8 +492,17 @@ def test_resuming_on_other_shards(shards, tmp_path):
                         np.random.default_rng(9).integers(0, MICRO.V, 140).astype(np.uint16))
     warnings = []
     train(config(fewer, steps=4, resume=ck, warn=warnings.append))
-    assert warnings == ["train_data: these are not the tokens the run was saved with (as many, "
-                        "but others): the run is no longer the uninterrupted one"]
+    assert warnings == ["train_data: these are not the tokens the run was saved with (as many "
+                        "in as many shards (3), but others): the run is no longer the "
+                        "uninterrupted one"]
+    # a shard more: how many tokens and shards then and now
+    formats.write_shard(str(tmp_path / "fewer_3.bin"),
+                        np.random.default_rng(9).integers(0, MICRO.V, 100).astype(np.uint16))
+    warnings.clear()
+    train(config(fewer, steps=4, resume=ck, warn=warnings.append))
+    assert warnings == ["train_data: these are not the tokens the run was saved with (390 "
+                        "tokens in 3 shard(s) then, 490 in 4 now): the run is no longer the "
+                        "uninterrupted one"]
 
 
 def test_resume_needs_steps_beyond_the_checkpoint(shard, tmp_path):

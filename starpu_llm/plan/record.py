@@ -151,16 +151,24 @@ def run_identity(settings: Settings, config, start: str, data: list) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def data_fingerprint(shards) -> list:
+def data_fingerprint(shards) -> list | dict:
     """What tells token data apart cheaply, from its shards (uint16 arrays, in order): one
-    shard, [its length, the sums of its first and of its last 4096 tokens]; several, [their
-    total length, their count, a CRC-32 of each one's fingerprint in order] (a record has
-    room for three numbers, not a hundred shards')."""
+    shard, [its length, the sums of its first and of its last 4096 tokens]; several,
+    {"tokens": their total length, "shards": their count, "crc": a CRC-32 of each one's
+    fingerprint in order} (a record has room for three numbers, not a hundred shards')."""
     each = [[int(t.size), int(t[:4096].astype(np.int64).sum()),
              int(t[-4096:].astype(np.int64).sum())] for t in shards]
     if len(each) == 1:
         return each[0]
-    return [sum(f[0] for f in each), len(each), zlib.crc32(json.dumps(each).encode())]
+    return {"tokens": sum(f[0] for f in each), "shards": len(each),
+            "crc": zlib.crc32(json.dumps(each).encode())}
+
+
+def _data_size(fingerprint) -> tuple[int, int]:
+    """(tokens, shards) of a data_fingerprint."""
+    if isinstance(fingerprint, dict):
+        return fingerprint["tokens"], fingerprint["shards"]
+    return fingerprint[0], 1
 
 
 @dataclass(frozen=True)
@@ -168,7 +176,7 @@ class RunRecord:
     partition: Partition
     settings: Settings
     run: str | None = None      # run_identity(): None in checkpoints saved before it was kept
-    data: list | None = None    # data_fingerprint() of the training data
+    data: list | dict | None = None    # data_fingerprint() of the training data
 
     def to_json(self) -> str:
         d = {"partition": asdict(self.partition), "settings": asdict(self.settings)}
@@ -201,8 +209,14 @@ class RunRecord:
                                  for name, was, new in changed)
                        + ": the run is no longer the uninterrupted one")
         if saved.data is not None and saved.data != self.data:
-            detail = (f"{saved.data[0]:,} tokens then, {self.data[0]:,} now"
-                      if saved.data[0] != self.data[0] else "as many, but others")
+            (was, was_shards), (now, shards) = _data_size(saved.data), _data_size(self.data)
+            several = max(was_shards, shards) > 1
+            if (was, was_shards) == (now, shards):
+                detail = "as many" + (f" in as many shards ({shards})" if several else "") + ", but others"
+            elif several:
+                detail = f"{was:,} tokens in {was_shards} shard(s) then, {now:,} in {shards} now"
+            else:
+                detail = f"{was:,} tokens then, {now:,} now"
             out.append(f"{opt('train_data')}: these are not the tokens the run was saved with "
                        f"({detail}): the run is no longer the uninterrupted one")
         return out
