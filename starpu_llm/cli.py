@@ -304,6 +304,13 @@ def build_parser():
     pr.add_argument("--val-tokens", type=_CHECKS["positive"]("--val-tokens"), default=32768,
                     help="the text's first tokens that make the validation shard (default "
                          "%(default)s); the rest make the training shard")
+    pr.add_argument("--shard-tokens", type=_CHECKS["positive"]("--shard-tokens"), default=None,
+                    metavar="N", help="write the training tokens as shards of N (+1: each "
+                                      "begins with the last one's last token) named "
+                                      "<name>_train_000000.bin, ... as llm.c's data scripts "
+                                      "do (100M tokens a shard); train on them with "
+                                      "--train-data \"DIR/<name>_train_*.bin\" (default: one "
+                                      "training shard, <name>_train.bin)")
 
     b = sub.add_parser("bench", help="tokens/ms of the engines (and PyTorch eager) side by side")
     b.add_argument("--model", default="d12", choices=sorted(MODELS))
@@ -495,19 +502,33 @@ def cmd_train(args):
 
 
 def cmd_prepare(args):
+    import shlex
     from .training.checkpointing import Output, check_new_outputs, is_shard_file, is_tokenizer_file
-    from .io import corpus, data
+    from .io import corpus, data, formats
     name = None if args.text else "shakespeare"
-    train, val, tokenizer = data.prepared_paths(args.text, args.out_dir, name)
+    sharded = args.shard_tokens is not None
+    data.check_shard_tokens(args.shard_tokens)
+    train, val, tokenizer = data.prepared_paths(args.text, args.out_dir, name, sharded)
     fix = "give another --out-dir"
-    check_new_outputs({"the training shard": Output(train, is_shard_file, fix=fix),
-                       "the validation shard": Output(val, is_shard_file, fix=fix),
-                       "the tokenizer": Output(tokenizer, is_tokenizer_file, fix=fix)},
-                      {"the text": args.text})
+    inputs = {"the text": args.text}
+    check_new_outputs({"the validation shard": Output(val, is_shard_file, fix=fix),
+                       "the tokenizer": Output(tokenizer, is_tokenizer_file, fix=fix)}
+                      | ({} if sharded else
+                         {"the training shard": Output(train, is_shard_file, fix=fix)}), inputs)
+    # an earlier prepare's training shards: each replaced or removed
+    for earlier in data.prepared_train_files(args.text, args.out_dir, name):
+        check_new_outputs({"the training shard": Output(earlier, is_shard_file, fix=fix)}, inputs)
     source = args.text if args.text else corpus.shakespeare_text()
-    train_path, val_path = data.prepare(source, args.out_dir, val_tokens=args.val_tokens,
-                                        name=name)
-    print(f"wrote {train_path} and {val_path}")
+    train, val = data.prepare(source, args.out_dir, val_tokens=args.val_tokens, name=name,
+                              shard_tokens=args.shard_tokens)
+    if not sharded:
+        print(f"wrote {train} and {val}")
+        return 0
+    shards = data.shard_paths(train)
+    last = formats.read_shard(shards[-1]).size
+    print(f"wrote {len(shards)} training shard(s) of {args.shard_tokens + 1:,} tokens (the last "
+          f"{last:,}), {shards[0]} .. {os.path.basename(shards[-1])}, and {val}; train on them "
+          f"with --train-data {shlex.quote(train)} --val-data {shlex.quote(val)}")
     return 0
 
 

@@ -184,6 +184,81 @@ def test_train_on_shards_named_by_a_glob_pattern(tmp_path):
     assert_clean_error(rc, err, f"--train-data: no file matches the pattern {tmp_path / 'x_*.bin'}")
 
 
+def test_prepare_shard_tokens_then_train_on_the_glob_is_training_on_the_single_shard(tmp_path):
+    """`prepare --shard-tokens N` then `train --train-data GLOB`: with N a multiple of B x T
+    (each shard N/(B x T) whole batches, the last shard one), the losses of training on the
+    single shard `prepare` writes of the same text, loss for loss, through a wrap; with N not
+    one, a shard's tail is never read (the straddling rule): its batches start at k x N, and
+    the losses are those of shards made of exactly those batches. The message names the
+    pattern to train on; --val-every without --val-data names the validation shard beside."""
+    from starpu_llm.io import data
+    from starpu_llm.training.trainer import TrainConfig, train
+    text = tmp_path / "play.txt"
+    text.write_text("To be, or not to be, that is the question:\nWhether tis nobler in the "
+                    "mind to suffer\n\n" * 5)
+    B, T = 2, 8
+    common = ("prepare", str(text), "--val-tokens", "16")
+    rc, out, err = run(*common, "--out-dir", str(tmp_path / "one"))
+    assert rc == 0, err
+    whole = formats.read_shard(tmp_path / "one" / "play_train.bin").tolist()
+    steps = (len(whole) - 1) // (B * T) + 2                     # an epoch and 2 more
+    losses = lambda pattern: train(TrainConfig(model="tiny", engine="reference", train_data=pattern,  # noqa: E731
+                                               batch=B, seq_len=T, steps=steps, log=None)).losses
+    single = losses(str(tmp_path / "one" / "play_train.bin"))
+    for n in (2 * B * T, 3 * B * T // 2):
+        rc, out, err = run(*common, "--out-dir", str(tmp_path / f"n{n}"), "--shard-tokens", str(n))
+        assert rc == 0, err
+        pattern = str(tmp_path / f"n{n}" / "play_train_*.bin")
+        paths = data.shard_paths(pattern)
+        assert (f"wrote {len(paths)} training shard(s) of {n + 1} tokens (the last "
+                f"{len(whole) - n * (len(paths) - 1)}), {paths[0]} .. "
+                f"{os.path.basename(paths[-1])}, and {tmp_path / f'n{n}' / 'play_val.bin'}; train "
+                f"on them with --train-data '{pattern}' --val-data "
+                f"{tmp_path / f'n{n}' / 'play_val.bin'}") in out
+        sharded = losses(pattern)
+        if n % (B * T) == 0:
+            assert len(paths) > 2 and sharded == single
+            continue
+        # 25 tokens a shard: one batch of 17 from each, starting at k x 24 of the single's
+        loader = data.DataLoader(pattern, B, T)
+        firsts = [int(loader.next_tokens()[0]) for _ in paths]
+        assert firsts == [whole[k * n] for k in range(len(paths))]
+        for k in range(len(paths)):
+            formats.write_shard(tmp_path / f"rule_{k}.bin", whole[k * n:k * n + B * T + 1])
+        assert sharded == losses(str(tmp_path / "rule_*.bin"))
+        assert sharded[0] == single[0] and sharded[1] != single[1]
+    rc, _, err = run("train", "--model", "tiny", "--train-data", pattern, "--val-every", "2")
+    assert_clean_error(rc, err, "--val-data, the validation shard of the same text",
+                       f"({tmp_path / f'n{n}' / 'play_val.bin'})")
+
+
+def test_prepare_shard_tokens_errors(tmp_path):
+    """--shard-tokens out of range, a file the shards' pattern would match that prepare did
+    not write, an earlier shard that is not one: one clean error each, nothing written."""
+    text = tmp_path / "notes.txt"
+    text.write_text("To be, or not to be, that is the question.\n\n" * 20)
+    out_dir = tmp_path / "out"
+    common = ("prepare", str(text), "--out-dir", str(out_dir), "--val-tokens", "8")
+    rc, _, err = run(*common, "--shard-tokens", "0")
+    assert_clean_error(rc, err, "--shard-tokens must be at least 1, got 0")
+    rc, _, err = run(*common, "--shard-tokens", str(2 ** 31 - 1))
+    assert_clean_error(rc, err, f"--shard-tokens {2 ** 31 - 1} is not a shard size: give 1 .. "
+                                f"{2 ** 31 - 2} tokens")
+    out_dir.mkdir()
+    (out_dir / "notes_train_old.bin").write_text("my notes\n")
+    rc, _, err = run(*common, "--shard-tokens", "50")
+    assert_clean_error(rc, err, f"{out_dir / 'notes_train_old.bin'} matches the training shards' "
+                                f"pattern {out_dir / 'notes_train_*.bin'} but is not one that "
+                                f"prepare writes", "give another --out-dir")
+    (out_dir / "notes_train_old.bin").unlink()
+    (out_dir / "notes_train_000003.bin").write_text("my notes\n")
+    for shards in ((), ("--shard-tokens", "50")):         # it would be removed, or replaced
+        rc, _, err = run(*common, *shards)
+        assert_clean_error(rc, err, f"{out_dir / 'notes_train_000003.bin'}: a file is there",
+                           "it is not a token shard")
+    assert os.listdir(out_dir) == ["notes_train_000003.bin"]
+
+
 @pytest.mark.parametrize("args,flag", [
     (["--engine", "gpu"], "--engine"),
     (["--batch", "0"], "--batch"),

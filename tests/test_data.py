@@ -168,6 +168,97 @@ def test_prepare_replaces_the_shards_only_once_all_are_written(tmp_path, monkeyp
     assert sorted(os.listdir(out)) == ["gpt2_tokenizer.bin", "small_train.bin", "small_val.bin"]
 
 
+def _shard_names(out):
+    return sorted(f for f in os.listdir(out) if "_train" in f)
+
+
+def test_prepare_with_shard_tokens_writes_the_tokens_as_overlapping_shards(tmp_path):
+    """shard_tokens N: the training tokens of the single shard as <name>_train_000000.bin, ...
+    of N + 1 tokens (the last what is left), each but the first beginning with the one
+    before's last token; the glob pattern returned names them in order; the validation
+    shard as without; for every N, even a block at a time of 1 character."""
+    src = tmp_path / "small.txt"
+    src.write_text(SMALL * 3)
+    single, val = prepare(src, tmp_path / "one", val_tokens=5)
+    whole = formats.read_shard(single).tolist()
+    for n, block in [(1, 8 << 20), (7, 1), (10, 64), (len(whole) - 1, 8 << 20), (len(whole), 3),
+                     (10_000, 8 << 20)]:
+        out = tmp_path / f"n{n}"
+        train, val_n = prepare(src, out, val_tokens=5, shard_tokens=n, block=block)
+        assert train == str(out / "small_train_*.bin")
+        assert formats.read_shard(val_n).tolist() == formats.read_shard(val).tolist()
+        paths = data.shard_paths(train)
+        count = max(1, -(-(len(whole) - 1) // n))        # ceil: the shards' n-token steps
+        assert [os.path.basename(p) for p in paths] == [f"small_train_{k:06d}.bin" for k in range(count)]
+        for k, p in enumerate(paths):
+            assert formats.read_shard(p).tolist() == whole[k * n:(k + 1) * n + 1], (n, k)
+        assert sorted(os.listdir(out)) == ["gpt2_tokenizer.bin", *map(os.path.basename, paths),
+                                           "small_val.bin"]
+        assert data.val_shard_beside(train) == val_n
+        assert data.val_shard_beside(paths[-1]) == val_n
+    with pytest.raises(StarpuLLMError, match="shard_tokens 0 is not a shard size: give 1 .. 2147483646"):
+        prepare(src, tmp_path / "bad", val_tokens=5, shard_tokens=0)
+    with pytest.raises(StarpuLLMError, match="shard_tokens 2147483647 is not a shard size"):
+        prepare(src, tmp_path / "bad", val_tokens=5, shard_tokens=2 ** 31 - 1)
+    assert not (tmp_path / "bad").exists()
+
+
+def test_prepare_into_a_folder_of_an_earlier_prepare_leaves_only_its_own_shards(tmp_path, monkeypatch):
+    """A prepare replaces the training shards an earlier one of the same name wrote, and
+    removes those it does not write (more shards then, or the other form): the pattern then
+    names this run's shards only. One that fails (the disk full at its third shard, more
+    shards than the names sort) leaves the earlier set as it was, no temporary file. A file
+    the pattern matches that is not one of prepare's is refused before any work."""
+    src = tmp_path / "small.txt"
+    src.write_text(SMALL * 3)
+    out = tmp_path / "out"
+    tokens = formats.read_shard(prepare(src, tmp_path / "one", val_tokens=5)[0]).size
+    names = lambda n: [f"small_train_{k:06d}.bin" for k in range(-(-(tokens - 1) // n))]  # noqa: E731
+    small = lambda: [f for f in _shard_names(out) if f.startswith("small")]              # noqa: E731
+    other = prepare(src, out, val_tokens=5, name="other", shard_tokens=10)[0]     # left alone
+    others = {p: open(p, "rb").read() for p in data.shard_paths(other)}
+    many = data.shard_paths(prepare(src, out, val_tokens=5, shard_tokens=10)[0])
+    assert small() == names(10) and len(many) > len(names(40)) > 1
+    prepare(src, out, val_tokens=5, shard_tokens=40)
+    assert small() == names(40)
+    assert prepare(src, out, val_tokens=5)[0] == str(out / "small_train.bin")
+    assert small() == ["small_train.bin"]
+    prepare(src, out, val_tokens=5, shard_tokens=10)
+    assert small() == names(10)
+    assert {p: open(p, "rb").read() for p in others} == others
+
+    before = {p: open(p, "rb").read() for p in (*many, out / "small_val.bin", out / "gpt2_tokenizer.bin")}
+    writes = []
+    real = formats._write_array
+
+    def full_at_the_third_shard(f, arr, crc=None):
+        writes.append(f)                     # kept: their ids tell the files apart
+        if len({id(w) for w in writes}) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(f, arr, crc)
+
+    monkeypatch.setattr(formats, "_write_array", full_at_the_third_shard)
+    with pytest.raises(StarpuLLMError, match="small_train_000002.bin failed: No space left on device"):
+        prepare(src, out, val_tokens=5, shard_tokens=4)
+    monkeypatch.undo()
+    monkeypatch.setattr(data, "_MAX_SHARDS", 2)
+    with pytest.raises(StarpuLLMError, match=r"small.txt makes more than 2 training shards of "
+                                             r"shard_tokens 4; give a larger shard_tokens"):
+        prepare(src, out, val_tokens=5, shard_tokens=4)
+    monkeypatch.undo()
+    with pytest.raises(StarpuLLMError, match="small.txt is too short for a validation split"):
+        prepare(src, out, val_tokens=10_000, shard_tokens=4)       # found after the shards
+    assert {p: open(p, "rb").read() for p in before} == before
+    assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
+
+    (out / "small_train_notes.bin").write_text("my notes\n")
+    with pytest.raises(StarpuLLMError, match=r"small_train_notes.bin matches the training shards' "
+                                             r"pattern .*small_train_\*.bin but is not one that "
+                                             r"prepare writes.*move it away, or give another out_dir"):
+        prepare(src, out, val_tokens=5, shard_tokens=40)
+    assert {p: open(p, "rb").read() for p in before} == before
+
+
 # --------------------------------------------------------------------------- default dataset
 
 def test_default_dataset_cached(tmp_path):

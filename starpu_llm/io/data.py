@@ -19,6 +19,11 @@ from .tokenizer import EOT_TEXT, N_VOCAB, encode, gpt2
 TOKENIZER_FILENAME = "gpt2_tokenizer.bin"
 DEFAULT_DATASET = "shakespeare"
 _TRAIN, _VAL = "_train.bin", "_val.bin"      # prepare's shards: <name>_train.bin, <name>_val.bin
+# prepare's training shards with shard_tokens: <name>_train_000000.bin, ...; six digits, so
+# that sorted (the loader's order) is the order written, up to _MAX_SHARDS of them
+_SHARD, _SHARDS = "_train_{:06d}.bin", "_train_*.bin"
+_TRAIN_NAMES = r"_train(?:_\d{6})?\.bin"    # either form: what one prepare replaces of another's
+_MAX_SHARDS = 10 ** 6
 _CACHE_FORMAT = 1                     # bump when the corpus conversion or tokenization changes
 
 
@@ -112,15 +117,22 @@ def _ids(text: str) -> np.ndarray:
 
 
 def prepare(source, out_dir, val_tokens: int = 32768, name: str | None = None,
-            block: int = 8 << 20) -> tuple[str, str]:
-    """Tokenize a text into llm.c shards; return (train_path, val_path).
+            block: int = 8 << 20, shard_tokens: int | None = None) -> tuple[str, str]:
+    """Tokenize a text into llm.c shards; return (train, val_path), train the training shard's
+    path or (shard_tokens given) the glob pattern of the training shards.
 
     `source` is a text file path (str or PathLike) or the text itself (a str containing a newline).
-    The first `val_tokens` tokens become `<name>_val.bin`, the rest `<name>_train.bin`; the GPT-2
-    tokenizer is written to `gpt2_tokenizer.bin` in out_dir. `name` defaults to the file's stem
-    (or "data" for a text). The text is read and tokenized `block` bytes (characters) at a time,
-    the memory a block's whatever the text's size; the shards are written under temporary names
-    and replace what is there only once all are complete.
+    The first `val_tokens` tokens become `<name>_val.bin`, the rest `<name>_train.bin`, or with
+    `shard_tokens` N the shards `<name>_train_000000.bin`, `_000001.bin`, ...: shard k holds the
+    rest's tokens k*N .. (k+1)*N, N + 1 tokens (the last: what is left), each but the first
+    beginning with the one before's last token, the target of that one's last input: with N a
+    multiple of B*T a shard holds N/(B*T) whole batches and the shards' batches are the
+    single shard's (io/data.DataLoader). The GPT-2 tokenizer is written to `gpt2_tokenizer.bin`
+    in out_dir. `name` defaults to the file's stem (or "data" for a text). The text is read
+    and tokenized `block` bytes (characters) at a time, the memory a block's whatever the
+    text's size; the shards are written under temporary names and replace what is there only
+    once all are complete, and then the training shards of an earlier prepare of the same
+    name that this one did not write (the other form, or shards past this one's last) go.
     """
     path = _text_path(source)
     what = f"input text file {path}" if path else "the input text"
@@ -128,7 +140,11 @@ def prepare(source, out_dir, val_tokens: int = 32768, name: str | None = None,
         raise StarpuLLMError(f"the validation split needs at least 1 token, got {opt('val_tokens')} "
                              f"{val_tokens}")
     val_tokens = int(val_tokens)
-    train_path, val_path, tokenizer_path = prepared_paths(path, out_dir, name)
+    check_shard_tokens(shard_tokens)
+    train_path, val_path, tokenizer_path = prepared_paths(path, out_dir, name, shard_tokens is not None)
+    earlier = prepared_train_files(path, out_dir, name)
+    if shard_tokens is not None:
+        _check_pattern_is_ours(train_path, earlier)
     pieces = (_file_text(path, block) if path else
               (source[i:i + block] for i in range(0, len(source), block)))
     val: list[np.ndarray] = []
@@ -155,34 +171,144 @@ def prepare(source, out_dir, val_tokens: int = 32768, name: str | None = None,
                                  f"training needs the rest; use a longer text or a smaller "
                                  f"{opt('val_tokens')}")
 
-    train = formats.shard_file(train_path, train_ids())
+    train = ([formats.shard_file(train_path, train_ids())] if shard_tokens is None else
+             _shard_files(lambda k: _shard_path(path, out_dir, name, k), train_ids(),
+                          int(shard_tokens), what))
     try:
         formats.write_tokenizer(tokenizer_path, gpt2())
         formats.write_shard(val_path, np.concatenate(val))
     except BaseException:
-        train.discard()
+        for f in train:
+            f.discard()
         raise
-    return train.commit(), val_path
+    written = {f.commit() for f in train}
+    for f in earlier:
+        if f not in written:
+            try:
+                os.unlink(f)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                raise StarpuLLMError(f"cannot remove {f}, a training shard of an earlier prepare "
+                                     f"into this folder: {e.strerror}; remove it by hand (the "
+                                     f"new shards are written)") from None
+    return train_path, val_path
 
 
-def prepared_paths(path: str | None, out_dir, name: str | None = None) -> tuple[str, str, str]:
-    """The files prepare() writes for the text file at path (None: a text given as such):
-    (train shard, validation shard, tokenizer)."""
+def check_shard_tokens(shard_tokens: int | None) -> None:
+    """prepare()'s shard_tokens (None: one training shard), refused unless a shard size."""
+    limit = np.iinfo(np.int32).max - 1                  # a shard's N + 1 within the format's 2**31-1
+    if shard_tokens is not None and not 1 <= int(shard_tokens) <= limit:
+        raise StarpuLLMError(f"{opt('shard_tokens')} {shard_tokens} is not a shard size: give 1 .. "
+                             f"{limit} tokens (a shard holds one more, at most the format's 2**31-1)")
+
+
+class _Ids:
+    """The ids of a stream of uint16 arrays, taken a number at a time."""
+
+    def __init__(self, arrays: Iterable[np.ndarray]):
+        self._arrays, self._held = iter(arrays), np.zeros(0, np.uint16)
+
+    def more(self) -> bool:
+        """Whether ids are left (reading on to the next array that has some)."""
+        while not self._held.size:
+            nxt = next(self._arrays, None)
+            if nxt is None:
+                return False
+            self._held = nxt
+        return True
+
+    def take(self, n: int) -> Iterator[np.ndarray]:
+        """The next n ids (fewer at the end), in pieces."""
+        while n and self.more():
+            piece, self._held = self._held[:n], self._held[n:]
+            n -= piece.size
+            yield piece
+
+
+def _shard_files(path_of, arrays, n: int, what: str) -> list:
+    """The ids of `arrays` as shards of n + 1 ids at path_of(0), path_of(1), ... under
+    temporary names (formats.AtomicFile, uncommitted), one written as the ids come: each but
+    the first begins with the one before's last id. What the ids raise drops them all."""
+    ids, out, last = _Ids(arrays), [], []
+    try:
+        while ids.more():
+            if len(out) == _MAX_SHARDS:
+                raise StarpuLLMError(f"{what} makes more than {_MAX_SHARDS:,} training shards of "
+                                     f"{opt('shard_tokens')} {n}; give a larger {opt('shard_tokens')}")
+            head, tail = last, []
+
+            def shard():
+                yield from head
+                for piece in ids.take(n + 1 - len(head)):
+                    tail[:] = [piece[-1:]]
+                    yield piece
+            out.append(formats.shard_file(path_of(len(out)), shard()))
+            last = tail
+    except BaseException:
+        for f in out:
+            f.discard()
+        raise
+    return out
+
+
+def _dataset(path: str | None, out_dir, name: str | None) -> tuple[str, str]:
+    """(out_dir, name): the folder and the dataset's name (checked) of prepare's files."""
     if name is None:
         name = os.path.splitext(os.path.basename(path))[0] if path else "data"
     if not name or os.sep in name or (os.altsep and os.altsep in name):
         raise StarpuLLMError(f"dataset name {name!r} is not a plain file name; give a name without slashes")
-    out_dir = os.fspath(out_dir)
-    return (os.path.join(out_dir, name + _TRAIN), os.path.join(out_dir, name + _VAL),
-            os.path.join(out_dir, TOKENIZER_FILENAME))
+    return os.fspath(out_dir), name
+
+
+def prepared_paths(path: str | None, out_dir, name: str | None = None,
+                   sharded: bool = False) -> tuple[str, str, str]:
+    """The files prepare() writes for the text file at path (None: a text given as such):
+    (training shard, or with sharded the glob pattern of the training shards; validation
+    shard; tokenizer)."""
+    out_dir, name = _dataset(path, out_dir, name)
+    train = (os.path.join(glob.escape(out_dir), glob.escape(name) + _SHARDS) if sharded else
+             os.path.join(out_dir, name + _TRAIN))
+    return train, os.path.join(out_dir, name + _VAL), os.path.join(out_dir, TOKENIZER_FILENAME)
+
+
+def _shard_path(path: str | None, out_dir, name: str | None, k: int) -> str:
+    """The k-th (from 0) training shard prepare() writes with shard_tokens."""
+    out_dir, name = _dataset(path, out_dir, name)
+    return os.path.join(out_dir, name + _SHARD.format(k))
+
+
+def prepared_train_files(path: str | None, out_dir, name: str | None = None) -> list[str]:
+    """The training shards, in either form, that a prepare() of this dataset into out_dir
+    wrote and are there: one prepare() replaces them, or removes those it does not write."""
+    out_dir, name = _dataset(path, out_dir, name)
+    ours = re.compile(re.escape(name) + _TRAIN_NAMES)
+    try:
+        names = os.listdir(out_dir or ".")
+    except OSError:
+        return []               # no folder (yet): none; one that cannot be read fails on writing
+    found = (os.path.join(out_dir, f) for f in names if ours.fullmatch(f))
+    return sorted(f for f in found if not os.path.isdir(f))
+
+
+def _check_pattern_is_ours(pattern: str, ours: list[str]) -> None:
+    """A file the training shards' pattern matches that prepare() did not write is refused:
+    training on the pattern would read it with them."""
+    names = {os.path.basename(f) for f in ours}
+    for f in sorted(glob.glob(pattern)):
+        if os.path.basename(f) not in names and not os.path.isdir(f):
+            raise StarpuLLMError(f"{f} matches the training shards' pattern {pattern} but is not "
+                                 f"one that prepare writes, so training on the pattern would read "
+                                 f"it too; move it away, or give another {opt('out_dir')}")
 
 
 def val_shard_beside(train_path: str) -> str:
-    """The validation shard prepare() wrote with the training shard at train_path (its name
-    with <name> in place of the dataset's when train_path is not one of prepare's)."""
+    """The validation shard prepare() wrote with the training shard (or the pattern of the
+    training shards) at train_path (its name with <name> in place of the dataset's when
+    train_path is not one of prepare's)."""
     head, base = os.path.split(train_path)
-    name = base.removesuffix(_TRAIN) if base.endswith(_TRAIN) else "<name>"
-    return os.path.join(head, name + _VAL)
+    named = re.fullmatch(r"(.+)(?:" + _TRAIN_NAMES + r"|" + re.escape(_SHARDS) + r")", base)
+    return os.path.join(head, (named.group(1) if named else "<name>") + _VAL)
 
 
 def default_cache_dir() -> str:
