@@ -1,5 +1,7 @@
 """The README and docs/ hold together (tools/doc_links.py): every relative link leads to a file
-and, with an #anchor, to a heading GitHub would give that anchor; and the README keeps the
+and, with an #anchor, to a heading GitHub would give that anchor; every reference to raw data
+(experiments/results/, docs/figures/: a link or a `path`) names what exists, each CSV of it with
+a header row and a data row; and the README keeps the
 commands that CI (.ci/run: "the README's test command") and the GPU tests' skip reasons
 ("README, GPUs: make cuda") send a reader to."""
 import importlib.util
@@ -42,3 +44,36 @@ def test_the_readme_keeps_the_commands_ci_and_the_tests_point_to():
     assert "make train" in sections["Quick start"] and "make test " in sections["Quick start"]
     assert "make cuda" in sections["GPUs"] and "make test-cuda" in sections["GPUs"]
     assert "make test" in sections["Tests"]
+
+
+def test_every_reference_to_raw_data_names_a_file_with_rows():
+    # each number the docs quote stands on raw data beside it (experiments/results/, docs/figures/)
+    assert doc_links.raw_data_problems(ROOT) == []
+
+
+def test_the_raw_data_check_sees_a_missing_file_and_a_csv_without_rows(tmp_path):
+    raw = tmp_path / "experiments" / "results" / "x"
+    raw.mkdir(parents=True)
+    (raw / "good.csv").write_text("a,b\n1,2\n")
+    (raw / "header_only.csv").write_text("a,b\n\n")
+    (raw / "empty.csv").write_text("")
+    (tmp_path / "docs" / "figures").mkdir(parents=True)
+    (tmp_path / "docs" / "figures" / "no_header.csv").write_text("1\n")
+    (tmp_path / "docs" / "a.md").write_text(
+        "[ok](../experiments/results/x/good.csv) [gone](../experiments/results/x/gone.csv)\n"
+        "[rows](../experiments/results/x/header_only.csv) [other](b.md)\n"
+        "`docs/figures/no_header.csv` `experiments/results/<cpu kind>/` `experiments/results/y*/`\n"
+        "```sh\nls `experiments/results/in_code.csv` experiments/results/z.csv\n```\n")
+    (tmp_path / "README.md").write_text("raw rows: `experiments/results/x/`\n")
+    assert doc_links.raw_data_problems(tmp_path) == [
+        ("README.md", 1, "experiments/results/x/",
+         "experiments/results/x/empty.csv: empty CSV"),
+        ("README.md", 1, "experiments/results/x/",
+         "experiments/results/x/header_only.csv: CSV with a header and no data row"),
+        ("docs/a.md", 1, "../experiments/results/x/gone.csv", "no such file"),
+        ("docs/a.md", 2, "../experiments/results/x/header_only.csv",
+         "experiments/results/x/header_only.csv: CSV with a header and no data row"),
+        ("docs/a.md", 3, "docs/figures/no_header.csv",
+         "docs/figures/no_header.csv: CSV without a header row"),
+        ("docs/a.md", 3, "experiments/results/y*/", "no such file"),
+    ]
