@@ -285,7 +285,7 @@ SWEPT_WORKERS = {"workers": dict(help="N: parallel workers; a comma-separated li
 
 
 def build_parser():
-    from .model.config import MODELS
+    from .model.config import DEFAULT_MODEL, MODELS
     ap = _Parser(prog="starpu-llm", description=__doc__.split("\n\n")[0])
     ap.add_argument("--version", action=_Version,
                     help="this version, the StarPU it runs on and what the build has, then exit")
@@ -313,7 +313,8 @@ def build_parser():
                                       "training shard, <name>_train.bin)")
 
     b = sub.add_parser("bench", help="tokens/ms of the engines (and PyTorch eager) side by side")
-    b.add_argument("--model", default="d12", choices=sorted(MODELS))
+    b.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(MODELS),
+                   help="the model (default %(default)s)")
     batches = [1, 4, 8]
     b.add_argument("--batches", default=batches, type=_CHECKS["positive_list"]("--batches"),
                    help=f"comma-separated B values (default {_listed(batches)})")
@@ -337,7 +338,7 @@ def build_parser():
     c.add_argument("--steps", type=_CHECKS["positive"]("--steps"), default=None,
                    help=f"traced steps per calibration run, after one warm-up (default: "
                         f"{STEPS}; {QUICK_STEPS} with --quick)")
-    c.add_argument("--model", default="d12", choices=sorted(MODELS),
+    c.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(MODELS),
                    help="the model of the traced runs (default %(default)s, GPT-2 124M; "
                         "smaller ones only to test the calibration)")
     c.add_argument("--quick", action="store_true",
@@ -346,7 +347,8 @@ def build_parser():
 
     pd = sub.add_parser("predict", help="predict tokens/ms of a configuration from the task "
                                         "graph and the calibrated cost model")
-    pd.add_argument("--model", default="d12", choices=sorted(MODELS))
+    pd.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(MODELS),
+                    help="the model (default %(default)s)")
     pd.add_argument("--batch", type=_CHECKS["positive"]("--batch"), default=4,
                     help="sequences per step (default %(default)s); with a list of --ranks, per rank (weak "
                          "scaling, as the paper's Figure 4)")

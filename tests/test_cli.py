@@ -1047,6 +1047,34 @@ def test_the_engines_are_stated_once(tmp_path):
             call()
 
 
+def test_the_default_model_is_stated_once():
+    """Every subcommand's --model, calibrate(), the traced runs and predict's layouts default
+    to model/config.DEFAULT_MODEL; train's --model is None (a checkpoint may give the model)
+    and a new run without one starts from DEFAULT_MODEL (training/resume.load_model), which
+    its help names. A "d12" written again anywhere would diverge."""
+    import argparse
+    import inspect
+
+    from starpu_llm import cli
+    from starpu_llm.model.config import DEFAULT_MODEL
+    from starpu_llm.perf.calibrate import calibrate, traced_runs
+    from starpu_llm.perf.predict import layouts
+    from starpu_llm.training.resume import load_model
+    from starpu_llm.training.trainer import TrainConfig
+    p = cli.build_parser()
+    (sub,) = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
+    defaults = {command: a.default for command, c in sub.choices.items()
+                for a in c._actions if a.dest == "model"}
+    assert defaults.pop("train") is None
+    assert defaults == {c: DEFAULT_MODEL for c in ("bench", "calibrate", "predict")}
+    for fn in (calibrate, traced_runs, layouts):
+        assert inspect.signature(fn).parameters["model"].default == DEFAULT_MODEL, fn.__name__
+    (model,) = [a for a in sub.choices["train"]._actions if a.dest == "model"]
+    assert f"default: {DEFAULT_MODEL} = GPT-2 124M" in model.help
+    state, saved = load_model(TrainConfig(), lazy=True)
+    assert saved is None and state.config == MODELS[DEFAULT_MODEL]
+
+
 def test_generate_defaults_are_stated_once():
     """generate's defaults live in flow/generate.Generating alone: `generate` without flags
     gives its fields, each number flag's help says that value, and run_generate's and

@@ -191,6 +191,9 @@ MODELS = {
     "micro": GPTConfig(max_seq_len=32, vocab_size=250, padded_vocab_size=256,
                        num_layers=2, num_heads=2, channels=32),
 }
+# The model a command trains, benchmarks, calibrates or predicts when not told (train: unless
+# --init-from or --resume gives one): GPT-2 124M, the paper's.
+DEFAULT_MODEL = "d12"
 
 
 class ParamLayout:

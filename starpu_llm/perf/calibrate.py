@@ -43,7 +43,7 @@ import time
 
 import numpy as np
 
-from ..model.config import MODELS
+from ..model.config import DEFAULT_MODEL, MODELS
 from ..errors import StarpuLLMError
 from .runs import cpu_description, run_in_subprocess
 from ..plan.partition import shapes
@@ -342,7 +342,7 @@ def total_error(samples: list, m: Machine) -> dict:
 
 # ---------------------------------------------------------------- the runs
 
-def traced_runs(cores: int, steps: int, log, model: str = "d12", sub_batch=FIT_SUB_BATCH,
+def traced_runs(cores: int, steps: int, log, model: str = DEFAULT_MODEL, sub_batch=FIT_SUB_BATCH,
                 long_seq: bool = True, only=None) -> tuple[list, list, list]:
     """Traced runs of each partition (only: of those (N, K) alone) at each sub_batch size
     (FIT_SEQ_LEN), and (long_seq) with one sequence of the model's full length per sub-batch;
@@ -399,7 +399,7 @@ def traced_runs(cores: int, steps: int, log, model: str = "d12", sub_batch=FIT_S
     return samples, history, overheads
 
 
-def calibrate(path: str, steps: int | None = None, log=print, model: str = "d12",
+def calibrate(path: str, steps: int | None = None, log=print, model: str = DEFAULT_MODEL,
               disk_bytes: int = 1 << 30, quick: bool = False, only=None,
               link_run: bool = True) -> Machine:
     """Calibrate this machine on `model` (GPT-2 124M; the tests use a small one) into path;

@@ -11,7 +11,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, replace
 
-from ..model.config import MODELS
+from ..model.config import DEFAULT_MODEL, MODELS
 from ..errors import StarpuLLMError, opt
 from ..plan.sites import Sites
 from ..plan.topology import OWNERSHIPS, Topology
@@ -65,7 +65,7 @@ def _record_apart(model: str, B: int, T: int, sites: Sites, attention: str | Non
             return pickle.load(f)
 
 
-def layouts(ranks: int, ownership=None, stages=None, model: str = "d12") -> list:
+def layouts(ranks: int, ownership=None, stages=None, model: str = DEFAULT_MODEL) -> list:
     """The distinct (ownership, pipeline stages) of `ranks` ranks for the ownerships and stage
     counts asked for (predict's --ownership and --pipeline-stages: a list, or auto: every one;
     None: sharded, 1 stage), each to resolve into a Partition (target_partition): each

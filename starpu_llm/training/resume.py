@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 
-from ..model.config import MODELS, GPTConfig
+from ..model.config import DEFAULT_MODEL, MODELS, GPTConfig
 from ..errors import StarpuLLMError, opt
 from ..io import checkpoint, hf
 from ..io.formats import params_crc
@@ -21,8 +21,6 @@ from ..plan.partition import request_of
 from ..runtime.starpu import resolve_here
 from ..model.state import RandomInit, TrainState, random_init
 from .schedule import check_schedule
-
-DEFAULT_MODEL = "d12"       # GPT-2 124M, when neither --init-from nor --resume gives one
 
 
 def model_name(config: GPTConfig) -> str:

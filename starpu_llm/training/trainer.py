@@ -24,8 +24,8 @@ from typing import NamedTuple
 from . import resume
 from .. import signals
 from .checkpointing import check_outputs, check_checkpoint_dir, save_final
-from ..model.config import (ADAM_BETAS, DECAYED, DEFAULT_DECAYED, MODELS, AdamW, GPTConfig,
-                            check_batch_shape)
+from ..model.config import (ADAM_BETAS, DECAYED, DEFAULT_DECAYED, DEFAULT_MODEL, MODELS, AdamW,
+                            GPTConfig, check_batch_shape)
 from .engines import (autotuned, calibrated_peak, calibration, check_memory, make_engine,
                       run_partition, start_runtime)
 from ..errors import StarpuLLMError, flag, opt, render
@@ -51,7 +51,7 @@ MEMORY = "memory budget (StarPU engine)"     # the help group of the memory flag
 class TrainConfig(PartitionRequest):
     """A run's settings: each field with help is a `starpu-llm train` flag (cli.py makes them);
     the partition's fields come from PartitionRequest (plan/partition.py)."""
-    model: str | None = setting(None, f"model size (default: {resume.DEFAULT_MODEL} = GPT-2 "
+    model: str | None = setting(None, f"model size (default: {DEFAULT_MODEL} = GPT-2 "
                                 "124M; with --init-from or --resume, the checkpoint's: a "
                                 "contradicting one is refused)",
                                 choices=sorted(MODELS))
