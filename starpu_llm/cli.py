@@ -10,7 +10,6 @@ when its stdout or stderr is closed)."""
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import signal
 import sys
@@ -382,7 +381,6 @@ def build_parser():
     _model_run_args(g, "starpu: the task graph with a key/value cache; reference: the same "
                        "kernels in a plain loop")
 
-    from .serve.settings import Edges     # plain dataclasses: no serve extra needed
     sv = sub.add_parser("serve", help="serve a model (llm.c checkpoint with GPT-2's vocabulary) "
                                       "over HTTP with OpenAI's completions API, batching the "
                                       "requests (docs/serving.md)")
@@ -399,7 +397,7 @@ def build_parser():
                          "tokenizers ship them (default: 'Role: content' lines ending in "
                          "'Assistant:', docs/serving.md)")
     add_setting_args(sv, serving_settings("shutdown_timeout", "stall_timeout", "log_level"))
-    _serve_edge_args(sv, Edges())
+    _serve_edge_args(sv)
 
     from .training.hellaswag import DEFAULT_ROWS
     ev = sub.add_parser("eval", help="HellaSwag's accuracy of a model (llm.c checkpoint with "
@@ -439,44 +437,28 @@ def _model_run_args(p, engine: str = "starpu: the task graph; reference: the sam
                          help=f"N StarPU workers (default: 1, on all the cores){workers}")})
 
 
-def _serve_edge_args(sv, dflt):
-    """serve's access, timeout and size flags (serve/middleware.py), their defaults dflt's (a
-    serve/settings.Edges)."""
-    seconds = _checked(float, "a number of seconds", lambda v: math.isfinite(v) and v > 0, "> 0")
-    sv.add_argument("--api-key", type=_api_key, default=dflt.api_key,
+def _serve_edge_args(sv):
+    """serve's access, timeout and size flags (serve/middleware.py): the key and the origins,
+    then serve/settings.Edges' settings."""
+    from .serve.settings import Edges     # a plain dataclass: no serve extra needed
+    sv.add_argument("--api-key", type=_api_key, default=Edges.api_key,
                     help="clients must send 'Authorization: Bearer KEY' (HTTP 401 otherwise; "
                          "GET /health stays open); default: $STARPU_LLM_API_KEY, else no key")
-    sv.add_argument("--allow-origin", action="append", default=list(dflt.allow_origins),
+    sv.add_argument("--allow-origin", action="append", default=list(Edges.allow_origins),
                     metavar="ORIGIN",
                     help="an origin (https://host[:port], or *) whose web pages may call the "
                          "server (CORS); a request from another origin (a browser's Origin "
                          "header) is refused with HTTP 403; repeatable; default: none")
-    sv.add_argument("--header-timeout", type=seconds("--header-timeout"),
-                    default=dflt.header_timeout,
-                    help="seconds a connection has to send a whole request head (default "
-                         "%(default)g)")
-    sv.add_argument("--body-timeout", type=seconds("--body-timeout"), default=dflt.body_timeout,
-                    help="seconds a request body may pause before HTTP 408, and a client may "
-                         "leave the answer unread before its connection is cut (default "
-                         "%(default)g)")
-    sv.add_argument("--idle-timeout", type=seconds("--idle-timeout"), default=dflt.idle_timeout,
-                    help="seconds a kept-alive connection may idle between two requests "
-                         "(default %(default)g: above a load balancer's or proxy's 60)")
-    sv.add_argument("--max-connections", type=_CHECKS["positive"]("--max-connections"),
-                    default=dflt.max_connections,
-                    help="connections open at once (default %(default)s); one more closes the "
-                         "one idle the longest, or with none idle is answered 503")
-    sv.add_argument("--max-body", type=_CHECKS["positive"]("--max-body"), default=dflt.max_body,
-                    metavar="MIB",
-                    help="the largest request body, in MiB; a larger one is refused with HTTP "
-                         "413 as it arrives (default %(default)s)")
+    add_setting_args(sv, [f for f in fields(Edges) if "help" in f.metadata])
 
 
 def _api_key(s, name="--api-key"):
-    """serve --api-key (or $STARPU_LLM_API_KEY, name): a key clients can send in a header."""
-    if not s or s.strip() != s or not s.isprintable() or not s.isascii():
-        raise argparse.ArgumentTypeError(f"{name} must be printable ASCII, not empty and "
-                                         f"without spaces around it")
+    """serve --api-key (or $STARPU_LLM_API_KEY, name): serve/settings.check_api_key's rule."""
+    from .serve.settings import check_api_key
+    try:
+        check_api_key(s, name)
+    except StarpuLLMError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return s
 
 
@@ -639,10 +621,9 @@ def _serve_edges(args) -> dict:
             key = _api_key(os.environ["STARPU_LLM_API_KEY"], "STARPU_LLM_API_KEY")
         except argparse.ArgumentTypeError as e:
             raise StarpuLLMError(f"{e} (or unset: no key)") from None
+    from .serve.settings import Edges
     return dict(api_key=key, allow_origins=tuple(args.allow_origin),
-                header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-                idle_timeout=args.idle_timeout, max_connections=args.max_connections,
-                max_body=args.max_body)
+                **{f.name: getattr(args, f.name) for f in fields(Edges) if "help" in f.metadata})
 
 
 def cmd_eval(args):

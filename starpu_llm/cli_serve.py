@@ -24,7 +24,7 @@ from .errors import StarpuLLMError
 from .io import tokenizer
 from .plan.partition import ENGINES
 from .plan.settings import check_fields
-from .serve.settings import Serving
+from .serve.settings import Edges, Serving
 
 SERVE_INSTALL = "pip install 'starpu-llm[serve]' (make install does it)"
 BACKLOG = 2048        # connections waiting to be accepted (uvicorn's default)
@@ -170,13 +170,13 @@ def run_serve(init_from, host: str = Serving.host, port: int = Serving.port,
     check_fields(Serving(host=host, port=port, max_batch=max_batch, max_queue=max_queue,
                          shutdown_timeout=shutdown_timeout, stall_timeout=stall_timeout,
                          log_level=log_level))        # the flags' rules, for a Python caller
+    edges = Edges(**(edges or {}))                  # its own (Edges.__post_init__)
     request = request or PartitionRequest()
     partition = resolve_here(request, engine=engine)      # bad flags fail before the model loads
     uvicorn, create_app, Metrics = _web()
     from .serve import middleware
     from .serve.chat import load_template
     from .serve.engine import Engine
-    edges = middleware.Edges(**(edges or {}))
     template = load_template(chat_template) if chat_template is not None else None
     metrics = Metrics(max_batch)
     protocol = middleware.http_protocol(edges, metrics)     # a uvicorn it cannot use: said now

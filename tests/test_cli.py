@@ -1145,11 +1145,11 @@ def test_every_default_a_help_states_is_the_flags():
 
     from starpu_llm import cli
     from starpu_llm.flow.generate import Generating
-    from starpu_llm.serve.settings import Serving
+    from starpu_llm.serve.settings import Edges, Serving
     from starpu_llm.training.trainer import TrainConfig
     wrong, read = _wrong_defaults(cli.build_parser())
     assert not wrong and read >= 40, (wrong, read)
-    for cls in (TrainConfig, Generating, Serving):      # a setting's value: its own field's
+    for cls in (TrainConfig, Generating, Serving, Edges):      # a setting's value: its own field's
         for f in fields(cls):
             for m in re.finditer(r"(?:\(|; )default ([^\s;)]+)", f.metadata.get("help", "")):
                 assert m.group(1).startswith("%(default"), (f.name, m.group(0))

@@ -170,6 +170,54 @@ def test_serve_settings_keep_their_flags_rules_from_python(tmp_path, name, value
             Engine(lambda: None, None, None, None, **{name: value})
 
 
+@pytest.mark.parametrize("name, value, message", [
+    ("header_timeout", 0, "header_timeout must be a finite number > 0, got 0"),
+    ("body_timeout", -1.5, "body_timeout must be a finite number > 0, got -1.5"),
+    ("idle_timeout", float("inf"), "idle_timeout must be a finite number > 0, got inf"),
+    ("idle_timeout", "75", "idle_timeout expects a number, got '75'"),
+    ("max_connections", 0, "max_connections must be at least 1, got 0"),
+    ("max_body", 2.5, "max_body expects a whole number, got 2.5"),
+])
+def test_edges_keep_their_flags_rules_from_python(monkeypatch, tmp_path, name, value, message):
+    """serve/settings.Edges' settings keep one rule each: the flag refuses a bad value with a
+    usage error naming it, and Edges made from Python (run_serve's edges, before the model is
+    read; middleware's) with one StarpuLLMError naming the field (the old flag-only rule let
+    Edges(header_timeout=0) through to a server that closed every connection at once)."""
+    from starpu_llm.cli_serve import run_serve
+    from starpu_llm.serve.settings import Edges
+    with pytest.raises(StarpuLLMError, match=f"^{re.escape(message)}$"):
+        Edges(**{name: value})
+    with pytest.raises(StarpuLLMError, match=f"^{re.escape(message)}$"):
+        run_serve(str(tmp_path / "no-such-model.bin"), edges={name: value})
+    flag = "--" + name.replace("_", "-")
+    monkeypatch.setattr(cli._Parser, "format_usage", lambda self: "")
+    if not isinstance(value, str):          # "75" is a number to the flag
+        with pytest.raises(cli.UsageError, match=f"error: argument {re.escape(flag)}: "
+                                                 f"{re.escape(flag)} (must be|expects) "):
+            cli.build_parser().parse_args(["serve", "--init-from", "m.bin", flag, str(value)])
+    assert getattr(Edges(**{name: 7}), name) == 7       # in range: taken as given
+
+
+@pytest.mark.parametrize("edges, message", [
+    (dict(api_key=" key"), "api_key must be printable ASCII, not empty and without spaces "
+                           "around it"),
+    (dict(api_key=""), "api_key must be printable ASCII"),
+    (dict(allow_origins="https://ui.example"), "allow_origins expects a tuple of origins"),
+    (dict(allow_origins=("https://ui.example", None)), "allow_origins expects a tuple of origins"),
+])
+def test_the_key_and_the_origins_are_checked_from_python(edges, message):
+    """Edges' key keeps --api-key's rule (serve/settings.check_api_key, also the flag's and
+    $STARPU_LLM_API_KEY's) and its origins must be a tuple of names (a string would be
+    taken letter by letter); the message names the field, never the key."""
+    from starpu_llm.serve.settings import Edges
+    with pytest.raises(StarpuLLMError, match=f"^{re.escape(message)}") as e:
+        Edges(**edges)
+    assert " key" not in str(e.value).replace("api_key", "")
+    assert Edges(api_key="k-1", allow_origins=["*"]).allow_origins == ["*"]
+    with pytest.raises(cli.UsageError, match="--api-key must be printable ASCII"):
+        cli.build_parser().parse_args(["serve", "--init-from", "m.bin", "--api-key", " key"])
+
+
 def test_an_idle_connection_lasts_the_idle_timeout_and_a_stall_mid_request_does_not():
     """Between two requests a connection idles up to --idle-timeout (10 s here), however short
     the head timeout (1 s): idle 2.5 s, its next request is answered; then it is closed.

@@ -67,6 +67,8 @@ CHECKS = {
                            lambda v: min(v) >= 1, "at least 1 each"),
     "nonneg": Check(float, "a number", _number, lambda v: math.isfinite(v) and v >= 0,
                     "a finite number >= 0"),
+    "positive_number": Check(float, "a number", _number,
+                             lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
     "nonneg_int": Check(int, "a whole number", _whole, lambda v: v >= 0, ">= 0"),
     "probability": Check(float, "a number", _number, lambda v: 0 < v <= 1, "in (0, 1]"),
     "unit": Check(float, "a number", _number, lambda v: 0 <= v < 1, "in [0, 1)"),

@@ -1,12 +1,13 @@
 """`starpu-llm serve`'s settings and their defaults, each stated here once: cli.py builds the
-flags (their defaults, the numbers in their help and, for Serving's, their rules) from these,
-cli_serve.py and serve/middleware.py read the values. Nothing heavy is imported here, so that the parser reads
-the defaults without the serve extra (Starlette, uvicorn) installed."""
+flags (their defaults, the numbers in their help, their rules) from these, cli_serve.py and
+serve/middleware.py read the values. Nothing heavy is imported here, so that the parser
+reads the defaults without the serve extra (Starlette, uvicorn) installed."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..plan.settings import setting
+from ..errors import StarpuLLMError, opt
+from ..plan.settings import check_fields, setting
 
 
 @dataclass(frozen=True)
@@ -38,20 +39,51 @@ class Serving:
                              choices=["critical", "error", "warning", "info", "debug"])
 
 
+def check_api_key(key, name: str) -> None:
+    """--api-key's rule (name: how the error names it: the flag, $STARPU_LLM_API_KEY, the
+    field): a key clients can send in a header. The message does not repeat the key."""
+    if not isinstance(key, str) or not key or key.strip() != key or not key.isprintable() \
+            or not key.isascii():
+        raise StarpuLLMError(f"{name} must be printable ASCII, not empty and without spaces "
+                             f"around it")
+
+
 @dataclass(frozen=True)
 class Edges:
     """The flags of serve/middleware.py (docs/serving.md): the key, the origins CORS allows,
-    the timeouts in seconds, the connections open at once and the largest request body, in
-    MiB. idle_timeout is above the 60 s for which load balancers and proxies keep an idle
-    connection to a backend (AWS ALB, nginx's upstream keepalive_timeout): a backend that
-    closes first races the balancer's next request on that connection, which then fails (a
-    502). max_body: --max-batch prompts that fit GPT-2's context are far smaller (a prompt of
-    maxT = 1024 tokens is at most 128 Ki characters, 12 bytes each as JSON's escaped
-    surrogate pairs: 1.5 MiB)."""
+    and, each a setting (its default, help and rule: the flag's and, made from Python,
+    __post_init__'s), the timeouts in seconds, the connections open at once and the largest
+    request body, in MiB. idle_timeout is above the 60 s for which load balancers and proxies
+    keep an idle connection to a backend (AWS ALB, nginx's upstream keepalive_timeout): a
+    backend that closes first races the balancer's next request on that connection, which
+    then fails (a 502). max_body: --max-batch prompts that fit GPT-2's context are far
+    smaller (a prompt of maxT = 1024 tokens is at most 128 Ki characters, 12 bytes each as
+    JSON's escaped surrogate pairs: 1.5 MiB). api_key and allow_origins are not settings:
+    their flags (cli.py) also read $STARPU_LLM_API_KEY and repeat."""
     api_key: str | None = None
     allow_origins: tuple = ()
-    header_timeout: float = 30.0
-    body_timeout: float = 30.0
-    idle_timeout: float = 75.0
-    max_connections: int = 512
-    max_body: int = 16
+    header_timeout: float = setting(30.0, "seconds a connection has to send a whole request "
+                                    "head (default %(default)g)", check="positive_number")
+    body_timeout: float = setting(30.0, "seconds a request body may pause before HTTP 408, and "
+                                  "a client may leave the answer unread before its connection "
+                                  "is cut (default %(default)g)", check="positive_number")
+    idle_timeout: float = setting(75.0, "seconds a kept-alive connection may idle between two "
+                                  "requests (default %(default)g: above a load balancer's or "
+                                  "proxy's 60)", check="positive_number")
+    max_connections: int = setting(512, "connections open at once (default %(default)s); one "
+                                   "more closes the one idle the longest, or with none idle is "
+                                   "answered 503", check="positive")
+    max_body: int = setting(16, "the largest request body, in MiB; a larger one is refused "
+                            "with HTTP 413 as it arrives (default %(default)s)",
+                            check="positive", metavar="MIB")
+
+    def __post_init__(self):
+        """Made from Python (run_serve's edges, a test's server), each field holds what its
+        flag would take: else one StarpuLLMError naming the field."""
+        check_fields(self)
+        if self.api_key is not None:
+            check_api_key(self.api_key, opt("api_key"))
+        if not isinstance(self.allow_origins, (tuple, list)) or not all(
+                isinstance(o, str) and o for o in self.allow_origins):
+            raise StarpuLLMError(f"{opt('allow_origins')} expects a tuple of origins "
+                                 f"(https://host[:port], or *), got {self.allow_origins!r}")
