@@ -70,8 +70,11 @@ def test_each_rule_says_what_to_do():
         resolve(PartitionRequest(workers=1, cores_per_worker=2), cores=1, build=DEBIAN)
     assert resolve(PartitionRequest(workers=1, cores_per_worker=2, oversubscribe=True),
                    cores=1, build=DEBIAN).cores_per_worker == 2
-    with pytest.raises(StarpuLLMError, match="at least 1"):
+    # the fields' own rules (plan/settings.check_fields), resolve's first check and its only
+    with pytest.raises(StarpuLLMError, match="^workers must be at least 1, or auto, got 0$"):
         resolve(PartitionRequest(workers=0), cores=2, build=DEBIAN)
+    with pytest.raises(StarpuLLMError, match="^cores_per_worker must be at least 1, got 0$"):
+        resolve(PartitionRequest(cores_per_worker=0), cores=2, build=DEBIAN)
     with pytest.raises(StarpuLLMError, match="above 64"):
         resolve(PartitionRequest(cores_per_worker=65, oversubscribe=True), cores=2, build=CLUSTER)
     with pytest.raises(StarpuLLMError, match="^kcore 'threads': choose one of") as e:

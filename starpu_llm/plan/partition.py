@@ -203,9 +203,7 @@ def resolve(req: PartitionRequest, *, cores: int, build: Build, ranks: int = 1,
     if req.threads:
         raise StarpuLLMError(f"{opt('threads')} sets the reference engine's threads; the StarPU "
                              f"engine's cores are {opt('workers')} x {opt('cores_per_worker')}")
-    kcore = req.kcore or DEFAULT_KCORE
-    if kcore not in KCORE_REQUESTS:
-        raise StarpuLLMError(f"{opt('kcore')} {kcore!r}: choose one of {', '.join(KCORE_REQUESTS)}")
+    kcore = req.kcore or DEFAULT_KCORE        # one of KCORE_REQUESTS: check_fields
     _check_gpus(req, kcore, build, memory_limit)
     gpus = req.gpus
     free = min(cores, build.max_cpus) if kcore == "forkjoin" else cores
@@ -214,10 +212,6 @@ def resolve(req: PartitionRequest, *, cores: int, build: Build, ranks: int = 1,
     if workers == "auto":
         raise StarpuLLMError(f"{opt('workers')} auto is the autotuner's to settle (engines.autotuned) "
                              f"before the partition is resolved")
-    if (workers is not None and workers < 1) or (cores_per_worker is not None
-                                                  and cores_per_worker < 1):
-        raise StarpuLLMError(f"{opt('workers')} ({workers}) and {opt('cores_per_worker')} "
-                             f"({cores_per_worker}) must be at least 1")
     if workers is None and cores_per_worker is None:
         workers, cores_per_worker = 1, free
     elif cores_per_worker is None:
