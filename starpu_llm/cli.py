@@ -196,6 +196,12 @@ def train_settings():
     return _train_settings()
 
 
+def train_settings_named(*names):
+    """The train settings of these names, in declaration order: bench's and predict's flags
+    that mean what train's do (the same default, rule and short option)."""
+    return [f for f in train_settings() if f.name in names]
+
+
 def _sweep(conv, flag: str, choices):
     """An argparse type for a sweep field in bench and predict: a comma-separated list of
     values (each as train takes it: conv, or one of choices), or auto: every value that fits
@@ -300,7 +306,8 @@ def build_parser():
                          "(llm.c's tinyshakespeare convention)")
     pr.add_argument("--out-dir", default=".", type=_given("--out-dir"),
                     help="where the shards go (default: .)")
-    pr.add_argument("--val-tokens", type=_CHECKS["positive"]("--val-tokens"), default=32768,
+    from .io.data import VAL_TOKENS
+    pr.add_argument("--val-tokens", type=_CHECKS["positive"]("--val-tokens"), default=VAL_TOKENS,
                     help="the text's first tokens that make the validation shard (default "
                          "%(default)s); the rest make the training shard")
     pr.add_argument("--shard-tokens", type=_CHECKS["positive"]("--shard-tokens"), default=None,
@@ -317,7 +324,7 @@ def build_parser():
     batches = [1, 4, 8]
     b.add_argument("--batches", default=batches, type=_CHECKS["positive_list"]("--batches"),
                    help=f"comma-separated B values (default {_listed(batches)})")
-    b.add_argument("--seq-len", type=_CHECKS["positive"]("--seq-len"), default=64)
+    add_setting_args(b, train_settings_named("seq_len"))
     b.add_argument("--steps", type=_CHECKS["positive"]("--steps"), default=10,
                    help="timed steps (default %(default)s)")
     add_setting_args(b, partition_settings("workers", "cores_per_worker", "sub_batches", "kcore"),
@@ -331,8 +338,11 @@ def build_parser():
 
     c = sub.add_parser("calibrate", help="measure this machine's cost model for `predict` "
                                          "(a few minutes; one file per machine)")
-    c.add_argument("--out", metavar="PATH", type=_given("--out"), help="where to write it (default: "
-                                                 "~/.cache/starpu-llm/machine-HOST.toml)")
+    from .perf.machine import default_path
+    machine_file = default_path().replace("%", "%%")        # as argparse's help shows it
+    c.add_argument("--out", metavar="PATH", type=_given("--out"),
+                   help=f"where to write it (default: {machine_file}, this host's file in "
+                        f"$STARPU_LLM_HOME or the user's cache)")
     from .perf.calibrate import QUICK_STEPS, STEPS
     c.add_argument("--steps", type=_CHECKS["positive"]("--steps"), default=None,
                    help=f"traced steps per calibration run, after one warm-up (default: "
@@ -348,10 +358,9 @@ def build_parser():
                                         "graph and the calibrated cost model")
     pd.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(MODELS),
                     help="the model (default %(default)s)")
-    pd.add_argument("--batch", type=_CHECKS["positive"]("--batch"), default=4,
-                    help="sequences per step (default %(default)s); with a list of --ranks, per rank (weak "
-                         "scaling, as the paper's Figure 4)")
-    pd.add_argument("--seq-len", type=_CHECKS["positive"]("--seq-len"), default=64)
+    add_setting_args(pd, train_settings_named("batch", "seq_len"), overrides={"batch": dict(
+        help="sequences per step (default %(default)s); with a list of --ranks, per rank (weak "
+             "scaling, as the paper's Figure 4)")})
     ranks = [1]
     pd.add_argument("--ranks", type=_CHECKS["positive_list"]("--ranks"), default=ranks,
                     help=f"MPI processes, one per node (default {_listed(ranks)}); a "
@@ -360,11 +369,12 @@ def build_parser():
     add_setting_args(pd, partition_settings("workers", "cores_per_worker", "sub_batches",
                                             "ownership", "pipeline_stages"), sweep=True,
                      overrides=SWEPT_WORKERS)
-    pd.add_argument("--memory-limit", metavar="SIZE",
-                    help="one process training under `train --memory-limit SIZE`: the disk "
-                         "traffic of StarPU's eviction and its time at the calibrated disk "
-                         "bandwidth are added")
-    pd.add_argument("--calibration", metavar="PATH", type=_given("--calibration"), help="this machine's calibration file")
+    add_setting_args(pd, train_settings_named("memory_limit"), overrides={"memory_limit": dict(
+        help="one process training under `train --memory-limit SIZE`: the disk traffic of "
+             "StarPU's eviction and its time at the calibrated disk bandwidth are added")})
+    pd.add_argument("--calibration", metavar="PATH", type=_given("--calibration"),
+                    help=f"this machine's calibration file (default: {machine_file}, "
+                         f"calibrate's)")
     pd.add_argument("--machine", metavar="FILE", type=_given("--machine"), help="predict for another machine described "
                                                       "in FILE (TOML: docs/perfmodel.md, \"What-if: the "
                                                       "paper's node\"; examples in the source's "

@@ -1075,6 +1075,59 @@ def test_the_default_model_is_stated_once():
     assert saved is None and state.config == MODELS[DEFAULT_MODEL]
 
 
+def test_bench_predict_and_prepare_read_their_defaults_where_they_are_decided():
+    """bench's --seq-len and predict's --batch, --seq-len and --memory-limit are train's
+    settings (a configuration benchmarked or predicted is one `train` runs): TrainConfig's
+    default, rule and short option (an empty --memory-limit was ignored by predict); bench's
+    --steps alone differs in meaning (timed steps after a warm-up). prepare's --val-tokens
+    defaults to io/data.VAL_TOKENS, prepare()'s own default."""
+    import argparse
+    import inspect
+    from dataclasses import fields
+
+    from starpu_llm import cli
+    from starpu_llm.io import data
+    from starpu_llm.training.trainer import TrainConfig
+    p = cli.build_parser()
+    (sub,) = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
+    train = {f.name: f.default for f in fields(TrainConfig) if "help" in f.metadata}
+    shared = {}
+    for command in ("bench", "predict"):
+        for a in sub.choices[command]._actions:
+            if a.dest in train and a.dest not in {f.name for f in cli.partition_settings(
+                    *train)} | {"model", "steps"}:
+                shared[command, a.dest] = (a.default, a.option_strings)
+                bad, why = ("", "is empty") if a.dest == "memory_limit" else ("0", "must be at "
+                                                                               "least 1, got 0")
+                with pytest.raises(cli.UsageError, match=f"{a.option_strings[0]} {why}"):
+                    p.parse_args([command, a.option_strings[0], bad])
+    assert shared == {("bench", "seq_len"): (train["seq_len"], ["--seq-len", "-t"]),
+                      ("predict", "batch"): (train["batch"], ["--batch", "-b"]),
+                      ("predict", "seq_len"): (train["seq_len"], ["--seq-len", "-t"]),
+                      ("predict", "memory_limit"): (train["memory_limit"], ["--memory-limit"])}
+    (val,) = [a for a in sub.choices["prepare"]._actions if a.dest == "val_tokens"]
+    assert val.default == data.VAL_TOKENS == \
+        inspect.signature(data.prepare).parameters["val_tokens"].default
+
+
+def test_the_calibration_files_help_names_is_the_one_used(monkeypatch, tmp_path):
+    """calibrate's --out and predict's --calibration say perf/machine.default_path(), the
+    file they use without the flag, where $STARPU_LLM_HOME puts it (the help said
+    ~/.cache/starpu-llm whatever the environment); a % in it is shown as is."""
+    import argparse
+
+    from starpu_llm import cli
+    from starpu_llm.perf.machine import default_path
+    monkeypatch.setenv("STARPU_LLM_HOME", str(tmp_path / "100%"))
+    p = cli.build_parser()
+    (sub,) = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
+    for command, dest in (("calibrate", "out"), ("predict", "calibration")):
+        c = sub.choices[command]
+        (a,) = [a for a in c._actions if a.dest == dest]
+        shown = " ".join(c._get_formatter()._expand_help(a).split())
+        assert f"(default: {default_path()}," in shown and "100%" in default_path(), shown
+
+
 def test_generate_defaults_are_stated_once():
     """generate's defaults live in flow/generate.Generating alone: `generate` without flags
     gives its fields, each number flag's help says that value, and run_generate's and

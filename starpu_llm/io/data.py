@@ -116,7 +116,12 @@ def _ids(text: str) -> np.ndarray:
     return np.asarray(encode(text.replace("\n\n", "\n\n" + EOT_TEXT)), dtype=np.uint16)
 
 
-def prepare(source, out_dir, val_tokens: int = 32768, name: str | None = None,
+# the text's first tokens that make the validation shard, unless told (`prepare --val-tokens`;
+# the bundled Shakespeare's cache): llm.c's tinyshakespeare split
+VAL_TOKENS = 32768
+
+
+def prepare(source, out_dir, val_tokens: int = VAL_TOKENS, name: str | None = None,
             block: int = 8 << 20, shard_tokens: int | None = None) -> tuple[str, str]:
     """Tokenize a text into llm.c shards; return (train, val_path), train the training shard's
     path or (shard_tokens given) the glob pattern of the training shards.
