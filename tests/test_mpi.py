@@ -282,7 +282,7 @@ def test_an_error_on_one_rank_ends_every_rank_with_its_message_once(shard, tmp_p
     nothing trained."""
     good = train_args(shard, str(tmp_path / "m.jsonl"))
     bad, says = {"missing shard": (train_args(str(tmp_path / "nope.bin"), str(tmp_path / "m.jsonl")),
-                                   "rank 1: token shard file"),
+                                   "rank 1: --train-data: token shard file"),
                  "missing checkpoint": (good + ["--resume", str(tmp_path / "nope.bin")],
                                         "rank 1: checkpoint file"),
                  "another batch": (train_args(shard, str(tmp_path / "m.jsonl"), batch=8),
