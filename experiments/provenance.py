@@ -66,6 +66,33 @@ def cpuinfo() -> tuple[str, list]:
     return model, flags
 
 
+def cpu_generation(text: str) -> str:
+    """x86 family and model from /proc/cpuinfo's text, with AMD's Zen generation where they name
+    it ("family 26 model 2 (Zen 5)"): every AMD EPYC VM reports the model name "AMD EPYC", and a
+    Zen 4's and a Zen 5's results must be told apart (both have AVX-512)."""
+    def field(name):
+        for line in text.splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == name:
+                return value.strip()
+        return ""
+    family, model = field("cpu family"), field("model")
+    if not (family.isdigit() and model.isdigit()):
+        return "?"
+    f, m = int(family), int(model)
+    zen = ""
+    if field("vendor_id") == "AuthenticAMD":
+        if f == 26:
+            zen = "Zen 5"
+        elif f == 25:   # Zen 3: Milan 0x01, Vermeer 0x21, Rembrandt 0x44, Cezanne 0x50;
+            # Zen 4: Genoa 0x11, Raphael 0x61, Phoenix 0x74-0x78, Bergamo 0xa0
+            zen = ("Zen 4" if 0x10 <= m <= 0x1f or 0x60 <= m <= 0x7f or 0xa0 <= m <= 0xaf
+                   else "Zen 3")
+        elif f == 23:
+            zen = "Zen 2" if m >= 0x30 else "Zen"
+    return f"family {f} model {m}" + (f" ({zen})" if zen else "")
+
+
 def cpu_kind() -> str:
     """A folder name for this kind of CPU: its model name and widest vector ISA, e.g.
     amd-epyc-avx2 (the results of two CPU kinds must not overwrite each other)."""
@@ -90,7 +117,13 @@ def machine_info() -> dict:
     except PackageNotFoundError:
         torch_version = "not installed"
     model, flags = cpuinfo()
-    return {"cpu_model": model, "cpu": cpu_description(), "isa": " ".join(flags),
+    try:
+        with open("/proc/cpuinfo") as f:
+            generation = cpu_generation(f.read())
+    except OSError:
+        generation = "?"
+    return {"cpu_model": model, "cpu_generation": generation, "cpu": cpu_description(),
+            "isa": " ".join(flags),
             "cores": usable_cores(), "host": os.uname().nodename,
             "starpu_version": ".".join(str(x[0]) for x in v),
             "starpu_fxt": starpu_has_fxt(),

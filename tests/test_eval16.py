@@ -820,3 +820,19 @@ def test_a_stage_past_its_time_is_cut_and_the_run_ends_by_its_deadline(tmp_path)
         f = tmp_path / "figures.pid"
         if f.exists() and alive(int(f.read_text())):
             os.kill(int(f.read_text()), 9)
+
+
+def test_results_tell_a_zen_4_from_a_zen_5():
+    # every AMD EPYC VM names itself "AMD EPYC" and both have AVX-512: the x86 family and model
+    # (machine.json's cpu_generation) say which CPU measured what
+    from provenance import cpu_generation
+
+    def info(vendor, family, model):
+        return f"vendor_id\t: {vendor}\ncpu family\t: {family}\nmodel\t\t: {model}\nmodel name\t: X\n"
+    assert cpu_generation(info("AuthenticAMD", 26, 2)) == "family 26 model 2 (Zen 5)"
+    assert cpu_generation(info("AuthenticAMD", 25, 0x11)) == "family 25 model 17 (Zen 4)"
+    assert cpu_generation(info("AuthenticAMD", 25, 1)) == "family 25 model 1 (Zen 3)"
+    assert cpu_generation(info("GenuineIntel", 6, 85)) == "family 6 model 85"
+    assert cpu_generation("model name\t: AMD EPYC\n") == "?"
+    with open("/proc/cpuinfo") as f:       # this machine's, as machine_info records it
+        assert cpu_generation(f.read()).startswith("family ")
