@@ -303,6 +303,10 @@ BAD = [
     (b'{"model": "tiny", "prompt": "\\ud800"}', 400, "lone surrogate"),
     (b'{"model": "tiny", "prompt": "caf\xe9"}', 400, "not valid UTF-8"),
     (b'{"model": "tiny", "prompt": "Hi", "temperature": NaN}', 400, "not valid JSON"),
+    (b'{"model": "tiny", "prompt": "Hi", "seed": ' + b"7" * 5000 + b'}', 400,
+     "seed is an integer of 5000 digits; this API takes integers of at most 100 digits"),
+    (b'{"model": "tiny", "prompt": [1, -' + b"7" * 4301 + b']}', 400,
+     "prompt[1] is an integer of 4301 digits"),
     ({"model": "gpt-4", "prompt": "Hi"}, 404, "this server serves 'tiny'"),
     ({"model": 5, "prompt": "Hi"}, 400, "model must be a string, got 5"),
     (b'{"model": "tiny", "prompt": "' + b"a" * (17 << 20) + b'"}', 413, "larger than 16 MiB"),
@@ -316,10 +320,34 @@ def test_bad_input_is_one_clear_error(server, expected, body, status, message):
     err = r.json()["error"]
     assert message in err["message"], err["message"]
     assert "Traceback" not in err["message"] and "\n" not in err["message"]
+    assert "sys." not in err["message"]             # no word of Python's internals
     # and the server goes on serving
     ok = server.post({"model": "tiny", "prompt": "ROMEO:", "max_tokens": 3, "temperature": 0,
                       "ignore_eos": True})
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == text_of(expected["ROMEO:"][:3])
+
+
+@pytest.mark.parametrize("body, field, message", [
+    (b'{"seed": %s}', "seed", "seed is an integer of 4301 digits"),
+    (b'{"prompt": [[1], [2, %s]]}', "prompt", "prompt[1][1] is an integer of 4301 digits"),
+    (b'{"messages": [{"content": [{"text": %s}]}]}', "messages",
+     "messages[0].content[0].text is an integer of 4301 digits"),
+    (b'[1, %s]', None, "the request body holds an integer of 4301 digits"),
+])
+def test_an_integer_of_thousands_of_digits_names_its_field(body, field, message):
+    """An integer past Python's 4300 digits was a 400 quoting Python's own error
+    ("use sys.set_int_max_str_digits() to increase the limit") and naming no field: it is one
+    400 naming the field (its path) or the body, before any check of the fields; the
+    strings and floats of as many digits, and integers of 100, parse as before."""
+    from starpu_llm.serve import api
+    from starpu_llm.serve.errors import BadRequest
+    with pytest.raises(BadRequest) as e:
+        api.parse_json(body % (b"-" + b"9" * 4301))
+    assert e.value.message.startswith(message) and "sys." not in e.value.message
+    assert e.value.param == field and e.value.status == 400
+    digits = "7" * 4301
+    assert api.parse_json(b'{"a": "%s", "b": 0.%s, "c": %s}' % ((digits.encode(),) * 2 + (
+        b"1" * 100,))) == {"a": digits, "b": float("0." + digits), "c": int("1" * 100)}
 
 
 def test_a_top_k_beyond_the_vocabulary_keeps_every_token(server):

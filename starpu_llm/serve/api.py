@@ -36,6 +36,11 @@ MAX_STOP = 4                # OpenAI's limit on stop strings
 # brackets were a RecursionError); the API's deepest body (a chat message's content parts)
 # nests far less.
 MAX_DEPTH = 16
+# Integers of more digits are refused as they are parsed: the widest value a field takes is a
+# seed (20 digits), and converting a long digit string costs time quadratic in its length
+# (Python refuses beyond 4300 digits, with a message about its own internals).
+MAX_DIGITS = 100
+_DIGITS = re.compile(rb"[0-9]{%d}" % (MAX_DIGITS + 1))
 
 
 # name -> the neutral value: OpenAI fields accepted only at it (not implemented here)
@@ -142,6 +147,28 @@ def _reject_constant(name):
     raise ValueError(f"{name} is not a JSON number")
 
 
+class _Long:
+    """An integer of more than MAX_DIGITS digits, as parse_json's hooks leave it: in place of
+    the integer, and of each object holding it; `where` is the path to it from there
+    (".seed", ".prompt[3]")."""
+
+    def __init__(self, where: str = ""):
+        self.where = where
+
+
+def _long_in(v) -> str | None:
+    """The path to a _Long in v, a parsed value (its arrays searched; its objects, parsed
+    before, are one themselves if they held it), or None."""
+    if isinstance(v, _Long):
+        return v.where
+    if isinstance(v, list):
+        for i, x in enumerate(v):
+            where = _long_in(x)
+            if where is not None:
+                return f"[{i}]{where}"
+    return None
+
+
 def max_values(max_batch: int, cache_len: int, V: int) -> int:
     """The most JSON values a request body may hold (parse_json's max_values): max_batch
     prompts of cache_len token ids, a logit_bias over the whole vocabulary, and room for the
@@ -170,7 +197,8 @@ def parse_json(body: bytes, max_values: int | None = None) -> dict:
     """The request body as a JSON object (BadRequest for anything else). Before it is parsed:
     nesting deeper than MAX_DEPTH is refused, and with max_values (api.max_values) a body of
     more values, so that a prompt of millions of token ids is refused in milliseconds instead
-    of becoming millions of Python integers."""
+    of becoming millions of Python integers. An integer of more than MAX_DIGITS digits is
+    refused naming its field."""
     bare = _STRING.sub(b'""', body)       # the brackets and commas of strings left out
     values = bare.count(b",") + 1         # about: every member of a container but its first
     if max_values is not None and values > max_values:
@@ -183,6 +211,7 @@ def parse_json(body: bytes, max_values: int | None = None) -> dict:
         if deepest > MAX_DEPTH:
             raise BadRequest(f"the request body nests arrays and objects {deepest} deep; this "
                              f"API takes at most {MAX_DEPTH} levels")
+    longs = _DIGITS.search(bare) is not None      # of a number: the strings are left out
     del bare
     try:
         text = body.decode("utf-8")
@@ -190,12 +219,43 @@ def parse_json(body: bytes, max_values: int | None = None) -> dict:
         raise BadRequest(f"the request body is not valid UTF-8 (byte 0x{body[e.start]:02x} at "
                          f"offset {e.start}); send the JSON encoded in UTF-8") from None
     try:
-        obj = json.loads(text, parse_constant=_reject_constant)
+        obj = (json.loads(text, parse_constant=_reject_constant) if not longs else
+               _parse_with_longs(text))
     except (json.JSONDecodeError, ValueError, RecursionError) as e:
         raise BadRequest(f"the request body is not valid JSON: {e}") from None
     if not isinstance(obj, dict):
         raise BadRequest(f"the request body must be a JSON object, got {_json_kind(obj)}")
     return obj
+
+
+def _parse_with_longs(text: str):
+    """text parsed (json.loads) when it holds a run of more than MAX_DIGITS digits: BadRequest
+    naming the field of the first integer that long (a float that long is parsed)."""
+    digits = []             # of each integer over MAX_DIGITS, in the order parsed
+
+    def integer(s: str):
+        n = len(s) - s.startswith("-")
+        if n <= MAX_DIGITS:
+            return int(s)
+        digits.append(n)
+        return _Long()
+
+    def members(pairs):
+        for k, v in pairs:
+            where = _long_in(v)
+            if where is not None:
+                return _Long(f".{k}{where}")
+        return dict(pairs)
+    obj = json.loads(text, parse_constant=_reject_constant, parse_int=integer,
+                     object_pairs_hook=members)
+    where = _long_in(obj)
+    if where is None:
+        return obj
+    field = where[1:] if where.startswith(".") else None      # else not in an object
+    raise BadRequest(f"{field + ' is' if field else 'the request body holds'} an integer of "
+                     f"{digits[0]} digits; this API takes integers of at most {MAX_DIGITS} "
+                     f"digits (a seed has at most 20)",
+                     field and re.match(r"[^.\[]*", field).group())
 
 
 def _json_kind(v) -> str:
