@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import sys
 import traceback
@@ -459,6 +460,12 @@ def _serve_edge_args(sv):
                     help="an origin (https://host[:port], or *) whose web pages may call the "
                          "server (CORS); a request from another origin (a browser's Origin "
                          "header) is refused with HTTP 403; repeatable; default: none")
+    sv.add_argument("--allow-host", action="append", type=_host_flag,
+                    default=list(Edges.allow_hosts), metavar="NAME",
+                    help="a host name (or *) clients may reach the server by, beyond --host's "
+                         "(and localhost on loopback; an IP address always): a request whose "
+                         "Host header names another is refused with HTTP 400 (DNS rebinding); "
+                         "repeatable; default: none, but any with --host 0.0.0.0 or ::")
     add_setting_args(sv, [f for f in fields(Edges) if "help" in f.metadata])
 
 
@@ -470,6 +477,19 @@ def _api_key(s, name="--api-key"):
     except StarpuLLMError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return s
+
+
+_HOST_NAME = re.compile(r"[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?(\.[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?)*")
+
+
+def _host_flag(s):
+    """serve --allow-host: a host name as a Host header gives it (lower case, no port), or *."""
+    name = s.lower().rstrip(".")
+    if name != "*" and not _HOST_NAME.fullmatch(name):
+        raise argparse.ArgumentTypeError(
+            f"--allow-host {s!r} is not a host name: give the name alone, as in --allow-host "
+            f"myhost.lan (no scheme, port or path), or * for any")
+    return name
 
 
 INIT_FROM_HELP = ("the model: an llm.c fp32 checkpoint, a Hugging Face GPT-2 folder, or a Hub "
@@ -633,6 +653,7 @@ def _serve_edges(args) -> dict:
             raise StarpuLLMError(f"{e} (or unset: no key)") from None
     from .serve.settings import Edges
     return dict(api_key=key, allow_origins=tuple(args.allow_origin),
+                allow_hosts=tuple(args.allow_host),
                 **{f.name: getattr(args, f.name) for f in fields(Edges) if "help" in f.metadata})
 
 

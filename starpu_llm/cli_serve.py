@@ -220,7 +220,8 @@ def run_serve(init_from, host: str = Serving.host, port: int = Serving.port,
                 if len(stopped) != 2:
                     super().handle_exit(sig, frame)
 
-        app = middleware.wrap(create_app(eng, model, template), edges, metrics)
+        hosts = middleware.host_names(host, sock.getsockname()[0], edges.allow_hosts)
+        app = middleware.wrap(create_app(eng, model, template), edges, hosts, metrics)
         server = Server(uvicorn.Config(app, log_level=log_level, lifespan="off",
                                        timeout_graceful_shutdown=shutdown_timeout + 5,
                                        http=protocol,

@@ -350,6 +350,18 @@ def test_an_integer_of_thousands_of_digits_names_its_field(body, field, message)
         b"1" * 100,))) == {"a": digits, "b": float("0." + digits), "c": int("1" * 100)}
 
 
+def test_a_host_header_of_another_name_is_refused(server):
+    """The server run by the command checks the Host header against its --host 127.0.0.1
+    (tests/test_serve_edges.py has the rule): a rebinding domain's name is 400 naming
+    --allow-host, the address and localhost are served."""
+    r = httpx.get(server.url + "/v1/models", headers={"Host": "rebound.example"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "host_not_allowed"
+    assert "--allow-host rebound.example" in r.json()["error"]["message"]
+    for host in (f"localhost:{server.port}", f"127.0.0.1:{server.port}"):
+        assert httpx.get(server.url + "/v1/models", headers={"Host": host},
+                         timeout=60).status_code == 200
+
+
 def test_a_top_k_beyond_the_vocabulary_keeps_every_token(server):
     """top_k of 10^20 (past a C long) is every token, as top_k 0: the same seeded draw, and
     the server goes on (it ended on an OverflowError)."""
@@ -384,7 +396,8 @@ def raw_request(port, body: dict):
     """A POST /v1/completions sent on a socket of our own (so that the test closes it)."""
     data = json.dumps(body).encode()
     s = socket.create_connection(("127.0.0.1", port), timeout=120)
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+              b"Content-Type: application/json\r\n"
               b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
     return s
 
@@ -717,10 +730,11 @@ def test_stalled_connections_are_closed(edged):
         return edges_test.connect(edged.port, data)
     until_closed = edges_test.rest_until_closed
     nothing = connect(b"")
-    half_head = connect(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
-    half_body = connect(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+    half_head = connect(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+    half_body = connect(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                        b"Authorization: Bearer "
                         + KEY.encode() + b"\r\nContent-Length: 100\r\n\r\n{\"model\"")
-    idle = connect(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    idle = connect(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     assert until_closed(nothing) == b""
     assert until_closed(half_head) == b""
     answer = until_closed(half_body)
@@ -735,7 +749,7 @@ def test_a_client_leaving_mid_body_is_one_line(edged):
     rid = "left-mid-body-1"
     before = edged.metric('starpu_llm_requests_total{outcome="cancelled"}')
     s = socket.create_connection(("127.0.0.1", edged.port), timeout=120)
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
               + KEY.encode() + b"\r\nX-Request-Id: " + rid.encode()
               + b"\r\nContent-Length: 100\r\n\r\n{\"model\": ")
     s.close()

@@ -24,7 +24,8 @@ from starpu_llm.errors import StarpuLLMError
 from starpu_llm.serve import middleware
 from starpu_llm.serve.metrics import Metrics
 
-GET = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+GET = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+HEAD = b"%s %s HTTP/1.1\r\nHost: %s\r\n%s\r\n"      # method, path, host, other headers
 BIG = 64 << 20          # an answer beyond any socket's buffers
 
 
@@ -49,7 +50,9 @@ def serving(edges: middleware.Edges, metrics=None, big_ended=None):
         return StreamingResponse(pieces())
     app = middleware.wrap(Starlette(routes=[Route("/health", health),
                                             Route("/echo", echo, methods=["POST"]),
-                                            Route("/big", big)]), edges, metrics)
+                                            Route("/big", big)]), edges,
+                          middleware.host_names("127.0.0.1", "127.0.0.1", edges.allow_hosts),
+                          metrics)
     sock = listen_socket("127.0.0.1", 0)
     server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning",
                                            http=middleware.http_protocol(edges, metrics),
@@ -235,7 +238,7 @@ def test_an_idle_connection_lasts_the_idle_timeout_and_a_stall_mid_request_does_
         half_head = connect(port, GET)
         assert answer(half_head).startswith(b"HTTP/1.1 200 ")
         half_head.sendall(b"GET /health HTTP/1.1\r\nHo")
-        half_body = connect(port, b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 10"
+        half_body = connect(port, b"POST /echo HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 10"
                                   b"\r\n\r\nabc")
         assert rest_until_closed(half_head) == b""
         got = rest_until_closed(half_body)
@@ -260,7 +263,7 @@ def test_one_connection_beyond_max_connections():
         assert rest_until_closed(idle) == b""                    # made room for the third
         third.sendall(b"GET /health HTTP/1.1\r\n")                 # busy too now
         body = b'{"prompt": "Hi"}'
-        over = connect(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+        over = connect(port, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
                              b"application/json\r\nContent-Length: %d\r\n\r\n%s"
                        % (len(body), body))
         got = rest_until_closed(over)
@@ -297,10 +300,10 @@ def test_a_body_over_max_body_is_413_as_it_arrives():
     the limit; a body under it is served."""
     with serving(middleware.Edges(max_body=1)) as port:
         over = (1 << 20) + 1
-        declared = connect(port, b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n"
+        declared = connect(port, b"POST /echo HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: %d\r\n"
                                  b"\r\n" % over)
         chunk = b"%x\r\n%s\r\n" % (1 << 16, b"a" * (1 << 16))
-        chunked = connect(port, b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: "
+        chunked = connect(port, b"POST /echo HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: "
                                 b"chunked\r\n\r\n" + chunk * 17)
         for s in (declared, chunked):
             head, _, text = answer(s).partition(b"\r\n\r\n")
@@ -309,7 +312,7 @@ def test_a_body_over_max_body_is_413_as_it_arrives():
             assert "larger than 1 MiB (--max-body)" in err["message"], err
             s.close()
         body = b"a" * (1 << 20)
-        ok = connect(port, b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+        ok = connect(port, b"POST /echo HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: %d\r\n\r\n%s"
                            % (len(body), body))
         assert json.loads(answer(ok).partition(b"\r\n\r\n")[2]) == {"got": 1 << 20}
         ok.close()
@@ -325,8 +328,8 @@ def test_a_web_page_of_another_origin_is_refused():
     it runs (a plain-text POST needs no CORS preflight: any site a user visited ran
     completions on their local server, CORS only hiding the answer); a named origin, "*",
     and clients without an Origin (curl, OpenAI's) are served."""
-    post = (b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\n%sContent-Length: "
-            b"2\r\n\r\n{}")
+    post = (b"POST /echo HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: text/plain\r\n%s"
+            b"Content-Length: 2\r\n\r\n{}")
     with serving(middleware.Edges(allow_origins=("https://ui.example",))) as port:
         s = connect(port, post % b"Origin: https://evil.example\r\n")
         head, _, text = answer(s).partition(b"\r\n\r\n")
@@ -344,6 +347,81 @@ def test_a_web_page_of_another_origin_is_refused():
         s.close()
 
 
+def test_a_host_header_of_another_name_is_refused():
+    """DNS rebinding: a page of a domain whose DNS then answers 127.0.0.1 is same-origin with
+    the server, so its GETs (/v1/models, /health, /metrics: no key) were read, whatever the
+    Origin check. A Host that is not the server's name, localhost (on loopback) or an
+    --allow-host name is 400 host_not_allowed naming the flag, before it runs; any IP address
+    is served (a rebinding needs a name)."""
+    with serving(middleware.Edges()) as port:
+        for host in (b"evil.example:%d" % port, b"EVIL.example.", b"localhost.evil.example"):
+            s = connect(port, HEAD % (b"GET", b"/health", host, b""))
+            head, _, text = answer(s).partition(b"\r\n\r\n")
+            s.close()
+            assert head.startswith(b"HTTP/1.1 400 "), (host, head)
+            err = json.loads(text)["error"]
+            name = host.decode().lower().split(":")[0].rstrip(".")
+            assert err["code"] == "host_not_allowed", err
+            assert f"--allow-host {name}" in err["message"], err
+        for host in (b"127.0.0.1:%d" % port, b"localhost:%d" % port, b"LocalHost",
+                     b"app.localhost", b"[::1]:%d" % port, b"10.1.2.3"):
+            s = connect(port, HEAD % (b"GET", b"/health", host, b""))
+            assert answer(s).startswith(b"HTTP/1.1 200 "), host
+            s.close()
+    with serving(middleware.Edges(allow_hosts=("llm.lan",))) as port:
+        for host, status in ((b"llm.lan:80", b"200"), (b"evil.example", b"400")):
+            s = connect(port, HEAD % (b"GET", b"/health", host, b""))
+            assert answer(s).startswith(b"HTTP/1.1 %s " % status), host
+            s.close()
+    # which names: the server's own and --allow-host's; any on every interface without one
+    assert middleware.host_names("127.0.0.1", "127.0.0.1", ()) == {"127.0.0.1", "localhost"}
+    assert middleware.host_names("llm.lan", "192.168.1.5", ("x.lan",)) == {"llm.lan", "x.lan"}
+    for bound in ("0.0.0.0", "::"):
+        assert middleware.host_names(bound, bound, ()) is None
+        assert middleware.host_names(bound, bound, ("x.lan",)) == {bound, "x.lan",
+                                                                   "localhost"}
+    assert middleware.host_names("127.0.0.1", "127.0.0.1", ("*",)) is None
+    p = cli.build_parser()
+    serve = ["serve", "--init-from", "m.bin"]
+    args = p.parse_args(serve + ["--allow-host", "LLM.lan.", "--allow-host", "*"])
+    assert cli._serve_edges(args)["allow_hosts"] == ("llm.lan", "*")
+    for bad in ("http://llm.lan", "llm.lan:8000", "", "a b"):
+        with pytest.raises(cli.UsageError, match="--allow-host"):
+            p.parse_args(serve + ["--allow-host", bad])
+
+
+@pytest.mark.parametrize("encoding", [b"gzip", b"deflate", b"br, identity"])
+def test_an_encoded_body_is_415(encoding):
+    """A body with a Content-Encoding other than identity was read as plain bytes and failed
+    as UTF-8 or JSON; it is 415 naming the header (refused, not decoded: no client of this
+    API compresses, and a decoder is a zip bomb's way past --max-body), after its body is
+    read under --max-body (a larger one stays a 413); identity is served."""
+    import gzip
+    body = gzip.compress(b'{"model": "m"}')
+    with serving(middleware.Edges(max_body=1)) as port:
+        s = connect(port, HEAD % (b"POST", b"/echo", b"127.0.0.1",
+                                  b"Content-Encoding: %s\r\nContent-Length: %d\r\n"
+                                  % (encoding, len(body))) + body)
+        head, _, text = answer(s).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 415 "), head
+        err = json.loads(text)["error"]
+        assert err["code"] == "unsupported_content_encoding"
+        assert f"(Content-Encoding: {encoding.decode()})" in err["message"], err
+        s.sendall(GET)                      # the body was read: the connection goes on
+        assert answer(s).startswith(b"HTTP/1.1 200 ")
+        s.close()
+        chunk = b"%x\r\n%s\r\n" % (1 << 16, b"a" * (1 << 16))
+        s = connect(port, HEAD % (b"POST", b"/echo", b"127.0.0.1",
+                                  b"Content-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n")
+                    + chunk * 17)
+        assert answer(s).startswith(b"HTTP/1.1 413 ")
+        s.close()
+        s = connect(port, HEAD % (b"POST", b"/echo", b"127.0.0.1",
+                                  b"Content-Encoding: Identity\r\nContent-Length: 2\r\n") + b"{}")
+        assert json.loads(answer(s).partition(b"\r\n\r\n")[2]) == {"got": 2}
+        s.close()
+
+
 def test_a_client_that_reads_nothing_of_its_answer_is_cut():
     """A client that sends its request and never reads (its receive window full) held its
     connection, and the answer's bytes in the server, for ever (a streamed completion's
@@ -356,7 +434,7 @@ def test_a_client_that_reads_nothing_of_its_answer_is_cut():
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         s.settimeout(120)
         s.connect(("127.0.0.1", port))
-        s.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+        s.sendall(b"GET /big HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         assert ended.wait(120), "the server still waits for the client to read"
         got = 0
         with contextlib.suppress(ConnectionResetError):

@@ -269,7 +269,7 @@ def test_healthy_probes_are_not_logged_at_info(caplog):
     async def health(request):
         return JSONResponse({}, status["code"])
     app = middleware.wrap(Starlette(routes=[Route("/health", health), Route("/other", health)]),
-                          middleware.Edges())
+                          middleware.Edges(), None)
     with TestClient(app) as client, caplog.at_level(logging.INFO, "uvicorn.error"):
         client.get("/health")
         status["code"] = 503

@@ -4,6 +4,11 @@
               plain one, else a new one), and the log line of the request names it (one line
               per request at --log-level info, in place of uvicorn's access line; a GET
               /health answered 200 at debug);
+  Host        a request whose Host header names another host than the server's (a name of
+              host_names(): --host's, localhost when it listens on loopback, --allow-host's;
+              an IP address is always taken) is refused with 400 before it runs: a web page of a
+              domain its owner rebinds to this address (DNS rebinding) is then same-origin,
+              and would read the answers the Origin check lets through;
   API key     with Edges.api_key, every request but GET /health needs the header
               "Authorization: Bearer KEY": without it, HTTP 401 in OpenAI's error shape;
   CORS        closed (no Access-Control-* header: browsers refuse cross-origin calls) unless
@@ -25,6 +30,8 @@
               answered 503 with Retry-After and closed;
   body size   a body over max_body MiB is answered 413 and the connection closed, as it
               arrives (its Content-Length, or its bytes so far), never held whole;
+  encoding    a body with a Content-Encoding other than identity is read (under the limits
+              above) and answered 415;
   client gone a client that leaves while sending its body is one log line, no traceback;
   counting    a POST /v1/... answered 4xx by the checks counts once as "invalid", one whose
               client left mid-body as "cancelled" (serve/metrics.py; the engine counts the
@@ -34,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import json
 import logging
 import re
@@ -53,10 +61,11 @@ HEALTH = ("GET", "/health")            # open without the key: a supervisor's pr
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")    # a client's X-Request-Id that we keep
 
 
-def wrap(app, edges: Edges, metrics=None):
+def wrap(app, edges: Edges, hosts: frozenset | None, metrics=None):
     """The ASGI application serving app (a Starlette application, not yet started) behind the
-    edges: request id outermost (so that every answer has one), then CORS, then the key;
-    the body's guard goes inside Starlette's own error handling, next to the routes."""
+    edges: request id outermost (so that every answer has one), then the Host check (hosts:
+    host_names()'s names; None: any), CORS, the key; the body's guard goes inside Starlette's
+    own error handling, next to the routes."""
     app.add_middleware(_BodyGuard, edges=edges, metrics=metrics)
     outer = app
     if edges.api_key is not None:
@@ -68,7 +77,46 @@ def wrap(app, edges: Edges, metrics=None):
                                allow_methods=["GET", "POST"],
                                allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
                                expose_headers=["X-Request-Id"])
+    if hosts is not None:
+        outer = _Host(outer, hosts)
     return _RequestId(outer, metrics)
+
+
+def host_names(host: str, bound: str, allow_hosts) -> frozenset | None:
+    """The host names (lower case) a request's Host header may give, the server listening on
+    --host host, bound to the address bound, with --allow-host's names allow_hosts; None: any.
+    Any, when it listens on every interface (0.0.0.0, ::) and --allow-host names none: the
+    operator opened it to whatever names its clients use (a LAN name, a load balancer's, a
+    container service's), none of which the server can know, and without a key anyone who
+    reaches the port has the model anyway (a warning at start); --allow-host closes it."""
+    if "*" in allow_hosts:
+        return None
+    address = ipaddress.ip_address(bound.partition("%")[0])
+    if address.is_unspecified and not allow_hosts:
+        return None
+    names = {h.lower().rstrip(".") for h in (host, *allow_hosts)}
+    if address.is_loopback or address.is_unspecified:
+        names.add("localhost")
+    return frozenset(names)
+
+
+def _host_name(value: bytes) -> str:
+    """The host of a Host header's value (example.com:8000, [::1]:8000), lower case, without
+    its port or trailing dot."""
+    v = value.decode("latin-1").strip().lower()
+    if v.startswith("["):
+        v = v[1:].partition("]")[0]
+    elif v.count(":") == 1:
+        v = v.partition(":")[0]
+    return v.rstrip(".")
+
+
+def _ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        return False
 
 
 async def _json(send, status: int, body: dict, headers=()):
@@ -173,6 +221,31 @@ class _Origin:
             code="origin_not_allowed"))
 
 
+class _Host:
+    """A request whose Host header gives a name that is not one of names (host_names()'s),
+    nor an IP address, nor under .localhost when localhost is among them: HTTP 400, before it runs.
+    A DNS rebinding needs a name (its owner's DNS answers this server's address), so an
+    address is never one; a request without Host (HTTP/1.0) runs."""
+
+    def __init__(self, app, names: frozenset):
+        self.app, self.names = app, names
+
+    async def __call__(self, scope, receive, send):
+        given = _header(scope, b"host") if scope["type"] == "http" else None
+        if given is None:
+            return await self.app(scope, receive, send)
+        name = _host_name(given)
+        if (name in self.names or _ip(name)
+                or ("localhost" in self.names and name.endswith(".localhost"))):
+            return await self.app(scope, receive, send)
+        scope.setdefault("state", {})["why"] = f"its Host header names {name}"
+        await _json(send, 400, error_body(
+            f"this server does not answer requests for the host {name} (the Host header): a "
+            f"web page of a domain pointed at this server's address would read its answers; "
+            f"to serve that name, start the server with --allow-host {name}",
+            code="host_not_allowed"))
+
+
 class _BodyStalled(Exception):
     pass
 
@@ -200,6 +273,8 @@ class _BodyGuard:
         declared = (_header(scope, b"content-length") or b"").strip()
         if declared.isdigit() and int(declared) > limit:
             return await self._too_large(send, state, int(declared))
+        encoding = (_header(scope, b"content-encoding") or b"identity").strip().lower()
+        app = self.app if encoding == b"identity" else _unencoded_only(encoding, state)
         got, whole, started = 0, False, False
 
         async def guarded_receive():
@@ -222,7 +297,7 @@ class _BodyGuard:
             await send(message)
 
         try:
-            await self.app(scope, guarded_receive, tracked_send)
+            await app(scope, guarded_receive, tracked_send)
         except _BodyTooLarge:
             if not started:
                 await self._too_large(send, state, got)
@@ -247,6 +322,35 @@ class _BodyGuard:
             [(b"connection", b"close")])
 
 
+async def _drain(receive, timeout=None) -> None:
+    """The rest of the request body read and dropped (None: receive's own deadline): a close
+    over unread bytes resets the connection, and the client never reads the answer."""
+    more = True
+    while more:
+        try:
+            message = await asyncio.wait_for(receive(), timeout)
+        except asyncio.TimeoutError:
+            break
+        more = message["type"] == "http.request" and message.get("more_body", False)
+
+
+def _unencoded_only(encoding: bytes, state):
+    """The application of a body with a Content-Encoding other than identity: its body read
+    (under the guard's size and time limits) and dropped, then HTTP 415. Refused, not decoded:
+    no client of this API compresses its requests, and a decoder would be a decompression
+    bomb's way past --max-body."""
+    shown = encoding.decode("latin-1")
+
+    async def refuse(scope, receive, send):
+        state["why"] = f"its body is encoded (Content-Encoding: {shown}); answered 415"
+        await _drain(receive)
+        await _json(send, 415, error_body(
+            f"the request body is encoded (Content-Encoding: {shown}); this server reads only "
+            f"bodies sent as they are: send it without Content-Encoding",
+            code="unsupported_content_encoding"))
+    return refuse
+
+
 def _refuse(edges: Edges, metrics=None):
     """The application of a connection beyond edges.max_connections, none idle to close: 503,
     the connection closed; behind the request id (its header, its log line) and counted
@@ -254,13 +358,7 @@ def _refuse(edges: Edges, metrics=None):
     async def refuse(scope, receive, send):
         if metrics is not None and _counted(scope):
             metrics.rejected()
-        more = True
-        while more:     # the body read first: a close over unread bytes resets the connection
-            try:        # and the client never reads the answer
-                message = await asyncio.wait_for(receive(), edges.body_timeout)
-            except asyncio.TimeoutError:
-                break
-            more = message["type"] == "http.request" and message.get("more_body", False)
+        await _drain(receive, edges.body_timeout)
         await _json(send, 503, error_body(
             f"the server has {edges.max_connections} connections open, its most "
             f"(--max-connections), none of them idle; retry in a second", "server_busy"),

@@ -51,17 +51,19 @@ def check_api_key(key, name: str) -> None:
 @dataclass(frozen=True)
 class Edges:
     """The flags of serve/middleware.py (docs/serving.md): the key, the origins CORS allows,
-    and, each a setting (its default, help and rule: the flag's and, made from Python,
+    the host names beyond the server's own that a request's Host header may give, and, each a
+    setting (its default, help and rule: the flag's and, made from Python,
     __post_init__'s), the timeouts in seconds, the connections open at once and the largest
     request body, in MiB. idle_timeout is above the 60 s for which load balancers and proxies
     keep an idle connection to a backend (AWS ALB, nginx's upstream keepalive_timeout): a
     backend that closes first races the balancer's next request on that connection, which
     then fails (a 502). max_body: --max-batch prompts that fit GPT-2's context are far
     smaller (a prompt of maxT = 1024 tokens is at most 128 Ki characters, 12 bytes each as
-    JSON's escaped surrogate pairs: 1.5 MiB). api_key and allow_origins are not settings:
-    their flags (cli.py) also read $STARPU_LLM_API_KEY and repeat."""
+    JSON's escaped surrogate pairs: 1.5 MiB). api_key, allow_origins and allow_hosts are
+    not settings: their flags (cli.py) also read $STARPU_LLM_API_KEY and repeat."""
     api_key: str | None = None
     allow_origins: tuple = ()
+    allow_hosts: tuple = ()
     header_timeout: float = setting(30.0, "seconds a connection has to send a whole request "
                                     "head (default %(default)g)", check="positive_number")
     body_timeout: float = setting(30.0, "seconds a request body may pause before HTTP 408, and "
@@ -87,3 +89,7 @@ class Edges:
                 isinstance(o, str) and o for o in self.allow_origins):
             raise StarpuLLMError(f"{opt('allow_origins')} expects a tuple of origins "
                                  f"(https://host[:port], or *), got {self.allow_origins!r}")
+        if not isinstance(self.allow_hosts, (tuple, list)) or not all(
+                isinstance(h, str) and h for h in self.allow_hosts):
+            raise StarpuLLMError(f"{opt('allow_hosts')} expects a tuple of host names (or *), "
+                                 f"got {self.allow_hosts!r}")
