@@ -14,6 +14,13 @@ the data. Every test skips without a CUDA build or without a GPU, naming which.
   - `--grad-clip` through train() with --gpus 1 against test_train_features' clipped oracle.
   - `--grad-accum 2`: the first step's loss and gradients against torch's batch of the 2B
     sequences (test_train_features' bounds, with the fused attention).
+  - HellaSwag: each ending's mean loss on the GPU within the TF32 bound of the CPU's, the same
+    picks where that bound decides them; `eval --gpus 1` and `train --gpus 1 --hellaswag` score
+    as the CPU;
+  - `--train-data` a glob of shards: at lr 0 the single shard's losses bit for bit, trained
+    within the oracle's TF32 bounds;
+  - `--version`: the driver's CUDA and each GPU's sm_XX as nvidia-smi states them; `--gpus`
+    past the GPUs CUDA sees: one error naming the count.
 `pytest -s` prints the errors against their bounds and where the tasks ran."""
 import os
 from collections import Counter
@@ -29,7 +36,8 @@ from starpu_llm.runtime import Runtime
 from starpu_llm.kernels.codelets import cuda_devices
 from starpu_llm.runtime.starpu import have_cuda, placed, placement
 from partitions import here
-from test_model import STEPS, compare, make_case, param_errors, report, run_engine, run_torch
+from test_model import (STEPS, WEIGHT_DECAY, compare, make_case, param_errors, report, run_engine,
+                        run_torch)
 
 
 def _why_no_gpu():
@@ -387,3 +395,134 @@ def test_fp32_and_tf32_matmuls_keep_apart_histories(tmp_path):
         seen.append(_history_hashes(folder))
     assert seen[0], "the fp32 run wrote no sl_matmul_forward history"
     assert seen[1] > seen[0], f"the TF32 run's matmuls reused the fp32 entries: {seen}"
+
+
+# The paths that came after the tests above (HellaSwag, several shards, --version, the GPU
+# count): after them, so what a time limit cuts is these (about 30 s in all on an H200).
+
+def test_gpu_hellaswag_endings_score_as_on_the_cpu(tmp_path):
+    """HellaSwag on the GPU engine (flow/losses.TokenLosses on a StarPUBackend, TF32 matmuls,
+    the GEMM attention TokenLosses lays out): test_hellaswag's 6 examples, each ending's mean
+    loss within the TF32 loss bound of the reference engine's on the CPU, and the same pick by
+    the lowest mean (acc_norm) and the lowest sum (acc) wherever that bound decides it
+    (test_hellaswag.DECIDED, found on the CPU); the forwards' matmuls ran on the GPU."""
+    import test_hellaswag as hs
+    from starpu_llm.flow import generate as gen
+    examples = hs.scored_examples(tmp_path)
+    ref = hs.scored(gen.DirectBackend(hs.TINY, hs.PARAMS), examples)
+    with gpu_runtime("tf32") as rt:
+        backend = gen.StarPUBackend(rt, hs.TINY, hs.PARAMS)
+        try:
+            rt.start_trace(100_000)
+            got = hs.scored(backend, examples)
+            where = where_ran(rt.trace())
+            rt.stop_trace()
+        finally:
+            backend.close()
+    print("\n[hellaswag] mean loss of each ending, cpu / gpu (tf32):")
+    for cpu, gpu in zip(ref[0] / ref[1], got[0] / got[1]):
+        print("[hellaswag] " + "  ".join(f"{a:.6f}/{b:.6f}" for a, b in zip(cpu, gpu)))
+    assert hs.assert_same_endings(examples, ref, got, tf32=True) == hs.DECIDED[True]
+    assert where[("matmul_forward", "gpu")] > 0, dict(where)
+
+
+def test_gpu_eval_and_train_measure_hellaswag_as_the_cpu(tmp_path):
+    """`starpu-llm eval --hellaswag FILE --gpus 1 --gpu-matmul fp32` (a runtime of its own) and
+    `train --gpus 1 --hellaswag FILE --hellaswag-every 1` (step 0's measure on the training
+    engine's own parameter handles, on the GPU): test_hellaswag's greedy examples right, then
+    moved by one, scored 3/6 as on the CPU (every pick decided at the fp32 bound there:
+    test_engines_pick_the_same_endings_where_the_bound_decides; not all at TF32's)."""
+    import test_hellaswag as hs
+    from starpu_llm.io import formats
+    ckpt = tmp_path / "tiny.bin"
+    formats.write_checkpoint(ckpt, hs.TINY, hs.PARAMS)
+    path = hs.greedy_and_wrong_file(tmp_path)
+    rc, out, err = hs.eval_cli("--hellaswag", path, "--init-from", ckpt, "--batch", 5,
+                               "--gpus", 1, "--gpu-matmul", "fp32")
+    assert rc == 0, err
+    assert out == f"hellaswag: {path}, 6 example(s): acc 0.5000 (3/6), acc_norm 0.5000 (3/6)\n", out
+    r = train(TrainConfig(init_from=str(ckpt), hellaswag=path, hellaswag_every=1, steps=1,
+                          batch=4, seq_len=64, gpus=1, gpu_matmul="fp32", log=None))
+    assert r.hellaswag[0] == (0, 0.5), r.hellaswag
+
+
+def test_training_on_shards_is_training_on_the_shard_they_were_cut_from(tmp_path):
+    """`train --gpus 1 --train-data "dir/x_train_*.bin"`: 3 shards cut from the tiny case's
+    tokens as `prepare --shard-tokens N` cuts them (N = 4 batches; each after the first
+    begins with the one before's last token), each step's batch a memory-mapped view handed to
+    its load task (flow/step.token_pointer), 4 + 4 + 2 batches in 10 steps. At lr 0 every
+    loss is a forward of the initial weights on its batch, and the GPU's forward has a fixed
+    order (no atomics: encoder.cu's atomicAdd is in the backward, whose order moves a
+    trained run's later losses by roundings): the 10 losses are the single shard's, bit for
+    bit. Trained (the case's lr): the first loss that one, all 10 within the oracle's TF32
+    step-loss bounds."""
+    from starpu_llm.io import formats
+    case = replace(make_case("tiny"), tf32=True, attention="flash")   # train --gpus 1's defaults
+    n = 4 * case.B * case.T
+    for k in range(3):
+        formats.write_shard(str(tmp_path / f"x_train_{k:06d}.bin"),
+                            case.tokens[k * n:(k + 1) * n + 1])
+    pattern = str(tmp_path / "x_train_*.bin")
+    common = dict(model="tiny", batch=case.B, seq_len=case.T, steps=case.steps,
+                  weight_decay=WEIGHT_DECAY, gpus=1, log=None)
+    # train_data None: the single shard (data.default_dataset), the case's tokens
+    shards, single = (train(TrainConfig(train_data=d, lr=0.0, **common)).losses
+                      for d in (pattern, None))
+    assert shards == single and len(set(single)) == case.steps, (shards, single)
+    trained = np.array(train(TrainConfig(train_data=pattern, lr=case.lr, **common)).losses)
+    out = oracle(case)
+    assert trained[0] == single[0]
+    err = np.abs(trained - out["losses"])
+    assert np.all(err <= out["bounds"].step_losses), f"|loss - torch| {err} > {out['bounds'].step_losses}"
+
+
+def test_version_names_the_drivers_cuda_and_each_gpus_sm():
+    """`starpu-llm --version` on the GPU machine (cli.cuda_text): the driver's CUDA as
+    nvidia-smi states it, of a major version no older than the build's CUDA, then every GPU
+    (no CUDA_VISIBLE_DEVICES) by the compute capability nvidia-smi gives it (sm_90 on an H100
+    or H200), each one the kernels run on (no rebuild named)."""
+    import re
+    import subprocess
+    import sys
+
+    def smi(*args):
+        r = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+    driver = re.search(r"CUDA Version:\s*(\d+\.\d+)", smi()).group(1)
+    gpus = [line.rsplit(",", 1) for line in
+            smi("--query-gpu=name,compute_cap", "--format=csv,noheader").strip().splitlines()]
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    r = subprocess.run([sys.executable, "-m", "starpu_llm", "--version"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    line = r.stdout.splitlines()[2]
+    m = re.fullmatch(r"StarPU-MPI: (?:yes|no), CUDA: yes \(built with CUDA (\d+)\.(\d+) for "
+                     r"sm_\d+(?: sm_\d+)* \+ PTX compute_\d+; driver: CUDA (\d+)\.(\d+); (\d+) "
+                     r"GPU\(s\) seen: (.+)\), parallel workers: .+", line)
+    assert m, line
+    # a driver of the build's major version, minor versions either way (CUDA's minor version
+    # compatibility)
+    assert f"{m[3]}.{m[4]}" == driver and int(m[3]) >= int(m[1]), line
+    assert int(m[5]) == len(gpus), (line, gpus)
+    assert m[6] == ", ".join(f"{d}: sm_{cc.strip().replace('.', '')}"
+                             for d, (_, cc) in enumerate(gpus)), (line, gpus)
+    hopper = [d for d, (name, _) in enumerate(gpus) if "H100" in name or "H200" in name]
+    assert all(f"{d}: sm_90" in m[6] for d in hopper), (line, gpus)
+
+
+def test_gpus_past_those_cuda_sees_is_one_clear_error_naming_the_count():
+    """`train --gpus N+1` where CUDA sees N (partition._check_devices, before StarPU starts):
+    one clear error naming both, exit 2; with CUDA_VISIBLE_DEVICES empty CUDA sees none
+    (sl_gpu_devices reads cudaErrorNoDevice as 0 GPUs, not as a driver's error), and --gpus 1
+    is that error naming 0."""
+    import subprocess
+    import sys
+    from test_cli import assert_clean_error
+    n = cuda_devices()[0]
+    for env, gpus, seen in ((os.environ, n + 1, n), (dict(os.environ, CUDA_VISIBLE_DEVICES=""), 1, 0)):
+        r = subprocess.run([sys.executable, "-m", "starpu_llm", "train", "--model", "tiny",
+                            "--steps", "1", "--gpus", str(gpus)], env=env, capture_output=True,
+                           text=True, timeout=120)
+        assert_clean_error(r.returncode, r.stderr, f"--gpus {gpus}: CUDA sees {seen} GPU(s) here",
+                           f"ask for at most {seen}")

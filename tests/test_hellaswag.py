@@ -120,6 +120,87 @@ def _greedy_file(tmp_path, name, shift=0):
     return write_jsonl(tmp_path / name, rows)
 
 
+def greedy_and_wrong_file(tmp_path):
+    """_greedy_file's 3 examples right, then the same 3 with each label moved by one: acc and
+    acc_norm 3/6 (one-token endings: the lowest sum is the lowest mean)."""
+    rows = [line for shift in (0, 1)
+            for line in open(_greedy_file(tmp_path, f"greedy{shift}.jsonl", shift)).read().splitlines()]
+    return write_jsonl(tmp_path / "greedy_and_wrong.jsonl", rows)
+
+
+def scored_examples(tmp_path) -> list:
+    """EXAMPLES (the long context cut, an empty ending), then _greedy_file's: the 6 examples
+    two engines' picks are compared on."""
+    return (hellaswag.read_examples(write_jsonl(tmp_path / "hs.jsonl", EXAMPLES), TINY)
+            + hellaswag.read_examples(_greedy_file(tmp_path, "greedy.jsonl"), TINY))
+
+
+def scored(backend, examples, B: int = 5):
+    """ending_losses' (sums, counts) of examples on backend (TINY's), B rows a forward, and the
+    largest |logit| of those forwards (bounds.loss_bound's scale)."""
+    T = hellaswag.seq_len(TINY, examples)
+    losses, scale = TokenLosses(backend, B, T), [0.0]
+
+    def forward(inputs, targets):
+        got = losses(inputs, targets)
+        scale[0] = max(scale[0], float(np.abs(losses.backend.read(losses.a.logits)).max()))
+        return got
+    try:
+        return (*hellaswag.ending_losses(examples, forward, B, T), scale[0])
+    finally:
+        losses.close()
+
+
+# of scored_examples' 6, how many picks (by mean, by sum) two runs within the bound must share,
+# fp32 (False) and TF32 (True): assert_same_endings' count, found on the CPU
+# (test_engines_pick_the_same_endings_where_the_bound_decides); test_gpu.py's check of the
+# GPU's picks compares these
+DECIDED = {False: (6, 5), True: (4, 4)}
+
+
+def assert_same_endings(examples, ref, other, tf32: bool) -> tuple:
+    """scored()'s ref and other, two engines' on examples: each ending's mean loss within
+    loss_bound of two runs (the second's matmuls in TF32 when tf32; B=1 x T as
+    test_ending_losses_match_torch's), and each example's pick by the lowest mean (acc_norm)
+    and by the lowest sum (acc) the same wherever ref's leads the next by more than twice the
+    bound (within it, a tie the bound leaves open). Returns how many examples were so decided
+    (by mean, by sum)."""
+    (sums, counts, scale), (other_sums, other_counts, _) = ref, other
+    T = hellaswag.seq_len(TINY, examples)
+    means = sums / counts
+    bound = np.array([[loss_bound(TINY, 1, T, m, scale, tf32) for m in row] for row in means])
+    assert np.array_equal(other_counts, counts)
+    err = np.abs(other_sums / counts - means)
+    assert np.all(err <= bound), f"|mean loss - reference's| {err} > {bound}"
+    decided = []
+    for want, have, b in ((means, other_sums / counts, bound), (sums, other_sums, bound * counts)):
+        lead = np.diff(np.sort(want, 1)[:, :2], axis=1)[:, 0]
+        sure = lead > 2 * b.max(1)
+        assert np.array_equal(have.argmin(1)[sure], want.argmin(1)[sure]), \
+            (have.argmin(1), want.argmin(1), lead, b.max(1))
+        decided.append(int(sure.sum()))
+    return tuple(decided)
+
+
+def test_engines_pick_the_same_endings_where_the_bound_decides(runtime, tmp_path):
+    """The StarPU engine's mean loss of each ending within the fp32 bound of the reference
+    engine's, and the same picks where the bound decides them (DECIDED, also at TF32's bound:
+    what test_gpu.py's check of the GPU compares); greedy_and_wrong_file's picks all decided at
+    fp32's (its `eval --gpus 1 --gpu-matmul fp32` expects the CPU's 3/6)."""
+    examples = scored_examples(tmp_path)
+    ref = scored(gen.DirectBackend(TINY, PARAMS), examples)
+    backend = gen.StarPUBackend(runtime, TINY, PARAMS)
+    try:
+        assert assert_same_endings(examples, ref, scored(backend, examples), False) == DECIDED[False]
+    finally:
+        backend.close()
+    assert assert_same_endings(examples, ref, ref, True) == DECIDED[True]
+    greedy = hellaswag.read_examples(greedy_and_wrong_file(tmp_path), TINY)
+    g = scored(gen.DirectBackend(TINY, PARAMS), greedy)
+    assert assert_same_endings(greedy, g, g, False) == (6, 6)
+    assert hellaswag.score(greedy, *g[:2]) == (6, 3, 3)
+
+
 def test_eval_finds_the_models_greedy_ending(runtime, tiny_ckpt, tmp_path):
     """`starpu-llm eval` on both engines: every example right when the labels are the
     model's greedy choices, none when each label is moved by one; --limit scores the first

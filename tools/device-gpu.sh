@@ -21,9 +21,9 @@
 #             per-task cost depends on (and each traced step as a Gantt chart,
 #             experiments/gpu_gantt.py; each codelet against its roofline bound)
 #                                                                     -> gpu_bench.md, .csv
-#   rest      (what is left): the other GPU tests (kernels, the CUDA bodies, test_gpu.py's
-#             others, the settings; compute-sanitizer's memcheck and racecheck of the
-#             kernels)                                                          -> rest.log
+#   rest      (what is left): the other GPU tests (test_gpu.py's others, HellaSwag, shards,
+#             --version among them; compute-sanitizer's memcheck and racecheck of the
+#             kernels; the settings, the kernels, the CUDA bodies)              -> rest.log
 #
 # Each command of a stage has a time cap (capped) that ends all it started, grandchildren that
 # left its process group too, and no stage starts while an earlier one's processes live: what
@@ -249,9 +249,11 @@ stage_bench() {
 }
 
 stage_rest() {
-  # the GPU features first (decoding, generate, --grad-clip, the trace's GPU times, 2 MPI
-  # ranks sharing the GPU) and compute-sanitizer's checks of the kernels; then the settings,
-  # the kernels against their references and the CUDA bodies, in what time is left
+  # the GPU features first (decoding, generate, --grad-clip, the trace's GPU times; last in
+  # test_gpu.py, HellaSwag, a glob of shards, --version and --gpus past the GPUs seen: ~30 s
+  # more, estimated, not yet timed; then 2 MPI ranks sharing the GPU) and compute-sanitizer's
+  # checks of the kernels, in that order, so a cap cuts the sanitizer's first; then the
+  # settings, the kernels against their references and the CUDA bodies, in what time is left
   local rc1 rc2 sanitizer=test_gpu_kernels_pass_compute_sanitizer
   pytest_gpu "$(limit 240 0)" "$repo/tests/test_gpu.py" "$repo/tests/test_mpi.py" \
       "$repo/tests/test_kernels.py" \
