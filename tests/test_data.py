@@ -127,8 +127,14 @@ def test_prepare_refuses_what_is_not_text_wherever_a_block_ends(tmp_path):
     out = tmp_path / "out"
     nul = tmp_path / "utf16.txt"                   # valid UTF-8, but UTF-16 text or binary
     nul.write_bytes("Hello\n\nworld\n".encode("utf-16-le"))
-    with pytest.raises(StarpuLLMError, match="utf16.txt has a NUL byte at offset 1.*iconv -f UTF-16"):
-        prepare(nul, out, val_tokens=1)
+    for block in (1, 2, 3, 64):                    # the NUL first in its block (1), or not
+        with pytest.raises(StarpuLLMError, match="utf16.txt has a NUL byte at offset 1.*iconv -f UTF-16"):
+            prepare(nul, out, val_tokens=1, block=block)
+    late = tmp_path / "late.txt"                   # text, then a NUL in a later block
+    late.write_bytes(b"Hello world.\n\n" * 4 + b"\0tail\n")
+    for block in (1, 7, 8, 64):                    # 56: first in its block but at 64
+        with pytest.raises(StarpuLLMError, match="late.txt has a NUL byte at offset 56,"):
+            prepare(late, out, val_tokens=1, block=block)
     bad = tmp_path / "latin1.txt"
     bad.write_bytes("caf\u00e9\n\n".encode() * 3 + "na\u00efve\n".encode("latin-1"))
     for block in (1, 2, 3, 5, 64):
