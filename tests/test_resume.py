@@ -18,7 +18,7 @@ from starpu_llm import StarpuLLMError
 from starpu_llm.model.config import MODELS, GPTConfig
 from starpu_llm.io import checkpoint, formats
 from starpu_llm.perf.machine import Machine, default_path, save as save_machine
-from starpu_llm.plan.record import Partition, RunRecord, Settings, run_identity
+from starpu_llm.plan.record import Partition, RunRecord, Settings, data_fingerprint, run_identity
 from starpu_llm.plan.partition import PartitionRequest
 from starpu_llm.runtime import resolve_here, usable_cores
 from starpu_llm.model.state import TrainState, random_init
@@ -84,6 +84,18 @@ def test_a_record_of_before_the_decay_choice_decayed_every_tensor():
     ident = [run_identity(s, MICRO, "seed 1", [1]) for s in (old.settings, now, undecayed,
                                                            replace(now, weight_decay=0.0))]
     assert ident[0] != ident[1] and ident[2] == ident[3]
+
+
+def test_the_data_fingerprint_tells_the_shards_and_their_order_apart():
+    """One shard: [its length, the sums of its first and last 4096 ids]; several: {tokens,
+    shards, crc}, the crc over each one's fingerprint in order: the same shards in another
+    order are other data (the batches come in another order), the same shards the same."""
+    a, b = np.arange(5000, dtype=np.uint16), np.arange(7, 20, dtype=np.uint16)
+    assert data_fingerprint([a]) == [5000, 4095 * 4096 // 2, sum(range(904, 5000))]
+    ab = data_fingerprint([a, b])
+    assert ab == data_fingerprint([a.copy(), b.copy()])
+    assert (ab["tokens"], ab["shards"]) == (5013, 2)
+    assert data_fingerprint([b, a]) != ab
 
 
 def test_a_version_1_companion_is_still_read(tmp_path):
@@ -574,6 +586,33 @@ def test_a_diverged_update_writes_nothing_over_the_good_checkpoints(shard, tmp_p
     assert checkpoint.read(str(out)).step == 2 and not list(tmp_path.glob("starpu-llm-unsaved*"))
     with pytest.raises(StarpuLLMError, match=r"the loss diverged at step 4 \(nan\)"):
         train(config(shard, steps=4, **{**diverging, "save": None}))
+
+
+def test_check_finite_reads_every_parameter(monkeypatch):
+    """check_finite reads the parameters a block at a time, of an array or of Slices (slice
+    by slice: --memory-limit's): one inf or NaN anywhere (a block's last float, the next
+    block's first, the last parameter) is refused."""
+    from starpu_llm.model.state import Slices
+    from starpu_llm.training import checkpointing
+
+    class Over(Slices):                 # the array's values, read a slice at a time
+        def __init__(self, values):
+            super().__init__(MICRO)
+            self.values = values
+
+        def read_range(self, offset, out):
+            out[...] = self.values[offset:offset + out.size]
+
+    monkeypatch.setattr(checkpointing, "_FINITE_BLOCK", 1000)
+    checkpointing.check_finite(state_at(3), "x")
+    for at, bad in ((999, np.nan), (1000, np.inf), (MICRO.num_parameters - 1, -np.inf)):
+        params = state_at(3).params
+        params[at] = bad
+        for state in (TrainState(config=MICRO, params=params, step=3),
+                      TrainState(config=MICRO, params=Over(params), step=3)):
+            with pytest.raises(StarpuLLMError, match=r"parameters after step 3 are not finite "
+                                                     r".*not writing x, "):
+                checkpointing.check_finite(state, "x")
 
 
 class _FillsAt:
