@@ -497,6 +497,29 @@ def test_an_engine_reads_a_shards_batches_through_views(tmp_path):
     assert got == want and val[0] == val[1]
 
 
+def test_an_engine_holds_the_last_two_steps_batches_and_lets_older_ones_go():
+    """An engine made without token data holds the tokens of the last two steps' batches,
+    whose load tasks may not have run yet (the trainer submits a step once the one before
+    the previous was read: flow/step.py), and no older ones (a shard the loader moved past
+    is unmapped once no step reads it)."""
+    import gc
+    import weakref
+    from starpu_llm import MODELS, AdamW, ReferenceEngine, TrainState
+    from starpu_llm.model.state import random_init
+    config = MODELS["micro"]
+    rng = np.random.default_rng(4)
+    state = TrainState(config=config, params=random_init(config))
+    held = []
+    with ReferenceEngine(config, state, 2, 8, None, threads=1) as eng:
+        for step in range(4):
+            batch = rng.integers(0, config.V, 2 * 8 + 1).astype(np.uint16)
+            held.append(weakref.ref(batch))
+            eng.step(batch, AdamW(1e-3))
+            del batch
+            gc.collect()
+            assert [r() is not None for r in held] == [k >= step - 1 for k in range(step + 1)]
+
+
 def test_validation_takes_the_first_batches_of_several_shards_in_order(tmp_path):
     """--val-batches M over several validation shards: the first M batches in the loader's
     order (shard after shard), all of them (an epoch, no wrap) when they have fewer."""
