@@ -244,6 +244,8 @@ def test_rows_are_cut_to_T():
     ([{"ctx": "a", "endings": ["b", "c", "d", 5], "label": 0}], 1, '"endings" must be'),
     ([{"ctx": "a", "endings": ["b"] * 4, "label": 4}], 1, '"label" must be an integer in 0..3'),
     ([{"ctx": "a", "endings": ["b"] * 4, "label": "1"}], 1, '"label" must be an integer'),
+    ([{"ctx": "a", "endings": ["b"] * 4, "label": True}], 1,
+     '"label" must be an integer in 0..3, got true'),
     ([{"ctx": "", "endings": ["b"] * 4, "label": 1}], 1, '"ctx" must be a text, not empty'),
     (["{not json"], 1, "not JSON"),
     (["[1, 2]"], 1, "a JSON list, not an object"),

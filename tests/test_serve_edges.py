@@ -153,6 +153,8 @@ def test_serve_defaults_are_stated_once(monkeypatch):
     ("max_batch", 0, "max_batch must be at least 1, got 0"),
     ("max_queue", -1, "max_queue must be >= 0, got -1"),
     ("port", 70000, "port must be in 0..65535, got 70000"),
+    ("port", 65536, "port must be in 0..65535, got 65536"),
+    ("port", -1, "port must be in 0..65535, got -1"),
     ("stall_timeout", float("nan"), "stall_timeout must be a finite number >= 0, got nan"),
     ("log_level", "loud", "log_level 'loud': choose one of critical, error, warning, info, "
                           "debug"),
@@ -207,6 +209,7 @@ def test_edges_keep_their_flags_rules_from_python(monkeypatch, tmp_path, name, v
     (dict(api_key=""), "api_key must be printable ASCII"),
     (dict(allow_origins="https://ui.example"), "allow_origins expects a tuple of origins"),
     (dict(allow_origins=("https://ui.example", None)), "allow_origins expects a tuple of origins"),
+    (dict(allow_origins=("https://ui.example", "")), "allow_origins expects a tuple of origins"),
 ])
 def test_the_key_and_the_origins_are_checked_from_python(edges, message):
     """Edges' key keeps --api-key's rule (serve/settings.check_api_key, also the flag's and
