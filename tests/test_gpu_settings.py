@@ -122,6 +122,25 @@ def test_more_gpus_than_cuda_sees_is_one_clear_error(monkeypatch):
         rt.resolve_here(PartitionRequest(gpus=1))
 
 
+def test_a_settings_mistake_is_said_before_what_cuda_sees():
+    """resolve asks what CUDA sees last (partition._check_devices): a job script's mistake in
+    the settings is its own error on a node where CUDA answers an error (a login node without
+    a driver) or sees no GPU, not the devices'; with the settings right, the devices' error."""
+    for devices in (dict(cuda_error="cudaGetDeviceCount failed: no driver"), dict(cuda_seen=0)):
+        build = Build(max_cpus=64, parallel_workers=True, cuda=True, **devices)
+        with pytest.raises(StarpuLLMError, match=r"^workers 16 x cores_per_worker 1 = 16 cores "
+                                                 r"and 1 for the GPUs' worker threads, but this "
+                                                 r"process can use 8"):
+            resolve(PartitionRequest(gpus=1, workers=16, cores_per_worker=1), cores=8, build=build)
+        with pytest.raises(StarpuLLMError, match=r"^workers 4 x cores_per_worker 1 needs 4 "
+                                                 r"StarPU CPU workers, but this StarPU build "
+                                                 r"supports at most 2"):
+            resolve(PartitionRequest(gpus=1, workers=4, cores_per_worker=1), cores=8,
+                    build=Build(max_cpus=2, parallel_workers=True, cuda=True, **devices))
+        with pytest.raises(StarpuLLMError, match=r"^gpus 1: (cudaGetDeviceCount|CUDA sees 0)"):
+            resolve(PartitionRequest(gpus=1, workers=4, cores_per_worker=1), cores=8, build=build)
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
