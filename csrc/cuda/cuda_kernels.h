@@ -6,10 +6,9 @@
  * (g->tf32).
  *
  * Where the GPU sums in another order than the CPU (the blocks of a reduction, cuBLAS's
- * GEMMs), results differ by roundings within the fp32 bounds of tests/bounds.py. Two sums
- * use atomic additions and so vary from run to run in the last bits: encoder_backward's dwte
- * rows of tokens that repeat in a batch, and nothing else. Every other kernel gives the same
- * bits on every run on one GPU model.
+ * GEMMs), results differ by roundings within the fp32 bounds of tests/bounds.py. No kernel
+ * uses atomic additions: every one gives the same bits on every run on one GPU model (cuBLAS
+ * too, on one stream; docs/gpus.md, "Deterministic training").
  *
  * In the CPU build these are compiled by g++ against a CPU emulation of CUDA and cuBLAS
  * (emulate.h) for the tests. */
@@ -59,7 +58,7 @@ void encoder_forward_cuda(const struct sl_gpu *g, float *out, const int32_t *inp
 void encoder_decode_cuda(const struct sl_gpu *g, float *out, const int32_t *idx,
 			 const float *const *wte, const int *rows, int nb, const float *wpe, int N,
 			 int C);
-/* encoder_backward_blocks (dwte by atomic additions: see above) */
+/* encoder_backward_blocks, in its order of additions: the same bits (g's scratch: encoder.cu) */
 void encoder_backward_cuda(const struct sl_gpu *g, float *const *dwte, const int *rows, int nb,
 			   float *dwpe, const float *dout, const int32_t *inp, int B, int T, int C);
 

@@ -20,7 +20,7 @@
  * made by every lane of its warp with the same pointer and stride end the program with a
  * message; a launch beyond the grid and block limits or of more than 48 KiB of dynamic
  * shared memory (a GPU takes more only after cudaFuncSetAttribute, which no kernel here
- * calls) fails. Atomics are plain read-modify-writes (fibers never interleave inside one).
+ * calls) fails.
  *
  * cuBLAS: GEMMs in column-major order through the CPU BLAS (cblas), a batched call one product
  * after another (counted as one call, for the tests); TF32 compute rounds
@@ -28,7 +28,9 @@
  * cvt.rna.tf32.f32: unit roundoff 2^-11, tests/bounds.py's TF32 bound) before the fp32 GEMM.
  *
  * No cudaMallocAsync: a task's body allocates nothing (the workers' scratch, cuda_kernels.h),
- * and one that did would not compile here.
+ * and one that did would not compile here. No atomics either: the order of a GPU's atomic
+ * additions changes from run to run, and no kernel's may (docs/gpus.md, "Deterministic
+ * training"); one that used them would not compile here.
  *
  * Not emulated: concurrency between streams (everything is synchronous), memory spaces
  * (device pointers are host pointers), warp divergence timing, and any floating-point
@@ -105,12 +107,6 @@ template <class T> inline T __shfl_down_sync(unsigned, T v, unsigned delta, int 
 template <class T> inline T __shfl_sync(unsigned, T v, int src, int width = 32)
 {
 	return sl_emu::shfl(v, sl_emu::SHFL_IDX, src, width);
-}
-template <class T> inline T atomicAdd(T *p, T v)
-{
-	T old = *p;
-	*p = old + v;
-	return old;
 }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline float __expf(float x) { return std::exp(x); }
