@@ -20,6 +20,8 @@ the data. Every test skips without a CUDA build or without a GPU, naming which.
   - `--train-data` a glob of shards: the single shard's losses bit for bit, at lr 0 and
     trained (no atomics: a GPU run's bits are the same on every run), trained within the
     oracle's TF32 bounds;
+  - a GPU run saved and resumed on the GPU: the uninterrupted run's losses and parameters to
+    the bit;
   - `--version`: the driver's CUDA and each GPU's sm_XX as nvidia-smi states them; `--gpus`
     past the GPUs CUDA sees: one error naming the count.
 `pytest -s` prints the errors against their bounds and where the tasks ran."""
@@ -127,6 +129,23 @@ def test_checkpoint_resumes_on_the_other_engine(tmp_path, first, then):
     ratios = {n: r for n, (_, r) in param_errors(ParamLayout(case.config), b.state.params,
                                                   out["params"], out["bounds"].params).items()}
     assert max(ratios.values()) <= 1.0, ratios
+
+
+def test_a_gpu_run_resumed_on_the_gpu_is_the_uninterrupted_run_to_the_bit(tmp_path):
+    """2 steps on the GPU saved, resumed on the GPU for 2 more: the losses and the final
+    parameters those of 4 uninterrupted GPU steps, bit for bit, as the CPU engine's resume is
+    (test_resume.py). It holds where the GPU's kernels are deterministic (no atomics: the
+    embedding's backward adds a token's rows in order) and cuBLAS picks the same algorithms in
+    both runs of one process (one toolkit, one GPU, a handle per stream)."""
+    path = str(tmp_path / "tiny.bin")
+    common = dict(model="tiny", batch=4, seq_len=64, lr=1e-3, weight_decay=0.01, gpus=1,
+                  gpu_matmul="tf32", log=None)
+    whole = train(TrainConfig(steps=4, **common))
+    a = train(TrainConfig(steps=2, save=path, **common))
+    b = train(TrainConfig(steps=4, resume=path, **common))
+    assert b.state.step == 4
+    assert a.losses + b.losses == whole.losses, (a.losses + b.losses, whole.losses)
+    assert np.array_equal(b.state.params, whole.state.params)
 
 
 # tiny first, d12 last (its oracle takes the longest): what a time limit cuts is d12
