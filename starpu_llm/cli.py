@@ -382,8 +382,8 @@ def build_parser():
                                                       "experiments/machines/)")
 
     from .flow.generate import Generating
-    g = sub.add_parser("generate", help="continue a prompt with a model (llm.c checkpoint with "
-                                        "GPT-2's vocabulary), printing the text as it comes")
+    g = sub.add_parser("generate", help="continue a prompt with a model of GPT-2's vocabulary, "
+                                        "printing the text as it comes")
     g.add_argument("--init-from", required=True, metavar="MODEL",
                    type=_given("--init-from", optional=False), help=INIT_FROM_HELP)
     g.add_argument("--prompt", default="", help="text to continue (default: none, start from "
@@ -392,9 +392,9 @@ def build_parser():
     _model_run_args(g, "starpu: the task graph with a key/value cache; reference: the same "
                        "kernels in a plain loop")
 
-    sv = sub.add_parser("serve", help="serve a model (llm.c checkpoint with GPT-2's vocabulary) "
-                                      "over HTTP with OpenAI's completions API, batching the "
-                                      "requests (docs/serving.md)")
+    sv = sub.add_parser("serve", help="serve a model of GPT-2's vocabulary over HTTP with "
+                                      "OpenAI's completions and chat API, batching the requests "
+                                      "(docs/serving.md)")
     sv.add_argument("--init-from", required=True, metavar="MODEL",
                     type=_given("--init-from", optional=False), help=INIT_FROM_HELP)
     add_setting_args(sv, serving_settings("host", "port", "max_batch", "max_queue"))
@@ -411,8 +411,8 @@ def build_parser():
     _serve_edge_args(sv)
 
     from .training.hellaswag import DEFAULT_ROWS
-    ev = sub.add_parser("eval", help="HellaSwag's accuracy of a model (llm.c checkpoint with "
-                                     "GPT-2's vocabulary): acc and acc_norm (docs/training.md)")
+    ev = sub.add_parser("eval", help="HellaSwag's accuracy of a model of GPT-2's vocabulary: "
+                                     "acc and acc_norm (docs/training.md)")
     ev.add_argument("--hellaswag", required=True, metavar="FILE",
                     type=_given("--hellaswag", optional=False),
                     help="HellaSwag's jsonl (hellaswag_val.jsonl: ctx, 4 endings, label a line)")

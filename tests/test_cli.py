@@ -1189,6 +1189,20 @@ def _wrong_defaults(parser) -> list:
     return wrong, read
 
 
+def test_a_command_s_summary_does_not_narrow_what_its_init_from_takes():
+    """`starpu-llm --help` summarises each command in one line; for a command whose --init-from
+    takes a Hugging Face folder or a Hub name too, the line must not say "llm.c checkpoint" (it
+    did for generate, serve and eval after --init-from grew)."""
+    from starpu_llm import cli
+    p = cli.build_parser()
+    sub = next(a for a in p._actions if a.dest == "cmd")
+    summaries = {c.dest: c.help for c in sub._choices_actions}
+    takes_hf = [name for name, c in sub.choices.items()
+                if any(a.help == cli.INIT_FROM_HELP for a in c._actions)]
+    assert sorted(takes_hf) == ["eval", "generate", "serve"]
+    assert [n for n in takes_hf if "llm.c checkpoint" in summaries[n]] == []
+
+
 def test_every_default_a_help_states_is_the_flags():
     """A help's "(default X)" is its flag's default, for every subcommand: written
     %(default)s (a setting's field, cli.py's own flags) or built from the value at the
