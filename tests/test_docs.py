@@ -3,7 +3,8 @@ and, with an #anchor, to a heading GitHub would give that anchor; every referenc
 (experiments/results/, docs/figures/: a link or a `path`) names what exists, each CSV of it with
 a header row and a data row; and the README keeps the
 commands that CI (.ci/run: "the README's test command") and the GPU tests' skip reasons
-("README, GPUs: make cuda") send a reader to."""
+("README, GPUs: make cuda") send a reader to; its starpu-llm commands parse and its Python
+examples import what they name."""
 import importlib.util
 import re
 from pathlib import Path
@@ -77,3 +78,69 @@ def test_the_raw_data_check_sees_a_missing_file_and_a_csv_without_rows(tmp_path)
          "docs/figures/no_header.csv: CSV without a header row"),
         ("docs/a.md", 3, "experiments/results/y*/", "no such file"),
     ]
+
+
+def _readme_blocks(lang: str) -> list[tuple[int, str]]:
+    """The README's fenced blocks of one language, each with the line it starts on."""
+    text = (ROOT / "README.md").read_text()
+    return [(text[:m.start()].count("\n") + 2, m.group(1))
+            for m in re.finditer(rf"^```{lang}\n(.*?)^```", text, re.M | re.S)]
+
+
+def _starpu_llm_commands(block: str) -> list[list[str]]:
+    """The starpu-llm command lines of a shell block, each as the words after the command:
+    continuation lines joined, comments dropped, `a && b` and `a | b` split."""
+    import shlex
+    commands = []
+    for line in block.replace("\\\n", " ").splitlines():
+        words, command = shlex.split(line, comments=True), None
+        for w in words + ["&&"]:
+            if w in ("&&", "|", ";", "||"):
+                if command is not None:
+                    commands.append(command)
+                command = None
+            elif command is not None:
+                command.append(w)
+            elif w == "starpu-llm" or w.endswith("/starpu-llm"):
+                command = []
+    return commands
+
+
+def test_every_starpu_llm_command_of_the_readme_parses():
+    # a flag renamed or removed, or a value its flag refuses, in a command a newcomer copies
+    from starpu_llm import cli
+    commands = [c for _, block in _readme_blocks("sh") for c in _starpu_llm_commands(block)]
+    refused = []
+    for argv in commands:
+        try:
+            cli.build_parser().parse_args(argv)
+        except cli.UsageError as e:
+            refused.append((argv, str(e).splitlines()[-1]))
+    assert refused == [] and len(commands) >= 20, (refused, len(commands))
+    assert _starpu_llm_commands('X=1 starpu-llm a --b "c d" \\\n  --e  # f\n'
+                                "starpu-llm g && .venv/bin/starpu-llm h | tail\nls\n") == [
+        ["a", "--b", "c d", "--e"], ["g"], ["h"]]
+
+
+def test_the_readme_python_examples_compile_and_import_what_they_name():
+    # each snippet's imports resolve against the package as it is (a name moved or renamed)
+    import ast
+    import importlib
+    blocks = _readme_blocks("python")
+    assert len(blocks) >= 3
+    missing = []
+    for line, block in blocks:
+        tree = ast.parse(block, filename=f"README.md:{line}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                module = importlib.import_module(node.module)
+                for a in node.names:
+                    try:        # an attribute, or a submodule (`from starpu_llm.io import hf`)
+                        getattr(module, a.name, None) or importlib.import_module(
+                            f"{node.module}.{a.name}")
+                    except ImportError:
+                        missing.append((line, node.module, a.name))
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    importlib.import_module(a.name)
+    assert missing == []
