@@ -3,8 +3,8 @@ and, with an #anchor, to a heading GitHub would give that anchor; every referenc
 (experiments/results/, docs/figures/: a link or a `path`) names what exists, each CSV of it with
 a header row and a data row; and the README keeps the
 commands that CI (.ci/run: "the README's test command") and the GPU tests' skip reasons
-("README, GPUs: make cuda") send a reader to; its starpu-llm commands parse and its Python
-examples import what they name."""
+("README, GPUs: make cuda") send a reader to; the starpu-llm commands of the README and docs/
+parse and their Python examples import what they name."""
 import importlib.util
 import re
 from pathlib import Path
@@ -80,11 +80,15 @@ def test_the_raw_data_check_sees_a_missing_file_and_a_csv_without_rows(tmp_path)
     ]
 
 
-def _readme_blocks(lang: str) -> list[tuple[int, str]]:
-    """The README's fenced blocks of one language, each with the line it starts on."""
-    text = (ROOT / "README.md").read_text()
-    return [(text[:m.start()].count("\n") + 2, m.group(1))
-            for m in re.finditer(rf"^```{lang}\n(.*?)^```", text, re.M | re.S)]
+def _doc_blocks(langs: str) -> list[tuple[str, str]]:
+    """The fenced blocks of the README and docs/ in the languages `langs` (a regex), each with
+    where it starts (file:line)."""
+    blocks = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = path.read_text()
+        blocks += [(f"{path.relative_to(ROOT)}:{text[:m.start()].count(chr(10)) + 2}", m.group(1))
+                   for m in re.finditer(rf"^```(?:{langs})\n(.*?)^```", text, re.M | re.S)]
+    return blocks
 
 
 def _starpu_llm_commands(block: str) -> list[list[str]]:
@@ -106,31 +110,37 @@ def _starpu_llm_commands(block: str) -> list[list[str]]:
     return commands
 
 
-def test_every_starpu_llm_command_of_the_readme_parses():
-    # a flag renamed or removed, or a value its flag refuses, in a command a newcomer copies
+def test_every_starpu_llm_command_of_the_readme_and_docs_parses(capsys):
+    # a flag renamed or removed, or a value its flag refuses, in a command a reader copies; a
+    # synopsis (`train ... [--limit N]`) is not a command
     from starpu_llm import cli
-    commands = [c for _, block in _readme_blocks("sh") for c in _starpu_llm_commands(block)]
+    commands = [(where, c) for where, block in _doc_blocks("sh|bash")
+                for c in _starpu_llm_commands(block)
+                if not any(w == "..." or w.startswith("[") for w in c)]
     refused = []
-    for argv in commands:
+    for where, argv in commands:
         try:
             cli.build_parser().parse_args(argv)
         except cli.UsageError as e:
-            refused.append((argv, str(e).splitlines()[-1]))
-    assert refused == [] and len(commands) >= 20, (refused, len(commands))
+            refused.append((where, argv, str(e).splitlines()[-1]))
+        except SystemExit as e:         # --version, --help: their output, then exit 0
+            if e.code:
+                refused.append((where, argv, e.code))
+    assert refused == [] and len(commands) >= 45, (refused, len(commands))
     assert _starpu_llm_commands('X=1 starpu-llm a --b "c d" \\\n  --e  # f\n'
                                 "starpu-llm g && .venv/bin/starpu-llm h | tail\nls\n") == [
         ["a", "--b", "c d", "--e"], ["g"], ["h"]]
 
 
-def test_the_readme_python_examples_compile_and_import_what_they_name():
+def test_the_python_examples_of_the_readme_and_docs_compile_and_import_what_they_name():
     # each snippet's imports resolve against the package as it is (a name moved or renamed)
     import ast
     import importlib
-    blocks = _readme_blocks("python")
-    assert len(blocks) >= 3
+    blocks = _doc_blocks("python")
+    assert len(blocks) >= 5
     missing = []
     for line, block in blocks:
-        tree = ast.parse(block, filename=f"README.md:{line}")
+        tree = ast.parse(block, filename=line)
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):
                 module = importlib.import_module(node.module)
