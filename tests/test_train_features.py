@@ -549,3 +549,13 @@ def test_each_step_reports_its_share_of_the_calibrated_peak(tmp_path, monkeypatc
         assert r["mfu"] == pytest.approx(fpt * r["tokens_per_ms"] * 1e3 / cal.sgemm(1), rel=1e-12)
     assert all(f"mfu {r['mfu']:.1%}" in line for r, line in
                zip(rows, [l for l in lines if l.startswith("step")]))
+
+
+def test_a_step_line_says_its_extras_in_their_units():
+    # the line rounds what the metrics row keeps whole: megabytes as MB with one decimal
+    # (it printed "disk written mb 2.94912"), mfu as a percentage, a loss to 6 digits
+    from starpu_llm.training.watchers import _extra
+    assert _extra("disk_written_mb", 2.94912) == "disk written 2.9 MB"
+    assert _extra("disk_read_mb", 0.0) == "disk read 0.0 MB"
+    assert _extra("mfu", 0.3104) == "mfu 31.0%"
+    assert _extra("val_loss", 4.2345678) == "val loss 4.23457"
