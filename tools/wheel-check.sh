@@ -21,7 +21,8 @@ server=""
 trap '[ -z "$server" ] || kill "$server" 2>/dev/null; rm -rf "$work"' EXIT
 py=$(.venv/bin/python -c 'import sys; print(sys._base_executable)')   # the interpreter, not .venv
 tools=(env PATH="$repo/.venv/bin:$PATH")                              # meson, ninja, cffi
-version=$(.venv/bin/python -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["version"])')
+# the version, stated once: meson.build's project() (pyproject's is dynamic)
+version=$(.venv/bin/python -c 'import re; print(re.search(r"project\([^)]*?\bversion:\s*.([^\x27]+).", open("meson.build").read()).group(1))')
 
 echo "== sdist (meson dist) and a wheel from it, outside the checkout"
 "${tools[@]}" .venv/bin/python -c 'import sys, mesonpy; mesonpy.build_sdist(sys.argv[1])' "$work/sdist" >/dev/null
@@ -63,7 +64,7 @@ as_user "$work/venv" pip install -q "$whl[serve]"
 as_user "$work/venv" starpu-llm --help > /dev/null
 as_user "$work/venv" python -m starpu_llm --version | tee "$work/version.txt"
 grep -qx "starpu-llm $version" "$work/version.txt" \
-  || { echo "wheel-check: --version does not say $version (pyproject.toml)" >&2; exit 1; }
+  || { echo "wheel-check: --version does not say $version (meson.build)" >&2; exit 1; }
 train_installing_data "$work/venv" --model tiny --steps 2 --save "$work/tiny.bin"
 tail -n 1 "$work/train.log"
 as_user "$work/venv" starpu-llm generate --init-from "$work/tiny.bin" --prompt "HAMLET:" \
