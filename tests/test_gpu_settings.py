@@ -177,6 +177,19 @@ def test_meson_takes_the_cuda_toolkit_of_the_nvcc_on_path(tmp_path):
     p = setup("bad", "-Dgpu_arch=70,80")
     assert p.returncode != 0 and "-Dgpu_arch=70,80: give compute capabilities x10, 80 or more" \
         in p.stdout, p.stdout[-3000:]
+    # a wrapper script on PATH (exec KIT/bin/nvcc "$@", as this machine's /usr/local/bin/nvcc):
+    # two folders up is no toolkit; the toolkit is where nvcc's dry run says it is
+    (kit / "bin" / "nvcc").write_text(
+        f'#!/bin/sh\ncase " $* " in *" --dryrun "*) echo "#$ _HERE_={kit / "bin"}" >&2;; esac\n')
+    (kit / "include" / "cuda_runtime.h").write_text("")
+    wrapper = tmp_path / "site" / "bin" / "nvcc"
+    wrapper.parent.mkdir(parents=True)
+    wrapper.write_text(f'#!/bin/sh\nexec {kit / "bin" / "nvcc"} "$@"\n')
+    wrapper.chmod(0o755)
+    env["PATH"] = f"{wrapper.parent}:{os.environ['PATH']}"
+    p = setup("wrapped", "-Dgpu_arch=90")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr
+    assert f"CUDA toolkit: {kit} (the nvcc on PATH, {wrapper}, runs its nvcc)" in p.stdout, p.stdout
 
 
 def test_gpus_take_a_core_each():
