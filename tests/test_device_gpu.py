@@ -498,6 +498,7 @@ def stand_in_repo(tmp_path, python3: str):
                        (bindir / "nvidia-smi", records_live_pids("alive-at-build"))):
         path.write_text("#!/bin/sh\n" + text + "\n")
         path.chmod(0o755)
+    (tmp_path / "work" / "starpu-llm" / "starpu_llm").mkdir(parents=True)    # "built"
     env = dict(os.environ, OUT=str(tmp_path / "out"), SL_DEVICE_WORK=str(tmp_path / "work"),
                T=str(tmp_path), PATH=f"{bindir}:{os.environ['PATH']}")
     return repo, env
@@ -628,3 +629,74 @@ def test_bench_ends_each_runs_whole_process_group(tmp_path):
         for f in tmp_path.glob("*.pid"):
             if alive(int(f.read_text())):
                 os.kill(int(f.read_text()), 9)
+
+
+def _test_functions(path) -> list:
+    import ast
+    tree = ast.parse(open(path).read())
+    return [n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")]
+
+
+def test_rest_runs_issue_41s_gpu_tests_first_then_todays_then_the_sanitizer(tmp_path):
+    """The rest stage's first test run names its tests in priority order (pytest keeps the
+    order of node ids; a deadline cuts from the end): issue 41 item 5's GPU paths (--grad-clip,
+    batched decoding, the kernels at production shapes), then the newest (the GPU resume to the
+    bit, HellaSwag, shards, --version, --gpus past the GPUs seen), then compute-sanitizer, then
+    the older features and MPI. Every name exists in its file (a missing node id stops pytest
+    before any test), and every test of test_gpu.py runs in parity or here, once."""
+    p = dry_run(tmp_path, "parity", "rest")
+    assert p.returncode == 0, p.stdout + p.stderr
+    line = next(x for x in p.stdout.splitlines() if x.startswith("timeout") and "::" in x)
+    ids = [a.split("/tests/", 1)[1] for a in line.split() if "::" in a]
+    names = [i.split("::")[1] for i in ids]
+    for i in ids:
+        f, name = i.split("::")
+        assert name in _test_functions(os.path.join(ROOT, "tests", f)), i
+    assert len(names) == len(set(names)), names
+    parity = re.search(r'-k (test_gpu_matches_torch or test_the_gpu_ran_the_layers)\b', p.stdout)
+    assert parity, p.stdout
+    in_parity = {"test_gpu_matches_torch", "test_the_gpu_ran_the_layers"}
+    gpu_tests = set(_test_functions(os.path.join(ROOT, "tests", "test_gpu.py")))
+    assert gpu_tests - in_parity == {n for i, n in zip(ids, names) if i.startswith("test_gpu.py")}
+
+    def at(*tests):
+        return [names.index(t) for t in tests]
+    item5 = at("test_grad_clip_through_train_on_the_gpu",
+               "test_gpu_batched_decoding_equals_one_sequence_at_a_time",
+               "test_matmul_production_shape", "test_flash_attention_production_shape")
+    newest = at("test_a_gpu_run_resumed_on_the_gpu_is_the_uninterrupted_run_to_the_bit",
+                "test_gpu_hellaswag_endings_score_as_on_the_cpu",
+                "test_training_on_shards_is_training_on_the_shard_they_were_cut_from",
+                "test_version_names_the_drivers_cuda_and_each_gpus_sm",
+                "test_gpus_past_those_cuda_sees_is_one_clear_error_naming_the_count")
+    sanitizer, = at("test_gpu_kernels_pass_compute_sanitizer")
+    older = at("test_cpu_and_gpu_losses_side_by_side", "test_checkpoint_resumes_on_the_other_engine",
+               "test_ranks_with_a_gpu_each_equal_single_process")
+    assert max(item5) < min(newest) and max(newest) < sanitizer < min(older), names
+    # the second run leaves out what the first ran
+    second = next(x for x in p.stdout.splitlines() if x.startswith("timeout") and "-k (gpu" in x)
+    assert "not test_gpu_kernels_pass_compute_sanitizer and not production_shape" in second
+
+
+def test_rest_log_is_in_out_while_the_tests_run(tmp_path):
+    """rest.log is written in $OUT as pytest prints (a run the deadline or the device tool's
+    limit cuts still brings back each finished test's verdict): the stand-in pytest, having
+    printed a verdict, finds it in $OUT/rest.log before it ends."""
+    repo, env = stand_in_repo(tmp_path, python3=(
+        'case "$*" in *pytest*) echo "test_x PASSED"; cat "$OUT/rest.log" >>"$T/seen";; esac'))
+    p = subprocess.run(["bash", str(repo / "tools" / "device-gpu.sh"), "rest"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert (tmp_path / "seen").read_text().startswith("test_x PASSED\n"), p.stdout
+    assert (tmp_path / "out" / "rest.log").read_text().count("test_x PASSED") == 2, p.stdout
+
+
+def test_a_stage_after_build_on_a_fresh_machine_says_to_build_first(tmp_path):
+    """`device-gpu.sh rest` where no build is in $SL_DEVICE_WORK (the warm machine was given
+    back between the calls): one line naming the stages to run, status 1, no pytest started."""
+    repo, env = stand_in_repo(tmp_path, python3='case "$*" in *pytest*) echo ran >>"$T/runs";; esac')
+    import shutil
+    shutil.rmtree(tmp_path / "work" / "starpu-llm")
+    p = subprocess.run(["bash", str(repo / "tools" / "device-gpu.sh"), "rest"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 1 and not (tmp_path / "runs").exists(), p.stdout
+    assert "rest: no build in " in p.stdout and "tools/device-gpu.sh preflight build rest" in p.stdout
