@@ -20,17 +20,18 @@ work=$(mktemp -d /tmp/starpu-llm-wheel.XXXXXX)
 server=""
 trap '[ -z "$server" ] || kill "$server" 2>/dev/null; rm -rf "$work"' EXIT
 py=$(.venv/bin/python -c 'import sys; print(sys._base_executable)')   # the interpreter, not .venv
-tools=(env PATH="$repo/.venv/bin:$PATH")                              # meson, ninja, cffi
+# meson, ninja, cffi from .venv, in front of the PATH of the moment (the MKL build's patchelf)
+with_tools() { env PATH="$repo/.venv/bin:$PATH" "$@"; }
 # the version, stated once: meson.build's project() (pyproject's is dynamic)
 version=$(.venv/bin/python -c 'import re; print(re.search(r"project\([^)]*?\bversion:\s*.([^\x27]+).", open("meson.build").read()).group(1))')
 
 echo "== sdist (meson dist) and a wheel from it, outside the checkout"
-"${tools[@]}" .venv/bin/python -c 'import sys, mesonpy; mesonpy.build_sdist(sys.argv[1])' "$work/sdist" >/dev/null
+with_tools .venv/bin/python -c 'import sys, mesonpy; mesonpy.build_sdist(sys.argv[1])' "$work/sdist" >/dev/null
 tar xzf "$work"/sdist/*.tar.gz -C "$work"
 src=$(echo "$work"/starpu_llm-*/)
 wheel() {   # wheel OUTDIR [pip wheel args...]: from the unpacked sdist, with .venv's build tools
   local out=$1; shift
-  (cd "$src" && "${tools[@]}" "$repo/.venv/bin/python" -m pip wheel -q . -w "$out" \
+  (cd "$src" && with_tools "$repo/.venv/bin/python" -m pip wheel -q . -w "$out" \
      --no-build-isolation --no-deps "$@")
   echo "$out"/*.whl
 }
