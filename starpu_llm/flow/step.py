@@ -236,8 +236,12 @@ class Engine:
         gradient adds into the parameters' gradients, each token's loss into the sub-batch's
         losses (the first micro-batch writes them)."""
         self._check_open()
-        self._held.append([p for p in micro_positions(positions) if isinstance(p, np.ndarray)])
-        batches = self.micro_batches(positions)
+        self._submit_batches(micro_positions(positions), self.micro_batches(positions))
+
+    def _submit_batches(self, positions: list, batches: list):
+        """submit_forward_backward's tasks for positions (micro_positions) checked into
+        batches (micro_batches): a step checks its batches once, before any task."""
+        self._held.append([p for p in positions if isinstance(p, np.ndarray)])
         n = self.Bs * self.T
         # the gradients of all sub-batches and micro-batches sum to the mean loss's
         dloss = 1.0 / (self.B * self.T * len(batches))
@@ -280,10 +284,10 @@ class Engine:
         `ahead`)."""
         self._check_open()          # before the other buffers' first registration
         positions = micro_positions(positions)
-        self.micro_batches(positions)       # checked before any task
+        batches = self.micro_batches(positions)       # checked before any task
         if keep_previous:
             self._alternate_buffers()
-        self.submit_forward_backward(positions)
+        self._submit_batches(positions, batches)
         self.submit_update(adamw)
         return Submitted(self.state.step, [a.losses for a, _ in self.subs],
                          self.norm[-1] if adamw.grad_clip > 0 else None, len(positions))
