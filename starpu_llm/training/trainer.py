@@ -219,12 +219,13 @@ class TrainResult:
     unwritten: list = field(default_factory=list)
 
 
-def run_settings(cfg: TrainConfig, config: GPTConfig, loader) -> dict:
+def run_settings(cfg: TrainConfig, config: GPTConfig, loader, fingerprint) -> dict:
     """What every MPI rank must agree on (compared before training): the TrainConfig fields
-    marked ranks_agree, the model's shape, and the training data (its content, not its path)."""
+    marked ranks_agree, the model's shape, and the training data (its content, not its path:
+    fingerprint, plan/record.data_fingerprint of the loader's shards, taken once)."""
     settings = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.metadata.get("ranks_agree")}
-    return {**settings, "model": str(config),
-            "train_data": data_fingerprint(loader.shard_tokens()), "data_position": loader.state()}
+    return {**settings, "model": str(config), "train_data": fingerprint,
+            "data_position": loader.state()}
 
 
 def _flushed(log):
@@ -341,7 +342,7 @@ def _set_up(cfg: TrainConfig, state: TrainState | None, runtime) -> Run:
             check_checkpoint_dir(cfg.checkpoint_dir, run_id,
                                  legacy=start.saved is not None and run_id is None)
     if comm is not None:
-        distributed.same_everywhere(comm, run_settings(cfg, config, loader))
+        distributed.same_everywhere(comm, run_settings(cfg, config, loader, fingerprint))
     own_runtime = (start_runtime(cfg, partition, comm, memory)
                    if runtime is None and cfg.engine == "starpu" else None)
     runtime, engine = own_runtime or runtime, None
